@@ -1,0 +1,10 @@
+"""jtilert: lowest-latency batch-1 decoding of MLA + sparse-attention + MoE models in JAX."""
+
+from jtilert.config import ModelConfig, PRESETS, preset
+from jtilert.generate import Generator, score
+from jtilert.model import Transformer, init_cache
+from jtilert.sampling import Sampling
+from jtilert.sharding import make_mesh
+
+__all__ = ["ModelConfig", "PRESETS", "preset", "Generator", "score", "Transformer", "init_cache", "Sampling",
+           "make_mesh"]

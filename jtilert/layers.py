@@ -1,0 +1,207 @@
+"""Plain-JAX reference ops of the decoder, as pure functions over arrays.
+
+These are the `backend="reference"` path and the references every Pallas / CUDA kernel is tested
+against. Shapes use T for the new tokens of one step (1 in decode, 2 in an MTP verify step, a chunk
+in prefill) and S for the cache rows. Activations are in the compute dtype; reductions and softmax
+run in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jtilert.config import ModelConfig
+from jtilert.quant import act_quant, dequantize, hadamard
+
+F32 = jnp.float32
+
+
+# ---- norms and projections -------------------------------------------------------------------
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(F32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight.astype(x.dtype) * y.astype(x.dtype)
+
+
+def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float = 1e-6) -> jax.Array:
+    x32 = x.astype(F32)
+    mu = jnp.mean(x32, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x32 - mu), axis=-1, keepdims=True)
+    y = (x32 - mu) * jax.lax.rsqrt(var + eps)
+    return (y * weight.astype(F32) + bias.astype(F32)).astype(x.dtype)
+
+
+def linear(x: jax.Array, w: jax.Array, scale: jax.Array | None = None) -> jax.Array:
+    """y = x · Wᵀ with W [out, in] (bf16/fp32, or fp8 with block scales), fp32 accumulation."""
+    wd = dequantize(w, scale, x.dtype)
+    return jnp.einsum("...k,nk->...n", x, wd, preferred_element_type=F32).astype(x.dtype)
+
+
+def swiglu(x, gate, gate_scale, up, up_scale, down, down_scale):
+    h = jax.nn.silu(linear(x, gate, gate_scale).astype(F32)) * linear(x, up, up_scale).astype(F32)
+    return linear(h.astype(x.dtype), down, down_scale)
+
+
+# ---- rotary embeddings -----------------------------------------------------------------------
+
+def rope_inv_freq(cfg: ModelConfig) -> tuple[np.ndarray, float]:
+    """Inverse frequencies for the rope slice and the cos/sin scale (YaRN's attention factor)."""
+    r, dim = cfg.rope, cfg.qk_rope_head_dim
+    inv = 1.0 / (r.theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    if r.type != "yarn":
+        return inv, 1.0
+
+    def mscale(s, m=1.0):
+        return 1.0 if s <= 1 else 0.1 * m * math.log(s) + 1.0
+
+    def corr_dim(rot):
+        return dim * math.log(r.original_max_position_embeddings / (rot * 2 * math.pi)) / (2 * math.log(r.theta))
+
+    low = max(math.floor(corr_dim(r.beta_fast)), 0)
+    high = min(math.ceil(corr_dim(r.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    extrapolate = 1 - ramp
+    inv = inv / r.factor * (1 - extrapolate) + inv * extrapolate
+    if r.mscale and r.mscale_all_dim:
+        attn = mscale(r.factor, r.mscale) / mscale(r.factor, r.mscale_all_dim)
+    else:
+        attn = mscale(r.factor)
+    return inv.astype(np.float32), float(attn)
+
+
+def rope_cos_sin(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [T, rope_dim // 2] in fp32 for the given positions."""
+    inv, attn = rope_inv_freq(cfg)
+    freqs = positions.astype(F32)[:, None] * jnp.asarray(inv)[None, :]
+    return jnp.cos(freqs) * attn, jnp.sin(freqs) * attn
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, interleaved: bool) -> jax.Array:
+    """Rotate x [T, ..., d] by per-token angles; pairs are (2i, 2i+1) if interleaved, else (i, i + d/2).
+    The layout of x is kept, so cached keys stay in the checkpoint's convention."""
+    d = x.shape[-1]
+    extra = x.ndim - 2
+    c = cos.reshape(cos.shape[0], *([1] * extra), d // 2)
+    s = sin.reshape(sin.shape[0], *([1] * extra), d // 2)
+    x32 = x.astype(F32)
+    if interleaved:
+        x1, x2 = x32[..., 0::2], x32[..., 1::2]
+        y = jnp.stack([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).reshape(x.shape)
+    else:
+        x1, x2 = x32[..., : d // 2], x32[..., d // 2:]
+        y = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+    return y.astype(x.dtype)
+
+
+# ---- DSA lightning indexer -------------------------------------------------------------------
+
+def indexer_query(cfg: ModelConfig, q: jax.Array, w: jax.Array):
+    """Prepare the new tokens' index queries q [T, H, D] and head weights w [T, H] (fp32, already
+    holding H^-0.5 · D^-0.5) for `indexer_scores`. In fp8 mode q is Hadamard-rotated and quantised
+    per 128-wide block, its scale folded into w (as the official kernel does)."""
+    if cfg.index_quant == "none":
+        return q, w
+    q = jnp.einsum("thd,de->the", q.astype(F32), jnp.asarray(hadamard(q.shape[-1])))
+    q8, qs = act_quant(q)  # one block: D == 128
+    return q8, w * qs[..., 0]
+
+
+def indexer_key(cfg: ModelConfig, k: jax.Array):
+    """Cache entry for new index keys k [T, D]: (key, scale [T] or None)."""
+    if cfg.index_quant == "none":
+        return k, None
+    k = jnp.einsum("td,de->te", k.astype(F32), jnp.asarray(hadamard(k.shape[-1])))
+    k8, ks = act_quant(k)
+    return k8, ks[..., 0]
+
+
+def indexer_scores(q: jax.Array, w: jax.Array, k_cache: jax.Array, k_scale: jax.Array | None,
+                   positions: jax.Array) -> jax.Array:
+    """I(t, s) = Σ_h w[t,h] · ReLU(q[t,h] · k[s]) (· k_scale[s]) for every cache row s, -inf where s > positions[t].
+    q [T, H, D], w [T, H] fp32, k_cache [S, D] (fp8 or float), k_scale [S] or None → [T, S] fp32."""
+    logits = jnp.einsum("thd,sd->ths", q.astype(F32), k_cache.astype(F32))
+    scores = jnp.einsum("th,ths->ts", w, jax.nn.relu(logits))
+    if k_scale is not None:
+        scores = scores * k_scale[None, :]
+    visible = jnp.arange(k_cache.shape[0])[None, :] <= positions[:, None]
+    return jnp.where(visible, scores, -jnp.inf)
+
+
+def topk_positions(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """Top-k cache rows per token from scores [T, S]: (indices [T, k] int32, valid [T, k] bool).
+    Ties go to the lower position; rows past the causal limit come back with valid=False."""
+    k = min(k, scores.shape[-1])
+    vals, idx = jax.lax.top_k(scores, k)
+    return idx.astype(jnp.int32), vals > -jnp.inf
+
+
+# ---- absorbed sparse MLA ---------------------------------------------------------------------
+
+def sparse_mla(q_lat: jax.Array, q_pe: jax.Array, kv_cache: jax.Array, pe_cache: jax.Array,
+               idx: jax.Array, valid: jax.Array, scale: float) -> jax.Array:
+    """Attention of absorbed queries over the selected latent rows.
+    q_lat [T, H, L], q_pe [T, H, R], kv_cache [S, L], pe_cache [S, R], idx/valid [T, K] → o_lat [T, H, L] fp32."""
+    kv = kv_cache[idx].astype(F32)  # [T, K, L]
+    pe = pe_cache[idx].astype(F32)
+    s = (jnp.einsum("thl,tkl->thk", q_lat.astype(F32), kv)
+         + jnp.einsum("thr,tkr->thk", q_pe.astype(F32), pe)) * scale
+    s = jnp.where(valid[:, None, :], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    return jnp.einsum("thk,tkl->thl", p, kv)
+
+
+# ---- MoE router -----------------------------------------------------------------------------
+
+def route(cfg: ModelConfig, x: jax.Array, gate: jax.Array, bias: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Sigmoid group-limited routing: (weights [T, k] fp32, expert ids [T, k] int32).
+    Selection uses score + bias; weights are the unbiased scores of the chosen experts, normalised,
+    times routed_scaling_factor."""
+    s = jax.nn.sigmoid(jnp.einsum("th,eh->te", x.astype(F32), gate.astype(F32)))
+    biased = s + bias.astype(F32)[None, :]
+    t, e = biased.shape
+    if cfg.n_group > 1:
+        grouped = biased.reshape(t, cfg.n_group, e // cfg.n_group)
+        group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)
+        _, keep = jax.lax.top_k(group_score, cfg.topk_group)
+        group_mask = jnp.zeros((t, cfg.n_group), bool).at[jnp.arange(t)[:, None], keep].set(True)
+        biased = jnp.where(jnp.repeat(group_mask, e // cfg.n_group, axis=1), biased, -jnp.inf)
+    _, ids = jax.lax.top_k(biased, cfg.num_experts_per_tok)
+    w = jnp.take_along_axis(s, ids, axis=1)
+    if cfg.norm_topk_prob:
+        w = w / (w.sum(-1, keepdims=True) + 1e-20)
+    return w * cfg.routed_scaling_factor, ids.astype(jnp.int32)
+
+
+def moe_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, gate, gate_scale, up, up_scale,
+                down, down_scale) -> jax.Array:
+    """Σ_k weights[t,k] · Expert_{ids[t,k]}(x[t]). Expert weights are stacked [E, out, in] (with
+    optional block scales [E, ., .]). Few tokens gather only the chosen experts' weights; many
+    tokens (prefill) run every expert once and mix with a dense [T, E] weight matrix."""
+    t, k = ids.shape
+    n_experts = gate.shape[0]
+
+    def pick(w, s, sel):
+        return w[sel], (None if s is None else s[sel])
+
+    if t * k < n_experts:
+        sel = ids.reshape(-1)
+        g, gs = pick(gate, gate_scale, sel)
+        u, us = pick(up, up_scale, sel)
+        d, ds = pick(down, down_scale, sel)
+        xs = jnp.repeat(x, k, axis=0)  # [T*k, hidden]
+        h = (jax.nn.silu(jnp.einsum("nh,nih->ni", xs, dequantize(g, gs, x.dtype), preferred_element_type=F32))
+             * jnp.einsum("nh,nih->ni", xs, dequantize(u, us, x.dtype), preferred_element_type=F32))
+        y = jnp.einsum("ni,nhi->nh", h.astype(x.dtype), dequantize(d, ds, x.dtype), preferred_element_type=F32)
+        return jnp.einsum("tk,tkh->th", weights, y.reshape(t, k, -1)).astype(x.dtype)
+    dense = jnp.zeros((t, n_experts), F32).at[jnp.arange(t)[:, None], ids].add(weights)
+    h = (jax.nn.silu(jnp.einsum("th,eih->tei", x, dequantize(gate, gate_scale, x.dtype), preferred_element_type=F32))
+         * jnp.einsum("th,eih->tei", x, dequantize(up, up_scale, x.dtype), preferred_element_type=F32))
+    h = (h * dense[:, :, None]).astype(x.dtype)
+    return jnp.einsum("tei,ehi->th", h, dequantize(down, down_scale, x.dtype), preferred_element_type=F32).astype(x.dtype)

@@ -1,0 +1,286 @@
+"""The decoder as Flax (nnx) modules: MLA with the absorbed decode formulation and a latent cache,
+the DSA lightning indexer, dense SwiGLU and the sigmoid-routed MoE, the lm head and the MTP block.
+
+Every step takes T new tokens at positions start..start+T-1 (T = 1 when decoding, 2 in an MTP verify
+step, a chunk in prefill), writes them into the preallocated caches and attends over the caches.
+The same code runs unsharded and as one rank of a tensor-parallel mesh: local sizes (heads, expert
+width, vocab) are read off the weights, and partial sums go through `sharding.all_reduce`.
+Module and parameter names follow the HF checkpoint keys, so loading is a rename.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jtilert import backend, layers, sharding
+from jtilert.config import ModelConfig
+from jtilert.quant import dequantize, quantize_weight
+
+F32 = jnp.float32
+WEIGHT_FORMATS = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp8": jnp.bfloat16}
+SUBLAYER_EPS = 1e-6  # q_a / kv_a layernorms and the indexer's k_norm use a fixed eps in both model families
+
+
+def compute_dtype(fmt: str):
+    """Activation dtype for a weight format: fp32 weights compute in fp32, bf16 and fp8 in bf16."""
+    return WEIGHT_FORMATS[fmt]
+
+
+class Linear(nnx.Module):
+    """y = x · Wᵀ, W [out, in] (or stacked [E, out, in] for experts) in fp32/bf16, or fp8 with 128×128 block scales."""
+
+    def __init__(self, in_features: int, out_features: int, *, rngs: nnx.Rngs, fmt: str = "bf16",
+                 quantizable: bool = True, experts: int = 0, std: float | None = None):
+        shape = ((experts,) if experts else ()) + (out_features, in_features)
+        w = jax.random.normal(rngs.params(), shape, F32) * (std or in_features**-0.5)
+        if fmt == "fp8" and quantizable:
+            q, s = quantize_weight(w)
+            self.weight, self.scale = nnx.Param(q), nnx.Param(s)
+        else:
+            self.weight, self.scale = nnx.Param(w.astype(WEIGHT_FORMATS[fmt])), None
+
+    @property
+    def scale_or_none(self):
+        return None if self.scale is None else self.scale[...]
+
+    def dequantized(self, dtype) -> jax.Array:
+        return dequantize(self.weight[...], self.scale_or_none, dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return backend.ops().linear(x, self.weight[...], self.scale_or_none)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, *, rngs: nnx.Rngs, dtype=jnp.bfloat16):
+        self.weight = nnx.Param((1.0 + 0.1 * jax.random.normal(rngs.params(), (dim,), F32)).astype(dtype))
+        self.eps = eps
+
+    def __call__(self, x):
+        return layers.rms_norm(x, self.weight[...], self.eps)
+
+
+class LayerNorm(nnx.Module):
+    def __init__(self, dim: int, *, rngs: nnx.Rngs, dtype=jnp.bfloat16):
+        self.weight = nnx.Param((1.0 + 0.1 * jax.random.normal(rngs.params(), (dim,), F32)).astype(dtype))
+        self.bias = nnx.Param((0.1 * jax.random.normal(rngs.params(), (dim,), F32)).astype(dtype))
+
+    def __call__(self, x):
+        return layers.layer_norm(x, self.weight[...], self.bias[...], SUBLAYER_EPS)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) · up(x)); under tp each rank holds a slice of the intermediate dim."""
+
+    def __init__(self, cfg: ModelConfig, width: int, *, rngs, fmt):
+        self.gate_proj = Linear(cfg.hidden_size, width, rngs=rngs, fmt=fmt)
+        self.up_proj = Linear(cfg.hidden_size, width, rngs=rngs, fmt=fmt)
+        self.down_proj = Linear(width, cfg.hidden_size, rngs=rngs, fmt=fmt)
+
+    def partial(self, x):
+        """This rank's share of the output (summed over ranks by the caller)."""
+        g, u, d = self.gate_proj, self.up_proj, self.down_proj
+        return backend.ops().swiglu(x, g.weight[...], g.scale_or_none, u.weight[...], u.scale_or_none,
+                                    d.weight[...], d.scale_or_none)
+
+    def __call__(self, x):
+        return sharding.all_reduce(self.partial(x))
+
+
+class Router(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs):
+        self.weight = nnx.Param(jax.random.normal(rngs.params(), (cfg.n_routed_experts, cfg.hidden_size), F32)
+                                * cfg.hidden_size**-0.5)
+        self.e_score_correction_bias = nnx.Param(0.1 * jax.random.normal(rngs.params(), (cfg.n_routed_experts,), F32))
+
+
+class Experts(nnx.Module):
+    """All routed experts, stacked: gate/up [E, width, hidden], down [E, hidden, width]."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs, fmt):
+        e, w, h = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.gate = Linear(h, w, rngs=rngs, fmt=fmt, experts=e)
+        self.up = Linear(h, w, rngs=rngs, fmt=fmt, experts=e)
+        self.down = Linear(w, h, rngs=rngs, fmt=fmt, experts=e)
+
+
+class MoE(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs, fmt):
+        self.cfg = cfg
+        self.gate = Router(cfg, rngs=rngs)
+        self.experts = Experts(cfg, rngs=rngs, fmt=fmt)
+        self.shared_experts = MLP(cfg, cfg.moe_intermediate_size * cfg.n_shared_experts, rngs=rngs, fmt=fmt)
+
+    def __call__(self, x):
+        ops = backend.ops()
+        weights, ids = ops.route(self.cfg, x, self.gate.weight[...], self.gate.e_score_correction_bias[...])
+        ex = self.experts
+        routed = ops.moe_experts(x, weights, ids, ex.gate.weight[...], ex.gate.scale_or_none, ex.up.weight[...],
+                                 ex.up.scale_or_none, ex.down.weight[...], ex.down.scale_or_none)
+        return sharding.all_reduce(routed + self.shared_experts.partial(x))
+
+
+class Indexer(nnx.Module):
+    """DSA lightning indexer: scores every cached position for the new tokens and keeps the top-k."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs, fmt):
+        self.cfg = cfg
+        norm_dtype = WEIGHT_FORMATS[fmt]
+        self.wq_b = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, rngs=rngs, fmt=fmt)
+        self.wk = Linear(cfg.hidden_size, cfg.index_head_dim, rngs=rngs, fmt=fmt)
+        self.k_norm = LayerNorm(cfg.index_head_dim, rngs=rngs, dtype=norm_dtype)
+        self.weights_proj = Linear(cfg.hidden_size, cfg.index_n_heads, rngs=rngs, fmt="fp32", quantizable=False)
+
+    def __call__(self, x, qa, cos, sin, positions, start, cache):
+        cfg, ops = self.cfg, backend.ops()
+        t, r = x.shape[0], cfg.qk_rope_head_dim
+        q = self.wq_b(qa).reshape(t, cfg.index_n_heads, cfg.index_head_dim)
+        k = self.k_norm(self.wk(x))
+        rot = cfg.indexer_rope_interleaved
+        q = jnp.concatenate([layers.apply_rope(q[..., :r], cos, sin, rot), q[..., r:]], axis=-1)
+        k = jnp.concatenate([layers.apply_rope(k[..., :r], cos, sin, rot), k[..., r:]], axis=-1)
+        w = layers.linear(x.astype(F32), self.weights_proj.weight[...].astype(F32))
+        w = w * (cfg.index_n_heads**-0.5 * cfg.index_head_dim**-0.5)
+        q, w = layers.indexer_query(cfg, q, w)
+        k, k_scale = layers.indexer_key(cfg, k)
+        cache = dict(cache, index_k=_write(cache["index_k"], k, start))
+        if k_scale is not None:
+            cache["index_scale"] = _write(cache["index_scale"], k_scale, start)
+        scores = ops.indexer_scores(q, w, cache["index_k"], cache.get("index_scale"), positions)
+        return ops.topk_positions(scores, cfg.index_topk), cache
+
+
+class Attention(nnx.Module):
+    """Multi-head latent attention, absorbed for decode: queries are moved into the latent space so
+    attention reads only the cached latent rows (kv_lora + rope key per position)."""
+
+    def __init__(self, cfg: ModelConfig, has_indexer: bool, *, rngs, fmt):
+        self.cfg = cfg
+        norm_dtype = WEIGHT_FORMATS[fmt]
+        h = cfg.num_attention_heads
+        self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, rngs=rngs, fmt=fmt)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, SUBLAYER_EPS, rngs=rngs, dtype=norm_dtype)
+        self.q_b_proj = Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, rngs=rngs, fmt=fmt)
+        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim, rngs=rngs, fmt=fmt)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, SUBLAYER_EPS, rngs=rngs, dtype=norm_dtype)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), rngs=rngs, fmt=fmt)
+        self.o_proj = Linear(h * cfg.v_head_dim, cfg.hidden_size, rngs=rngs, fmt=fmt)
+        self.indexer = Indexer(cfg, rngs=rngs, fmt=fmt) if has_indexer else None
+
+    def __call__(self, x, cos, sin, positions, start, cache, topk):
+        cfg, ops = self.cfg, backend.ops()
+        t, lat, nope, r = x.shape[0], cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        qa = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(qa)
+        heads = q.shape[-1] // cfg.qk_head_dim  # local heads under tp
+        q = q.reshape(t, heads, cfg.qk_head_dim)
+        q_nope, q_pe = q[..., :nope], layers.apply_rope(q[..., nope:], cos, sin, True)
+        kva = self.kv_a_proj_with_mqa(x)
+        latent = self.kv_a_layernorm(kva[:, :lat])
+        k_pe = layers.apply_rope(kva[:, lat:], cos, sin, True)
+        cache = dict(cache, kv=_write(cache["kv"], latent, start), pe=_write(cache["pe"], k_pe, start))
+        if self.indexer is not None:
+            topk, cache = self.indexer(x, qa, cos, sin, positions, start, cache)
+        wkv = self.kv_b_proj.dequantized(x.dtype).reshape(heads, nope + cfg.v_head_dim, lat)
+        q_lat = jnp.einsum("thn,hnl->thl", q_nope, wkv[:, :nope], preferred_element_type=F32).astype(x.dtype)
+        o_lat = ops.sparse_mla(q_lat, q_pe, cache["kv"], cache["pe"], *topk, cfg.softmax_scale)
+        o = jnp.einsum("thl,hvl->thv", o_lat.astype(x.dtype), wkv[:, nope:], preferred_element_type=F32)
+        out = self.o_proj(o.reshape(t, heads * cfg.v_head_dim).astype(x.dtype))
+        return sharding.all_reduce(out), cache, topk
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, index: int, *, rngs, fmt):
+        norm_dtype = WEIGHT_FORMATS[fmt]
+        has_indexer = index >= cfg.num_hidden_layers or cfg.indexer_types[index] == "full"
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rngs=rngs, dtype=norm_dtype)
+        self.self_attn = Attention(cfg, has_indexer, rngs=rngs, fmt=fmt)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rngs=rngs, dtype=norm_dtype)
+        self.mlp = MoE(cfg, rngs=rngs, fmt=fmt) if cfg.is_moe(index) else MLP(cfg, cfg.intermediate_size, rngs=rngs, fmt=fmt)
+
+    def __call__(self, x, cos, sin, positions, start, cache, topk):
+        a, cache, topk = self.self_attn(self.input_layernorm(x), cos, sin, positions, start, cache, topk)
+        h = x + a
+        return h + self.mlp(self.post_attention_layernorm(h)), cache, topk
+
+
+class MTP(nnx.Module):
+    """Multi-token prediction block: from the main model's last hidden state at position i and the
+    embedding of token i+1, predicts token i+2 (the draft for speculative decoding)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs, fmt):
+        norm_dtype = WEIGHT_FORMATS[fmt]
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rngs=rngs, dtype=norm_dtype)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rngs=rngs, dtype=norm_dtype)
+        self.eh_proj = Linear(2 * cfg.hidden_size, cfg.hidden_size, rngs=rngs, fmt=fmt)
+        self.layer = DecoderLayer(cfg, cfg.num_hidden_layers, rngs=rngs, fmt=fmt)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rngs=rngs, dtype=norm_dtype)
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, fmt: str = "bf16", dtype=None):
+        if fmt not in WEIGHT_FORMATS:
+            raise ValueError(f"unknown weight format {fmt!r}; expected one of {tuple(WEIGHT_FORMATS)}")
+        self.cfg = cfg
+        self.dtype = jnp.dtype(dtype or compute_dtype(fmt))
+        dense_dtype = WEIGHT_FORMATS[fmt]
+        self.embed_tokens = nnx.Param(jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size), F32)
+                                      .astype(dense_dtype))
+        self.layers = nnx.List([DecoderLayer(cfg, i, rngs=rngs, fmt=fmt) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rngs=rngs, dtype=dense_dtype)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, rngs=rngs, fmt=fmt, quantizable=False)
+        self.mtp = MTP(cfg, rngs=rngs, fmt=fmt) if cfg.num_nextn_predict_layers else None
+
+    def _rope(self, positions):
+        return layers.rope_cos_sin(self.cfg, positions)
+
+    def logits(self, h, norm: RMSNorm):
+        """Full-vocab fp32 logits [T, V] (gathered over tp ranks from the vocab-split head)."""
+        local = jnp.einsum("th,vh->tv", norm(h), self.lm_head.weight[...].astype(h.dtype), preferred_element_type=F32)
+        return sharding.all_gather_last(local)
+
+    def __call__(self, tokens: jax.Array, start: jax.Array, cache: dict):
+        """Main model on tokens [T] at positions start.. : (logits [T, V] fp32, hidden [T, hidden], cache)."""
+        positions = start + jnp.arange(tokens.shape[0], dtype=jnp.int32)
+        cos, sin = self._rope(positions)
+        x = self.embed_tokens[...][tokens].astype(self.dtype)
+        new_layers, topk = [], None
+        for layer, c in zip(self.layers, cache["layers"]):
+            x, c, topk = layer(x, cos, sin, positions, start, c, topk)
+            new_layers.append(c)
+        return self.logits(x, self.norm), x, dict(cache, layers=new_layers)
+
+    def draft(self, hidden: jax.Array, next_tokens: jax.Array, start: jax.Array, cache: dict):
+        """MTP block at positions start.. on the main model's hidden states and the tokens that
+        followed them: (logits of the token after next [T, V], cache)."""
+        m = self.mtp
+        positions = start + jnp.arange(hidden.shape[0], dtype=jnp.int32)
+        cos, sin = self._rope(positions)
+        e = self.embed_tokens[...][next_tokens].astype(self.dtype)
+        x = m.eh_proj(jnp.concatenate([m.enorm(e), m.hnorm(hidden)], axis=-1))
+        x, c, _ = m.layer(x, cos, sin, positions, start, cache["mtp"], None)
+        return self.logits(x, m.norm), dict(cache, mtp=c)
+
+
+def _write(buf: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array:
+    """Write rows [T, ...] into a preallocated cache buffer [S, ...] at row `start`."""
+    return jax.lax.dynamic_update_slice(buf, rows.astype(buf.dtype), (start,) + (0,) * (buf.ndim - 1))
+
+
+def init_cache(cfg: ModelConfig, rows: int, dtype) -> dict:
+    """Preallocated per-layer caches for `rows` positions: latent `kv`, rope key `pe`, and for layers
+    with their own indexer the index keys (fp8 + one fp32 scale per position in fp8 mode)."""
+    def layer_cache(has_indexer):
+        c = {"kv": jnp.zeros((rows, cfg.kv_lora_rank), dtype), "pe": jnp.zeros((rows, cfg.qk_rope_head_dim), dtype)}
+        if has_indexer:
+            fp8 = cfg.index_quant == "fp8"
+            c["index_k"] = jnp.zeros((rows, cfg.index_head_dim), jnp.float8_e4m3fn if fp8 else dtype)
+            if fp8:
+                c["index_scale"] = jnp.ones((rows,), F32)
+        return c
+
+    cache = {"layers": [layer_cache(t == "full") for t in cfg.indexer_types]}
+    if cfg.num_nextn_predict_layers:
+        cache["mtp"] = layer_cache(True)
+    return cache

@@ -1,0 +1,122 @@
+"""Tensor parallelism: the `tp` mesh, how each weight is split, and the model's one all-reduce.
+
+Weights are split the way TileRT splits them: attention by heads (q_b, kv_b rows; o_proj columns),
+dense MLP and every expert by their intermediate dimension, the lm head by vocab; the small
+projections (q_a, kv_a, the indexer, the router) and the embedding are replicated. Inside the step
+(run under `shard_map`) each rank computes a partial sum of every row-split projection, and
+`all_reduce` adds them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jtilert.quant import BLOCK, FP8
+
+AXIS = "tp"
+
+# Set while the step is traced under shard_map: the mesh axis to reduce over, and whether the CUDA
+# engine replaces psum.
+_axis: contextvars.ContextVar[str | None] = contextvars.ContextVar("jtilert_tp_axis", default=None)
+_engine: contextvars.ContextVar[bool] = contextvars.ContextVar("jtilert_tp_engine", default=False)
+
+
+def make_mesh(tp: int = 1, devices=None) -> Mesh:
+    """A 1-D mesh with axis "tp" over the first `tp` devices."""
+    devices = list(jax.devices() if devices is None else devices)
+    if not 1 <= tp <= len(devices):
+        raise ValueError(f"tp={tp} needs that many devices; {len(devices)} available")
+    return Mesh(np.array(devices[:tp]), (AXIS,))
+
+
+@contextlib.contextmanager
+def tensor_parallel(axis: str | None, engine: bool = False):
+    t1, t2 = _axis.set(axis), _engine.set(engine)
+    try:
+        yield
+    finally:
+        _axis.reset(t1)
+        _engine.reset(t2)
+
+
+def all_reduce(x: jax.Array) -> jax.Array:
+    """Sum of the ranks' partial results: THE all-reduce of the model (identity without tp)."""
+    axis = _axis.get()
+    if axis is None:
+        return x
+    if _engine.get():
+        from jtilert import ffi
+        return ffi.all_reduce(x, axis)
+    return jax.lax.psum(x, axis)
+
+
+def all_gather_last(x: jax.Array) -> jax.Array:
+    """Concatenate the ranks' slices of the last axis (vocab-split logits)."""
+    axis = _axis.get()
+    if axis is None:
+        return x
+    return jax.lax.all_gather(x, axis, axis=x.ndim - 1, tiled=True)
+
+
+# Which axis of each weight is split over tp, by the parameter's name in the module tree.
+_SPLIT = {
+    "q_b_proj": 0, "kv_b_proj": 0, "o_proj": 1,
+    "gate_proj": 0, "up_proj": 0, "down_proj": 1,
+    "lm_head": 0, "head": 0,
+}
+_EXPERT_SPLIT = {"gate": 1, "up": 1, "down": 2}
+
+
+def split_axis(path: tuple) -> int | None:
+    """The tp-split axis of the parameter at `path` (a tuple of module-tree keys), or None."""
+    names = [str(p) for p in path]
+    if "experts" in names and names[-2] in _EXPERT_SPLIT:
+        return _EXPERT_SPLIT[names[-2]]
+    owner = names[-2] if len(names) >= 2 else ""
+    if owner in _SPLIT:
+        return _SPLIT[owner]
+    return None
+
+
+def spec_for(path: tuple, ndim: int) -> P:
+    axis = split_axis(path)
+    if axis is None:
+        return P()
+    return P(*[AXIS if i == axis else None for i in range(ndim)])
+
+
+def param_specs(state) -> object:
+    """PartitionSpecs for a model state pytree (an nnx.State)."""
+    return jax.tree_util.tree_map_with_path(lambda path, x: spec_for(path_names(path), x.ndim), state)
+
+
+def path_names(path) -> tuple:
+    """Module-tree names of a pytree path, without nnx's trailing `.value`."""
+    keys = tuple(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path)
+    return keys[:-1] if keys and keys[-1] == "value" else keys
+
+
+def shard_state(state, mesh: Mesh):
+    """Place a model state on the mesh with the tp split, checking that split axes divide evenly
+    (and that fp8 block scales split on 128-row boundaries)."""
+    tp = mesh.shape[AXIS]
+
+    def place(path, x):
+        keys = path_names(path)
+        spec = spec_for(keys, x.ndim)
+        axis = split_axis(keys)
+        if axis is not None and tp > 1:
+            name = ".".join(map(str, keys))
+            if x.shape[axis] % tp:
+                raise ValueError(f"parameter {name} of shape {tuple(x.shape)}: axis {axis} does not divide by tp={tp}")
+            if x.dtype == FP8 and (x.shape[axis] // tp) % BLOCK:
+                raise ValueError(f"parameter {name} of shape {tuple(x.shape)}: fp8 block scales need each of the "
+                                 f"tp={tp} slices of axis {axis} to be a multiple of {BLOCK}")
+        return jax.device_put(x, NamedSharding(mesh, spec))
+
+    return jax.tree_util.tree_map_with_path(place, state)
