@@ -148,6 +148,7 @@ class Indexer(nnx.Module):
         if k_scale is not None:
             cache["index_scale"] = _write(cache["index_scale"], k_scale, start)
         scores = ops.indexer_scores(q, w, cache["index_k"], cache.get("index_scale"), positions)
+        self.sow(nnx.Intermediate, "scores", scores)  # for training the indexer (models/tiny/train.py)
         return ops.topk_positions(scores, cfg.index_topk), cache
 
 
@@ -184,6 +185,8 @@ class Attention(nnx.Module):
             topk, cache = self.indexer(x, qa, cos, sin, positions, start, cache)
         wkv = self.kv_b_proj.dequantized(x.dtype).reshape(heads, nope + cfg.v_head_dim, lat)
         q_lat = jnp.einsum("thn,hnl->thl", q_nope, wkv[:, :nope], preferred_element_type=F32).astype(x.dtype)
+        self.sow(nnx.Intermediate, "q_lat", q_lat)
+        self.sow(nnx.Intermediate, "q_pe", q_pe)
         o_lat = ops.sparse_mla(q_lat, q_pe, cache["kv"], cache["pe"], *topk, cfg.softmax_scale)
         o = jnp.einsum("thl,hvl->thv", o_lat.astype(x.dtype), wkv[:, nope:], preferred_element_type=F32)
         out = self.o_proj(o.reshape(t, heads * cfg.v_head_dim).astype(x.dtype))
