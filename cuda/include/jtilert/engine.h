@@ -1,0 +1,124 @@
+// jtilert CUDA engine: C API.
+//
+// Host-side set-up (called from Python through ctypes, or from the self-test
+// driver) and the launch functions that the XLA FFI handlers call.
+//
+// A "group" is an ordered list of local CUDA devices (the devices along one
+// mesh axis, in axis order). Creating it allocates, on every device of the
+// group, one inbox (plain cudaMalloc), an epoch counter and a done counter, and
+// enables peer access between all pairs. Every later call reuses them: flags in
+// the inboxes carry the call's epoch, so nothing is reset between calls and
+// every launch of a given call site is identical (safe inside CUDA graphs).
+//
+// No NVLink multicast is used anywhere: peers are reached through plain peer
+// pointers (cudaDeviceEnablePeerAccess) with 16-byte loads and stores.
+#ifndef JTILERT_ENGINE_H_
+#define JTILERT_ENGINE_H_
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+#include <cuda_runtime.h>
+extern "C" {
+#else
+typedef struct CUstream_st* cudaStream_t;
+#endif
+
+// The library is built with hidden visibility; this API is what it exports.
+#pragma GCC visibility push(default)
+
+#define JT_MAX_WORLD 8
+#define JT_MAX_GROUPS 32
+
+// dtype codes shared with Python (jtilert/ffi/_lib.py).
+enum JtDtype {
+  JT_F32 = 0,
+  JT_BF16 = 1,
+  JT_F16 = 2,
+  JT_F8E4M3 = 3,
+};
+
+// all-reduce algorithms
+enum JtAllReduceAlgo {
+  JT_AR_ONESHOT = 0,
+  JT_AR_TWOSHOT = 1,
+};
+
+// Error record written by a kernel (host-mapped memory) before it traps.
+typedef struct JtStatus {
+  uint32_t code;   // 0 = ok, 1 = spin-wait timeout
+  uint32_t rank;   // rank that timed out
+  uint32_t src;    // peer it was waiting for
+  uint32_t epoch;  // epoch of the call
+  uint64_t line;   // inbox line it was waiting on
+  uint64_t op;     // kernel id (1 all-reduce, 2 gemv, 3 merge_topk)
+} JtStatus;
+
+// ---- set-up (host, not thread-safe with respect to launches of the same group
+// ---- before creation returns; creation itself is serialised by a mutex) ----
+
+// Number of visible CUDA devices, or -1 on error.
+int jt_device_count(void);
+// Multiprocessor count of `dev`, or -1.
+int jt_sm_count(int dev);
+// 1 if every ordered pair of `devices` can access each other (peer access),
+// 0 if not (reason in `err`), -1 on a CUDA error.
+int jt_can_access_peers(const int* devices, int n, char* err, int errlen);
+// Raises the dynamic shared-memory limits of the engine's kernels on `dev`.
+// Idempotent; returns 0 on success.
+int jt_prepare_device(int dev, char* err, int errlen);
+// Creates (or finds) the group of `devices` (in rank order). `payload_cap` is
+// the largest message, in bytes per rank, that one call may carry.
+// `timeout_ms` bounds every spin-wait. Returns the group id (>= 0) or -1.
+int jt_group_create(const int* devices, int world, int64_t payload_cap,
+                    int64_t timeout_ms, char* err, int errlen);
+// Group id of exactly this device list, or -1.
+int jt_group_find(const int* devices, int world);
+// Group id and rank of `device` inside the groups listed in `groups`
+// ([ngroups * world], flattened); -1 if absent.
+int jt_group_lookup(const int* groups, int ngroups, int world, int device,
+                    int* rank);
+// Largest payload (bytes per rank) of group `gid`.
+int64_t jt_group_payload_cap(int gid);
+// Copies rank `rank`'s status record into `out`; returns 0 or -1.
+int jt_group_status(int gid, int rank, JtStatus* out);
+// Library version string.
+const char* jt_version(void);
+
+// ---- launches (any host thread; the current device must be the rank's) ----
+
+// y = sum over ranks of x (n elements of `dtype`), bit-identical on all ranks.
+cudaError_t jt_all_reduce(int gid, int rank, cudaStream_t stream,
+                          const void* x, void* y, int64_t n, int dtype,
+                          int algo, int blocks, int threads);
+
+// y[N] = sum over ranks of (W_r[N,K] @ x_r[K]), W bf16 or fp8 e4m3 with
+// block scales scale[ceil(N/128), ceil(K/128)] (W = q * scale), x and y bf16.
+// `table` is the device copy of the task table (see jtilert/ffi/plan.py).
+// gid < 0: no all-reduce (local GEMV only).
+cudaError_t jt_gemv_all_reduce(int gid, int rank, cudaStream_t stream,
+                               const void* x, const void* w,
+                               const float* scale, const int32_t* table,
+                               void* y, int N, int K, int wdtype, int nwc,
+                               int rpw, int num_ctas, int max_tasks);
+
+// Global top-k (k <= W*m) of the union of every rank's list of m (score,
+// index) pairs, each list sorted by score desc then index asc; output in that
+// order, bit-identical on all ranks.
+cudaError_t jt_merge_topk(int gid, int rank, cudaStream_t stream,
+                          const float* scores, const int32_t* indices,
+                          float* out_scores, int32_t* out_indices, int m,
+                          int k, int blocks, int threads);
+
+// Dynamic shared memory (bytes) that jt_gemv_all_reduce needs.
+int64_t jt_gemv_smem_bytes(int K, int tile_rows, int max_tasks);
+// Largest list length m that jt_merge_topk supports for `world` ranks on `dev`.
+int jt_merge_topk_max_k(int dev, int world);
+
+#pragma GCC visibility pop
+
+#ifdef __cplusplus
+}  // extern "C"
+#endif
+
+#endif  // JTILERT_ENGINE_H_

@@ -1,0 +1,198 @@
+// XLA FFI handlers: thin wrappers that find the caller's group and rank from
+// the device ordinal and launch on XLA's stream. Every call site launches the
+// same work every time (all state lives in device memory), so the handlers
+// are marked command-buffer compatible.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "jtilert/engine.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+// exported handler symbols (the library is built with hidden visibility)
+#define JT_EXPORT extern "C" __attribute__((visibility("default")))
+JT_EXPORT XLA_FFI_Error* JtAllReduce(XLA_FFI_CallFrame* call_frame);
+JT_EXPORT XLA_FFI_Error* JtGemvAllReduce(XLA_FFI_CallFrame* call_frame);
+JT_EXPORT XLA_FFI_Error* JtMergeTopk(XLA_FFI_CallFrame* call_frame);
+
+namespace {
+
+ffi::Error cuda_error(cudaError_t e, const char* what) {
+  return ffi::Error::Internal(std::string("jtilert ") + what + ": " +
+                              cudaGetErrorString(e));
+}
+
+int dtype_code(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F32: return JT_F32;
+    case ffi::DataType::BF16: return JT_BF16;
+    case ffi::DataType::F16: return JT_F16;
+    case ffi::DataType::F8E4M3FN: return JT_F8E4M3;
+    default: return -1;
+  }
+}
+
+// Makes `dev` current for the runtime API if it is not already.
+cudaError_t ensure_device(int dev) {
+  int cur = -1;
+  cudaError_t e = cudaGetDevice(&cur);
+  if (e != cudaSuccess) return e;
+  if (cur != dev) return cudaSetDevice(dev);
+  return cudaSuccess;
+}
+
+ffi::Error find_rank(ffi::Span<const int32_t> groups, int32_t world,
+                     int32_t dev, int* gid, int* rank) {
+  if (world < 1 || groups.size() % (size_t)world != 0)
+    return ffi::Error::InvalidArgument("jtilert: malformed groups attribute");
+  const int ngroups = (int)(groups.size() / (size_t)world);
+  *gid = jt_group_lookup(groups.begin(), ngroups, world, dev, rank);
+  if (*gid < 0)
+    return ffi::Error::Internal(
+        "jtilert: no engine group for device " + std::to_string(dev) +
+        " (was jtilert.ffi set up in this process?)");
+  JtStatus st;
+  if (jt_group_status(*gid, *rank, &st) == 0 && st.code != 0)
+    return ffi::Error::Internal(
+        "jtilert: an earlier engine kernel timed out waiting for rank " +
+        std::to_string(st.src) + " (epoch " + std::to_string(st.epoch) + ")");
+  return ffi::Error::Success();
+}
+
+ffi::Error AllReduceImpl(cudaStream_t stream, int32_t dev, ffi::AnyBuffer x,
+                         ffi::Result<ffi::AnyBuffer> y,
+                         ffi::Span<const int32_t> groups, int32_t world,
+                         int32_t algo, int32_t blocks, int32_t threads) {
+  const int dt = dtype_code(x.element_type());
+  if (dt != JT_F32 && dt != JT_BF16 && dt != JT_F16)
+    return ffi::Error::InvalidArgument("jtilert all_reduce: unsupported dtype");
+  if (y->element_type() != x.element_type() ||
+      y->element_count() != x.element_count())
+    return ffi::Error::InvalidArgument("jtilert all_reduce: shape mismatch");
+  int gid = -1, rank = -1;
+  ffi::Error err = find_rank(groups, world, dev, &gid, &rank);
+  if (!err.success()) return err;
+  cudaError_t e = ensure_device(dev);
+  if (e != cudaSuccess) return cuda_error(e, "set device");
+  e = jt_all_reduce(gid, rank, stream, x.untyped_data(), y->untyped_data(),
+                    (int64_t)x.element_count(), dt, algo, blocks, threads);
+  if (e != cudaSuccess) return cuda_error(e, "all_reduce launch");
+  return ffi::Error::Success();
+}
+
+ffi::Error GemvAllReduceImpl(cudaStream_t stream, int32_t dev,
+                             ffi::AnyBuffer x, ffi::AnyBuffer w,
+                             ffi::AnyBuffer scale, ffi::AnyBuffer table,
+                             ffi::Result<ffi::AnyBuffer> y,
+                             ffi::Span<const int32_t> groups, int32_t world,
+                             int32_t nwc, int32_t rpw, int32_t num_ctas,
+                             int32_t max_tasks, int32_t has_scale) {
+  if (x.element_type() != ffi::DataType::BF16 ||
+      y->element_type() != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument("jtilert gemv: x and y must be bf16");
+  const int wdt = dtype_code(w.element_type());
+  if (wdt != JT_BF16 && wdt != JT_F8E4M3)
+    return ffi::Error::InvalidArgument("jtilert gemv: w must be bf16 or fp8");
+  auto wd = w.dimensions();
+  if (wd.size() != 2)
+    return ffi::Error::InvalidArgument("jtilert gemv: w must be 2-D");
+  const int N = (int)wd[0];
+  const int K = (int)wd[1];
+  if ((int64_t)x.element_count() != K || (int64_t)y->element_count() != N)
+    return ffi::Error::InvalidArgument("jtilert gemv: shape mismatch");
+  if (table.element_type() != ffi::DataType::S32)
+    return ffi::Error::InvalidArgument("jtilert gemv: table must be int32");
+  if (has_scale && scale.element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("jtilert gemv: scale must be f32");
+  if (wdt == JT_F8E4M3 && !has_scale)
+    return ffi::Error::InvalidArgument("jtilert gemv: fp8 needs scales");
+  int gid = -1, rank = 0;
+  if (world > 1) {
+    ffi::Error err = find_rank(groups, world, dev, &gid, &rank);
+    if (!err.success()) return err;
+  }
+  cudaError_t e = ensure_device(dev);
+  if (e != cudaSuccess) return cuda_error(e, "set device");
+  e = jt_gemv_all_reduce(
+      gid, rank, stream, x.untyped_data(), w.untyped_data(),
+      has_scale ? static_cast<const float*>(scale.untyped_data()) : nullptr,
+      static_cast<const int32_t*>(table.untyped_data()), y->untyped_data(), N,
+      K, wdt, nwc, rpw, num_ctas, max_tasks);
+  if (e != cudaSuccess) return cuda_error(e, "gemv launch");
+  return ffi::Error::Success();
+}
+
+ffi::Error MergeTopkImpl(cudaStream_t stream, int32_t dev,
+                         ffi::Buffer<ffi::F32> scores,
+                         ffi::Buffer<ffi::S32> indices,
+                         ffi::Result<ffi::Buffer<ffi::F32>> out_scores,
+                         ffi::Result<ffi::Buffer<ffi::S32>> out_indices,
+                         ffi::Span<const int32_t> groups, int32_t world,
+                         int32_t blocks, int32_t threads) {
+  const int64_t m = (int64_t)scores.element_count();
+  const int64_t k = (int64_t)out_scores->element_count();
+  if ((int64_t)indices.element_count() != m ||
+      (int64_t)out_indices->element_count() != k || k > m * world)
+    return ffi::Error::InvalidArgument("jtilert merge_topk: shape mismatch");
+  int gid = -1, rank = -1;
+  ffi::Error err = find_rank(groups, world, dev, &gid, &rank);
+  if (!err.success()) return err;
+  cudaError_t e = ensure_device(dev);
+  if (e != cudaSuccess) return cuda_error(e, "set device");
+  e = jt_merge_topk(gid, rank, stream, scores.typed_data(),
+                    indices.typed_data(), out_scores->typed_data(),
+                    out_indices->typed_data(), (int)m, (int)k, blocks,
+                    threads);
+  if (e != cudaSuccess) return cuda_error(e, "merge_topk launch");
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JtAllReduce, AllReduceImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<ffi::Span<const int32_t>>("groups")
+                                  .Attr<int32_t>("world")
+                                  .Attr<int32_t>("algo")
+                                  .Attr<int32_t>("blocks")
+                                  .Attr<int32_t>("threads"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JtGemvAllReduce, GemvAllReduceImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<ffi::Span<const int32_t>>("groups")
+                                  .Attr<int32_t>("world")
+                                  .Attr<int32_t>("nwc")
+                                  .Attr<int32_t>("rpw")
+                                  .Attr<int32_t>("num_ctas")
+                                  .Attr<int32_t>("max_tasks")
+                                  .Attr<int32_t>("has_scale"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JtMergeTopk, MergeTopkImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<ffi::Span<const int32_t>>("groups")
+                                  .Attr<int32_t>("world")
+                                  .Attr<int32_t>("blocks")
+                                  .Attr<int32_t>("threads"),
+                              {ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,367 @@
+// Persistent GEMV + all-reduce: y = sum over ranks of W_r @ x_r.
+//
+// One CTA per task list of the host-built task table (jtilert/ffi/plan.py).
+// Warps 0..nwc-1 stream weight rows (16-byte non-caching loads, RPW rows x U
+// chunks in flight per lane) and write each tile's fp32 partial to shared
+// memory, then arrive on that tile's mbarrier. Warp nwc is the communication
+// warp: as soon as a tile's partial is complete it stores it into every peer's
+// inbox (LL lines: the per-tile event lives in the flags of the lines), and it
+// reduces the previous tile (own partial + every peer's, in rank order 0..W-1,
+// fp32), so the exchange of tile i overlaps the weight streaming of tile i+1.
+// Only the last tile's round trip is exposed.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <cstring>
+
+#include "common.cuh"
+#include "group.h"
+
+namespace jt {
+namespace {
+
+// table layout (int32): [0] num_ctas C, [1] tile_rows T, [2..2+C] offsets
+// (C+1 values) into the task list, [3+C ...] first row of every task.
+constexpr int kTableHeader = 2;
+
+__device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
+  uint4 v;
+  asm volatile(
+      "ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  return (unsigned)__cvta_generic_to_shared(p);
+}
+__device__ __forceinline__ void mbar_init(uint64_t* bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)),
+               "r"(count)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(
+                   smem_addr(bar))
+               : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {
+  asm volatile(
+      "{\n\t.reg .pred p;\n\t"
+      "JT_WAIT_%=:\n\t"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n\t"
+      "@!p bra JT_WAIT_%=;\n\t}" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+}
+
+template <int WDT>
+struct WTraits;
+template <>
+struct WTraits<JT_BF16> {
+  static constexpr int kElems = 8;  // elements per 16-byte chunk
+};
+template <>
+struct WTraits<JT_F8E4M3> {
+  static constexpr int kElems = 16;
+};
+
+__device__ __forceinline__ float dot_bf16x8(uint4 w, const float* xs) {
+  const float4 a = *reinterpret_cast<const float4*>(xs);
+  const float4 b = *reinterpret_cast<const float4*>(xs + 4);
+  float s = bf16_lo(w.x) * a.x;
+  s = fmaf(bf16_hi(w.x), a.y, s);
+  s = fmaf(bf16_lo(w.y), a.z, s);
+  s = fmaf(bf16_hi(w.y), a.w, s);
+  s = fmaf(bf16_lo(w.z), b.x, s);
+  s = fmaf(bf16_hi(w.z), b.y, s);
+  s = fmaf(bf16_lo(w.w), b.z, s);
+  s = fmaf(bf16_hi(w.w), b.w, s);
+  return s;
+}
+
+__device__ __forceinline__ float2 e4m3x2(uint32_t u16) {
+  __half2_raw r =
+      __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(u16 & 0xffffu), __NV_E4M3);
+  return __half22float2(__half2(r));
+}
+
+__device__ __forceinline__ float dot_word_e4m3(uint32_t w, float4 a) {
+  float2 lo = e4m3x2(w);
+  float2 hi = e4m3x2(w >> 16);
+  float s = lo.x * a.x;
+  s = fmaf(lo.y, a.y, s);
+  s = fmaf(hi.x, a.z, s);
+  s = fmaf(hi.y, a.w, s);
+  return s;
+}
+
+__device__ __forceinline__ float dot_e4m3x16(uint4 w, const float* xs) {
+  const float4* x4 = reinterpret_cast<const float4*>(xs);
+  float s = dot_word_e4m3(w.x, x4[0]);
+  s += dot_word_e4m3(w.y, x4[1]);
+  s += dot_word_e4m3(w.z, x4[2]);
+  s += dot_word_e4m3(w.w, x4[3]);
+  return s;
+}
+
+struct GemvArgs {
+  const __nv_bfloat16* x;
+  const uint4* w;
+  const float* scale;
+  const int* table;
+  uint16_t* y;  // bf16 bits
+  int N, K, KB, nwc, max_tasks, comm;
+};
+
+template <int WDT, int RPW, int U>
+__global__ void __launch_bounds__(544, 1)
+    gemv_ar_kernel(CommParams c, GemvArgs g) {
+  constexpr int EPC = WTraits<WDT>::kElems;
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ unsigned s_epoch;
+
+  const int C = g.table[0];
+  const int T = g.table[1];
+  const int t0 = g.table[kTableHeader + blockIdx.x];
+  const int ntask = g.table[kTableHeader + blockIdx.x + 1] - t0;
+  const int* tasks = g.table + kTableHeader + C + 1 + t0;
+
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem);
+  float* x_s = reinterpret_cast<float*>(
+      smem + ((g.max_tasks * 8 + 15) / 16) * 16);
+  float* part_s = x_s + g.K;
+
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+
+  for (int e = tid; e < g.K; e += blockDim.x) {
+    const uint16_t* xb = reinterpret_cast<const uint16_t*>(g.x);
+    x_s[e] = __uint_as_float((uint32_t)xb[e] << 16);
+  }
+  if (tid == 0) {
+    for (int i = 0; i < ntask; ++i) mbar_init(&bars[i], (unsigned)g.nwc);
+  }
+  const unsigned epoch = g.comm ? read_epoch(c, &s_epoch) : 0u;
+  if (!g.comm) __syncthreads();
+  const unsigned par = epoch & 1u;
+
+  const int KC = g.K / EPC;          // 16-byte chunks per row
+  const int LC = (KC + 31) >> 5;     // chunks per lane
+  const long long row_chunks = KC;
+
+  if (warp < g.nwc) {
+    // ---------------- compute warps ----------------
+    for (int ti = 0; ti < ntask; ++ti) {
+      const int row0 = tasks[ti];
+      float acc[RPW];
+      const uint4* wr[RPW];
+      bool valid[RPW];
+#pragma unroll
+      for (int r = 0; r < RPW; ++r) {
+        const int row = row0 + warp * RPW + r;
+        valid[r] = row < g.N;
+        acc[r] = 0.f;
+        wr[r] = g.w + (long long)(valid[r] ? row : 0) * row_chunks;
+      }
+      for (int kk = 0; kk < LC; kk += U) {
+        uint4 wv[RPW][U];
+#pragma unroll
+        for (int r = 0; r < RPW; ++r) {
+#pragma unroll
+          for (int u = 0; u < U; ++u) {
+            const int ch = (kk + u) * 32 + lane;
+            wv[r][u] = (valid[r] && ch < KC) ? ldg_stream(wr[r] + ch)
+                                             : make_uint4(0u, 0u, 0u, 0u);
+          }
+        }
+#pragma unroll
+        for (int r = 0; r < RPW; ++r) {
+#pragma unroll
+          for (int u = 0; u < U; ++u) {
+            const int ch = (kk + u) * 32 + lane;
+            if (valid[r] && ch < KC) {
+              if constexpr (WDT == JT_BF16) {
+                acc[r] += dot_bf16x8(wv[r][u], x_s + ch * EPC);
+              } else {
+                const int row = row0 + warp * RPW + r;
+                const float sc = __ldg(g.scale + (long long)(row >> 7) * g.KB +
+                                       ((ch * EPC) >> 7));
+                acc[r] = fmaf(dot_e4m3x16(wv[r][u], x_s + ch * EPC), sc,
+                              acc[r]);
+              }
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < RPW; ++r) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+          acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);
+      }
+      if (lane == 0) {
+#pragma unroll
+        for (int r = 0; r < RPW; ++r) part_s[ti * T + warp * RPW + r] = acc[r];
+        mbar_arrive(&bars[ti]);
+      }
+      __syncwarp();
+    }
+  } else if (warp == g.nwc) {
+    // ---------------- communication warp ----------------
+    const int half = T >> 1;
+    auto reduce_tile = [&](int ti) {
+      const int row0 = tasks[ti];
+      for (int j = lane; j < half; j += 32) {
+        const long long line = (row0 >> 1) + j;
+        const int r0 = row0 + 2 * j;
+        if (r0 >= g.N) break;
+        float a0 = 0.f, a1 = 0.f;
+        for (int s = 0; s < c.world; ++s) {
+          float v0, v1;
+          if (s == c.rank || !g.comm) {
+            v0 = part_s[ti * T + 2 * j];
+            v1 = part_s[ti * T + 2 * j + 1];
+          } else {
+            uint2 v = ll_load(c, region(c, c.rank, par, 0, s) + line, epoch,
+                              kOpGemv, s, line);
+            v0 = __uint_as_float(v.x);
+            v1 = __uint_as_float(v.y);
+          }
+          a0 += v0;
+          a1 += v1;
+          if (!g.comm) break;
+        }
+        if (r0 + 1 < g.N) {
+          *reinterpret_cast<uint32_t*>(g.y + r0) = pack_bf16x2(a0, a1);
+        } else {
+          g.y[r0] = (uint16_t)f32_to_bf16_bits(a0);
+        }
+      }
+    };
+    for (int ti = 0; ti < ntask; ++ti) {
+      mbar_wait(&bars[ti], 0u);
+      if (g.comm) {
+        const int row0 = tasks[ti];
+        for (int j = lane; j < half; j += 32) {
+          const long long line = (row0 >> 1) + j;
+          if (row0 + 2 * j >= g.N) break;
+          const uint32_t d0 = __float_as_uint(part_s[ti * T + 2 * j]);
+          const uint32_t d1 = __float_as_uint(part_s[ti * T + 2 * j + 1]);
+          for (int p = 1; p < c.world; ++p) {
+            int dst = c.rank + p;
+            if (dst >= c.world) dst -= c.world;
+            ll_store(region(c, dst, par, 0, c.rank) + line, d0, d1, epoch);
+          }
+        }
+        if (ti > 0) reduce_tile(ti - 1);
+      } else {
+        reduce_tile(ti);
+      }
+    }
+    if (g.comm && ntask > 0) reduce_tile(ntask - 1);
+  }
+  if (g.comm) {
+    finish_epoch(c, epoch);
+  }
+}
+
+template <int WDT, int RPW, int U>
+void* kernel_ptr() {
+  return reinterpret_cast<void*>(&gemv_ar_kernel<WDT, RPW, U>);
+}
+
+void* select_kernel(int wdtype, int rpw) {
+  if (wdtype == JT_BF16) {
+    switch (rpw) {
+      case 1: return kernel_ptr<JT_BF16, 1, 8>();
+      case 2: return kernel_ptr<JT_BF16, 2, 4>();
+      case 4: return kernel_ptr<JT_BF16, 4, 2>();
+      case 8: return kernel_ptr<JT_BF16, 8, 1>();
+      default: return nullptr;
+    }
+  }
+  if (wdtype == JT_F8E4M3) {
+    switch (rpw) {
+      case 1: return kernel_ptr<JT_F8E4M3, 1, 8>();
+      case 2: return kernel_ptr<JT_F8E4M3, 2, 4>();
+      case 4: return kernel_ptr<JT_F8E4M3, 4, 2>();
+      case 8: return kernel_ptr<JT_F8E4M3, 8, 1>();
+      default: return nullptr;
+    }
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+int prepare_gemv_kernels(int max_smem) {
+  const int dts[2] = {JT_BF16, JT_F8E4M3};
+  const int rpws[4] = {1, 2, 4, 8};
+  for (int d : dts) {
+    for (int r : rpws) {
+      cudaError_t e = cudaFuncSetAttribute(
+          select_kernel(d, r), cudaFuncAttributeMaxDynamicSharedMemorySize,
+          max_smem);
+      if (e != cudaSuccess) return (int)e;
+    }
+  }
+  return 0;
+}
+
+}  // namespace jt
+
+extern "C" int64_t jt_gemv_smem_bytes(int K, int tile_rows, int max_tasks) {
+  return ((int64_t)max_tasks * 8 + 15) / 16 * 16 + (int64_t)K * 4 +
+         (int64_t)max_tasks * tile_rows * 4;
+}
+
+extern "C" cudaError_t jt_gemv_all_reduce(int gid, int rank,
+                                          cudaStream_t stream, const void* x,
+                                          const void* w, const float* scale,
+                                          const int32_t* table, void* y, int N,
+                                          int K, int wdtype, int nwc, int rpw,
+                                          int num_ctas, int max_tasks) {
+  if (nwc < 1 || nwc > 16 || num_ctas < 1 || max_tasks < 1 || N < 1 || K < 1)
+    return cudaErrorInvalidValue;
+  const int epc = wdtype == JT_F8E4M3 ? 16 : 8;
+  if (K % epc != 0) return cudaErrorInvalidValue;
+  if (wdtype == JT_F8E4M3 && scale == nullptr) return cudaErrorInvalidValue;
+  void* kern = jt::select_kernel(wdtype, rpw);
+  if (kern == nullptr) return cudaErrorInvalidValue;
+  const int T = nwc * rpw;
+  if (T % 2 != 0) return cudaErrorInvalidValue;
+  jt::CommParams c;
+  std::memset(&c, 0, sizeof(c));
+  int comm = 0;
+  if (gid >= 0) {
+    if (!jt::make_comm(gid, rank, &c)) return cudaErrorInvalidResourceHandle;
+    if ((N + 1) / 2 > c.cap_lines) return cudaErrorInvalidValue;
+    comm = c.world > 1 ? 1 : 0;
+    if (!comm) {
+      std::memset(&c, 0, sizeof(c));
+      c.world = 1;
+    }
+  } else {
+    c.world = 1;
+  }
+  jt::GemvArgs g;
+  g.x = static_cast<const __nv_bfloat16*>(x);
+  g.w = static_cast<const uint4*>(w);
+  g.scale = scale;
+  g.table = table;
+  g.y = static_cast<uint16_t*>(y);
+  g.N = N;
+  g.K = K;
+  g.KB = (K + 127) / 128;
+  g.nwc = nwc;
+  g.max_tasks = max_tasks;
+  g.comm = comm;
+  void* args[2] = {&c, &g};
+  const size_t smem = (size_t)jt_gemv_smem_bytes(K, T, max_tasks);
+  return cudaLaunchKernel(kern, dim3(num_ctas), dim3((nwc + 1) * 32), args,
+                          smem, stream);
+}

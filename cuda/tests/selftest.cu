@@ -1,0 +1,834 @@
+// Standalone multi-GPU self-test and micro-benchmark of the engine (no XLA).
+//
+//   jtilert_selftest [--small] [--iters N] [--bench] [--world W]
+//
+// One host thread per GPU, like XLA. Checks, against a CPU reference:
+// all-reduce (one-shot, two-shot; bf16/f32; odd sizes), GEMV + all-reduce
+// (bf16 and fp8 with block scales), merge_topk; results bit-identical across
+// ranks; many consecutive calls alternating ops (epoch / parity reuse).
+// --small keeps sizes tiny for compute-sanitizer. --bench also times the ops
+// inside CUDA graphs and a NVLink ping-pong (the latency floor).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "jtilert/engine.h"
+
+#define CK(call)                                                         \
+  do {                                                                   \
+    cudaError_t e_ = (call);                                             \
+    if (e_ != cudaSuccess) {                                             \
+      std::fprintf(stderr, "%s:%d %s -> %s\n", __FILE__, __LINE__, #call, \
+                   cudaGetErrorString(e_));                              \
+      std::exit(2);                                                      \
+    }                                                                    \
+  } while (0)
+
+namespace {
+
+int g_world = 1;
+int g_fail = 0;
+std::mutex g_print_mu;
+
+void report(bool ok, const std::string& what) {
+  std::lock_guard<std::mutex> l(g_print_mu);
+  std::printf("%s %s\n", ok ? "PASS" : "FAIL", what.c_str());
+  if (!ok) ++g_fail;
+}
+
+class Barrier {
+ public:
+  explicit Barrier(int n) : n_(n) {}
+  void wait() {
+    std::unique_lock<std::mutex> l(mu_);
+    int gen = gen_;
+    if (++count_ == n_) {
+      count_ = 0;
+      ++gen_;
+      cv_.notify_all();
+    } else {
+      cv_.wait(l, [&] { return gen != gen_; });
+    }
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int n_, count_ = 0, gen_ = 0;
+};
+
+// Runs fn(rank) on one thread per rank, device = rank.
+void run_ranks(const std::function<void(int)>& fn) {
+  std::vector<std::thread> th;
+  for (int r = 0; r < g_world; ++r)
+    th.emplace_back([&, r] {
+      CK(cudaSetDevice(r));
+      fn(r);
+    });
+  for (auto& t : th) t.join();
+}
+
+uint16_t f2bf(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+float bf2f(uint16_t b) {
+  uint32_t u = (uint32_t)b << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+template <typename T>
+T* dev_copy(const std::vector<T>& h) {
+  T* d = nullptr;
+  CK(cudaMalloc(&d, std::max<size_t>(1, h.size()) * sizeof(T)));
+  if (!h.empty())
+    CK(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return d;
+}
+template <typename T>
+std::vector<T> host_copy(const T* d, size_t n) {
+  std::vector<T> h(n);
+  CK(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
+  return h;
+}
+
+// ---------------- all-reduce ----------------
+
+struct ArCase {
+  int64_t n;
+  int dtype;
+  int algo;
+  int blocks, threads;
+};
+
+// inputs[r] as raw bytes; reference = fp32 sum in rank order, rounded.
+void test_all_reduce(int gid, const std::vector<ArCase>& cases, int iters,
+                     unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  for (const ArCase& cs : cases) {
+    const size_t es = cs.dtype == JT_F32 ? 4 : 2;
+    std::vector<std::vector<unsigned char>> in(g_world,
+                                               std::vector<unsigned char>(cs.n * es));
+    for (int r = 0; r < g_world; ++r) {
+      for (int64_t i = 0; i < cs.n; ++i) {
+        float v = nd(rng);
+        if (cs.dtype == JT_F32) {
+          std::memcpy(&in[r][i * 4], &v, 4);
+        } else {
+          uint16_t b = f2bf(v);
+          std::memcpy(&in[r][i * 2], &b, 2);
+        }
+      }
+    }
+    std::vector<unsigned char> ref(cs.n * es);
+    for (int64_t i = 0; i < cs.n; ++i) {
+      float acc = 0.f;
+      for (int r = 0; r < g_world; ++r) {
+        if (cs.dtype == JT_F32) {
+          float v;
+          std::memcpy(&v, &in[r][i * 4], 4);
+          acc += v;
+        } else {
+          uint16_t b;
+          std::memcpy(&b, &in[r][i * 2], 2);
+          acc += bf2f(b);
+        }
+      }
+      if (cs.dtype == JT_F32) {
+        std::memcpy(&ref[i * 4], &acc, 4);
+      } else {
+        uint16_t b = f2bf(acc);
+        std::memcpy(&ref[i * 2], &b, 2);
+      }
+    }
+    std::vector<std::vector<unsigned char>> out(g_world);
+    run_ranks([&](int r) {
+      cudaStream_t st;
+      CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+      unsigned char* dx = dev_copy(in[r]);
+      unsigned char* dy = nullptr;
+      CK(cudaMalloc(&dy, cs.n * es));
+      for (int it = 0; it < iters; ++it) {
+        CK(cudaMemsetAsync(dy, 0xff, cs.n * es, st));  // poison
+        CK(jt_all_reduce(gid, r, st, dx, dy, cs.n, cs.dtype, cs.algo,
+                         cs.blocks, cs.threads));
+      }
+      CK(cudaStreamSynchronize(st));
+      out[r] = host_copy(dy, cs.n * es);
+      CK(cudaFree(dx));
+      CK(cudaFree(dy));
+      CK(cudaStreamDestroy(st));
+    });
+    bool same = true, exact = true;
+    for (int r = 0; r < g_world; ++r) {
+      same &= out[r] == out[0];
+      exact &= out[r] == ref;
+    }
+    char buf[200];
+    std::snprintf(buf, sizeof(buf),
+                  "all_reduce n=%lld %s %s grid=%dx%d iters=%d: "
+                  "bit-identical=%d equals-ref=%d",
+                  (long long)cs.n, cs.dtype == JT_F32 ? "f32" : "bf16",
+                  cs.algo == JT_AR_TWOSHOT ? "two-shot" : "one-shot",
+                  cs.blocks, cs.threads, iters, (int)same, (int)exact);
+    report(same && exact, buf);
+  }
+}
+
+// ---------------- GEMV + all-reduce ----------------
+
+struct Plan {
+  std::vector<int32_t> table;
+  int num_ctas, max_tasks, T;
+};
+
+Plan make_plan(int N, int T, int sms) {
+  int tiles = (N + T - 1) / T;
+  int m = (tiles + sms - 1) / sms;
+  int C = (tiles + m - 1) / m;
+  Plan p;
+  p.T = T;
+  p.num_ctas = C;
+  p.max_tasks = 0;
+  p.table.push_back(C);
+  p.table.push_back(T);
+  int base = tiles / C, extra = tiles % C, off = 0;
+  std::vector<int32_t> offs;
+  for (int c = 0; c <= C; ++c) {
+    offs.push_back(off);
+    if (c < C) {
+      int cnt = base + (c < extra ? 1 : 0);
+      p.max_tasks = std::max(p.max_tasks, cnt);
+      off += cnt;
+    }
+  }
+  p.table.insert(p.table.end(), offs.begin(), offs.end());
+  for (int t = 0; t < tiles; ++t) p.table.push_back(t * T);
+  return p;
+}
+
+void test_gemv(int gid, int N, int K, bool fp8, int nwc, int rpw, int iters,
+               unsigned seed, double* out_rel_err = nullptr) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  const int NB = (N + 127) / 128, KB = (K + 127) / 128;
+  std::vector<std::vector<uint16_t>> xs(g_world), wb(g_world);
+  std::vector<std::vector<uint8_t>> wq(g_world);
+  std::vector<std::vector<float>> sc(g_world);
+  std::vector<double> ref(N, 0.0);
+  // gid < 0: every rank runs a local GEMV; rank 0's is checked
+  const int ref_ranks = gid < 0 ? 1 : g_world;
+  for (int r = 0; r < g_world; ++r) {
+    xs[r].resize(K);
+    for (int k = 0; k < K; ++k) xs[r][k] = f2bf(nd(rng));
+    if (fp8) {
+      wq[r].resize((size_t)N * K);
+      sc[r].resize((size_t)NB * KB);
+      const float pw[4] = {0.25f, 0.5f, 1.f, 2.f};
+      for (auto& s : sc[r]) s = pw[rng() & 3u];
+      for (size_t i = 0; i < wq[r].size(); ++i)
+        wq[r][i] = (uint8_t)__nv_cvt_float_to_fp8(nd(rng) * 8.f, __NV_SATFINITE,
+                                                  __NV_E4M3);
+    } else {
+      wb[r].resize((size_t)N * K);
+      for (auto& v : wb[r]) v = f2bf(nd(rng) * 0.05f);
+    }
+    for (int n = 0; n < N && r < ref_ranks; ++n) {
+      double acc = 0.0;
+      for (int k = 0; k < K; ++k) {
+        double w;
+        if (fp8) {
+          __half_raw h = __nv_cvt_fp8_to_halfraw(wq[r][(size_t)n * K + k],
+                                                 __NV_E4M3);
+          w = (double)__half2float(__half(h)) *
+              sc[r][(size_t)(n / 128) * KB + k / 128];
+        } else {
+          w = bf2f(wb[r][(size_t)n * K + k]);
+        }
+        acc += w * bf2f(xs[r][k]);
+      }
+      ref[n] += acc;
+    }
+  }
+  int sms = 0;
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  Plan plan = make_plan(N, nwc * rpw, sms);
+  std::vector<std::vector<uint16_t>> out(g_world);
+  run_ranks([&](int r) {
+    cudaStream_t st;
+    CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    uint16_t* dx = dev_copy(xs[r]);
+    void* dw = fp8 ? (void*)dev_copy(wq[r]) : (void*)dev_copy(wb[r]);
+    float* ds = fp8 ? dev_copy(sc[r]) : nullptr;
+    int32_t* dt = dev_copy(plan.table);
+    uint16_t* dy = nullptr;
+    CK(cudaMalloc(&dy, N * 2));
+    for (int it = 0; it < iters; ++it) {
+      CK(cudaMemsetAsync(dy, 0xff, N * 2, st));
+      CK(jt_gemv_all_reduce(gid, r, st, dx, dw, ds, dt, dy, N, K,
+                            fp8 ? JT_F8E4M3 : JT_BF16, nwc, rpw,
+                            plan.num_ctas, plan.max_tasks));
+    }
+    CK(cudaStreamSynchronize(st));
+    out[r] = host_copy(dy, N);
+    CK(cudaFree(dx));
+    CK(cudaFree(dw));
+    if (ds) CK(cudaFree(ds));
+    CK(cudaFree(dt));
+    CK(cudaFree(dy));
+    CK(cudaStreamDestroy(st));
+  });
+  bool same = true;
+  for (int r = 0; r < ref_ranks; ++r) same &= out[r] == out[0];
+  double num = 0, den = 0, worst = 0;
+  bool finite = true;
+  for (int n = 0; n < N; ++n) {
+    double y = bf2f(out[0][n]);
+    finite &= std::isfinite(y);
+    num += (y - ref[n]) * (y - ref[n]);
+    den += ref[n] * ref[n];
+    worst = std::max(worst, std::fabs(y - ref[n]));
+  }
+  double rel = std::sqrt(num / std::max(den, 1e-30));
+  if (out_rel_err) *out_rel_err = rel;
+  char buf[240];
+  std::snprintf(buf, sizeof(buf),
+                "gemv_all_reduce N=%d K=%d %s nwc=%d rpw=%d ctas=%d tasks<=%d "
+                "iters=%d (gid %d): bit-identical=%d rel-err=%.2e",
+                N, K, fp8 ? "fp8" : "bf16", nwc, rpw, plan.num_ctas,
+                plan.max_tasks, iters, gid, (int)same, rel);
+  report(same && finite && rel < 8e-3, buf);
+}
+
+// ---------------- merge top-k ----------------
+
+void test_merge(int gid, int m, int k, int blocks, int threads, int iters,
+                unsigned seed) {
+  std::mt19937 rng(seed);
+  std::vector<std::vector<float>> sc(g_world);
+  std::vector<std::vector<int32_t>> ix(g_world);
+  struct Cand {
+    float s;
+    int32_t i;
+  };
+  std::vector<Cand> all;
+  for (int r = 0; r < g_world; ++r) {
+    std::vector<Cand> c(m);
+    for (int j = 0; j < m; ++j) {
+      // few distinct scores: many ties, broken by the global index
+      c[j].s = (float)(int)(rng() % 97) * 0.25f - 3.f;
+      c[j].i = r * 100000 + j * 3 + (int)(rng() % 3);
+      if (j % 17 == 5) c[j].s = -INFINITY;
+    }
+    std::sort(c.begin(), c.end(), [](const Cand& a, const Cand& b) {
+      return a.s > b.s || (a.s == b.s && a.i < b.i);
+    });
+    for (const Cand& x : c) {
+      sc[r].push_back(x.s);
+      ix[r].push_back(x.i);
+      all.push_back(x);
+    }
+  }
+  std::sort(all.begin(), all.end(), [](const Cand& a, const Cand& b) {
+    return a.s > b.s || (a.s == b.s && a.i < b.i);
+  });
+  std::vector<std::vector<float>> os(g_world);
+  std::vector<std::vector<int32_t>> oi(g_world);
+  run_ranks([&](int r) {
+    cudaStream_t st;
+    CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    float* ds = dev_copy(sc[r]);
+    int32_t* di = dev_copy(ix[r]);
+    float* dos = nullptr;
+    int32_t* doi = nullptr;
+    CK(cudaMalloc(&dos, k * 4));
+    CK(cudaMalloc(&doi, k * 4));
+    for (int it = 0; it < iters; ++it) {
+      CK(cudaMemsetAsync(dos, 0xff, k * 4, st));
+      CK(cudaMemsetAsync(doi, 0xff, k * 4, st));
+      CK(jt_merge_topk(gid, r, st, ds, di, dos, doi, m, k, blocks, threads));
+    }
+    CK(cudaStreamSynchronize(st));
+    os[r] = host_copy(dos, k);
+    oi[r] = host_copy(doi, k);
+    CK(cudaFree(ds));
+    CK(cudaFree(di));
+    CK(cudaFree(dos));
+    CK(cudaFree(doi));
+    CK(cudaStreamDestroy(st));
+  });
+  bool same = true, exact = true;
+  for (int r = 0; r < g_world; ++r) {
+    same &= std::memcmp(os[r].data(), os[0].data(), k * 4) == 0 &&
+            oi[r] == oi[0];
+    for (int j = 0; j < k; ++j)
+      exact &= oi[r][j] == all[j].i &&
+               std::memcmp(&os[r][j], &all[j].s, 4) == 0;
+  }
+  char buf[200];
+  std::snprintf(buf, sizeof(buf),
+                "merge_topk m=%d k=%d grid=%dx%d iters=%d: bit-identical=%d "
+                "equals-ref=%d",
+                m, k, blocks, threads, iters, (int)same, (int)exact);
+  report(same && exact, buf);
+}
+
+// ---------------- interleaved ops (parity / epoch reuse) ----------------
+
+void test_interleaved(int gid, int rounds) {
+  // alternate all-reduce sizes/algos and merges on the same group without any
+  // host synchronisation in between; check the final values of each.
+  const int n1 = 7168, n2 = 1000, k = 128;
+  std::vector<std::vector<uint16_t>> a(g_world), b(g_world);
+  std::mt19937 rng(7);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  for (int r = 0; r < g_world; ++r) {
+    for (int i = 0; i < n1; ++i) a[r].push_back(f2bf(nd(rng)));
+    for (int i = 0; i < n2; ++i) b[r].push_back(f2bf(nd(rng)));
+  }
+  std::vector<uint16_t> ra(n1), rb(n2);
+  for (int i = 0; i < n1; ++i) {
+    float s = 0;
+    for (int r = 0; r < g_world; ++r) s += bf2f(a[r][i]);
+    ra[i] = f2bf(s);
+  }
+  for (int i = 0; i < n2; ++i) {
+    float s = 0;
+    for (int r = 0; r < g_world; ++r) s += bf2f(b[r][i]);
+    rb[i] = f2bf(s);
+  }
+  std::vector<int> bad(g_world, 0);
+  run_ranks([&](int r) {
+    cudaStream_t st;
+    CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    uint16_t* da = dev_copy(a[r]);
+    uint16_t* db = dev_copy(b[r]);
+    uint16_t *ya = nullptr, *yb = nullptr;
+    CK(cudaMalloc(&ya, n1 * 2 * 2));
+    CK(cudaMalloc(&yb, n2 * 2 * 2));
+    std::vector<float> s(k);
+    std::vector<int32_t> ii(k);
+    for (int j = 0; j < k; ++j) {
+      s[j] = (float)(k - j);
+      ii[j] = r * k + j;
+    }
+    float* ds = dev_copy(s);
+    int32_t* di = dev_copy(ii);
+    float* os = nullptr;
+    int32_t* oi = nullptr;
+    CK(cudaMalloc(&os, k * 4));
+    CK(cudaMalloc(&oi, k * 4));
+    for (int it = 0; it < rounds; ++it) {
+      CK(jt_all_reduce(gid, r, st, da, ya + (it & 1) * n1, n1, JT_BF16,
+                       JT_AR_ONESHOT, 4, 256));
+      CK(jt_merge_topk(gid, r, st, ds, di, os, oi, k, k, 1, 256));
+      CK(jt_all_reduce(gid, r, st, db, yb + (it & 1) * n2, n2, JT_BF16,
+                       (it % 3 == 0) ? JT_AR_TWOSHOT : JT_AR_ONESHOT, 2 + it % 3,
+                       128));
+    }
+    CK(cudaStreamSynchronize(st));
+    auto ha = host_copy(ya, 2 * n1);
+    auto hb = host_copy(yb, 2 * n2);
+    for (int h = 0; h < 2; ++h) {
+      if (std::memcmp(ha.data() + h * n1, ra.data(), n1 * 2) != 0) bad[r] = 1;
+      if (std::memcmp(hb.data() + h * n2, rb.data(), n2 * 2) != 0) bad[r] = 1;
+    }
+    CK(cudaFree(da));
+    CK(cudaFree(db));
+    CK(cudaFree(ya));
+    CK(cudaFree(yb));
+    CK(cudaFree(ds));
+    CK(cudaFree(di));
+    CK(cudaFree(os));
+    CK(cudaFree(oi));
+    CK(cudaStreamDestroy(st));
+  });
+  bool ok = true;
+  for (int v : bad) ok &= v == 0;
+  report(ok, "interleaved all_reduce/merge_topk, " + std::to_string(rounds) +
+                 " rounds, no host sync: all values exact");
+}
+
+// ---------------- benchmarks (CUDA graphs, no XLA) ----------------
+
+// Ping-pong through peer memory: rank 0 writes flag i into rank 1's buffer,
+// rank 1 answers with i into rank 0's; half the time per exchange is the
+// one-way latency of a flag over NVLink.
+__global__ void pingpong_kernel(volatile unsigned* mine, volatile unsigned* peer,
+                                int rank, int rounds) {
+  for (int i = 1; i <= rounds; ++i) {
+    if (rank == 0) {
+      *peer = (unsigned)i;
+      while (*mine != (unsigned)i) {
+      }
+    } else {
+      while (*mine != (unsigned)i) {
+      }
+      *peer = (unsigned)i;
+    }
+  }
+}
+
+void bench_pingpong() {
+  if (g_world < 2) return;
+  unsigned* buf[2] = {nullptr, nullptr};
+  for (int r = 0; r < 2; ++r) {
+    CK(cudaSetDevice(r));
+    CK(cudaMalloc(&buf[r], 256));
+    CK(cudaMemset(buf[r], 0, 256));
+    CK(cudaDeviceSynchronize());
+  }
+  const int rounds = 10000;
+  std::vector<float> ms(2);
+  Barrier bar(2);
+  std::vector<std::thread> th;
+  for (int r = 0; r < 2; ++r)
+    th.emplace_back([&, r] {
+      CK(cudaSetDevice(r));
+      cudaEvent_t a, b;
+      CK(cudaEventCreate(&a));
+      CK(cudaEventCreate(&b));
+      bar.wait();
+      CK(cudaEventRecord(a));
+      pingpong_kernel<<<1, 1>>>(buf[r], buf[1 - r], r, rounds);
+      CK(cudaGetLastError());
+      CK(cudaEventRecord(b));
+      CK(cudaEventSynchronize(b));
+      CK(cudaEventElapsedTime(&ms[r], a, b));
+    });
+  for (auto& t : th) t.join();
+  std::printf("BENCH nvlink_pingpong round_trip_us=%.3f one_way_us=%.3f\n",
+              ms[0] * 1e3 / rounds, ms[0] * 1e3 / rounds / 2);
+  for (int r = 0; r < 2; ++r) {
+    CK(cudaSetDevice(r));
+    CK(cudaFree(buf[r]));
+  }
+}
+
+// Times `reps` launches of `launch` captured in one CUDA graph per rank,
+// replayed concurrently on all ranks; prints the median per-launch time.
+void bench_graph(const char* name,
+                 const std::function<void(int, cudaStream_t)>& launch,
+                 int reps) {
+  std::vector<std::vector<float>> per(g_world);
+  Barrier bar(g_world);
+  run_ranks([&](int r) {
+    cudaStream_t st;
+    CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+    for (int i = 0; i < reps; ++i) launch(r, st);
+    CK(cudaStreamEndCapture(st, &graph));
+    CK(cudaGraphInstantiate(&exec, graph, 0));
+    cudaEvent_t a, b;
+    CK(cudaEventCreate(&a));
+    CK(cudaEventCreate(&b));
+    for (int trial = 0; trial < 7; ++trial) {
+      bar.wait();
+      CK(cudaEventRecord(a, st));
+      CK(cudaGraphLaunch(exec, st));
+      CK(cudaEventRecord(b, st));
+      CK(cudaStreamSynchronize(st));
+      float ms = 0;
+      CK(cudaEventElapsedTime(&ms, a, b));
+      if (trial > 0) per[r].push_back(ms * 1e3f / reps);
+    }
+    CK(cudaGraphExecDestroy(exec));
+    CK(cudaGraphDestroy(graph));
+    CK(cudaStreamDestroy(st));
+  });
+  std::sort(per[0].begin(), per[0].end());
+  std::printf("BENCH %s graph_us_per_call=%.3f (rank0 median of %zu)\n", name,
+              per[0][per[0].size() / 2], per[0].size());
+}
+
+int rpw_for(int K, bool fp8) {
+  int chunks = K / (fp8 ? 16 : 8);
+  int per_lane = std::max(1, (chunks + 31) / 32);
+  int rpw = 1;
+  while (rpw * std::min(per_lane, 8) < 8 && rpw < 8) rpw *= 2;
+  return rpw;
+}
+
+// GEMV (+ all-reduce) per call, weights rotating over `sets` buffers so that
+// they come from HBM, not L2.
+void bench_gemv(int gid, int N, int K, bool fp8, int nwc, int sets) {
+  const int rpw = rpw_for(K, fp8);
+  int sms = 0;
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  Plan plan = make_plan(N, nwc * rpw, sms);
+  const size_t wbytes = (size_t)N * K * (fp8 ? 1 : 2);
+  std::vector<std::vector<void*>> ws(g_world);
+  std::vector<void*> xs(g_world), ys(g_world), ts(g_world), ss(g_world);
+  for (int r = 0; r < g_world; ++r) {
+    CK(cudaSetDevice(r));
+    for (int i = 0; i < sets; ++i) {
+      void* p = nullptr;
+      CK(cudaMalloc(&p, wbytes));
+      CK(cudaMemset(p, 0x11 + i, wbytes));  // finite values in bf16 and e4m3
+      ws[r].push_back(p);
+    }
+    CK(cudaMalloc(&xs[r], K * 2));
+    CK(cudaMemset(xs[r], 0x3c, K * 2));
+    CK(cudaMalloc(&ys[r], N * 2));
+    ts[r] = dev_copy(plan.table);
+    std::vector<float> sc((size_t)((N + 127) / 128) * ((K + 127) / 128), 1.f);
+    ss[r] = dev_copy(sc);
+  }
+  for (int mode = 0; mode < 2; ++mode) {
+    if (mode == 1 && gid < 0) continue;
+    const int g = mode == 0 ? -1 : gid;
+    char name[200];
+    std::snprintf(name, sizeof(name),
+                  "gemv%s N=%d K=%d %s nwc=%d rpw=%d ctas=%d tasks<=%d",
+                  mode ? "+all_reduce" : " (local)", N, K, fp8 ? "fp8" : "bf16",
+                  nwc, rpw, plan.num_ctas, plan.max_tasks);
+    std::vector<int> cnt(g_world, 0);  // one entry per rank thread
+    bench_graph(
+        name,
+        [&](int r, cudaStream_t st) {
+          CK(jt_gemv_all_reduce(g, r, st, xs[r], ws[r][cnt[r]++ % sets],
+                                fp8 ? (const float*)ss[r] : nullptr,
+                                (const int32_t*)ts[r], ys[r], N, K,
+                                fp8 ? JT_F8E4M3 : JT_BF16, nwc, rpw,
+                                plan.num_ctas, plan.max_tasks));
+        },
+        64);
+    std::printf("BENCH   weight bytes per call %.1f MB\n", wbytes / 1e6);
+  }
+  for (int r = 0; r < g_world; ++r) {
+    CK(cudaSetDevice(r));
+    for (void* p : ws[r]) CK(cudaFree(p));
+    CK(cudaFree(xs[r]));
+    CK(cudaFree(ys[r]));
+    CK(cudaFree(ts[r]));
+    CK(cudaFree(ss[r]));
+  }
+}
+
+void run_bench(int gid) {
+  bench_pingpong();
+  struct GS {
+    int N, K;
+    bool fp8;
+  };
+  const GS shapes[] = {{7168, 2048, false}, {7168, 2048, true},
+                       {7168, 256, false},  {7168, 2304, false},
+                       {7168, 2304, true}};
+  for (const GS& s : shapes)
+    for (int nwc : {8, 16}) bench_gemv(gid, s.N, s.K, s.fp8, nwc, 16);
+  {
+    const int m = 2048;
+    std::vector<float*> sc(g_world), os(g_world);
+    std::vector<int32_t*> ix(g_world), oi(g_world);
+    for (int r = 0; r < g_world; ++r) {
+      CK(cudaSetDevice(r));
+      std::vector<float> hs(m);
+      std::vector<int32_t> hi(m);
+      for (int j = 0; j < m; ++j) {
+        hs[j] = (float)(m - j);
+        hi[j] = r * m + j;
+      }
+      sc[r] = dev_copy(hs);
+      ix[r] = dev_copy(hi);
+      CK(cudaMalloc(&os[r], m * 4));
+      CK(cudaMalloc(&oi[r], m * 4));
+    }
+    for (int blocks : {2, 4, 8, 16}) {
+      char name[100];
+      std::snprintf(name, sizeof(name), "merge_topk m=k=%d grid=%dx512", m,
+                    blocks);
+      bench_graph(
+          name,
+          [&](int r, cudaStream_t st) {
+            CK(jt_merge_topk(gid, r, st, sc[r], ix[r], os[r], oi[r], m, m,
+                             blocks, 512));
+          },
+          100);
+    }
+    for (int r = 0; r < g_world; ++r) {
+      CK(cudaSetDevice(r));
+      CK(cudaFree(sc[r]));
+      CK(cudaFree(ix[r]));
+      CK(cudaFree(os[r]));
+      CK(cudaFree(oi[r]));
+    }
+  }
+  // all-reduce, bf16, 14/28/56 KiB and larger, a few launch shapes
+  const int64_t sizes[] = {7168, 14336, 28672, 131072, 524288};
+  for (int64_t n : sizes) {
+    for (int algo : {JT_AR_ONESHOT, JT_AR_TWOSHOT}) {
+      for (int blocks : {2, 4, 8, 16, 32}) {
+        const int threads = 256;
+        std::vector<void*> xs(g_world), ys(g_world);
+        for (int r = 0; r < g_world; ++r) {
+          CK(cudaSetDevice(r));
+          CK(cudaMalloc(&xs[r], n * 2));
+          CK(cudaMemset(xs[r], 0x3c, n * 2));
+          CK(cudaMalloc(&ys[r], n * 2));
+        }
+        char name[128];
+        std::snprintf(name, sizeof(name),
+                      "all_reduce bf16 bytes=%lld %s grid=%dx%d",
+                      (long long)n * 2, algo ? "two-shot" : "one-shot", blocks,
+                      threads);
+        bench_graph(
+            name,
+            [&](int r, cudaStream_t st) {
+              CK(jt_all_reduce(gid, r, st, xs[r], ys[r], n, JT_BF16, algo,
+                               blocks, threads));
+            },
+            200);
+        for (int r = 0; r < g_world; ++r) {
+          CK(cudaSetDevice(r));
+          CK(cudaFree(xs[r]));
+          CK(cudaFree(ys[r]));
+        }
+      }
+    }
+  }
+}
+
+// Only rank 0 calls: its kernel must give up after the group's timeout and
+// turn into a CUDA error (not a hang), with the status record filled in.
+int timeout_test() {
+  const int devs[2] = {0, 1};
+  char err[256] = {0};
+  if (jt_device_count() < 2) {
+    std::printf("SKIP timeout test needs 2 GPUs\n");
+    return 0;
+  }
+  for (int d : devs) jt_prepare_device(d, err, sizeof(err));
+  int gid = jt_group_create(devs, 2, 1 << 16, 300, err, sizeof(err));
+  if (gid < 0) {
+    std::printf("FAIL group_create: %s\n", err);
+    return 1;
+  }
+  CK(cudaSetDevice(0));
+  std::vector<uint16_t> h(1024, 0x3f80);
+  uint16_t* dx = dev_copy(h);
+  uint16_t* dy = nullptr;
+  CK(cudaMalloc(&dy, 2048));
+  auto t0 = std::chrono::steady_clock::now();
+  cudaError_t e = jt_all_reduce(gid, 0, 0, dx, dy, 1024, JT_BF16, JT_AR_ONESHOT,
+                                1, 128);
+  cudaError_t s = cudaDeviceSynchronize();
+  double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
+                   .count();
+  JtStatus st;
+  jt_group_status(gid, 0, &st);
+  bool ok = e == cudaSuccess && s != cudaSuccess && st.code == 1 && st.src == 1 &&
+            sec < 20.0;
+  std::printf("%s timeout: launch=%s sync=%s after %.2f s, status code=%u "
+              "rank=%u src=%u epoch=%u op=%llu\n",
+              ok ? "PASS" : "FAIL", cudaGetErrorString(e), cudaGetErrorString(s),
+              sec, st.code, st.rank, st.src, st.epoch,
+              (unsigned long long)st.op);
+  return ok ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool small = false, bench = false;
+  int iters = 3, world = -1;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--small") small = true;
+    else if (a == "--bench") bench = true;
+    else if (a == "--timeout-test") return timeout_test();
+    else if (a == "--iters" && i + 1 < argc) iters = std::atoi(argv[++i]);
+    else if (a == "--world" && i + 1 < argc) world = std::atoi(argv[++i]);
+    else {
+      std::fprintf(stderr, "usage: %s [--small] [--bench] [--timeout-test] [--iters N] [--world W]\n",
+                   argv[0]);
+      return 2;
+    }
+  }
+  int ndev = jt_device_count();
+  if (ndev < 1) {
+    std::printf("SKIP no CUDA device\n");
+    return 0;
+  }
+  g_world = world > 0 ? std::min(world, ndev) : std::min(ndev, JT_MAX_WORLD);
+  std::vector<int> devs(g_world);
+  for (int r = 0; r < g_world; ++r) devs[r] = r;
+  char err[256] = {0};
+  for (int r = 0; r < g_world; ++r) {
+    if (jt_prepare_device(r, err, sizeof(err)) != 0) {
+      std::printf("FAIL prepare: %s\n", err);
+      return 1;
+    }
+  }
+  int gid = jt_group_create(devs.data(), g_world, 1 << 20, 20000, err,
+                            sizeof(err));
+  if (gid < 0) {
+    std::printf("FAIL group_create: %s\n", err);
+    return 1;
+  }
+  std::printf("world=%d gid=%d payload_cap=%lld\n", g_world, gid,
+              (long long)jt_group_payload_cap(gid));
+
+  std::vector<ArCase> ar;
+  if (small) {
+    ar = {{7, JT_BF16, JT_AR_ONESHOT, 1, 64},
+          {1000, JT_BF16, JT_AR_ONESHOT, 2, 64},
+          {1000, JT_BF16, JT_AR_TWOSHOT, 2, 64},
+          {333, JT_F32, JT_AR_TWOSHOT, 1, 128}};
+  } else {
+    ar = {{7, JT_BF16, JT_AR_ONESHOT, 1, 64},
+          {7168, JT_BF16, JT_AR_ONESHOT, 4, 256},
+          {14336, JT_BF16, JT_AR_ONESHOT, 8, 256},
+          {28672, JT_BF16, JT_AR_ONESHOT, 16, 256},
+          {28672, JT_BF16, JT_AR_TWOSHOT, 16, 256},
+          {300001, JT_BF16, JT_AR_TWOSHOT, 32, 512},
+          {300001, JT_BF16, JT_AR_ONESHOT, 32, 512},
+          {4097, JT_F32, JT_AR_ONESHOT, 4, 128},
+          {4097, JT_F32, JT_AR_TWOSHOT, 4, 128}};
+  }
+  test_all_reduce(gid, ar, iters, 1234);
+  if (small) {
+    test_gemv(gid, 200, 256, false, 4, 2, iters, 11);
+    test_gemv(gid, 130, 128, true, 4, 2, iters, 12);
+    test_gemv(-1, 200, 256, false, 4, 1, iters, 13);
+    test_merge(gid, 100, 100, 2, 64, iters, 21);
+    test_merge(gid, 60, 60 * g_world - 7, 1, 64, iters, 23);
+    test_interleaved(gid, 4);
+  } else {
+    test_gemv(gid, 7168, 2048, false, 16, 1, iters, 11);
+    test_gemv(gid, 7168, 2048, true, 16, 2, iters, 12);
+    test_gemv(gid, 7168, 256, false, 8, 8, iters, 13);
+    test_gemv(gid, 1001, 2304, false, 8, 1, iters, 14);
+    test_gemv(gid, 1001, 512, true, 4, 4, iters, 15);
+    test_gemv(-1, 7168, 2048, false, 16, 1, iters, 16);
+    test_merge(gid, 2048, 2048, 4, 512, iters, 21);
+    test_merge(gid, 777, 777, 3, 256, iters, 22);
+    test_merge(gid, 1500, std::min(2048, 1500 * g_world), 4, 512, iters, 24);
+    test_interleaved(gid, 500);
+  }
+  if (bench) run_bench(gid);
+  std::printf("%s: %d failure(s)\n", g_fail ? "FAILED" : "OK", g_fail);
+  return g_fail ? 1 : 0;
+}

@@ -1,0 +1,45 @@
+"""jtilert's CUDA engine behind XLA FFI custom calls (issue 6).
+
+Public functions (all usable inside ``jax.shard_map`` over a mesh axis):
+
+- ``all_reduce(x, axis_name)``: NVLink one-shot / two-shot all-reduce.
+- ``gemv_all_reduce(x, w, scale, axis_name)``: persistent GEMV (bf16 or fp8
+  block-scaled weights) fused with the all-reduce of its output.
+- ``gemv(x, w, scale=None)``: the same GEMV kernel without communication.
+- ``merge_topk(scores, indices, axis_name, k)``: global top-k of per-rank
+  candidate lists, bit-identical on every rank.
+- ``available()``: whether the CUDA engine is usable in this process.
+
+Without the built library (``python -m jtilert.ffi.build``; it is also built on
+first use on a GPU machine with nvcc and cmake) or without a GPU, every
+function falls back to the XLA path (``lax.psum``, ``jnp.dot``, all_gather +
+sort) with one warning. Environment: JTILERT_FFI_DISABLE=1 forces the
+fallback; JTILERT_FFI_LIB names a prebuilt library; JTILERT_FFI_AUTOBUILD=0
+stops the build on first use; JTILERT_FFI_MAX_BYTES (default 1 MiB) bounds one
+message; JTILERT_FFI_TIMEOUT_MS (default 30000) bounds every spin-wait.
+"""
+
+from jtilert.ffi._lib import load as _load
+from jtilert.ffi.build import build
+from jtilert.ffi.ops import (all_reduce, dequantize, gemv, gemv_all_reduce, gemv_reference,
+                             merge_topk, merge_topk_reference)
+from jtilert.ffi.plan import GemvPlan, build_gemv_plan, check_gemv_plan
+
+
+def available() -> bool:
+  """True if the CUDA engine is loaded (GPU present, library built/loadable)."""
+  lib, _ = _load()
+  return lib is not None
+
+
+def unavailable_reason() -> str:
+  """Why ``available()`` is False ('' when it is True)."""
+  _, why = _load()
+  return why
+
+
+__all__ = [
+    "GemvPlan", "all_reduce", "available", "build", "build_gemv_plan", "check_gemv_plan",
+    "dequantize", "gemv", "gemv_all_reduce", "gemv_reference", "merge_topk",
+    "merge_topk_reference", "unavailable_reason",
+]

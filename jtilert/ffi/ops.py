@@ -1,0 +1,425 @@
+"""JAX side of the engine: primitives, their CUDA lowerings and XLA fallbacks.
+
+Each op is a JAX primitive whose CUDA lowering emits the engine's FFI custom
+call. The lowering is where the mesh is known concretely (the shard_map's
+devices), so it creates the peer-memory group of every device list along the
+axis there (once per process), in the main thread, before XLA runs anything.
+If anything is missing (library, GPU, peer access, a size the engine does not
+take) the op lowers to the plain XLA computation instead, with one warning.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+
+from jtilert.ffi import _lib
+from jtilert.ffi import plan as _plan
+
+# Tests set this to emit the custom call (with CPU device ids) without a GPU,
+# to check the lowering itself; never set it for running.
+_TEST_FORCE_EMIT = False
+
+
+# ----------------------------------------------------------------- helpers
+
+def _check_vma_on() -> bool:
+  try:
+    from jax._src import config as _cfg  # noqa: PLC0415
+
+    return bool(_cfg._check_vma.value)  # noqa: SLF001
+  except Exception:  # noqa: BLE001
+    return False
+
+
+def _ensure_varying(x, axis_name):
+  if _check_vma_on() and axis_name not in jax.typeof(x).mat.varying:
+    x = lax.pcast(x, axis_name, to="varying")
+  return x
+
+
+def _out_aval(aval, axis_name, shape=None, dtype=None, extra_vma=frozenset()):
+  kw = {}
+  if shape is not None:
+    kw["shape"] = tuple(shape)
+  if dtype is not None:
+    kw["dtype"] = np.dtype(dtype)
+  mat = getattr(aval, "mat", None)
+  if mat is not None:
+    vma = (frozenset(mat.varying) | frozenset(extra_vma)) - {axis_name}
+    kw["manual_axis_type"] = mat.update(varying=vma)
+  return aval.update(**kw)
+
+
+def _vma(aval):
+  mat = getattr(aval, "mat", None)
+  return frozenset(mat.varying) if mat is not None else frozenset()
+
+
+def engine_status() -> tuple[bool, str]:
+  """(usable, reason if not)."""
+  if _TEST_FORCE_EMIT:
+    return True, ""
+  lib, why = _lib.load()
+  return lib is not None, why
+
+
+def _fallback_warning(why: str) -> None:
+  _lib.warn_once("fallback:" + why,
+                 f"jtilert.ffi: CUDA engine not used ({why}); falling back to the XLA path "
+                 "(lax.psum / jnp.dot / all_gather + sort)")
+
+
+def _groups_for_lowering(ctx, axis_name):
+  """([G, W] int32 device ids, None) or (None, reason); creates the groups."""
+  ac = ctx.module_context.axis_context
+  mesh = getattr(ac, "mesh", None)
+  if _TEST_FORCE_EMIT:
+    if not isinstance(mesh, jax.sharding.Mesh):
+      return None, "no concrete mesh in the lowering context"
+    ax = list(mesh.axis_names).index(axis_name)
+    devs = np.moveaxis(np.asarray(mesh.devices), ax, -1)
+    devs = devs.reshape(-1, devs.shape[-1])
+    return np.vectorize(lambda d: int(d.id), otypes=[np.int32])(devs), None
+  lib, why = _lib.load()
+  if lib is None:
+    return None, why
+  groups = _lib.groups_of(mesh, axis_name)
+  if groups is None:
+    return None, (f"axis {axis_name!r} is not an axis of a concrete single-process GPU mesh "
+                  "in this lowering")
+  if groups.shape[1] > _lib.MAX_WORLD:
+    return None, f"axis size {groups.shape[1]} > {_lib.MAX_WORLD}"
+  try:
+    for row in groups:
+      lib.group(tuple(int(v) for v in row))
+  except RuntimeError as e:
+    return None, f"peer-memory set-up failed: {e}"
+  return groups, None
+
+
+# ----------------------------------------------------------------- all-reduce
+
+def _psum(x, axis_name):
+  return lax.psum(x, axis_name)
+
+
+all_reduce_p = Primitive("jtilert_all_reduce")
+
+
+def _ar_abstract(x, *, axis_name, algo, blocks, threads):
+  del algo, blocks, threads
+  return _out_aval(x, axis_name)
+
+
+all_reduce_p.def_abstract_eval(_ar_abstract)
+
+
+def _ar_lower_xla(ctx, x, *, axis_name, **_):
+  return mlir.lower_fun(lambda v: [_psum(v, axis_name)], multiple_results=True)(ctx, x)
+
+
+def _ar_lower_cuda(ctx, x, *, axis_name, algo, blocks, threads):
+  groups, why = _groups_for_lowering(ctx, axis_name)
+  if groups is None:
+    _fallback_warning(why)
+    return _ar_lower_xla(ctx, x, axis_name=axis_name)
+  return jax.ffi.ffi_lowering("jtilert_all_reduce")(
+      ctx, x, groups=groups.ravel().astype(np.int32), world=np.int32(groups.shape[1]),
+      algo=np.int32(algo), blocks=np.int32(blocks), threads=np.int32(threads))
+
+
+mlir.register_lowering(all_reduce_p, _ar_lower_xla)
+mlir.register_lowering(all_reduce_p, _ar_lower_cuda, platform="cuda")
+
+_AR_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def all_reduce_config(nbytes: int, world: int) -> tuple[int, int, int]:
+  """Default (algo, blocks, threads) for a message of ``nbytes`` per rank."""
+  lines = max(1, math.ceil(nbytes / 8))
+  threads = 256
+  if world <= 2 or nbytes <= 64 * 1024:
+    algo = _lib.AR_ONESHOT
+    blocks = math.ceil(lines / (threads * 2))
+  else:
+    algo = _lib.AR_TWOSHOT
+    blocks = math.ceil(lines / world / (threads * 2))
+  return algo, int(min(max(blocks, 1), 32)), threads
+
+
+def all_reduce(x, axis_name, *, algo=None, blocks=None, threads=None):
+  """Sum of ``x`` over the mesh axis ``axis_name`` (inside ``shard_map``).
+
+  On GPU with the engine: one NVLink kernel (fp32 sums in rank order, every
+  rank bit-identical). Otherwise ``lax.psum`` (one warning).
+  """
+  ok, why = engine_status()
+  if not ok:
+    _fallback_warning(why)
+    return _psum(x, axis_name)
+  if not isinstance(axis_name, str):
+    _fallback_warning("only a single named axis is supported")
+    return _psum(x, axis_name)
+  x = jnp.asarray(x)
+  if x.dtype not in _AR_DTYPES:
+    _fallback_warning(f"dtype {x.dtype} not supported by the engine all-reduce")
+    return _psum(x, axis_name)
+  world = lax.axis_size(axis_name)
+  nbytes = x.size * x.dtype.itemsize
+  if world == 1 or x.size == 0:
+    return _psum(x, axis_name)
+  if nbytes > _lib.payload_cap():
+    _fallback_warning(f"message of {nbytes} bytes over JTILERT_FFI_MAX_BYTES={_lib.payload_cap()}")
+    return _psum(x, axis_name)
+  d_algo, d_blocks, d_threads = all_reduce_config(nbytes, world)
+  x = _ensure_varying(x, axis_name)
+  return all_reduce_p.bind(x, axis_name=axis_name,
+                           algo=int(d_algo if algo is None else algo),
+                           blocks=int(d_blocks if blocks is None else blocks),
+                           threads=int(d_threads if threads is None else threads))
+
+
+# ----------------------------------------------------------------- GEMV + all-reduce
+
+def dequantize(w, scale):
+  """fp32 W from bf16 W, or from fp8 W and its [ceil(N/128), ceil(K/128)] scales."""
+  wf = w.astype(jnp.float32)
+  if scale is None:
+    return wf
+  n, k = w.shape
+  s = jnp.repeat(jnp.repeat(scale.astype(jnp.float32), 128, axis=0)[:n], 128, axis=1)[:, :k]
+  return wf * s
+
+
+def gemv_reference(x, w, scale, axis_name):
+  """The XLA path: all_reduce(x @ dequant(w).T) in fp32, result in x.dtype."""
+  y = jnp.dot(dequantize(w, scale), x.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+  if axis_name is not None:
+    y = lax.psum(y, axis_name)
+  return y.astype(x.dtype)
+
+
+gemv_p = Primitive("jtilert_gemv_all_reduce")
+
+
+def _gemv_abstract(x, w, scale, table, *, axis_name, **_):
+  return _out_aval(x, axis_name, shape=(w.shape[0],), dtype=x.dtype,
+                   extra_vma=_vma(w) | _vma(scale) | _vma(table))
+
+
+gemv_p.def_abstract_eval(_gemv_abstract)
+
+
+def _gemv_lower_xla(ctx, x, w, scale, table, *, axis_name, has_scale, **_):
+  def f(x, w, s, t):
+    del t
+    return [gemv_reference(x, w, s if has_scale else None, axis_name)]
+  return mlir.lower_fun(f, multiple_results=True)(ctx, x, w, scale, table)
+
+
+def _gemv_lower_cuda(ctx, x, w, scale, table, *, axis_name, nwc, rpw, num_ctas, max_tasks,
+                     has_scale):
+  if axis_name is None:
+    groups, world = np.zeros((1,), np.int32), 1
+  else:
+    g, why = _groups_for_lowering(ctx, axis_name)
+    if g is None:
+      _fallback_warning(why)
+      return _gemv_lower_xla(ctx, x, w, scale, table, axis_name=axis_name, has_scale=has_scale)
+    groups, world = g.ravel().astype(np.int32), g.shape[1]
+  return jax.ffi.ffi_lowering("jtilert_gemv_all_reduce")(
+      ctx, x, w, scale, table, groups=groups, world=np.int32(world), nwc=np.int32(nwc),
+      rpw=np.int32(rpw), num_ctas=np.int32(num_ctas), max_tasks=np.int32(max_tasks),
+      has_scale=np.int32(1 if has_scale else 0))
+
+
+mlir.register_lowering(gemv_p, _gemv_lower_xla)
+mlir.register_lowering(gemv_p, _gemv_lower_cuda, platform="cuda")
+
+
+def _num_sms() -> int:
+  lib, _ = _lib.load()
+  if lib is None:
+    return 132
+  n = lib.sm_count(0)
+  return n if n > 0 else 132
+
+
+def _gemv_unsupported(x, w, scale) -> str | None:
+  if x.ndim != 1 or w.ndim != 2 or w.shape[1] != x.shape[0]:
+    return f"shapes x{x.shape} w{w.shape} are not x[K], w[N, K]"
+  if x.dtype != jnp.bfloat16:
+    return f"x dtype {x.dtype} (engine GEMV takes bf16)"
+  if w.dtype == jnp.bfloat16:
+    if scale is not None:
+      return "scales with bf16 weights"
+    wd = "bf16"
+  elif w.dtype == jnp.float8_e4m3fn:
+    if scale is None:
+      return "fp8 weights without scales"
+    wd = "fp8"
+  else:
+    return f"weight dtype {w.dtype}"
+  n, k = w.shape
+  if scale is not None and tuple(scale.shape) != (math.ceil(n / 128), math.ceil(k / 128)):
+    return f"scale shape {scale.shape} != ceil(N/128), ceil(K/128)"
+  if k % _plan.ELEMS_PER_CHUNK[wd]:
+    return f"K={k} not a multiple of {_plan.ELEMS_PER_CHUNK[wd]}"
+  if 4 * n > _lib.payload_cap():
+    return f"N={n} over the engine's payload cap"
+  return None
+
+
+def _gemv_bind(x, w, scale, axis_name, nwc, rpw):
+  wd = "fp8" if w.dtype == jnp.float8_e4m3fn else "bf16"
+  p = _plan.build_gemv_plan(w.shape[0], w.shape[1], wdtype=wd, num_sms=_num_sms(), nwc=nwc,
+                            rpw=rpw)
+  table = jnp.asarray(p.table)
+  has_scale = scale is not None
+  s = scale.astype(jnp.float32) if has_scale else jnp.zeros((1,), jnp.float32)
+  return gemv_p.bind(x, w, s, table, axis_name=axis_name, nwc=p.nwc, rpw=p.rpw,
+                     num_ctas=p.num_ctas, max_tasks=p.max_tasks, has_scale=has_scale)
+
+
+def gemv_all_reduce(x, w, scale, axis_name, *, nwc=None, rpw=None):
+  """y[N] = all_reduce(x @ dequant(w).T) over ``axis_name``, in ``x.dtype``.
+
+  x: [K_local] bf16; w: [N, K_local] bf16 (scale None) or float8_e4m3fn with
+  ``scale`` [ceil(N/128), ceil(K_local/128)] fp32 block scales (W = q * scale).
+  On GPU with the engine: one persistent kernel that streams the weights and
+  overlaps the exchange of each output tile with the next tile's weights.
+  """
+  x, w = jnp.asarray(x), jnp.asarray(w)
+  ok, why = engine_status()
+  if ok and not isinstance(axis_name, str):
+    ok, why = False, "only a single named axis is supported"
+  if ok:
+    bad = _gemv_unsupported(x, w, scale)
+    if bad:
+      ok, why = False, bad
+  if not ok:
+    _fallback_warning(why)
+    return gemv_reference(x, w, scale, axis_name)
+  if lax.axis_size(axis_name) == 1:
+    return gemv(x, w, scale, nwc=nwc, rpw=rpw)
+  x = _ensure_varying(x, axis_name)
+  return _gemv_bind(x, w, scale, axis_name, nwc, rpw)
+
+
+def gemv(x, w, scale=None, *, nwc=None, rpw=None):
+  """Local y[N] = x @ dequant(w).T with the engine's GEMV kernel (no all-reduce)."""
+  x, w = jnp.asarray(x), jnp.asarray(w)
+  ok, why = engine_status()
+  if ok:
+    bad = _gemv_unsupported(x, w, scale)
+    if bad:
+      ok, why = False, bad
+  if not ok:
+    _fallback_warning(why)
+    return gemv_reference(x, w, scale, None)
+  return _gemv_bind(x, w, scale, None, nwc, rpw)
+
+
+# ----------------------------------------------------------------- merge top-k
+
+def _gather_invariant(x, axis_name):
+  if _check_vma_on():
+    return lax.all_gather(_ensure_varying(x, axis_name), axis_name, tiled=True, to="invarying")
+  return lax.all_gather(x, axis_name, tiled=True)
+
+
+def merge_topk_reference(scores, indices, axis_name, k):
+  """all_gather + sort by (score desc, index asc), first k."""
+  s = _gather_invariant(scores, axis_name)
+  i = _gather_invariant(indices, axis_name)
+  neg, idx = lax.sort((-s, i), num_keys=2)
+  return -neg[:k], idx[:k]
+
+
+def sort_candidates(scores, indices):
+  """Sorts one rank's candidates by (score desc, index asc)."""
+  neg, idx = lax.sort((-scores, indices), num_keys=2)
+  return -neg, idx
+
+
+merge_topk_p = Primitive("jtilert_merge_topk")
+merge_topk_p.multiple_results = True
+
+
+def _topk_abstract(scores, indices, *, axis_name, k, **_):
+  vma = _vma(indices)
+  return (_out_aval(scores, axis_name, shape=(k,), extra_vma=vma),
+          _out_aval(indices, axis_name, shape=(k,), extra_vma=_vma(scores)))
+
+
+merge_topk_p.def_abstract_eval(_topk_abstract)
+
+
+def _topk_lower_xla(ctx, scores, indices, *, axis_name, k, **_):
+  return mlir.lower_fun(lambda s, i: list(merge_topk_reference(s, i, axis_name, k)),
+                        multiple_results=True)(ctx, scores, indices)
+
+
+def _topk_lower_cuda(ctx, scores, indices, *, axis_name, k, blocks, threads):
+  groups, why = _groups_for_lowering(ctx, axis_name)
+  if groups is None:
+    _fallback_warning(why)
+    return _topk_lower_xla(ctx, scores, indices, axis_name=axis_name, k=k)
+  return jax.ffi.ffi_lowering("jtilert_merge_topk")(
+      ctx, scores, indices, groups=groups.ravel().astype(np.int32),
+      world=np.int32(groups.shape[1]), blocks=np.int32(blocks), threads=np.int32(threads))
+
+
+mlir.register_lowering(merge_topk_p, _topk_lower_xla)
+mlir.register_lowering(merge_topk_p, _topk_lower_cuda, platform="cuda")
+
+
+def merge_topk(scores, indices, axis_name, k, *, sorted_inputs=True, blocks=None,
+               threads=None):
+  """Global top-``k`` of every rank's candidates, identical on every rank.
+
+  scores [m] float32 and indices [m] int32 (global positions) are one rank's
+  candidates; k <= axis_size * m. The result (scores [k], indices [k]) is ordered
+  by score desc, ties by the lower index first. The engine path needs each
+  rank's list already in that order (``lax.top_k`` over a rank's own positions
+  gives it once the local positions are offset to global ones); pass
+  ``sorted_inputs=False`` to sort first. Scores must not be NaN.
+  """
+  scores = jnp.asarray(scores, jnp.float32)
+  indices = jnp.asarray(indices, jnp.int32)
+  ok, why = engine_status()
+  if ok and not isinstance(axis_name, str):
+    ok, why = False, "only a single named axis is supported"
+  if ok:
+    world = lax.axis_size(axis_name)
+    m = scores.shape[0]
+    if scores.ndim != 1 or indices.shape != scores.shape:
+      ok, why = False, f"scores {scores.shape} / indices {indices.shape} must be equal 1-D"
+    elif not 1 <= k <= world * m:
+      raise ValueError(f"k={k} must be in [1, {world * m}]")
+    elif m > _lib.payload_cap() // 8:
+      ok, why = False, f"m={m} over the engine's payload cap"
+    elif not _TEST_FORCE_EMIT:
+      lib, _ = _lib.load()
+      if m > lib.merge_topk_max_m(0, world):
+        ok, why = False, f"m={m} does not fit in shared memory for {world} ranks"
+  if not ok:
+    _fallback_warning(why)
+    return merge_topk_reference(scores, indices, axis_name, k)
+  if not sorted_inputs:
+    scores, indices = sort_candidates(scores, indices)
+  scores = _ensure_varying(scores, axis_name)
+  indices = _ensure_varying(indices, axis_name)
+  total = world * m
+  threads = int(threads or 512)
+  blocks = int(blocks or min(16, max(1, math.ceil(total / (2 * threads)))))
+  out_s, out_i = merge_topk_p.bind(scores, indices, axis_name=axis_name, k=int(k),
+                                   blocks=blocks, threads=threads)
+  return out_s, out_i
