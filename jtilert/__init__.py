@@ -2,9 +2,9 @@
 
 from jtilert.config import ModelConfig, PRESETS, preset
 from jtilert.generate import Generator, score
-from jtilert.model import Transformer, init_cache
+from jtilert.model import Transformer, init_cache, random_model
 from jtilert.sampling import Sampling
 from jtilert.sharding import make_mesh
 
-__all__ = ["ModelConfig", "PRESETS", "preset", "Generator", "score", "Transformer", "init_cache", "Sampling",
+__all__ = ["ModelConfig", "PRESETS", "preset", "Generator", "score", "Transformer", "init_cache", "random_model", "Sampling",
            "make_mesh"]

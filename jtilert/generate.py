@@ -191,6 +191,13 @@ class Generator:
         self._cache = self.engine.place(cache)
         self._injected = length
 
+    def prefill(self, prompt_ids) -> list[dict]:
+        """The per-layer caches of prompt_ids, as `inject_cache` takes them (for disaggregation:
+        one Generator prefills, another decodes)."""
+        ids = self._check_prompt(prompt_ids, 0)
+        _, _, cache = self._prefill(ids, 0, self.engine.new_cache(self.rows))
+        return cache["layers"]
+
     def _take_cache(self) -> tuple[dict, int]:
         if self._cache is not None:
             cache, start = self._cache, self._injected

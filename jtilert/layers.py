@@ -22,6 +22,14 @@ F32 = jnp.float32
 
 # ---- norms and projections -------------------------------------------------------------------
 
+def dot(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """einsum with fp32 accumulation and an fp32 result. XLA:CPU has no bf16×bf16→fp32 dot, so on
+    the CPU (tests, interpret mode) the operands are upcast first; on the GPU they stay narrow."""
+    if jax.default_backend() == "cpu":
+        a, b = a.astype(F32), b.astype(F32)
+    return jnp.einsum(spec, a, b, preferred_element_type=F32)
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     x32 = x.astype(F32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
@@ -39,7 +47,7 @@ def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float = 1e
 def linear(x: jax.Array, w: jax.Array, scale: jax.Array | None = None) -> jax.Array:
     """y = x · Wᵀ with W [out, in] (bf16/fp32, or fp8 with block scales), fp32 accumulation."""
     wd = dequantize(w, scale, x.dtype)
-    return jnp.einsum("...k,nk->...n", x, wd, preferred_element_type=F32).astype(x.dtype)
+    return dot("...k,nk->...n", x, wd).astype(x.dtype)
 
 
 def swiglu(x, gate, gate_scale, up, up_scale, down, down_scale):
@@ -126,7 +134,8 @@ def indexer_scores(q: jax.Array, w: jax.Array, k_cache: jax.Array, k_scale: jax.
                    positions: jax.Array) -> jax.Array:
     """I(t, s) = Σ_h w[t,h] · ReLU(q[t,h] · k[s]) (· k_scale[s]) for every cache row s, -inf where s > positions[t].
     q [T, H, D], w [T, H] fp32, k_cache [S, D] (fp8 or float), k_scale [S] or None → [T, S] fp32."""
-    logits = jnp.einsum("thd,sd->ths", q.astype(F32), k_cache.astype(F32))
+    kd = jnp.bfloat16 if k_cache.dtype == jnp.float8_e4m3fn else k_cache.dtype  # fp8 is exact in bf16
+    logits = dot("thd,sd->ths", q.astype(kd), k_cache.astype(kd))
     scores = jnp.einsum("th,ths->ts", w, jax.nn.relu(logits))
     if k_scale is not None:
         scores = scores * k_scale[None, :]
@@ -196,12 +205,12 @@ def moe_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, gate, gate_sca
         u, us = pick(up, up_scale, sel)
         d, ds = pick(down, down_scale, sel)
         xs = jnp.repeat(x, k, axis=0)  # [T*k, hidden]
-        h = (jax.nn.silu(jnp.einsum("nh,nih->ni", xs, dequantize(g, gs, x.dtype), preferred_element_type=F32))
-             * jnp.einsum("nh,nih->ni", xs, dequantize(u, us, x.dtype), preferred_element_type=F32))
-        y = jnp.einsum("ni,nhi->nh", h.astype(x.dtype), dequantize(d, ds, x.dtype), preferred_element_type=F32)
-        return jnp.einsum("tk,tkh->th", weights, y.reshape(t, k, -1)).astype(x.dtype)
+        h = (jax.nn.silu(dot("nh,nih->ni", xs, dequantize(g, gs, x.dtype)))
+             * dot("nh,nih->ni", xs, dequantize(u, us, x.dtype)))
+        y = dot("ni,nhi->nh", h.astype(x.dtype), dequantize(d, ds, x.dtype))
+        return dot("tk,tkh->th", weights, y.reshape(t, k, -1)).astype(x.dtype)
     dense = jnp.zeros((t, n_experts), F32).at[jnp.arange(t)[:, None], ids].add(weights)
-    h = (jax.nn.silu(jnp.einsum("th,eih->tei", x, dequantize(gate, gate_scale, x.dtype), preferred_element_type=F32))
-         * jnp.einsum("th,eih->tei", x, dequantize(up, up_scale, x.dtype), preferred_element_type=F32))
+    h = (jax.nn.silu(dot("th,eih->tei", x, dequantize(gate, gate_scale, x.dtype)))
+         * dot("th,eih->tei", x, dequantize(up, up_scale, x.dtype)))
     h = (h * dense[:, :, None]).astype(x.dtype)
-    return jnp.einsum("tei,ehi->th", h, dequantize(down, down_scale, x.dtype), preferred_element_type=F32).astype(x.dtype)
+    return dot("tei,ehi->th", h, dequantize(down, down_scale, x.dtype)).astype(x.dtype)

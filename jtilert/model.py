@@ -10,6 +10,9 @@ Module and parameter names follow the HF checkpoint keys, so loading is a rename
 
 from __future__ import annotations
 
+import functools
+import zlib
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -184,11 +187,11 @@ class Attention(nnx.Module):
         if self.indexer is not None:
             topk, cache = self.indexer(x, qa, cos, sin, positions, start, cache)
         wkv = self.kv_b_proj.dequantized(x.dtype).reshape(heads, nope + cfg.v_head_dim, lat)
-        q_lat = jnp.einsum("thn,hnl->thl", q_nope, wkv[:, :nope], preferred_element_type=F32).astype(x.dtype)
+        q_lat = layers.dot("thn,hnl->thl", q_nope, wkv[:, :nope]).astype(x.dtype)
         self.sow(nnx.Intermediate, "q_lat", q_lat)
         self.sow(nnx.Intermediate, "q_pe", q_pe)
         o_lat = ops.sparse_mla(q_lat, q_pe, cache["kv"], cache["pe"], *topk, cfg.softmax_scale)
-        o = jnp.einsum("thl,hvl->thv", o_lat.astype(x.dtype), wkv[:, nope:], preferred_element_type=F32)
+        o = layers.dot("thl,hvl->thv", o_lat.astype(x.dtype), wkv[:, nope:])
         out = self.o_proj(o.reshape(t, heads * cfg.v_head_dim).astype(x.dtype))
         return sharding.all_reduce(out), cache, topk
 
@@ -240,7 +243,7 @@ class Transformer(nnx.Module):
 
     def logits(self, h, norm: RMSNorm):
         """Full-vocab fp32 logits [T, V] (gathered over tp ranks from the vocab-split head)."""
-        local = jnp.einsum("th,vh->tv", norm(h), self.lm_head.weight[...].astype(h.dtype), preferred_element_type=F32)
+        local = layers.dot("th,vh->tv", norm(h), self.lm_head.weight[...].astype(h.dtype))
         return sharding.all_gather_last(local)
 
     def __call__(self, tokens: jax.Array, start: jax.Array, cache: dict):
@@ -287,3 +290,61 @@ def init_cache(cfg: ModelConfig, rows: int, dtype) -> dict:
     if cfg.num_nextn_predict_layers:
         cache["mtp"] = layer_cache(True)
     return cache
+
+
+def random_model(cfg: ModelConfig | str, fmt: str = "bf16", seed: int = 0, dtype=None, mesh=None) -> Transformer:
+    """A model with random weights, made on the devices: each part is built by a compiled function
+    (layers of one kind share one compilation) straight into its tensor-parallel sharding, so even
+    a full-size model never passes through one device or the host."""
+    if isinstance(cfg, str):
+        from jtilert.config import preset
+        cfg = preset(cfg)
+    norm_dtype = WEIGHT_FORMATS[fmt]
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), fmt=fmt, dtype=dtype)))
+    first_of_kind = {}
+    for i, t in enumerate(cfg.indexer_types):
+        first_of_kind.setdefault((t, cfg.is_moe(i)), i)
+
+    def part(name, ctor, prefix=()):
+        key = jax.random.fold_in(jax.random.key(seed), zlib.crc32(name.encode()))
+        return _build(ctor, mesh, prefix)(key)
+
+    for i, t in enumerate(cfg.indexer_types):
+        rep = first_of_kind[(t, cfg.is_moe(i))]
+        state["layers"][i] = part(f"layers.{i}", _Ctor(DecoderLayer, cfg, rep, fmt=fmt))
+    state["norm"] = part("norm", _Ctor(RMSNorm, cfg.hidden_size, cfg.rms_norm_eps, dtype=norm_dtype))
+    state["lm_head"] = part("lm_head", _Ctor(Linear, cfg.hidden_size, cfg.vocab_size, fmt=fmt, quantizable=False),
+                            prefix=("lm_head",))
+    if cfg.num_nextn_predict_layers:
+        state["mtp"] = part("mtp", _Ctor(MTP, cfg, fmt=fmt))
+    embed = jax.jit(lambda k: jax.random.normal(k, (cfg.vocab_size, cfg.hidden_size), F32).astype(norm_dtype),
+                    out_shardings=None if mesh is None else jax.sharding.NamedSharding(mesh, jax.P()))
+    state["embed_tokens"] = nnx.Param(embed(jax.random.key(seed)))
+    return nnx.merge(graphdef, state)
+
+
+class _Ctor:
+    """A hashable constructor call (the jit cache key for building one kind of sub-module)."""
+
+    def __init__(self, cls, *args, **kwargs):
+        self.cls, self.args, self.kwargs = cls, args, tuple(sorted(kwargs.items()))
+
+    def __call__(self, rngs):
+        return self.cls(*self.args, rngs=rngs, **dict(self.kwargs))
+
+    def __eq__(self, other):
+        return isinstance(other, _Ctor) and (self.cls, self.args, self.kwargs) == (other.cls, other.args, other.kwargs)
+
+    def __hash__(self):
+        return hash((self.cls, self.args, self.kwargs))
+
+
+@functools.lru_cache(maxsize=None)
+def _build(ctor: _Ctor, mesh, prefix: tuple):
+    """The compiled builder of one kind of sub-module, its outputs in their tp shardings; `prefix`
+    is the sub-module's own name where the sharding rule needs it (the lm head)."""
+    abstract = nnx.split(nnx.eval_shape(lambda: ctor(nnx.Rngs(0))))[1]
+    shardings = None if mesh is None else jax.tree_util.tree_map_with_path(
+        lambda p, x: jax.sharding.NamedSharding(mesh, sharding.spec_for(prefix + sharding.path_names(p), x.ndim)),
+        abstract)
+    return jax.jit(lambda key: nnx.split(ctor(nnx.Rngs(key)))[1], out_shardings=shardings)

@@ -1,0 +1,110 @@
+import numpy as np
+import pytest
+
+import jtilert
+from jtilert import Sampling
+
+PROMPT = np.random.RandomState(1).randint(0, 256, 40)  # longer than tiny's index_topk (32)
+
+
+@pytest.fixture(scope="module")
+def gen(tiny_random):
+    return jtilert.Generator(tiny_random, max_seq_len=256)
+
+
+def test_mtp_greedy_equals_plain_greedy(tiny_random, gen):
+    plain = gen.generate(PROMPT, 24, stop_tokens=[])
+    spec = jtilert.Generator(tiny_random, max_seq_len=256, mtp=True)
+    assert spec.generate(PROMPT, 24, stop_tokens=[]) == plain
+    assert spec.stats["drafted"] > 0 and 0 <= spec.acceptance <= 1
+    assert gen.acceptance is None
+
+
+def test_decode_step_compiles_once(gen):
+    gen.generate(PROMPT[:8], 4, stop_tokens=[])
+    before = gen.engine.decode._cache_size()
+    out = gen.generate(PROMPT[:8], 200, stop_tokens=[], sampling=Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=3))
+    out2 = gen.generate(PROMPT[:20], 30, stop_tokens=[], sampling=Sampling(temperature=1.3, seed=4))
+    assert len(out) == 200 and len(out2) == 30
+    assert gen.engine.decode._cache_size() == before == 1
+
+
+def test_sampling_is_seeded_and_filters(gen):
+    s = Sampling(temperature=1.0, top_k=5, seed=7)
+    a = gen.generate(PROMPT, 16, sampling=s, stop_tokens=[])
+    assert a == gen.generate(PROMPT, 16, sampling=s, stop_tokens=[])
+    assert a != gen.generate(PROMPT, 16, sampling=Sampling(temperature=1.0, top_k=5, seed=8), stop_tokens=[])
+    greedy = gen.generate(PROMPT, 16, stop_tokens=[])
+    assert gen.generate(PROMPT, 16, sampling=Sampling(temperature=0.7, top_k=1, seed=1), stop_tokens=[]) == greedy
+    assert gen.generate(PROMPT, 16, sampling=Sampling(temperature=0.7, top_p=1e-6, seed=1), stop_tokens=[]) == greedy
+
+
+def test_filtered_logprobs():
+    import jax.numpy as jnp
+
+    from jtilert.sampling import filtered_logprobs
+    logits = jnp.array([0.0, 3.0, 1.0, 2.0, -1.0])
+    p = np.exp(np.asarray(filtered_logprobs(logits, Sampling(temperature=1.0, top_k=2).arrays())))
+    assert np.count_nonzero(p) == 2 and p[1] > p[3] > 0 and p.sum() == pytest.approx(1)
+    probs = np.exp(np.array([0.0, 3.0, 1.0, 2.0, -1.0])) / np.exp(np.array([0.0, 3.0, 1.0, 2.0, -1.0])).sum()
+    p = np.exp(np.asarray(filtered_logprobs(logits, Sampling(temperature=1.0, top_p=0.8).arrays())))
+    assert set(np.flatnonzero(p)) == {1, 3}  # 0.665 < 0.8 <= 0.665 + 0.245
+    assert probs[1] < 0.8 <= probs[1] + probs[3]
+
+
+def test_mtp_sampling_keeps_target_distribution_support(tiny_random):
+    spec = jtilert.Generator(tiny_random, max_seq_len=256, mtp=True)
+    out = spec.generate(PROMPT, 20, sampling=Sampling(temperature=0.9, top_k=3, seed=5), stop_tokens=[])
+    assert len(out) == 20 and all(0 <= t < 256 for t in out)
+
+
+def test_stop_tokens_and_stream(gen):
+    full = gen.generate(PROMPT, 12, stop_tokens=[])
+    stop = full[5]
+    first = full.index(stop)
+    assert gen.generate(PROMPT, 12, stop_tokens=[stop]) == full[:first + 1]
+    streamed = []
+    for t in gen.stream(PROMPT, 12, stop_tokens=[]):
+        streamed.append(t)
+    assert streamed == full
+
+
+def test_inject_cache_continues_like_plain_prefill(tiny_random, gen):
+    ids = PROMPT[:36]
+    expected = gen.generate(ids, 10, stop_tokens=[])
+    caches = gen.prefill(ids[:30])
+    other = jtilert.Generator(tiny_random, max_seq_len=256)
+    other.inject_cache(caches, 30)
+    assert other.generate(ids, 10, stop_tokens=[]) == expected
+    bad = [dict(c, kv=c["kv"][:, :3]) for c in caches]
+    with pytest.raises(ValueError, match=r"layer 0\.kv has shape"):
+        other.inject_cache(bad, 30)
+    with pytest.raises(ValueError, match="layer caches"):
+        other.inject_cache(caches[:2], 30)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(prompt_ids=[], max_new_tokens=4), "non-empty"),
+    (dict(prompt_ids=[1, 256], max_new_tokens=4), "outside the vocab"),
+    (dict(prompt_ids=[1, -1], max_new_tokens=4), "outside the vocab"),
+    (dict(prompt_ids=list(range(200)), max_new_tokens=100), "exceeds max_seq_len"),
+    (dict(prompt_ids=[1.5, 2.0], max_new_tokens=4), "integers"),
+])
+def test_bad_prompts_raise_before_device_work(gen, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        gen.generate(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-1), "top_k")])
+def test_bad_sampling(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Sampling(**kwargs)
+
+
+def test_bad_generator_settings(tiny_random):
+    with pytest.raises(ValueError, match="backend"):
+        jtilert.Generator(tiny_random, backend="cuda-magic")
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        jtilert.Generator(tiny_random, max_seq_len=10**7)

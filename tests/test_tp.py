@@ -1,0 +1,52 @@
+"""Tensor parallelism on 8 host devices: the same tokens and logits as one device."""
+
+import jax
+import numpy as np
+import pytest
+
+import jtilert
+from jtilert import sharding
+
+
+def test_mesh_shape():
+    mesh = jtilert.make_mesh(8)
+    assert mesh.shape == {"tp": 8}
+    with pytest.raises(ValueError, match="tp=9"):
+        jtilert.make_mesh(9)
+
+
+def test_weights_split_like_tilert(tiny_random):
+    from flax import nnx
+    specs = {".".join(map(str, sharding.path_names(p))): s for p, s in
+             jax.tree_util.tree_leaves_with_path(sharding.param_specs(nnx.state(tiny_random)),
+                                                 is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))}
+    assert specs["layers.1.self_attn.q_b_proj.weight"] == jax.P("tp", None)
+    assert specs["layers.1.self_attn.o_proj.weight"] == jax.P(None, "tp")
+    assert specs["layers.1.mlp.experts.gate.weight"] == jax.P(None, "tp", None)
+    assert specs["layers.1.mlp.experts.down.weight"] == jax.P(None, None, "tp")
+    assert specs["layers.0.mlp.down_proj.weight"] == jax.P(None, "tp")
+    assert specs["lm_head.weight"] == jax.P("tp", None)
+    for replicated in ("layers.1.self_attn.q_a_proj.weight", "layers.1.self_attn.indexer.wq_b.weight",
+                       "layers.1.mlp.gate.weight", "embed_tokens"):
+        assert specs[replicated] == jax.P()
+
+
+IDS = np.random.RandomState(2).randint(0, 256, 44)
+
+
+def test_tp2_logits_equal_single_device(tiny_random):
+    np.testing.assert_allclose(jtilert.score(tiny_random, IDS, mesh=jtilert.make_mesh(2)),
+                               jtilert.score(tiny_random, IDS), atol=2e-5, rtol=1e-5)
+
+
+def test_tp8_greedy_and_mtp_equal_single_device(tiny_random):
+    one = jtilert.Generator(tiny_random, max_seq_len=128).generate(IDS, 16, stop_tokens=[])
+    many = jtilert.Generator(tiny_random, max_seq_len=128, mesh=jtilert.make_mesh(8), mtp=True)
+    assert many.generate(IDS, 16, stop_tokens=[]) == one
+
+
+def test_fp8_split_needs_aligned_blocks():
+    cfg = jtilert.preset("tiny")
+    model = jtilert.random_model(cfg, fmt="fp8")
+    with pytest.raises(ValueError, match="o_proj.*tp=2"):
+        jtilert.Generator(model, max_seq_len=64, mesh=jtilert.make_mesh(2))
