@@ -1,0 +1,231 @@
+"""GPU correctness checks of jtilert.ffi through JAX (needs >= 2 GPUs).
+
+    PYTHONPATH=. python3 tests/gpu/engine_gpu_checks.py [--calls 10000]
+
+Run by tests/gpu/run_engine_gpu.sh with JTILERT_FFI_LIB pointing at the built
+library. Prints one PASS/FAIL line per check and exits non-zero on failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+import warnings
+
+import numpy as np
+
+
+def main() -> int:
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--calls", type=int, default=10000)
+  ap.add_argument("--dispatch-calls", type=int, default=2000)
+  ap.add_argument("--cpu-smoke", action="store_true",
+                  help="run the script on host devices through the fallback (checks the script only)")
+  args = ap.parse_args()
+
+  import jax
+  import jax.numpy as jnp
+  from jax import lax
+  from jax.sharding import Mesh
+  from jax.sharding import PartitionSpec as P
+
+  import jtilert.ffi as jf
+
+  fails = []
+
+  def report(ok, what):
+    print(("PASS " if ok else "FAIL ") + what, flush=True)
+    if not ok:
+      fails.append(what)
+
+  gpus = jax.devices() if args.cpu_smoke else jax.devices("gpu")
+  print(f"jax {jax.__version__}, {len(gpus)} GPU(s): {gpus[0].device_kind}")
+  print("engine available:", jf.available(), jf.unavailable_reason())
+  if len(gpus) < 2 or not (jf.available() or args.cpu_smoke):
+    report(False, "need >= 2 GPUs and the engine")
+    return 1
+  W = 2
+  mesh = Mesh(np.array(gpus[:W]), ("tp",))
+  rng = np.random.default_rng(0)
+  warnings.simplefilter("always")
+
+  def smap(f, in_specs, out_specs):
+    return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+
+  def per_rank(f):
+    """Wraps f so each rank's output comes back stacked on a leading axis."""
+    def g(*a):
+      out = f(*a)
+      return jax.tree.map(lambda o: o[None], out)
+    return g
+
+  def hlo_has(fn, args, name):
+    return name in fn.lower(*args).as_text()
+
+  # ---------------- all-reduce vs psum, bit-identical across ranks ----------
+  for dtype in (jnp.bfloat16, jnp.float32):
+    for n in (1, 7, 14336, 100003):
+      for algo in (0, 1):
+        x = jnp.asarray(rng.standard_normal((W, n)), dtype)
+        fe = smap(per_rank(lambda v, algo=algo: jf.all_reduce(v[0], "tp", algo=algo)),
+                  P("tp"), P("tp"))
+        fp = smap(per_rank(lambda v: lax.psum(v[0], "tp")), P("tp"), P("tp"))
+        try:
+          ye = np.asarray(fe(x).astype(jnp.float32))
+          yp = np.asarray(fp(x).astype(jnp.float32))
+          ref = np.asarray(x.astype(jnp.float32)).sum(0)
+          same = all(np.array_equal(ye[0].view(np.uint32), ye[r].view(np.uint32))
+                     for r in range(W))
+          tol = 1e-2 if dtype == jnp.bfloat16 else 1e-6
+          close = np.allclose(ye[0], ref, rtol=tol, atol=tol)
+          eq_psum = np.array_equal(ye[0], yp[0])
+          custom = hlo_has(fe, (x,), "jtilert_all_reduce")
+          report(same and close and custom,
+                 f"all_reduce {jnp.dtype(dtype).name} n={n} algo={'two' if algo else 'one'}-shot: "
+                 f"custom_call={custom} bit-identical={same} close-to-ref={close} "
+                 f"equals-psum-bitwise={eq_psum} max|d psum|="
+                 f"{np.abs(ye[0] - yp[0]).max():.3g}")
+        except Exception as e:  # noqa: BLE001
+          traceback.print_exc()
+          report(False, f"all_reduce {dtype} n={n} algo={algo}: {e}")
+
+  # ---------------- GEMV + all-reduce -----------------------------------------
+  def ref_gemv(x, w, s):
+    wf = np.asarray(w.astype(jnp.float32), np.float64)
+    if s is not None:
+      s = np.asarray(s, np.float64)
+      n, k = wf.shape
+      wf = wf * np.repeat(np.repeat(s, 128, 0)[:n], 128, 1)[:, :k]
+    return wf @ np.asarray(x.astype(jnp.float32), np.float64)
+
+  for (n, k, fp8) in ((7168, 2048, False), (7168, 2048, True), (7168, 256, False),
+                      (1001, 512, True), (999, 2304, False)):
+    kg = k * W
+    x = jnp.asarray(rng.standard_normal(kg), jnp.bfloat16)
+    if fp8:
+      w = jnp.asarray(rng.standard_normal((n, kg)) * 4, jnp.float32).astype(jnp.float8_e4m3fn)
+      s = jnp.asarray(2.0 ** rng.integers(-3, 2, (-(-n // 128), kg // 128)), jnp.float32)
+      in_specs = (P("tp"), P(None, "tp"), P(None, "tp"))
+      fn = smap(per_rank(lambda x, w, s: jf.gemv_all_reduce(x, w, s, "tp")), in_specs, P("tp"))
+      args_ = (x, w, s)
+    else:
+      w = jnp.asarray(rng.standard_normal((n, kg)) * 0.05, jnp.bfloat16)
+      s = None
+      in_specs = (P("tp"), P(None, "tp"))
+      fn = smap(per_rank(lambda x, w: jf.gemv_all_reduce(x, w, None, "tp")), in_specs, P("tp"))
+      args_ = (x, w)
+    try:
+      y = np.asarray(fn(*args_).astype(jnp.float32))
+      ref = ref_gemv(x, w, s)
+      rel = np.linalg.norm(y[0] - ref) / np.linalg.norm(ref)
+      same = all(np.array_equal(y[0], y[r]) for r in range(W))
+      custom = hlo_has(fn, args_, "jtilert_gemv_all_reduce")
+      report(same and rel < 8e-3 and custom,
+             f"gemv_all_reduce N={n} K_local={k} {'fp8' if fp8 else 'bf16'}: custom_call={custom} "
+             f"bit-identical={same} rel-err={rel:.2e}")
+    except Exception as e:  # noqa: BLE001
+      traceback.print_exc()
+      report(False, f"gemv_all_reduce N={n} K={k} fp8={fp8}: {e}")
+
+  # local GEMV (no communication)
+  try:
+    x = jnp.asarray(rng.standard_normal(2048), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((7168, 2048)) * 0.05, jnp.bfloat16)
+    y = np.asarray(jax.jit(lambda x, w: jf.gemv(x, w))(x, w).astype(jnp.float32))
+    rel = np.linalg.norm(y - ref_gemv(x, w, None)) / np.linalg.norm(ref_gemv(x, w, None))
+    report(rel < 8e-3, f"gemv (local) 7168x2048 bf16: rel-err={rel:.2e}")
+  except Exception as e:  # noqa: BLE001
+    traceback.print_exc()
+    report(False, f"gemv local: {e}")
+
+  # ---------------- merge_topk --------------------------------------------------
+  for (m, k) in ((2048, 2048), (100, 150), (777, 777)):
+    sc = np.round(rng.standard_normal((W, m)) * 4) / 4  # many ties
+    sc[:, ::13] = -np.inf
+    idx = np.stack([r * 1_000_000 + np.arange(m) * 3 for r in range(W)]).astype(np.int32)
+    # per rank sorted by (score desc, index asc)
+    for r in range(W):
+      o = np.lexsort((idx[r], -sc[r]))
+      sc[r], idx[r] = sc[r][o], idx[r][o]
+    s_j, i_j = jnp.asarray(sc, jnp.float32), jnp.asarray(idx)
+    fe = smap(per_rank(lambda s, i, k=k: jf.merge_topk(s[0], i[0], "tp", k)),
+              (P("tp"), P("tp")), P("tp"))
+    try:
+      os_, oi = (np.asarray(a) for a in fe(s_j, i_j))
+      allc = sorted(zip(-sc.ravel(), idx.ravel()))[:k]
+      rs = -np.array([a for a, _ in allc], np.float32)
+      ri = np.array([b for _, b in allc], np.int32)
+      same = all(np.array_equal(os_[0].view(np.uint32), os_[r].view(np.uint32)) and
+                 np.array_equal(oi[0], oi[r]) for r in range(W))
+      exact = np.array_equal(oi[0], ri) and np.array_equal(os_[0], rs)
+      custom = hlo_has(fe, (s_j, i_j), "jtilert_merge_topk")
+      report(same and exact and custom,
+             f"merge_topk m={m} k={k}: custom_call={custom} bit-identical={same} exact={exact}")
+    except Exception as e:  # noqa: BLE001
+      traceback.print_exc()
+      report(False, f"merge_topk m={m} k={k}: {e}")
+
+  # ---------------- 10,000 calls inside one jitted loop -------------------------
+  try:
+    n = 7168
+    x0 = jnp.asarray(rng.standard_normal((W, n)), jnp.bfloat16)
+    wl = jnp.asarray(rng.standard_normal((7168, 2048 * W)) * 0.05, jnp.bfloat16)
+    m = 256
+    sc = np.sort(rng.standard_normal((W, m)).astype(np.float32), axis=1)[:, ::-1].copy()
+    idx = np.stack([r * 10_000 + np.arange(m) for r in range(W)]).astype(np.int32)
+
+    def loop(x, w, s, i):
+      x = x[0]
+
+      def body(it, c):
+        bad_ar, bad_gemv, bad_topk = c
+        xi = x + (it % 7).astype(x.dtype)
+        y = jf.all_reduce(xi, "tp")
+        yr = lax.psum(xi, "tp")
+        bad_ar += jnp.sum(y != yr)
+        g = jf.gemv_all_reduce(xi[:2048], w, None, "tp").astype(jnp.float32)
+        gr = jf.gemv_reference(xi[:2048], w, None, "tp").astype(jnp.float32)
+        bad_gemv += jnp.sum(jnp.abs(g - gr) > 0.02 * jnp.abs(gr) + 0.05)
+        ts, ti = jf.merge_topk(s[0] + it.astype(jnp.float32), i[0], "tp", m)
+        rs, ri = jf.merge_topk_reference(s[0] + it.astype(jnp.float32), i[0], "tp", m)
+        bad_topk += jnp.sum(ti != ri) + jnp.sum(ts != rs)
+        return bad_ar, bad_gemv, bad_topk
+
+      z = jnp.zeros((), jnp.int32)
+      out = lax.fori_loop(0, args.calls, body, (z, z, z))
+      return jax.tree.map(lambda o: o[None], out)
+
+    fl = smap(loop, (P("tp"), P(None, "tp"), P("tp"), P("tp")), P("tp"))
+    t0 = time.perf_counter()
+    res = [np.asarray(a) for a in fl(x0, wl, jnp.asarray(sc), jnp.asarray(idx))]
+    dt = time.perf_counter() - t0
+    ok = all(int(a.sum()) == 0 for a in res)
+    report(ok, f"{args.calls} iterations of all_reduce + gemv_all_reduce + merge_topk in one "
+               f"jitted fori_loop: mismatches ar={res[0].tolist()} gemv={res[1].tolist()} "
+               f"topk={res[2].tolist()} ({dt:.1f} s incl. compile)")
+  except Exception as e:  # noqa: BLE001
+    traceback.print_exc()
+    report(False, f"jitted loop: {e}")
+
+  # ---------------- many host-dispatched calls ----------------------------------
+  try:
+    x = jnp.asarray(rng.standard_normal((W, 7168)), jnp.bfloat16)
+    fe = smap(per_rank(lambda v: jf.all_reduce(v[0], "tp")), P("tp"), P("tp"))
+    ref = fe(x)
+    outs = [fe(x) for _ in range(args.dispatch_calls)]
+    ok = all(bool(jnp.array_equal(o, ref)) for o in outs[-50:])
+    jax.block_until_ready(outs)
+    ok &= all(np.array_equal(np.asarray(o), np.asarray(ref)) for o in outs[::97])
+    report(ok, f"{args.dispatch_calls} host-dispatched all_reduce calls: all equal")
+  except Exception as e:  # noqa: BLE001
+    traceback.print_exc()
+    report(False, f"dispatch calls: {e}")
+
+  print(f"{'FAILED' if fails else 'OK'}: {len(fails)} failure(s)")
+  return 1 if fails else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
