@@ -68,9 +68,13 @@ struct WTraits<JT_F8E4M3> {
   static constexpr int kElems = 16;
 };
 
-__device__ __forceinline__ float dot_bf16x8(uint4 w, const float* xs) {
-  const float4 a = *reinterpret_cast<const float4*>(xs);
-  const float4 b = *reinterpret_cast<const float4*>(xs + 4);
+// x lives in shared memory as fp32 in a swizzled order: float4 part q of the
+// 16-byte weight chunk ch sits at float4 index ((ch / 32) * (EPC / 4) + q) * 32
+// + ch % 32, so the 32 lanes of a warp (ch % 32 = lane) read 32 consecutive
+// float4 for every part: no bank conflicts.
+__device__ __forceinline__ float dot_bf16x8(uint4 w, const float4* x4) {
+  const float4 a = x4[0];
+  const float4 b = x4[32];
   float s = bf16_lo(w.x) * a.x;
   s = fmaf(bf16_hi(w.x), a.y, s);
   s = fmaf(bf16_lo(w.y), a.z, s);
@@ -98,13 +102,21 @@ __device__ __forceinline__ float dot_word_e4m3(uint32_t w, float4 a) {
   return s;
 }
 
-__device__ __forceinline__ float dot_e4m3x16(uint4 w, const float* xs) {
-  const float4* x4 = reinterpret_cast<const float4*>(xs);
+__device__ __forceinline__ float dot_e4m3x16(uint4 w, const float4* x4) {
   float s = dot_word_e4m3(w.x, x4[0]);
-  s += dot_word_e4m3(w.y, x4[1]);
-  s += dot_word_e4m3(w.z, x4[2]);
-  s += dot_word_e4m3(w.w, x4[3]);
+  s += dot_word_e4m3(w.y, x4[32]);
+  s += dot_word_e4m3(w.z, x4[64]);
+  s += dot_word_e4m3(w.w, x4[96]);
   return s;
+}
+
+// Swizzled float index of element e of x (see above).
+template <int EPC>
+__device__ __forceinline__ int x_swizzle(int e) {
+  const int ch = e / EPC;
+  const int within = e - ch * EPC;
+  const int q = within >> 2;
+  return ((((ch >> 5) * (EPC / 4) + q) << 5) + (ch & 31)) * 4 + (within & 3);
 }
 
 struct GemvArgs {
@@ -121,7 +133,6 @@ __global__ void __launch_bounds__(544, 1)
     gemv_ar_kernel(CommParams c, GemvArgs g) {
   constexpr int EPC = WTraits<WDT>::kElems;
   extern __shared__ __align__(16) unsigned char smem[];
-  __shared__ unsigned s_epoch;
 
   const int C = g.table[0];
   const int T = g.table[1];
@@ -129,92 +140,123 @@ __global__ void __launch_bounds__(544, 1)
   const int ntask = g.table[kTableHeader + blockIdx.x + 1] - t0;
   const int* tasks = g.table + kTableHeader + C + 1 + t0;
 
+  // shared memory: mbarriers | task rows | x (swizzled fp32) | partials
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem);
+  int* task_s = reinterpret_cast<int*>(smem + g.max_tasks * 8);
   float* x_s = reinterpret_cast<float*>(
-      smem + ((g.max_tasks * 8 + 15) / 16) * 16);
-  float* part_s = x_s + g.K;
+      smem + ((g.max_tasks * 12 + 15) / 16) * 16);
+  const int KC = g.K / EPC;       // 16-byte chunks per row
+  const int LC = (KC + 31) >> 5;  // chunks per lane
+  float* part_s = x_s + LC * 32 * EPC;
 
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
   const int lane = tid & 31;
+  const long long row_chunks = KC;
+  const int NB = (LC + U - 1) / U;  // load batches per tile
+  const int total = ntask * NB;
+
+  struct Batch {
+    uint4 v[RPW][U];
+  };
+  // load batch `bi` (tile bi / NB, chunk group bi % NB) of this warp's rows
+  auto load = [&](Batch& b, int bi, int row0) {
+    const int kb = bi % NB;
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) {
+      const int row = row0 + warp * RPW + r;
+      const uint4* wr = g.w + (long long)row * row_chunks;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int ch = (kb * U + u) * 32 + lane;
+        b.v[r][u] = (row < g.N && ch < KC) ? ldg_stream(wr + ch)
+                                           : make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+  };
+
+  Batch A, B;
+  const bool computes = warp < g.nwc;
+  // issue the first weight loads before anything else: they do not depend on x
+  if (computes && total > 0) load(A, 0, tasks[0]);
 
   for (int e = tid; e < g.K; e += blockDim.x) {
     const uint16_t* xb = reinterpret_cast<const uint16_t*>(g.x);
-    x_s[e] = __uint_as_float((uint32_t)xb[e] << 16);
+    x_s[x_swizzle<EPC>(e)] = __uint_as_float((uint32_t)xb[e] << 16);
   }
   if (tid == 0) {
     for (int i = 0; i < ntask; ++i) mbar_init(&bars[i], (unsigned)g.nwc);
   }
-  const unsigned epoch = g.comm ? read_epoch(c, &s_epoch) : 0u;
-  if (!g.comm) __syncthreads();
-  const unsigned par = epoch & 1u;
+  for (int i = tid; i < ntask; i += blockDim.x) task_s[i] = tasks[i];
+  __syncthreads();
 
-  const int KC = g.K / EPC;          // 16-byte chunks per row
-  const int LC = (KC + 31) >> 5;     // chunks per lane
-  const long long row_chunks = KC;
-
-  if (warp < g.nwc) {
-    // ---------------- compute warps ----------------
-    for (int ti = 0; ti < ntask; ++ti) {
-      const int row0 = tasks[ti];
-      float acc[RPW];
-      const uint4* wr[RPW];
-      bool valid[RPW];
+  if (computes) {
+    // ---------------- compute warps: double-buffered weight stream ----------
+    float acc[RPW];
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) acc[r] = 0.f;
+    const float4* x4 = reinterpret_cast<const float4*>(x_s);
+    auto consume = [&](const Batch& b, int bi) {
+      const int ti = bi / NB;
+      const int kb = bi - ti * NB;
+      const int row0 = task_s[ti];
 #pragma unroll
       for (int r = 0; r < RPW; ++r) {
         const int row = row0 + warp * RPW + r;
-        valid[r] = row < g.N;
-        acc[r] = 0.f;
-        wr[r] = g.w + (long long)(valid[r] ? row : 0) * row_chunks;
-      }
-      for (int kk = 0; kk < LC; kk += U) {
-        uint4 wv[RPW][U];
 #pragma unroll
-        for (int r = 0; r < RPW; ++r) {
-#pragma unroll
-          for (int u = 0; u < U; ++u) {
-            const int ch = (kk + u) * 32 + lane;
-            wv[r][u] = (valid[r] && ch < KC) ? ldg_stream(wr[r] + ch)
-                                             : make_uint4(0u, 0u, 0u, 0u);
-          }
-        }
-#pragma unroll
-        for (int r = 0; r < RPW; ++r) {
-#pragma unroll
-          for (int u = 0; u < U; ++u) {
-            const int ch = (kk + u) * 32 + lane;
-            if (valid[r] && ch < KC) {
-              if constexpr (WDT == JT_BF16) {
-                acc[r] += dot_bf16x8(wv[r][u], x_s + ch * EPC);
-              } else {
-                const int row = row0 + warp * RPW + r;
-                const float sc = __ldg(g.scale + (long long)(row >> 7) * g.KB +
-                                       ((ch * EPC) >> 7));
-                acc[r] = fmaf(dot_e4m3x16(wv[r][u], x_s + ch * EPC), sc,
-                              acc[r]);
-              }
+        for (int u = 0; u < U; ++u) {
+          const int g32 = kb * U + u;  // chunk group: ch = g32 * 32 + lane
+          const int ch = g32 * 32 + lane;
+          if (row < g.N && ch < KC) {
+            const float4* xp = x4 + g32 * (EPC / 4) * 32 + lane;
+            if constexpr (WDT == JT_BF16) {
+              acc[r] += dot_bf16x8(b.v[r][u], xp);
+            } else {
+              const float sc = __ldg(g.scale + (long long)(row >> 7) * g.KB +
+                                     ((ch * EPC) >> 7));
+              acc[r] = fmaf(dot_e4m3x16(b.v[r][u], xp), sc, acc[r]);
             }
           }
         }
       }
+      if (kb == NB - 1) {
 #pragma unroll
-      for (int r = 0; r < RPW; ++r) {
+        for (int r = 0; r < RPW; ++r) {
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1)
-          acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);
+          for (int o = 16; o > 0; o >>= 1)
+            acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);
+        }
+        if (lane == 0) {
+#pragma unroll
+          for (int r = 0; r < RPW; ++r) part_s[ti * T + warp * RPW + r] = acc[r];
+          mbar_arrive(&bars[ti]);
+        }
+        __syncwarp();
+#pragma unroll
+        for (int r = 0; r < RPW; ++r) acc[r] = 0.f;
       }
-      if (lane == 0) {
-#pragma unroll
-        for (int r = 0; r < RPW; ++r) part_s[ti * T + warp * RPW + r] = acc[r];
-        mbar_arrive(&bars[ti]);
-      }
-      __syncwarp();
+    };
+    for (int bi = 0; bi < total; bi += 2) {
+      if (bi + 1 < total) load(B, bi + 1, task_s[(bi + 1) / NB]);
+      consume(A, bi);
+      if (bi + 1 >= total) break;
+      if (bi + 2 < total) load(A, bi + 2, task_s[(bi + 2) / NB]);
+      consume(B, bi + 1);
     }
   } else if (warp == g.nwc) {
     // ---------------- communication warp ----------------
+    unsigned epoch = 0u;
+    if (g.comm) {
+      if (lane == 0) {
+        epoch = *((volatile unsigned*)c.epoch_ctr) + 1u;
+        if (epoch == 0u) epoch = 1u;  // never 0: fresh memory is zero
+      }
+      epoch = __shfl_sync(0xffffffffu, epoch, 0);
+    }
+    const unsigned par = epoch & 1u;
     const int half = T >> 1;
     auto reduce_tile = [&](int ti) {
-      const int row0 = tasks[ti];
+      const int row0 = task_s[ti];
       for (int j = lane; j < half; j += 32) {
         const long long line = (row0 >> 1) + j;
         const int r0 = row0 + 2 * j;
@@ -245,7 +287,7 @@ __global__ void __launch_bounds__(544, 1)
     for (int ti = 0; ti < ntask; ++ti) {
       mbar_wait(&bars[ti], 0u);
       if (g.comm) {
-        const int row0 = tasks[ti];
+        const int row0 = task_s[ti];
         for (int j = lane; j < half; j += 32) {
           const long long line = (row0 >> 1) + j;
           if (row0 + 2 * j >= g.N) break;
@@ -263,9 +305,19 @@ __global__ void __launch_bounds__(544, 1)
       }
     }
     if (g.comm && ntask > 0) reduce_tile(ntask - 1);
-  }
-  if (g.comm) {
-    finish_epoch(c, epoch);
+    if (g.comm) {
+      // the last CTA to finish publishes the epoch (see common.cuh)
+      __syncwarp();
+      if (lane == 0) {
+        __threadfence();
+        unsigned prev = atomicAdd(c.done_ctr, 1u);
+        if (prev == gridDim.x - 1u) {
+          *((volatile unsigned*)c.done_ctr) = 0u;
+          *((volatile unsigned*)c.epoch_ctr) = epoch;
+          __threadfence();
+        }
+      }
+    }
   }
 }
 
@@ -315,7 +367,9 @@ int prepare_gemv_kernels(int max_smem) {
 }  // namespace jt
 
 extern "C" int64_t jt_gemv_smem_bytes(int K, int tile_rows, int max_tasks) {
-  return ((int64_t)max_tasks * 8 + 15) / 16 * 16 + (int64_t)K * 4 +
+  // x is padded to whole groups of 32 chunks (512 elements covers bf16 and fp8)
+  const int64_t kpad = ((int64_t)K + 511) / 512 * 512;
+  return ((int64_t)max_tasks * 12 + 15) / 16 * 16 + kpad * 4 +
          (int64_t)max_tasks * tile_rows * 4;
 }
 

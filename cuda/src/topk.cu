@@ -1,7 +1,7 @@
 // Cross-GPU merge of per-rank top-k candidate lists into the global top-k.
 //
 // Every rank holds a list of k (score, index) pairs sorted by score desc, then
-// index asc (what lax.top_k gives over a rank's own range of positions once the
+// index asc, -0.0 equal to +0.0 (what lax.top_k gives over a rank's own range of positions once the
 // local positions are offset to global ones). Each rank stores its list into
 // every peer's inbox (one LL line per pair), every CTA loads all W lists into
 // shared memory as 64-bit keys ordered like (score desc, index asc), and the
@@ -17,8 +17,11 @@ namespace {
 
 // 64-bit key, larger = earlier in the output: high word is the float score
 // mapped to an order-preserving uint32, low word prefers the lower index.
+// -0.0 is taken as +0.0 (they compare equal, so the lower index goes first);
+// the output carries +0.0 for it.
 __device__ __forceinline__ unsigned long long make_key(uint32_t score_bits,
                                                        uint32_t idx_bits) {
+  if (score_bits == 0x80000000u) score_bits = 0u;
   uint32_t s = (score_bits & 0x80000000u) ? ~score_bits
                                           : (score_bits | 0x80000000u);
   uint32_t i = ~(idx_bits ^ 0x80000000u);

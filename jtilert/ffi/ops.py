@@ -336,16 +336,20 @@ def _gather_invariant(x, axis_name):
 
 
 def merge_topk_reference(scores, indices, axis_name, k):
-  """all_gather + sort by (score desc, index asc), first k."""
-  s = _gather_invariant(scores, axis_name)
+  """all_gather + sort by (score desc, index asc), first k; -0.0 counts (and comes back) as +0.0."""
+  s = _gather_invariant(_canonical_zero(scores), axis_name)
   i = _gather_invariant(indices, axis_name)
   neg, idx = lax.sort((-s, i), num_keys=2)
   return -neg[:k], idx[:k]
 
 
+def _canonical_zero(s):
+  return jnp.where(s == 0, jnp.zeros_like(s), s)
+
+
 def sort_candidates(scores, indices):
-  """Sorts one rank's candidates by (score desc, index asc)."""
-  neg, idx = lax.sort((-scores, indices), num_keys=2)
+  """Sorts one rank's candidates by (score desc, index asc), -0.0 as +0.0."""
+  neg, idx = lax.sort((-_canonical_zero(scores), indices), num_keys=2)
   return -neg, idx
 
 
@@ -390,7 +394,8 @@ def merge_topk(scores, indices, axis_name, k, *, sorted_inputs=True, blocks=None
   by score desc, ties by the lower index first. The engine path needs each
   rank's list already in that order (``lax.top_k`` over a rank's own positions
   gives it once the local positions are offset to global ones); pass
-  ``sorted_inputs=False`` to sort first. Scores must not be NaN.
+  ``sorted_inputs=False`` to sort first. Scores must not be NaN; -0.0 is
+  treated as (and returned as) +0.0.
   """
   scores = jnp.asarray(scores, jnp.float32)
   indices = jnp.asarray(indices, jnp.int32)
