@@ -84,8 +84,10 @@ def _flatten(nested: dict, prefix: str = "") -> dict:
 
 # ---- save ----------------------------------------------------------------------------------
 
-def save(model: Transformer, path: str | os.PathLike, overwrite: bool = False) -> Path:
-    """Write `model` to `path` atomically (temporary folder, then rename)."""
+def save(model: Transformer, path: str | os.PathLike, overwrite: bool = False,
+         tokenizer: str | os.PathLike | None = None) -> Path:
+    """Write `model` to `path` atomically (temporary folder, then rename). `tokenizer` is "bytes"
+    (UTF-8 byte ids) or the path of an HF tokenizer.json to store beside the weights."""
     path = Path(path).absolute()
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} exists (pass overwrite=True to replace it)")
@@ -100,6 +102,10 @@ def save(model: Transformer, path: str | os.PathLike, overwrite: bool = False) -
         meta = {"layout_version": LAYOUT_VERSION, "weight_format": weight_format(params),
                 "dtype": jnp.dtype(model.dtype).name, "config": model.cfg.to_hf(),
                 "params": {k: [list(v.shape), jnp.dtype(v.dtype).name] for k, v in params.items()}}
+        if tokenizer == "bytes":
+            meta["tokenizer"] = "bytes"
+        elif tokenizer is not None:
+            shutil.copy(tokenizer, tmp / "tokenizer.json")
         (tmp / META).write_text(json.dumps(meta, indent=1))
         if path.exists():
             old = path.parent / f".{path.name}.old-{os.getpid()}"

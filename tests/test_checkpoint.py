@@ -1,0 +1,140 @@
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+import jtilert
+from jtilert import checkpoint
+from jtilert.hf import SafetensorsFile
+
+IDS = np.random.RandomState(3).randint(0, 256, 36)
+
+
+@pytest.fixture(scope="module")
+def saved(tiny_random, tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt") / "tiny"
+    jtilert.save(tiny_random, path, tokenizer="bytes")
+    return path
+
+
+def test_round_trip_is_bit_exact(tiny_random, saved):
+    loaded = jtilert.load(saved)
+    a, b = checkpoint.flat_params(tiny_random), checkpoint.flat_params(loaded)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and np.array_equal(np.asarray(a[k]), np.asarray(b[k])), k
+    assert sorted(p.name for p in saved.iterdir()) == ["jtilert.json", "params"]
+    assert not list(saved.parent.glob(".tiny.tmp*"))
+
+
+def test_load_onto_mesh_shards_directly(tiny_random, saved):
+    mesh = jtilert.make_mesh(8)
+    m = jtilert.load(saved, mesh=mesh)
+    w = m.layers[1].mlp.experts.gate.weight[...]
+    assert w.sharding.spec == jax.P(None, "tp", None)
+    assert w.addressable_shards[0].data.shape == (16, 8, 128)
+    np.testing.assert_allclose(jtilert.score(m, IDS, mesh=mesh), jtilert.score(tiny_random, IDS), atol=2e-5)
+
+
+def test_fp8_round_trip_and_compute_dtype(tmp_path):
+    model = jtilert.random_model("tiny", fmt="fp8", seed=1)
+    jtilert.save(model, tmp_path / "f8")
+    loaded = jtilert.load(tmp_path / "f8", dtype="float32")
+    w = loaded.layers[1].self_attn.q_b_proj
+    assert w.weight[...].dtype == jax.numpy.float8_e4m3fn and w.scale[...].shape == (2, 1)
+    assert loaded.dtype == np.float32
+    assert np.isfinite(jtilert.score(loaded, IDS[:20])).all()
+
+
+def test_existing_destination_needs_overwrite(tiny_random, saved):
+    with pytest.raises(FileExistsError, match="overwrite"):
+        jtilert.save(tiny_random, saved)
+
+
+def test_shape_mismatch_names_parameter_and_shapes(saved, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(saved, bad)
+    meta = json.loads((bad / "jtilert.json").read_text())
+    meta["config"]["q_lora_rank"] = 32
+    (bad / "jtilert.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=r"parameter layers\.0\.\S+ has shape \(\d+, 64\) float32 in the checkpoint, the config needs \(\d+, 32\)"):
+        jtilert.load(bad)
+
+
+def test_missing_and_unknown_sources(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no checkpoint at 'nowhere'"):
+        jtilert.load("nowhere")
+    with pytest.raises(FileNotFoundError, match="preset 'glm-5' has no embedded weights"):
+        jtilert.load("glm-5")
+    with pytest.raises(FileNotFoundError, match="neither"):
+        jtilert.load(tmp_path)
+
+
+def _hf_copy(tmp_path, name="dsv32"):
+    dst = tmp_path / name
+    shutil.copytree(f"tests/golden/{name}", dst)
+    return dst
+
+
+def test_hf_bad_inputs(tmp_path):
+    # truncated safetensors
+    d = _hf_copy(tmp_path)
+    data = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="model.safetensors: truncated"):
+        checkpoint.load_hf(d)
+    # an index naming a missing file
+    d = _hf_copy(tmp_path / "b")
+    (d / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}))
+    with pytest.raises(FileNotFoundError, match="model-00001-of-00002.safetensors"):
+        checkpoint.load_hf(d)
+    # a config that does not match the tensors
+    d = _hf_copy(tmp_path / "c")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["kv_lora_rank"] = 16
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"kv_a_layernorm.weight has shape \(32,\), the config needs \(16,\)"):
+        checkpoint.load_hf(d)
+    # unknown model type
+    cfg["model_type"] = "mistral"
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="mistral"):
+        checkpoint.load_hf(d)
+
+
+def test_hf_fp8_folder_loads(tmp_path):
+    """An fp8 HF folder (weight + weight_scale_inv) dequantises to the same model as its source."""
+    from safetensors.numpy import save_file
+
+    from jtilert.quant import dequantize, quantize_weight
+    src = "tests/golden/dsv32"
+    f = SafetensorsFile(f"{src}/model.safetensors")
+    out = {}
+    for k in f.keys():
+        x = f.get(k)
+        not_fp8 = ("weights_proj", "lm_head", "embed_tokens", "mlp.gate.weight")  # as in the real checkpoints
+        if x.ndim == 2 and k.endswith(".weight") and not any(n in k for n in not_fp8):
+            q, s = quantize_weight(x)
+            out[k], out[k + "_scale_inv"] = np.asarray(q), np.asarray(s)
+        else:
+            out[k] = np.asarray(x)
+    d = tmp_path / "fp8"
+    d.mkdir()
+    shutil.copy(f"{src}/config.json", d)
+    save_file(out, str(d / "model.safetensors"))
+    m = checkpoint.load_hf(d)
+    q = m.layers[0].self_attn.q_a_proj
+    assert q.weight[...].dtype == jax.numpy.float8_e4m3fn
+    np.testing.assert_array_equal(np.asarray(dequantize(q.weight[...], q.scale[...], np.float32)),
+                                  np.asarray(dequantize(*quantize_weight(f.get("model.layers.0.self_attn.q_a_proj.weight")),
+                                                        np.float32)))
+    assert np.isfinite(jtilert.score(m, IDS[:20] % 128)).all()
+
+
+def test_info(saved):
+    info = checkpoint.info(saved)
+    assert info["kind"] == "jtilert" and info["layers"] == 4 and info["parameters"] > 0
+    assert checkpoint.info("tests/golden/glm5")["model_type"] == "glm_moe_dsa"
