@@ -1,0 +1,226 @@
+"""Time per output token (TPOT) of the batch-1 decode step, against the HBM floor (issue 7).
+
+    PYTHONPATH=. python3 -m bench.decode --preset dsv32-tp8-shard --layers 61 --context 4096 \
+        --backend reference,pallas [--mtp] [--checkpoint PATH] [--out results.json] [--plot chart.png]
+
+Builds the model with random weights on the device (fp8 for fp8 presets) or loads a checkpoint,
+fills the caches with random entries for `context` positions (as an injected prefill would), then
+times decode steps:
+- device time per step: `steps` consecutive steps inside one compiled loop (one dispatch, so no host
+  time), repeated `samples` times; median and p90 over the samples;
+- host overhead: the pipelined Python loop a Generator runs, minus the device time;
+- bytes per step, counted from the parameters actually read (the chosen experts only, one embedding
+  row) plus the KV reads; the copy bandwidth measured in the same run; floor = bytes / bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jtilert
+from jtilert import checkpoint
+from jtilert.generate import Engine
+from jtilert.model import init_cache
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Bytes/s of an elementwise read+write pass over `nbytes` (the practical HBM ceiling)."""
+    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
+    f = jax.jit(lambda a: a * 1.5 + 1)
+    f(x).block_until_ready()
+    times = []
+    for _ in range(10):
+        t = time.perf_counter()
+        f(x).block_until_ready()
+        times.append(time.perf_counter() - t)
+    return 2 * x.nbytes / statistics.median(times)
+
+
+def step_bytes(model, context: int) -> dict:
+    """Bytes one decode step must read: weights (routed experts: only the chosen k of E; the
+    embedding: one row) and the KV / index-key reads at this context."""
+    cfg = model.cfg
+    weights = 0
+    for name, x in checkpoint.flat_params(model).items():
+        n = x.size * jnp.dtype(x.dtype).itemsize
+        if name.startswith("mtp."):
+            continue  # the MTP block runs only in speculative steps
+        if ".experts." in name and "shared_experts" not in name:
+            n = n * cfg.num_experts_per_tok // cfg.n_routed_experts
+        if name == "embed_tokens":
+            n = x.shape[1] * jnp.dtype(x.dtype).itemsize
+        weights += n
+    seen = min(context + 1, cfg.index_topk)
+    dtype_bytes = jnp.dtype(model.dtype).itemsize
+    mla = cfg.num_hidden_layers * seen * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * dtype_bytes
+    key_bytes = cfg.index_head_dim + 4 if cfg.index_quant == "fp8" else cfg.index_head_dim * dtype_bytes
+    indexer = sum(t == "full" for t in cfg.indexer_types) * (context + 1) * key_bytes
+    return {"weights": weights, "mla_kv": mla, "index_keys": indexer, "total": weights + mla + indexer}
+
+
+def random_cache(eng: Engine, rows: int, seed: int = 0) -> dict:
+    """Caches with random entries in every row (rows past the position are masked anyway)."""
+    template = init_cache(eng.cfg, rows, eng.dtype)
+
+    @jax.jit
+    def fill(key):
+        leaves, tree = jax.tree_util.tree_flatten(template)
+        keys = jax.random.split(key, len(leaves))
+        out = []
+        for k, x in zip(keys, leaves):
+            if x.ndim == 1:  # index-key scales
+                out.append(jnp.exp2(jax.random.randint(k, x.shape, -8, -4).astype(jnp.float32)))
+            else:
+                out.append(jax.random.normal(k, x.shape, jnp.float32).astype(x.dtype))
+        return jax.tree_util.tree_unflatten(tree, out)
+
+    return eng.place(fill(jax.random.key(seed)))
+
+
+def device_loop(eng: Engine, mtp: bool, steps: int):
+    """`steps` decode (or MTP) steps in one compiled loop, always restarting at the same position."""
+    step = eng._wrap(eng._speculate if mtp else eng._decode)
+
+    def run(state, cache, token, draft, pos, params, key):
+        def body(_, c):
+            cache, token, draft, key = c
+            if mtp:
+                cache, _, _, token, draft, _, key = step(state, cache, token, draft, pos, params, key)
+            else:
+                cache, token, _, key = step(state, cache, token, pos, params, key)
+            return cache, token, draft, key
+        return jax.lax.fori_loop(0, steps, body, (cache, token, draft, key))
+
+    return jax.jit(run, donate_argnums=(1,))
+
+
+def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samples: int, mesh=None) -> dict:
+    eng = Engine(model, mesh=mesh, backend=backend)
+    rows = context + 2 * steps + 8
+    cache = random_cache(eng, rows)
+    token, draft = eng.place(jnp.array([1], jnp.int32)), eng.place(jnp.array([2], jnp.int32))
+    pos = eng.place(jnp.int32(context))
+    params = eng.place(jtilert.Sampling().arrays())
+    key = eng.place(jax.random.PRNGKey(0))
+    loop = device_loop(eng, mtp, steps)
+
+    t0 = time.perf_counter()
+    cache, token, draft, key = jax.block_until_ready(loop(eng.state, cache, token, draft, pos, params, key))
+    compile_s = time.perf_counter() - t0
+    per_step = []
+    for _ in range(samples):
+        t = time.perf_counter()
+        cache, token, draft, key = jax.block_until_ready(loop(eng.state, cache, token, draft, pos, params, key))
+        per_step.append((time.perf_counter() - t) / steps)
+
+    # The host loop a Generator runs: one dispatch per step, one step ahead of the reads.
+    host_steps = steps * samples
+    if mtp:
+        fn = lambda c, t, d, p, k: eng.speculate(eng.state, c, t, d, p, params, k)
+    else:
+        fn = lambda c, t, d, p, k: eng.decode(eng.state, c, t, p, params, k)
+    out = fn(cache, token, draft, pos, key)  # compile
+    jax.block_until_ready(out)
+    cache = out[0]
+    t = time.perf_counter()
+    pending = None
+    for _ in range(host_steps):
+        out = fn(cache, token, draft, pos, key)  # same position every step: the context stays fixed
+        cache = out[0]
+        if pending is not None:
+            int(pending[0])
+        pending = out[1] if not mtp else out[3]
+    jax.block_until_ready(out)
+    host_per_step = (time.perf_counter() - t) / host_steps
+
+    device_s = statistics.median(per_step)
+    stats = jax.devices()[0].memory_stats() or {}
+    return {"backend": eng.backend, "mtp": mtp, "step_ms_median": device_s * 1e3,
+            "step_ms_p90": float(np.percentile(per_step, 90)) * 1e3, "tok_s": 1.0 / device_s,
+            "host_loop_ms": host_per_step * 1e3, "host_overhead_ms": max(0.0, host_per_step - device_s) * 1e3,
+            "host_overhead_frac": max(0.0, host_per_step - device_s) / host_per_step,
+            "compile_s": compile_s, "steps_timed": steps * samples,
+            "peak_device_bytes": int(stats.get("peak_bytes_in_use", 0))}
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="dsv32-tp8-shard")
+    p.add_argument("--layers", type=int, default=None, help="override num_hidden_layers")
+    p.add_argument("--checkpoint", default=None, help="load this checkpoint instead of random weights")
+    p.add_argument("--fmt", default=None, help="weight format for random weights (default fp8 for fp8 presets)")
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--backend", default="reference", help="comma-separated: reference,pallas")
+    p.add_argument("--mtp", action="store_true")
+    p.add_argument("--steps", type=int, default=10, help="steps per timed sample")
+    p.add_argument("--samples", type=int, default=20)
+    p.add_argument("--out", default=None, help="write the JSON here")
+    p.add_argument("--plot", default=None, help="write a PNG chart here")
+    a = p.parse_args(argv)
+
+    if a.checkpoint:
+        model = jtilert.load(a.checkpoint)
+    else:
+        cfg = jtilert.preset(a.preset, **({"num_hidden_layers": a.layers} if a.layers else {}))
+        fmt = a.fmt or ("fp8" if cfg.index_quant == "fp8" else "bf16")
+        model = jtilert.random_model(cfg, fmt=fmt)
+    cfg = model.cfg
+    if a.context + 2 * a.steps + 8 > cfg.max_position_embeddings:
+        raise SystemExit(f"--context {a.context} too large for this model")
+    nbytes = step_bytes(model, a.context)
+    bw = copy_bandwidth(256 << 20 if jax.default_backend() == "cpu" else 2 << 30)
+    floor_ms = nbytes["total"] / bw * 1e3
+    result = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind,
+              "preset": a.checkpoint or a.preset, "layers": cfg.num_hidden_layers, "context": a.context,
+              "bytes_per_step": nbytes, "copy_bandwidth_GBs": bw / 1e9, "floor_ms": floor_ms, "runs": []}
+    for backend in a.backend.split(","):
+        r = bench_backend(model, backend, a.context, a.mtp, a.steps, a.samples)
+        r["step_over_floor"] = r["step_ms_median"] / floor_ms
+        result["runs"].append(r)
+    ref = next((r for r in result["runs"] if r["backend"] == "reference"), None)
+    for r in result["runs"]:
+        r["speedup_vs_reference"] = ref["step_ms_median"] / r["step_ms_median"] if ref else None
+
+    print(f"{result['device']}  {result['preset']}  layers={cfg.num_hidden_layers} context={a.context}  "
+          f"bytes/step={nbytes['total'] / 1e6:.1f} MB  copy={bw / 1e9:.0f} GB/s  floor={floor_ms:.3f} ms")
+    print(f"{'backend':10} {'mtp':4} {'step ms':>8} {'p90':>8} {'tok/s':>8} {'x floor':>8} {'x ref':>6} "
+          f"{'host %':>7} {'compile s':>9}")
+    for r in result["runs"]:
+        print(f"{r['backend']:10} {str(r['mtp']):4} {r['step_ms_median']:8.3f} {r['step_ms_p90']:8.3f} "
+              f"{r['tok_s']:8.1f} {r['step_over_floor']:8.2f} {r['speedup_vs_reference'] or 0:6.2f} "
+              f"{100 * r['host_overhead_frac']:7.1f} {r['compile_s']:9.1f}")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(result, f, indent=1)
+    if a.plot:
+        plot(result, a.plot)
+    return result
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    runs = result["runs"]
+    labels = [f"{r['backend']}{' +mtp' if r['mtp'] else ''}" for r in runs]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar(labels, [r["step_ms_median"] for r in runs], color="tab:blue")
+    ax.axhline(result["floor_ms"], color="tab:red", linestyle="--", label=f"HBM floor {result['floor_ms']:.2f} ms")
+    ax.set_ylabel("time per decode step (ms)")
+    ax.set_title(f"{result['preset']}, {result['layers']} layers, context {result['context']}, {result['device']}",
+                 fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

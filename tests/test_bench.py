@@ -1,0 +1,34 @@
+"""The decode benchmark runs end to end on the CPU (tiny numbers, the real code path)."""
+
+import json
+
+from bench import decode
+
+
+def test_decode_bench_writes_every_field(tmp_path):
+    out = tmp_path / "r.json"
+    decode.main(["--preset", "tiny", "--layers", "2", "--context", "40", "--steps", "2", "--samples", "2",
+                 "--out", str(out), "--plot", str(tmp_path / "c.png")])
+    r = json.loads(out.read_text())
+    for k in ("date", "device", "preset", "layers", "context", "bytes_per_step", "copy_bandwidth_GBs", "floor_ms"):
+        assert k in r
+    assert r["bytes_per_step"]["total"] > r["bytes_per_step"]["weights"] > 0
+    run = r["runs"][0]
+    for k in ("step_ms_median", "step_ms_p90", "tok_s", "host_overhead_ms", "compile_s", "peak_device_bytes",
+              "step_over_floor", "speedup_vs_reference"):
+        assert k in run
+    assert run["step_ms_p90"] >= run["step_ms_median"] > 0 and run["steps_timed"] == 4
+    assert (tmp_path / "c.png").stat().st_size > 1000
+
+
+def test_step_bytes_counts_only_chosen_experts():
+    import jtilert
+    model = jtilert.random_model(jtilert.preset("tiny", num_hidden_layers=2), fmt="fp32")
+    b = decode.step_bytes(model, context=100)
+    cfg = model.cfg
+    experts = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4  # one expert, fp32
+    all_params = sum(x.size * 4 for n, x in jtilert.checkpoint.flat_params(model).items() if not n.startswith("mtp."))
+    skipped = (cfg.n_routed_experts - cfg.num_experts_per_tok) * experts + (cfg.vocab_size - 1) * cfg.hidden_size * 4
+    assert b["weights"] == all_params - skipped
+    assert b["mla_kv"] == 2 * cfg.index_topk * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
+    assert b["index_keys"] == 2 * 101 * cfg.index_head_dim * 4
