@@ -13,10 +13,12 @@ How it works. The K selected rows of a token are split over CTAs, `block_k` (64)
    wgmma's tiled, 128-byte-swizzled layout; the heads sit on wgmma's M side, which must be 64, so
    with 16 heads per GPU rows 16..63 of the query tile are never loaded and the rows of the result
    they produce are never stored (each output row depends only on its own query row);
-2. gathers its `block_k` latent rows (L bf16) and rope rows (R bf16) with one TMA per row piece
-   (TMA boxes are at most 256 elements wide; Hopper has no TMA gather) into a plain row-major
-   staging buffer, all on one barrier;
-3. re-lays the staged rows out into the swizzled tiles wgmma reads (registers in the
+2. gathers its `block_k` latent rows (L bf16) and rope rows (R bf16) with one TMA per row each
+   (Hopper has no TMA gather; the latent row travels as one [L/256, 256] box, TMA boxes being at
+   most 256 wide) into a plain row-major staging buffer. Issuing the row copies is the serial part
+   of the kernel, so all four warpgroups of the CTA issue a quarter of them, each on its own
+   barrier; the row indices and `valid` flags are read as scalars straight from GMEM;
+3. warpgroup 0 (which does the rest) re-lays the staged rows out into the swizzled tiles wgmma reads (registers in the
    conflict-free SMEM↔GMEM copy layout, then SMEM);
 4. S = Q_lat·KVᵀ + Q_pe·PEᵀ on the tensor cores (fp32 accumulator [64, block_k]); masks; the block's
    row max m and P = exp(S − m), l = Σ P in fp32;
@@ -53,6 +55,7 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 HP = 64            # wgmma M: query rows (heads) per CTA
 LCHUNK = 128       # output columns per P·V wgmma (accumulator [64, 128] fp32 = 64 registers)
 TMA_MAX = 256      # widest TMA box dimension
+GATHER_WARPGROUPS = 4   # warpgroups issuing the row-gather TMAs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,19 +84,22 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-def sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, scale: float,
+def sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: float,
                         config: SparseMLAConfig = SparseMLAConfig()):
     """The kernel: per-split partial results (o [T, G, n_split, Hc, L] fp32, m [T, G, n_split, Hc],
     l [T, G, n_split, Hc]) for `combine`. q_lat [T, Hq, L] with Hq a multiple of 8 (the caller pads),
-    idx [T, K] int32 with K a multiple of block_k and negative entries masked."""
+    idx [T, K] int32 with K a multiple of block_k; rows with idx < 0 or valid == False are masked
+    (valid may be None)."""
     T, Hq, L = q_lat.shape
     R = q_pe.shape[-1]
     K = idx.shape[1]
     bk = config.block_k
     if K % bk:
         raise ValueError(f"K={K} must be a multiple of block_k={bk}")
-    if L % 64:
-        raise ValueError(f"kv_lora_rank={L} must be a multiple of 64")
+    if L % 64 or (L > TMA_MAX and L % TMA_MAX):
+        raise ValueError(f"kv_lora_rank={L} must be a multiple of 64 (of {TMA_MAX} above {TMA_MAX})")
+    if (R * 2) % 128:
+        raise ValueError(f"rope dim {R}: a row must be a multiple of 128 bytes (pad it)")
     if Hq % 8 or (Hq > HP and Hq % HP):
         raise ValueError(f"heads={Hq} must be a multiple of 8, and of {HP} when above {HP}")
     n_split = K // bk
@@ -101,79 +107,104 @@ def sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, scale: float,
     hc = min(Hq, HP)                  # real query rows per CTA
     lc = min(L, LCHUNK)
     nlc = L // lc
-    assert L % lc == 0
-    l_tma = [(a, min(TMA_MAX, L - a)) for a in range(0, L, TMA_MAX)]
+    lw = min(L, TMA_MAX)              # the latent row travels as one [L / lw, lw] TMA box
+    nlw = L // lw
     q_tf, _ = _tiled(lc, 2)
     qp_tf, _ = _tiled(R, 2)
     p_tf, _ = _tiled(bk, 2)
     o_tf = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
     kv_layout = plgpu.Layout.SMEM_GMEM_COPY((bk, lc), BF16, _swizzle(lc, 2))
     pe_layout = plgpu.Layout.SMEM_GMEM_COPY((bk, R), BF16, _swizzle(R, 2))
-    n_row_copies = len(l_tma) + 1
+    nwg = GATHER_WARPGROUPS
+    rows_per_wg = bk // nwg
+    has_valid = valid is not None
 
-    def body(ql_ref, qp_ref, kv_ref, pe_ref, idx_ref, o_ref, m_ref, l_ref,
-             ql_s, qp_s, kv_s, pe_s, p_s, ml_s, idx_s, ibar, qbar, gbar):
+    def body(*refs):
+        if has_valid:
+            (ql_ref, qp_ref, kv_ref, pe_ref, idx_ref, valid_ref, o_ref, m_ref, l_ref,
+             ql_s, qp_s, kv_s, pe_s, p_s, ml_s, midx_s, qbar, gbar, done) = refs
+        else:
+            (ql_ref, qp_ref, kv_ref, pe_ref, idx_ref, o_ref, m_ref, l_ref,
+             ql_s, qp_s, kv_s, pe_s, p_s, ml_s, midx_s, qbar, gbar, done) = refs
+            valid_ref = None
         t, g, s = lax.axis_index("t"), lax.axis_index("g"), lax.axis_index("s")
+        wg = lax.axis_index("wg")
         row0 = t * Hq + g * HP
-        plgpu.copy_gmem_to_smem(idx_ref.at[t, pl.ds(s * bk, bk)], idx_s, ibar)
-        for c in range(nlc):
-            plgpu.copy_gmem_to_smem(ql_ref.at[pl.ds(row0, hc), pl.ds(c * lc, lc)],
-                                    ql_s.at[c, pl.ds(0, hc)], qbar)
-        plgpu.copy_gmem_to_smem(qp_ref.at[pl.ds(row0, hc)], qp_s.at[pl.ds(0, hc)], qbar)
-        plgpu.barrier_wait(ibar)
+        base = s * bk
 
-        def gather(stage_kv, stage_pe):
-            @pl.loop(0, bk)
-            def _(j):
-                r = jnp.maximum(idx_s[j], 0)
-                for a, w in l_tma:
-                    plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(r, 1), pl.ds(a, w)],
-                                            stage_kv.at[pl.ds(j, 1), pl.ds(a, w)], gbar)
-                plgpu.copy_gmem_to_smem(pe_ref.at[pl.ds(r, 1)], stage_pe.at[pl.ds(j, 1)], gbar)
-            plgpu.barrier_wait(gbar)
+        @pl.when(wg == 0)
+        def _():
             for c in range(nlc):
-                kv_s[c] = plgpu.load(stage_kv.at[:, pl.ds(c * lc, lc)], layout=kv_layout)
-            pe_s[...] = plgpu.load(stage_pe, layout=pe_layout)
-            plgpu.commit_smem()
+                plgpu.copy_gmem_to_smem(ql_ref.at[pl.ds(row0, hc), pl.ds(c * lc, lc)],
+                                        ql_s.at[c, pl.ds(0, hc)], qbar)
+            plgpu.copy_gmem_to_smem(qp_ref.at[pl.ds(row0, hc)], qp_s.at[pl.ds(0, hc)], qbar)
 
-        pl.run_scoped(gather, plgpu.SMEM((bk, L), BF16), plgpu.SMEM((bk, R), BF16))
-        plgpu.barrier_wait(qbar)
+        def gather_and_compute(stage_kv, stage_pe):
+            # every warpgroup issues the row copies of its share of the block (TMA issue is the
+            # bottleneck of a one-thread gather)
+            for jj in range(rows_per_wg):
+                j = wg * rows_per_wg + jj
+                r = idx_ref[t, base + j]
+                if has_valid:
+                    r = jnp.where(valid_ref[t, base + j], r, -1)
+                midx_s[j] = r
+                r = jnp.maximum(r, 0)
+                plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(r, 1)], stage_kv.at[pl.ds(j, 1)], gbar.at[wg])
+                plgpu.copy_gmem_to_smem(pe_ref.at[pl.ds(r, 1)], stage_pe.at[pl.ds(j, 1)], gbar.at[wg])
+            plgpu.barrier_arrive(done)
 
-        def qk(acc):
-            for c in range(nlc):
-                plgpu.wgmma(acc, ql_s.at[c], kv_s.at[c].T)
-            plgpu.wgmma(acc, qp_s, pe_s.T)
-            return acc[...]
-
-        sc = pl.run_scoped(qk, plgpu.ACC((HP, bk), F32))
-        rows = plgpu.load(idx_s, layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
-        ok = lax.broadcast_in_dim(rows, (HP, bk), [1]) >= 0
-        sc = jnp.where(ok, sc * scale, -jnp.inf)
-        m = sc.max(axis=1)
-        m_safe = jnp.where(m == -jnp.inf, 0.0, m)
-        p = jnp.exp(sc - lax.broadcast_in_dim(m_safe, sc.shape, [0]))
-        ml_s[0] = m
-        ml_s[1] = p.sum(axis=1)
-        p_s[...] = p.astype(BF16)
-        plgpu.commit_smem()
-
-        def out(o_s):
-            for c in range(nlc):
-                def pv(acc):
-                    plgpu.wgmma(acc, p_s, kv_s.at[c])
-                    return acc[...]
-                o = pl.run_scoped(pv, plgpu.ACC((HP, lc), F32))
-                if c >= 2:
-                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                o_s[c % 2] = o
+            @pl.when(wg == 0)
+            def _():
+                plgpu.barrier_wait(done)
+                for w in range(nwg):
+                    plgpu.barrier_wait(gbar.at[w])
+                for c in range(nlc):
+                    a, b = divmod(c * lc, lw)
+                    kv_s[c] = plgpu.load(stage_kv.at[:, a, pl.ds(b, lc)], layout=kv_layout)
+                pe_s[...] = plgpu.load(stage_pe, layout=pe_layout)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_s.at[c % 2, pl.ds(0, hc)],
-                                        o_ref.at[t, g, s, :, pl.ds(c * lc, lc)])
-            plgpu.copy_smem_to_gmem(ml_s.at[0, pl.ds(0, hc)], m_ref.at[t, g, s])
-            plgpu.copy_smem_to_gmem(ml_s.at[1, pl.ds(0, hc)], l_ref.at[t, g, s])
-            plgpu.wait_smem_to_gmem(0)
 
-        pl.run_scoped(out, plgpu.SMEM((2, HP, lc), F32, transforms=o_tf))
+        pl.run_scoped(gather_and_compute, plgpu.SMEM((bk, nlw, lw), BF16), plgpu.SMEM((bk, R), BF16),
+                      collective_axes="wg")
+
+        def finish(o_s):
+            @pl.when(wg == 0)
+            def _():
+                plgpu.barrier_wait(qbar)
+
+                def qk(acc):
+                    for c in range(nlc):
+                        plgpu.wgmma(acc, ql_s.at[c], kv_s.at[c].T)
+                    plgpu.wgmma(acc, qp_s, pe_s.T)
+                    return acc[...]
+
+                sc = pl.run_scoped(qk, plgpu.ACC((HP, bk), F32))
+                rows = plgpu.load(midx_s, layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+                ok = lax.broadcast_in_dim(rows, (HP, bk), [1]) >= 0
+                sc = jnp.where(ok, sc * scale, -jnp.inf)
+                m = sc.max(axis=1)
+                m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+                p = jnp.exp(sc - lax.broadcast_in_dim(m_safe, sc.shape, [0]))
+                ml_s[0] = m
+                ml_s[1] = p.sum(axis=1)
+                p_s[...] = p.astype(BF16)
+                plgpu.commit_smem()
+                for c in range(nlc):
+                    def pv(acc):
+                        plgpu.wgmma(acc, p_s, kv_s.at[c])
+                        return acc[...]
+                    o = pl.run_scoped(pv, plgpu.ACC((HP, lc), F32))
+                    if c >= 2:
+                        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                    o_s[c % 2] = o
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(o_s.at[c % 2, pl.ds(0, hc)],
+                                            o_ref.at[t, g, s, :, pl.ds(c * lc, lc)])
+                plgpu.copy_smem_to_gmem(ml_s.at[0, pl.ds(0, hc)], m_ref.at[t, g, s])
+                plgpu.copy_smem_to_gmem(ml_s.at[1, pl.ds(0, hc)], l_ref.at[t, g, s])
+                plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(finish, plgpu.SMEM((2, HP, lc), F32, transforms=o_tf), collective_axes="wg")
 
     kernel = plgpu.kernel(
         body,
@@ -188,15 +219,19 @@ def sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, scale: float,
             plgpu.SMEM((HP, bk), BF16, transforms=p_tf),
             plgpu.SMEM((2, HP), F32),
             plgpu.SMEM((bk,), jnp.int32),
-            plgpu.Barrier(num_arrivals=1),
             plgpu.Barrier(num_arrivals=nlc + 1),
-            plgpu.Barrier(num_arrivals=n_row_copies * bk),
+            plgpu.Barrier(num_arrivals=2 * rows_per_wg, num_barriers=nwg),
+            plgpu.Barrier(num_arrivals=nwg),
         ],
         grid=(T, groups, n_split), grid_names=("t", "g", "s"),
+        num_threads=nwg, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=_interp.params(),
     )
-    return kernel(q_lat.reshape(T * Hq, L), q_pe.reshape(T * Hq, R), kv_cache, pe_cache, idx)
+    args = [q_lat.reshape(T * Hq, L), q_pe.reshape(T * Hq, R), kv_cache.reshape(-1, nlw, lw), pe_cache, idx]
+    if has_valid:
+        args.append(valid)
+    return kernel(*args)
 
 
 def combine(o, m, l):
@@ -218,12 +253,12 @@ def sparse_mla(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: float, *,
     config = config or SparseMLAConfig()
     T, H, L = q_lat.shape
     idx = idx.astype(jnp.int32)
-    if valid is not None:
-        idx = jnp.where(valid, idx, -1)
     K = idx.shape[1]
     kp = _round_up(max(K, 1), config.block_k)
     if kp != K:
         idx = jnp.pad(idx, ((0, 0), (0, kp - K)), constant_values=-1)
+        if valid is not None:
+            valid = jnp.pad(valid, ((0, 0), (0, kp - K)))
     hq = _round_up(H, 8)
     q_lat, q_pe = q_lat.astype(BF16), q_pe.astype(BF16)
     kv_cache, pe_cache = kv_cache.astype(BF16), pe_cache.astype(BF16)
@@ -235,7 +270,7 @@ def sparse_mla(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: float, *,
     if hq != H:
         q_lat = jnp.pad(q_lat, ((0, 0), (0, hq - H), (0, 0)))
         q_pe = jnp.pad(q_pe, ((0, 0), (0, hq - H), (0, 0)))
-    o, m, l = sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, float(scale), config)
+    o, m, l = sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, valid, float(scale), config)
     return combine(o, m, l)[:, :H]
 
 

@@ -1,0 +1,251 @@
+"""DSA lightning-indexer scoring on Hopper (Pallas Mosaic-GPU).
+
+I(t, s) = Σ_h w[t,h] · ReLU(q[t,h] · k[s]) · k_scale[s] for the cache rows s of a range
+[start, start + n), -inf where the row's position is past the token's (causal) or past the cache.
+Same contract as `jtilert.layers.indexer_scores` (whose q/w come from `indexer_query`: fp8 e4m3
+with the per-token query scale folded into w, or the unquantised compute dtype; k is fp8 with one
+fp32 scale per row, or the compute dtype with no scale).
+
+How it works. At long context the indexer is a stream over the key cache (128 B + 4 B per row in
+fp8), so the kernel is built like a GEMV weight stream with the key rows on wgmma's M side:
+
+* grid = `num_ctas` CTAs; the range is cut into blocks of `block_s` (128) rows, CTA c takes blocks
+  c, c + num_ctas, ... (strided, so any causal limit spreads evenly over the SMs);
+* only blocks that hold a position ≤ max(positions) are read: a TMA pipeline `stages` deep brings
+  the key block [block_s, D] and its scales into SMEM; blocks past the limit are just filled
+  with -inf (no key bytes read), so a 4K-token context in a 160K-row cache reads 4K rows;
+* per block and token: logits [block_s, H] = K · qᵀ on the tensor cores (fp8 × fp8 → fp32, or
+  bf16 × bf16), then ReLU, · w (per column), Σ over heads, · k_scale (per row), the causal mask,
+  and a TMA store of the [block_s] scores.
+
+`start` and `pos_offset` (the global position of cache row 0, for a cache sharded by position
+across GPUs) may be traced scalars; `n` (the number of rows scored) is static.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import jtilert.pallas.interpret as _interp
+
+F32, BF16, FP8 = jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn
+NUM_SMS = 132
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexerConfig:
+    block_s: int = 128          # cache rows per block (wgmma M; multiple of 128)
+    stages: int = 4             # TMA pipeline depth
+    num_ctas: int = NUM_SMS     # CTAs (blocks are dealt to them round-robin)
+
+    def __post_init__(self):
+        if self.block_s % 128:
+            raise ValueError(f"block_s={self.block_s} must be a multiple of 128")
+        if self.stages < 1:
+            raise ValueError("stages must be >= 1")
+
+
+def _tiled(width: int, itemsize: int):
+    for s in (128, 64, 32):
+        if (width * itemsize) % s == 0:
+            return (plgpu.TilingTransform((8, s // itemsize)), plgpu.SwizzleTransform(s))
+    raise ValueError(f"rows of {width} × {itemsize} B are not a multiple of 32 bytes")
+
+
+def _cdiv(a, b):
+    return (a + b - 1) // b
+
+
+def indexer_scores_kernel(q, w, k_cache, k_scale, positions, offsets, n: int,
+                          config: IndexerConfig = IndexerConfig()):
+    """q [T, H, D], w [T, H] fp32, k_cache [S, D], k_scale [S] fp32 or None, positions [T] int32,
+    offsets int32 [2] = (start, pos_offset) → scores [T, n] fp32 for cache rows [start, start + n).
+    n must be a multiple of block_s; rows past the cache (start + i >= S) must not be needed, i.e.
+    positions must stay below pos_offset + S."""
+    T, H, D = q.shape
+    S = k_cache.shape[0]
+    bs, ns = config.block_s, config.stages
+    if n % bs:
+        raise ValueError(f"n={n} must be a multiple of block_s={bs}")
+    if H % 32 or H > 256:
+        raise ValueError(f"index heads={H} must be a multiple of 32, at most 256")
+    if q.dtype != k_cache.dtype:
+        raise ValueError(f"q {q.dtype} and k_cache {k_cache.dtype} must have the same dtype")
+    nblk = n // bs
+    grid = max(1, min(config.num_ctas, nblk))
+    has_scale = k_scale is not None
+    isz = jnp.dtype(k_cache.dtype).itemsize
+    k_tf = _tiled(D, isz)
+
+    def body(*refs):
+        if has_scale:
+            (q_ref, w_ref, k_ref, ks_ref, pos_ref, off_ref, o_ref,
+             q_s, w_s, k_s, ks_s, o_s, inf_s, qbar, kbar) = refs
+        else:
+            (q_ref, w_ref, k_ref, pos_ref, off_ref, o_ref,
+             q_s, w_s, k_s, o_s, inf_s, qbar, kbar) = refs
+            ks_ref = ks_s = None
+        c = lax.axis_index("c")
+        start, pos_off = off_ref[0], off_ref[1]
+        pos = [pos_ref[t] for t in range(T)]
+        pmax = functools.reduce(jnp.maximum, pos)
+        # rows [0, limit) of the range hold a position <= max(positions); the rest are -inf
+        limit = jnp.clip(pmax + 1 - pos_off - start, 0, n)
+        nvalid = (limit + bs - 1) // bs
+        mine = (nblk - c + grid - 1) // grid                        # blocks b = c + i*grid
+        my_valid = jnp.clip((nvalid - c + grid - 1) // grid, 0, mine)
+
+        plgpu.copy_gmem_to_smem(q_ref, q_s, qbar)
+        plgpu.copy_gmem_to_smem(w_ref, w_s, qbar)
+        inf_s[...] = jnp.full((bs,), -jnp.inf, F32)
+
+        def issue(i, slot):
+            row = start + (c + i * grid) * bs
+            plgpu.copy_gmem_to_smem(k_ref.at[pl.ds(row, bs)], k_s.at[slot], kbar.at[slot])
+            if has_scale:
+                plgpu.copy_gmem_to_smem(ks_ref.at[pl.ds(row, bs)], ks_s.at[slot], kbar.at[slot])
+
+        for st in range(ns):
+            @pl.when(st < my_valid)
+            def _():
+                issue(st, st)
+
+        plgpu.barrier_wait(qbar)
+        wv = [plgpu.load(w_s.at[t], layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+              for t in range(T)]
+        row_iota = plgpu.broadcasted_iota(jnp.int32, (bs,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
+
+        @pl.loop(0, my_valid)
+        def _(i):
+            slot = lax.rem(i, ns)
+            b = c + i * grid
+            plgpu.barrier_wait(kbar.at[slot])
+            if has_scale:
+                ksv = plgpu.load(ks_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+            # the previous block's score stores must have read o_s before it is overwritten
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            gpos = pos_off + start + b * bs + row_iota
+            for t in range(T):
+                def mm(acc):
+                    plgpu.wgmma(acc, k_s.at[slot], q_s.at[t].T)
+                    return acc[...]
+                logits = pl.run_scoped(mm, plgpu.ACC((bs, H), F32))
+                x = jnp.maximum(logits, 0.0) * lax.broadcast_in_dim(wv[t], (bs, H), [1])
+                sc = x.sum(axis=1)
+                if has_scale:
+                    sc = sc * ksv
+                o_s[t] = jnp.where(gpos <= pos[t], sc, -jnp.inf)
+            plgpu.commit_smem()
+            for t in range(T):
+                plgpu.copy_smem_to_gmem(o_s.at[t], o_ref.at[t, pl.ds(b * bs, bs)])
+
+            @pl.when(i + ns < my_valid)
+            def _():
+                issue(i + ns, slot)
+
+        plgpu.commit_smem()
+
+        @pl.loop(my_valid, mine)
+        def _(i):
+            b = c + i * grid
+            for t in range(T):
+                plgpu.copy_smem_to_gmem(inf_s, o_ref.at[t, pl.ds(b * bs, bs)])
+
+        plgpu.wait_smem_to_gmem(0)
+
+    scratch = [
+        plgpu.SMEM((T, H, D), k_cache.dtype, transforms=k_tf),
+        plgpu.SMEM((T, H), F32),
+        plgpu.SMEM((ns, bs, D), k_cache.dtype, transforms=k_tf),
+    ]
+    if has_scale:
+        scratch.append(plgpu.SMEM((ns, bs), F32))
+    scratch += [
+        plgpu.SMEM((T, bs), F32),
+        plgpu.SMEM((bs,), F32),
+        plgpu.Barrier(num_arrivals=2),
+        plgpu.Barrier(num_arrivals=2 if has_scale else 1, num_barriers=ns),
+    ]
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((T, n), F32),
+        scratch_types=scratch,
+        grid=(grid,), grid_names=("c",),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=_interp.params(),
+    )
+    args = [q, w.astype(F32), k_cache]
+    if has_scale:
+        args.append(k_scale.astype(F32))
+    return kernel(*args, positions.astype(jnp.int32), offsets)
+
+
+def indexer_scores(q, w, k_cache, k_scale, positions, *, start=0, end=None, pos_offset=0,
+                   config: IndexerConfig | None = None):
+    """Drop-in for `jtilert.layers.indexer_scores` (scores [T, S] fp32, -inf past each token's
+    position), plus a range: with `start`/`end` only cache rows [start, end) are scored and the
+    result is [T, end - start] (positions are split across GPUs this way); `end - start` must be
+    static, `start` and `pos_offset` (global position of cache row 0) may be traced."""
+    config = config or IndexerConfig()
+    T, H, D = q.shape
+    S = k_cache.shape[0]
+    if end is None:
+        if not isinstance(start, int):
+            raise ValueError("a traced start needs a static end (the range length)")
+        end = S
+    n = end - start if isinstance(start, int) else end
+    if not isinstance(n, int):
+        raise ValueError("the range length end - start must be static")
+    if k_cache.dtype == FP8:
+        q = q.astype(FP8)
+    else:
+        q = q.astype(k_cache.dtype)
+    if H % 32:   # the weights' TMA moves a multiple of 128 bytes: pad the heads (zero weight)
+        hp = _cdiv(H, 32) * 32
+        q = jnp.pad(q, ((0, 0), (0, hp - H), (0, 0)))
+        w = jnp.pad(w, ((0, 0), (0, hp - H)))
+    bs = config.block_s
+    n_pad = _cdiv(n, bs) * bs
+    if n_pad != n and isinstance(start, int) and start + n_pad > S:
+        # the last block would read past the cache: pad the cache (only for odd cache sizes)
+        k_cache = jnp.pad(k_cache, ((0, start + n_pad - S), (0, 0)))
+        if k_scale is not None:
+            k_scale = jnp.pad(k_scale, (0, start + n_pad - S))
+    offsets = jnp.stack([jnp.asarray(start, jnp.int32), jnp.asarray(pos_offset, jnp.int32)])
+    scores = indexer_scores_kernel(q, w, k_cache, k_scale, positions, offsets, n_pad, config)
+    return scores[:, :n] if n_pad != n else scores
+
+
+def byte_floor(n: int, dim: int = 128, fp8: bool = True) -> int:
+    """Bytes the indexer must read per token for n cached rows: keys (+ fp32 scales) and scores out."""
+    return n * (dim * (1 if fp8 else 2) + (4 if fp8 else 0)) + n * 4
+
+
+if __name__ == "__main__":
+    # python -m jtilert.pallas.indexer : check against the reference and time one shape.
+    from jtilert.layers import indexer_scores as reference
+    from jtilert.quant import act_quant
+    T, H, D, S = 1, 64, 128, 32768
+    keys = jax.random.split(jax.random.key(0), 4)
+    q8, qs = act_quant(jax.random.normal(keys[0], (T, H, D)))
+    w = jax.random.normal(keys[1], (T, H)) * qs[..., 0]
+    k8, ks = act_quant(jax.random.normal(keys[2], (S, D)))
+    ks = ks[:, 0]
+    pos = jnp.array([S - 1], jnp.int32)
+    f = jax.jit(indexer_scores)
+    out = f(q8, w, k8, ks, pos)
+    ref = reference(q8, w, k8, ks, pos)
+    print("max abs err", float(jnp.max(jnp.abs(out - ref))))
+    if _interp.on_gpu():
+        from jax.experimental.mosaic.gpu import profiler
+        _, ms = profiler.measure(f, iterations=50)(q8, w, k8, ks, pos)
+        t_ms = float(np.median(ms)) if isinstance(ms, (list, tuple)) else ms
+        print(f"indexer {t_ms * 1e3:.1f} us, floor {byte_floor(S) / 4.2e6:.2f} us at 4.2 TB/s")
