@@ -132,7 +132,6 @@ __global__ void __launch_bounds__(1024)
     }
     store_line(y, i, nbytes, acc.pack());
   }
-  finish_epoch(c, epoch);
 }
 
 template <int DT>
@@ -193,7 +192,6 @@ __global__ void __launch_bounds__(1024)
       }
     }
   }
-  finish_epoch(c, epoch);
 }
 
 // Single-rank group: plain copy (keeps the epoch protocol trivially).

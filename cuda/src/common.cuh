@@ -10,7 +10,8 @@
 //
 // Epochs: every rank keeps an epoch counter in its own device memory. All
 // blocks of a call read it at entry (epoch = counter + 1); the last block to
-// finish stores the new value. Calls alternate between two inbox halves by the
+// have read it stores the new value (publish_epoch). Calls alternate between
+// two inbox halves by the
 // parity of the epoch. A rank can only reach call e+2 after it received data of
 // call e+1 from every peer, which each peer sent after its call e had finished,
 // so a half is never overwritten while it is still being read.
@@ -119,31 +120,36 @@ __device__ __forceinline__ uint2 ll_load(const CommParams& c, const uint4* p,
   return make_uint2(v.x, v.z);
 }
 
-// Epoch of this call, read by thread 0 and broadcast through shared memory.
-__device__ __forceinline__ unsigned read_epoch(const CommParams& c,
-                                               unsigned* smem_slot) {
-  if (threadIdx.x == 0) {
-    unsigned e = *((volatile unsigned*)c.epoch_ctr) + 1u;
-    if (e == 0u) e = 1u;  // never use 0: fresh memory is zero
-    *smem_slot = e;
+// Counts this block in: the last block of the grid to have read the epoch
+// resets the done counter and publishes the epoch for the next call. Done
+// right after the read (not at the end of the kernel), so the atomic's round
+// trip overlaps the transfer instead of lengthening the tail. Safe: a block
+// reads the epoch before it counts itself, so when the count reaches gridDim.x
+// every block of this launch has its epoch; the next launch on the stream
+// starts after this one has finished.
+__device__ __forceinline__ void publish_epoch(const CommParams& c,
+                                              unsigned epoch) {
+  unsigned prev = atomicAdd(c.done_ctr, 1u);
+  if (prev == gridDim.x - 1u) {
+    *((volatile unsigned*)c.done_ctr) = 0u;
+    *((volatile unsigned*)c.epoch_ctr) = epoch;
   }
-  __syncthreads();
-  return *smem_slot;
 }
 
-// Called by every block at the very end: the last block publishes the epoch.
-__device__ __forceinline__ void finish_epoch(const CommParams& c,
-                                             unsigned epoch) {
+__device__ __forceinline__ unsigned load_epoch(const CommParams& c) {
+  unsigned e = *((volatile unsigned*)c.epoch_ctr) + 1u;
+  return e == 0u ? 1u : e;  // never 0: fresh memory is zero
+}
+
+// Epoch of this call, read by thread 0 and broadcast through shared memory;
+// thread 0 then counts the block in (publish_epoch).
+__device__ __forceinline__ unsigned read_epoch(const CommParams& c,
+                                               unsigned* smem_slot) {
+  if (threadIdx.x == 0) *smem_slot = load_epoch(c);
   __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    unsigned prev = atomicAdd(c.done_ctr, 1u);
-    if (prev == gridDim.x - 1u) {
-      *((volatile unsigned*)c.done_ctr) = 0u;
-      *((volatile unsigned*)c.epoch_ctr) = epoch;
-      __threadfence();
-    }
-  }
+  const unsigned e = *smem_slot;
+  if (threadIdx.x == 0) publish_epoch(c, e);
+  return e;
 }
 
 // ---- dtype helpers (8-byte payload lines) ----

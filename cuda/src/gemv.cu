@@ -248,8 +248,8 @@ __global__ void __launch_bounds__(544, 1)
     unsigned epoch = 0u;
     if (g.comm) {
       if (lane == 0) {
-        epoch = *((volatile unsigned*)c.epoch_ctr) + 1u;
-        if (epoch == 0u) epoch = 1u;  // never 0: fresh memory is zero
+        epoch = load_epoch(c);
+        publish_epoch(c, epoch);
       }
       epoch = __shfl_sync(0xffffffffu, epoch, 0);
     }
@@ -284,6 +284,8 @@ __global__ void __launch_bounds__(544, 1)
         }
       }
     };
+    // every tile: as soon as it is complete, push it to the peers, then wait
+    // for theirs and reduce it, while the compute warps stream the next tile
     for (int ti = 0; ti < ntask; ++ti) {
       mbar_wait(&bars[ti], 0u);
       if (g.comm) {
@@ -299,24 +301,8 @@ __global__ void __launch_bounds__(544, 1)
             ll_store(region(c, dst, par, 0, c.rank) + line, d0, d1, epoch);
           }
         }
-        if (ti > 0) reduce_tile(ti - 1);
-      } else {
-        reduce_tile(ti);
       }
-    }
-    if (g.comm && ntask > 0) reduce_tile(ntask - 1);
-    if (g.comm) {
-      // the last CTA to finish publishes the epoch (see common.cuh)
-      __syncwarp();
-      if (lane == 0) {
-        __threadfence();
-        unsigned prev = atomicAdd(c.done_ctr, 1u);
-        if (prev == gridDim.x - 1u) {
-          *((volatile unsigned*)c.done_ctr) = 0u;
-          *((volatile unsigned*)c.epoch_ctr) = epoch;
-          __threadfence();
-        }
-      }
+      reduce_tile(ti);
     }
   }
 }

@@ -141,17 +141,22 @@ mlir.register_lowering(all_reduce_p, _ar_lower_cuda, platform="cuda")
 _AR_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
-def all_reduce_config(nbytes: int, world: int) -> tuple[int, int, int]:
-  """Default (algo, blocks, threads) for a message of ``nbytes`` per rank."""
+def all_reduce_config(nbytes: int, world: int, num_sms: int = 132) -> tuple[int, int, int]:
+  """Default (algo, blocks, threads) for a message of ``nbytes`` per rank.
+
+  One 8-byte line per thread is fastest (2xH200, 2026-11-30: 14 KiB one-shot
+  3.7 us with 8x256 threads, 4.4 us with 4x256, 6.3 us with 2x256); the grid
+  is capped at one block per multiprocessor. One-shot beat two-shot at every
+  size on 2 GPUs; two-shot (half the bytes per link) is the default above
+  64 KiB on more GPUs.
+  """
   lines = max(1, math.ceil(nbytes / 8))
-  threads = 256
-  if world <= 2 or nbytes <= 64 * 1024:
-    algo = _lib.AR_ONESHOT
-    blocks = math.ceil(lines / (threads * 2))
-  else:
-    algo = _lib.AR_TWOSHOT
-    blocks = math.ceil(lines / world / (threads * 2))
-  return algo, int(min(max(blocks, 1), 32)), threads
+  algo = _lib.AR_ONESHOT if (world <= 2 or nbytes <= 64 * 1024) else _lib.AR_TWOSHOT
+  if algo == _lib.AR_TWOSHOT:
+    lines = math.ceil(lines / world)
+  threads = 256 if lines <= 256 * num_sms else 512
+  blocks = min(max(1, math.ceil(lines / threads)), num_sms)
+  return algo, int(blocks), threads
 
 
 def all_reduce(x, axis_name, *, algo=None, blocks=None, threads=None):
@@ -178,7 +183,7 @@ def all_reduce(x, axis_name, *, algo=None, blocks=None, threads=None):
   if nbytes > _lib.payload_cap():
     _fallback_warning(f"message of {nbytes} bytes over JTILERT_FFI_MAX_BYTES={_lib.payload_cap()}")
     return _psum(x, axis_name)
-  d_algo, d_blocks, d_threads = all_reduce_config(nbytes, world)
+  d_algo, d_blocks, d_threads = all_reduce_config(nbytes, world, _num_sms())
   x = _ensure_varying(x, axis_name)
   return all_reduce_p.bind(x, axis_name=axis_name,
                            algo=int(d_algo if algo is None else algo),
@@ -423,8 +428,9 @@ def merge_topk(scores, indices, axis_name, k, *, sorted_inputs=True, blocks=None
   scores = _ensure_varying(scores, axis_name)
   indices = _ensure_varying(indices, axis_name)
   total = world * m
+  # 2xH200, m = k = 2048: 16 blocks 6.9 us, 8 blocks 7.2 us, 4 blocks 8.5 us
   threads = int(threads or 512)
-  blocks = int(blocks or min(16, max(1, math.ceil(total / (2 * threads)))))
+  blocks = int(blocks or min(32, max(1, math.ceil(total / 256))))
   out_s, out_i = merge_topk_p.bind(scores, indices, axis_name=axis_name, k=int(k),
                                    blocks=blocks, threads=threads)
   return out_s, out_i
