@@ -16,3 +16,10 @@ def tiny_random():
     """A random fp32 model of the tiny architecture (session-wide: building it takes seconds)."""
     from jtilert import random_model
     return random_model("tiny", fmt="fp32")
+
+
+@pytest.fixture(scope="session")
+def tiny_fp8():
+    """The tiny architecture with fp8 block-scaled weights."""
+    from jtilert import random_model
+    return random_model("tiny", fmt="fp8", seed=1)

@@ -21,14 +21,16 @@ def test_decode_bench_writes_every_field(tmp_path):
     assert (tmp_path / "c.png").stat().st_size > 1000
 
 
-def test_step_bytes_counts_only_chosen_experts():
+def test_step_bytes_counts_only_chosen_experts(tiny_random):
     import jtilert
-    model = jtilert.random_model(jtilert.preset("tiny", num_hidden_layers=2), fmt="fp32")
+    model = tiny_random
     b = decode.step_bytes(model, context=100)
     cfg = model.cfg
     experts = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4  # one expert, fp32
     all_params = sum(x.size * 4 for n, x in jtilert.checkpoint.flat_params(model).items() if not n.startswith("mtp."))
-    skipped = (cfg.n_routed_experts - cfg.num_experts_per_tok) * experts + (cfg.vocab_size - 1) * cfg.hidden_size * 4
+    moe_layers = cfg.num_hidden_layers - cfg.first_k_dense_replace
+    skipped = (moe_layers * (cfg.n_routed_experts - cfg.num_experts_per_tok) * experts
+               + (cfg.vocab_size - 1) * cfg.hidden_size * 4)
     assert b["weights"] == all_params - skipped
-    assert b["mla_kv"] == 2 * cfg.index_topk * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
-    assert b["index_keys"] == 2 * 101 * cfg.index_head_dim * 4
+    assert b["mla_kv"] == cfg.num_hidden_layers * cfg.index_topk * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
+    assert b["index_keys"] == cfg.num_hidden_layers * 101 * cfg.index_head_dim * 4

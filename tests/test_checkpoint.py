@@ -38,9 +38,8 @@ def test_load_onto_mesh_shards_directly(tiny_random, saved):
     np.testing.assert_allclose(jtilert.score(m, IDS, mesh=mesh), jtilert.score(tiny_random, IDS), atol=2e-5)
 
 
-def test_fp8_round_trip_and_compute_dtype(tmp_path):
-    model = jtilert.random_model("tiny", fmt="fp8", seed=1)
-    jtilert.save(model, tmp_path / "f8")
+def test_fp8_round_trip_and_compute_dtype(tiny_fp8, tmp_path):
+    jtilert.save(tiny_fp8, tmp_path / "f8")
     loaded = jtilert.load(tmp_path / "f8", dtype="float32")
     w = loaded.layers[1].self_attn.q_b_proj
     assert w.weight[...].dtype == jax.numpy.float8_e4m3fn and w.scale[...].shape == (2, 1)

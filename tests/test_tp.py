@@ -45,8 +45,6 @@ def test_tp8_greedy_and_mtp_equal_single_device(tiny_random):
     assert many.generate(IDS, 16, stop_tokens=[]) == one
 
 
-def test_fp8_split_needs_aligned_blocks():
-    cfg = jtilert.preset("tiny")
-    model = jtilert.random_model(cfg, fmt="fp8")
+def test_fp8_split_needs_aligned_blocks(tiny_fp8):
     with pytest.raises(ValueError, match="o_proj.*tp=2"):
-        jtilert.Generator(model, max_seq_len=64, mesh=jtilert.make_mesh(2))
+        jtilert.Generator(tiny_fp8, max_seq_len=64, mesh=jtilert.make_mesh(2))
