@@ -1,8 +1,11 @@
-"""Checkpoints: jtilert's orbax format (save / load onto a mesh) and HF model folders (load).
+"""Checkpoints: jtilert's formats (save / load onto a mesh) and HF model folders (load).
 
 A jtilert checkpoint is a folder with `jtilert.json` (config, weight format, layout version, every
-parameter's shape and dtype) and `params/` (orbax). Writes go to a temporary sibling folder that is
-renamed into place only when complete.
+parameter's shape and dtype) and `params/`, in one of two layouts:
+  1. written by `save`: an orbax checkpoint of the whole (unsharded) parameter tree;
+  2. written by `jtilert.convert` (see jtilert/converter.py): raw per-device shard files laid out for a given
+     tensor-parallel degree, loaded shard by shard straight onto each device.
+Writes go to a temporary sibling folder that is renamed into place only when complete.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from jtilert.config import PRESETS, ModelConfig
 from jtilert.model import Transformer
 
 META = "jtilert.json"
-LAYOUT_VERSION = 1  # bump when the stored layout of any parameter changes
+LAYOUT_VERSION = 1  # what `save` writes; bump when the stored layout of any parameter changes
+LAYOUT_VERSIONS = (1, 2)  # 2: jtilert.convert's per-shard files
 ASSETS = Path(__file__).parent / "assets"
 EMBEDDED = {"tiny": ASSETS / "tiny"}
 
@@ -138,12 +142,17 @@ def resolve(source: str | os.PathLike) -> Path:
                             f"(presets: {', '.join(PRESETS)})")
 
 
-def load(source: str | os.PathLike, mesh: Mesh | None = None, dtype=None) -> Transformer:
+def load(source: str | os.PathLike, mesh: Mesh | None = None, dtype=None, reshard: bool = False) -> Transformer:
     """Load a jtilert checkpoint, an HF model folder (config.json + safetensors) or an embedded
     preset ("tiny"). With a mesh, every parameter lands directly in its tensor-parallel sharding.
-    `dtype` sets the compute dtype (default: the checkpoint's); fp8 weights stay fp8."""
+    `dtype` sets the compute dtype (default: the checkpoint's); fp8 weights stay fp8.
+    A converted checkpoint is laid out for one tensor-parallel degree: loading it onto a mesh of another
+    size (or without a mesh when it is split) needs `reshard=True`."""
     path = resolve(source)
     if (path / META).exists():
+        meta = read_meta(path)
+        if meta["layout_version"] == 2:
+            return _load_sharded(path, meta, mesh, dtype, reshard)
         return _load_jtilert(path, mesh, dtype)
     if (path / "config.json").exists():
         return load_hf(path, mesh, dtype)
@@ -155,15 +164,14 @@ def read_meta(path: Path) -> dict:
         meta = json.loads((path / META).read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path / META}: not valid JSON ({e})") from None
-    if meta.get("layout_version") != LAYOUT_VERSION:
-        raise ValueError(f"{path}: layout version {meta.get('layout_version')} is not the supported {LAYOUT_VERSION}")
+    if meta.get("layout_version") not in LAYOUT_VERSIONS:
+        raise ValueError(f"{path}: layout version {meta.get('layout_version')} is not one of the supported "
+                         f"{LAYOUT_VERSIONS}")
     return meta
 
 
-def _load_jtilert(path: Path, mesh, dtype) -> Transformer:
-    meta = read_meta(path)
-    cfg = ModelConfig.from_json_dict(meta["config"])
-    model = abstract_model(cfg, meta["weight_format"], dtype or meta["dtype"])
+def _check_params(path: Path, meta: dict, model: Transformer) -> dict:
+    """The model's parameters, checked against the shapes and dtypes the checkpoint records."""
     stored = meta["params"]
     expected = {k: v for k, v in flat_params(model).items()}
     for name, x in expected.items():
@@ -176,11 +184,128 @@ def _load_jtilert(path: Path, mesh, dtype) -> Transformer:
     extra = set(stored) - set(expected)
     if extra:
         raise ValueError(f"{path}: checkpoint has parameters the config does not: {sorted(extra)[:5]}")
+    return expected
+
+
+def _load_jtilert(path: Path, mesh, dtype) -> Transformer:
+    meta = read_meta(path)
+    cfg = ModelConfig.from_json_dict(meta["config"])
+    model = abstract_model(cfg, meta["weight_format"], dtype or meta["dtype"])
+    expected = _check_params(path, meta, model)
     target = _nest({k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_sharding_of(k, x.ndim, mesh))
                     for k, x in expected.items()})
     with ocp.StandardCheckpointer() as ckpt:
         restored = _flatten(ckpt.restore(path / "params", target))
     return _fill(model, lambda name, _: restored[name])
+
+
+def np_dtype(name: str) -> np.dtype:
+    """The numpy dtype of a dtype name ("bfloat16" and "float8_e4m3fn" via ml_dtypes)."""
+    return np.dtype(jnp.dtype(name))
+
+
+class StoredTensor:
+    """One parameter of a converted (layout 2) checkpoint: reads any index of the parameter's logical shape
+    from its shard files (a split parameter's shards are slices of its split axis)."""
+
+    def __init__(self, path: Path, name: str, meta: dict):
+        from jtilert import converter as convert
+        t = meta["tensors"][name]
+        shape, dt = meta["params"][name]
+        self.name, self.shape, self.dtype = name, tuple(shape), np_dtype(dt)
+        self.split, self.shards, self.stored = t["split"], t["shards"], tuple(t["stored"])
+        self.paths = [path / f for f in convert.shard_files(name, self.shards)]
+        self.packer = convert.PACKERS[t["kind"]]
+        if self.packer.name != t.get("pack", "identity"):
+            raise ValueError(f"{path}: parameter {name} is stored with layout {t.get('pack')!r}, this jtilert "
+                             f"packs {t['kind']} parameters as {self.packer.name!r}; convert the checkpoint again")
+        for p in self.paths:
+            if not p.exists():
+                raise FileNotFoundError(f"{path}: missing shard file {p} of parameter {name}")
+            size = p.stat().st_size
+            if size != int(np.prod(self.stored)) * self.dtype.itemsize:
+                raise ValueError(f"{p}: {size} bytes, parameter {name} needs "
+                                 f"{int(np.prod(self.stored)) * self.dtype.itemsize}")
+
+    @property
+    def identity(self) -> bool:
+        return self.packer.name == "identity"
+
+    def shard(self, d: int) -> np.ndarray:
+        """Shard d as stored (packed)."""
+        return np.fromfile(self.paths[d], self.dtype).reshape(self.stored)
+
+    def _local(self, d: int, idx: tuple) -> np.ndarray:
+        if self.identity:
+            mm = np.memmap(self.paths[d], self.dtype, "r", shape=self.stored)
+            out = np.array(mm[idx])
+            del mm
+            return out
+        if self.packer.unpack is None:
+            raise ValueError(f"parameter {self.name}: layout {self.packer.name!r} cannot be unpacked")
+        return np.asarray(self.packer.unpack(self.shard(d)))[idx]
+
+    def read(self, idx: tuple = ()) -> np.ndarray:
+        """The parameter at `idx` (ints and slices over its logical shape)."""
+        idx = tuple(idx) + (slice(None),) * (len(self.shape) - len(idx))
+        drop = tuple(i for i, x in enumerate(idx) if not isinstance(x, slice))
+        idx = tuple(x if isinstance(x, slice) else slice(int(x), int(x) + 1) for x in idx)
+        if self.split is None or self.shards == 1:
+            out = self._local(0, idx)
+        else:
+            ax, local = self.split, self.shape[self.split] // self.shards
+            a, b, step = idx[ax].indices(self.shape[ax])
+            if step != 1:
+                raise ValueError("strided reads are not supported")
+            parts = []
+            for d in range(a // local, (b - 1) // local + 1) if b > a else []:
+                sub = list(idx)
+                sub[ax] = slice(max(a, d * local) - d * local, min(b, (d + 1) * local) - d * local)
+                parts.append(self._local(d, tuple(sub)))
+            out = np.concatenate(parts, axis=ax) if parts else np.zeros(
+                tuple(len(range(*s.indices(n))) for s, n in zip(idx, self.shape)), self.dtype)
+        return out.reshape(tuple(n for i, n in enumerate(out.shape) if i not in drop)) if drop else out
+
+
+def _load_sharded(path: Path, meta: dict, mesh: Mesh | None, dtype, reshard: bool) -> Transformer:
+    """A converted checkpoint: each device reads its own shard file of every split parameter."""
+    cfg = ModelConfig.from_json_dict(meta["config"])
+    model = abstract_model(cfg, meta["weight_format"], dtype or meta["dtype"])
+    expected = _check_params(path, meta, model)
+    tp = meta["tp"]
+    have = 1 if mesh is None else mesh.shape[sharding.AXIS]
+    if have != tp and not reshard:
+        where = "without a mesh" if mesh is None else f"onto a mesh with tp={have}"
+        raise ValueError(f"{path} is laid out for tp={tp}; loading it {where} needs reshard=True "
+                         f"(or convert it again with --tp {have})")
+    tensors = {name: StoredTensor(path, name, meta) for name in expected}
+    if have != tp:
+        for name, t in tensors.items():
+            ax = t.split
+            if ax is None:
+                continue
+            if t.shape[ax] % have:
+                raise ValueError(f"parameter {name} of shape {t.shape}: axis {ax} does not divide by tp={have}")
+            if have > 1 and t.dtype == np.dtype(jnp.float8_e4m3fn) and (t.shape[ax] // have) % 128:
+                raise ValueError(f"parameter {name} of shape {t.shape}: fp8 block scales need each of the tp={have} "
+                                 f"slices of axis {ax} to be a multiple of 128")
+
+    def get(name, like):
+        t = tensors[name]
+        if mesh is None:
+            return jnp.asarray(t.read())
+        sh = _sharding_of(name, len(t.shape), mesh)
+        if t.split is None:
+            return jax.device_put(t.read(), sh)
+        local = t.shape[t.split] // tp
+        if have == tp and t.identity:
+            def shard(idx):  # this device's slice is exactly one stored shard
+                return t.shard(idx[t.split].indices(t.shape[t.split])[0] // local)
+        else:
+            shard = t.read
+        return jax.make_array_from_callback(t.shape, sh, shard)
+
+    return _fill(model, get)
 
 
 def load_hf(path: str | os.PathLike, mesh: Mesh | None = None, dtype=None, **config_overrides) -> Transformer:
@@ -244,11 +369,14 @@ def load_hf(path: str | os.PathLike, mesh: Mesh | None = None, dtype=None, **con
 def info(source: str | os.PathLike) -> dict:
     """A summary of a checkpoint: config, weight format, parameter count and bytes."""
     path = resolve(source)
+    extra = {}
     if (path / META).exists():
         meta = read_meta(path)
         cfg = ModelConfig.from_json_dict(meta["config"])
         shapes = {k: (tuple(s), d) for k, (s, d) in meta["params"].items()}
         fmt, kind = meta["weight_format"], "jtilert"
+        if "tp" in meta:
+            extra = {"tp": meta["tp"], "layout_version": meta["layout_version"]}
     else:
         cfg = ModelConfig.from_hf(path)
         tensors = hf.open_folder(path)
@@ -259,4 +387,4 @@ def info(source: str | os.PathLike) -> dict:
     nbytes = sum(int(np.prod(s)) * jnp.dtype(d).itemsize for s, d in shapes.values())
     return {"path": str(path), "kind": kind, "model_type": cfg.model_type, "weight_format": fmt,
             "layers": cfg.num_hidden_layers, "mtp": cfg.num_nextn_predict_layers, "hidden_size": cfg.hidden_size,
-            "vocab_size": cfg.vocab_size, "parameters": count, "bytes": nbytes, "tensors": len(shapes)}
+            "vocab_size": cfg.vocab_size, "parameters": count, "bytes": nbytes, "tensors": len(shapes), **extra}

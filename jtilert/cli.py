@@ -1,4 +1,4 @@
-"""The `jtilert` command: generate text, describe a checkpoint."""
+"""The `jtilert` command: generate text, describe a checkpoint, convert and verify checkpoints."""
 
 from __future__ import annotations
 
@@ -46,6 +46,18 @@ def _info(args) -> None:
     print(json.dumps(checkpoint.info(args.path), indent=1))
 
 
+def _convert(args) -> None:
+    from jtilert import converter
+    converter.convert(args.src, args.dst, tp=args.tp, dtype=args.dtype, layers=args.layers, mtp=not args.no_mtp,
+                    overwrite=args.overwrite, progress=not args.quiet, chunk_bytes=args.chunk_mb << 20)
+
+
+def _verify(args) -> None:
+    from jtilert import converter
+    print(json.dumps(converter.verify(args.dst, against=args.against, samples=args.samples, progress=not args.quiet),
+                     indent=1))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="jtilert", description="Batch-1 decoding of DeepSeek-V3.2 / GLM-5 models in JAX")
     sub = p.add_subparsers(dest="command", required=True)
@@ -67,6 +79,26 @@ def main(argv=None) -> int:
     i = sub.add_parser("info", help="describe a checkpoint")
     i.add_argument("path")
     i.set_defaults(run=_info)
+
+    c = sub.add_parser("convert", help="convert an HF folder into a jtilert checkpoint laid out for tp devices")
+    c.add_argument("src", help="HF model folder (config.json + safetensors)")
+    c.add_argument("dst", help="jtilert checkpoint folder to write")
+    c.add_argument("--tp", type=int, default=1, help="tensor-parallel degree to lay the weights out for")
+    c.add_argument("--dtype", choices=["fp8", "bf16", "fp32"], default=None,
+                   help="weight format to write (default: the source's)")
+    c.add_argument("--layers", default=None, metavar="A:B", help="keep decoder layers A..B-1 only")
+    c.add_argument("--no-mtp", action="store_true", help="leave out the MTP block")
+    c.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    c.add_argument("--chunk-mb", type=int, default=64, help="piece size bounding host memory (MiB)")
+    c.add_argument("--quiet", action="store_true", help="no progress bar")
+    c.set_defaults(run=_convert)
+
+    v = sub.add_parser("verify", help="check a converted checkpoint's tensors and checksums")
+    v.add_argument("dst")
+    v.add_argument("--against", default=None, metavar="SRC", help="also spot-check values against the HF source")
+    v.add_argument("--samples", type=int, default=2, help="rows spot-checked per matrix")
+    v.add_argument("--quiet", action="store_true", help="no progress bar")
+    v.set_defaults(run=_verify)
 
     args = p.parse_args(argv)
     try:

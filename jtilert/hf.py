@@ -2,17 +2,24 @@
 
 The safetensors package's numpy reader cannot return float8 tensors, so the file format (an 8-byte
 header length, a JSON header, raw little-endian data) is read here with np.memmap and ml_dtypes.
+`SafetensorsFile.read_rows` reads row ranges with pread instead (no mapping, so a streaming reader's
+resident memory stays bounded by what it holds, not by what it has touched).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 
+DTYPE_NAMES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+}
 DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
     "F8_E4M3": ml_dtypes.float8_e4m3fn, "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
@@ -66,13 +73,55 @@ class SafetensorsFile:
             self._mm = np.memmap(self.path, np.uint8, mode="r")
         return self._mm[self.offset + begin:self.offset + end].view(dtype).reshape(shape)
 
+    def nbytes(self, key: str) -> int:
+        begin, end = self.header[key]["data_offsets"]
+        return end - begin
+
+    def data_offset(self, key: str) -> int:
+        """Byte offset of the tensor's data in the file (for reading files in order)."""
+        return self.offset + self.header[key]["data_offsets"][0]
+
+    def read_rows(self, key: str, start: int, stop: int, fd: int | None = None) -> np.ndarray:
+        """Rows start:stop of the tensor viewed as 2-D [prod(shape[:-1]), shape[-1]] (a 1-D tensor is one
+        row), read with pread into a fresh array. `fd`: an open descriptor of this file to reuse."""
+        shape, dtype = self.meta(key)
+        cols = shape[-1] if shape else 1
+        begin, end = self.header[key]["data_offsets"]
+        row_bytes = cols * dtype.itemsize
+        if end - begin != int(np.prod(shape)) * dtype.itemsize:
+            raise ValueError(f"{self.path}: tensor {key} holds {end - begin} bytes, shape {shape} needs "
+                             f"{int(np.prod(shape)) * dtype.itemsize}")
+        out = np.empty((stop - start, cols), dtype)
+        buf = memoryview(out.reshape(-1).view(np.uint8))
+        own = fd is None
+        if own:
+            fd = os.open(self.path, os.O_RDONLY)
+        try:
+            pos, done = self.offset + begin + start * row_bytes, 0
+            while done < len(buf):
+                n = os.preadv(fd, [buf[done:]], pos + done)
+                if n <= 0:
+                    raise ValueError(f"{self.path}: tensor {key}: file ends at byte {pos + done} (truncated "
+                                     f"while reading?)")
+                done += n
+        finally:
+            if own:
+                os.close(fd)
+        return out
+
+
+_NUMBERED = re.compile(r"(.*)-(\d+)-of-(\d+)\.safetensors")
+
 
 def open_folder(folder: str | Path) -> dict[str, SafetensorsFile]:
     """Map every tensor key of an HF folder to the file holding it (via the index json if present)."""
     folder = Path(folder)
     index = folder / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{index}: not a safetensors index (no valid weight_map: {e!r})") from None
         files = {}
         for name in sorted(set(weight_map.values())):
             if not (folder / name).exists():
@@ -87,6 +136,15 @@ def open_folder(folder: str | Path) -> dict[str, SafetensorsFile]:
     paths = sorted(folder.glob("*.safetensors"))
     if not paths:
         raise FileNotFoundError(f"no *.safetensors files in {folder}")
+    # Numbered shards (model-00001-of-00163.safetensors) without an index: a gap is a missing file.
+    for p in paths:
+        m = _NUMBERED.fullmatch(p.name)
+        if m:
+            width, total = len(m.group(2)), int(m.group(3))
+            for i in range(1, total + 1):
+                want = folder / f"{m.group(1)}-{i:0{width}d}-of-{m.group(3)}.safetensors"
+                if not want.exists():
+                    raise FileNotFoundError(f"missing shard file {want} ({p.name} says there are {total})")
     out = {}
     for p in paths:
         f = SafetensorsFile(p)
@@ -132,3 +190,32 @@ def target_name(key: str, num_layers: int) -> tuple[str, int | None] | None:
     rest = {"mlp.experts.down_proj": "mlp.experts.down.weight",
             "mlp.experts.gate_up_proj": "mlp.experts.gate_up.weight"}.get(rest, rest)
     return prefix + rest, None
+
+
+_MTP_ONLY_INV = {v: k for k, v in _MTP_ONLY.items()}
+
+
+def source_name(name: str, num_layers: int) -> str:
+    """The HF key of a jtilert parameter (inverse of `target_name`); stacked expert parameters give a
+    pattern with `{e}` for the expert index."""
+    if name == "embed_tokens":
+        return "model.embed_tokens.weight"
+    if name == "norm.weight":
+        return "model.norm.weight"
+    if name == "lm_head.weight":
+        return "lm_head.weight"
+    if name.startswith("mtp.") and not name.startswith("mtp.layer."):
+        return f"model.layers.{num_layers}." + _MTP_ONLY_INV[name.removeprefix("mtp.")]
+    if name.startswith("mtp.layer."):
+        prefix, rest = f"model.layers.{num_layers}.", name.removeprefix("mtp.layer.")
+    else:
+        m = re.fullmatch(r"layers\.(\d+)\.(.*)", name)
+        if not m:
+            raise ValueError(f"no HF key for parameter {name}")
+        prefix, rest = f"model.layers.{m.group(1)}.", m.group(2)
+    e = re.fullmatch(r"mlp\.experts\.(gate|up|down)\.(weight|scale)", rest)
+    if e:
+        return prefix + f"mlp.experts.{{e}}.{e.group(1)}_proj." + ("weight" if e.group(2) == "weight" else "weight_scale_inv")
+    if rest.endswith(".scale"):
+        rest = rest.removesuffix("scale") + "weight_scale_inv"
+    return prefix + rest

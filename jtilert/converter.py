@@ -1,0 +1,917 @@
+"""Streaming HF → jtilert conversion, laid out for tensor parallelism, with progress, resumption and verification.
+
+`convert(SRC, DST, tp=N)` reads an HF folder (index json + safetensors; fp8 with `weight_scale_inv`, bf16 or
+fp32; the MTP layer; GLM-5.2 shared-indexer layers) and writes a jtilert checkpoint whose tp-split parameters
+are stored as N separate per-device files, so that `jtilert.load(DST, mesh=...)` reads each device's shard
+straight onto that device.
+
+Layout (`layout_version` 2):
+
+    DST/jtilert.json                  config, weight format, tp, pack layout, every parameter's shape, dtype,
+                                      split axis, stored shard shape and per-shard CRC-32
+    DST/params/replicated/<name>.bin  a replicated parameter: raw C-order bytes
+    DST/params/tp<d>/<name>.bin       shard d of a tp-split parameter: slice d of its split axis, raw C-order
+                                      (stacked experts [E, out, in] keep the expert axis: shard d is [E, out/N, in])
+
+Weights are rearranged once, here, by a per-kind `Packer` (the place for kernel-specific swizzles; identity
+today). The packers' names are recorded in the metadata and checked at load.
+
+Memory: the source is read with pread in pieces of whole rows (no memory map), converted and written piece by
+piece; stacked experts are streamed one expert at a time into their per-shard files. With `chunk_bytes` = C
+(64 MiB by default) a piece is at most C bytes as fp32, so the conversion holds at most about 4·C of tensor
+data at once (source piece, its fp32 form when dequantising or quantising, the output piece, a packed copy),
+on top of the interpreter and the (tiny) metadata: peak RSS ≤ RSS after import + 4·C + a few MB, whatever
+the size of the checkpoint. `tests/test_convert_memory.py` measures it.
+
+Interruption: everything is written to the hidden sibling `.DST.partial/`, with a log of finished tensors
+(their files' sizes and CRC-32). Rerunning the same command verifies each logged tensor's files (size and
+checksum) and skips it; anything else is rewritten. `jtilert.json` is written last and the folder is renamed
+to DST only when complete, so nothing at DST ever looks complete before it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import json
+import os
+import re
+import shutil
+import sys
+import time
+import zlib
+from pathlib import Path
+from typing import Callable
+
+import ml_dtypes
+import numpy as np
+
+from jtilert import hf, sharding
+from jtilert.config import ModelConfig
+from jtilert.quant import BLOCK, FP8_MAX, scale_shape
+
+LAYOUT_VERSION = 2  # per-shard raw files (layout 1 is jtilert.save's orbax checkpoint)
+CHUNK_BYTES = 64 << 20
+FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+F32 = np.dtype(np.float32)
+FLOATS = {np.dtype(np.float64), F32, np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), FP8}
+FORMATS = ("fp8", "bf16", "fp32")
+DONE_LOG = "done.jsonl"
+REQUEST = "request.json"
+COPIED = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
+
+
+class ConvertError(ValueError):
+    """A conversion failed (bad input, full disk, ...); the message names the file or tensor."""
+
+
+# ---- weight layouts for the kernels -----------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Packer:
+    """How one kind of parameter is stored. `pack` is applied to every piece written: whole rows (a multiple
+    of 128 rows, except a matrix's last piece) of one tp shard of one matrix (one expert of a stacked
+    parameter), so it must act on 128-row tiles independently. `unpack` inverts it (for spot checks and
+    resharding); `stored_shape` maps a shard's logical shape to its stored one."""
+    name: str
+    pack: Callable[[np.ndarray], np.ndarray]
+    unpack: Callable[[np.ndarray], np.ndarray] | None = None
+    stored_shape: Callable[[tuple], tuple] = tuple
+
+
+IDENTITY = Packer("identity", lambda x: x, lambda x: x)
+KINDS = ("embedding", "lm_head", "vector", "router", "linear_weight", "linear_scale", "expert_weight", "expert_scale")
+PACKERS: dict[str, Packer] = {k: IDENTITY for k in KINDS}
+
+
+def register_pack(kind: str, packer: Packer) -> None:
+    """Store parameters of `kind` through `packer` from now on (a checkpoint records which packers wrote it,
+    and loading refuses one written with others)."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown parameter kind {kind!r}; kinds: {KINDS}")
+    PACKERS[kind] = packer
+
+
+def pack_layout() -> dict[str, str]:
+    return {k: PACKERS[k].name for k in KINDS}
+
+
+def param_kind(name: str, ndim: int) -> str:
+    if name == "embed_tokens":
+        return "embedding"
+    if name == "lm_head.weight":
+        return "lm_head"
+    if ndim <= 1:
+        return "vector"
+    if name.endswith("mlp.gate.weight"):
+        return "router"
+    base = "expert" if ".experts." in name else "linear"
+    return f"{base}_{'scale' if name.endswith('.scale') else 'weight'}"
+
+
+def shard_files(name: str, shards: int) -> list[str]:
+    """Paths (relative to the checkpoint) of a parameter's files."""
+    if shards == 1:
+        return [f"params/replicated/{name}.bin"]
+    return [f"params/tp{d}/{name}.bin" for d in range(shards)]
+
+
+# ---- the conversion plan ----------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Mat:
+    """One source matrix: rows row0:row0+rows of HF tensor `key` viewed as 2-D [rows, cols]."""
+    file: hf.SafetensorsFile
+    key: str
+    row0: int
+    rows: int
+    cols: int
+    dtype: np.dtype
+    scale: "Mat | None" = None  # its fp8 block scales
+
+    def read(self, fds: "_Files", a: int, b: int) -> np.ndarray:
+        return self.file.read_rows(self.key, self.row0 + a, self.row0 + b, fds.get(self.file.path))
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.cols * self.dtype.itemsize + (self.scale.nbytes if self.scale else 0)
+
+
+@dataclasses.dataclass
+class Item:
+    """One jtilert parameter to write."""
+    name: str
+    shape: tuple          # the model's shape
+    dtype: np.dtype       # stored dtype
+    split: int | None     # the tp-split axis of `shape`
+    shards: int           # files: tp for split parameters, else 1
+    mats: list[Mat]       # one per expert of a stacked parameter, else one
+    mode: str             # "cast", "dequant" (fp8 → float), "quant" (float → fp8), "scale" (the block scales of "quant")
+
+    @property
+    def kind(self) -> str:
+        return param_kind(self.name, len(self.shape))
+
+    @property
+    def local_shape(self) -> tuple:
+        s = list(self.shape)
+        if self.split is not None:
+            s[self.split] //= self.shards
+        return tuple(s)
+
+    @property
+    def stored_shape(self) -> tuple:
+        return tuple(PACKERS[self.kind].stored_shape(self.local_shape))
+
+    @property
+    def shard_bytes(self) -> int:
+        return int(np.prod(self.stored_shape)) * self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.shard_bytes * self.shards
+
+    @property
+    def msplit(self) -> int | None:
+        """The split axis within one matrix (stacked experts: the axis after the expert axis)."""
+        if self.split is None:
+            return None
+        return self.split - (len(self.shape) - 2)
+
+    @property
+    def files(self) -> list[str]:
+        return shard_files(self.name, self.shards)
+
+    def meta(self) -> dict:
+        return {"split": self.split, "shards": self.shards, "stored": list(self.stored_shape), "kind": self.kind,
+                "pack": PACKERS[self.kind].name}
+
+
+@dataclasses.dataclass
+class Plan:
+    src: Path
+    cfg: ModelConfig
+    fmt: str              # the written weight format
+    source_format: str
+    tp: int
+    layers: tuple[int, int]
+    items: list[Item]
+    files: list[hf.SafetensorsFile]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(i.nbytes for i in self.items)
+
+    def request(self) -> dict:
+        """What the output depends on (a partial conversion resumes only for the same request)."""
+        return {"layout_version": LAYOUT_VERSION, "source": str(self.src.absolute()),
+                "files": {str(f.path.name): [f.path.stat().st_size, f.path.stat().st_mtime_ns] for f in self.files},
+                "tp": self.tp, "weight_format": self.fmt, "layers": list(self.layers),
+                "mtp": self.cfg.num_nextn_predict_layers, "pack": pack_layout()}
+
+
+def _source_format(tensors: dict, src: Path) -> str:
+    if any(k.endswith("weight_scale_inv") for k in tensors):
+        return "fp8"
+    key = "model.embed_tokens.weight"
+    if key not in tensors:
+        raise ConvertError(f"{src}: no {key} tensor")
+    return "fp32" if tensors[key].meta(key)[1] == F32 else "bf16"
+
+
+def parse_layers(layers, n: int) -> tuple[int, int]:
+    """`a:b` (either end optional) or (a, b): decoder layers a..b-1 of n."""
+    if layers is None:
+        return 0, n
+    if isinstance(layers, str):
+        m = re.fullmatch(r"\s*(\d*)\s*:\s*(\d*)\s*", layers)
+        if not m:
+            raise ConvertError(f"layers {layers!r}: expected a:b (e.g. 0:4)")
+        a, b = int(m.group(1) or 0), int(m.group(2) or n)
+    else:
+        a, b = layers
+    if not 0 <= a < b <= n:
+        raise ConvertError(f"layers {a}:{b}: need 0 <= a < b <= {n} (the model has {n} decoder layers)")
+    return a, b
+
+
+def subset_config(cfg: ModelConfig, a: int, b: int) -> ModelConfig:
+    """The config of decoder layers a..b-1 renumbered from 0 (dense/MoE and indexer kinds kept)."""
+    if (a, b) == (0, cfg.num_hidden_layers):
+        return cfg
+    types = cfg.indexer_types[a:b]
+    if types[0] != "full":
+        raise ConvertError(f"layers {a}:{b}: layer {a} reuses an earlier layer's indexer (a GLM-5.2 'shared' "
+                           f"layer); start the range at a layer with its own indexer")
+    fkd = min(max(cfg.first_k_dense_replace - a, 0), b - a)
+    return cfg.replace(num_hidden_layers=b - a, first_k_dense_replace=fkd, indexer_types=types)
+
+
+def _renumber(name: str, a: int, b: int) -> str | None:
+    m = re.match(r"layers\.(\d+)\.", name)
+    if not m:
+        return name
+    i = int(m.group(1))
+    if not a <= i < b:
+        return None
+    return f"layers.{i - a}." + name[m.end():]
+
+
+def plan(src: str | os.PathLike, tp: int = 1, dtype: str | None = None, layers=None, mtp: bool = True) -> Plan:
+    """Check an HF folder against its config and work out every parameter to write (reads only headers).
+    Every bad input is a ValueError/FileNotFoundError naming the file and tensor."""
+    from jtilert import checkpoint
+    src = Path(src)
+    if not src.is_dir():
+        raise FileNotFoundError(f"no HF model folder at {src}")
+    if not (src / "config.json").exists():
+        raise FileNotFoundError(f"{src}: no config.json (not an HF model folder)")
+    if not isinstance(tp, int) or tp < 1:
+        raise ConvertError(f"tp={tp!r}: must be a positive integer")
+    if dtype is not None and dtype not in FORMATS:
+        raise ConvertError(f"dtype {dtype!r}: expected one of {FORMATS}")
+    raw = ModelConfig.from_hf(src).to_hf()  # validates model_type etc. before touching the tensors
+    n = raw["num_hidden_layers"]
+    tensors = hf.open_folder(src)
+    has_mtp = any(k.startswith(f"model.layers.{n}.") for k in tensors)
+    cfg = ModelConfig.from_hf(src, num_nextn_predict_layers=int(has_mtp and mtp))
+    a, b = parse_layers(layers, n)
+    cfg = subset_config(cfg, a, b)
+    source_format = _source_format(tensors, src)
+    fmt = dtype or source_format
+    expected = {k: (tuple(v.shape), np.dtype(v.dtype))
+                for k, v in checkpoint.flat_params(checkpoint.abstract_model(cfg, fmt)).items()}
+
+    # every source tensor, by the parameter it feeds
+    single: dict[str, tuple] = {}
+    experts: dict[str, dict[int, tuple]] = {}
+    fused: dict[str, tuple] = {}   # transformers' [E, 2I, H] gate_up / [E, H, I] down: name -> (file, key, part)
+    origin: dict[str, str] = {}    # parameter -> a source key (for messages)
+    for key, f in tensors.items():
+        try:
+            t = hf.target_name(key, n)
+        except ValueError as e:
+            raise ConvertError(f"{f.path}: {e}") from None
+        if t is None:
+            continue
+        name, e = t
+        name = _renumber(name, a, b)
+        if name is None or (name.startswith("mtp.") and not cfg.num_nextn_predict_layers):
+            continue
+        if name.endswith("experts.gate_up.weight"):
+            for part, leaf in enumerate(("gate", "up")):
+                fused[name.replace("gate_up", leaf)] = (f, key, part)
+                origin[name.replace("gate_up", leaf)] = key
+        elif name.endswith("experts.down.weight") and e is None:
+            fused[name], origin[name] = (f, key, None), key
+        elif e is not None:
+            experts.setdefault(name, {})[e] = (f, key)
+            origin[name] = key
+        else:
+            single[name], origin[name] = (f, key), key
+
+    def where(f, key):
+        return f"{f.path}: tensor {key}"
+
+    def check_float(f, key, name):
+        dt = f.meta(key)[1]
+        if dt not in FLOATS:
+            raise ConvertError(f"{where(f, key)} has dtype {dt.name}; parameter {name} needs a float type")
+        return dt
+
+    def scale_mat(f, key, wshape, skey_src):
+        """The Mat of the block scales of fp8 weight (f, key) of shape wshape, checked."""
+        if skey_src is None:
+            raise ConvertError(f"{where(f, key)} is float8_e4m3fn but has no {key}_scale_inv (block scales)")
+        sf, skey = skey_src
+        sshape, sdt = sf.meta(skey)
+        if sdt not in (F32, np.dtype(ml_dtypes.bfloat16)):
+            raise ConvertError(f"{where(sf, skey)} has dtype {sdt.name}; block scales must be float32")
+        if tuple(sshape) != scale_shape(wshape):
+            raise ConvertError(f"{where(sf, skey)} has shape {tuple(sshape)}, but its weight {key} of shape "
+                               f"{tuple(wshape)} needs block scales of shape {scale_shape(wshape)}")
+        return Mat(sf, skey, 0, sshape[0], sshape[1], sdt)
+
+    items: list[Item] = []
+    used: set[str] = set()
+    for name, (shape, dt) in expected.items():
+        if name.endswith(".scale"):
+            continue  # made with its weight
+        sname = name.removesuffix("weight") + "scale" if name.endswith(".weight") else None
+        to_fp8 = sname in expected
+        stacked = name in experts or name in fused or ".experts." in name
+        mats: list[Mat] = []
+        src_fp8 = None
+        if stacked:
+            n_exp, rows, cols = shape
+            if name in fused:
+                f, key, part = fused[name]
+                fshape = tuple(f.meta(key)[0])
+                want = (n_exp, 2 * rows, cols) if part is not None else shape
+                if fshape != want:
+                    raise ConvertError(f"{where(f, key)} has shape {fshape}, the config needs {want} "
+                                       f"(parameter {name})")
+                dt_src = check_float(f, key, name)
+                if dt_src == FP8:
+                    raise ConvertError(f"{where(f, key)}: fused fp8 expert tensors are not supported")
+                per = want[1]
+                mats = [Mat(f, key, e * per + (part or 0) * rows, rows, cols, dt_src) for e in range(n_exp)]
+                used.add(name)
+            elif name in experts:
+                per = experts[name]
+                missing = sorted(set(range(n_exp)) - set(per))
+                if missing:
+                    raise ConvertError(f"{src}: parameter {name} is missing experts {missing[:8]} "
+                                       f"(no {hf.source_name(name, n).format(e=missing[0])})")
+                extra = sorted(set(per) - set(range(n_exp)))
+                if extra:
+                    f, key = per[extra[0]]
+                    raise ConvertError(f"{where(f, key)}: expert {extra[0]} beyond the config's {n_exp} experts")
+                sc_all = experts.get(name.removesuffix("weight") + "scale", {})
+                for e in range(n_exp):
+                    f, key = per[e]
+                    fshape = tuple(f.meta(key)[0])
+                    if fshape != (rows, cols):
+                        raise ConvertError(f"{where(f, key)} has shape {fshape}, the config needs {(rows, cols)} "
+                                           f"(expert {e} of parameter {name})")
+                    dt_src = check_float(f, key, name)
+                    m = Mat(f, key, 0, rows, cols, dt_src)
+                    if dt_src == FP8:
+                        m.scale = scale_mat(f, key, fshape, sc_all.get(e))
+                    elif e in sc_all:
+                        sf, skey = sc_all[e]
+                        raise ConvertError(f"{where(sf, skey)}: block scales for {key}, which is {dt_src.name}, not fp8")
+                    mats.append(m)
+                used.update({name, name.removesuffix("weight") + "scale"})
+            else:
+                raise ConvertError(f"{src}: no tensors for parameter {name} (expected "
+                                   f"{hf.source_name(name, n).format(e=0)} and the other experts)")
+        else:
+            if name not in single:
+                raise ConvertError(f"{src}: no tensor for parameter {name} of shape {shape} "
+                                   f"(expected HF key {_hf_key(name, a, n)})")
+            f, key = single[name]
+            fshape = tuple(f.meta(key)[0])
+            if fshape != shape:
+                raise ConvertError(f"{where(f, key)} has shape {fshape}, the config needs {shape} (parameter {name})")
+            dt_src = check_float(f, key, name)
+            rows, cols = (int(np.prod(shape[:-1])), shape[-1]) if len(shape) else (1, 1)
+            m = Mat(f, key, 0, rows, cols, dt_src)
+            scale_name = name.removesuffix("weight") + "scale" if name.endswith(".weight") else None
+            if dt_src == FP8:
+                if len(shape) != 2:
+                    raise ConvertError(f"{where(f, key)} is float8_e4m3fn, but fp8 is only supported for matrices")
+                m.scale = scale_mat(f, key, fshape, single.get(scale_name))
+            elif scale_name in single:
+                sf, skey = single[scale_name]
+                raise ConvertError(f"{where(sf, skey)}: block scales for {key}, which is {dt_src.name}, not fp8")
+            mats = [m]
+            used.update({name, scale_name} if scale_name else {name})
+        src_fp8 = mats[0].dtype == FP8
+        if to_fp8:
+            mode = "cast" if src_fp8 else "quant"
+        else:
+            mode = "dequant" if src_fp8 else "cast"
+        split = sharding.split_axis(tuple(name.split(".")))
+        shards = tp if split is not None else 1
+        if split is not None and shape[split] % tp:
+            raise ConvertError(f"parameter {name} of shape {shape}: axis {split} ({shape[split]}) does not divide "
+                               f"by tp={tp}")
+        if to_fp8 and split is not None and tp > 1 and (shape[split] // tp) % BLOCK:
+            raise ConvertError(f"parameter {name} of shape {shape}: fp8 block scales need each of the tp={tp} "
+                               f"slices of axis {split} ({shape[split]} / {tp}) to be a multiple of {BLOCK} rows")
+        items.append(Item(name, shape, dt, split, shards, mats, mode))
+        if to_fp8:
+            sshape, sdt = expected[sname]
+            if src_fp8:
+                smats = [m.scale for m in mats]
+                items.append(Item(sname, sshape, sdt, split, shards, smats, "cast"))
+            else:
+                items.append(Item(sname, sshape, sdt, split, shards, mats, "scale"))
+    unexpected = sorted((set(single) | set(experts) | set(fused)) - used)
+    if unexpected:
+        raise ConvertError(f"{src}: tensors with no place in a {cfg.model_type} model ({fmt}): "
+                           + ", ".join(f"{origin[k]} (→ {k})" for k in unexpected[:5]))
+    # read the files in order
+    items.sort(key=lambda it: (str(it.mats[0].file.path), it.mats[0].file.data_offset(it.mats[0].key)
+                               + it.mats[0].row0, it.mode == "scale"))
+    files = sorted({id(f): f for f in tensors.values()}.values(), key=lambda f: f.path)
+    return Plan(src, cfg, fmt, source_format, tp, (a, b), items, files)
+
+
+def _hf_key(name: str, a: int, n: int) -> str:
+    m = re.match(r"layers\.(\d+)\.", name)
+    if m:
+        name = f"layers.{int(m.group(1)) + a}." + name[m.end():]
+    return hf.source_name(name, n)
+
+
+# ---- streaming one parameter ------------------------------------------------------------------
+
+class _Files:
+    """Open read descriptors of the source files, reused across pieces."""
+
+    def __init__(self):
+        self.fds: dict[Path, int] = {}
+
+    def get(self, path: Path) -> int:
+        if path not in self.fds:
+            self.fds[path] = os.open(path, os.O_RDONLY)
+        return self.fds[path]
+
+    def close(self):
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+
+def _row_step(cols: int, chunk_bytes: int, blocks: bool) -> int:
+    step = max(1, chunk_bytes // (max(cols, 1) * 4))
+    if blocks:
+        step = max(BLOCK, step // BLOCK * BLOCK)
+    return step
+
+
+def _dequant(x: np.ndarray, s: np.ndarray, a: int, dtype) -> np.ndarray:
+    """Rows a.. of an fp8 matrix times their 128×128 block scales, as jtilert.quant.dequantize does
+    (an fp32 product, then a cast)."""
+    y = x.astype(F32)
+    srows = s[(a + np.arange(x.shape[0])) // BLOCK].astype(F32)  # [rows, kb]
+    for j in range(srows.shape[1]):
+        y[:, j * BLOCK:(j + 1) * BLOCK] *= srows[:, j:j + 1]
+    return y if np.dtype(dtype) == F32 else y.astype(dtype)
+
+
+def _pow2_scale(amax: np.ndarray) -> np.ndarray:
+    """The smallest power of two s with amax / s <= 448 (jtilert.quant.pow2_scale), computed exactly."""
+    v = np.maximum(amax.astype(F32), np.float32(1e-4)) / np.float32(FP8_MAX)
+    m, e = np.frexp(v)  # v = m·2^e, m in [0.5, 1)
+    return np.ldexp(np.float32(1), np.where(m == 0.5, e - 1, e)).astype(F32)
+
+
+def _quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Block-quantise rows (a whole number of 128-row blocks, or a matrix's last rows) to fp8 + scales."""
+    x = x.astype(F32)
+    n, k = x.shape
+    nb, kb = -(-n // BLOCK), -(-k // BLOCK)
+    pad = np.zeros((nb * BLOCK, kb * BLOCK), F32)
+    pad[:n, :k] = x
+    blocks = pad.reshape(nb, BLOCK, kb, BLOCK)
+    scale = _pow2_scale(np.abs(blocks).max(axis=(1, 3)))
+    q = (blocks / scale[:, None, :, None]).reshape(pad.shape)[:n, :k].astype(FP8)
+    return q, scale
+
+
+def _pieces(item: Item, files: _Files, chunk_bytes: int):
+    """(shard, rows of that shard of one matrix) in each shard's C order."""
+    ms, n = item.msplit, item.shards
+    blocks = item.mode in ("quant", "scale", "dequant")
+    for m in item.mats:
+        scales = m.scale.read(files, 0, m.scale.rows) if item.mode == "dequant" else None
+
+        def transform(a, b):
+            x = m.read(files, a, b)
+            if item.mode == "cast":
+                return x if x.dtype == item.dtype else x.astype(item.dtype)
+            if item.mode == "dequant":
+                return _dequant(x, scales, a, item.dtype)
+            q, s = _quantize(x)
+            return q if item.mode == "quant" else s
+
+        step = _row_step(m.cols, chunk_bytes, blocks)
+        if ms == 0:  # rows split: each shard's rows are a contiguous run of the source
+            per = m.rows // n
+            for d in range(n):
+                for a in range(d * per, (d + 1) * per, step):
+                    yield d, transform(a, min(a + step, (d + 1) * per))
+        else:
+            for a in range(0, m.rows, step):
+                x = transform(a, min(a + step, m.rows))
+                if ms is None:
+                    yield 0, x
+                else:
+                    w = x.shape[1] // n
+                    for d in range(n):
+                        yield d, x[:, d * w:(d + 1) * w]
+
+
+def _write_all(fd: int, mv: memoryview, path: Path, name: str, tmp: Path) -> None:
+    done = 0
+    while done < len(mv):
+        try:
+            done += os.write(fd, mv[done:])
+        except OSError as e:
+            raise _disk_error(e, path, name, tmp) from None
+
+
+def _disk_error(e: OSError, path: Path, name: str, tmp: Path) -> ConvertError:
+    what = "disk full" if e.errno == 28 else f"cannot write ({e.strerror or e})"
+    return ConvertError(f"{what} writing parameter {name} to {path}; the partial conversion is kept in {tmp} "
+                        f"(not a usable checkpoint): free space and rerun the same command to resume")
+
+
+def _write_item(root: Path, item: Item, files: _Files, chunk_bytes: int, advance) -> dict:
+    packer = PACKERS[item.kind]
+    paths = [root / p for p in item.files]
+    crc, sizes, fds = [0] * item.shards, [0] * item.shards, []
+    try:
+        for p in paths:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            fds.append(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
+        for d, piece in _pieces(item, files, chunk_bytes):
+            out = np.ascontiguousarray(packer.pack(piece))
+            if out.dtype != item.dtype:
+                raise ConvertError(f"packer {packer.name!r} turned {item.name} from {item.dtype} into {out.dtype}")
+            mv = memoryview(out.reshape(-1).view(np.uint8))
+            crc[d] = zlib.crc32(mv, crc[d])
+            _write_all(fds[d], mv, paths[d], item.name, root)
+            sizes[d] += len(mv)
+            advance(len(mv))
+    except OSError as e:
+        raise _disk_error(e, paths[0], item.name, root) from None
+    finally:
+        for fd in fds:
+            os.close(fd)
+    if any(s != item.shard_bytes for s in sizes):
+        raise ConvertError(f"internal error: wrote {sizes} bytes for {item.name}, expected {item.shard_bytes} per shard")
+    return {"name": item.name, "crc32": crc, "nbytes": sizes}
+
+
+def file_crc(path: Path, chunk_bytes: int = CHUNK_BYTES, advance=None) -> int:
+    crc = 0
+    buf = bytearray(min(chunk_bytes, 16 << 20))
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                return crc
+            crc = zlib.crc32(memoryview(buf)[:n], crc)
+            if advance:
+                advance(n)
+
+
+# ---- progress --------------------------------------------------------------------------------
+
+class _Progress:
+    def __init__(self, total: int, enabled: bool, desc: str, callback=None):
+        self.done, self.total, self.callback = 0, total, callback
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, file=sys.stderr,
+                            dynamic_ncols=True, mininterval=0.5, smoothing=0.05)
+        self.name = ""
+
+    def tensor(self, name: str):
+        self.name = name
+        if self.bar is not None:
+            self.bar.set_postfix_str(name, refresh=False)
+
+    def advance(self, n: int):
+        self.done += n
+        if self.bar is not None:
+            self.bar.update(n)
+        if self.callback is not None:
+            self.callback(self.name, self.done, self.total)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+# ---- convert ---------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _locked(tmp: Path):
+    tmp.mkdir(parents=True, exist_ok=True)
+    fd = os.open(tmp / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConvertError(f"another conversion is writing {tmp}") from None
+        yield
+    finally:
+        os.close(fd)
+
+
+def partial_path(dst: Path) -> Path:
+    return dst.parent / f".{dst.name}.partial"
+
+
+def _resumable(tmp: Path, request: dict, items: list[Item], chunk_bytes: int, progress: _Progress) -> dict:
+    """Finished tensors of an earlier run of the same request whose files still match (size and CRC-32)."""
+    log = tmp / DONE_LOG
+    if not log.exists():
+        return {}
+    records = {}
+    for line in log.read_text().splitlines():
+        try:
+            r = json.loads(line)
+            records[r["name"]] = r
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue  # a line cut short by the interruption
+    good = {}
+    for item in items:
+        r = records.get(item.name)
+        if r is None or len(r["crc32"]) != item.shards:
+            continue
+        progress.tensor(f"checking {item.name}")
+        ok = True
+        for p, crc in zip(item.files, r["crc32"]):
+            path = tmp / p
+            if not path.exists() or path.stat().st_size != item.shard_bytes or file_crc(path, chunk_bytes, progress.advance) != crc:
+                ok = False
+                break
+        if ok:
+            good[item.name] = r
+    return good
+
+
+def convert(src: str | os.PathLike, dst: str | os.PathLike, tp: int = 1, dtype: str | None = None, layers=None, *,
+            mtp: bool = True, overwrite: bool = False, progress: bool = False, chunk_bytes: int = CHUNK_BYTES,
+            callback: Callable[[str, int, int], None] | None = None) -> Path:
+    """Convert an HF folder `src` into a jtilert checkpoint at `dst` laid out for `tp`-way tensor parallelism.
+
+    dtype: "fp8" (fp8 weights with their block scales; quantises a bf16/fp32 source), "bf16" or "fp32"
+    (dequantises an fp8 source); default: the source's format. layers: "a:b" keeps decoder layers a..b-1
+    (renumbered from 0); mtp=False drops the MTP block. An interrupted conversion resumes when rerun with the
+    same arguments; `overwrite` replaces an existing `dst` (and discards a partial conversion made with
+    different arguments). progress: a bar on stderr with bytes and ETA; callback(tensor, bytes_done, bytes_total)
+    is called as bytes are written (or re-verified).
+    """
+    t0 = time.perf_counter()
+    dst = Path(dst).absolute()
+    if dst.exists() and not overwrite:
+        raise FileExistsError(f"{dst} exists (pass --overwrite / overwrite=True to replace it)")
+    p = plan(src, tp, dtype, layers, mtp)
+    tmp = partial_path(dst)
+    request = p.request()
+    req_file = tmp / REQUEST
+    if req_file.exists():
+        try:
+            old = json.loads(req_file.read_text())
+        except json.JSONDecodeError:
+            old = None
+        if old != request:
+            if not overwrite:
+                raise ConvertError(f"{tmp} holds a partial conversion with other arguments or source files; "
+                                   f"rerun with those, delete it, or pass --overwrite to start over")
+            shutil.rmtree(tmp)
+    with _locked(tmp):
+        prog = _Progress(p.nbytes, progress, dst.name, callback)
+        try:
+            done = _resumable(tmp, request, p.items, chunk_bytes, prog)
+            prog.done = 0
+            if prog.bar is not None:
+                prog.bar.reset(total=p.nbytes)
+            resumed = sum(i.nbytes for i in p.items if i.name in done)
+            prog.advance(resumed) if resumed else None
+            need = p.nbytes - resumed
+            free = shutil.disk_usage(tmp).free
+            if need > free:
+                raise ConvertError(f"not enough disk space for {dst}: the conversion needs {need / 1e9:.2f} GB more "
+                                   f"in {tmp.parent}, which has {free / 1e9:.2f} GB free")
+            req_file.write_text(json.dumps(request, indent=1))
+            with open(tmp / DONE_LOG, "w") as log:  # rewritten with the verified records only
+                for r in done.values():
+                    log.write(json.dumps(r) + "\n")
+            files = _Files()
+            try:
+                with open(tmp / DONE_LOG, "a") as log:
+                    for item in p.items:
+                        if item.name in done:
+                            continue
+                        prog.tensor(item.name)
+                        rec = _write_item(tmp, item, files, chunk_bytes, prog.advance)
+                        done[item.name] = rec
+                        log.write(json.dumps(rec) + "\n")
+                        log.flush()
+            finally:
+                files.close()
+            prog.tensor("syncing")
+            _finish(p, tmp, dst, done, overwrite)
+        finally:
+            prog.close()
+    if progress:
+        dt = time.perf_counter() - t0
+        print(f"wrote {dst}: {p.nbytes / 1e9:.2f} GB in {dt:.1f} s ({p.nbytes / 1e9 / dt:.2f} GB/s), tp={tp}, "
+              f"{p.fmt}", file=sys.stderr)
+    return dst
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _meta(p: Plan, done: dict) -> dict:
+    from jtilert.model import compute_dtype
+    tensors = {}
+    for item in sorted(p.items, key=lambda i: i.name):
+        tensors[item.name] = dict(item.meta(), crc32=done[item.name]["crc32"])
+    return {"layout_version": LAYOUT_VERSION, "weight_format": p.fmt, "dtype": np.dtype(compute_dtype(p.fmt)).name,
+            "config": p.cfg.to_hf(), "tp": p.tp, "pack": pack_layout(), "layers": list(p.layers),
+            "source": {"path": str(p.src.absolute()), "format": p.source_format},
+            "params": {i.name: [list(i.shape), i.dtype.name] for i in sorted(p.items, key=lambda i: i.name)},
+            "tensors": tensors}
+
+
+def _sync_all(tmp: Path, paths) -> None:
+    """Flush the written files to disk: one syncfs(2) of their filesystem, else an fsync per file."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            if libc.syncfs(fd) == 0:
+                return
+        finally:
+            os.close(fd)
+    except (OSError, AttributeError):
+        pass
+    for f in paths:
+        _fsync(f)
+
+
+def _finish(p: Plan, tmp: Path, dst: Path, done: dict, overwrite: bool) -> None:
+    from jtilert.checkpoint import META
+    _sync_all(tmp, [tmp / f for item in p.items for f in item.files])
+    for name in COPIED:
+        if (p.src / name).exists():
+            shutil.copy(p.src / name, tmp / name)
+    meta = _meta(p, done)
+    try:
+        (tmp / META).write_text(json.dumps(meta, indent=1))
+        _fsync(tmp / META)
+    except OSError as e:
+        raise _disk_error(e, tmp / META, "metadata", tmp) from None
+    for f in (DONE_LOG, REQUEST, ".lock"):
+        (tmp / f).unlink(missing_ok=True)
+    if dst.exists():
+        if not overwrite:
+            raise FileExistsError(f"{dst} appeared during the conversion; the result is in {tmp}")
+        old = dst.parent / f".{dst.name}.old-{os.getpid()}"
+        dst.rename(old)
+        tmp.rename(dst)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(dst)
+    _fsync(dst.parent)
+
+
+# ---- verify ----------------------------------------------------------------------------------
+
+def verify(dst: str | os.PathLike, against: str | os.PathLike | None = None, samples: int = 2, progress: bool = False,
+           chunk_bytes: int = CHUNK_BYTES, seed: int = 0) -> dict:
+    """Check a converted checkpoint: every parameter present with the shape and dtype its config needs, every
+    shard file present with the right size and CRC-32; with `against` (the HF source), compare `samples`
+    rows of every matrix (of two experts per stacked parameter), dequantised, with the source's.
+    Raises ValueError listing the problems; returns a summary."""
+    from jtilert import checkpoint
+    path = Path(dst)
+    if not (path / checkpoint.META).exists():
+        raise FileNotFoundError(f"{path}: no {checkpoint.META} (not a jtilert checkpoint, or an unfinished conversion)")
+    meta = checkpoint.read_meta(path)
+    if meta["layout_version"] != LAYOUT_VERSION:
+        raise ConvertError(f"{path}: layout version {meta['layout_version']} (written by jtilert.save) has no "
+                           f"checksums; verify checks converted checkpoints (layout {LAYOUT_VERSION})")
+    cfg = ModelConfig.from_json_dict(meta["config"])
+    problems: list[str] = []
+    expected = {k: (list(v.shape), np.dtype(v.dtype).name) for k, v in
+                checkpoint.flat_params(checkpoint.abstract_model(cfg, meta["weight_format"])).items()}
+    params, tensors = meta["params"], meta.get("tensors", {})
+    for name in sorted(set(expected) - set(params)):
+        problems.append(f"parameter {name} missing")
+    for name in sorted(set(params) - set(expected)):
+        problems.append(f"parameter {name} is not part of the model")
+    for name in sorted(set(expected) & set(params)):
+        if [list(params[name][0]), params[name][1]] != list(expected[name]):
+            problems.append(f"parameter {name}: {params[name]} in the metadata, the config needs {expected[name]}")
+        if name not in tensors:
+            problems.append(f"parameter {name}: no storage record")
+    total = sum(int(np.prod(tensors[k]["stored"])) * np.dtype(checkpoint.np_dtype(params[k][1])).itemsize
+                * tensors[k]["shards"] for k in tensors if k in params)
+    prog = _Progress(total, progress, f"verify {path.name}")
+    checked = 0
+    try:
+        for name in sorted(tensors):
+            t = tensors[name]
+            if name not in params:
+                continue
+            prog.tensor(name)
+            size = int(np.prod(t["stored"])) * np.dtype(checkpoint.np_dtype(params[name][1])).itemsize
+            for rel, crc in zip(shard_files(name, t["shards"]), t["crc32"]):
+                f = path / rel
+                if not f.exists():
+                    problems.append(f"{f}: missing (parameter {name})")
+                elif f.stat().st_size != size:
+                    problems.append(f"{f}: {f.stat().st_size} bytes, parameter {name} needs {size}")
+                elif file_crc(f, chunk_bytes, prog.advance) != crc:
+                    problems.append(f"{f}: checksum mismatch (parameter {name})")
+                else:
+                    checked += 1
+    finally:
+        prog.close()
+    spot = 0
+    if against is not None and not problems:
+        spot = _spot_check(path, meta, against, samples, seed, problems)
+    if problems:
+        raise ConvertError(f"{path}: {len(problems)} problem(s):\n  " + "\n  ".join(problems[:20])
+                           + ("\n  ..." if len(problems) > 20 else ""))
+    return {"path": str(path), "tensors": len(tensors), "files": checked, "bytes": total, "tp": meta["tp"],
+            "spot_checked": spot}
+
+
+def _spot_check(path: Path, meta: dict, against, samples: int, seed: int, problems: list) -> int:
+    """Compare sampled rows, dequantised, of every parameter with the source."""
+    from jtilert import checkpoint
+    cfg = ModelConfig.from_json_dict(meta["config"])
+    p = plan(against, meta["tp"], meta["weight_format"], tuple(meta["layers"]), bool(cfg.num_nextn_predict_layers))
+    rng = np.random.default_rng(seed)
+    files = _Files()
+    n = 0
+    try:
+        for item in p.items:
+            if item.name.endswith(".scale"):
+                continue  # checked through the dequantised weights
+            if item.name not in meta["tensors"] or PACKERS[item.kind].unpack is None:
+                continue
+            w = checkpoint.StoredTensor(path, item.name, meta)
+            s = checkpoint.StoredTensor(path, item.name.removesuffix("weight") + "scale", meta) \
+                if item.name.removesuffix("weight") + "scale" in meta["tensors"] else None
+            stacked = len(item.shape) == 3
+            experts = sorted({0, int(rng.integers(len(item.mats)))}) if stacked else [0]
+            for e in experts:
+                m = item.mats[e]
+                for r in sorted(set(rng.integers(m.rows, size=samples).tolist())):
+                    src = m.read(files, r, r + 1)
+                    if m.scale is not None:
+                        src = _dequant(src, m.scale.read(files, 0, m.scale.rows), r, F32)
+                    src = src.astype(F32)[0]
+                    idx = ((e,) if stacked else ()) + ((r,) if len(item.shape) >= 2 else ())
+                    got = w.read(idx)
+                    if len(item.shape) < 2:
+                        got = got.reshape(-1)
+                    got = got.reshape(-1)
+                    if s is not None:
+                        sc = s.read(((e,) if stacked else ()) + (r // BLOCK,)).reshape(-1)
+                        got = _dequant(got[None], sc[None], 0, F32)[0]
+                        if item.mode == "quant":
+                            ok = np.all(np.abs(got - src) <= np.abs(src) * 2**-3 + np.repeat(sc, BLOCK)[:src.size] * 2**-8)
+                        else:
+                            ok = np.array_equal(got, src, equal_nan=True)
+                    else:
+                        want = src.astype(item.dtype).astype(F32)
+                        ok = np.array_equal(got.astype(F32), want, equal_nan=True)
+                    if not ok:
+                        where = f"expert {e} " if stacked else ""
+                        problems.append(f"parameter {item.name}: {where}row {r} differs from {m.key} in {m.file.path}")
+                    n += 1
+    finally:
+        files.close()
+    return n
