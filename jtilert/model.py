@@ -192,8 +192,9 @@ class Attention(nnx.Module):
         self.sow(nnx.Intermediate, "q_pe", q_pe)
         o_lat = ops.sparse_mla(q_lat, q_pe, cache["kv"], cache["pe"], *topk, cfg.softmax_scale)
         o = layers.dot("thl,hvl->thv", o_lat.astype(x.dtype), wkv[:, nope:])
-        out = self.o_proj(o.reshape(t, heads * cfg.v_head_dim).astype(x.dtype))
-        return sharding.all_reduce(out), cache, topk
+        o = o.reshape(t, heads * cfg.v_head_dim).astype(x.dtype)
+        out = sharding.linear_all_reduce(o, self.o_proj.weight[...], self.o_proj.scale_or_none)
+        return out, cache, topk
 
 
 class DecoderLayer(nnx.Module):

@@ -55,6 +55,17 @@ def all_reduce(x: jax.Array) -> jax.Array:
     return jax.lax.psum(x, axis)
 
 
+def linear_all_reduce(x: jax.Array, w: jax.Array, scale: jax.Array | None) -> jax.Array:
+    """all_reduce(x · Wᵀ) for a row-split projection. With the CUDA engine on, one decode token goes
+    through the fused kernel that streams W and exchanges finished output tiles while it streams."""
+    axis = _axis.get()
+    if axis is not None and _engine.get() and x.shape[0] == 1:
+        from jtilert import ffi
+        return ffi.gemv_all_reduce(x[0], w, scale, axis)[None]
+    from jtilert import backend
+    return all_reduce(backend.ops().linear(x, w, scale))
+
+
 def all_gather_last(x: jax.Array) -> jax.Array:
     """Concatenate the ranks' slices of the last axis (vocab-split logits)."""
     axis = _axis.get()

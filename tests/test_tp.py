@@ -48,3 +48,11 @@ def test_tp8_greedy_and_mtp_equal_single_device(tiny_random):
 def test_fp8_split_needs_aligned_blocks(tiny_fp8):
     with pytest.raises(ValueError, match="o_proj.*tp=2"):
         jtilert.Generator(tiny_fp8, max_seq_len=64, mesh=jtilert.make_mesh(2))
+
+
+def test_engine_flag_falls_back_to_the_same_tokens(tiny_random):
+    """With engine_all_reduce=True and no CUDA engine (CPU), the fused o_proj + all-reduce and the
+    all-reduces fall back to XLA and decode the same tokens."""
+    one = jtilert.Generator(tiny_random, max_seq_len=128).generate(IDS, 8, stop_tokens=[])
+    eng = jtilert.Generator(tiny_random, max_seq_len=128, mesh=jtilert.make_mesh(8), engine_all_reduce=True)
+    assert eng.generate(IDS, 8, stop_tokens=[]) == one
