@@ -75,3 +75,130 @@ def test_sparse_mla_negative_indices_mask():
     out = _run(lambda *a: f(*a), ql, qp, kv, pe, jnp.where(valid, idx, -1))
     ref = layers.sparse_mla(ql, qp, kv, pe, idx, valid, 0.2)
     assert _rel(out, ref) < 4e-3
+
+
+# ---- indexer scoring -------------------------------------------------------------------------
+
+from jtilert.pallas import indexer as ix  # noqa: E402
+from jtilert.pallas import topk as tk  # noqa: E402
+from jtilert.quant import act_quant  # noqa: E402
+
+SMALL = ix.IndexerConfig(num_ctas=3, stages=2)   # several blocks per CTA, slot reuse
+
+
+def _index_inputs(T, H, D, S, fp8, seed):
+    keys = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(keys[0], (T, H, D))
+    w = jax.random.normal(keys[1], (T, H)) * (H ** -0.5 * D ** -0.5)
+    k = jax.random.normal(keys[2], (S, D))
+    if fp8:
+        q8, qs = act_quant(q)
+        k8, ks = act_quant(k)
+        return q8, w * qs[..., 0], k8, ks[:, 0]
+    return q.astype(BF16), w, k.astype(BF16), None
+
+
+@pytest.mark.parametrize("T,H,S,pos,start,end,fp8", [
+    (1, 64, 1024, [700], 0, None, True),        # dsv32 index heads, context < cache, fp8 + scales
+    (1, 64, 768, [767], 0, None, True),         # context == cache, several blocks per CTA
+    (2, 64, 512, [40, 41], 0, None, False),     # MTP verify step, bf16 keys ("none" mode), 1 block valid
+    (1, 32, 1024, [900], 256, 768, True),       # a range that starts mid-cache (one GPU's share)
+    (1, 64, 1024, [100], 256, 768, True),       # range entirely past the context: all -inf
+    (1, 8, 300, [299], 0, None, False),         # tiny widths: 8 heads (padded), cache not a block multiple
+])
+def test_indexer_scores(T, H, S, pos, start, end, fp8):
+    D = 128 if H != 8 else 32
+    q, w, k, ks = _index_inputs(T, H, D, S, fp8, np.random.randint(1 << 30))
+    pos = jnp.array(pos, jnp.int32)
+    f = functools.partial(ix.indexer_scores, start=start, end=end, config=SMALL)
+    out = _run(f, q, w, k, ks, pos)
+    ref = np.asarray(layers.indexer_scores(q, w, k, ks, pos))[:, start:end]
+    assert out.shape == ref.shape
+    fin = np.isfinite(ref)
+    np.testing.assert_array_equal(np.isfinite(out), fin)
+    np.testing.assert_array_equal(out[~fin], ref[~fin])      # -inf exactly where the reference has it
+    if fin.any():
+        assert np.abs(out[fin] - ref[fin]).max() <= 1e-5 * np.abs(ref[fin]).max()
+
+
+def test_indexer_traced_start_and_offset():
+    """start / pos_offset as traced scalars (a cache sharded by position across GPUs)."""
+    q, w, k, ks = _index_inputs(1, 64, 128, 512, True, np.random.randint(1 << 30))
+    pos = jnp.array([1000], jnp.int32)
+
+    def f(q, w, k, ks, pos, start, off):
+        return ix.indexer_scores(q, w, k, ks, pos, start=start, end=256, pos_offset=off, config=SMALL)
+
+    out = _run(f, q, w, k, ks, pos, jnp.int32(128), jnp.int32(700))
+    # rows 128..383 of this shard hold global positions 828..1083: rows past 1000 are -inf
+    full = np.asarray(layers.indexer_scores(q, w, k, ks, pos - 700))[:, 128:384]
+    fin = np.isfinite(full)
+    np.testing.assert_array_equal(np.isfinite(out), fin)
+    assert np.abs(out[fin] - full[fin]).max() <= 1e-5 * np.abs(full[fin]).max()
+
+
+# ---- top-k -----------------------------------------------------------------------------------
+
+def _same_set(idx, ridx):
+    return all(np.array_equal(np.sort(a), np.sort(b)) for a, b in zip(np.asarray(idx), np.asarray(ridx)))
+
+
+@pytest.mark.parametrize("fn", [tk.topk_positions, lambda s, k: (tk.topk_lex(s, k)[0], None)])
+@pytest.mark.parametrize("N,k,n_finite", [
+    (3000, 256, 3000),      # more positions than k
+    (256, 256, 256),        # exactly k
+    (200, 256, 200),        # fewer positions than k: k clipped to N
+    (3000, 256, 100),       # fewer finite scores than k: the lowest -inf positions fill up
+])
+def test_topk_same_set_as_reference(fn, N, k, n_finite):
+    rng = np.random.default_rng(np.random.randint(1 << 30))
+    s = rng.standard_normal((2, N)).astype(np.float32)
+    s[:, n_finite:] = -np.inf
+    s[1] = np.round(s[1] * 2) / 2                 # many exact ties: lower position wins
+    s = jnp.asarray(s)
+    idx, valid = jax.jit(fn, static_argnums=1)(s, k)
+    ridx, rvalid = layers.topk_positions(s, k)
+    assert idx.shape == ridx.shape
+    assert _same_set(idx, ridx)
+    if valid is not None:
+        assert int(valid.sum()) == int(rvalid.sum())
+
+
+def test_topk_scores_and_merge():
+    """Per-GPU candidate lists (each the top-k of its own range, with scores) merge to the global top-k."""
+    rng = np.random.default_rng(np.random.randint(1 << 30))
+    s = jnp.asarray(np.round(rng.standard_normal((1, 4096)) * 8) / 8, jnp.float32)
+    k = 300
+    parts = []
+    for a in range(0, 4096, 1024):                 # four "GPUs", 1024 positions each
+        i, v = tk.topk(s[:, a:a + 1024], k)
+        np.testing.assert_array_equal(np.asarray(v), np.asarray(jnp.take_along_axis(s[:, a:a + 1024], i, -1)))
+        parts.append((i + a, v))
+    idx, val = tk.merge_topk(jnp.concatenate([p[0] for p in parts], -1),
+                             jnp.concatenate([p[1] for p in parts], -1), k)
+    ridx, _ = layers.topk_positions(s, k)
+    assert _same_set(idx, ridx)
+
+
+# ---- in the model ------------------------------------------------------------------------------
+
+def test_greedy_tokens_match_reference_on_tiny(monkeypatch):
+    """Decode with these kernels in place of the reference ops (prompt longer than index_topk, so the
+    indexer really selects) gives the reference backend's greedy tokens."""
+    import types
+
+    import jtilert
+    from jtilert import backend
+
+    model = jtilert.random_model("tiny", fmt="bf16")
+    prompt = np.random.RandomState(1).randint(0, 256, 40)     # tiny's index_topk is 32
+    ref_tokens = jtilert.Generator(model, max_seq_len=64).generate(prompt, 2, stop_tokens=[])
+
+    ops = types.SimpleNamespace(**vars(backend.REFERENCE))
+    ops.indexer_scores = functools.partial(ix.indexer_scores, config=SMALL)
+    ops.topk_positions = tk.topk_positions
+    ops.sparse_mla = smla.sparse_mla
+    monkeypatch.setattr(backend, "ops", lambda: ops)
+    with interp.interpret(detect_races=False):
+        tokens = jtilert.Generator(model, max_seq_len=64).generate(prompt, 2, stop_tokens=[])
+    assert tokens == ref_tokens

@@ -38,6 +38,7 @@ import jtilert.pallas.interpret as _interp
 
 F32, BF16, FP8 = jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn
 NUM_SMS = 132
+MAX_TOKENS = 4      # decode, MTP verify; longer chunks (prefill) use the reference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,6 +198,12 @@ def indexer_scores(q, w, k_cache, k_scale, positions, *, start=0, end=None, pos_
     config = config or IndexerConfig()
     T, H, D = q.shape
     S = k_cache.shape[0]
+    if T > MAX_TOKENS and isinstance(start, int) and end in (None, S) and pos_offset == 0:
+        # prefill chunks: one scalar loop per token in the kernel does not scale; use the reference
+        from jtilert.layers import indexer_scores as reference
+        return reference(q, w, k_cache, k_scale, positions)
+    if T > MAX_TOKENS:
+        raise ValueError(f"at most {MAX_TOKENS} tokens per call with a range (got {T})")
     if end is None:
         if not isinstance(start, int):
             raise ValueError("a traced start needs a static end (the range length)")

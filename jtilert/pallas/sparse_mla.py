@@ -56,6 +56,7 @@ HP = 64            # wgmma M: query rows (heads) per CTA
 LCHUNK = 128       # output columns per P·V wgmma (accumulator [64, 128] fp32 = 64 registers)
 TMA_MAX = 256      # widest TMA box dimension
 GATHER_WARPGROUPS = 4   # warpgroups issuing the row-gather TMAs
+MAX_TOKENS = 4          # decode / MTP verify; longer chunks (prefill) use the reference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,6 +253,9 @@ def sparse_mla(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: float, *,
     [T, H, L] fp32."""
     config = config or SparseMLAConfig()
     T, H, L = q_lat.shape
+    if T > MAX_TOKENS:   # prefill chunks: the reference (this kernel is for decode / MTP verify)
+        from jtilert.layers import sparse_mla as reference
+        return reference(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale)
     idx = idx.astype(jnp.int32)
     K = idx.shape[1]
     kp = _round_up(max(K, 1), config.block_k)

@@ -76,6 +76,55 @@ def compact(mask: jax.Array, k: int, values: jax.Array | None = None):
     return idx, jnp.take_along_axis(values, idx, axis=-1)
 
 
+def _hist(digit, match, nb):
+    """Histogram of digit [T, N] over the entries where match holds (others are dropped, not added)."""
+    T = digit.shape[0]
+    rows = jnp.broadcast_to(jnp.arange(T)[:, None], digit.shape)
+    return jnp.zeros((T, nb), I32).at[rows, jnp.where(match, digit, nb)].add(1, mode="drop")
+
+
+def _select_digit(hist, remaining):
+    ge = jnp.flip(jnp.cumsum(jnp.flip(hist, -1), -1), -1)
+    b = jnp.sum(ge >= remaining[:, None], axis=-1) - 1
+    above = jnp.take_along_axis(jnp.pad(ge, ((0, 0), (0, 1))), (b + 1)[:, None], -1)[:, 0]
+    return b, remaining - above
+
+
+def topk_lex(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """Same result as `topk`, with the tie rule folded into the key: the (score key, ~position) pair
+    is unique, so its k-th largest value is found by radix select alone (score digits, then position
+    digits among the ties) and no prefix count over the ties is needed; non-matching entries are
+    dropped from the histograms instead of adding zeros (no atomic traffic)."""
+    T, N = scores.shape
+    k = min(k, N)
+    keys = sortable_key(scores)
+    pbits = max(1, int(np.ceil(np.log2(N))))
+    inv_pos = (jnp.uint32((1 << pbits) - 1) - jnp.arange(N, dtype=U32))[None, :]
+    prefix = jnp.zeros((T,), U32)
+    pmask = jnp.zeros((), U32)
+    remaining = jnp.full((T,), k, I32)
+    for shift, bits in DIGITS:
+        nb = 1 << bits
+        digit = ((keys >> shift) & (nb - 1)).astype(I32)
+        b, remaining = _select_digit(_hist(digit, (keys & pmask) == prefix[:, None], nb), remaining)
+        prefix = prefix | (b.astype(U32) << shift)
+        pmask = pmask | jnp.uint32(((nb - 1) << shift) & 0xFFFFFFFF)
+    theta = prefix
+    tie = keys == theta[:, None]
+    pprefix = jnp.zeros((T,), U32)
+    ppmask = jnp.zeros((), U32)
+    for shift in range(((pbits - 1) // 9) * 9, -1, -9):
+        bits = min(9, pbits - shift)
+        nb = 1 << bits
+        digit = ((inv_pos >> shift) & (nb - 1)).astype(I32)
+        match = tie & ((inv_pos & ppmask) == pprefix[:, None])
+        b, remaining = _select_digit(_hist(jnp.broadcast_to(digit, keys.shape), match, nb), remaining)
+        pprefix = pprefix | (b.astype(U32) << shift)
+        ppmask = ppmask | jnp.uint32((nb - 1) << shift)
+    mask = (keys > theta[:, None]) | (tie & (inv_pos >= pprefix[:, None]))
+    return compact(mask, k, scores.astype(F32))
+
+
 def topk(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """Exact top-k per row of scores [T, N]: (positions [T, k'] int32 ascending, scores [T, k'])
     with k' = min(k, N); ties toward the lower position."""
