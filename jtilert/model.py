@@ -151,7 +151,7 @@ class Indexer(nnx.Module):
         if k_scale is not None:
             cache["index_scale"] = _write(cache["index_scale"], k_scale, start)
         scores = ops.indexer_scores(q, w, cache["index_k"], cache.get("index_scale"), positions)
-        self.sow(nnx.Intermediate, "scores", scores)  # for training the indexer (models/tiny/train.py)
+        _record(self, "scores", scores)
         return ops.topk_positions(scores, cfg.index_topk), cache
 
 
@@ -188,8 +188,8 @@ class Attention(nnx.Module):
             topk, cache = self.indexer(x, qa, cos, sin, positions, start, cache)
         wkv = self.kv_b_proj.dequantized(x.dtype).reshape(heads, nope + cfg.v_head_dim, lat)
         q_lat = layers.dot("thn,hnl->thl", q_nope, wkv[:, :nope]).astype(x.dtype)
-        self.sow(nnx.Intermediate, "q_lat", q_lat)
-        self.sow(nnx.Intermediate, "q_pe", q_pe)
+        _record(self, "q_lat", q_lat)
+        _record(self, "q_pe", q_pe)
         o_lat = ops.sparse_mla(q_lat, q_pe, cache["kv"], cache["pe"], *topk, cfg.softmax_scale)
         o = layers.dot("thl,hvl->thv", o_lat.astype(x.dtype), wkv[:, nope:])
         o = o.reshape(t, heads * cfg.v_head_dim).astype(x.dtype)
@@ -268,6 +268,13 @@ class Transformer(nnx.Module):
         x = m.eh_proj(jnp.concatenate([m.enorm(e), m.hnorm(hidden)], axis=-1))
         x, c, _ = m.layer(x, cos, sin, positions, start, cache["mtp"], None)
         return self.logits(x, m.norm), dict(cache, mtp=c)
+
+
+def _record(module: nnx.Module, name: str, value) -> None:
+    """Expose an intermediate to `nnx.capture` (models/tiny/train.py distils the indexer from them).
+    Outside a capture it does nothing: a plain `sow` would add variables to the model's state."""
+    if hasattr(module, "__captures__"):  # set by nnx.capture (flax 0.12)
+        module.sow(nnx.Intermediate, name, value)
 
 
 def _write(buf: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array:
