@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jtilert
-from jtilert import checkpoint
+from jtilert import checkpoint, sharding
 from jtilert.generate import Engine
 from jtilert.model import init_cache
 
@@ -44,13 +44,15 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     return 2 * x.nbytes / statistics.median(times)
 
 
-def step_bytes(model, context: int) -> dict:
-    """Bytes one decode step must read: weights (routed experts: only the chosen k of E; the
-    embedding: one row) and the KV / index-key reads at this context."""
+def step_bytes(model, context: int, tp: int = 1) -> dict:
+    """Bytes one decode step must read on one device: weights (routed experts: only the chosen k of
+    E; the embedding: one row; tp-split weights: one slice) and the KV / index-key reads."""
     cfg = model.cfg
     weights = 0
     for name, x in checkpoint.flat_params(model).items():
         n = x.size * jnp.dtype(x.dtype).itemsize
+        if sharding.split_axis(tuple(name.split("."))) is not None:
+            n //= tp
         if name.startswith("mtp."):
             continue  # the MTP block runs only in speculative steps
         if ".experts." in name and "shared_experts" not in name:
@@ -102,8 +104,9 @@ def device_loop(eng: Engine, mtp: bool, steps: int):
     return jax.jit(run, donate_argnums=(1,))
 
 
-def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samples: int, mesh=None) -> dict:
-    eng = Engine(model, mesh=mesh, backend=backend)
+def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samples: int, mesh=None,
+                  engine: bool = False) -> dict:
+    eng = Engine(model, mesh=mesh, backend=backend, engine_all_reduce=engine)
     rows = context + 2 * steps + 8
     cache = random_cache(eng, rows)
     token, draft = eng.place(jnp.array([1], jnp.int32)), eng.place(jnp.array([2], jnp.int32))
@@ -143,7 +146,7 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
 
     device_s = statistics.median(per_step)
     stats = jax.devices()[0].memory_stats() or {}
-    return {"backend": eng.backend, "mtp": mtp, "step_ms_median": device_s * 1e3,
+    return {"backend": eng.backend, "mtp": mtp, "tp": eng.tp, "all_reduce": "engine" if engine else "psum", "step_ms_median": device_s * 1e3,
             "step_ms_p90": float(np.percentile(per_step, 90)) * 1e3, "tok_s": 1.0 / device_s,
             "host_loop_ms": host_per_step * 1e3, "host_overhead_ms": max(0.0, host_per_step - device_s) * 1e3,
             "host_overhead_frac": max(0.0, host_per_step - device_s) / host_per_step,
@@ -160,41 +163,45 @@ def main(argv=None) -> dict:
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--backend", default="reference", help="comma-separated: reference,pallas")
     p.add_argument("--mtp", action="store_true")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (the config is split over tp devices)")
+    p.add_argument("--all-reduce", default="psum", help="comma-separated: psum,engine (the CUDA engine)")
     p.add_argument("--steps", type=int, default=10, help="steps per timed sample")
     p.add_argument("--samples", type=int, default=20)
     p.add_argument("--out", default=None, help="write the JSON here")
     p.add_argument("--plot", default=None, help="write a PNG chart here")
     a = p.parse_args(argv)
 
+    mesh = jtilert.make_mesh(a.tp) if a.tp > 1 else None
     if a.checkpoint:
-        model = jtilert.load(a.checkpoint)
+        model = jtilert.load(a.checkpoint, mesh=mesh)
     else:
         cfg = jtilert.preset(a.preset, **({"num_hidden_layers": a.layers} if a.layers else {}))
         fmt = a.fmt or ("fp8" if cfg.index_quant == "fp8" else "bf16")
-        model = jtilert.random_model(cfg, fmt=fmt)
+        model = jtilert.random_model(cfg, fmt=fmt, mesh=mesh)
     cfg = model.cfg
     if a.context + 2 * a.steps + 8 > cfg.max_position_embeddings:
         raise SystemExit(f"--context {a.context} too large for this model")
-    nbytes = step_bytes(model, a.context)
+    nbytes = step_bytes(model, a.context, a.tp)
     bw = copy_bandwidth(256 << 20 if jax.default_backend() == "cpu" else 2 << 30)
     floor_ms = nbytes["total"] / bw * 1e3
     result = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind,
-              "preset": a.checkpoint or a.preset, "layers": cfg.num_hidden_layers, "context": a.context,
+              "preset": a.checkpoint or a.preset, "layers": cfg.num_hidden_layers, "context": a.context, "tp": a.tp,
               "bytes_per_step": nbytes, "copy_bandwidth_GBs": bw / 1e9, "floor_ms": floor_ms, "runs": []}
     for backend in a.backend.split(","):
-        r = bench_backend(model, backend, a.context, a.mtp, a.steps, a.samples)
-        r["step_over_floor"] = r["step_ms_median"] / floor_ms
-        result["runs"].append(r)
-    ref = next((r for r in result["runs"] if r["backend"] == "reference"), None)
+        for ar in a.all_reduce.split(","):
+            r = bench_backend(model, backend, a.context, a.mtp, a.steps, a.samples, mesh, ar == "engine")
+            r["step_over_floor"] = r["step_ms_median"] / floor_ms
+            result["runs"].append(r)
+    ref = next((r for r in result["runs"] if r["backend"] == "reference" and r["all_reduce"] == "psum"), None)
     for r in result["runs"]:
         r["speedup_vs_reference"] = ref["step_ms_median"] / r["step_ms_median"] if ref else None
 
     print(f"{result['device']}  {result['preset']}  layers={cfg.num_hidden_layers} context={a.context}  "
           f"bytes/step={nbytes['total'] / 1e6:.1f} MB  copy={bw / 1e9:.0f} GB/s  floor={floor_ms:.3f} ms")
-    print(f"{'backend':10} {'mtp':4} {'step ms':>8} {'p90':>8} {'tok/s':>8} {'x floor':>8} {'x ref':>6} "
+    print(f"{'backend':10} {'a-r':6} {'mtp':4} {'step ms':>8} {'p90':>8} {'tok/s':>8} {'x floor':>8} {'x ref':>6} "
           f"{'host %':>7} {'compile s':>9}")
     for r in result["runs"]:
-        print(f"{r['backend']:10} {str(r['mtp']):4} {r['step_ms_median']:8.3f} {r['step_ms_p90']:8.3f} "
+        print(f"{r['backend']:10} {r['all_reduce']:6} {str(r['mtp']):4} {r['step_ms_median']:8.3f} {r['step_ms_p90']:8.3f} "
               f"{r['tok_s']:8.1f} {r['step_over_floor']:8.2f} {r['speedup_vs_reference'] or 0:6.2f} "
               f"{100 * r['host_overhead_frac']:7.1f} {r['compile_s']:9.1f}")
     if a.out:
@@ -210,7 +217,7 @@ def plot(result: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     runs = result["runs"]
-    labels = [f"{r['backend']}{' +mtp' if r['mtp'] else ''}" for r in runs]
+    labels = [f"{r['backend']}/{r['all_reduce']}{' +mtp' if r['mtp'] else ''}" for r in runs]
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.bar(labels, [r["step_ms_median"] for r in runs], color="tab:blue")
     ax.axhline(result["floor_ms"], color="tab:red", linestyle="--", label=f"HBM floor {result['floor_ms']:.2f} ms")
