@@ -1,0 +1,346 @@
+"""Check and time the Pallas Mosaic-GPU projection / MoE / lm-head kernels on one GPU (issue 4).
+
+    PYTHONPATH=. python3 bench/kernels.py [--only gemv,moe,lmhead] [--sweep] [--quick]
+
+1. Every kernel against its plain-JAX reference (jtilert.layers) on fresh random inputs, outputs
+   poisoned first (the kernels write fresh arrays; a wrong or unwritten element shows in the
+   relative error and the NaN count).
+2. Times at the dsv32-tp8-shard shapes: device time from CUPTI (sum of the kernels of one op call,
+   median over calls), each call on a different copy of the weights so that L2 (60 MB) never holds
+   them; against the copy bandwidth measured in the same run (an XLA elementwise pass over 2 GiB,
+   bytes read + written) and against XLA's best formulation of the same op.
+Logs and a JSON of every number go to $OUT (or ./out); the short table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jtilert import layers
+from jtilert.quant import quantize_weight, dequantize
+
+F32, BF16, FP8 = jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn
+OUT = os.environ.get("OUT", "out")
+os.makedirs(OUT, exist_ok=True)
+LOG = open(os.path.join(OUT, "kernels_log.txt"), "a")
+RESULTS: dict = {"rows": [], "checks": [], "sweep": [], "errors": []}
+L2_BYTES = 60 << 20
+
+
+def log(*a):
+    s = " ".join(str(x) for x in a)
+    print(s, flush=True)
+    LOG.write(s + "\n")
+    LOG.flush()
+
+
+# ---- timing -------------------------------------------------------------------------------------
+
+def cupti_kernels(f, *args, iterations=5):
+    """Per-iteration list of (kernel name, ms) for one call of the jitted f(*args)."""
+    from jax.experimental.mosaic.gpu import profiler
+    _, timings = profiler.Cupti(finalize=False).measure(f, aggregate=False, iterations=iterations)(*args)
+    return timings
+
+
+def time_op(op, make_args, nbytes, copies=None, iterations=5):
+    """Median device µs of one op call. `make_args(i)` builds the i-th independent argument set
+    (different weight copies) so consecutive calls stream from HBM, not L2."""
+    copies = copies or max(2, min(16, -(-3 * L2_BYTES // max(nbytes, 1))))
+    argsets = [make_args(i) for i in range(copies)]
+
+    @jax.jit
+    def many(argsets):
+        return [op(*a) for a in argsets]
+
+    jax.block_until_ready(many(argsets))
+    per_iter = cupti_kernels(many, argsets, iterations=iterations)
+    totals = [sum(t for _, t in it) * 1e3 / copies for it in per_iter]
+    names = sorted({n for n, _ in per_iter[0]})
+    kernels_per_call = len(per_iter[0]) / copies
+    # Wall clock for the same jit (includes launch gaps / host dispatch, amortised over `copies`).
+    walls = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        jax.block_until_ready(many(argsets))
+        walls.append((time.perf_counter() - t0) * 1e6 / copies)
+    del argsets
+    return dict(us=statistics.median(totals), wall_us=statistics.median(walls),
+                kernels_per_call=kernels_per_call, kernel_names=names)
+
+
+def copy_bandwidth():
+    n = 1 << 30  # 1 Gi bf16 elements = 2 GiB
+    x = jnp.ones((n,), BF16) * 1.5
+    f = jax.jit(lambda a: a * 2)
+    jax.block_until_ready(f(x))
+    per_iter = cupti_kernels(f, x, iterations=10)
+    ms = statistics.median(sum(t for _, t in it) for it in per_iter)
+    del x
+    return 2 * n * 2 / (ms * 1e-3) / 1e12  # TB/s, bytes read + written
+
+
+# ---- checks -------------------------------------------------------------------------------------
+
+def rel_err(y, ref):
+    y = np.asarray(jnp.asarray(y, F32))
+    ref = np.asarray(jnp.asarray(ref, F32))
+    nan = int(np.isnan(y).sum())
+    return float(np.linalg.norm(y - ref) / max(np.linalg.norm(ref), 1e-30)), nan
+
+
+def check(name, got, ref, tol):
+    err, nan = rel_err(got, ref)
+    ok = err < tol and nan == 0
+    RESULTS["checks"].append(dict(name=name, rel_err=err, nans=nan, ok=ok))
+    log(f"check {name}: rel_err={err:.2e} nans={nan} {'OK' if ok else 'FAIL'}")
+    return ok
+
+
+def rand_weight(key, shape, fmt):
+    w = jax.random.normal(key, shape, F32) * shape[-1] ** -0.5
+    if fmt == "fp8":
+        return quantize_weight(w)
+    return w.astype(BF16), None
+
+
+def weight_bytes(w, s):
+    return w.size * w.dtype.itemsize + (0 if s is None else s.size * 4)
+
+
+# ---- XLA formulations ---------------------------------------------------------------------------
+
+def xla_linear_ref(x, w, s):
+    return layers.linear(x, w, s)
+
+
+def xla_linear_blocks(x, w, s):
+    """fp8: per-128-block dots on the upcast weight, scales applied to the fp32 block partials."""
+    if s is None:
+        return layers.linear(x, w, s)
+    n, k = w.shape
+    if n % 128 or k % 128:
+        return layers.linear(x, w, s)
+    t = x.shape[0]
+    xb = x.reshape(t, k // 128, 128)
+    wb = w.astype(BF16).reshape(n // 128, 128, k // 128, 128)
+    part = jnp.einsum("tbk,mnbk->tmnb", xb, wb, preferred_element_type=F32)
+    y = jnp.einsum("tmnb,mb->tmn", part, s).reshape(t, n)
+    return y.astype(x.dtype)
+
+
+XLA_LINEAR = {"ref": xla_linear_ref, "blocks": xla_linear_blocks}
+
+
+# ---- GEMV section -------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Shape:
+    name: str
+    n: int
+    k: int
+    fmt: str = "fp8"
+    kind: str = "linear"  # linear | norm | residual | swiglu
+
+
+GEMV_SHAPES = [
+    Shape("q_a+kv_a (rmsnorm)", 1536 + 576, 7168, kind="norm"),
+    Shape("q_b", 16 * 192, 1536),
+    Shape("kv_b", 16 * 256, 512),
+    Shape("o (+residual)", 7168, 2048, kind="residual"),
+    Shape("dense gate/up (swiglu)", 2304, 7168, kind="swiglu"),
+    Shape("dense down (+residual)", 7168, 2304, kind="residual"),
+    Shape("router logits (bf16)", 256, 7168, fmt="bf16"),
+]
+
+
+def gemv_fns(sh: Shape, cfg=None):
+    from jtilert.pallas import gemv
+    eps = 1e-6
+    if sh.kind == "norm":
+        return (lambda x, w, s, nw: gemv.rmsnorm_linear(x, nw, eps, w, s, config=cfg),
+                lambda x, w, s, nw: min_xla(lambda f: f(layers.rms_norm(x, nw, eps), w, s)))
+    if sh.kind == "residual":
+        return (lambda x, w, s, r: gemv.linear_residual(x, w, s, r, config=cfg),
+                lambda x, w, s, r: min_xla(lambda f: r + f(x, w, s)))
+    if sh.kind == "swiglu":
+        return (lambda x, w, s, u, us: gemv.swiglu_pair(x, w, s, u, us, config=cfg),
+                lambda x, w, s, u, us: min_xla(lambda f: (jax.nn.silu(f(x, w, s).astype(F32))
+                                                          * f(x, u, us).astype(F32)).astype(BF16)))
+    return (lambda x, w, s: gemv.linear(x, w, s, config=cfg),
+            lambda x, w, s: min_xla(lambda f: f(x, w, s)))
+
+
+_XLA_CHOICE = {"f": xla_linear_ref}
+
+
+def min_xla(build):
+    return build(_XLA_CHOICE["f"])
+
+
+def gemv_args(sh: Shape, key, t=1):
+    ks = jax.random.split(key, 5)
+    x = jax.random.normal(ks[0], (t, sh.k), F32).astype(BF16)
+    w, s = rand_weight(ks[1], (sh.n, sh.k), sh.fmt)
+    extra = ()
+    if sh.kind == "norm":
+        extra = ((1 + 0.1 * jax.random.normal(ks[2], (sh.k,))).astype(BF16),)
+    elif sh.kind == "residual":
+        extra = (jax.random.normal(ks[3], (t, sh.n), F32).astype(BF16),)
+    elif sh.kind == "swiglu":
+        extra = rand_weight(ks[4], (sh.n, sh.k), sh.fmt)
+    return (x, w, s, *extra)
+
+
+def args_bytes(args):
+    return sum(a.size * a.dtype.itemsize for a in args if a is not None)
+
+
+def run_gemv(copy_tbs, sweep, quick):
+    from jtilert.pallas import gemv
+    key = jax.random.key(1)
+    # correctness: several token counts, each config family
+    for sh in GEMV_SHAPES:
+        for t in (1, 2, 4) if not quick else (1,):
+            args = gemv_args(sh, jax.random.fold_in(key, t), t)
+            kfn, xfn = gemv_fns(sh)
+            _XLA_CHOICE["f"] = xla_linear_ref
+            try:
+                got = jax.jit(kfn)(*args)
+                check(f"gemv {sh.name} T={t}", got, xfn(*args), 2e-2 if sh.kind == "norm" else 1e-2)
+            except Exception as e:  # noqa: BLE001
+                RESULTS["errors"].append(f"gemv {sh.name}: {e!r}")
+                log(f"ERROR gemv {sh.name} T={t}: {traceback.format_exc()}")
+    # timing
+    for sh in GEMV_SHAPES:
+        make = lambda i, sh=sh: gemv_args(sh, jax.random.fold_in(key, 100 + i))
+        nbytes = args_bytes(make(0))
+        best = None
+        configs = [None]
+        if sweep:
+            p = 2 if sh.kind == "swiglu" else 1
+            auto = gemv.GemvConfig(engine="fma").resolved(sh.n, sh.k, 1, p, 1 if sh.fmt == "fp8" else 2, 132)
+            configs = [gemv.GemvConfig(engine="fma"), gemv.GemvConfig(engine="wgmma")]
+            for sk in sorted({max(1, auto.split_k // 2), auto.split_k * 2}):
+                configs.append(gemv.GemvConfig(engine="fma", split_k=sk))
+        for cfg in configs:
+            kfn, _ = gemv_fns(sh, cfg)
+            try:
+                r = time_op(kfn, make, nbytes)
+            except Exception as e:  # noqa: BLE001
+                log(f"  skip {sh.name} {cfg}: {str(e).splitlines()[0][:160]}")
+                continue
+            RESULTS["sweep"].append(dict(op=sh.name, config=str(cfg), **r))
+            log(f"  {sh.name} {cfg}: {r['us']:.2f} us ({r['kernels_per_call']:.0f} kernels) wall {r['wall_us']:.1f}")
+            if best is None or r["us"] < best[1]["us"]:
+                best = (cfg, r)
+        xla_best = None
+        for xname, xf in XLA_LINEAR.items():
+            _XLA_CHOICE["f"] = xf
+            _, xfn = gemv_fns(sh)
+            try:
+                r = time_op(xfn, make, nbytes)
+            except Exception as e:  # noqa: BLE001
+                log(f"  xla {xname} failed: {e!r}")
+                continue
+            log(f"  {sh.name} XLA[{xname}]: {r['us']:.2f} us ({r['kernels_per_call']:.0f} kernels)")
+            if xla_best is None or r["us"] < xla_best[1]["us"]:
+                xla_best = (xname, r)
+        add_row(sh.name, nbytes, best, xla_best, copy_tbs)
+
+
+def add_row(name, nbytes, best, xla_best, copy_tbs):
+    if best is None:
+        log(f"ROW {name}: no kernel timing")
+        return
+    cfg, r = best
+    tbs = nbytes / (r["us"] * 1e-6) / 1e12
+    row = dict(op=name, mbytes=nbytes / 1e6, us=r["us"], tbs=tbs, frac_copy=tbs / copy_tbs,
+               kernels=r["kernels_per_call"], config=str(cfg), wall_us=r["wall_us"])
+    if xla_best is not None:
+        row.update(xla=xla_best[0], xla_us=xla_best[1]["us"], speedup=xla_best[1]["us"] / r["us"])
+    RESULTS["rows"].append(row)
+
+
+def print_table(copy_tbs):
+    log("")
+    log(f"copy bandwidth (XLA elementwise, 2 GiB read+write): {copy_tbs:.2f} TB/s")
+    log(f"{'op':28s} {'MB':>7s} {'us':>7s} {'TB/s':>6s} {'%copy':>6s} {'XLA us':>7s} {'xXLA':>5s} {'k':>3s}  config")
+    for r in RESULTS["rows"]:
+        log(f"{r['op'][:28]:28s} {r['mbytes']:7.2f} {r['us']:7.2f} {r['tbs']:6.2f} {100 * r['frac_copy']:5.1f}% "
+            f"{r.get('xla_us', float('nan')):7.2f} {r.get('speedup', float('nan')):5.2f} {r['kernels']:3.0f}  {r['config']}")
+    bad = [c for c in RESULTS["checks"] if not c["ok"]]
+    log(f"checks: {len(RESULTS['checks']) - len(bad)}/{len(RESULTS['checks'])} OK"
+        + ("" if not bad else "; FAILED: " + ", ".join(c["name"] for c in bad)))
+    if RESULTS["errors"]:
+        log(f"errors: {len(RESULTS['errors'])} (see kernels_log.txt)")
+
+
+def dump_kernels():
+    """Compile representative kernels with Mosaic's dump switches on; tar the dumps into $OUT."""
+    import subprocess
+    import tarfile
+    from jtilert.pallas import gemv
+    d = os.path.join(OUT, "dump")
+    os.makedirs(d, exist_ok=True)
+    os.environ.update(MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_SASS="1", MOSAIC_GPU_DUMP_PTX="1",
+                      MOSAIC_GPU_DUMP_TO=d)
+    sh = GEMV_SHAPES[0]
+    args = gemv_args(Shape("dump", 2112, 7168), jax.random.key(0))
+    for eng in ("fma", "wgmma"):
+        cfg = gemv.GemvConfig(engine=eng)
+        try:
+            jax.block_until_ready(jax.jit(lambda x, w, s: gemv.linear(x, w, s, config=cfg))(*args))
+        except Exception as e:  # noqa: BLE001
+            log(f"dump {eng} failed: {e!r}")
+    for k in ("MOSAIC_GPU_DUMP_PTXAS", "MOSAIC_GPU_DUMP_SASS", "MOSAIC_GPU_DUMP_PTX", "MOSAIC_GPU_DUMP_TO"):
+        os.environ.pop(k, None)
+    with tarfile.open(os.path.join(OUT, "dump.tgz"), "w:gz") as tf:
+        tf.add(d, arcname="dump")
+    subprocess.run(["rm", "-rf", d])
+    log(f"dumped kernels to {OUT}/dump.tgz")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default="gemv,moe,lmhead")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--dump", action="store_true", help="ptxas report + SASS of representative kernels to $OUT")
+    a = ap.parse_args()
+    only = set(a.only.split(","))
+    log(f"== bench/kernels.py {time.strftime('%Y-%m-%d %H:%M:%S')} jax {jax.__version__} "
+        f"devices {jax.devices()} args {sys.argv[1:]}")
+    if a.dump:
+        dump_kernels()
+    copy_tbs = copy_bandwidth()
+    RESULTS["copy_tbs"] = copy_tbs
+    log(f"copy bandwidth: {copy_tbs:.3f} TB/s")
+    for name, fn in SECTIONS:
+        if name in only:
+            try:
+                fn(copy_tbs, a.sweep, a.quick)
+            except Exception as e:  # noqa: BLE001
+                RESULTS["errors"].append(f"{name}: {e!r}")
+                log(f"ERROR section {name}: {traceback.format_exc()}")
+    print_table(copy_tbs)
+    with open(os.path.join(OUT, "kernels.json"), "w") as f:
+        json.dump(RESULTS, f, indent=1, default=str)
+
+
+SECTIONS = [("gemv", run_gemv)]
+
+if __name__ == "__main__":
+    main()

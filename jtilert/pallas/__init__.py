@@ -1,0 +1,28 @@
+"""Pallas Mosaic-GPU kernels (Hopper) for batch-1 decode.
+
+Projection / MoE / lm-head kernels (issue 4):
+
+* `gemv`: block-scaled GEMV (bf16 or fp8 e4m3 + 128×128 scales), fused RMSNorm prologue, residual
+  epilogue, SwiGLU pair;
+* `moe`: router, selected experts' gate/up/SiLU reading only the chosen experts, down projection
+  with the routing-weighted sum (and the shared expert);
+* `lm_head`: vocab-sharded GEMV with top-k candidates in the epilogue.
+
+Without a GPU every kernel runs in GPU interpret mode (see `interpret`). `ops()` is what
+`jtilert.backend` uses for `backend="pallas"`: these kernels where they apply, the attention
+kernels from the `attention*`/`indexer*`/`topk*`/`sparse_mla*` modules when those exist, and the
+plain-JAX reference for everything else.
+"""
+
+from __future__ import annotations
+
+import types
+
+from jtilert.pallas.interpret import interpret as interpret_mode  # noqa: F401
+from jtilert.pallas.gemv import (GemvConfig, linear, linear_residual, rmsnorm_linear,  # noqa: F401
+                                 swiglu, swiglu_pair)
+
+
+def ops() -> types.SimpleNamespace:
+    from jtilert.pallas import dispatch
+    return dispatch.ops()

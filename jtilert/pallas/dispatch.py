@@ -1,0 +1,81 @@
+"""`backend="pallas"`: which op runs which kernel.
+
+Each wrapper here has the signature of its `jtilert.layers` reference and falls back to that
+reference where the kernels do not apply (prefill-sized token counts, fp32 activations, shapes the
+kernels refuse), so a model runs end to end with `backend="pallas"` on any shape; the decode path
+(a few bf16 tokens) runs the Mosaic-GPU kernels, in GPU interpret mode on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib
+import types
+
+import jax.numpy as jnp
+
+from jtilert import layers
+from jtilert.pallas import gemv
+
+BF16, FP8 = jnp.bfloat16, jnp.float8_e4m3fn
+MAX_DECODE_TOKENS = 8   # above this, XLA's matmuls (the reference) are the better tool
+
+
+def _decode_tokens(x) -> bool:
+    t = 1
+    for d in x.shape[:-1]:
+        t *= d
+    return t <= MAX_DECODE_TOKENS
+
+
+def _gemv_ok(x, w, scale) -> bool:
+    return (x.dtype == BF16 and _decode_tokens(x) and w.ndim == 2 and w.shape[1] == x.shape[-1]
+            and x.shape[-1] % gemv.KGRAIN == 0 and (w.dtype == FP8) == (scale is not None)
+            and w.dtype in (FP8, BF16, jnp.float32))
+
+
+def linear(x, w, scale=None):
+    if _gemv_ok(x, w, scale):
+        return gemv.linear(x, w, scale)
+    return layers.linear(x, w, scale)
+
+
+def swiglu(x, gate, gate_scale, up, up_scale, down, down_scale):
+    if (_gemv_ok(x, gate, gate_scale) and _gemv_ok(x, up, up_scale) and gate.dtype == up.dtype
+            and down.shape[1] % gemv.KGRAIN == 0 and (down.dtype == FP8) == (down_scale is not None)):
+        return gemv.swiglu(x, gate, gate_scale, up, up_scale, down, down_scale)
+    return layers.swiglu(x, gate, gate_scale, up, up_scale, down, down_scale)
+
+
+def _attention_ops() -> dict:
+    """Kernels from the attention modules of this package, when they exist and export the op."""
+    found = {}
+    for mod_name, names in (("attention", ("indexer_scores", "topk_positions", "sparse_mla")),
+                            ("indexer", ("indexer_scores",)), ("topk", ("topk_positions",)),
+                            ("sparse_mla", ("sparse_mla",))):
+        try:
+            mod = importlib.import_module(f"jtilert.pallas.{mod_name}")
+        except ImportError:
+            continue
+        for n in names:
+            if hasattr(mod, n) and n not in found:
+                found[n] = getattr(mod, n)
+    return found
+
+
+def ops() -> types.SimpleNamespace:
+    table = dict(
+        linear=linear,
+        swiglu=swiglu,
+        route=layers.route,
+        moe_experts=layers.moe_experts,
+        indexer_scores=layers.indexer_scores,
+        topk_positions=layers.topk_positions,
+        sparse_mla=layers.sparse_mla,
+    )
+    try:
+        from jtilert.pallas import moe
+        table.update(route=moe.route_op, moe_experts=moe.moe_experts_op)
+    except ImportError:
+        pass
+    table.update(_attention_ops())
+    return types.SimpleNamespace(**table)

@@ -1,0 +1,310 @@
+"""MoE decode path (Pallas Mosaic-GPU): router, selected experts' gate/up/SiLU, down + weighted sum.
+
+For one token the routed experts move 8 × 3 × 256 × 7168 fp8 bytes per GPU (dsv32-tp8-shard); only
+the chosen experts' weights are read, steered by expert ids that stay on the device:
+
+* `expert_gate_up`: the GEMV kernel of `gemv` in expert mode: grid (row block, split, selection);
+  each CTA reads `ids[selection]` from GMEM and TMA-streams that expert's gate and up rows (one pass
+  over both, SwiGLU in the epilogue, fp32 like the reference) → h [T·k, I] bf16.
+* `expert_down`: y[t] = Σ_i w_i · down[ids_i] · h_i as ONE GEMV whose K axis is the gathered
+  (selection, I) axis: the K block of step s belongs to selection s·bk // I, whose expert id picks
+  the weight tile the TMA fetches; the routing weight w_i, the fp8 block scale and h_i are folded
+  into the B operand once per CTA, so the weighted sum over experts is the tensor core's
+  accumulation. A shared expert packed as one more "expert" (`pack_shared_expert`) rides along
+  with weight 1.
+* `route`: logits x·Wgᵀ in fp32 (the FMA engine of `gemv`, fp32 weights, the reference's
+  precision, so near-ties select the same experts) and the selection (sigmoid, bias, group top-2
+  sum, top-k groups, top-k experts, normalised × routed_scaling_factor) in plain JAX on the
+  [T, E] logits, exactly the reference's code. Ids and weights never leave the device.
+
+No dense "all experts" path: every call reads only the selected experts.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+import jtilert.pallas.interpret as _interp
+from jtilert import layers
+from jtilert.pallas import gemv
+from jtilert.pallas.gemv import (BF16, F16, F32, FP8, MAX_TOKENS, QBLOCK, X_LAYOUT, X_TRANSFORMS,
+                                 GemvConfig, _finish, _num_sms)
+
+MOE_LAYOUT_VERSION = "jtilert-moe-v1: experts stacked [E(+1 shared), out, in] in the HF [out, in] layout"
+
+
+# ---- gate/up ------------------------------------------------------------------------------------
+
+def expert_gate_up(x, ids, gate, gate_scale, up, up_scale, *, config: GemvConfig | None = None):
+    """h[i] = silu(x[tok_i] · gate[ids_i]ᵀ) · (x[tok_i] · up[ids_i]ᵀ), fp32 math, bf16 result.
+    x [T, H] bf16, ids [T, k] int32, gate/up [E, I, H] (fp8 + scales [E, ., .], or bf16)."""
+    t, k = ids.shape
+    return gemv._projection(x, (gate, up), (gate_scale, up_scale), kind="swiglu_f32",
+                            ids=ids.reshape(-1), config=config)
+
+
+# ---- down + weighted sum ------------------------------------------------------------------------
+
+def expert_down(h, weights, ids, down, down_scale, *, out_dtype=BF16, config: GemvConfig | None = None):
+    """y[t] = Σ_j weights[t, j] · h[t·k + j] · down[ids[t, j]]ᵀ  (fp32 accumulation).
+    h [T·k, I] bf16, weights [T, k] fp32, ids [T, k] int32, down [E, H, I] (fp8 + scales or bf16)."""
+    t, kper = ids.shape
+    nsel = t * kper
+    e, n, i_dim = down.shape
+    if h.shape != (nsel, i_dim):
+        raise ValueError(f"expert_down: h {h.shape} does not match ids {ids.shape} and down {down.shape}")
+    if t > MAX_TOKENS:
+        raise ValueError(f"expert_down: at most {MAX_TOKENS} tokens per call, got {t}")
+    fp8 = down.dtype == FP8
+    if down.dtype not in (FP8, BF16):
+        raise ValueError(f"expert_down: weights must be fp8 or bf16, got {down.dtype}")
+    if i_dim % QBLOCK:
+        raise ValueError(f"expert_down: expert width {i_dim} must be a multiple of {QBLOCK}")
+    if fp8 and down_scale.shape != (e, -(-n // QBLOCK), i_dim // QBLOCK):
+        raise ValueError(f"expert_down: scales {down_scale.shape} do not match {down.shape}")
+    ktot = nsel * i_dim
+    base = config or GemvConfig(engine="wgmma")
+    if base.engine == "fma":
+        raise ValueError("expert_down runs on the wgmma engine")
+    bk_cap = min(base.block_k, i_dim, 16384 // (base.block_n * down.dtype.itemsize))
+    bk = QBLOCK
+    while bk * 2 <= bk_cap and i_dim % (bk * 2) == 0:
+        bk *= 2
+    cfg = GemvConfig(block_n=base.block_n, block_k=bk, split_k=base.split_k or 1, stages=base.stages,
+                     engine="wgmma", a_in_registers=base.a_in_registers)
+    cfg = cfg.resolved(n, ktot, t, 1, down.dtype.itemsize, _num_sms())
+    bn, split, stages, a_regs = cfg.block_n, cfg.split_k, cfg.stages, cfg.a_in_registers
+    bk = cfg.block_k
+    if i_dim % bk:
+        raise ValueError(f"expert_down: block_k {bk} must divide the expert width {i_dim}")
+    kc = ktot // split
+    steps = kc // bk
+    nblk = kc // QBLOCK
+    row_blocks = -(-n // bn)
+    sub = QBLOCK if fp8 else 64
+    nsub = bk // sub
+    w_swz = 128
+    w_tr = (plgpu.TilingTransform((8, w_swz // down.dtype.itemsize)), plgpu.SwizzleTransform(w_swz))
+    in_kernel = split == 1
+    o_dtype = out_dtype if in_kernel else F32
+
+    def kernel(h_gmem, w_gmem, ids_gmem, d_gmem, *rest):
+        it = iter(rest)
+        s_gmem = next(it) if fp8 else None
+        out_gmem, xb, invf, o_smem = next(it), next(it), next(it), next(it)
+        a_bufs = next(it) if (fp8 and not a_regs) else None
+        n_idx = lax.axis_index("n")
+        s_idx = lax.axis_index("s")
+        k0 = s_idx * kc
+        row0 = n_idx * bn
+        srow = row0 // QBLOCK
+        ids_v = [ids_gmem[i] for i in range(nsel)]          # scalars, read once
+        w_v = [w_gmem[i // kper, i % kper] for i in range(nsel)]
+
+        def pick(vals, i):
+            out = vals[0]
+            for ii in range(1, nsel):
+                out = jnp.where(i == ii, vals[ii], out)
+            return out
+
+        def build_b():
+            """B[tok, kpos] = h[sel, ·] · w_sel · s[ids_sel, row block, k block] · f, where sel owns
+            kpos and tok is sel's token (other rows 0); f is a power of two for f16 range."""
+            row_id = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (MAX_TOKENS, QBLOCK), 0), X_LAYOUT)
+
+            def block(b):
+                kpos = k0 + b * QBLOCK
+                sel = kpos // i_dim
+                part = (kpos % i_dim) // QBLOCK
+                hv = plgpu.load(h_gmem.at[sel, pl.ds(part * QBLOCK, QBLOCK)], optimized=False).astype(F32)
+                c = pick(w_v, sel)
+                if fp8:
+                    c = c * s_gmem[pick(ids_v, sel), srow, part]
+                v = plgpu.layout_cast(lax.broadcast_in_dim(hv * c, (MAX_TOKENS, QBLOCK), (1,)), X_LAYOUT)
+                return jnp.where(row_id == sel // kper, v, 0.0)
+
+            vals = [block(b) for b in range(nblk)]
+            if fp8:
+                m = None
+                for v in vals:
+                    m = jnp.abs(v) if m is None else jnp.maximum(m, jnp.abs(v))
+                amax = jnp.maximum(jnp.max(jnp.max(m, axis=1), axis=0), 1e-30)
+                f = jnp.exp2(13.0 - lax.round(jnp.log2(amax) - 0.5))
+                for b, v in enumerate(vals):
+                    xb.at[:, pl.ds(b * QBLOCK, QBLOCK)][...] = (v * f).astype(F16)
+                invf[0] = 1.0 / f
+            else:
+                for b, v in enumerate(vals):
+                    xb.at[:, pl.ds(b * QBLOCK, QBLOCK)][...] = v.astype(BF16)
+            plgpu.commit_smem()
+
+        def w_index(s):
+            kpos = k0 + s * bk
+            sel = kpos // i_dim
+            return (pick(ids_v, sel), n_idx, (kpos % i_dim) // bk)
+
+        def body(idx, w_smem, acc):
+            (step,) = idx
+
+            @pl.when(step == 0)
+            def _():
+                build_b()
+
+            kk = step * bk
+            if not fp8:
+                plgpu.wgmma(acc, w_smem, xb.at[:, pl.ds(kk, bk)].T)
+            else:
+                for hh in range(nsub):
+                    a = w_smem.at[:, pl.ds(hh * sub, sub)][...].astype(F16)
+                    if not a_regs:
+                        buf = a_bufs.at[hh % 2]
+                        buf[...] = a
+                        plgpu.commit_smem()
+                        a = buf
+                    plgpu.wgmma(acc, a, xb.at[:, pl.ds(kk + hh * sub, sub)].T)
+                    if not a_regs:
+                        plgpu.wgmma_wait(0)
+            plgpu.wgmma_wait(0)
+            return acc
+
+        def run(acc):
+            plgpu.emit_pipeline(
+                body, grid=(steps,),
+                in_specs=[plgpu.BlockSpec((None, bn, bk), lambda s: w_index(s), transforms=w_tr)],
+                max_concurrent_steps=stages, init_carry=acc)(d_gmem)
+            return acc[...]
+
+        y = pl.run_scoped(run, plgpu.ACC((bn, MAX_TOKENS), F32))
+        col_id = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (bn, MAX_TOKENS), 1), plgpu.Layout.WGMMA)
+        for tok in range(t):
+            col = jnp.sum(jnp.where(col_id == tok, y, 0.0), axis=1)
+            if fp8:
+                col = col * invf[0]
+            o_smem.at[tok][...] = col.astype(o_dtype)
+        plgpu.commit_smem()
+        dst = out_gmem.at[:, pl.ds(row0, bn)] if in_kernel else out_gmem.at[s_idx, :, pl.ds(row0, bn)]
+        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, t)], dst)
+        plgpu.wait_smem_to_gmem(0)
+
+    scratch = [plgpu.SMEM((MAX_TOKENS, kc), F16 if fp8 else BF16, transforms=X_TRANSFORMS),
+               plgpu.SMEM((1,), F32), plgpu.SMEM((MAX_TOKENS, bn), o_dtype)]
+    if fp8 and not a_regs:
+        scratch.append(plgpu.SMEM((2, bn, sub), F16, transforms=X_TRANSFORMS))
+    out_type = (jax.ShapeDtypeStruct((t, n), o_dtype) if in_kernel
+                else jax.ShapeDtypeStruct((split, t, n), F32))
+    call = plgpu.kernel(kernel, out_type=out_type, grid=(row_blocks, split), grid_names=("n", "s"),
+                        scratch_types=scratch, interpret=_interp.params(), kernel_name="jtilert_moe_down")
+    args = [h.astype(BF16), weights.astype(F32), ids.reshape(-1).astype(jnp.int32), down]
+    if fp8:
+        args.append(down_scale.astype(F32))
+    out = call(*args)
+    return out if in_kernel else out.sum(0).astype(out_dtype)
+
+
+# ---- public wrappers ----------------------------------------------------------------------------
+
+def moe_experts(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale, *,
+                gate_up_config: GemvConfig | None = None, down_config: GemvConfig | None = None):
+    """jtilert.layers.moe_experts for decode (T ≤ 8): two kernels, only the selected experts read."""
+    t = x.shape[0]
+    if t > MAX_TOKENS:
+        raise ValueError(f"moe_experts kernel: at most {MAX_TOKENS} tokens, got {t}")
+    h = expert_gate_up(x, ids, gate, gate_scale, up, up_scale, config=gate_up_config)
+    return expert_down(h, weights, ids, down, down_scale, out_dtype=x.dtype, config=down_config)
+
+
+def pack_shared_expert(gate, gate_scale, up, up_scale, down, down_scale,
+                       sh_gate, sh_gate_scale, sh_up, sh_up_scale, sh_down, sh_down_scale):
+    """Append the shared expert (same width as a routed expert under tp) as expert E of the stacks,
+    once at load time (layout `MOE_LAYOUT_VERSION`). Returns the six stacked arrays."""
+    cat = lambda a, b: None if a is None else jnp.concatenate([a, b[None]], axis=0)
+    return (cat(gate, sh_gate), cat(gate_scale, sh_gate_scale), cat(up, sh_up), cat(up_scale, sh_up_scale),
+            cat(down, sh_down), cat(down_scale, sh_down_scale))
+
+
+def moe_with_shared(x, weights, ids, packed):
+    """Σ_j w_j · Expert_{ids_j}(x) + Shared(x) with the shared expert packed as the last expert:
+    the shared expert's gate/up and down ride in the same two kernels (weight 1.0)."""
+    gate, gs, up, us, down, ds = packed
+    t, k = ids.shape
+    shared = jnp.full((t, 1), gate.shape[0] - 1, jnp.int32)
+    ids2 = jnp.concatenate([ids.astype(jnp.int32), shared], axis=1)
+    w2 = jnp.concatenate([weights.astype(F32), jnp.ones((t, 1), F32)], axis=1)
+    return moe_experts(x, w2, ids2, gate, gs, up, us, down, ds)
+
+
+def reference_moe_with_shared(x, weights, ids, packed, shared_raw):
+    g, gs, u, us, d, ds = packed
+    routed = layers.moe_experts(x, weights, ids, g[:-1], None if gs is None else gs[:-1], u[:-1],
+                                None if us is None else us[:-1], d[:-1], None if ds is None else ds[:-1])
+    return routed + layers.swiglu(x, *shared_raw)
+
+
+# ---- router -------------------------------------------------------------------------------------
+
+def router_logits(x, gate):
+    """x · Wgᵀ in fp32 (the reference's precision) with the FMA engine, Wg [E, H] fp32 (or bf16)."""
+    w = gate if gate.dtype in (F32, BF16) else gate.astype(F32)
+    cfg = GemvConfig(engine="fma")
+    return gemv._tokens(x.astype(BF16) if x.dtype != BF16 else x,
+                        lambda xc, _: gemv._projection(xc, (w,), (None,), out_dtype=F32, config=cfg))
+
+
+def select_experts(cfg, logits, bias):
+    """The reference router's selection on precomputed fp32 logits [T, E]."""
+    s = jax.nn.sigmoid(logits.astype(F32))
+    biased = s + bias.astype(F32)[None, :]
+    t, e = biased.shape
+    if cfg.n_group > 1:
+        grouped = biased.reshape(t, cfg.n_group, e // cfg.n_group)
+        group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)
+        _, keep = jax.lax.top_k(group_score, cfg.topk_group)
+        group_mask = jnp.zeros((t, cfg.n_group), bool).at[jnp.arange(t)[:, None], keep].set(True)
+        biased = jnp.where(jnp.repeat(group_mask, e // cfg.n_group, axis=1), biased, -jnp.inf)
+    _, ids = jax.lax.top_k(biased, cfg.num_experts_per_tok)
+    w = jnp.take_along_axis(s, ids, axis=1)
+    if cfg.norm_topk_prob:
+        w = w / (w.sum(-1, keepdims=True) + 1e-20)
+    return w * cfg.routed_scaling_factor, ids.astype(jnp.int32)
+
+
+def route(cfg, x, gate, bias):
+    """jtilert.layers.route with the logits GEMV in Pallas."""
+    if x.dtype != BF16:
+        return layers.route(cfg, x, gate, bias)
+    return select_experts(cfg, router_logits(x, gate), bias)
+
+
+# ---- backend="pallas" entry points (fall back to the reference outside the decode regime) --------
+
+def _decode_ok(x, *ws):
+    return (x.ndim == 2 and x.shape[0] <= MAX_TOKENS and x.dtype == BF16
+            and x.shape[-1] % gemv.KGRAIN == 0 and all(w.dtype in (FP8, BF16) for w in ws))
+
+
+def route_op(cfg, x, gate, bias):
+    if x.ndim == 2 and x.shape[0] <= MAX_TOKENS and x.shape[-1] % gemv.KGRAIN == 0:
+        return route(cfg, x, gate, bias)
+    return layers.route(cfg, x, gate, bias)
+
+
+def moe_experts_op(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale):
+    if (_decode_ok(x, gate, up, down) and gate.shape[1] % QBLOCK == 0
+            and (gate.dtype == FP8) == (gate_scale is not None) and (down.dtype == FP8) == (down_scale is not None)):
+        return moe_experts(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale)
+    return layers.moe_experts(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale)
+
+
+def _bench():  # pragma: no cover - GPU only; bench/kernels.py has the full table
+    from bench import kernels
+    kernels.main()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    _bench()
