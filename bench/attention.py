@@ -121,29 +121,44 @@ def bench_context(ctx, cfg, bw, key):
             log(f"  indexer [{vname}] FAILED: {type(e).__name__}: {str(e)[:300]}")
             traceback.print_exc(file=LOG)
     row("indexer XLA reference", ctx, t_ref, floor_idx, t_ref, len(n_ref), "")
+    if ctx < 163840:   # the model's cache is preallocated: ctx positions in a 160K-row cache
+        big = 163840
+        kb = jnp.concatenate([k8, jnp.zeros((big - ctx, D), k8.dtype)])
+        ksb = jnp.concatenate([ks, jnp.ones((big - ctx,), ks.dtype)])
+        sb, tb, nb = measure(jax.jit(ix.indexer_scores), q8, w, kb, ksb, pos)
+        ok = bool(np.array_equal(np.asarray(sb)[:, :ctx], np.asarray(measure(jax.jit(ix.indexer_scores), q8, w, k8, ks, pos)[0]))
+                  and np.isneginf(np.asarray(sb)[:, ctx:]).all())
+        _, tbr, _ = measure(ref_scores, q8, w, kb, ksb, pos)
+        row("indexer pallas, 160K-row cache", ctx, tb, floor_idx, tbr, len(nb), f"same scores {ok}")
 
-    # ---- top-k
+    # ---- top-k (on the reference scores: every variant must return lax.top_k's set)
     ref_topk = jax.jit(functools.partial(layers.topk_positions, k=topk_k))
     (ridx, _), t_rtk, n_rtk = measure(ref_topk, s_ref)
-    f_tk = jax.jit(functools.partial(tk.topk_positions, k=topk_k))
-    (idx, _), t_tk, n_tk = measure(f_tk, s_ref)
-    same = bool(np.array_equal(np.sort(np.asarray(idx), -1), np.sort(np.asarray(ridx), -1)))
-    row("topk radix select (XLA ops)", ctx, t_tk, floor_idx, t_rtk, len(n_tk), f"same set {same}")
+    tk_variants = {"radix": tk.topk_positions, "radix-lex": lambda s, k: tk.topk_lex(s, k)}
+    tk_best = ("lax.top_k", layers.topk_positions, t_rtk)
+    for vname, fn in tk_variants.items():
+        (idx, _), t_tk, n_tk = measure(jax.jit(functools.partial(fn, k=topk_k)), s_ref)
+        same = bool(np.array_equal(np.sort(np.asarray(idx), -1), np.sort(np.asarray(ridx), -1)))
+        row(f"topk {vname} (XLA ops)", ctx, t_tk, floor_idx, t_rtk, len(n_tk), f"same set {same}")
+        if same and t_tk < tk_best[2]:
+            tk_best = (vname, fn, t_tk)
     row("topk lax.top_k (reference)", ctx, t_rtk, floor_idx, t_rtk, len(n_rtk), "")
 
-    # ---- indexer + top-k, one jit each
+    # ---- indexer + top-k, one jit each (ours: the best indexer config and the fastest exact top-k)
     bcfg = best[0] if best else ix.IndexerConfig()
+    tk_fn = tk_best[1]
 
     def ours(q8, w, k8, ks, pos):
-        return tk.topk_positions(ix.indexer_scores(q8, w, k8, ks, pos, config=bcfg), topk_k)
+        return tk_fn(ix.indexer_scores(q8, w, k8, ks, pos, config=bcfg), topk_k)
 
     def theirs(q8, w, k8, ks, pos):
         return layers.topk_positions(layers.indexer_scores(q8, w, k8, ks, pos), topk_k)
 
     (i1, _), t1, n1 = measure(jax.jit(theirs), q8, w, k8, ks, pos)
     (i2, _), t2, n2 = measure(jax.jit(ours), q8, w, k8, ks, pos)
-    same = bool(np.array_equal(np.sort(np.asarray(i1), -1), np.sort(np.asarray(i2), -1)))
-    row("INDEXER+TOPK pallas+radix", ctx, t2, floor_idx, t1, len(n2), f"same set {same}")
+    overlap = len(np.intersect1d(np.asarray(i1)[0], np.asarray(i2)[0])) / i1.shape[-1]
+    row(f"INDEXER+TOPK pallas+{tk_best[0]}", ctx, t2, floor_idx, t1, len(n2),
+        f"overlap with XLA path {overlap:.4f} (fp32 sum order near-ties)")
     row("INDEXER+TOPK XLA reference", ctx, t1, floor_idx, t1, len(n1), "")
     log("    kernels (ours):", n2)
 
@@ -161,11 +176,14 @@ def bench_context(ctx, cfg, bw, key):
     f_ref = jax.jit(functools.partial(layers.sparse_mla, scale=scale))
     o_ref, t_mref, n_mref = measure(f_ref, ql, qp, kv, pe, sidx, valid)
     try:
-        f = jax.jit(functools.partial(smla.sparse_mla, scale=scale))
-        o, t, n = measure(f, ql, qp, kv, pe, sidx, valid)
-        row("SPARSE MLA pallas", ctx, t, floor_mla, t_mref, len(n), f"rel err {rel(o, o_ref):.1e}")
-        log("    kernels:", n)
-        fp = jax.jit(lambda *a: smla.sparse_mla_partials(*a, scale))
+        for cname in ("xla", "kernel"):
+            f = jax.jit(functools.partial(smla.sparse_mla, scale=scale,
+                                          config=smla.SparseMLAConfig(combine=cname)))
+            o, t, n = measure(f, ql, qp, kv, pe, sidx, valid)
+            label = "SPARSE MLA pallas" if cname == "kernel" else "sparse MLA pallas, XLA combine"
+            row(label, ctx, t, floor_mla, t_mref, len(n), f"rel err {rel(o, o_ref):.1e}")
+            log("    kernels:", n)
+        fp = jax.jit(lambda *a: smla.sparse_mla_partials(*a, None, scale))
         _, tp, _ = measure(fp, ql, qp, kv, pe, sidx)
         row("  sparse MLA kernel only (no combine)", ctx, tp, floor_mla, t_mref, 1, "")
     except Exception as e:  # noqa: BLE001

@@ -68,7 +68,8 @@ def _cdiv(a, b):
 def indexer_scores_kernel(q, w, k_cache, k_scale, positions, offsets, n: int,
                           config: IndexerConfig = IndexerConfig()):
     """q [T, H, D], w [T, H] fp32, k_cache [S, D], k_scale [S] fp32 or None, positions [T] int32,
-    offsets int32 [2] = (start, pos_offset) → scores [T, n] fp32 for cache rows [start, start + n).
+    offsets = (start, pos_offset): Python ints (baked into the kernel) or an int32 [2] array →
+    scores [T, n] fp32 for cache rows [start, start + n).
     n must be a multiple of block_s; rows past the cache (start + i >= S) must not be needed, i.e.
     positions must stay below pos_offset + S."""
     T, H, D = q.shape
@@ -86,16 +87,23 @@ def indexer_scores_kernel(q, w, k_cache, k_scale, positions, offsets, n: int,
     isz = jnp.dtype(k_cache.dtype).itemsize
     k_tf = _tiled(D, isz)
 
+    static_offsets = isinstance(offsets, tuple)
+
     def body(*refs):
-        if has_scale:
-            (q_ref, w_ref, k_ref, ks_ref, pos_ref, off_ref, o_ref,
-             q_s, w_s, k_s, ks_s, o_s, inf_s, qbar, kbar) = refs
-        else:
-            (q_ref, w_ref, k_ref, pos_ref, off_ref, o_ref,
-             q_s, w_s, k_s, o_s, inf_s, qbar, kbar) = refs
-            ks_ref = ks_s = None
+        refs = list(refs)
+        q_ref, w_ref, k_ref = refs[:3]
+        ks_ref = refs[3] if has_scale else None
+        refs = refs[3 + has_scale:]
+        pos_ref = refs.pop(0)
+        off_ref = None if static_offsets else refs.pop(0)
+        o_ref, q_s, w_s, k_s = refs[:4]
+        ks_s = refs[4] if has_scale else None
+        o_s, inf_s, qbar, kbar = refs[4 + has_scale:]
         c = lax.axis_index("c")
-        start, pos_off = off_ref[0], off_ref[1]
+        if static_offsets:
+            start, pos_off = offsets
+        else:
+            start, pos_off = off_ref[0], off_ref[1]
         pos = [pos_ref[t] for t in range(T)]
         pmax = functools.reduce(jnp.maximum, pos)
         # rows [0, limit) of the range hold a position <= max(positions); the rest are -inf
@@ -186,7 +194,10 @@ def indexer_scores_kernel(q, w, k_cache, k_scale, positions, offsets, n: int,
     args = [q, w.astype(F32), k_cache]
     if has_scale:
         args.append(k_scale.astype(F32))
-    return kernel(*args, positions.astype(jnp.int32), offsets)
+    args.append(positions.astype(jnp.int32))
+    if not static_offsets:
+        args.append(offsets)
+    return kernel(*args)
 
 
 def indexer_scores(q, w, k_cache, k_scale, positions, *, start=0, end=None, pos_offset=0,
@@ -226,7 +237,10 @@ def indexer_scores(q, w, k_cache, k_scale, positions, *, start=0, end=None, pos_
         k_cache = jnp.pad(k_cache, ((0, start + n_pad - S), (0, 0)))
         if k_scale is not None:
             k_scale = jnp.pad(k_scale, (0, start + n_pad - S))
-    offsets = jnp.stack([jnp.asarray(start, jnp.int32), jnp.asarray(pos_offset, jnp.int32)])
+    if isinstance(start, int) and isinstance(pos_offset, int):
+        offsets = (start, pos_offset)      # baked into the kernel: no extra XLA op
+    else:
+        offsets = jnp.stack([jnp.asarray(start, jnp.int32), jnp.asarray(pos_offset, jnp.int32)])
     scores = indexer_scores_kernel(q, w, k_cache, k_scale, positions, offsets, n_pad, config)
     return scores[:, :n] if n_pad != n else scores
 

@@ -25,8 +25,9 @@ How it works. The K selected rows of a token are split over CTAs, `block_k` (64)
 5. O = P·KV (P rounded to bf16, as FlashMLA does) in 128-column chunks, each written through SMEM
    to the fp32 partial output; m and l next to it.
 
-The combine step (flash-decoding's second pass: o = Σ_s e^{m_s−M} O_s / Σ_s e^{m_s−M} l_s) is one
-XLA fusion over the [K / block_k] partials.
+The combine step (flash-decoding's second pass: o = Σ_s e^{m_s−M} O_s / Σ_s e^{m_s−M} l_s) is a
+second small Mosaic kernel (`combine_kernel`; XLA needs three fusions for it), or the XLA version
+(`combine`) for shapes the kernel does not cover (fewer than 16 heads per CTA).
 
 A row index < 0 (the top-k kernel's "no position") or valid=False masks the row; masked rows still
 load cache row 0 so nothing NaN-prone enters the tensor cores. A token with no valid row gets zeros
@@ -62,6 +63,7 @@ MAX_TOKENS = 4          # decode / MTP verify; longer chunks (prefill) use the r
 @dataclasses.dataclass(frozen=True)
 class SparseMLAConfig:
     block_k: int = 64           # selected rows per CTA (multiple of 64)
+    combine: str = "kernel"     # "kernel": the Mosaic combine kernel where it applies; "xla": one XLA fusion chain
 
     def __post_init__(self):
         if self.block_k % 64:
@@ -246,6 +248,72 @@ def combine(o, m, l):
     return res.reshape(t, g * hc, L)
 
 
+def _combine_cols(n: int, hc: int, L: int) -> int | None:
+    """Columns per combine CTA: the [n, Hc, cols] fp32 partials fit in 128 KiB of SMEM and cols is a
+    multiple of the MMA accumulator tile's width; None if no kernel configuration applies."""
+    if hc not in (16, 32, 64) or n > HP:
+        return None
+    step = (4 // (hc // 16)) * 8
+    for cols in (64, 32, 16, 8):
+        if cols % step == 0 and L % cols == 0 and n * hc * cols * 4 <= 128 * 1024:
+            return cols
+    return None
+
+
+def combine_kernel(o, m, l, *, cols: int | None = None):
+    """`combine` as one Mosaic-GPU kernel (XLA needs three fusions for it). o [T, G, n, Hc, L],
+    m/l [T, G, n, Hc] → [T, G·Hc, L] fp32, for Hc in (16, 32, 64) and n ≤ 64. Grid (T, G, L / cols).
+    Per CTA: the split weights w[s,h] = e^{m[s,h]−M[h]} / Σ_s e^{m[s,h]−M[h]} l[s,h] on one [64, Hc]
+    tile (splits on the rows, padded with −inf), then Σ_s w[s,h] · o[s,h,cols] on [Hc, cols] tiles."""
+    T, G, n, hc, L = o.shape
+    cols = cols or _combine_cols(n, hc, L)
+    if cols is None or hc not in (16, 32, 64) or n > HP or L % cols:
+        raise ValueError(f"combine_kernel: unsupported shape {o.shape}")
+    acc_layout = plgpu.Layout.MMA_ACC(F32, m_warps=hc // 16)
+
+    def body(o_ref, m_ref, l_ref, out_ref, m_s, l_s, w_s, o_s, mlbar, obar):
+        t, g, c = lax.axis_index("t"), lax.axis_index("g"), lax.axis_index("c")
+        plgpu.copy_gmem_to_smem(o_ref.at[t, g, :, :, pl.ds(c * cols, cols)], o_s, obar)
+        if n < HP:
+            m_s[...] = jnp.full((HP, hc), -jnp.inf, F32)
+            l_s[...] = jnp.zeros((HP, hc), F32)
+            plgpu.commit_smem()
+        plgpu.copy_gmem_to_smem(m_ref.at[t, g], m_s.at[pl.ds(0, n)], mlbar)
+        plgpu.copy_gmem_to_smem(l_ref.at[t, g], l_s.at[pl.ds(0, n)], mlbar)
+        plgpu.barrier_wait(mlbar)
+        wl = plgpu.Layout.WGMMA
+        mv = plgpu.load(m_s, layout=wl, optimized=False)
+        lv = plgpu.load(l_s, layout=wl, optimized=False)
+        mx = mv.max(axis=0)
+        mx = jnp.where(mx == -jnp.inf, 0.0, mx)
+        wv = jnp.exp(mv - lax.broadcast_in_dim(mx, (HP, hc), [1]))
+        den = (wv * lv).sum(axis=0)
+        den = jnp.where(den == 0, 1.0, den)
+        w_s[...] = wv / lax.broadcast_in_dim(den, (HP, hc), [1])
+        plgpu.barrier_wait(obar)
+        acc = None
+        for sp in range(n):
+            x = plgpu.load(o_s.at[sp], layout=acc_layout, optimized=False)
+            wr = plgpu.load(w_s.at[sp], layout=acc_layout.reduce(1), optimized=False)
+            x = x * plgpu.layout_cast(lax.broadcast_in_dim(wr, (hc, cols), [0]), acc_layout)
+            acc = x if acc is None else acc + x
+        out_ref.at[t, pl.ds(g * hc, hc), pl.ds(c * cols, cols)][...] = acc
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((T, G * hc, L), F32),
+        scratch_types=[
+            plgpu.SMEM((HP, hc), F32), plgpu.SMEM((HP, hc), F32), plgpu.SMEM((HP, hc), F32),
+            plgpu.SMEM((n, hc, cols), F32),
+            plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=1),
+        ],
+        grid=(T, G, L // cols), grid_names=("t", "g", "c"),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=_interp.params(),
+    )
+    return kernel(o, m, l)
+
+
 def sparse_mla(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: float, *,
                config: SparseMLAConfig | None = None):
     """Drop-in for `jtilert.layers.sparse_mla`: q_lat [T, H, L], q_pe [T, H, R], kv_cache [S, L],
@@ -275,6 +343,8 @@ def sparse_mla(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: float, *,
         q_lat = jnp.pad(q_lat, ((0, 0), (0, hq - H), (0, 0)))
         q_pe = jnp.pad(q_pe, ((0, 0), (0, hq - H), (0, 0)))
     o, m, l = sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, valid, float(scale), config)
+    if config.combine == "kernel" and _combine_cols(*o.shape[2:]) is not None:
+        return combine_kernel(o, m, l)[:, :H]
     return combine(o, m, l)[:, :H]
 
 
