@@ -85,11 +85,14 @@ class GemvConfig:
             split = 1
             # Grow split-K until the grid about fills the machine, keeping K slices ≥ 512.
             while (row_blocks * split < 0.7 * sms and split < 16 and kgrains % (2 * split) == 0
-                   and k // (2 * split) >= 512):
+                   and k // (2 * split) >= 512 and (w_itemsize != 1 or (k // (2 * split)) % QBLOCK == 0)):
                 split *= 2
         if kgrains % split:
             raise ValueError(f"GEMV kernel: split_k={split} must divide K/{KGRAIN}={kgrains}")
         kc = k // split
+        if w_itemsize == 1 and kc % QBLOCK and split > 1:
+            raise ValueError(f"GEMV kernel: fp8 K slices must be whole 128-column scale blocks "
+                             f"(K={k}, split_k={split})")
         grain = QBLOCK if (w_itemsize == 1 and kc % QBLOCK == 0) else KGRAIN
         cap = 16384 // (self.block_n * w_itemsize)     # ≤ 16 KB of weights per step and weight
         bk = max(grain, min(self.block_k, kc, cap) // grain * grain)
@@ -100,7 +103,8 @@ class GemvConfig:
         cfg = dataclasses.replace(self, block_k=bk, split_k=split, stages=stages, engine=engine,
                                   a_in_registers=a_regs)
         smem = cfg.smem_bytes(n_weights, w_itemsize, k)
-        if smem > SMEM_BYTES and self.split_k <= 0 and kgrains % (2 * split) == 0:
+        if (smem > SMEM_BYTES and self.split_k <= 0 and kgrains % (2 * split) == 0
+                and (w_itemsize != 1 or (k // (2 * split)) % QBLOCK == 0)):
             return dataclasses.replace(self, split_k=2 * split).resolved(n, k, t, n_weights, w_itemsize, sms)
         while smem > SMEM_BYTES and cfg.stages > 2:
             cfg = dataclasses.replace(cfg, stages=cfg.stages - 1)
@@ -265,7 +269,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
         row0 = n_idx * bn
         srow = row0 // QBLOCK
 
-        bw = min(QBLOCK, kc)
+        bw = QBLOCK if kc % QBLOCK == 0 else KGRAIN    # B built in 128- (or 64-) column blocks
         nblk = kc // bw
 
         def build_b(xstage, svals):

@@ -1,0 +1,168 @@
+"""GEMV kernels (issue 4) against jtilert.layers, in GPU interpret mode on the CPU.
+
+Every case draws fresh random inputs, runs the Mosaic-GPU kernel in the interpreter with race
+detection (its buffers start as NaN, so an unwritten output element fails the comparison), and
+shapes include row counts that are not multiples of the 64-row tile and K that is not a multiple
+of the 128-wide scale block. A few realistic (dsv32-tp8-shard) configurations are cross-lowered
+for CUDA, which catches Mosaic lowering errors without a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jtilert import layers
+from jtilert.pallas import gemv
+from jtilert.pallas import interpret as interp
+from jtilert.quant import quantize_weight
+
+F32, BF16, FP8 = jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn
+_seed = itertools.count(1000)
+
+
+def _key():
+    return jax.random.key(next(_seed))
+
+
+def _run(f, *args):
+    with interp.interpret(detect_races=True):
+        out = jax.tree.map(np.asarray, f(*args))
+        assert not interp.races_found()
+    return out
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert not np.isnan(a).any(), "unwritten (NaN) output elements"
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+def _weight(shape, fmt, scale=1.0, pow2=True):
+    w = jax.random.normal(_key(), shape, F32) * shape[-1] ** -0.5 * scale
+    if fmt == "fp8":
+        q, s = quantize_weight(w)
+        if not pow2:  # arbitrary fp32 scales (not the checkpoint's powers of two)
+            s = s * jax.random.uniform(_key(), s.shape, minval=0.6, maxval=0.95)
+        return q, s
+    return w.astype(BF16 if fmt == "bf16" else F32), None
+
+
+def _x(t, k, scale=1.0):
+    return (jax.random.normal(_key(), (t, k), F32) * scale).astype(BF16)
+
+
+# Bit-exact where the kernel and the reference round the same way; bf16 output rounding otherwise.
+TOL = 1e-2
+
+
+@pytest.mark.parametrize("t,n,k,fmt,split,engine", [
+    (1, 96, 256, "fp8", 1, "wgmma"),     # N not a multiple of 64
+    (3, 130, 512, "fp8", 2, "wgmma"),    # split-K, 3 tokens
+    (2, 80, 64, "fp8", 1, "wgmma"),      # K = 64: a partial scale block (tiny model's q_lora)
+    (2, 64, 192, "bf16", 1, "wgmma"),    # K not a multiple of 128
+    (1, 72, 256, "fp8", 2, "fma"),       # CUDA-core engine
+    (2, 64, 128, "f32", 1, "fma"),       # fp32 weights (router precision)
+])
+def test_linear(t, n, k, fmt, split, engine):
+    x = _x(t, k)
+    w, s = _weight((n, k), fmt)
+    cfg = gemv.GemvConfig(split_k=split, block_k=128, engine=engine)
+    if fmt == "f32":
+        got = _run(lambda x, w: gemv._projection(x, (w,), (None,), out_dtype=F32, config=cfg), x, w)
+        ref = jnp.einsum("tk,nk->tn", x.astype(F32), w)
+        assert _rel(got, ref) < 1e-5
+        return
+    got = _run(functools.partial(gemv.linear, config=cfg), x, w, s)
+    assert got.shape == (t, n)
+    assert _rel(got, layers.linear(x, w, s)) < TOL
+
+
+def test_linear_fp8_scaling_is_robust():
+    """Non-power-of-two block scales and activations far from 1 (the f16 B operand is rescaled)."""
+    for xs in (3e3, 1e-4):
+        x = _x(2, 256, xs)
+        w, s = _weight((64, 256), "fp8", pow2=False)
+        got = _run(functools.partial(gemv.linear, config=gemv.GemvConfig(split_k=1)), x, w, s)
+        assert _rel(got, layers.linear(x, w, s)) < TOL
+
+
+def test_linear_many_tokens_chunks():
+    """More than 8 tokens run as chunks of ≤ 8 (leading dims are flattened)."""
+    x = _x(10, 128).reshape(2, 5, 128)
+    w, s = _weight((64, 128), "fp8")
+    got = _run(functools.partial(gemv.linear, config=gemv.GemvConfig(split_k=1)), x, w, s)
+    assert got.shape == (2, 5, 64)
+    assert _rel(got, layers.linear(x, w, s)) < TOL
+
+
+@pytest.mark.parametrize("t,n,k,split", [(2, 96, 256, 1), (1, 64, 512, 2)])
+def test_rmsnorm_linear(t, n, k, split):
+    x = _x(t, k, 3.0)
+    nw = (1 + 0.1 * jax.random.normal(_key(), (k,))).astype(BF16)
+    w, s = _weight((n, k), "fp8")
+    got = _run(lambda x, nw, w, s: gemv.rmsnorm_linear(x, nw, 1e-6, w, s,
+                                                       config=gemv.GemvConfig(split_k=split)), x, nw, w, s)
+    ref = layers.linear(layers.rms_norm(x, nw, 1e-6), w, s)
+    assert _rel(got, ref) < TOL
+
+
+@pytest.mark.parametrize("t,n,split,fmt", [(2, 130, 1, "fp8"), (1, 64, 2, "fp8"), (2, 64, 1, "bf16")])
+def test_linear_residual(t, n, split, fmt):
+    k = 256
+    x, r = _x(t, k), _x(t, n)
+    w, s = _weight((n, k), fmt)
+    got = _run(functools.partial(gemv.linear_residual, config=gemv.GemvConfig(split_k=split)), x, w, s, r)
+    assert _rel(got, r + layers.linear(x, w, s)) < TOL
+
+
+@pytest.mark.parametrize("t,split,fmt", [(1, 2, "fp8"), (2, 1, "bf16")])
+def test_swiglu(t, split, fmt):
+    h, width = 256, 128
+    x = _x(t, h)
+    g, gs = _weight((width, h), fmt)
+    u, us = _weight((width, h), fmt)
+    d, ds = _weight((h, width), fmt)
+    cfg = gemv.GemvConfig(split_k=split)
+    got = _run(functools.partial(gemv.swiglu, config=cfg), x, g, gs, u, us, d, ds)
+    assert _rel(got, layers.swiglu(x, g, gs, u, us, d, ds)) < TOL
+
+
+def test_refuses_bad_shapes():
+    with pytest.raises(ValueError, match="multiple of 64"):
+        gemv.linear(_x(1, 100), *_weight((64, 100), "bf16"))
+    with pytest.raises(ValueError, match="tokens per call"):
+        gemv._projection(_x(9, 128), (_weight((64, 128), "bf16")[0],), (None,))
+    with pytest.raises(ValueError, match="scale blocks"):
+        gemv.linear(_x(1, 384), *_weight((64, 384), "fp8"), config=gemv.GemvConfig(split_k=6))
+
+
+def test_dispatch_falls_back_to_reference_for_prefill():
+    from jtilert.pallas import dispatch
+    x = _x(16, 128)   # a prefill chunk: XLA's matmul, not the GEMV kernel
+    w, s = _weight((64, 128), "fp8")
+    np.testing.assert_array_equal(np.asarray(dispatch.linear(x, w, s), F32),
+                                  np.asarray(layers.linear(x, w, s), F32))
+
+
+# ---- cross-lowering at the dsv32-tp8-shard shapes (no GPU needed) ------------------------------
+
+def _lower(f, *specs):
+    with interp.compile_for_gpu():
+        jax.jit(f).trace(*specs).lower(lowering_platforms=("cuda",))
+
+
+def test_cross_lowering_dsv32_shapes():
+    S = jax.ShapeDtypeStruct
+    x = S((1, 7168), BF16)
+    q = lambda n, k: (S((n, k), FP8), S((-(-n // 128), k // 128), F32))
+    _lower(lambda x, nw, w, s: gemv.rmsnorm_linear(x, nw, 1e-6, w, s), x, S((7168,), BF16), *q(2112, 7168))
+    _lower(gemv.linear, S((1, 1536), BF16), *q(3072, 1536))
+    _lower(gemv.linear_residual, S((2, 2048), BF16), *q(7168, 2048), S((2, 7168), BF16))
+    _lower(gemv.swiglu_pair, x, *q(2304, 7168), *q(2304, 7168))
+    _lower(lambda x, w: gemv.linear(x, w, config=gemv.GemvConfig(engine="fma")), x, S((256, 7168), BF16))

@@ -1,0 +1,112 @@
+"""MoE kernels (issue 4) against jtilert.layers, in GPU interpret mode on the CPU (race detection
+on, buffers start as NaN): the selected experts' gate/up + down with the routing-weighted sum, the
+shared expert packed as one more expert, and the router on inputs built to produce ties and
+all-in-one-group selections."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jtilert import layers
+from jtilert.config import TINY
+from jtilert.pallas import interpret as interp
+from jtilert.pallas import moe
+from jtilert.quant import quantize_weight
+
+F32, BF16, FP8 = jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn
+_seed = itertools.count(2000)
+
+
+def _key():
+    return jax.random.key(next(_seed))
+
+
+def _run(f, *args):
+    with interp.interpret(detect_races=True):
+        out = jax.tree.map(np.asarray, f(*args))
+        assert not interp.races_found()
+    return out
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert not np.isnan(a).any(), "unwritten (NaN) output elements"
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+def _w(shape, fmt):
+    w = jax.random.normal(_key(), shape, F32) * shape[-1] ** -0.5
+    return quantize_weight(w) if fmt == "fp8" else (w.astype(BF16), None)
+
+
+def _experts(e, width, hidden, fmt):
+    g, gs = _w((e, width, hidden), fmt)
+    u, us = _w((e, width, hidden), fmt)
+    d, ds = _w((e, hidden, width), fmt)
+    return g, gs, u, us, d, ds
+
+
+@pytest.mark.parametrize("t,fmt", [(1, "fp8"), (2, "fp8"), (1, "bf16")])
+def test_moe_experts(t, fmt):
+    e, width, hidden, k = 6, 128, 256, 3
+    g, gs, u, us, d, ds = _experts(e, width, hidden, fmt)
+    x = jax.random.normal(_key(), (t, hidden), F32).astype(BF16)
+    ids = jax.random.randint(_key(), (t, k), 0, e).astype(jnp.int32)
+    if t == 2:
+        ids = ids.at[1, 0].set(ids[0, 0])   # two tokens share an expert
+    w = jax.random.uniform(_key(), (t, k), minval=0.2, maxval=1.5)
+    got = _run(moe.moe_experts, x, w, ids, g, gs, u, us, d, ds)
+    assert got.shape == (t, hidden)
+    assert _rel(got, layers.moe_experts(x, w, ids, g, gs, u, us, d, ds)) < 1e-2
+
+
+def test_moe_with_shared_expert():
+    e, width, hidden, k = 5, 128, 128, 2
+    routed = _experts(e, width, hidden, "fp8")
+    shared = _experts(1, width, hidden, "fp8")
+    shared = tuple(a[0] for a in shared)
+    packed = moe.pack_shared_expert(*routed, *shared)
+    x = jax.random.normal(_key(), (1, hidden), F32).astype(BF16)
+    ids = jnp.array([[4, 1]], jnp.int32)
+    w = jnp.array([[0.7, 1.3]], F32)
+    got = _run(lambda x, w, i: moe.moe_with_shared(x, w, i, packed), x, w, ids)
+    ref = layers.moe_experts(x, w, ids, *routed).astype(F32) + layers.swiglu(x, *shared).astype(F32)
+    assert _rel(got, ref) < 1e-2
+
+
+def _route_check(cfg, x, gate, bias):
+    w_k, i_k = _run(lambda x, g, b: moe.route(cfg, x, g, b), x, gate, bias)
+    w_r, i_r = layers.route(cfg, x, gate, bias)
+    np.testing.assert_array_equal(i_k, np.asarray(i_r))
+    np.testing.assert_allclose(w_k, np.asarray(w_r), rtol=1e-5, atol=1e-6)
+    return i_k
+
+
+def test_router_ties_and_one_group():
+    cfg = TINY   # 16 experts in 4 groups, keep 2 groups, top-4 experts
+    h = cfg.hidden_size
+    gate = jax.random.normal(_key(), (cfg.n_routed_experts, h), F32) * h ** -0.5
+    # Exact ties: experts 1, 2 and 9 have identical gate rows, so identical scores.
+    gate = gate.at[2].set(gate[1]).at[9].set(gate[1])
+    x = jax.random.normal(_key(), (2, h), F32).astype(BF16)
+    bias = jnp.zeros((cfg.n_routed_experts,), F32)
+    _route_check(cfg, x, gate, bias)
+    # All selected experts in one group: a large bias on group 2 (experts 8..11).
+    bias = bias.at[8:12].set(10.0)
+    ids = _route_check(cfg, x, gate, bias)
+    assert set(np.asarray(ids).ravel()) <= {8, 9, 10, 11}
+
+
+def test_cross_lowering_dsv32_moe():
+    S = jax.ShapeDtypeStruct
+    e, width, hidden = 256, 256, 7168
+    q = lambda *shape: (S(shape, FP8), S((*shape[:-2], -(-shape[-2] // 128), shape[-1] // 128), F32))
+    with interp.compile_for_gpu():
+        jax.jit(moe.moe_experts).trace(S((1, hidden), BF16), S((1, 8), F32), S((1, 8), jnp.int32),
+                                       *q(e, width, hidden), *q(e, width, hidden), *q(e, hidden, width)
+                                       ).lower(lowering_platforms=("cuda",))
