@@ -178,7 +178,9 @@ class ModelConfig:
         kw.update(model_type=mt, rope=rope, indexer_types=tuple(indexer_types),
                   eos_token_id=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
                   indexer_rope_interleaved=(mt == "glm_moe_dsa"),
-                  index_quant="fp8" if quant.get("quant_method") == "fp8" else "none")
+                  index_quant="fp8" if quant.get("quant_method") == "fp8" else "none",
+                  # transformers' configs omit it (and its files hold no MTP layer); the released ones say 1
+                  num_nextn_predict_layers=d.get("num_nextn_predict_layers", 0))
         if "n_routed_experts" not in d and "num_experts" in d:
             kw["n_routed_experts"] = d["num_experts"]
         kw.update(overrides)
