@@ -134,7 +134,7 @@ def bench_context(ctx, cfg, bw, key):
     # ---- top-k (on the reference scores: every variant must return lax.top_k's set)
     ref_topk = jax.jit(functools.partial(layers.topk_positions, k=topk_k))
     (ridx, _), t_rtk, n_rtk = measure(ref_topk, s_ref)
-    tk_variants = {"radix": tk.topk_positions, "radix-lex": lambda s, k: tk.topk_lex(s, k)}
+    tk_variants = {m: functools.partial(tk.topk_positions, method=m) for m in ("radix", "radix-lex")}
     tk_best = ("lax.top_k", layers.topk_positions, t_rtk)
     for vname, fn in tk_variants.items():
         (idx, _), t_tk, n_tk = measure(jax.jit(functools.partial(fn, k=topk_k)), s_ref)

@@ -143,7 +143,7 @@ def _same_set(idx, ridx):
     return all(np.array_equal(np.sort(a), np.sort(b)) for a, b in zip(np.asarray(idx), np.asarray(ridx)))
 
 
-@pytest.mark.parametrize("fn", [tk.topk_positions, lambda s, k: (tk.topk_lex(s, k)[0], None)])
+@pytest.mark.parametrize("fn", [functools.partial(tk.topk_positions, method=m) for m in tk.METHODS])
 @pytest.mark.parametrize("N,k,n_finite", [
     (3000, 256, 3000),      # more positions than k
     (256, 256, 256),        # exactly k
@@ -171,7 +171,7 @@ def test_topk_scores_and_merge():
     k = 300
     parts = []
     for a in range(0, 4096, 1024):                 # four "GPUs", 1024 positions each
-        i, v = tk.topk(s[:, a:a + 1024], k)
+        i, v = tk.topk(s[:, a:a + 1024], k, method="radix")
         np.testing.assert_array_equal(np.asarray(v), np.asarray(jnp.take_along_axis(s[:, a:a + 1024], i, -1)))
         parts.append((i + a, v))
     idx, val = tk.merge_topk(jnp.concatenate([p[0] for p in parts], -1),
@@ -196,7 +196,7 @@ def test_greedy_tokens_match_reference_on_tiny(monkeypatch):
 
     ops = types.SimpleNamespace(**vars(backend.REFERENCE))
     ops.indexer_scores = functools.partial(ix.indexer_scores, config=SMALL)
-    ops.topk_positions = tk.topk_positions
+    ops.topk_positions = functools.partial(tk.topk_positions, method="radix")
     ops.sparse_mla = smla.sparse_mla
     monkeypatch.setattr(backend, "ops", lambda: ops)
     with interp.interpret(detect_races=False):

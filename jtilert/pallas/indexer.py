@@ -104,6 +104,10 @@ def indexer_scores_kernel(q, w, k_cache, k_scale, positions, offsets, n: int,
             start, pos_off = offsets
         else:
             start, pos_off = off_ref[0], off_ref[1]
+        # the query, weight copies and the -inf block do not depend on the positions: start them first
+        plgpu.copy_gmem_to_smem(q_ref, q_s, qbar)
+        plgpu.copy_gmem_to_smem(w_ref, w_s, qbar)
+        inf_s[...] = jnp.full((bs,), -jnp.inf, F32)
         pos = [pos_ref[t] for t in range(T)]
         pmax = functools.reduce(jnp.maximum, pos)
         # rows [0, limit) of the range hold a position <= max(positions); the rest are -inf
@@ -111,10 +115,6 @@ def indexer_scores_kernel(q, w, k_cache, k_scale, positions, offsets, n: int,
         nvalid = (limit + bs - 1) // bs
         mine = (nblk - c + grid - 1) // grid                        # blocks b = c + i*grid
         my_valid = jnp.clip((nvalid - c + grid - 1) // grid, 0, mine)
-
-        plgpu.copy_gmem_to_smem(q_ref, q_s, qbar)
-        plgpu.copy_gmem_to_smem(w_ref, w_s, qbar)
-        inf_s[...] = jnp.full((bs,), -jnp.inf, F32)
 
         def issue(i, slot):
             row = start + (c + i * grid) * bs

@@ -145,12 +145,17 @@ def sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: floa
         def gather_and_compute(stage_kv, stage_pe):
             # every warpgroup issues the row copies of its share of the block (TMA issue is the
             # bottleneck of a one-thread gather)
-            for jj in range(rows_per_wg):
-                j = wg * rows_per_wg + jj
-                r = idx_ref[t, base + j]
-                if has_valid:
-                    r = jnp.where(valid_ref[t, base + j], r, -1)
+            rows = range(rows_per_wg)
+            js = [wg * rows_per_wg + jj for jj in rows]
+            # all scalar loads first (independent, so they overlap: one memory latency, not 16),
+            # then the copies (each copy ends in a warpgroup barrier, which would serialise them)
+            rs = [idx_ref[t, base + j] for j in js]
+            if has_valid:
+                vs = [valid_ref[t, base + j] for j in js]
+                rs = [jnp.where(v, r, -1) for r, v in zip(rs, vs)]
+            for j, r in zip(js, rs):
                 midx_s[j] = r
+            for j, r in zip(js, rs):
                 r = jnp.maximum(r, 0)
                 plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(r, 1)], stage_kv.at[pl.ds(j, 1)], gbar.at[wg])
                 plgpu.copy_gmem_to_smem(pe_ref.at[pl.ds(r, 1)], stage_pe.at[pl.ds(j, 1)], gbar.at[wg])
@@ -251,10 +256,10 @@ def combine(o, m, l):
 def _combine_cols(n: int, hc: int, L: int) -> int | None:
     """Columns per combine CTA: the [n, Hc, cols] fp32 partials fit in 128 KiB of SMEM and cols is a
     multiple of the MMA accumulator tile's width; None if no kernel configuration applies."""
-    if hc not in (16, 32, 64) or n > HP:
+    if hc not in (16, 32, 64) or n > HP or (n * hc * 4) % 128:   # m/l copies: 128-byte multiples
         return None
     step = (4 // (hc // 16)) * 8
-    for cols in (64, 32, 16, 8):
+    for cols in (8, 16, 32, 64):           # narrowest first: more CTAs share the partials' bytes
         if cols % step == 0 and L % cols == 0 and n * hc * cols * 4 <= 128 * 1024:
             return cols
     return None

@@ -1,6 +1,13 @@
-"""Exact top-k of the indexer scores on the device: radix select + compaction.
+"""Exact top-k of the indexer scores on the device.
 
-`topk(scores, k)` returns the k cache rows with the largest scores per token, as (indices [T, k]
+Status (measured on the H200, bench/RESULTS.md): the radix selects below are exact but, built from
+XLA ops (23-30 small kernels: scatter histograms with atomic contention, scans), they are slower
+than XLA's own `lax.top_k` (a CUB radix sort: 33 µs at 4K scores, 45 µs at 128K), so
+`method="xla"` is the default. Neither meets the issue's target; a one-launch Mosaic top-k needs
+per-thread code (SMEM histograms, compaction) that Pallas Mosaic-GPU's array model does not
+express and its interpreter cannot run.
+
+`topk_radix(scores, k)` returns the k cache rows with the largest scores per token, as (indices [T, k]
 int32 in increasing position order, their scores [T, k] fp32). Ties are broken toward the lower
 position, the rule of `jtilert.layers.topk_positions` (`lax.top_k` is stable), so the selected SET
 equals the reference's on any input, -inf entries included: with fewer than k finite scores the
@@ -125,9 +132,9 @@ def topk_lex(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     return compact(mask, k, scores.astype(F32))
 
 
-def topk(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """Exact top-k per row of scores [T, N]: (positions [T, k'] int32 ascending, scores [T, k'])
-    with k' = min(k, N); ties toward the lower position."""
+def topk_radix(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """Exact top-k per row of scores [T, N] by radix select: (positions [T, k'] int32 ascending,
+    scores [T, k']) with k' = min(k, N); ties toward the lower position."""
     T, N = scores.shape
     k = min(k, N)
     keys = sortable_key(scores)
@@ -135,26 +142,43 @@ def topk(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     return compact(select_mask(keys, theta, need), k, scores.astype(F32))
 
 
-def topk_positions(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+METHODS = ("xla", "radix", "radix-lex")
+
+
+def topk(scores: jax.Array, k: int, method: str = "xla") -> tuple[jax.Array, jax.Array]:
+    """Exact top-k per row: (indices [T, k'], scores [T, k']), k' = min(k, N), ties toward the lower
+    position. "xla" is `lax.top_k` (XLA's CUB radix sort; the fastest measured on the H200, see
+    bench/RESULTS.md), "radix" / "radix-lex" the radix selects above (position order)."""
+    if method == "xla":
+        vals, idx = jax.lax.top_k(scores.astype(F32), min(k, scores.shape[-1]))
+        return idx.astype(I32), vals
+    if method == "radix":
+        return topk_radix(scores, k)
+    if method == "radix-lex":
+        return topk_lex(scores, k)
+    raise ValueError(f"unknown top-k method {method!r}; expected one of {METHODS}")
+
+
+def topk_positions(scores: jax.Array, k: int, method: str = "xla") -> tuple[jax.Array, jax.Array]:
     """Drop-in for `jtilert.layers.topk_positions`: (indices [T, k'], valid [T, k']) — the same set
-    of rows as the reference (in position order rather than score order)."""
-    idx, vals = topk(scores, k)
+    of rows as the reference."""
+    idx, vals = topk(scores, k, method)
     return idx, vals > -jnp.inf
 
 
-def merge_topk(indices: jax.Array, values: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+def merge_topk(indices: jax.Array, values: jax.Array, k: int, method: str = "xla") -> tuple[jax.Array, jax.Array]:
     """Merge candidate lists [T, C] (global positions, their scores; e.g. every GPU's local top-k of
     its own range, concatenated) into the global top-k with ties toward the lower position."""
     order = jnp.argsort(indices, axis=-1, stable=True)   # position order makes ties go low
     idx = jnp.take_along_axis(indices, order, -1)
     val = jnp.take_along_axis(values, order, -1)
-    sel, v = topk(val, k)
+    sel, v = topk(val, k, method)
     return jnp.take_along_axis(idx, sel, -1), v
 
 
 if __name__ == "__main__":
     from jtilert.layers import topk_positions as reference
     s = jax.random.normal(jax.random.key(0), (1, 131072))
-    idx, valid = jax.jit(topk_positions, static_argnums=1)(s, 2048)
+    idx, valid = jax.jit(topk_positions, static_argnums=(1, 2))(s, 2048, "radix")
     ridx, _ = reference(s, 2048)
     print("same set:", bool(np.array_equal(np.sort(np.asarray(idx)), np.sort(np.asarray(ridx)))))
