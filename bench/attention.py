@@ -102,7 +102,7 @@ def bench_context(ctx, cfg, bw, key):
     ref_scores = jax.jit(layers.indexer_scores)
     s_ref, t_ref, n_ref = measure(ref_scores, q8, w, k8, ks, pos)
     variants = {"default": ix.IndexerConfig(),
-                "2x ctas": ix.IndexerConfig(num_ctas=2 * ix.NUM_SMS),
+                "1 CTA/SM": ix.IndexerConfig(num_ctas=ix.NUM_SMS),
                 "bs256": ix.IndexerConfig(block_s=256, stages=3),
                 "stages2": ix.IndexerConfig(stages=2)}
     best = None

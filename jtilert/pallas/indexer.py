@@ -9,7 +9,8 @@ fp32 scale per row, or the compute dtype with no scale).
 How it works. At long context the indexer is a stream over the key cache (128 B + 4 B per row in
 fp8), so the kernel is built like a GEMV weight stream with the key rows on wgmma's M side:
 
-* grid = `num_ctas` CTAs; the range is cut into blocks of `block_s` (128) rows, CTA c takes blocks
+* grid = `num_ctas` CTAs (two per SM: 1.28× the byte floor at 128K, 1.54× with one per SM); the
+  range is cut into blocks of `block_s` (128) rows, CTA c takes blocks
   c, c + num_ctas, ... (strided, so any causal limit spreads evenly over the SMs);
 * only blocks that hold a position ≤ max(positions) are read: a TMA pipeline `stages` deep brings
   the key block [block_s, D] and its scales into SMEM; blocks past the limit are just filled
@@ -45,7 +46,7 @@ MAX_TOKENS = 4      # decode, MTP verify; longer chunks (prefill) use the refere
 class IndexerConfig:
     block_s: int = 128          # cache rows per block (wgmma M; multiple of 128)
     stages: int = 4             # TMA pipeline depth
-    num_ctas: int = NUM_SMS     # CTAs (blocks are dealt to them round-robin)
+    num_ctas: int = 2 * NUM_SMS  # CTAs, two per SM (blocks are dealt to them round-robin)
 
     def __post_init__(self):
         if self.block_s % 128:
