@@ -33,6 +33,11 @@ A row index < 0 (the top-k kernel's "no position") or valid=False masks the row;
 load cache row 0 so nothing NaN-prone enters the tensor cores. A token with no valid row gets zeros
 (the reference gives NaN there; it never happens in the model: a token always sees itself).
 
+Status (H200, bench/RESULTS.md): 11.9 µs for 2048 rows × 16 heads (gather kernel 8.5 µs + combine
+kernel 3.3 µs) against 14.4 µs for the XLA reference and a 0.56 µs byte floor: correct, but far from
+the issue's 2× floor + 3 µs. Issuing the row copies from four warpgroups instead of one saved only
+0.6 µs, so the time sits in the serial chain after the gather; not yet placed stage by stage.
+
 Shapes: L a multiple of 64, R a multiple of 64 (smaller R is zero-padded by the wrapper), H ≤ 64 or a multiple of 64; any K (padded
 to `block_k` with masked rows); any T.
 """
