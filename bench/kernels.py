@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jtilert import layers
-from jtilert.quant import quantize_weight, dequantize
+from jtilert.quant import dequantize, quantize_weight
 
 F32, BF16, FP8 = jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn
 OUT = os.environ.get("OUT", "out")
@@ -55,10 +55,10 @@ def cupti_kernels(f, *args, iterations=5):
     return timings
 
 
-def time_op(op, make_args, nbytes, copies=None, iterations=5):
+def time_op(op, make_args, nbytes, copies=None, iterations=4):
     """Median device µs of one op call. `make_args(i)` builds the i-th independent argument set
     (different weight copies) so consecutive calls stream from HBM, not L2."""
-    copies = copies or max(2, min(16, -(-3 * L2_BYTES // max(nbytes, 1))))
+    copies = copies or max(2, min(12, -(-3 * L2_BYTES // max(nbytes, 1))))
     argsets = [make_args(i) for i in range(copies)]
 
     @jax.jit
@@ -70,15 +70,20 @@ def time_op(op, make_args, nbytes, copies=None, iterations=5):
     totals = [sum(t for _, t in it) * 1e3 / copies for it in per_iter]
     names = sorted({n for n, _ in per_iter[0]})
     kernels_per_call = len(per_iter[0]) / copies
+    per_kernel = {}
+    for n, ms in per_iter[len(per_iter) // 2]:
+        per_kernel[n[:40]] = per_kernel.get(n[:40], 0.0) + ms * 1e3 / copies
+    per_kernel = {n: round(v, 2) for n, v in per_kernel.items()}
     # Wall clock for the same jit (includes launch gaps / host dispatch, amortised over `copies`).
     walls = []
-    for _ in range(5):
+    for _ in range(2):
         t0 = time.perf_counter()
         jax.block_until_ready(many(argsets))
         walls.append((time.perf_counter() - t0) * 1e6 / copies)
     del argsets
     return dict(us=statistics.median(totals), wall_us=statistics.median(walls),
-                kernels_per_call=kernels_per_call, kernel_names=names)
+                kernels_per_call=kernels_per_call, kernel_names=names, per_kernel=per_kernel,
+                l2_resident_risk=copies * nbytes < 2 * L2_BYTES)
 
 
 def copy_bandwidth():
@@ -162,7 +167,6 @@ GEMV_SHAPES = [
     Shape("o (+residual)", 7168, 2048, kind="residual"),
     Shape("dense gate/up (swiglu)", 2304, 7168, kind="swiglu"),
     Shape("dense down (+residual)", 7168, 2304, kind="residual"),
-    Shape("router logits (bf16)", 256, 7168, fmt="bf16"),
 ]
 
 
@@ -211,54 +215,206 @@ def args_bytes(args):
 def run_gemv(copy_tbs, sweep, quick):
     from jtilert.pallas import gemv
     key = jax.random.key(1)
-    # correctness: several token counts, each config family
     for sh in GEMV_SHAPES:
-        for t in (1, 2, 4) if not quick else (1,):
+        make = lambda i, sh=sh: gemv_args(sh, jax.random.fold_in(key, 100 + i))
+        nbytes = args_bytes(make(0))
+        # correctness at the real shape (T=1 and T=2), then timing
+        for t in (1,) if quick else (1, 2):
             args = gemv_args(sh, jax.random.fold_in(key, t), t)
             kfn, xfn = gemv_fns(sh)
             _XLA_CHOICE["f"] = xla_linear_ref
             try:
-                got = jax.jit(kfn)(*args)
-                check(f"gemv {sh.name} T={t}", got, xfn(*args), 2e-2 if sh.kind == "norm" else 1e-2)
+                check(f"gemv {sh.name} T={t}", jax.jit(kfn)(*args), xfn(*args), 2e-2)
             except Exception as e:  # noqa: BLE001
                 RESULTS["errors"].append(f"gemv {sh.name}: {e!r}")
                 log(f"ERROR gemv {sh.name} T={t}: {traceback.format_exc()}")
-    # timing
-    for sh in GEMV_SHAPES:
-        make = lambda i, sh=sh: gemv_args(sh, jax.random.fold_in(key, 100 + i))
-        nbytes = args_bytes(make(0))
-        best = None
         configs = [None]
         if sweep:
-            p = 2 if sh.kind == "swiglu" else 1
-            auto = gemv.GemvConfig(engine="fma").resolved(sh.n, sh.k, 1, p, 1 if sh.fmt == "fp8" else 2, 132)
-            configs = [gemv.GemvConfig(engine="fma"), gemv.GemvConfig(engine="wgmma")]
-            for sk in sorted({max(1, auto.split_k // 2), auto.split_k * 2}):
-                configs.append(gemv.GemvConfig(engine="fma", split_k=sk))
+            # Next experiments (see bench/RESULTS.md): deeper TMA pipelines (bytes in flight per SM),
+            # fewer/more split-K CTAs, and the CUDA-core engine.
+            configs += [gemv.GemvConfig(stages=8), gemv.GemvConfig(stages=8, block_k=128),
+                        gemv.GemvConfig(split_k=1, stages=8), gemv.GemvConfig(engine="fma")]
+        best = None
         for cfg in configs:
             kfn, _ = gemv_fns(sh, cfg)
             try:
                 r = time_op(kfn, make, nbytes)
             except Exception as e:  # noqa: BLE001
-                log(f"  skip {sh.name} {cfg}: {str(e).splitlines()[0][:160]}")
+                log(f"  skip {sh.name} {cfg}: {str(e).splitlines()[0][:200]}")
                 continue
             RESULTS["sweep"].append(dict(op=sh.name, config=str(cfg), **r))
-            log(f"  {sh.name} {cfg}: {r['us']:.2f} us ({r['kernels_per_call']:.0f} kernels) wall {r['wall_us']:.1f}")
+            log(f"  {sh.name} {cfg or 'auto'}: {r['us']:.2f} us ({r['kernels_per_call']:.0f} kernels) {r['per_kernel']}")
             if best is None or r["us"] < best[1]["us"]:
-                best = (cfg, r)
-        xla_best = None
-        for xname, xf in XLA_LINEAR.items():
-            _XLA_CHOICE["f"] = xf
-            _, xfn = gemv_fns(sh)
-            try:
-                r = time_op(xfn, make, nbytes)
-            except Exception as e:  # noqa: BLE001
-                log(f"  xla {xname} failed: {e!r}")
-                continue
-            log(f"  {sh.name} XLA[{xname}]: {r['us']:.2f} us ({r['kernels_per_call']:.0f} kernels)")
-            if xla_best is None or r["us"] < xla_best[1]["us"]:
-                xla_best = (xname, r)
+                best = (cfg or "auto", r)
+        xla_best = time_xla(sh.name, [(n, lambda *a, f=f, sh=sh: gemv_fns_xla(sh, f)(*a)) for n, f in XLA_LINEAR.items()],
+                            make, nbytes)
         add_row(sh.name, nbytes, best, xla_best, copy_tbs)
+        dump_json()
+
+
+def gemv_fns_xla(sh, f):
+    _XLA_CHOICE["f"] = f
+    return gemv_fns(sh)[1]
+
+
+def time_xla(name, fns, make, nbytes):
+    best = None
+    for xname, fn in fns:
+        try:
+            r = time_op(fn, make, nbytes)
+        except Exception as e:  # noqa: BLE001
+            log(f"  xla {xname} failed: {str(e).splitlines()[0][:200]}")
+            continue
+        log(f"  {name} XLA[{xname}]: {r['us']:.2f} us ({r['kernels_per_call']:.0f} kernels)")
+        if best is None or r["us"] < best[1]["us"]:
+            best = (xname, r)
+    return best
+
+
+# ---- MoE section --------------------------------------------------------------------------------
+
+def moe_args(key, t=1, e=256, width=256, hidden=7168, k=8):
+    ks = jax.random.split(key, 8)
+    x = jax.random.normal(ks[0], (t, hidden), F32).astype(BF16)
+    ids = jnp.stack([jax.random.permutation(jax.random.fold_in(ks[1], i), e)[:k] for i in range(t)]).astype(jnp.int32)
+    w = jax.random.uniform(ks[2], (t, k), minval=0.1, maxval=1.0)
+    g, gs = rand_weight(ks[3], (e, width, hidden), "fp8")
+    u, us = rand_weight(ks[4], (e, width, hidden), "fp8")
+    d, ds = rand_weight(ks[5], (e, hidden, width), "fp8")
+    return x, w, ids, g, gs, u, us, d, ds
+
+
+def run_moe(copy_tbs, sweep, quick):
+    from jtilert.pallas import moe
+    from jtilert.config import DSV32_TP8_SHARD as cfg
+    key = jax.random.key(7)
+    # Expert weight sets are big (256 experts × 3 × 1.8 MB = 1.4 GB): build 2 and vary the ids.
+    base = moe_args(key)
+    for t in (1,) if quick else (1, 2):
+        a = moe_args(jax.random.fold_in(key, t), t=t)
+        x, w, ids = a[:3]
+        try:
+            check(f"moe experts T={t}", jax.jit(moe.moe_experts)(*a), layers.moe_experts(*a), 2e-2)
+            h = jax.jit(moe.expert_gate_up)(x, ids, *a[3:7])
+            dense_h = jax.nn.silu(jnp.einsum("th,tkih->tki", x.astype(F32), dequantize(a[3][ids], a[4][ids], F32)))
+            dense_h = (dense_h * jnp.einsum("th,tkih->tki", x.astype(F32), dequantize(a[5][ids], a[6][ids], F32)))
+            check(f"moe gate/up T={t}", h, dense_h.reshape(h.shape).astype(BF16), 2e-2)
+        except Exception as e:  # noqa: BLE001
+            RESULTS["errors"].append(f"moe: {e!r}")
+            log(f"ERROR moe T={t}: {traceback.format_exc()}")
+    g, gs, u, us, d, ds = base[3:]
+
+    n_e, width, hidden = g.shape
+
+    def make(i):
+        kk = jax.random.fold_in(key, 500 + i)
+        x = jax.random.normal(kk, (1, hidden), F32).astype(BF16)
+        ids = jax.random.permutation(kk, n_e)[:8].astype(jnp.int32)[None]   # distinct experts per call
+        w = jax.random.uniform(kk, (1, 8), minval=0.1, maxval=1.0)
+        h = jax.random.normal(kk, (8, width), F32).astype(BF16)
+        return x, w, ids, h
+
+    gu_bytes = 8 * 2 * (g[0].size + gs[0].size * 4) + hidden * 2
+    dn_bytes = 8 * (d[0].size + ds[0].size * 4) + 8 * width * 2
+    rows = [
+        ("experts gate/up (8, swiglu)", gu_bytes,
+         lambda x, w, ids, h: moe.expert_gate_up(x, ids, g, gs, u, us),
+         [("gather+dot", lambda x, w, ids, h: xla_moe_gate_up(x, ids, g, gs, u, us))]),
+        ("experts down (8, weighted)", dn_bytes,
+         lambda x, w, ids, h: moe.expert_down(h, w, ids, d, ds),
+         [("gather+dot", lambda x, w, ids, h: xla_moe_down(h, w, ids, d, ds))]),
+        ("moe experts (both kernels)", gu_bytes + dn_bytes,
+         lambda x, w, ids, h: moe.moe_experts(x, w, ids, g, gs, u, us, d, ds),
+         [("reference", lambda x, w, ids, h: layers.moe_experts(x, w, ids, g, gs, u, us, d, ds))]),
+    ]
+    for name, nbytes, kfn, xfns in rows:
+        try:
+            r = time_op(kfn, make, nbytes, copies=12)
+            log(f"  {name}: {r['us']:.2f} us ({r['kernels_per_call']:.0f} kernels) {r['per_kernel']}")
+            xb = time_xla(name, xfns, make, nbytes)
+            add_row(name, nbytes, ("auto", r), xb, copy_tbs)
+        except Exception as e:  # noqa: BLE001
+            RESULTS["errors"].append(f"moe timing {name}: {e!r}")
+            log(f"ERROR moe timing {name}: {traceback.format_exc()}")
+        dump_json()
+    # router: fp32 logits (7.3 MB) + selection
+    gate = jax.random.normal(key, (256, 7168), F32) * 7168 ** -0.5
+    bias = 0.1 * jax.random.normal(key, (256,), F32)
+    try:
+        xr = jax.random.normal(key, (1, 7168), F32).astype(BF16)
+        wk, ik = jax.jit(lambda x: moe.route(cfg, x, gate, bias))(xr)
+        wr, ir = layers.route(cfg, xr, gate, bias)
+        ok = bool((ik == ir).all())
+        RESULTS["checks"].append(dict(name="router ids", ok=ok, rel_err=0.0, nans=0))
+        log(f"check router ids equal: {ok}")
+        gates = [jax.random.normal(jax.random.fold_in(key, i), (256, 7168), F32) for i in range(8)]
+        mk = lambda i: (jax.random.normal(jax.random.fold_in(key, 900 + i), (1, 7168), F32).astype(BF16), gates[i % 8])
+        nbytes = 256 * 7168 * 4
+        r = time_op(lambda x, g_: moe.router_logits(x, g_), mk, nbytes, copies=8)
+        log(f"  router logits fp32: {r['us']:.2f} us {r['per_kernel']}")
+        xb = time_xla("router logits", [("f32 dot", lambda x, g_: jnp.einsum("th,eh->te", x.astype(F32), g_))], mk, nbytes)
+        add_row("router logits (fp32 W)", nbytes, ("fma", r), xb, copy_tbs)
+    except Exception as e:  # noqa: BLE001
+        RESULTS["errors"].append(f"router: {e!r}")
+        log(f"ERROR router: {traceback.format_exc()}")
+    dump_json()
+
+
+def xla_moe_gate_up(x, ids, g, gs, u, us):
+    sel = ids.reshape(-1)
+    gd = dequantize(g[sel], gs[sel], BF16)
+    ud = dequantize(u[sel], us[sel], BF16)
+    a = jnp.einsum("h,nih->ni", x[0], gd, preferred_element_type=F32)
+    b = jnp.einsum("h,nih->ni", x[0], ud, preferred_element_type=F32)
+    return (jax.nn.silu(a) * b).astype(BF16)
+
+
+def xla_moe_down(h, w, ids, d, ds):
+    sel = ids.reshape(-1)
+    dd = dequantize(d[sel], ds[sel], BF16)
+    y = jnp.einsum("ni,nhi->nh", h, dd, preferred_element_type=F32)
+    return jnp.einsum("n,nh->h", w[0], y).astype(BF16)[None]
+
+
+# ---- lm head section ----------------------------------------------------------------------------
+
+def run_lmhead(copy_tbs, sweep, quick):
+    from jtilert.pallas import lm_head
+    key = jax.random.key(11)
+    v, hdim = 129280 // 8, 7168
+    ws = [(jax.random.normal(jax.random.fold_in(key, i), (v, hdim), F32) * hdim ** -0.5).astype(BF16) for i in range(2)]
+    x = jax.random.normal(key, (1, hdim), F32).astype(BF16)
+    try:
+        vals, ids = jax.jit(lambda x, w: lm_head.lm_head_topk(x, w, k=8))(x, ws[0])
+        rv, ri = lm_head.reference_topk(x, ws[0], k=8)
+        ok = bool((ids == ri).all())
+        check("lm head top-8 values", vals, rv, 1e-3)
+        RESULTS["checks"].append(dict(name="lm head top-8 ids", ok=ok, rel_err=0.0, nans=0))
+        log(f"check lm head ids equal: {ok}")
+    except Exception as e:  # noqa: BLE001
+        RESULTS["errors"].append(f"lm head: {e!r}")
+        log(f"ERROR lm head: {traceback.format_exc()}")
+    mk = lambda i: (jax.random.normal(jax.random.fold_in(key, 50 + i), (1, hdim), F32).astype(BF16), ws[i % 2])
+    nbytes = v * hdim * 2
+    try:
+        r = time_op(lambda x, w: lm_head.lm_head_topk(x, w, k=8), mk, nbytes, copies=2)
+        log(f"  lm head top-8: {r['us']:.2f} us {r['per_kernel']}")
+        xb = time_xla("lm head", [("dot+top_k", lambda x, w: lax_topk(x, w))], mk, nbytes)
+        add_row("lm head 7168->16160 +top8", nbytes, ("auto", r), xb, copy_tbs)
+    except Exception as e:  # noqa: BLE001
+        RESULTS["errors"].append(f"lm head timing: {e!r}")
+        log(f"ERROR lm head timing: {traceback.format_exc()}")
+    dump_json()
+
+
+def lax_topk(x, w):
+    logits = jnp.einsum("th,vh->tv", x, w, preferred_element_type=F32)
+    return jax.lax.top_k(logits, 8)
+
+
+def dump_json():
+    with open(os.path.join(OUT, "kernels.json"), "w") as f:
+        json.dump(RESULTS, f, indent=1, default=str)
 
 
 def add_row(name, nbytes, best, xla_best, copy_tbs):
@@ -268,19 +424,24 @@ def add_row(name, nbytes, best, xla_best, copy_tbs):
     cfg, r = best
     tbs = nbytes / (r["us"] * 1e-6) / 1e12
     row = dict(op=name, mbytes=nbytes / 1e6, us=r["us"], tbs=tbs, frac_copy=tbs / copy_tbs,
-               kernels=r["kernels_per_call"], config=str(cfg), wall_us=r["wall_us"])
+               kernels=r["kernels_per_call"], config=str(cfg), wall_us=r["wall_us"],
+               l2_risk=r.get("l2_resident_risk", False), per_kernel=r.get("per_kernel"))
     if xla_best is not None:
         row.update(xla=xla_best[0], xla_us=xla_best[1]["us"], speedup=xla_best[1]["us"] / r["us"])
     RESULTS["rows"].append(row)
+    log(f"ROW {name}: {nbytes / 1e6:.2f} MB {r['us']:.2f} us {tbs:.2f} TB/s = {100 * tbs / copy_tbs:.1f}% of copy; "
+        f"XLA {row.get('xla_us', float('nan')):.2f} us ({row.get('xla')}) -> x{row.get('speedup', float('nan')):.2f}")
 
 
 def print_table(copy_tbs):
     log("")
     log(f"copy bandwidth (XLA elementwise, 2 GiB read+write): {copy_tbs:.2f} TB/s")
-    log(f"{'op':28s} {'MB':>7s} {'us':>7s} {'TB/s':>6s} {'%copy':>6s} {'XLA us':>7s} {'xXLA':>5s} {'k':>3s}  config")
+    log(f"{'op':30s} {'MB':>7s} {'us':>7s} {'TB/s':>6s} {'%copy':>6s} {'XLA us':>7s} {'xXLA':>5s} {'k':>3s}  config")
     for r in RESULTS["rows"]:
-        log(f"{r['op'][:28]:28s} {r['mbytes']:7.2f} {r['us']:7.2f} {r['tbs']:6.2f} {100 * r['frac_copy']:5.1f}% "
-            f"{r.get('xla_us', float('nan')):7.2f} {r.get('speedup', float('nan')):5.2f} {r['kernels']:3.0f}  {r['config']}")
+        cfg = r["config"] if len(r["config"]) < 20 else "cfg"
+        log(f"{r['op'][:30]:30s} {r['mbytes']:7.2f} {r['us']:7.2f} {r['tbs']:6.2f} {100 * r['frac_copy']:5.1f}% "
+            f"{r.get('xla_us', float('nan')):7.2f} {r.get('speedup', float('nan')):5.2f} {r['kernels']:3.0f}  "
+            f"{cfg}{' L2?' if r.get('l2_risk') else ''}")
     bad = [c for c in RESULTS["checks"] if not c["ok"]]
     log(f"checks: {len(RESULTS['checks']) - len(bad)}/{len(RESULTS['checks'])} OK"
         + ("" if not bad else "; FAILED: " + ", ".join(c["name"] for c in bad)))
@@ -297,9 +458,8 @@ def dump_kernels():
     os.makedirs(d, exist_ok=True)
     os.environ.update(MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_SASS="1", MOSAIC_GPU_DUMP_PTX="1",
                       MOSAIC_GPU_DUMP_TO=d)
-    sh = GEMV_SHAPES[0]
     args = gemv_args(Shape("dump", 2112, 7168), jax.random.key(0))
-    for eng in ("fma", "wgmma"):
+    for eng in ("wgmma",):
         cfg = gemv.GemvConfig(engine=eng)
         try:
             jax.block_until_ready(jax.jit(lambda x, w, s: gemv.linear(x, w, s, config=cfg))(*args))
@@ -336,11 +496,10 @@ def main():
                 RESULTS["errors"].append(f"{name}: {e!r}")
                 log(f"ERROR section {name}: {traceback.format_exc()}")
     print_table(copy_tbs)
-    with open(os.path.join(OUT, "kernels.json"), "w") as f:
-        json.dump(RESULTS, f, indent=1, default=str)
+    dump_json()
 
 
-SECTIONS = [("gemv", run_gemv)]
+SECTIONS = [("gemv", run_gemv), ("moe", run_moe), ("lmhead", run_lmhead)]
 
 if __name__ == "__main__":
     main()

@@ -12,23 +12,38 @@ Fused variants:
 
 How it works. At batch 1 the time is the weight bytes, so the kernel is a weight stream: each CTA
 owns `block_n` (64) output rows and a 1/`split_k` share of K. The weights go through a multi-stage
-TMA pipeline (`plgpu.emit_pipeline`) in their checkpoint layout ([N, K], rows of K); fp8 tiles are
-dequantised in registers (e4m3 → f32 · block scale → bf16) and fed to `wgmma` as the A operand,
-the output rows on wgmma's M side. The tokens are the N side (wgmma's minimum N is 8, so up to 8
-tokens cost the same as one): the CTA's slice of x sits in SMEM for the whole kernel, loaded once
-by TMA (rows past T are TMA's out-of-bounds zeros) and, for the RMSNorm variant, multiplied by the
-norm weight in place. The per-token RMS factor rsqrt(mean(x²) + eps) is a scalar per token that
-commutes with the projection, so it is applied to the accumulator in the epilogue (the reference
-rounds x·r to bf16 before the weight multiply; this kernel rounds x·w_norm instead: both are
-bf16-rounding-level differences).
+TMA pipeline (`plgpu.emit_pipeline`) in their checkpoint layout ([N, K], rows of K; no repacking,
+the HF scale tensor is read as is). Two engines:
+
+* "wgmma" (default): the output rows are wgmma's M side, the tokens its N side (wgmma's minimum N
+  is 8, so up to 8 tokens cost the same as one). The B operand is the CTA's K slice of the tokens
+  [8, kc] in SMEM (rows ≥ T are TMA's out-of-bounds zeros), built once at pipeline step 0 while
+  the first weight tiles are in flight. For fp8 weights the CTA's 128×128 block scales and the
+  RMSNorm weight are folded into B, which is stored in f16 after a power-of-two rescale (max|B|
+  in 2^13..2^15): B = f16(x·w_norm·s[row block, k block]·2^e). The fp8 tile is then only
+  converted e4m3 → f16 in registers (one cvt per pair) and fed to wgmma as A; the epilogue
+  multiplies by 2^-e. With the checkpoint's power-of-two scales every product is exact, as in
+  the reference's bf16 dequantisation. bf16 weights feed wgmma straight from SMEM.
+* "fma": CUDA-core FMAs in fp32 on a [64, 128] register tile (fp8 → f16 → f32 conversions), the
+  x slice in SMEM as fp32; used for fp32 weights (the router, at the reference's precision).
+
+The per-token RMS factor rsqrt(mean(x²) + eps) commutes with the projection and is applied to the
+accumulator in the epilogue (the reference rounds x·r to bf16 before the weight multiply; here
+x·w_norm is rounded instead: both are bf16-rounding-level differences).
 
 With split_k > 1 each CTA writes fp32 partial sums [split_k, P, T, N] and the epilogue (sum,
 norm factor, residual, SiLU) runs as one XLA fusion after the kernel. With split_k = 1 the whole
 epilogue runs in the kernel and only the bf16 result is written.
 
-Shapes: K must be a multiple of 64 (TMA/swizzle granularity); any N (the last row block reads
-TMA's zero fill and its stores are clipped); T ≤ 8 per kernel call (larger T is chunked).
-No weight repacking is needed: the kernel reads the HF [out, in] layout and the HF scale tensor.
+Shapes: K must be a multiple of 64 (TMA/swizzle granularity; fp8 K slices whole 128-wide scale
+blocks); any N (the last row block reads TMA's zero fill and its stores are clipped); T ≤ 8 per
+kernel call (larger T is chunked).
+
+Measured (H200, 2026-11-30, bench/RESULTS.md): correct at every dsv32-tp8-shard shape on the GPU,
+but streaming at 38–54 % of the copy bandwidth for the ≥ 4 MB projections: every CTA streams at
+about 20 GB/s whichever engine runs (three instruction mixes gave the same rate), which points at
+the bytes in flight per SM (4 stages × 16 KB) and the per-kernel fixed latency rather than at
+the dequantisation; see RESULTS.md for the numbers and the experiments that come next.
 """
 
 from __future__ import annotations
