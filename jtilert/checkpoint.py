@@ -280,7 +280,7 @@ def _load_sharded(path: Path, meta: dict, mesh: Mesh | None, dtype, reshard: boo
                          f"(or convert it again with --tp {have})")
     tensors = {name: StoredTensor(path, name, meta) for name in expected}
     if have != tp:
-        for name, t in tensors.items():
+        for name, t in sorted(tensors.items(), key=lambda kv: kv[0].endswith(".scale")):  # weights first
             ax = t.split
             if ax is None:
                 continue

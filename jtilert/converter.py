@@ -35,10 +35,13 @@ import contextlib
 import dataclasses
 import fcntl
 import json
+import mmap
 import os
+import queue
 import re
 import shutil
 import sys
+import threading
 import time
 import zlib
 from pathlib import Path
@@ -420,7 +423,7 @@ def plan(src: str | os.PathLike, tp: int = 1, dtype: str | None = None, layers=N
                                f"by tp={tp}")
         if to_fp8 and split is not None and tp > 1 and (shape[split] // tp) % BLOCK:
             raise ConvertError(f"parameter {name} of shape {shape}: fp8 block scales need each of the tp={tp} "
-                               f"slices of axis {split} ({shape[split]} / {tp}) to be a multiple of {BLOCK} rows")
+                               f"slices of axis {split} ({shape[split]} / {tp}) to be a multiple of {BLOCK}")
         items.append(Item(name, shape, dt, split, shards, mats, mode))
         if to_fp8:
             sshape, sdt = expected[sname]
@@ -503,37 +506,58 @@ def _quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q, scale
 
 
-def _pieces(item: Item, files: _Files, chunk_bytes: int):
-    """(shard, rows of that shard of one matrix) in each shard's C order."""
+def _chunks(item: Item, chunk_bytes: int):
+    """The reads of an item, in order: (mat, first row, end row, shard or None when the read spans shards)."""
     ms, n = item.msplit, item.shards
     blocks = item.mode in ("quant", "scale", "dequant")
     for m in item.mats:
-        scales = m.scale.read(files, 0, m.scale.rows) if item.mode == "dequant" else None
-
-        def transform(a, b):
-            x = m.read(files, a, b)
-            if item.mode == "cast":
-                return x if x.dtype == item.dtype else x.astype(item.dtype)
-            if item.mode == "dequant":
-                return _dequant(x, scales, a, item.dtype)
-            q, s = _quantize(x)
-            return q if item.mode == "quant" else s
-
         step = _row_step(m.cols, chunk_bytes, blocks)
         if ms == 0:  # rows split: each shard's rows are a contiguous run of the source
             per = m.rows // n
             for d in range(n):
                 for a in range(d * per, (d + 1) * per, step):
-                    yield d, transform(a, min(a + step, (d + 1) * per))
+                    yield m, a, min(a + step, (d + 1) * per), d
         else:
             for a in range(0, m.rows, step):
-                x = transform(a, min(a + step, m.rows))
-                if ms is None:
-                    yield 0, x
-                else:
-                    w = x.shape[1] // n
-                    for d in range(n):
-                        yield d, x[:, d * w:(d + 1) * w]
+                yield m, a, min(a + step, m.rows), None
+
+
+def _advise(files: _Files, m: Mat, a: int, b: int) -> None:
+    """Ask the kernel to start reading rows a:b of a source matrix (read-ahead across strided reads)."""
+    row = m.cols * m.dtype.itemsize
+    try:
+        os.posix_fadvise(files.get(m.file.path), m.file.data_offset(m.key) + (m.row0 + a) * row, (b - a) * row,
+                         os.POSIX_FADV_WILLNEED)
+    except (OSError, AttributeError):
+        pass
+
+
+def _pieces(item: Item, files: _Files, chunk_bytes: int):
+    """(shard, rows of that shard of one matrix) in each shard's C order."""
+    n = item.shards
+    chunks = list(_chunks(item, chunk_bytes))
+    scales, scales_of = None, None
+    for k, (m, a, b, d) in enumerate(chunks):
+        if k + 1 < len(chunks):
+            _advise(files, *chunks[k + 1][:3])
+        if item.mode == "dequant" and scales_of is not m:
+            scales, scales_of = m.scale.read(files, 0, m.scale.rows), m
+        x = m.read(files, a, b)
+        if item.mode == "cast":
+            x = x if x.dtype == item.dtype else x.astype(item.dtype)
+        elif item.mode == "dequant":
+            x = _dequant(x, scales, a, item.dtype)
+        else:
+            q, s = _quantize(x)
+            x = q if item.mode == "quant" else s
+        if d is not None:
+            yield d, x
+        elif item.msplit is None:
+            yield 0, x
+        else:
+            w = x.shape[1] // n
+            for j in range(n):
+                yield j, x[:, j * w:(j + 1) * w]
 
 
 def _write_all(fd: int, mv: memoryview, path: Path, name: str, tmp: Path) -> None:
@@ -551,28 +575,187 @@ def _disk_error(e: OSError, path: Path, name: str, tmp: Path) -> ConvertError:
                         f"(not a usable checkpoint): free space and rerun the same command to resume")
 
 
-def _write_item(root: Path, item: Item, files: _Files, chunk_bytes: int, advance) -> dict:
-    packer = PACKERS[item.kind]
+class _Prefetch:
+    """Reads, converts, packs and checksums the pieces of `items` in a background thread, up to `budget` bytes
+    ahead of the writer (pread, the numpy copies, crc32 and write all release the GIL, so reading and writing
+    overlap)."""
+    _END = object()
+
+    def __init__(self, items: list[Item], files: _Files, chunk_bytes: int, budget: int | None = None):
+        self.q: queue.SimpleQueue = queue.SimpleQueue()
+        self.cond = threading.Condition()
+        self.budget, self.inflight = budget or chunk_bytes, 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(items, files, chunk_bytes), daemon=True)
+
+    def _put(self, x, nbytes: int = 0) -> bool:
+        with self.cond:
+            while self.inflight and self.inflight + nbytes > self.budget and not self.stop.is_set():
+                self.cond.wait(0.1)
+            if self.stop.is_set():
+                return False
+            self.inflight += nbytes
+        self.q.put(x)
+        return True
+
+    def _run(self, items, files, chunk_bytes):
+        try:
+            for item in items:
+                packer = PACKERS[item.kind]
+                crc = [0] * item.shards
+                for d, piece in _pieces(item, files, chunk_bytes):
+                    out = np.ascontiguousarray(packer.pack(piece))
+                    if out.dtype != item.dtype:
+                        raise ConvertError(f"packer {packer.name!r} turned {item.name} from {item.dtype} "
+                                           f"into {out.dtype}")
+                    mv = memoryview(out.reshape(-1).view(np.uint8))
+                    crc[d] = zlib.crc32(mv, crc[d])
+                    if not self._put((d, mv), len(mv)):
+                        return
+                    del out, mv
+                if not self._put((self._END, crc)):
+                    return
+        except BaseException as e:  # handed to the writer
+            self._put(e)
+
+    def pieces(self, crc: list):
+        """The next item's pieces (shard, bytes); at the end `crc` holds the shards' CRC-32s."""
+        while True:
+            x = self.q.get()
+            if isinstance(x, BaseException):
+                raise x
+            if x[0] is self._END:
+                crc[:] = x[1]
+                return
+            with self.cond:
+                self.inflight -= len(x[1])
+                self.cond.notify()
+            yield x
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        with self.cond:
+            self.cond.notify_all()
+        self.thread.join()
+
+
+ALIGN = 4096  # O_DIRECT writes: offsets, lengths and buffers aligned to this
+_direct = {"ok": hasattr(os, "O_DIRECT") and os.environ.get("JTILERT_NO_DIRECT_IO") != "1"}
+
+
+class _Staging:
+    """Page-aligned buffers (anonymous maps), reused across tensors, that pieces are gathered in before
+    being written."""
+
+    def __init__(self, size: int):
+        self.size = -(-size // ALIGN) * ALIGN
+        self.free: list = []
+
+    def take(self):
+        return self.free.pop() if self.free else mmap.mmap(-1, self.size)
+
+    def give(self, buf) -> None:
+        self.free.append(buf)
+
+    def close(self) -> None:
+        for b in self.free:
+            b.close()
+        self.free.clear()
+
+
+class _Out:
+    """Appends to one shard file through a staging buffer: full buffers go out with O_DIRECT (large writes
+    that skip the page cache cost far less CPU than buffered ones), the unaligned tail with an ordinary
+    write. Where O_DIRECT is refused (tmpfs, some network filesystems) every write is an ordinary one."""
+
+    def __init__(self, path: Path, buf, name: str, tmp: Path):
+        self.path, self.buf, self.view, self.name, self.tmp = path, buf, memoryview(buf), name, tmp
+        self.fill = 0
+        self.direct = _direct["ok"]
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        self.fd = None
+        if self.direct:
+            try:
+                self.fd = os.open(path, flags | os.O_DIRECT, 0o644)
+            except OSError:
+                self.direct = False
+        if self.fd is None:
+            self.fd = os.open(path, flags, 0o644)
+
+    def add(self, mv: memoryview) -> None:
+        pos, size = 0, len(self.view)
+        while pos < len(mv):
+            n = min(size - self.fill, len(mv) - pos)
+            self.view[self.fill:self.fill + n] = mv[pos:pos + n]
+            self.fill += n
+            pos += n
+            if self.fill == size:
+                self._write(size)
+
+    def _buffered(self) -> None:
+        if self.direct:
+            fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            self.direct = False
+
+    def _write(self, n: int) -> None:
+        """Write the first n staged bytes (a multiple of ALIGN unless it is the file's tail)."""
+        done = 0
+        while done < n:
+            try:
+                done += os.write(self.fd, self.view[done:n])
+            except OSError as e:
+                if e.errno == 22 and self.direct:  # EINVAL: this filesystem wants other alignment
+                    _direct["ok"] = False
+                    self._buffered()
+                    continue
+                raise _disk_error(e, self.path, self.name, self.tmp) from None
+        self.view[:self.fill - n] = self.view[n:self.fill]
+        self.fill -= n
+
+    def close(self, ok: bool) -> None:
+        try:
+            if ok:
+                aligned = self.fill // ALIGN * ALIGN
+                if aligned:
+                    self._write(aligned)
+                if self.fill:
+                    self._buffered()
+                    self._write(self.fill)
+        finally:
+            os.close(self.fd)
+            self.view.release()
+
+
+def _write_item(root: Path, item: Item, pieces, advance, staging: _Staging) -> dict:
+    """Write an item's pieces to its shard files (each through a staging buffer)."""
     paths = [root / p for p in item.files]
-    crc, sizes, fds = [0] * item.shards, [0] * item.shards, []
+    n = item.shards
+    crc, sizes, outs, ok = [], [0] * n, [], False
     try:
         for p in paths:
             p.parent.mkdir(parents=True, exist_ok=True)
-            fds.append(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
-        for d, piece in _pieces(item, files, chunk_bytes):
-            out = np.ascontiguousarray(packer.pack(piece))
-            if out.dtype != item.dtype:
-                raise ConvertError(f"packer {packer.name!r} turned {item.name} from {item.dtype} into {out.dtype}")
-            mv = memoryview(out.reshape(-1).view(np.uint8))
-            crc[d] = zlib.crc32(mv, crc[d])
-            _write_all(fds[d], mv, paths[d], item.name, root)
+            outs.append(_Out(p, staging.take(), item.name, root))
+        for d, mv in pieces(crc):
+            outs[d].add(mv)
             sizes[d] += len(mv)
             advance(len(mv))
+            del mv
+        ok = True
     except OSError as e:
-        raise _disk_error(e, paths[0], item.name, root) from None
+        raise _disk_error(e, paths[len(outs) - 1 if outs else 0], item.name, root) from None
     finally:
-        for fd in fds:
-            os.close(fd)
+        for o in outs:
+            try:
+                o.close(ok)
+            except OSError as e:
+                if ok:
+                    raise _disk_error(e, o.path, item.name, root) from None
+            finally:
+                staging.give(o.buf)
     if any(s != item.shard_bytes for s in sizes):
         raise ConvertError(f"internal error: wrote {sizes} bytes for {item.name}, expected {item.shard_bytes} per shard")
     return {"name": item.name, "crc32": crc, "nbytes": sizes}
@@ -718,18 +901,19 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, tp: int = 1, dtype: 
                 for r in done.values():
                     log.write(json.dumps(r) + "\n")
             files = _Files()
+            staging = _Staging(max(16 * ALIGN, chunk_bytes // tp))  # tp buffers: about chunk_bytes in all
+            todo = [item for item in p.items if item.name not in done]
             try:
-                with open(tmp / DONE_LOG, "a") as log:
-                    for item in p.items:
-                        if item.name in done:
-                            continue
+                with open(tmp / DONE_LOG, "a") as log, _Prefetch(todo, files, chunk_bytes) as stream:
+                    for item in todo:
                         prog.tensor(item.name)
-                        rec = _write_item(tmp, item, files, chunk_bytes, prog.advance)
+                        rec = _write_item(tmp, item, stream.pieces, prog.advance, staging)
                         done[item.name] = rec
                         log.write(json.dumps(rec) + "\n")
                         log.flush()
             finally:
                 files.close()
+                staging.close()
             prog.tensor("syncing")
             _finish(p, tmp, dst, done, overwrite)
         finally:

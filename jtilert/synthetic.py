@@ -126,13 +126,15 @@ def _header(entries: list[tuple[str, tuple, str]]) -> bytes:
 
 def random_checkpoint(config: ModelConfig | str, path: str | os.PathLike, fmt: str = "fp8", seed: int = 0, *,
                       num_layers: int | None = None, max_file_bytes: int = 4 << 30, mtp_copies: bool = True,
-                      overwrite: bool = False, progress: bool = False, chunk_bytes: int = CHUNK_BYTES) -> Path:
+                      overwrite: bool = False, progress: bool = False, chunk_bytes: int = CHUNK_BYTES,
+                      sparse: bool = False) -> Path:
     """Write an HF-layout folder of `config` (a ModelConfig or preset name) with random weights.
 
     fmt: "fp8" (e4m3 linear weights + block scales, bf16 elsewhere), "bf16" or "fp32". num_layers keeps the
     width and uses that many decoder layers (first_k_dense_replace capped so at least one MoE layer remains).
-    Files hold at most `max_file_bytes` (one tensor may exceed it). Written to a temporary folder, renamed
-    into place when complete. Returns the folder."""
+    Files hold at most `max_file_bytes` (one tensor may exceed it). sparse=True writes only the headers and
+    leaves the data as holes (all zeros, no disk used): a full-size folder for checking conversion plans.
+    Written to a temporary folder, renamed into place when complete. Returns the folder."""
     if fmt not in ("fp8", "bf16", "fp32"):
         raise ValueError(f"fmt {fmt!r}: expected fp8, bf16 or fp32")
     cfg = _config(config, num_layers)
@@ -165,11 +167,16 @@ def random_checkpoint(config: ModelConfig | str, path: str | os.PathLike, fmt: s
                 f.write(_header(group))
                 for key, shape, dt in group:
                     weight_map[key] = name
+                    if sparse:
+                        continue
                     cols = shape[-1] if shape else 1
                     for piece in _fill(key, shape, dt, seed, max(1, chunk_bytes // (cols * 4))):
                         f.write(memoryview(np.ascontiguousarray(piece).reshape(-1).view(np.uint8)))
                         if bar is not None:
                             bar.update(piece.nbytes)
+                if sparse:
+                    f.truncate(len(_header(group)) + sum(
+                        int(np.prod(s)) * np.dtype(getattr(ml_dtypes, d, None) or d).itemsize for _, s, d in group))
         (tmp / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
         conf = cfg.to_hf()
