@@ -19,13 +19,21 @@ from pathlib import Path
 CHILD = """
 import json, resource, sys, time
 from jtilert import converter
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) / 1024
+
+base = status("VmRSS")
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # reset the peak RSS
 t = time.perf_counter()
 converter.convert(sys.argv[1], sys.argv[2], tp=int(sys.argv[3]), progress=True, chunk_bytes=int(sys.argv[4]))
 dt = time.perf_counter() - t
 ru = resource.getrusage(resource.RUSAGE_SELF)
-print(json.dumps({"seconds": dt, "rss_after_import_mb": base / 1024, "user_s": ru.ru_utime, "sys_s": ru.ru_stime,
-                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+print(json.dumps({"seconds": dt, "rss_after_import_mb": base, "user_s": ru.ru_utime, "sys_s": ru.ru_stime,
+                  "peak_rss_mb": status("VmHWM")}))
 """
 
 
@@ -44,7 +52,7 @@ def main():
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--mtp", action="store_true")
     ap.add_argument("--tp", type=int, default=8)
-    ap.add_argument("--chunk-mb", type=int, default=64)
+    ap.add_argument("--chunk-mb", type=int, default=32)
     ap.add_argument("--dir", default="/tmp/bench-convert")
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--cold", action="store_true", help="drop the page cache before converting (root)")

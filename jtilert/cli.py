@@ -89,7 +89,8 @@ def main(argv=None) -> int:
     c.add_argument("--layers", default=None, metavar="A:B", help="keep decoder layers A..B-1 only")
     c.add_argument("--no-mtp", action="store_true", help="leave out the MTP block")
     c.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
-    c.add_argument("--chunk-mb", type=int, default=64, help="piece size bounding host memory (MiB)")
+    c.add_argument("--chunk-mb", type=int, default=32,
+                   help="piece size C bounding host memory: peak RSS <= RSS after import + 5*C (MiB)")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.set_defaults(run=_convert)
 

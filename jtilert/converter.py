@@ -16,12 +16,13 @@ Layout (`layout_version` 2):
 Weights are rearranged once, here, by a per-kind `Packer` (the place for kernel-specific swizzles; identity
 today). The packers' names are recorded in the metadata and checked at load.
 
-Memory: the source is read with pread in pieces of whole rows (no memory map), converted and written piece by
-piece; stacked experts are streamed one expert at a time into their per-shard files. With `chunk_bytes` = C
-(64 MiB by default) a piece is at most C bytes as fp32, so the conversion holds at most about 4·C of tensor
-data at once (source piece, its fp32 form when dequantising or quantising, the output piece, a packed copy),
-on top of the interpreter and the (tiny) metadata: peak RSS ≤ RSS after import + 4·C + a few MB, whatever
-the size of the checkpoint. `tests/test_convert_memory.py` measures it.
+Memory: the source is read with pread in pieces of whole rows (no memory map), converted, checksummed and
+written piece by piece; stacked experts are streamed one expert at a time into their per-shard files. With
+`chunk_bytes` = C (32 MiB by default) a piece is at most C bytes as fp32, a background reader runs at most
+C bytes of pieces ahead of the writer, and the writer gathers each shard's bytes in staging buffers of C in
+all. Peak RSS ≤ RSS after import + 5·C + O(metadata) (a few MB, ~30 MB for the full 61-layer plan), whatever
+the size of the checkpoint: `tests/test_convert_memory.py` measures it (C = 4 MiB, +21 MB on a 480 MB
+checkpoint).
 
 Interruption: everything is written to the hidden sibling `.DST.partial/`, with a log of finished tensors
 (their files' sizes and CRC-32). Rerunning the same command verifies each logged tensor's files (size and
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import json
 import mmap
@@ -55,13 +57,15 @@ from jtilert.config import ModelConfig
 from jtilert.quant import BLOCK, FP8_MAX, scale_shape
 
 LAYOUT_VERSION = 2  # per-shard raw files (layout 1 is jtilert.save's orbax checkpoint)
-CHUNK_BYTES = 64 << 20
+CHUNK_BYTES = 32 << 20
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 F32 = np.dtype(np.float32)
 FLOATS = {np.dtype(np.float64), F32, np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), FP8}
 FORMATS = ("fp8", "bf16", "fp32")
 DONE_LOG = "done.jsonl"
 REQUEST = "request.json"
+ALIGN = 4096  # O_DIRECT: offsets, lengths and buffers aligned to this
+_direct = {"ok": hasattr(os, "O_DIRECT") and os.environ.get("JTILERT_NO_DIRECT_IO") != "1"}
 COPIED = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
 
 
@@ -134,6 +138,14 @@ class Mat:
     scale: "Mat | None" = None  # its fp8 block scales
 
     def read(self, fds: "_Files", a: int, b: int) -> np.ndarray:
+        row = self.cols * self.dtype.itemsize
+        if (b - a) * row >= DIRECT_READ_MIN:
+            fd = fds.direct(self.file.path)
+            if fd is not None:
+                x = _read_direct(fd, self.file.data_offset(self.key) + (self.row0 + a) * row, (b - a) * row)
+                if x is not None:
+                    return x.view(self.dtype).reshape(b - a, self.cols)
+                fds.no_direct(self.file.path)
         return self.file.read_rows(self.key, self.row0 + a, self.row0 + b, fds.get(self.file.path))
 
     @property
@@ -452,21 +464,65 @@ def _hf_key(name: str, a: int, n: int) -> str:
 
 # ---- streaming one parameter ------------------------------------------------------------------
 
+DIRECT_READ_MIN = 1 << 20  # reads at least this large bypass the page cache (O_DIRECT), where allowed
+
+
+def _read_direct(fd: int, pos: int, size: int) -> np.ndarray | None:
+    """size bytes at pos read with O_DIRECT (an aligned superset into an aligned buffer), or None if refused."""
+    start, end = pos // ALIGN * ALIGN, -(-(pos + size) // ALIGN) * ALIGN
+    raw = np.empty(end - start + ALIGN, np.uint8)
+    skip = -raw.ctypes.data % ALIGN
+    buf = raw[skip:skip + end - start]
+    done = 0
+    try:
+        while done < len(buf):
+            n = os.preadv(fd, [memoryview(buf[done:])], start + done)
+            if n <= 0:
+                break
+            done += n
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            return None
+        raise
+    if done < pos + size - start:
+        raise ConvertError(f"file ends at byte {start + done}, reading {size} bytes at {pos} (truncated while reading?)")
+    return buf[pos - start:pos - start + size]
+
+
 class _Files:
-    """Open read descriptors of the source files, reused across pieces."""
+    """Open read descriptors of the source files, reused across pieces (plain and O_DIRECT)."""
 
     def __init__(self):
         self.fds: dict[Path, int] = {}
+        self.direct_fds: dict[Path, int | None] = {}
 
     def get(self, path: Path) -> int:
         if path not in self.fds:
             self.fds[path] = os.open(path, os.O_RDONLY)
         return self.fds[path]
 
+    def direct(self, path: Path) -> int | None:
+        if path not in self.direct_fds:
+            fd = None
+            if _direct["ok"]:
+                try:
+                    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+                except OSError:
+                    pass
+            self.direct_fds[path] = fd
+        return self.direct_fds[path]
+
+    def no_direct(self, path: Path) -> None:
+        fd = self.direct_fds.get(path)
+        if fd is not None:
+            os.close(fd)
+        self.direct_fds[path] = None
+
     def close(self):
-        for fd in self.fds.values():
+        for fd in list(self.fds.values()) + [fd for fd in self.direct_fds.values() if fd is not None]:
             os.close(fd)
         self.fds.clear()
+        self.direct_fds.clear()
 
 
 def _row_step(cols: int, chunk_bytes: int, blocks: bool) -> int:
@@ -525,6 +581,8 @@ def _chunks(item: Item, chunk_bytes: int):
 def _advise(files: _Files, m: Mat, a: int, b: int) -> None:
     """Ask the kernel to start reading rows a:b of a source matrix (read-ahead across strided reads)."""
     row = m.cols * m.dtype.itemsize
+    if (b - a) * row >= DIRECT_READ_MIN and files.direct(m.file.path) is not None:
+        return  # read with O_DIRECT: the page cache is not involved
     try:
         os.posix_fadvise(files.get(m.file.path), m.file.data_offset(m.key) + (m.row0 + a) * row, (b - a) * row,
                          os.POSIX_FADV_WILLNEED)
@@ -602,30 +660,27 @@ class _Prefetch:
         try:
             for item in items:
                 packer = PACKERS[item.kind]
-                crc = [0] * item.shards
                 for d, piece in _pieces(item, files, chunk_bytes):
                     out = np.ascontiguousarray(packer.pack(piece))
                     if out.dtype != item.dtype:
                         raise ConvertError(f"packer {packer.name!r} turned {item.name} from {item.dtype} "
                                            f"into {out.dtype}")
                     mv = memoryview(out.reshape(-1).view(np.uint8))
-                    crc[d] = zlib.crc32(mv, crc[d])
                     if not self._put((d, mv), len(mv)):
                         return
                     del out, mv
-                if not self._put((self._END, crc)):
+                if not self._put((self._END,)):
                     return
         except BaseException as e:  # handed to the writer
             self._put(e)
 
-    def pieces(self, crc: list):
-        """The next item's pieces (shard, bytes); at the end `crc` holds the shards' CRC-32s."""
+    def pieces(self):
+        """The next item's pieces: (shard, bytes)."""
         while True:
             x = self.q.get()
             if isinstance(x, BaseException):
                 raise x
             if x[0] is self._END:
-                crc[:] = x[1]
                 return
             with self.cond:
                 self.inflight -= len(x[1])
@@ -643,8 +698,6 @@ class _Prefetch:
         self.thread.join()
 
 
-ALIGN = 4096  # O_DIRECT writes: offsets, lengths and buffers aligned to this
-_direct = {"ok": hasattr(os, "O_DIRECT") and os.environ.get("JTILERT_NO_DIRECT_IO") != "1"}
 
 
 class _Staging:
@@ -734,12 +787,13 @@ def _write_item(root: Path, item: Item, pieces, advance, staging: _Staging) -> d
     """Write an item's pieces to its shard files (each through a staging buffer)."""
     paths = [root / p for p in item.files]
     n = item.shards
-    crc, sizes, outs, ok = [], [0] * n, [], False
+    crc, sizes, outs, ok = [0] * n, [0] * n, [], False
     try:
         for p in paths:
             p.parent.mkdir(parents=True, exist_ok=True)
             outs.append(_Out(p, staging.take(), item.name, root))
-        for d, mv in pieces(crc):
+        for d, mv in pieces():
+            crc[d] = zlib.crc32(mv, crc[d])
             outs[d].add(mv)
             sizes[d] += len(mv)
             advance(len(mv))
@@ -819,6 +873,13 @@ def _locked(tmp: Path):
         os.close(fd)
 
 
+def _size(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
 def partial_path(dst: Path) -> Path:
     return dst.parent / f".{dst.name}.partial"
 
@@ -844,11 +905,12 @@ def _resumable(tmp: Path, request: dict, items: list[Item], chunk_bytes: int, pr
         ok = True
         for p, crc in zip(item.files, r["crc32"]):
             path = tmp / p
-            if not path.exists() or path.stat().st_size != item.shard_bytes or file_crc(path, chunk_bytes, progress.advance) != crc:
+            if not path.exists() or path.stat().st_size != item.shard_bytes or file_crc(path, chunk_bytes) != crc:
                 ok = False
                 break
         if ok:
             good[item.name] = r
+            progress.advance(item.nbytes)
     return good
 
 
@@ -882,20 +944,17 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, tp: int = 1, dtype: 
                 raise ConvertError(f"{tmp} holds a partial conversion with other arguments or source files; "
                                    f"rerun with those, delete it, or pass --overwrite to start over")
             shutil.rmtree(tmp)
+    fresh = not tmp.exists()
+    written = 0
     with _locked(tmp):
         prog = _Progress(p.nbytes, progress, dst.name, callback)
         try:
             done = _resumable(tmp, request, p.items, chunk_bytes, prog)
-            prog.done = 0
-            if prog.bar is not None:
-                prog.bar.reset(total=p.nbytes)
-            resumed = sum(i.nbytes for i in p.items if i.name in done)
-            prog.advance(resumed) if resumed else None
-            need = p.nbytes - resumed
+            need = p.nbytes - sum(i.nbytes for i in p.items if i.name in done)
             free = shutil.disk_usage(tmp).free
             if need > free:
-                raise ConvertError(f"not enough disk space for {dst}: the conversion needs {need / 1e9:.2f} GB more "
-                                   f"in {tmp.parent}, which has {free / 1e9:.2f} GB free")
+                raise ConvertError(f"not enough disk space for {dst}: the conversion needs {_size(need)} more "
+                                   f"in {tmp.parent}, which has {_size(free)} free")
             req_file.write_text(json.dumps(request, indent=1))
             with open(tmp / DONE_LOG, "w") as log:  # rewritten with the verified records only
                 for r in done.values():
@@ -911,11 +970,16 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, tp: int = 1, dtype: 
                         done[item.name] = rec
                         log.write(json.dumps(rec) + "\n")
                         log.flush()
+                        written += 1
             finally:
                 files.close()
                 staging.close()
             prog.tensor("syncing")
             _finish(p, tmp, dst, done, overwrite)
+        except BaseException:
+            if fresh and not written:  # nothing worth resuming
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
         finally:
             prog.close()
     if progress:

@@ -1,0 +1,106 @@
+"""Interrupted conversions resume to the same bytes: finished tensors are checked (size, CRC-32) and
+skipped, damaged or unfinished ones rewritten; nothing at the destination until the end."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import jtilert
+from jtilert import converter
+
+CFG = jtilert.preset("tiny").replace(
+    hidden_size=256, intermediate_size=1024, moe_intermediate_size=1024, num_attention_heads=16, q_lora_rank=128,
+    kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64, n_routed_experts=8,
+    num_experts_per_tok=2, n_group=4, topk_group=2, vocab_size=512, num_hidden_layers=2, first_k_dense_replace=1,
+    index_n_heads=4, index_head_dim=64, index_topk=16)
+CHUNK = 64 << 10  # small pieces: interruptions land inside tensors
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    return jtilert.random_checkpoint(CFG, tmp_path_factory.mktemp("src") / "hf", max_file_bytes=4 << 20)
+
+
+@pytest.fixture(scope="module")
+def reference(src, tmp_path_factory):
+    return jtilert.convert(src, tmp_path_factory.mktemp("ref") / "dst", tp=2, chunk_bytes=CHUNK)
+
+
+def same_bytes(a: Path, b: Path):
+    fa = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
+    fb = sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
+    assert fa == fb
+    ma, mb = json.loads((a / "jtilert.json").read_text()), json.loads((b / "jtilert.json").read_text())
+    assert ma == mb
+    for f in fa:
+        assert (a / f).read_bytes() == (b / f).read_bytes(), f
+
+
+def test_interrupt_damage_resume(src, reference, tmp_path):
+    dst = tmp_path / "dst"
+    partial = tmp_path / ".dst.partial"
+
+    def stop(name, done, total):
+        if done > total * 0.6:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        jtilert.convert(src, dst, tp=2, chunk_bytes=CHUNK, callback=stop)
+    assert not dst.exists() and partial.is_dir() and not (partial / "jtilert.json").exists()
+    finished = [json.loads(line)["name"] for line in (partial / converter.DONE_LOG).read_text().splitlines()]
+    assert 10 < len(finished) < 100
+    # damage two finished tensors: a flipped byte, a truncated shard
+    flipped, cut = finished[3], finished[-2]
+    f = next((partial / "params").rglob(f"{flipped}.bin"))
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    f.write_bytes(bytes(data))
+    g = next((partial / "params").rglob(f"{cut}.bin"))
+    g.write_bytes(g.read_bytes()[:-1])
+
+    events = []
+    jtilert.convert(src, dst, tp=2, chunk_bytes=CHUNK, callback=lambda name, d, t: events.append(name))
+    checked = {n.removeprefix("checking ") for n in events if n.startswith("checking ")}
+    rewritten = {n for n in events if not n.startswith("checking ")}
+    assert flipped in rewritten and cut in rewritten
+    assert set(finished) - {flipped, cut} <= checked and not (set(finished) - {flipped, cut}) & rewritten
+    assert not partial.exists()
+    same_bytes(dst, reference)
+
+
+KILLED = """
+import sys, time
+from jtilert import converter
+def slow(name, done, total):
+    time.sleep(0.002)
+converter.convert(sys.argv[1], sys.argv[2], tp=2, chunk_bytes=int(sys.argv[3]), callback=slow)
+"""
+
+
+def test_killed_conversion_resumes_to_the_same_bytes(src, reference, tmp_path):
+    dst = tmp_path / "dst"
+    log = tmp_path / ".dst.partial" / converter.DONE_LOG
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]), JAX_PLATFORMS="cpu")
+    proc = subprocess.Popen([sys.executable, "-c", KILLED, str(src), str(dst), str(CHUNK)], env=env)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and proc.poll() is None:
+            if log.exists() and log.read_text().count("\n") >= 20:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, "the conversion finished before it could be killed"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not dst.exists() and not (tmp_path / ".dst.partial" / "jtilert.json").exists()
+    jtilert.convert(src, dst, tp=2, chunk_bytes=CHUNK)
+    same_bytes(dst, reference)
+    jtilert.verify(dst, against=src)
