@@ -51,7 +51,7 @@ def _experts(e, width, hidden, fmt):
     return g, gs, u, us, d, ds
 
 
-@pytest.mark.parametrize("t,fmt", [(1, "fp8"), (2, "fp8"), (1, "bf16")])
+@pytest.mark.parametrize("t,fmt", [(2, "fp8"), (1, "bf16")])
 def test_moe_experts(t, fmt):
     e, width, hidden, k = 6, 128, 256, 3
     g, gs, u, us, d, ds = _experts(e, width, hidden, fmt)
