@@ -36,6 +36,7 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
+import functools
 import json
 import mmap
 import os
@@ -46,6 +47,7 @@ import sys
 import threading
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -137,16 +139,13 @@ class Mat:
     dtype: np.dtype
     scale: "Mat | None" = None  # its fp8 block scales
 
-    def read(self, fds: "_Files", a: int, b: int) -> np.ndarray:
+    def read(self, fds: "_Files", a: int, b: int, pool: "_Pool | None" = None):
+        """Rows a:b as an array; with a pool, (array, lease of the buffer holding it or None)."""
         row = self.cols * self.dtype.itemsize
-        if (b - a) * row >= DIRECT_READ_MIN:
-            fd = fds.direct(self.file.path)
-            if fd is not None:
-                x = _read_direct(fd, self.file.data_offset(self.key) + (self.row0 + a) * row, (b - a) * row)
-                if x is not None:
-                    return x.view(self.dtype).reshape(b - a, self.cols)
-                fds.no_direct(self.file.path)
-        return self.file.read_rows(self.key, self.row0 + a, self.row0 + b, fds.get(self.file.path))
+        x, lease = _read_bytes(fds, self.file.path, self.file.data_offset(self.key) + (self.row0 + a) * row,
+                               (b - a) * row, pool)
+        x = x.view(self.dtype).reshape(b - a, self.cols)
+        return x if pool is None else (x, lease)
 
     @property
     def nbytes(self) -> int:
@@ -467,26 +466,92 @@ def _hf_key(name: str, a: int, n: int) -> str:
 DIRECT_READ_MIN = 1 << 20  # reads at least this large bypass the page cache (O_DIRECT), where allowed
 
 
-def _read_direct(fd: int, pos: int, size: int) -> np.ndarray | None:
-    """size bytes at pos read with O_DIRECT (an aligned superset into an aligned buffer), or None if refused."""
-    start, end = pos // ALIGN * ALIGN, -(-(pos + size) // ALIGN) * ALIGN
-    raw = np.empty(end - start + ALIGN, np.uint8)
-    skip = -raw.ctypes.data % ALIGN
-    buf = raw[skip:skip + end - start]
+class _Pool:
+    """Reusable page-aligned read buffers (anonymous maps of one size). Reusing them keeps page faults
+    and unmaps out of the stream, and freed pieces never linger in the allocator's arenas."""
+
+    def __init__(self, size: int):
+        self.size = -(-size // ALIGN) * ALIGN
+        self.free: list = []
+        self.lock = threading.Lock()
+
+    def take(self, nbytes: int) -> "_Lease":
+        with self.lock:
+            mm = self.free.pop() if self.free and nbytes <= self.size else None
+        if mm is None:
+            mm = mmap.mmap(-1, max(self.size, nbytes))
+        return _Lease(self, mm)
+
+    def close(self) -> None:
+        with self.lock:
+            self.free.clear()  # (the maps go when the last array over them does)
+
+
+class _Lease:
+    """Memory on loan until every piece using it has been written: `hold(k)` adds k users, `release()` drops
+    one; the last release returns a pool buffer to its pool and calls `on_free` (the writer's budget)."""
+
+    def __init__(self, pool: _Pool | None, mm, nbytes: int = 0):
+        self.pool, self.mm, self.count = pool, mm, 1
+        self.nbytes = len(mm) if mm is not None else nbytes
+        self.lock = pool.lock if pool is not None else threading.Lock()
+        self.on_free = None
+
+    def array(self, nbytes: int) -> np.ndarray:
+        return np.frombuffer(self.mm, np.uint8, nbytes)
+
+    def hold(self, k: int) -> None:
+        with self.lock:
+            self.count += k
+
+    def release(self) -> None:
+        with self.lock:
+            self.count -= 1
+            last = self.count == 0
+            if last and self.pool is not None and len(self.mm) == self.pool.size:
+                self.pool.free.append(self.mm)
+        if last and self.on_free is not None:
+            self.on_free()
+
+
+def _pread(fd: int, buf: np.ndarray, pos: int) -> int:
     done = 0
-    try:
-        while done < len(buf):
-            n = os.preadv(fd, [memoryview(buf[done:])], start + done)
-            if n <= 0:
-                break
-            done += n
-    except OSError as e:
-        if e.errno == errno.EINVAL:
-            return None
-        raise
-    if done < pos + size - start:
-        raise ConvertError(f"file ends at byte {start + done}, reading {size} bytes at {pos} (truncated while reading?)")
-    return buf[pos - start:pos - start + size]
+    while done < len(buf):
+        n = os.preadv(fd, [memoryview(buf[done:])], pos + done)
+        if n <= 0:
+            break
+        done += n
+    return done
+
+
+def _read_bytes(files: "_Files", path: Path, pos: int, size: int,
+                pool: _Pool | None = None) -> tuple[np.ndarray, "_Lease | None"]:
+    """size bytes at pos of a source file, with O_DIRECT (an aligned superset into an aligned buffer) where
+    the filesystem allows it, else through the page cache; large reads land in a pool buffer (returned
+    with its lease)."""
+    lease = None
+    fd = files.direct(path) if size >= DIRECT_READ_MIN and pool is not None else None
+    if fd is not None:
+        start, end = pos // ALIGN * ALIGN, -(-(pos + size) // ALIGN) * ALIGN
+        lease = pool.take(end - start)
+        buf = lease.array(end - start)
+        try:
+            done = _pread(fd, buf, start)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            files.no_direct(path)  # this filesystem wants other alignment: page cache from now on
+        else:
+            if done < pos + size - start:
+                raise ConvertError(f"{path}: file ends at byte {start + done}, reading {size} bytes at {pos} "
+                                   f"(truncated while reading?)")
+            return buf[pos - start:pos - start + size], lease
+    if lease is None and size >= DIRECT_READ_MIN and pool is not None:
+        lease = pool.take(size)
+    buf = lease.array(size) if lease is not None else np.empty(size, np.uint8)
+    if _pread(files.get(path), buf, pos) < size:
+        raise ConvertError(f"{path}: file ends before byte {pos + size} (truncated while reading?)")
+    return buf, lease
 
 
 class _Files:
@@ -495,34 +560,41 @@ class _Files:
     def __init__(self):
         self.fds: dict[Path, int] = {}
         self.direct_fds: dict[Path, int | None] = {}
+        self.stale: list[int] = []
+        self.lock = threading.Lock()
 
     def get(self, path: Path) -> int:
-        if path not in self.fds:
-            self.fds[path] = os.open(path, os.O_RDONLY)
-        return self.fds[path]
+        with self.lock:
+            if path not in self.fds:
+                self.fds[path] = os.open(path, os.O_RDONLY)
+            return self.fds[path]
 
     def direct(self, path: Path) -> int | None:
-        if path not in self.direct_fds:
-            fd = None
-            if _direct["ok"]:
-                try:
-                    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-                except OSError:
-                    pass
-            self.direct_fds[path] = fd
-        return self.direct_fds[path]
+        with self.lock:
+            if path not in self.direct_fds:
+                fd = None
+                if _direct["ok"]:
+                    try:
+                        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+                    except OSError:
+                        pass
+                self.direct_fds[path] = fd
+            return self.direct_fds[path]
 
     def no_direct(self, path: Path) -> None:
-        fd = self.direct_fds.get(path)
+        with self.lock:
+            fd = self.direct_fds.get(path)
+            self.direct_fds[path] = None
+        # (left open: a read in flight may still use it; closed with the others)
         if fd is not None:
-            os.close(fd)
-        self.direct_fds[path] = None
+            self.stale.append(fd)
 
     def close(self):
-        for fd in list(self.fds.values()) + [fd for fd in self.direct_fds.values() if fd is not None]:
+        for fd in list(self.fds.values()) + [fd for fd in self.direct_fds.values() if fd is not None] + self.stale:
             os.close(fd)
         self.fds.clear()
         self.direct_fds.clear()
+        self.stale.clear()
 
 
 def _row_step(cols: int, chunk_bytes: int, blocks: bool) -> int:
@@ -590,32 +662,55 @@ def _advise(files: _Files, m: Mat, a: int, b: int) -> None:
         pass
 
 
-def _pieces(item: Item, files: _Files, chunk_bytes: int):
-    """(shard, rows of that shard of one matrix) in each shard's C order."""
+def _pieces(item: Item, files: _Files, chunk_bytes: int, reader: ThreadPoolExecutor | None = None,
+            pool: _Pool | None = None):
+    """(shard, rows of that shard of one matrix, lease or None) in each shard's C order. With a `reader`
+    thread, the next read is in flight while this one is converted; with a `pool`, large reads land in pool
+    buffers, lent to the pieces cut from them (views, for a plain copy) until each has been written."""
     n = item.shards
     chunks = list(_chunks(item, chunk_bytes))
     scales, scales_of = None, None
+
+    def read(k):
+        m, a, b, _ = chunks[k]
+        return m.read(files, a, b, pool) if pool is not None else (m.read(files, a, b), None)
+
+    ahead = reader.submit(read, 0) if reader is not None else None
     for k, (m, a, b, d) in enumerate(chunks):
-        if k + 1 < len(chunks):
-            _advise(files, *chunks[k + 1][:3])
+        if reader is not None:
+            raw, lease = ahead.result()
+            if k + 1 < len(chunks):
+                ahead = reader.submit(read, k + 1)
+        else:
+            if k + 1 < len(chunks):
+                _advise(files, *chunks[k + 1][:3])
+            raw, lease = read(k)
         if item.mode == "dequant" and scales_of is not m:
             scales, scales_of = m.scale.read(files, 0, m.scale.rows), m
-        x = m.read(files, a, b)
         if item.mode == "cast":
-            x = x if x.dtype == item.dtype else x.astype(item.dtype)
+            x = raw if raw.dtype == item.dtype else raw.astype(item.dtype)
         elif item.mode == "dequant":
-            x = _dequant(x, scales, a, item.dtype)
+            x = _dequant(raw, scales, a, item.dtype)
         else:
-            q, s = _quantize(x)
+            q, s = _quantize(raw)
             x = q if item.mode == "quant" else s
         if d is not None:
-            yield d, x
+            out = [(d, x)]
         elif item.msplit is None:
-            yield 0, x
+            out = [(0, x)]
         else:
             w = x.shape[1] // n
-            for j in range(n):
-                yield j, x[:, j * w:(j + 1) * w]
+            out = [(j, x[:, j * w:(j + 1) * w]) for j in range(n)]
+        if lease is not None:
+            if np.may_share_memory(x, raw):
+                lease.hold(len(out) - 1)  # one use per piece
+            else:
+                lease.release()
+                lease = None
+        del raw, x
+        for j, piece in out:
+            yield j, piece, lease
+        del out
 
 
 def _write_all(fd: int, mv: memoryview, path: Path, name: str, tmp: Path) -> None:
@@ -644,47 +739,68 @@ class _Prefetch:
         self.cond = threading.Condition()
         self.budget, self.inflight = budget or chunk_bytes, 0
         self.stop = threading.Event()
+        self.pool = _Pool(max((c[0].cols * c[0].dtype.itemsize * (c[2] - c[1]) for i in items
+                               for c in _chunks(i, chunk_bytes)), default=0) + 2 * ALIGN)
         self.thread = threading.Thread(target=self._run, args=(items, files, chunk_bytes), daemon=True)
 
-    def _put(self, x, nbytes: int = 0) -> bool:
+    def _reserve(self, nbytes: int) -> bool:
+        """Wait until nbytes more may be in flight to the writer (False: stopped)."""
         with self.cond:
             while self.inflight and self.inflight + nbytes > self.budget and not self.stop.is_set():
                 self.cond.wait(0.1)
             if self.stop.is_set():
                 return False
             self.inflight += nbytes
+        return True
+
+    def _free(self, nbytes: int) -> None:
+        with self.cond:
+            self.inflight -= nbytes
+            self.cond.notify()
+
+    def _put(self, x) -> bool:
+        if self.stop.is_set():
+            return False
         self.q.put(x)
         return True
 
     def _run(self, items, files, chunk_bytes):
         try:
-            for item in items:
-                packer = PACKERS[item.kind]
-                for d, piece in _pieces(item, files, chunk_bytes):
-                    out = np.ascontiguousarray(packer.pack(piece))
-                    if out.dtype != item.dtype:
-                        raise ConvertError(f"packer {packer.name!r} turned {item.name} from {item.dtype} "
-                                           f"into {out.dtype}")
-                    mv = memoryview(out.reshape(-1).view(np.uint8))
-                    if not self._put((d, mv), len(mv)):
-                        return
-                    del out, mv
-                if not self._put((self._END,)):
-                    return
+            with ThreadPoolExecutor(1, thread_name_prefix="jtilert-read") as reader:
+                self._produce(items, files, chunk_bytes, reader)
         except BaseException as e:  # handed to the writer
             self._put(e)
+        finally:
+            self.pool.close()
+
+    def _produce(self, items, files, chunk_bytes, reader):
+        for item in items:
+            packer = PACKERS[item.kind]
+            for d, piece, lease in _pieces(item, files, chunk_bytes, reader, self.pool):
+                out = packer.pack(piece)  # (a view for column slices: copied once, into the staging buffer)
+                if out.dtype != item.dtype:
+                    raise ConvertError(f"packer {packer.name!r} turned {item.name} from {item.dtype} "
+                                       f"into {out.dtype}")
+                if lease is None:
+                    lease = _Lease(None, None, out.nbytes)
+                if lease.on_free is None:  # the first piece of this memory: count all of it
+                    if not self._reserve(lease.nbytes):
+                        return
+                    lease.on_free = functools.partial(self._free, lease.nbytes)
+                if not self._put((d, out, lease)):
+                    return
+                del out, piece, lease
+            if not self._put((self._END,)):
+                return
 
     def pieces(self):
-        """The next item's pieces: (shard, bytes)."""
+        """The next item's pieces: (shard, array, lease or None: release it once the array is written)."""
         while True:
             x = self.q.get()
             if isinstance(x, BaseException):
                 raise x
             if x[0] is self._END:
                 return
-            with self.cond:
-                self.inflight -= len(x[1])
-                self.cond.notify()
             yield x
 
     def __enter__(self):
@@ -727,7 +843,7 @@ class _Out:
 
     def __init__(self, path: Path, buf, name: str, tmp: Path):
         self.path, self.buf, self.view, self.name, self.tmp = path, buf, memoryview(buf), name, tmp
-        self.fill = 0
+        self.fill, self.crc = 0, 0
         self.direct = _direct["ok"]
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
         self.fd = None
@@ -739,7 +855,33 @@ class _Out:
         if self.fd is None:
             self.fd = os.open(path, flags, 0o644)
 
-    def add(self, mv: memoryview) -> None:
+    def add(self, x: np.ndarray) -> None:
+        """Append x's bytes in C order (x may be a strided view: it is copied straight into the staging
+        buffer), updating the CRC-32."""
+        if x.flags.c_contiguous:
+            self._add_bytes(memoryview(x.reshape(-1).view(np.uint8)))
+            return
+        rows = x.reshape(-1, x.shape[-1])
+        row = rows.shape[1] * x.itemsize
+        r = 0
+        while r < len(rows):
+            fit = (len(self.view) - self.fill) // row
+            if fit == 0:  # not even one row fits: that row goes the slow way
+                self._add_bytes(memoryview(np.ascontiguousarray(rows[r]).view(np.uint8)))
+                r += 1
+                continue
+            k = min(fit, len(rows) - r)
+            dst = np.frombuffer(self.buf, x.dtype, k * rows.shape[1], self.fill).reshape(k, rows.shape[1])
+            np.copyto(dst, rows[r:r + k])
+            self.crc = zlib.crc32(self.view[self.fill:self.fill + k * row], self.crc)
+            self.fill += k * row
+            r += k
+            del dst
+            if self.fill == len(self.view):
+                self._write(self.fill)
+
+    def _add_bytes(self, mv: memoryview) -> None:
+        self.crc = zlib.crc32(mv, self.crc)
         pos, size = 0, len(self.view)
         while pos < len(mv):
             n = min(size - self.fill, len(mv) - pos)
@@ -787,18 +929,19 @@ def _write_item(root: Path, item: Item, pieces, advance, staging: _Staging) -> d
     """Write an item's pieces to its shard files (each through a staging buffer)."""
     paths = [root / p for p in item.files]
     n = item.shards
-    crc, sizes, outs, ok = [0] * n, [0] * n, [], False
+    sizes, outs, ok = [0] * n, [], False
     try:
         for p in paths:
             p.parent.mkdir(parents=True, exist_ok=True)
             outs.append(_Out(p, staging.take(), item.name, root))
-        for d, mv in pieces():
-            crc[d] = zlib.crc32(mv, crc[d])
-            outs[d].add(mv)
-            sizes[d] += len(mv)
-            advance(len(mv))
-            del mv
+        for d, x, lease in pieces():
+            outs[d].add(x)
+            sizes[d] += x.nbytes
+            advance(x.nbytes)
+            del x
+            lease.release()
         ok = True
+        crc = [o.crc for o in outs]
     except OSError as e:
         raise _disk_error(e, paths[len(outs) - 1 if outs else 0], item.name, root) from None
     finally:
