@@ -959,16 +959,72 @@ def _write_item(root: Path, item: Item, pieces, advance, staging: _Staging) -> d
 
 
 def file_crc(path: Path, chunk_bytes: int = CHUNK_BYTES, advance=None) -> int:
-    crc = 0
-    buf = bytearray(min(chunk_bytes, 16 << 20))
-    with open(path, "rb", buffering=0) as f:
-        while True:
-            n = f.readinto(buf)
-            if not n:
-                return crc
-            crc = zlib.crc32(memoryview(buf)[:n], crc)
-            if advance:
-                advance(n)
+    """CRC-32 of a file, read in blocks with O_DIRECT where allowed, the next block read while this one is
+    checksummed."""
+    size = os.path.getsize(path)
+    if size < DIRECT_READ_MIN:  # small: one buffered read
+        with open(path, "rb", buffering=0) as f:
+            data = f.read()
+        if advance and data:
+            advance(len(data))
+        return zlib.crc32(data)
+    try:
+        return _file_crc(path, chunk_bytes, advance, _direct["ok"])
+    except _NoDirect:
+        return _file_crc(path, chunk_bytes, advance, False)
+
+
+class _NoDirect(Exception):
+    pass
+
+
+def _file_crc(path: Path, chunk_bytes: int, advance, direct: bool) -> int:
+    block = max(ALIGN, min(chunk_bytes, 16 << 20) // ALIGN * ALIGN)
+    fd = None
+    if direct:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        except OSError:
+            pass
+    if fd is None:
+        direct, fd = False, os.open(path, os.O_RDONLY)
+    bufs = [mmap.mmap(-1, block), mmap.mmap(-1, block)]
+    views = [memoryview(b) for b in bufs]
+
+    def read(i, pos):
+        done = 0
+        while done < block:
+            try:
+                n = os.preadv(fd, [views[i][done:]], pos + done)
+            except OSError as e:
+                if direct and e.errno == errno.EINVAL:
+                    raise _NoDirect from None
+                raise
+            if n <= 0:
+                break
+            done += n
+        return done
+
+    try:
+        with ThreadPoolExecutor(1, thread_name_prefix="jtilert-crc") as ex:
+            crc, pos, i = 0, 0, 0
+            ahead = ex.submit(read, 0, 0)
+            while True:
+                n = ahead.result()
+                if n == block:
+                    ahead = ex.submit(read, 1 - i, pos + n)
+                crc = zlib.crc32(views[i][:n], crc)
+                if advance and n:
+                    advance(n)
+                if n < block:
+                    return crc
+                pos, i = pos + n, 1 - i
+    finally:
+        os.close(fd)
+        for v in views:
+            v.release()
+        for b in bufs:
+            b.close()
 
 
 # ---- progress --------------------------------------------------------------------------------
