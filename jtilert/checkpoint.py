@@ -14,6 +14,7 @@ import collections
 import json
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -233,7 +234,8 @@ class StoredTensor:
 
     def shard(self, d: int) -> np.ndarray:
         """Shard d as stored (packed)."""
-        return np.fromfile(self.paths[d], self.dtype).reshape(self.stored)
+        from jtilert import converter
+        return converter.read_file(self.paths[d], self.dtype, self.stored)
 
     def _local(self, d: int, idx: tuple) -> np.ndarray:
         if self.identity:
@@ -290,22 +292,31 @@ def _load_sharded(path: Path, meta: dict, mesh: Mesh | None, dtype, reshard: boo
                 raise ValueError(f"parameter {name} of shape {t.shape}: fp8 block scales need each of the tp={have} "
                                  f"slices of axis {ax} to be a multiple of 128")
 
+    reader = ThreadPoolExecutor(min(8, max(tp, 1)), thread_name_prefix="jtilert-load")
+
     def get(name, like):
         t = tensors[name]
+        whole = t.identity and t.shards == 1
         if mesh is None:
-            return jnp.asarray(t.read())
+            return jnp.asarray(t.shard(0) if whole else t.read())
         sh = _sharding_of(name, len(t.shape), mesh)
         if t.split is None:
-            return jax.device_put(t.read(), sh)
+            return jax.device_put(t.shard(0) if whole else t.read(), sh)
+        if have != tp or not t.identity:
+            return jax.make_array_from_callback(t.shape, sh, t.read)
+        # each device's slice is exactly one stored shard: read the shards in parallel, each onto its devices
         local = t.shape[t.split] // tp
-        if have == tp and t.identity:
-            def shard(idx):  # this device's slice is exactly one stored shard
-                return t.shard(idx[t.split].indices(t.shape[t.split])[0] // local)
-        else:
-            shard = t.read
-        return jax.make_array_from_callback(t.shape, sh, shard)
+        owner = {dev: idx[t.split].indices(t.shape[t.split])[0] // local
+                 for dev, idx in sh.addressable_devices_indices_map(t.shape).items()}
+        needed = sorted(set(owner.values()))
+        shards = dict(zip(needed, reader.map(t.shard, needed)))
+        arrays = [jax.device_put(shards[d], dev) for dev, d in owner.items()]
+        return jax.make_array_from_single_device_arrays(t.shape, sh, arrays)
 
-    return _fill(model, get)
+    try:
+        return _fill(model, get)
+    finally:
+        reader.shutdown()
 
 
 def load_hf(path: str | os.PathLike, mesh: Mesh | None = None, dtype=None, **config_overrides) -> Transformer:

@@ -554,6 +554,36 @@ def _read_bytes(files: "_Files", path: Path, pos: int, size: int,
     return buf, lease
 
 
+def read_file(path: Path, dtype, shape) -> np.ndarray:
+    """A whole raw file as an array (O_DIRECT into an aligned buffer where allowed: loading shards)."""
+    size = os.path.getsize(path)
+    raw = np.empty(-(-size // ALIGN) * ALIGN + ALIGN, np.uint8)
+    buf = raw[-raw.ctypes.data % ALIGN:][:-(-size // ALIGN) * ALIGN]
+    done = -1
+    if _direct["ok"] and size >= DIRECT_READ_MIN:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        except OSError:
+            fd = None
+        if fd is not None:
+            try:
+                done = _pread(fd, buf, 0)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+            finally:
+                os.close(fd)
+    if done < 0:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            done = _pread(fd, buf[:size], 0)
+        finally:
+            os.close(fd)
+    if done < size:
+        raise ValueError(f"{path}: read {done} of {size} bytes")
+    return buf[:size].view(dtype).reshape(shape)
+
+
 class _Files:
     """Open read descriptors of the source files, reused across pieces (plain and O_DIRECT)."""
 
