@@ -64,13 +64,38 @@ def test_golden_fp32_convert_load_score_is_bit_exact(tmp_path):
     assert not list(tmp_path.glob(".c.*"))
 
 
-def test_glm52_shared_indexer_layers_convert(tmp_path):
-    src = "tests/golden/glm52"
+@pytest.mark.parametrize("name", ["glm5", "glm52"])
+def test_glm_folders_convert(tmp_path, name):
+    src = f"tests/golden/{name}"
     dst = jtilert.convert(src, tmp_path / "g", tp=2)
     mesh = jtilert.make_mesh(2)
     m = jtilert.load(dst, mesh=mesh)
     assert_same_params(m, checkpoint.load_hf(src, mesh=mesh))
-    assert m.layers[1].self_attn.indexer is None and m.cfg.indexer_types[1] == "shared"
+    assert m.cfg.model_type == "glm_moe_dsa"
+    if name == "glm52":  # shared-indexer layers ship no indexer weights
+        assert m.layers[1].self_attn.indexer is None and m.cfg.indexer_types[1] == "shared"
+
+
+def test_pack_layout_is_recorded_and_checked(tmp_path, monkeypatch):
+    """A registered packer (here: columns reversed, a stand-in for a kernel's swizzle) changes the stored
+    bytes, is named in the metadata, and a checkpoint packed differently from this process is refused."""
+    src = "tests/golden/dsv32"
+    plain = jtilert.convert(src, tmp_path / "plain", tp=2)
+    mesh = jtilert.make_mesh(2)
+    reference = jtilert.load(plain, mesh=mesh)
+    flip = converter.Packer("reverse-columns", lambda x: x[..., ::-1], lambda x: x[..., ::-1])
+    monkeypatch.setitem(converter.PACKERS, "linear_weight", flip)
+    packed = jtilert.convert(src, tmp_path / "packed", tp=2)
+    meta = json.loads((packed / "jtilert.json").read_text())
+    assert meta["pack"]["linear_weight"] == "reverse-columns" and meta["pack"]["expert_weight"] == "identity"
+    f = "params/tp1/layers.0.self_attn.o_proj.weight.bin"
+    assert (packed / f).read_bytes() != (plain / f).read_bytes()
+    assert_same_params(jtilert.load(packed, mesh=mesh), reference)  # unpacked to the logical layout
+    jtilert.verify(packed, against=src)
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match=r"parameter \S+ is stored with layout 'reverse-columns', this jtilert packs "
+                                         r"linear_weight parameters as 'identity'; convert the checkpoint again"):
+        jtilert.load(packed, mesh=mesh)
 
 
 def test_fp8_tp_layouts_load_exactly_and_agree(fp8_src, converted):
