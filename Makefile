@@ -3,7 +3,7 @@
 SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
-PROMPT ?= The
+PROMPT ?= The "if" statement
 NEW ?= 200
 
 define find_python
@@ -23,7 +23,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
-	$(VENV)/bin/jtilert generate --model tiny --mtp --max-new-tokens $(NEW) --prompt "$(PROMPT)"
+	$(VENV)/bin/jtilert generate --model tiny --mtp --max-new-tokens $(NEW) --prompt '$(PROMPT)'
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -p no:cacheprovider
