@@ -14,15 +14,21 @@ Layout (`layout_version` 2):
                                       (stacked experts [E, out, in] keep the expert axis: shard d is [E, out/N, in])
 
 Weights are rearranged once, here, by a per-kind `Packer` (the place for kernel-specific swizzles; identity
-today). The packers' names are recorded in the metadata and checked at load.
+today). The packers' names are recorded in the metadata; loading refuses a checkpoint packed otherwise than
+this process would pack it, and (for now) unpacks to the logical layout the model modules expect.
 
-Memory: the source is read with pread in pieces of whole rows (no memory map), converted, checksummed and
-written piece by piece; stacked experts are streamed one expert at a time into their per-shard files. With
-`chunk_bytes` = C (32 MiB by default) a piece is at most C bytes as fp32, a background reader runs at most
-C bytes of pieces ahead of the writer, and the writer gathers each shard's bytes in staging buffers of C in
-all. Peak RSS ≤ RSS after import + 5·C + O(metadata) (a few MB, ~30 MB for the full 61-layer plan), whatever
-the size of the checkpoint: `tests/test_convert_memory.py` measures it (C = 4 MiB, +21 MB on a 480 MB
-checkpoint).
+I/O: a reader thread reads the source in pieces of whole rows (pread with O_DIRECT into pooled aligned
+buffers where the filesystem allows it, else through the page cache; never a memory map, so resident memory
+is only what is held), a converter thread casts / dequantises / quantises and cuts the tp shards (views, no
+copy, for a plain fp8 → fp8 conversion), and the writer copies each shard's bytes into an aligned staging
+buffer, checksums them (CRC-32) and writes full buffers with O_DIRECT, the unaligned tail of a file
+normally. Stacked experts are streamed one expert at a time into their per-shard files.
+
+Memory bound: with `chunk_bytes` = C (32 MiB by default) a read is at most C bytes counted as fp32, at most
+C bytes of read buffers are lent to pieces waiting for the writer, and the staging buffers hold C in all
+(tp buffers of C/tp). Peak RSS ≤ RSS after import + 5·C + O(metadata) (a few MB; ~30 MB for the full
+61-layer plan), whatever the size of the checkpoint. `tests/test_convert_memory.py` measures it (C = 4 MiB:
++20 MB converting a 480 MB checkpoint); a full-width 2-layer DeepSeek-V3.2 (15.8 GB) at C = 32 MiB: +92 MB.
 
 Interruption: everything is written to the hidden sibling `.DST.partial/`, with a log of finished tensors
 (their files' sizes and CRC-32). Rerunning the same command verifies each logged tensor's files (size and
@@ -680,41 +686,23 @@ def _chunks(item: Item, chunk_bytes: int):
                 yield m, a, min(a + step, m.rows), None
 
 
-def _advise(files: _Files, m: Mat, a: int, b: int) -> None:
-    """Ask the kernel to start reading rows a:b of a source matrix (read-ahead across strided reads)."""
-    row = m.cols * m.dtype.itemsize
-    if (b - a) * row >= DIRECT_READ_MIN and files.direct(m.file.path) is not None:
-        return  # read with O_DIRECT: the page cache is not involved
-    try:
-        os.posix_fadvise(files.get(m.file.path), m.file.data_offset(m.key) + (m.row0 + a) * row, (b - a) * row,
-                         os.POSIX_FADV_WILLNEED)
-    except (OSError, AttributeError):
-        pass
-
-
-def _pieces(item: Item, files: _Files, chunk_bytes: int, reader: ThreadPoolExecutor | None = None,
-            pool: _Pool | None = None):
-    """(shard, rows of that shard of one matrix, lease or None) in each shard's C order. With a `reader`
-    thread, the next read is in flight while this one is converted; with a `pool`, large reads land in pool
-    buffers, lent to the pieces cut from them (views, for a plain copy) until each has been written."""
+def _pieces(item: Item, files: _Files, chunk_bytes: int, reader: ThreadPoolExecutor, pool: _Pool):
+    """(shard, rows of that shard of one matrix, lease or None) in each shard's C order. The `reader` thread
+    has the next read in flight while this one is converted; large reads land in `pool` buffers, lent to
+    the pieces cut from them (views, for a plain copy) until each has been written."""
     n = item.shards
     chunks = list(_chunks(item, chunk_bytes))
     scales, scales_of = None, None
 
     def read(k):
         m, a, b, _ = chunks[k]
-        return m.read(files, a, b, pool) if pool is not None else (m.read(files, a, b), None)
+        return m.read(files, a, b, pool)
 
-    ahead = reader.submit(read, 0) if reader is not None else None
+    ahead = reader.submit(read, 0)
     for k, (m, a, b, d) in enumerate(chunks):
-        if reader is not None:
-            raw, lease = ahead.result()
-            if k + 1 < len(chunks):
-                ahead = reader.submit(read, k + 1)
-        else:
-            if k + 1 < len(chunks):
-                _advise(files, *chunks[k + 1][:3])
-            raw, lease = read(k)
+        raw, lease = ahead.result()
+        if k + 1 < len(chunks):
+            ahead = reader.submit(read, k + 1)
         if item.mode == "dequant" and scales_of is not m:
             scales, scales_of = m.scale.read(files, 0, m.scale.rows), m
         if item.mode == "cast":
@@ -741,15 +729,6 @@ def _pieces(item: Item, files: _Files, chunk_bytes: int, reader: ThreadPoolExecu
         for j, piece in out:
             yield j, piece, lease
         del out
-
-
-def _write_all(fd: int, mv: memoryview, path: Path, name: str, tmp: Path) -> None:
-    done = 0
-    while done < len(mv):
-        try:
-            done += os.write(fd, mv[done:])
-        except OSError as e:
-            raise _disk_error(e, path, name, tmp) from None
 
 
 def _disk_error(e: OSError, path: Path, name: str, tmp: Path) -> ConvertError:

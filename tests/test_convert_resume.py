@@ -104,3 +104,11 @@ def test_killed_conversion_resumes_to_the_same_bytes(src, reference, tmp_path):
     jtilert.convert(src, dst, tp=2, chunk_bytes=CHUNK)
     same_bytes(dst, reference)
     jtilert.verify(dst, against=src)
+
+
+def test_page_cache_path_writes_the_same_bytes(src, reference, tmp_path, monkeypatch):
+    """Where O_DIRECT is refused (tmpfs, some network filesystems) reads and writes go through the page
+    cache: same files."""
+    monkeypatch.setitem(converter._direct, "ok", False)
+    dst = jtilert.convert(src, tmp_path / "dst", tp=2, chunk_bytes=CHUNK)
+    same_bytes(dst, reference)
