@@ -279,7 +279,8 @@ def _load_sharded(path: Path, meta: dict, mesh: Mesh | None, dtype, reshard: boo
     if have != tp and not reshard:
         where = "without a mesh" if mesh is None else f"onto a mesh with tp={have}"
         raise ValueError(f"{path} is laid out for tp={tp}; loading it {where} needs reshard=True "
-                         f"(or convert it again with --tp {have})")
+                         f"(or a mesh of {tp} devices, e.g. `jtilert generate --tp {tp}`; or convert it again "
+                         f"with --tp {have})")
     tensors = {name: StoredTensor(path, name, meta) for name in expected}
     if have != tp:
         for name, t in sorted(tensors.items(), key=lambda kv: kv[0].endswith(".scale")):  # weights first

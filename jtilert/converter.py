@@ -343,11 +343,15 @@ def plan(src: str | os.PathLike, tp: int = 1, dtype: str | None = None, layers=N
     def scale_mat(f, key, wshape, skey_src):
         """The Mat of the block scales of fp8 weight (f, key) of shape wshape, checked."""
         if skey_src is None:
-            raise ConvertError(f"{where(f, key)} is float8_e4m3fn but has no {key}_scale_inv (block scales)")
+            hint = ""
+            if key + "_scale" in tensors or key.removesuffix(".weight") + ".weight_scale" in tensors:
+                hint = "; it has a weight_scale (compressed-tensors per-channel scales), which jtilert does not read"
+            raise ConvertError(f"{where(f, key)} is float8_e4m3fn but has no {key}_scale_inv (128×128 block "
+                               f"scales){hint}")
         sf, skey = skey_src
         sshape, sdt = sf.meta(skey)
         if sdt not in (F32, np.dtype(ml_dtypes.bfloat16)):
-            raise ConvertError(f"{where(sf, skey)} has dtype {sdt.name}; block scales must be float32")
+            raise ConvertError(f"{where(sf, skey)} has dtype {sdt.name}; block scales must be float32 (or bfloat16)")
         if tuple(sshape) != scale_shape(wshape):
             raise ConvertError(f"{where(sf, skey)} has shape {tuple(sshape)}, but its weight {key} of shape "
                                f"{tuple(wshape)} needs block scales of shape {scale_shape(wshape)}")
@@ -362,7 +366,6 @@ def plan(src: str | os.PathLike, tp: int = 1, dtype: str | None = None, layers=N
         to_fp8 = sname in expected
         stacked = name in experts or name in fused or ".experts." in name
         mats: list[Mat] = []
-        src_fp8 = None
         if stacked:
             n_exp, rows, cols = shape
             if name in fused:
@@ -383,7 +386,7 @@ def plan(src: str | os.PathLike, tp: int = 1, dtype: str | None = None, layers=N
                 missing = sorted(set(range(n_exp)) - set(per))
                 if missing:
                     raise ConvertError(f"{src}: parameter {name} is missing experts {missing[:8]} "
-                                       f"(no {hf.source_name(name, n).format(e=missing[0])})")
+                                       f"(no {_hf_key(name, a, n).format(e=missing[0])})")
                 extra = sorted(set(per) - set(range(n_exp)))
                 if extra:
                     f, key = per[extra[0]]
@@ -406,7 +409,7 @@ def plan(src: str | os.PathLike, tp: int = 1, dtype: str | None = None, layers=N
                 used.update({name, name.removesuffix("weight") + "scale"})
             else:
                 raise ConvertError(f"{src}: no tensors for parameter {name} (expected "
-                                   f"{hf.source_name(name, n).format(e=0)} and the other experts)")
+                                   f"{_hf_key(name, a, n).format(e=0)} and the other experts)")
         else:
             if name not in single:
                 raise ConvertError(f"{src}: no tensor for parameter {name} of shape {shape} "
