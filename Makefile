@@ -3,7 +3,7 @@
 SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
-PROMPT ?= The "if" statement
+PROMPT ?= The "if" statement is used for conditional execution:
 NEW ?= 200
 
 define find_python
