@@ -107,10 +107,10 @@ def test_fp8_tp_layouts_load_exactly_and_agree(fp8_src, converted):
         w = m.layers[1].mlp.experts.down.weight[...]
         assert w.dtype == jax.numpy.float8_e4m3fn
         assert w.addressable_shards[0].data.shape == (8, 256, 1024 // tp)
-        if tp in (1, 8):
-            scores[tp] = jtilert.score(jtilert.load(dst, mesh=mesh, dtype="float32"), IDS, mesh=mesh, prefill=10)
-    assert np.isfinite(scores[1]).all()
-    np.testing.assert_allclose(scores[8], scores[1], atol=2e-3, rtol=1e-3)
+        scores[tp] = jtilert.score(jtilert.load(dst, mesh=mesh, dtype="float32"), IDS, mesh=mesh, prefill=10)
+    assert np.isfinite(scores[1]).all() and scores[1].std() > 0.1
+    for tp in (2, 8):  # the same logits up to the order of the all-reduce sums
+        np.testing.assert_allclose(scores[tp], scores[1], atol=2e-3, rtol=1e-3)
     files = sorted(p.relative_to(converted[8]).as_posix() for p in converted[8].rglob("*.bin"))
     assert "params/tp7/layers.1.mlp.experts.gate.weight.bin" in files
     assert "params/replicated/layers.1.self_attn.q_a_proj.weight.bin" in files
