@@ -169,10 +169,15 @@ def sparse_mla(q_lat: jax.Array, q_pe: jax.Array, kv_cache: jax.Array, pe_cache:
 # ---- MoE router -----------------------------------------------------------------------------
 
 def route(cfg: ModelConfig, x: jax.Array, gate: jax.Array, bias: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Sigmoid group-limited routing: (weights [T, k] fp32, expert ids [T, k] int32).
-    Selection uses score + bias; weights are the unbiased scores of the chosen experts, normalised,
-    times routed_scaling_factor."""
-    s = jax.nn.sigmoid(jnp.einsum("th,eh->te", x.astype(F32), gate.astype(F32)))
+    """Sigmoid group-limited routing: (weights [T, k] fp32, expert ids [T, k] int32)."""
+    return select_experts(cfg, jnp.einsum("th,eh->te", x.astype(F32), gate.astype(F32)), bias)
+
+
+def select_experts(cfg: ModelConfig, logits: jax.Array, bias: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The router's selection from fp32 logits [T, E]: selection uses sigmoid score + bias (top-2 sum
+    per group, top groups, then top experts); weights are the unbiased scores of the chosen experts,
+    normalised, times routed_scaling_factor."""
+    s = jax.nn.sigmoid(logits.astype(F32))
     biased = s + bias.astype(F32)[None, :]
     t, e = biased.shape
     if cfg.n_group > 1:

@@ -256,29 +256,11 @@ def router_logits(x, gate):
                         lambda xc, _: gemv._projection(xc, (w,), (None,), out_dtype=F32, config=cfg))
 
 
-def select_experts(cfg, logits, bias):
-    """The reference router's selection on precomputed fp32 logits [T, E]."""
-    s = jax.nn.sigmoid(logits.astype(F32))
-    biased = s + bias.astype(F32)[None, :]
-    t, e = biased.shape
-    if cfg.n_group > 1:
-        grouped = biased.reshape(t, cfg.n_group, e // cfg.n_group)
-        group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)
-        _, keep = jax.lax.top_k(group_score, cfg.topk_group)
-        group_mask = jnp.zeros((t, cfg.n_group), bool).at[jnp.arange(t)[:, None], keep].set(True)
-        biased = jnp.where(jnp.repeat(group_mask, e // cfg.n_group, axis=1), biased, -jnp.inf)
-    _, ids = jax.lax.top_k(biased, cfg.num_experts_per_tok)
-    w = jnp.take_along_axis(s, ids, axis=1)
-    if cfg.norm_topk_prob:
-        w = w / (w.sum(-1, keepdims=True) + 1e-20)
-    return w * cfg.routed_scaling_factor, ids.astype(jnp.int32)
-
-
 def route(cfg, x, gate, bias):
     """jtilert.layers.route with the logits GEMV in Pallas."""
     if x.dtype != BF16:
         return layers.route(cfg, x, gate, bias)
-    return select_experts(cfg, router_logits(x, gate), bias)
+    return layers.select_experts(cfg, router_logits(x, gate), bias)
 
 
 # ---- backend="pallas" entry points (fall back to the reference outside the decode regime) --------
