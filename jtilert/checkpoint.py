@@ -89,6 +89,17 @@ def _flatten(nested: dict, prefix: str = "") -> dict:
 
 # ---- save ----------------------------------------------------------------------------------
 
+def move_into_place(tmp: Path, path: Path) -> None:
+    """Rename a finished temporary folder to `path`, replacing what was there only once complete."""
+    if path.exists():
+        old = path.parent / f".{path.name}.old-{os.getpid()}"
+        path.rename(old)
+        tmp.rename(path)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(path)
+
+
 def save(model: Transformer, path: str | os.PathLike, overwrite: bool = False,
          tokenizer: str | os.PathLike | None = None) -> Path:
     """Write `model` to `path` atomically (temporary folder, then rename). `tokenizer` is "bytes"
@@ -112,13 +123,7 @@ def save(model: Transformer, path: str | os.PathLike, overwrite: bool = False,
         elif tokenizer is not None:
             shutil.copy(tokenizer, tmp / "tokenizer.json")
         (tmp / META).write_text(json.dumps(meta, indent=1))
-        if path.exists():
-            old = path.parent / f".{path.name}.old-{os.getpid()}"
-            path.rename(old)
-            tmp.rename(path)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(path)
+        move_into_place(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return path

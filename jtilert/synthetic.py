@@ -19,7 +19,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from jtilert import hf
+from jtilert import checkpoint, hf
 from jtilert.config import ModelConfig, preset
 
 HF_DTYPE = {"float8_e4m3fn": "F8_E4M3", "float32": "F32", "bfloat16": "BF16"}
@@ -187,13 +187,7 @@ def random_checkpoint(config: ModelConfig | str, path: str | os.PathLike, fmt: s
             conf["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                                            "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}
         (tmp / "config.json").write_text(json.dumps(conf, indent=1))
-        if path.exists():
-            old = path.parent / f".{path.name}.old-{os.getpid()}"
-            path.rename(old)
-            tmp.rename(path)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(path)
+        checkpoint.move_into_place(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         if bar is not None:
