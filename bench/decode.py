@@ -24,6 +24,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 import jtilert
 from jtilert import checkpoint, sharding
@@ -32,16 +33,61 @@ from jtilert.model import init_cache
 
 
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
-    """Bytes/s of an elementwise read+write pass over `nbytes` (the practical HBM ceiling)."""
+    """Bytes/s of an elementwise read+write pass over `nbytes` (the practical HBM ceiling); device
+    time from CUPTI on a GPU, wall time on the CPU."""
     x = jnp.ones((nbytes // 2,), jnp.bfloat16)
     f = jax.jit(lambda a: a * 1.5 + 1)
     f(x).block_until_ready()
-    times = []
-    for _ in range(10):
-        t = time.perf_counter()
-        f(x).block_until_ready()
-        times.append(time.perf_counter() - t)
+    if jax.default_backend() == "gpu":
+        times = [_cupti(lambda: f(x))[1] for _ in range(10)]
+    else:
+        times = []
+        for _ in range(10):
+            t = time.perf_counter()
+            f(x).block_until_ready()
+            times.append(time.perf_counter() - t)
     return 2 * x.nbytes / statistics.median(times)
+
+
+def _cupti(run):
+    """(kernels [(name, seconds)], total kernel seconds) of the device work `run()` launches."""
+    from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
+    ext = mosaic_gpu_lib._mosaic_gpu_ext
+    ext._cupti_init()
+    try:
+        jax.block_until_ready(run())
+    finally:
+        timings = ext._cupti_get_timings(False)
+    kernels = [(name, ms * 1e-3) for name, ms in timings or []]
+    return kernels, sum(t for _, t in kernels)
+
+
+def kernel_class(name: str) -> str:
+    """A readable group for a kernel name: our Mosaic/CUDA kernels by name, XLA's by kind."""
+    low = name.lower()
+    if low.startswith("jtilert") or low.startswith("jt::") or "jt::" in low:
+        return name.split("(")[0][:48]
+    for key, label in (("nccl", "nccl"), ("radix", "cub sort / top-k"), ("sort", "cub sort / top-k"),
+                       ("topk", "top-k"), ("gemm", "xla gemm"), ("gemv", "xla gemv"), ("cutlass", "xla gemm"),
+                       ("xmma", "xla gemm"), ("triton", "xla triton"), ("scatter", "xla scatter"),
+                       ("dynamic_update", "xla cache update"), ("reduce", "xla reduce"),
+                       ("concatenate", "xla concatenate"), ("copy", "xla copy"), ("fusion", "xla fusion")):
+        if key in low:
+            return label
+    return "other"
+
+
+def kernel_profile(step) -> dict:
+    """One decode step under CUPTI: how many kernels it launches and where their device time goes."""
+    kernels, busy = _cupti(step)
+    groups: dict = {}
+    for name, sec in kernels:
+        g = groups.setdefault(kernel_class(name), [0, 0.0])
+        g[0] += 1
+        g[1] += sec
+    top = sorted(groups.items(), key=lambda kv: -kv[1][1])
+    return {"kernels": len(kernels), "busy_ms": busy * 1e3,
+            "groups": [{"group": k, "count": c, "ms": t * 1e3} for k, (c, t) in top]}
 
 
 def step_bytes(model, context: int, tp: int = 1) -> dict:
@@ -104,8 +150,46 @@ def device_loop(eng: Engine, mtp: bool, steps: int):
     return jax.jit(run, donate_argnums=(1,))
 
 
+class _Skipped(nnx.Module):
+    """Stands in for a sub-layer in the timing variants: attention → (0, cache, topk), MLP → 0."""
+
+    def __init__(self, attention: bool):
+        self.attention = attention
+
+    def __call__(self, x, *args):
+        if self.attention:
+            cache, topk = args[-2:]
+            return jnp.zeros_like(x), cache, topk
+        return jnp.zeros_like(x)
+
+
+def variant(model, skip: tuple[str, ...]):
+    """A view of `model` (same weight arrays) with every layer's attention and/or MLP skipped."""
+    m = nnx.merge(*nnx.split(model))
+    for layer in m.layers:
+        if "attention" in skip:
+            layer.self_attn = _Skipped(True)
+        if "mlp" in skip:
+            layer.mlp = _Skipped(False)
+    return m
+
+
+BREAKDOWN = {"without attention": ("attention",), "without MLP/MoE": ("mlp",),
+             "embedding + head only": ("attention", "mlp")}
+
+
+def breakdown(model, backend, context, steps, samples, mesh, engine) -> dict:
+    """Per-layer split of the step time by timing variants: attention = full − without attention,
+    MLP/MoE = full − without MLP, the rest = embedding + final norm + lm head + sampling."""
+    out = {}
+    for label, skip in BREAKDOWN.items():
+        r = bench_backend(variant(model, skip), backend, context, False, steps, samples, mesh, engine, host=False)
+        out[label] = r["step_ms_median"]
+    return out
+
+
 def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samples: int, mesh=None,
-                  engine: bool = False) -> dict:
+                  engine: bool = False, host: bool = True, kernels: bool = False) -> dict:
     eng = Engine(model, mesh=mesh, backend=backend, engine_all_reduce=engine)
     rows = context + 2 * steps + 8
     cache = random_cache(eng, rows)
@@ -124,34 +208,45 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
         cache, token, draft, key = jax.block_until_ready(loop(eng.state, cache, token, draft, pos, params, key))
         per_step.append((time.perf_counter() - t) / steps)
 
-    # The host loop a Generator runs: one dispatch per step, one step ahead of the reads.
-    host_steps = steps * samples
+    device_s = statistics.median(per_step)
+    result = {"backend": eng.backend, "mtp": mtp, "tp": eng.tp, "all_reduce": "engine" if engine else "psum",
+              "step_ms_median": device_s * 1e3, "step_ms_p90": float(np.percentile(per_step, 90)) * 1e3,
+              "tok_s": 1.0 / device_s, "compile_s": compile_s, "steps_timed": steps * samples}
+    if host:
+        host_s, cache = host_loop(eng, cache, token, draft, pos, params, key, mtp, steps * samples)
+        result.update(host_loop_ms=host_s * 1e3, host_overhead_ms=max(0.0, host_s - device_s) * 1e3,
+                      host_overhead_frac=max(0.0, host_s - device_s) / host_s)
+    if kernels and jax.default_backend() == "gpu":
+        holder = [jax.block_until_ready(eng.decode(eng.state, cache, token, pos, params, key)[0])]
+
+        def one_step():
+            out = eng.decode(eng.state, holder[0], token, pos, params, key)
+            holder[0] = out[0]
+            return out
+        result["kernel_profile"] = kernel_profile(one_step)
+        result["kernel_profile"]["gaps_ms"] = device_s * 1e3 - result["kernel_profile"]["busy_ms"]
+    stats = jax.devices()[0].memory_stats() or {}
+    result["peak_device_bytes"] = int(stats.get("peak_bytes_in_use", 0))
+    return result
+
+
+def host_loop(eng, cache, token, draft, pos, params, key, mtp, n):
+    """(seconds per step, cache) of the loop a Generator runs: one dispatch per step, one step ahead
+    of the reads, always at the same position so the context stays fixed."""
     if mtp:
-        fn = lambda c, t, d, p, k: eng.speculate(eng.state, c, t, d, p, params, k)
+        fn = lambda c: eng.speculate(eng.state, c, token, draft, pos, params, key)
     else:
-        fn = lambda c, t, d, p, k: eng.decode(eng.state, c, t, p, params, k)
-    out = fn(cache, token, draft, pos, key)  # compile
-    jax.block_until_ready(out)
-    cache = out[0]
+        fn = lambda c: eng.decode(eng.state, c, token, pos, params, key)
+    out = jax.block_until_ready(fn(cache))  # compile
     t = time.perf_counter()
     pending = None
-    for _ in range(host_steps):
-        out = fn(cache, token, draft, pos, key)  # same position every step: the context stays fixed
-        cache = out[0]
+    for _ in range(n):
+        out = fn(out[0])
         if pending is not None:
             int(pending[0])
-        pending = out[1] if not mtp else out[3]
+        pending = out[3] if mtp else out[1]
     jax.block_until_ready(out)
-    host_per_step = (time.perf_counter() - t) / host_steps
-
-    device_s = statistics.median(per_step)
-    stats = jax.devices()[0].memory_stats() or {}
-    return {"backend": eng.backend, "mtp": mtp, "tp": eng.tp, "all_reduce": "engine" if engine else "psum", "step_ms_median": device_s * 1e3,
-            "step_ms_p90": float(np.percentile(per_step, 90)) * 1e3, "tok_s": 1.0 / device_s,
-            "host_loop_ms": host_per_step * 1e3, "host_overhead_ms": max(0.0, host_per_step - device_s) * 1e3,
-            "host_overhead_frac": max(0.0, host_per_step - device_s) / host_per_step,
-            "compile_s": compile_s, "steps_timed": steps * samples,
-            "peak_device_bytes": int(stats.get("peak_bytes_in_use", 0))}
+    return (time.perf_counter() - t) / n, out[0]
 
 
 def main(argv=None) -> dict:
@@ -162,13 +257,16 @@ def main(argv=None) -> dict:
     p.add_argument("--fmt", default=None, help="weight format for random weights (default fp8 for fp8 presets)")
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--backend", default="reference", help="comma-separated: reference,pallas")
-    p.add_argument("--mtp", action="store_true")
+    p.add_argument("--mtp", action="store_true", help="also time the MTP speculative step (verify 2 + draft)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (the config is split over tp devices)")
     p.add_argument("--all-reduce", default="psum", help="comma-separated: psum,engine (the CUDA engine)")
     p.add_argument("--steps", type=int, default=10, help="steps per timed sample")
     p.add_argument("--samples", type=int, default=20)
     p.add_argument("--out", default=None, help="write the JSON here")
     p.add_argument("--plot", default=None, help="write a PNG chart here")
+    p.add_argument("--kernels", action="store_true", help="CUPTI profile of one step: kernel count, busy time, groups")
+    p.add_argument("--breakdown", action="store_true",
+                   help="time variants without attention / without MLP to split the step (first all-reduce only)")
     a = p.parse_args(argv)
 
     mesh = jtilert.make_mesh(a.tp) if a.tp > 1 else None
@@ -187,12 +285,27 @@ def main(argv=None) -> dict:
     result = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind,
               "preset": a.checkpoint or a.preset, "layers": cfg.num_hidden_layers, "context": a.context, "tp": a.tp,
               "bytes_per_step": nbytes, "copy_bandwidth_GBs": bw / 1e9, "floor_ms": floor_ms, "runs": []}
+    def save():
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(result, f, indent=1)
+
+    ars = a.all_reduce.split(",")
     for backend in a.backend.split(","):
-        for ar in a.all_reduce.split(","):
-            r = bench_backend(model, backend, a.context, a.mtp, a.steps, a.samples, mesh, ar == "engine")
-            r["step_over_floor"] = r["step_ms_median"] / floor_ms
-            result["runs"].append(r)
-    ref = next((r for r in result["runs"] if r["backend"] == "reference" and r["all_reduce"] == "psum"), None)
+        for ar in ars:
+            for mtp in (False, True) if a.mtp else (False,):
+                r = bench_backend(model, backend, a.context, mtp, a.steps, a.samples, mesh, ar == "engine",
+                                  kernels=a.kernels and not mtp)
+                r["step_over_floor"] = r["step_ms_median"] / floor_ms
+                result["runs"].append(r)
+                print(json.dumps({k: v for k, v in r.items() if k != "kernel_profile"}), flush=True)
+                save()
+        if a.breakdown:
+            result.setdefault("breakdown", {})[backend] = breakdown(model, backend, a.context, a.steps, a.samples,
+                                                                    mesh, ars[0] == "engine")
+            save()
+    ref = next((r for r in result["runs"] if r["backend"] == "reference" and r["all_reduce"] == "psum"
+                and not r["mtp"]), None)
     for r in result["runs"]:
         r["speedup_vs_reference"] = ref["step_ms_median"] / r["step_ms_median"] if ref else None
 
@@ -204,9 +317,23 @@ def main(argv=None) -> dict:
         print(f"{r['backend']:10} {r['all_reduce']:6} {str(r['mtp']):4} {r['step_ms_median']:8.3f} {r['step_ms_p90']:8.3f} "
               f"{r['tok_s']:8.1f} {r['step_over_floor']:8.2f} {r['speedup_vs_reference'] or 0:6.2f} "
               f"{100 * r['host_overhead_frac']:7.1f} {r['compile_s']:9.1f}")
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=1)
+    for r in result["runs"]:
+        prof = r.get("kernel_profile")
+        if prof:
+            print(f"{r['backend']}: {prof['kernels']} kernels per step, {prof['busy_ms']:.3f} ms busy, "
+                  f"{prof['gaps_ms']:.3f} ms between kernels; by group:")
+            for g in prof["groups"][:12]:
+                print(f"    {g['group']:48} {g['count']:5d} {g['ms']:9.3f} ms")
+    full = {r["backend"]: r["step_ms_median"] for r in result["runs"] if not r["mtp"]}
+    for backend, parts in result.get("breakdown", {}).items():
+        f, rest = full[backend], parts["embedding + head only"]
+        attn, mlp = f - parts["without attention"], f - parts["without MLP/MoE"]
+        parts.update(attention_ms=attn, mlp_ms=mlp, rest_ms=rest, attention_per_layer_ms=attn / cfg.num_hidden_layers,
+                     mlp_per_layer_ms=mlp / cfg.num_hidden_layers)
+        print(f"{backend}: attention {attn:.3f} ms ({attn / cfg.num_hidden_layers * 1e3:.1f} us/layer), "
+              f"MLP/MoE {mlp:.3f} ms ({mlp / cfg.num_hidden_layers * 1e3:.1f} us/layer), "
+              f"embedding + head + sampling {rest:.3f} ms, of {f:.3f} ms")
+    save()
     if a.plot:
         plot(result, a.plot)
     return result

@@ -271,6 +271,55 @@ def time_xla(name, fns, make, nbytes):
     return best
 
 
+# ---- TMA stream probe ---------------------------------------------------------------------------
+
+def stream_probe(w, *, split, stages, block_k, block_n=64):
+    """The GEMV kernel's weight stream with no arithmetic: grid (row blocks, split-K), each CTA
+    pulling its [block_n, K/split] slab through `emit_pipeline` (same BlockSpecs and swizzle as
+    jtilert.pallas.gemv). Its time is what this pipeline structure can stream at all."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    n, k = w.shape
+    kc = k // split
+    steps = kc // block_k
+    swz = min(128, block_k * w.dtype.itemsize)
+    tr = (plgpu.TilingTransform((8, swz // w.dtype.itemsize)), plgpu.SwizzleTransform(swz))
+
+    def kernel(w_gmem, o_gmem):
+        n_idx, s_idx = jax.lax.axis_index("n"), jax.lax.axis_index("s")
+        plgpu.emit_pipeline(lambda idx, w_smem: None, grid=(steps,),
+                            in_specs=[plgpu.BlockSpec((block_n, block_k), lambda s: (n_idx, s_idx * steps + s),
+                                                      transforms=tr)],
+                            max_concurrent_steps=stages)(w_gmem)
+        o_gmem[n_idx * split + s_idx] = jnp.float32(1)
+
+    grid = (-(-n // block_n), split)
+    return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((grid[0] * split,), F32), grid=grid,
+                        grid_names=("n", "s"), kernel_name="stream_probe")(w)
+
+
+def run_stream(copy_tbs, sweep, quick):
+    """How fast emit_pipeline streams fp8 weights at the GEMV grids: stages × step size × split-K."""
+    key = jax.random.key(3)
+    for n, k in [(2112, 7168), (7168, 2048), (2304 * 2, 7168)]:
+        make = lambda i, n=n, k=k: (jax.random.normal(jax.random.fold_in(key, i), (n, k), F32).astype(FP8),)
+        nbytes = n * k
+        for split in (1, 4):
+            for stages, bk in ((2, 256), (4, 256), (8, 256), (4, 512), (12, 128)):
+                if k % (split * bk) or stages * 64 * bk > 200 * 1024:
+                    continue
+                try:
+                    r = time_op(functools.partial(stream_probe, split=split, stages=stages, block_k=bk), make, nbytes)
+                except Exception as e:  # noqa: BLE001
+                    log(f"  stream {n}x{k} split {split} stages {stages} bk {bk}: {str(e).splitlines()[0][:160]}")
+                    continue
+                tbs = nbytes / r["us"] / 1e6
+                RESULTS["sweep"].append(dict(op=f"stream {n}x{k}", split=split, stages=stages, block_k=bk,
+                                             us=r["us"], tbs=tbs))
+                log(f"  stream {n}x{k} fp8 split {split} ({-(-n // 64) * split} CTAs) stages {stages} bk {bk}: "
+                    f"{r['us']:.2f} us, {tbs:.2f} TB/s = {100 * tbs / copy_tbs:.0f} % of copy")
+
+
 # ---- MoE section --------------------------------------------------------------------------------
 
 def moe_args(key, t=1, e=256, width=256, hidden=7168, k=8):
@@ -475,7 +524,7 @@ def dump_kernels():
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default="gemv,moe,lmhead")
+    ap.add_argument("--only", default="gemv,moe,lmhead", help="sections: stream,gemv,moe,lmhead")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--dump", action="store_true", help="ptxas report + SASS of representative kernels to $OUT")
@@ -499,7 +548,7 @@ def main():
     dump_json()
 
 
-SECTIONS = [("gemv", run_gemv), ("moe", run_moe), ("lmhead", run_lmhead)]
+SECTIONS = [("stream", run_stream), ("gemv", run_gemv), ("moe", run_moe), ("lmhead", run_lmhead)]
 
 if __name__ == "__main__":
     main()
