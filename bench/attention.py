@@ -162,46 +162,102 @@ def bench_context(ctx, cfg, bw, key):
     row("INDEXER+TOPK XLA reference", ctx, t1, floor_idx, t1, len(n1), "")
     log("    kernels (ours):", n2)
 
-    # ---- sparse MLA
+
+# Sparse MLA timing variants (one context: the kernel reads 2048 rows whatever the context). Each
+# row: (label, config, cache, predicted µs for the partials kernel alone). Predictions from the
+# 2026-11-30 run (gather kernel 8.5 µs, combine kernel 3.3 µs, bk64 = 32 CTAs): if the serial chain
+# after the gather dominates (RESULTS.md's guess), "gather" ≈ 4 µs and qk/softmax/full add ≈ 1.5 µs
+# each; if instead the TMA issue dominates, "gather" ≈ 7 µs and the rest < 1.5 µs together.
+SMLA_VARIANTS = [
+    ("index (idx/valid loads only)", dict(block_k=64, stop="index"), "bf16", 2.5),
+    ("gather (+ row TMAs, relayout)", dict(block_k=64, stop="gather"), "bf16", 5.0),
+    ("qk (+ QK^T wgmma, m)", dict(block_k=64, stop="qk"), "bf16", 6.0),
+    ("softmax (+ P, l)", dict(block_k=64, stop="softmax"), "bf16", 6.5),
+    ("full bk64 (32 CTAs)", dict(block_k=64), "bf16", 8.5),
+    ("gather bk32 (64 CTAs)", dict(block_k=32, stop="gather"), "bf16", 4.0),
+    ("full bk32 (64 CTAs)", dict(block_k=32), "bf16", 6.5),
+    ("fp8 gather (+ dequant)", dict(block_k=64, stop="gather"), "fp8", 5.0),
+    ("fp8 full bk64", dict(block_k=64), "fp8", 8.0),
+]
+
+
+def bench_sparse_mla(ctx, cfg, bw, key):
+    """Sparse MLA: the XLA reference, the Pallas path (partials kernel + combine) on the bf16 and
+    the fp8 cache, and the stage-skipping timing variants of the partials kernel."""
     Hm, L, R = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
-    K = min(topk_k, ctx)
-    ql = jax.random.normal(keys[3], (1, Hm, L), jnp.bfloat16)
-    qp = jax.random.normal(keys[4], (1, Hm, R), jnp.bfloat16)
-    kv = jax.random.normal(keys[5], (ctx, L), jnp.bfloat16)
-    pe = jax.random.normal(keys[6], (ctx, R), jnp.bfloat16)
-    sidx = jax.random.permutation(keys[7], ctx)[:K].astype(jnp.int32)[None]
+    K = min(cfg.index_topk, ctx)
+    keys = jax.random.split(key, 5)
+    ql = jax.random.normal(keys[0], (1, Hm, L), jnp.bfloat16)
+    qp = jax.random.normal(keys[1], (1, Hm, R), jnp.bfloat16)
+    kv = jax.random.normal(keys[2], (ctx, L), jnp.bfloat16)
+    pe = jax.random.normal(keys[3], (ctx, R), jnp.bfloat16)
+    packed = layers.quantize_kv_fp8(kv, pe)
+    caches = {"bf16": (kv, pe), "fp8": (packed, None)}
+    sidx = jax.random.permutation(keys[4], ctx)[:K].astype(jnp.int32)[None]
     valid = jnp.ones_like(sidx, bool)
     scale = cfg.softmax_scale
     floor_mla = smla.byte_floor(Hm, K, L, R) / bw * 1e6
-    f_ref = jax.jit(functools.partial(layers.sparse_mla, scale=scale))
-    o_ref, t_mref, n_mref = measure(f_ref, ql, qp, kv, pe, sidx, valid)
-    try:
-        for cname in ("xla", "kernel"):
-            f = jax.jit(functools.partial(smla.sparse_mla, scale=scale,
-                                          config=smla.SparseMLAConfig(combine=cname)))
-            o, t, n = measure(f, ql, qp, kv, pe, sidx, valid)
-            label = "SPARSE MLA pallas" if cname == "kernel" else "sparse MLA pallas, XLA combine"
-            row(label, ctx, t, floor_mla, t_mref, len(n), f"rel err {rel(o, o_ref):.1e}")
+    floor_fp8 = (K * 656 + Hm * (L + R) * 2 + Hm * L * 4) / bw * 1e6
+
+    def run(fn, cache):
+        c, p = caches[cache]
+        return measure(jax.jit(lambda q1, q2, c, i, v: fn(q1, q2, c, p, i, v)), ql, qp, c, sidx, valid)
+
+    refs = {}
+    for cache in ("bf16", "fp8"):
+        refs[cache] = run(functools.partial(layers.sparse_mla, scale=scale), cache)
+        fl = floor_mla if cache == "bf16" else floor_fp8
+        row(f"SPARSE MLA XLA reference, {cache} cache", ctx, refs[cache][1], fl, refs[cache][1],
+            len(refs[cache][2]), "")
+    for cache, combine, bk in (("bf16", "kernel", 64), ("bf16", "xla", 64), ("bf16", "kernel", 32),
+                               ("fp8", "kernel", 64)):
+        try:
+            c = smla.SparseMLAConfig(block_k=bk, combine=combine)
+            o, t, n = run(functools.partial(smla.sparse_mla, scale=scale, config=c), cache)
+            fl = floor_mla if cache == "bf16" else floor_fp8
+            row(f"SPARSE MLA pallas {cache} bk{bk} {combine} combine", ctx, t, fl, refs[cache][1], len(n),
+                f"rel err {rel(o, refs[cache][0]):.1e}")
             log("    kernels:", n)
-        fp = jax.jit(lambda *a: smla.sparse_mla_partials(*a, None, scale))
-        _, tp, _ = measure(fp, ql, qp, kv, pe, sidx)
-        row("  sparse MLA kernel only (no combine)", ctx, tp, floor_mla, t_mref, 1, "")
-    except Exception as e:  # noqa: BLE001
-        log(f"  sparse MLA FAILED: {type(e).__name__}: {str(e)[:300]}")
-        traceback.print_exc(file=LOG)
-    row("SPARSE MLA XLA reference", ctx, t_mref, floor_mla, t_mref, len(n_mref), "")
+        except Exception as e:  # noqa: BLE001
+            log(f"  sparse MLA {cache} bk{bk} {combine} FAILED: {type(e).__name__}: {str(e)[:300]}")
+            traceback.print_exc(file=LOG)
+    log("  partials kernel alone, stage by stage (predicted µs in brackets):")
+    for label, kw, cache, pred in SMLA_VARIANTS:
+        try:
+            c = smla.SparseMLAConfig(**kw)
+            if cache == "fp8":   # the kernel takes plane-ordered queries; timing does not care
+                fn = lambda q1, q2, c_, p, i, v: smla.sparse_mla_partials(q1, q2, c_, None, i, None, scale, c)  # noqa: E731
+            else:
+                fn = lambda q1, q2, c_, p, i, v: smla.sparse_mla_partials(q1, q2, c_, p, i, None, scale, c)  # noqa: E731
+            (o, m, l), t, _ = run(fn, cache)
+            fl = floor_mla if cache == "bf16" else floor_fp8
+            row(f"  {label} [pred {pred}]", ctx, t, fl, refs[cache][1], 1, "")
+            if kw.get("stop", "full") == "full":
+                _, tc, _ = measure(jax.jit(smla.combine_kernel), o, m, l)
+                row(f"  combine kernel alone after {label}", ctx, tc, floor_mla, refs["bf16"][1], 1, "")
+        except Exception as e:  # noqa: BLE001
+            log(f"  {label} FAILED: {type(e).__name__}: {str(e)[:300]}")
+            traceback.print_exc(file=LOG)
 
 
 def main():
+    import argparse
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", choices=("indexer", "sparse_mla"), help="one half of the benchmark")
+    only = ap.parse_args().only
     cfg = preset("dsv32-tp8-shard")
     log("devices:", jax.devices())
     bw = copy_bandwidth()
     log(f"copy bandwidth: {bw / 1e12:.3f} TB/s (2 GiB read + 2 GiB write)")
-    contexts = [int(c) for c in os.environ.get("BENCH_CONTEXTS", "4096,32768,131072").split(",")]
+    default = "32768" if only == "sparse_mla" else "4096,32768,131072"
+    contexts = [int(c) for c in os.environ.get("BENCH_CONTEXTS", default).split(",")]
     for i, ctx in enumerate(contexts):
         log(f"== context {ctx}")
         try:
-            bench_context(ctx, cfg, bw, jax.random.key(i))
+            if only != "sparse_mla":
+                bench_context(ctx, cfg, bw, jax.random.key(i))
+            if only != "indexer":
+                bench_sparse_mla(ctx, cfg, bw, jax.random.key(100 + i))
         except Exception as e:  # noqa: BLE001
             log(f"context {ctx} FAILED: {type(e).__name__}: {str(e)[:500]}")
             traceback.print_exc(file=LOG)

@@ -55,6 +55,9 @@ class ModelConfig:
     indexer_rope_interleaved: bool = False
     # "fp8": the official kernel's Hadamard + fp8 block-quantised scoring; "none": scores in fp32.
     index_quant: str = "none"
+    # MLA latent cache: "none" keeps latent + rope rows in the activation dtype; "fp8" is FlashMLA's
+    # layout (656 bytes per position at L=512: e4m3 latent, one fp32 scale per 128, bf16 rope).
+    kv_cache_quant: str = "none"
     rope: RopeConfig = RopeConfig()
     max_position_embeddings: int = 163840
     num_nextn_predict_layers: int = 1
@@ -136,6 +139,10 @@ class ModelConfig:
             bad("index_quant", "must be 'fp8' or 'none'")
         if self.index_quant == "fp8" and self.index_head_dim % 128:
             bad("index_quant", f"fp8 scoring quantises 128-wide blocks: index_head_dim={self.index_head_dim}")
+        if self.kv_cache_quant not in ("fp8", "none"):
+            bad("kv_cache_quant", "must be 'fp8' or 'none'")
+        if self.kv_cache_quant == "fp8" and self.kv_lora_rank % 128:
+            bad("kv_cache_quant", f"the fp8 cache scales 128-wide groups: kv_lora_rank={self.kv_lora_rank}")
         if self.rope.type not in ("default", "yarn"):
             raise ValueError(f"config field 'rope_parameters.rope_type': unsupported {self.rope.type!r}")
         if self.num_nextn_predict_layers not in (0, 1):
@@ -194,7 +201,8 @@ class ModelConfig:
     def to_hf(self) -> dict:
         """The HF config.json dict (what `from_hf` reads back)."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-             if f.name not in ("rope", "indexer_rope_interleaved", "index_quant", "indexer_types", "eos_token_id")}
+             if f.name not in ("rope", "indexer_rope_interleaved", "index_quant", "kv_cache_quant", "indexer_types",
+                               "eos_token_id")}
         r = self.rope
         rp = {"rope_type": r.type, "rope_theta": r.theta}
         if r.type == "yarn":
@@ -202,7 +210,8 @@ class ModelConfig:
                       beta_fast=r.beta_fast, beta_slow=r.beta_slow, mscale=r.mscale, mscale_all_dim=r.mscale_all_dim)
         d.update(rope_parameters=rp, indexer_types=list(self.indexer_types), eos_token_id=list(self.eos_token_id),
                  architectures=["DeepseekV32ForCausalLM" if self.model_type == "deepseek_v32" else "GlmMoeDsaForCausalLM"],
-                 jtilert={"index_quant": self.index_quant, "indexer_rope_interleaved": self.indexer_rope_interleaved})
+                 jtilert={"index_quant": self.index_quant, "indexer_rope_interleaved": self.indexer_rope_interleaved,
+                          "kv_cache_quant": self.kv_cache_quant})
         return d
 
     @classmethod

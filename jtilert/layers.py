@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jtilert.config import ModelConfig
-from jtilert.quant import act_quant, dequantize, hadamard
+from jtilert.quant import FP8_MAX, act_quant, dequantize, hadamard
 
 F32 = jnp.float32
 
@@ -153,12 +153,53 @@ def topk_positions(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 
 # ---- absorbed sparse MLA ---------------------------------------------------------------------
 
-def sparse_mla(q_lat: jax.Array, q_pe: jax.Array, kv_cache: jax.Array, pe_cache: jax.Array,
+# FlashMLA's fp8 latent cache ("V32_FP8Sparse"): per position L fp8 e4m3 latent values, L/128 fp32
+# scales (one per 128 values, powers of two) and R bf16 rope values, 656 bytes for L=512, R=64. Kept
+# as little-endian uint32 words [S, L/4 + L/128 + R/2]: one array row per position.
+KV_FP8_GROUP = 128
+
+
+def kv_fp8_words(lat: int, rope: int) -> int:
+    return lat // 4 + lat // KV_FP8_GROUP + rope // 2
+
+
+def quantize_kv_fp8(latent: jax.Array, k_pe: jax.Array) -> jax.Array:
+    """Latent [..., L] and rope key [..., R] → packed FlashMLA fp8 rows [..., L/4 + L/128 + R/2] uint32.
+    Scale of a 128-value group: 2^ceil(log2(max(amax / 448, 1e-4))) (FlashMLA clamps the scale, not
+    amax, unlike `quant.pow2_scale`); stored values are latent / scale in e4m3."""
+    *lead, lat = latent.shape
+    g = latent.astype(F32).reshape(*lead, lat // KV_FP8_GROUP, KV_FP8_GROUP)
+    m, e = jnp.frexp(jnp.maximum(jnp.abs(g).max(-1) / FP8_MAX, 1e-4))   # exact, unlike exp2(ceil(log2))
+    scale = jnp.ldexp(jnp.float32(1), jnp.where(m == 0.5, e - 1, e))
+    q = (g / scale[..., None]).astype(jnp.float8_e4m3fn).reshape(*lead, lat)
+    as_bytes = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(*lead, -1)  # noqa: E731
+    row = jnp.concatenate([as_bytes(q), as_bytes(scale), as_bytes(k_pe.astype(jnp.bfloat16))], -1)
+    return jax.lax.bitcast_convert_type(row.reshape(*lead, -1, 4), jnp.uint32)
+
+
+def dequantize_kv_fp8(rows: jax.Array, lat: int) -> tuple[jax.Array, jax.Array]:
+    """Packed rows [..., W] uint32 → (latent [..., L] bf16, rope [..., R] bf16); exact: e4m3 times a
+    power of two fits in bf16."""
+    *lead, _ = rows.shape
+    b = jax.lax.bitcast_convert_type(rows, jnp.uint8).reshape(*lead, -1)
+    ng = lat // KV_FP8_GROUP
+    q = jax.lax.bitcast_convert_type(b[..., :lat], jnp.float8_e4m3fn).astype(F32)
+    scale = jax.lax.bitcast_convert_type(b[..., lat:lat + 4 * ng].reshape(*lead, ng, 4), F32)
+    kv = (q.reshape(*lead, ng, KV_FP8_GROUP) * scale[..., None]).reshape(*lead, lat)
+    pe = jax.lax.bitcast_convert_type(b[..., lat + 4 * ng:].reshape(*lead, -1, 2), jnp.bfloat16)
+    return kv.astype(jnp.bfloat16), pe
+
+
+def sparse_mla(q_lat: jax.Array, q_pe: jax.Array, kv_cache: jax.Array, pe_cache: jax.Array | None,
                idx: jax.Array, valid: jax.Array, scale: float) -> jax.Array:
     """Attention of absorbed queries over the selected latent rows.
-    q_lat [T, H, L], q_pe [T, H, R], kv_cache [S, L], pe_cache [S, R], idx/valid [T, K] → o_lat [T, H, L] fp32."""
-    kv = kv_cache[idx].astype(F32)  # [T, K, L]
-    pe = pe_cache[idx].astype(F32)
+    q_lat [T, H, L], q_pe [T, H, R], kv_cache [S, L] with pe_cache [S, R] — or kv_cache in the packed
+    fp8 layout (`quantize_kv_fp8`) with pe_cache None —, idx/valid [T, K] → o_lat [T, H, L] fp32."""
+    if pe_cache is None:
+        kv, pe = dequantize_kv_fp8(kv_cache[idx], q_lat.shape[-1])
+    else:
+        kv, pe = kv_cache[idx], pe_cache[idx]  # [T, K, L], [T, K, R]
+    kv, pe = kv.astype(F32), pe.astype(F32)
     s = (jnp.einsum("thl,tkl->thk", q_lat.astype(F32), kv)
          + jnp.einsum("thr,tkr->thk", q_pe.astype(F32), pe)) * scale
     s = jnp.where(valid[:, None, :], s, -jnp.inf)

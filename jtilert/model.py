@@ -183,14 +183,17 @@ class Attention(nnx.Module):
         kva = self.kv_a_proj_with_mqa(x)
         latent = self.kv_a_layernorm(kva[:, :lat])
         k_pe = layers.apply_rope(kva[:, lat:], cos, sin, True)
-        cache = dict(cache, kv=_write(cache["kv"], latent, start), pe=_write(cache["pe"], k_pe, start))
+        if cfg.kv_cache_quant == "fp8":
+            cache = dict(cache, kv=_write(cache["kv"], layers.quantize_kv_fp8(latent, k_pe), start))
+        else:
+            cache = dict(cache, kv=_write(cache["kv"], latent, start), pe=_write(cache["pe"], k_pe, start))
         if self.indexer is not None:
             topk, cache = self.indexer(x, qa, cos, sin, positions, start, cache)
         wkv = self.kv_b_proj.dequantized(x.dtype).reshape(heads, nope + cfg.v_head_dim, lat)
         q_lat = layers.dot("thn,hnl->thl", q_nope, wkv[:, :nope]).astype(x.dtype)
         _record(self, "q_lat", q_lat)
         _record(self, "q_pe", q_pe)
-        o_lat = ops.sparse_mla(q_lat, q_pe, cache["kv"], cache["pe"], *topk, cfg.softmax_scale)
+        o_lat = ops.sparse_mla(q_lat, q_pe, cache["kv"], cache.get("pe"), *topk, cfg.softmax_scale)
         o = layers.dot("thl,hvl->thv", o_lat.astype(x.dtype), wkv[:, nope:])
         o = o.reshape(t, heads * cfg.v_head_dim).astype(x.dtype)
         out = sharding.linear_all_reduce(o, self.o_proj.weight[...], self.o_proj.scale_or_none)
@@ -283,10 +286,15 @@ def _write(buf: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array:
 
 
 def init_cache(cfg: ModelConfig, rows: int, dtype) -> dict:
-    """Preallocated per-layer caches for `rows` positions: latent `kv`, rope key `pe`, and for layers
-    with their own indexer the index keys (fp8 + one fp32 scale per position in fp8 mode)."""
+    """Preallocated per-layer caches for `rows` positions: latent `kv` and rope key `pe` (or, with
+    kv_cache_quant="fp8", `kv` alone in FlashMLA's packed fp8 rows), and for layers with their own
+    indexer the index keys (fp8 + one fp32 scale per position in fp8 mode)."""
     def layer_cache(has_indexer):
-        c = {"kv": jnp.zeros((rows, cfg.kv_lora_rank), dtype), "pe": jnp.zeros((rows, cfg.qk_rope_head_dim), dtype)}
+        lat, r = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        if cfg.kv_cache_quant == "fp8":
+            c = {"kv": jnp.zeros((rows, layers.kv_fp8_words(lat, r)), jnp.uint32)}
+        else:
+            c = {"kv": jnp.zeros((rows, lat), dtype), "pe": jnp.zeros((rows, r), dtype)}
         if has_indexer:
             fp8 = cfg.index_quant == "fp8"
             c["index_k"] = jnp.zeros((rows, cfg.index_head_dim), jnp.float8_e4m3fn if fp8 else dtype)

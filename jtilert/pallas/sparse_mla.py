@@ -38,6 +38,16 @@ kernel 3.3 µs) against 14.4 µs for the XLA reference and a 0.56 µs byte floor
 the issue's 2× floor + 3 µs. Issuing the row copies from four warpgroups instead of one saved only
 0.6 µs, so the time sits in the serial chain after the gather; not yet placed stage by stage.
 
+FlashMLA's fp8 cache (`layers.quantize_kv_fp8`: per position 512 e4m3 + 4 fp32 scales + 64 bf16 rope,
+656 bytes, held as 164 uint32 words): pass it as kv_cache with pe_cache=None. A row travels as two
+TMA copies (the latent words, then the last 64 words: scales + rope); warpgroup 0 splits the words
+into byte planes with integer ops, decodes e4m3, multiplies by the group's scale (exact in bf16) and
+stores one 32-column plane per tile; the queries are permuted to the plane order and the output
+permuted back (`_plane_order`), the math after the tiles is the bf16 path's.
+
+`SparseMLAConfig.block_k` 32 gives 64 CTAs instead of 32 (bf16 cache); `stop` cuts the kernel after a
+stage, for timing only (bench/attention.py --only sparse_mla prints each stage with its prediction).
+
 Shapes: L a multiple of 64, R a multiple of 64 (smaller R is zero-padded by the wrapper), H ≤ 64 or a multiple of 64; any K (padded
 to `block_k` with masked rows); any T.
 """
@@ -56,6 +66,7 @@ import numpy as np
 from jax import lax
 
 import jtilert.pallas.interpret as _interp
+from jtilert import layers
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 HP = 64            # wgmma M: query rows (heads) per CTA
@@ -65,14 +76,24 @@ GATHER_WARPGROUPS = 4   # warpgroups issuing the row-gather TMAs
 MAX_TOKENS = 4          # decode / MTP verify; longer chunks (prefill) use the reference
 
 
+STOPS = ("index", "gather", "qk", "softmax", "full")
+
+
 @dataclasses.dataclass(frozen=True)
 class SparseMLAConfig:
-    block_k: int = 64           # selected rows per CTA (multiple of 64)
+    block_k: int = 64           # selected rows per CTA, 32 or 64: K / block_k CTAs per token (bf16 cache; fp8: 64)
     combine: str = "kernel"     # "kernel": the Mosaic combine kernel where it applies; "xla": one XLA fusion chain
+    # Timing only (bench/attention.py): the CTA stops after this stage and leaves the rest of its outputs
+    # unwritten — "index" (row indices read), "gather" (rows in SMEM, re-laid for wgmma), "qk" (scores;
+    # m written), "softmax" (m and l written), "full".
+    stop: str = "full"
 
     def __post_init__(self):
-        if self.block_k % 64:
-            raise ValueError(f"block_k={self.block_k} must be a multiple of 64")
+        # 16 rows: no bank-conflict-free relayout of the staged rows; 128: over the SMEM budget
+        if self.block_k not in (32, 64):
+            raise ValueError(f"block_k={self.block_k} must be 32 or 64")
+        if self.stop not in STOPS:
+            raise ValueError(f"stop={self.stop!r}: expected one of {STOPS}")
 
 
 def _swizzle(width: int, itemsize: int) -> int:
@@ -92,16 +113,47 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
+# fp8 cache: a packed row is uint32 words; word i of a 128-value group holds values 4i..4i+3 (byte k =
+# value 4i+k) and a rope word holds values 2i (low half) and 2i+1. The kernel splits the words into
+# byte "planes" with shifts, so its latent tile holds group g's values in the order (k, i): value
+# 128g + 4i + k at column 128g + 32k + i; rope value 2i+h at column 32h + i. The wrapper permutes the
+# queries to match (scores are order-free) and un-permutes the output columns.
+PLANE = 32     # words per 128-value group = columns per byte plane
+
+
+def _plane_order(x, group: int, per_word: int):
+    """Columns of x [..., n] from value order to plane order (groups of `group` values)."""
+    *lead, n = x.shape
+    return x.reshape(*lead, n // group, group // per_word, per_word).swapaxes(-1, -2).reshape(*lead, n)
+
+
+def _value_order(x, group: int, per_word: int):
+    *lead, n = x.shape
+    return x.reshape(*lead, n // group, per_word, group // per_word).swapaxes(-1, -2).reshape(*lead, n)
+
+
+def _e4m3_to_f32(b):
+    """fp8 e4m3 bit patterns (uint32 0..255) → fp32, with integer ops: normals get the exponent rebiased
+    (7 → 127), subnormals are m · 2^-9. (No NaN occurs: the quantiser clips to ±448.)"""
+    e = (b >> 3) & 0xF
+    m = b & 7
+    normal = lax.bitcast_convert_type(((e + 120) << 23) | (m << 20), F32)
+    mag = jnp.where(e == 0, m.astype(F32) * (2.0 ** -9), normal)
+    return jnp.where((b & 0x80) != 0, -mag, mag)
+
+
 def sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: float,
                         config: SparseMLAConfig = SparseMLAConfig()):
     """The kernel: per-split partial results (o [T, G, n_split, Hc, L] fp32, m [T, G, n_split, Hc],
     l [T, G, n_split, Hc]) for `combine`. q_lat [T, Hq, L] with Hq a multiple of 8 (the caller pads),
     idx [T, K] int32 with K a multiple of block_k; rows with idx < 0 or valid == False are masked
-    (valid may be None)."""
+    (valid may be None). pe_cache None: kv_cache is the packed fp8 cache [S, W] uint32 and q_lat /
+    q_pe / o are in plane order (see `_plane_order`)."""
     T, Hq, L = q_lat.shape
     R = q_pe.shape[-1]
     K = idx.shape[1]
     bk = config.block_k
+    fp8 = pe_cache is None
     if K % bk:
         raise ValueError(f"K={K} must be a multiple of block_k={bk}")
     if L % 64 or (L > TMA_MAX and L % TMA_MAX):
@@ -110,31 +162,45 @@ def sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: floa
         raise ValueError(f"rope dim {R}: a row must be a multiple of 128 bytes (pad it)")
     if Hq % 8 or (Hq > HP and Hq % HP):
         raise ValueError(f"heads={Hq} must be a multiple of 8, and of {HP} when above {HP}")
+    if fp8:
+        W = kv_cache.shape[1]
+        if (W != layers.kv_fp8_words(L, R) or W > TMA_MAX or W % 4 or L % 128 or R != 2 * PLANE
+                or bk % 64):
+            raise ValueError(f"fp8 cache: unsupported L={L}, R={R}, {W} words per row, block_k={bk}")
+        # a row travels as two TMA copies of whole 128-byte multiples (Mosaic's limit): the latent
+        # words, and the last TW words (scales + rope, overlapping the latent's end: those bytes come
+        # from L2, DRAM traffic stays one row)
+        TW = _round_up(W - L // 4, 32)
     n_split = K // bk
     groups = max(1, Hq // HP)
     hc = min(Hq, HP)                  # real query rows per CTA
     lc = min(L, LCHUNK)
     nlc = L // lc
-    lw = min(L, TMA_MAX)              # the latent row travels as one [L / lw, lw] TMA box
+    lw = min(L, TMA_MAX)              # a bf16 latent row travels as one [L / lw, lw] TMA box
     nlw = L // lw
-    q_tf, _ = _tiled(lc, 2)
-    qp_tf, _ = _tiled(R, 2)
-    p_tf, _ = _tiled(bk, 2)
+    # P·V needs P's swizzle (set by block_k) on the latent tiles, QKᵀ the latent tiles' on the queries;
+    # an fp8 cache fills the latent tiles one 32-column byte plane at a time (64-byte swizzle)
+    sw = 64 if fp8 else _swizzle(bk, 2)
+    q_tf = p_tf = (plgpu.TilingTransform((8, sw // 2)), plgpu.SwizzleTransform(sw))
+    if fp8:
+        qp_tf = q_tf
+    else:
+        qp_tf, _ = _tiled(R, 2)
+        kv_layout = plgpu.Layout.SMEM_GMEM_COPY((bk, lc), BF16, sw)
+        pe_layout = plgpu.Layout.SMEM_GMEM_COPY((bk, R), BF16, _swizzle(R, 2))
     o_tf = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
-    kv_layout = plgpu.Layout.SMEM_GMEM_COPY((bk, lc), BF16, _swizzle(lc, 2))
-    pe_layout = plgpu.Layout.SMEM_GMEM_COPY((bk, R), BF16, _swizzle(R, 2))
     nwg = GATHER_WARPGROUPS
     rows_per_wg = bk // nwg
     has_valid = valid is not None
+    stop = STOPS.index(config.stop)
 
     def body(*refs):
-        if has_valid:
-            (ql_ref, qp_ref, kv_ref, pe_ref, idx_ref, valid_ref, o_ref, m_ref, l_ref,
-             ql_s, qp_s, kv_s, pe_s, p_s, ml_s, midx_s, qbar, gbar, done) = refs
-        else:
-            (ql_ref, qp_ref, kv_ref, pe_ref, idx_ref, o_ref, m_ref, l_ref,
-             ql_s, qp_s, kv_s, pe_s, p_s, ml_s, midx_s, qbar, gbar, done) = refs
-            valid_ref = None
+        it = iter(refs)
+        ql_ref, qp_ref, kv_ref = next(it), next(it), next(it)
+        pe_ref = None if fp8 else next(it)
+        idx_ref = next(it)
+        valid_ref = next(it) if has_valid else None
+        o_ref, m_ref, l_ref, ql_s, qp_s, kv_s, pe_s, p_s, ml_s, midx_s, qbar, gbar, done = it
         t, g, s = lax.axis_index("t"), lax.axis_index("g"), lax.axis_index("s")
         wg = lax.axis_index("wg")
         row0 = t * Hq + g * HP
@@ -147,7 +213,7 @@ def sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: floa
                                         ql_s.at[c, pl.ds(0, hc)], qbar)
             plgpu.copy_gmem_to_smem(qp_ref.at[pl.ds(row0, hc)], qp_s.at[pl.ds(0, hc)], qbar)
 
-        def gather_and_compute(stage_kv, stage_pe):
+        def gather_and_compute(*stage):
             # every warpgroup issues the row copies of its share of the block (TMA issue is the
             # bottleneck of a one-thread gather)
             rows = range(rows_per_wg)
@@ -160,10 +226,18 @@ def sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: floa
                 rs = [jnp.where(v, r, -1) for r, v in zip(rs, vs)]
             for j, r in zip(js, rs):
                 midx_s[j] = r
+            if stop == STOPS.index("index"):
+                return
             for j, r in zip(js, rs):
                 r = jnp.maximum(r, 0)
-                plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(r, 1)], stage_kv.at[pl.ds(j, 1)], gbar.at[wg])
-                plgpu.copy_gmem_to_smem(pe_ref.at[pl.ds(r, 1)], stage_pe.at[pl.ds(j, 1)], gbar.at[wg])
+                if fp8:
+                    plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(r, 1), pl.ds(0, L // 4)], stage[0].at[pl.ds(j, 1)],
+                                            gbar.at[wg])
+                    plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(r, 1), pl.ds(W - TW, TW)], stage[1].at[pl.ds(j, 1)],
+                                            gbar.at[wg])
+                else:
+                    plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(r, 1)], stage[0].at[pl.ds(j, 1)], gbar.at[wg])
+                    plgpu.copy_gmem_to_smem(pe_ref.at[pl.ds(r, 1)], stage[1].at[pl.ds(j, 1)], gbar.at[wg])
             plgpu.barrier_arrive(done)
 
             @pl.when(wg == 0)
@@ -171,14 +245,36 @@ def sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: floa
                 plgpu.barrier_wait(done)
                 for w in range(nwg):
                     plgpu.barrier_wait(gbar.at[w])
-                for c in range(nlc):
-                    a, b = divmod(c * lc, lw)
-                    kv_s[c] = plgpu.load(stage_kv.at[:, a, pl.ds(b, lc)], layout=kv_layout)
-                pe_s[...] = plgpu.load(stage_pe, layout=pe_layout)
+                if fp8:
+                    dequantize(*stage)
+                else:
+                    for c in range(nlc):
+                        a, b = divmod(c * lc, lw)
+                        kv_s[c] = plgpu.load(stage[0].at[:, a, pl.ds(b, lc)], layout=kv_layout)
+                    pe_s[...] = plgpu.load(stage[1], layout=pe_layout)
                 plgpu.commit_smem()
 
-        pl.run_scoped(gather_and_compute, plgpu.SMEM((bk, nlw, lw), BF16), plgpu.SMEM((bk, R), BF16),
-                      collective_axes="wg")
+        def dequantize(lat_words, tail_words):
+            # packed rows → bf16 tiles, one byte plane (32 columns) per store; values × power-of-two
+            # scales are exact in bf16
+            wl = plgpu.Layout.WGMMA
+            for c in range(nlc):
+                sc = plgpu.load(tail_words.at[:, L // 4 + c - (W - TW)], layout=wl.reduce(1), optimized=False)
+                sc = lax.bitcast_convert_type(sc, F32)
+                sc = plgpu.layout_cast(lax.broadcast_in_dim(sc, (bk, PLANE), [0]), wl)
+                w = plgpu.load(lat_words.at[:, pl.ds(c * PLANE, PLANE)], layout=wl, optimized=False)
+                for k in range(4):
+                    v = _e4m3_to_f32((w >> (8 * k)) & 0xFF) * sc
+                    kv_s[c, :, pl.ds(k * PLANE, PLANE)] = v.astype(BF16)
+            w = plgpu.load(tail_words.at[:, pl.ds(TW - PLANE, PLANE)], layout=wl, optimized=False)
+            pe_s[:, pl.ds(0, PLANE)] = lax.bitcast_convert_type(w << 16, F32).astype(BF16)
+            pe_s[:, pl.ds(PLANE, PLANE)] = lax.bitcast_convert_type((w >> 16) << 16, F32).astype(BF16)
+
+        if fp8:
+            stage_types = (plgpu.SMEM((bk, L // 4), jnp.uint32), plgpu.SMEM((bk, TW), jnp.uint32))
+        else:
+            stage_types = (plgpu.SMEM((bk, nlw, lw), BF16), plgpu.SMEM((bk, R), BF16))
+        pl.run_scoped(gather_and_compute, *stage_types, collective_axes="wg")
 
         def finish(o_s):
             @pl.when(wg == 0)
@@ -196,13 +292,14 @@ def sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: floa
                 ok = lax.broadcast_in_dim(rows, (HP, bk), [1]) >= 0
                 sc = jnp.where(ok, sc * scale, -jnp.inf)
                 m = sc.max(axis=1)
-                m_safe = jnp.where(m == -jnp.inf, 0.0, m)
-                p = jnp.exp(sc - lax.broadcast_in_dim(m_safe, sc.shape, [0]))
                 ml_s[0] = m
-                ml_s[1] = p.sum(axis=1)
-                p_s[...] = p.astype(BF16)
+                if stop >= STOPS.index("softmax"):
+                    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+                    p = jnp.exp(sc - lax.broadcast_in_dim(m_safe, sc.shape, [0]))
+                    ml_s[1] = p.sum(axis=1)
+                    p_s[...] = p.astype(BF16)
                 plgpu.commit_smem()
-                for c in range(nlc):
+                for c in range(nlc if stop == STOPS.index("full") else 0):
                     def pv(acc):
                         plgpu.wgmma(acc, p_s, kv_s.at[c])
                         return acc[...]
@@ -214,10 +311,12 @@ def sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: floa
                     plgpu.copy_smem_to_gmem(o_s.at[c % 2, pl.ds(0, hc)],
                                             o_ref.at[t, g, s, :, pl.ds(c * lc, lc)])
                 plgpu.copy_smem_to_gmem(ml_s.at[0, pl.ds(0, hc)], m_ref.at[t, g, s])
-                plgpu.copy_smem_to_gmem(ml_s.at[1, pl.ds(0, hc)], l_ref.at[t, g, s])
+                if stop >= STOPS.index("softmax"):
+                    plgpu.copy_smem_to_gmem(ml_s.at[1, pl.ds(0, hc)], l_ref.at[t, g, s])
                 plgpu.wait_smem_to_gmem(0)
 
-        pl.run_scoped(finish, plgpu.SMEM((2, HP, lc), F32, transforms=o_tf), collective_axes="wg")
+        if stop >= STOPS.index("qk"):
+            pl.run_scoped(finish, plgpu.SMEM((2, HP, lc), F32, transforms=o_tf), collective_axes="wg")
 
     kernel = plgpu.kernel(
         body,
@@ -241,7 +340,9 @@ def sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: floa
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=_interp.params(),
     )
-    args = [q_lat.reshape(T * Hq, L), q_pe.reshape(T * Hq, R), kv_cache.reshape(-1, nlw, lw), pe_cache, idx]
+    args = [q_lat.reshape(T * Hq, L), q_pe.reshape(T * Hq, R)]
+    args += [kv_cache] if fp8 else [kv_cache.reshape(-1, nlw, lw), pe_cache]
+    args.append(idx)
     if has_valid:
         args.append(valid)
     return kernel(*args)
@@ -324,16 +425,22 @@ def combine_kernel(o, m, l, *, cols: int | None = None):
     return kernel(o, m, l)
 
 
+def _fp8_kernel_applies(L: int, R: int, W: int) -> bool:
+    return W == layers.kv_fp8_words(L, R) and R == 2 * PLANE and W % 4 == 0 and W <= TMA_MAX
+
+
 def sparse_mla(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: float, *,
                config: SparseMLAConfig | None = None):
-    """Drop-in for `jtilert.layers.sparse_mla`: q_lat [T, H, L], q_pe [T, H, R], kv_cache [S, L],
-    pe_cache [S, R], idx/valid [T, K] (valid may be None when masked rows carry idx < 0) → o_lat
-    [T, H, L] fp32."""
+    """Drop-in for `jtilert.layers.sparse_mla`: q_lat [T, H, L], q_pe [T, H, R], kv_cache [S, L] with
+    pe_cache [S, R], or the packed fp8 cache [S, W] uint32 with pe_cache None; idx/valid [T, K] (valid
+    may be None when masked rows carry idx < 0) → o_lat [T, H, L] fp32."""
     config = config or SparseMLAConfig()
     T, H, L = q_lat.shape
-    if T > MAX_TOKENS:   # prefill chunks: the reference (this kernel is for decode / MTP verify)
-        from jtilert.layers import sparse_mla as reference
-        return reference(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale)
+    R = q_pe.shape[-1]
+    fp8 = pe_cache is None
+    if T > MAX_TOKENS or (fp8 and not _fp8_kernel_applies(L, R, kv_cache.shape[1])):
+        # prefill chunks (this kernel is for decode / MTP verify) and fp8 caches of other widths
+        return layers.sparse_mla(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale)
     idx = idx.astype(jnp.int32)
     K = idx.shape[1]
     kp = _round_up(max(K, 1), config.block_k)
@@ -343,19 +450,23 @@ def sparse_mla(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: float, *,
             valid = jnp.pad(valid, ((0, 0), (0, kp - K)))
     hq = _round_up(H, 8)
     q_lat, q_pe = q_lat.astype(BF16), q_pe.astype(BF16)
-    kv_cache, pe_cache = kv_cache.astype(BF16), pe_cache.astype(BF16)
-    R = q_pe.shape[-1]
-    rp = _round_up(R, 64)   # a TMA row copy must move a multiple of 128 bytes (small test models only)
-    if rp != R:
-        q_pe = jnp.pad(q_pe, ((0, 0), (0, 0), (0, rp - R)))
-        pe_cache = jnp.pad(pe_cache, ((0, 0), (0, rp - R)))
+    if fp8:
+        q_lat, q_pe = _plane_order(q_lat, 128, 4), _plane_order(q_pe, R, 2)
+    else:
+        kv_cache, pe_cache = kv_cache.astype(BF16), pe_cache.astype(BF16)
+        rp = _round_up(R, 64)   # a TMA row copy must move a multiple of 128 bytes (small test models only)
+        if rp != R:
+            q_pe = jnp.pad(q_pe, ((0, 0), (0, 0), (0, rp - R)))
+            pe_cache = jnp.pad(pe_cache, ((0, 0), (0, rp - R)))
     if hq != H:
         q_lat = jnp.pad(q_lat, ((0, 0), (0, hq - H), (0, 0)))
         q_pe = jnp.pad(q_pe, ((0, 0), (0, hq - H), (0, 0)))
     o, m, l = sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, valid, float(scale), config)
     if config.combine == "kernel" and _combine_cols(*o.shape[2:]) is not None:
-        return combine_kernel(o, m, l)[:, :H]
-    return combine(o, m, l)[:, :H]
+        out = combine_kernel(o, m, l)[:, :H]
+    else:
+        out = combine(o, m, l)[:, :H]
+    return _value_order(out, 128, 4) if fp8 else out
 
 
 def byte_floor(heads: int, k: int, lat: int, rope: int) -> int:
@@ -366,7 +477,7 @@ def byte_floor(heads: int, k: int, lat: int, rope: int) -> int:
 
 if __name__ == "__main__":
     # python -m jtilert.pallas.sparse_mla : check against the reference and time one shape.
-    from jtilert.layers import sparse_mla as reference
+    reference = layers.sparse_mla
     T, H, L, R, S, K = 1, 16, 512, 64, 32768, 2048
     keys = jax.random.split(jax.random.key(0), 5)
     ql = jax.random.normal(keys[0], (T, H, L), BF16)
