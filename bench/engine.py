@@ -14,7 +14,10 @@ Sections (in priority order, each skipped once the time budget is spent):
   gemv       o_proj and expert-down shapes: engine fused, engine GEMV alone,
              XLA GEMV alone, XLA GEMV + psum
   topk       merge of 2x2048 candidates: engine vs all_gather + sort
-  indexer    128K positions: one GPU vs split over 2 GPUs (plain-JAX scorer)
+  select     exact top-2048 on one GPU, 4K-160K scores: engine one-launch select
+             (sorted, by index) vs lax.top_k
+  indexer    128K positions: one GPU vs split over 2 GPUs (plain-JAX scorer), with
+             lax.top_k or the engine select (+ engine merge)
   decode     a proxy decode step of DeepSeek-V3.2 widths at tp=2 (few layers)
 """
 
@@ -34,7 +37,7 @@ def main() -> int:
   ap.add_argument("--out", default=None)
   ap.add_argument("--budget-s", type=float, default=150.0)
   ap.add_argument("--quick", action="store_true")
-  ap.add_argument("--sections", default="allreduce,gemv,topk,indexer,decode")
+  ap.add_argument("--sections", default="allreduce,gemv,topk,select,indexer,decode")
   ap.add_argument("--smoke", action="store_true",
                   help="tiny shapes on any devices (checks the script, numbers meaningless)")
   args = ap.parse_args()
@@ -331,6 +334,36 @@ def main() -> int:
     row("topk", f"merge_topk 2 ranks x {m} -> {k}: engine", us_e, xla_allgather_sort_us=round(us_r, 2),
         ratio_vs_xla=round(us_e / us_r, 3), equal_to_xla=same)
 
+  # ---------------------------------------------------------------- one-GPU exact top-k
+  if "select" in secs and left() > 0:
+    L = 8 if args.quick else 16
+    K = 64 if args.smoke else 2048
+    dev = gpus[0]
+    for n in ((4096,) if args.smoke else (4096, 32768, 131072, 163840)):
+      if left() < 0:
+        break
+      xs = [jax.device_put(jax.random.normal(jax.random.fold_in(jax.random.key(5), i), (1, n)), dev)
+            for i in range(2 * L)]
+
+      def make(Lc, kind, xs=xs):
+        def f(*a):
+          if kind == "xla":
+            return tuple(lax.top_k(x, K)[1] for x in a)
+          return tuple(jf.top_k(x, K, sorted=kind == "engine")[1] for x in a)
+        return jax.jit(f), tuple(xs[:Lc]), None
+
+      res = {}
+      for kind in ("engine", "engine_by_index", "xla"):
+        res[kind] = dev_per_op(lambda Lc, kind=kind: make(Lc, kind), L)
+        if res[kind] != res[kind]:
+          res[kind], *_ = per_op(lambda Lc, kind=kind: make(Lc, kind), L)
+      fe, a, _ = make(1, "engine")
+      fx, _, _ = make(1, "xla")
+      same = bool(jnp.array_equal(fe(*a)[0], fx(*a)[0]))
+      row("select", f"top-{K} of {n} scores, T=1: engine (sorted)", res["engine"],
+          engine_by_index_us=round(res["engine_by_index"], 2), xla_top_k_us=round(res["xla"], 2),
+          speedup_vs_xla=round(res["xla"] / res["engine"], 2), equal_to_lax_top_k=same)
+
   # ---------------------------------------------------------------- split indexer
   if "indexer" in secs and left() > 0:
     S, H, D, K = (4096, 8, 128, 64) if args.smoke else (131072, 64, 128, 2048)
@@ -345,11 +378,13 @@ def main() -> int:
       logits = jnp.dot(kc, q.T, preferred_element_type=jnp.float32)  # [S, H]
       return jnp.dot(jnp.maximum(logits, 0.0), w)  # [S]
 
-    def single(Lc):
+    def single(Lc, kind="xla"):
       dev = gpus[0]
       ks = [jax.device_put(kk, dev) for kk in keys[:Lc]]
 
       def f(q, w, *ks):
+        if kind == "engine_select":
+          return tuple(jf.top_k(score(kc, q, w), K)[1] for kc in ks)
         return tuple(lax.top_k(score(kc, q, w), K)[1] for kc in ks)
       return jax.jit(f), (jax.device_put(q, dev), jax.device_put(wq, dev), *ks), None
 
@@ -361,6 +396,9 @@ def main() -> int:
         r = lax.axis_index("tp")
         outs = []
         for kc in ks:
+          if kind == "engine_select":   # engine select of this half + engine merge
+            outs.append(jf.split_topk(score(kc, q, w), K, "tp")[1][None])
+            continue
           vals, loc = lax.top_k(score(kc, q, w), K)
           gi = loc.astype(jnp.int32) + r * (S // W)
           if kind == "engine":
@@ -374,16 +412,30 @@ def main() -> int:
     us_1 = dev_per_op(single, L)
     us_e = dev_per_op(lambda Lc: split(Lc, "engine"), L)
     us_x = dev_per_op(lambda Lc: split(Lc, "xla"), L)
+    us_1s = dev_per_op(lambda Lc: single(Lc, "engine_select"), L)
+    us_es = dev_per_op(lambda Lc: split(Lc, "engine_select"), L)
     if us_1 != us_1 or us_e != us_e:
       us_1, *_ = per_op(single, L)
       us_e, *_ = per_op(lambda Lc: split(Lc, "engine"), L)
       us_x, *_ = per_op(lambda Lc: split(Lc, "xla"), L)
+    if us_1s != us_1s or us_es != us_es:
+      us_1s, *_ = per_op(lambda Lc: single(Lc, "engine_select"), L)
+      us_es, *_ = per_op(lambda Lc: split(Lc, "engine_select"), L)
     f1, a1, _ = single(1)
     fe, ae, _ = split(1, "engine")
     same = bool(np.array_equal(np.sort(np.asarray(f1(*a1)[0])), np.sort(np.asarray(fe(*ae)[0][0]))))
     row("indexer", f"S={S} H={H} D={D} top-{K}: split over 2 GPUs + engine merge", us_e,
         single_gpu_us=round(us_1, 2), split_xla_merge_us=round(us_x, 2),
         ratio_vs_single=round(us_e / us_1, 3), same_set_as_single=same)
+    f1s, a1s, _ = single(1, "engine_select")
+    fes, aes, _ = split(1, "engine_select")
+    one = np.asarray(f1s(*a1s)[0])
+    same_s = (bool(np.array_equal(one, np.asarray(f1(*a1)[0])))
+              and bool(np.array_equal(np.asarray(fes(*aes)[0][0]), one)))
+    row("indexer", f"S={S} H={H} D={D} top-{K}: split over 2 GPUs, engine select + engine merge",
+        us_es, single_gpu_engine_select_us=round(us_1s, 2), single_gpu_lax_top_k_us=round(us_1, 2),
+        ratio_vs_single_engine_select=round(us_es / us_1s, 3),
+        ratio_vs_single_lax_top_k=round(us_es / us_1, 3), same_as_lax_top_k=same_s)
 
   # ---------------------------------------------------------------- decode-step proxy
   if "decode" in secs and left() > 0:

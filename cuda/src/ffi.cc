@@ -17,6 +17,7 @@ namespace ffi = xla::ffi;
 JT_EXPORT XLA_FFI_Error* JtAllReduce(XLA_FFI_CallFrame* call_frame);
 JT_EXPORT XLA_FFI_Error* JtGemvAllReduce(XLA_FFI_CallFrame* call_frame);
 JT_EXPORT XLA_FFI_Error* JtMergeTopk(XLA_FFI_CallFrame* call_frame);
+JT_EXPORT XLA_FFI_Error* JtTopkSelect(XLA_FFI_CallFrame* call_frame);
 
 namespace {
 
@@ -150,6 +151,35 @@ ffi::Error MergeTopkImpl(cudaStream_t stream, int32_t dev,
   return ffi::Error::Success();
 }
 
+// Exact top-k of scores [T, n]: indices [T, k] int32 and values [T, k] f32.
+// The device's scratch is allocated when the call is lowered (Python side).
+ffi::Error TopkSelectImpl(cudaStream_t stream, int32_t dev,
+                          ffi::Buffer<ffi::F32> scores,
+                          ffi::Result<ffi::Buffer<ffi::S32>> out_idx,
+                          ffi::Result<ffi::Buffer<ffi::F32>> out_val,
+                          int32_t mode) {
+  auto sd = scores.dimensions();
+  auto od = out_idx->dimensions();
+  if (sd.size() != 2 || od.size() != 2 || od[0] != sd[0] ||
+      out_val->element_count() != out_idx->element_count())
+    return ffi::Error::InvalidArgument("jtilert topk_select: shape mismatch");
+  JtStatus st;
+  if (jt_topk_status(dev, &st) != 0)
+    return ffi::Error::Internal("jtilert topk_select: device " +
+                                std::to_string(dev) + " not prepared");
+  if (st.code != 0)
+    return ffi::Error::Internal(
+        "jtilert topk_select: an earlier call timed out at a barrier (row " +
+        std::to_string(st.rank) + ")");
+  cudaError_t e = ensure_device(dev);
+  if (e != cudaSuccess) return cuda_error(e, "set device");
+  e = jt_topk_select(dev, stream, scores.typed_data(), out_idx->typed_data(),
+                     out_val->typed_data(), (int)sd[0], (int)sd[1], (int)od[1],
+                     mode);
+  if (e != cudaSuccess) return cuda_error(e, "topk_select launch");
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JtAllReduce, AllReduceImpl,
@@ -195,4 +225,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JtMergeTopk, MergeTopkImpl,
                                   .Attr<int32_t>("world")
                                   .Attr<int32_t>("blocks")
                                   .Attr<int32_t>("threads"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JtTopkSelect, TopkSelectImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("mode"),
                               {ffi::Traits::kCmdBufferCompatible});

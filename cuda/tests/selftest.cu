@@ -5,7 +5,8 @@
 // One host thread per GPU, like XLA. Checks, against a CPU reference:
 // all-reduce (one-shot, two-shot; bf16/f32; odd sizes), GEMV + all-reduce
 // (bf16 and fp8 with block scales), merge_topk; results bit-identical across
-// ranks; many consecutive calls alternating ops (epoch / parity reuse).
+// ranks; many consecutive calls alternating ops (epoch / parity reuse); the
+// one-GPU exact top-k (topk_select) against a sorted reference on device 0.
 // --small keeps sizes tiny for compute-sanitizer. --bench also times the ops
 // inside CUDA graphs and a NVLink ping-pong (the latency floor).
 #include <cuda_bf16.h>
@@ -470,6 +471,138 @@ void test_interleaved(int gid, int rounds) {
                  " rounds, no host sync: all values exact");
 }
 
+// ---------------- exact top-k (one GPU) ----------------
+
+enum ScoreKind { kNormal, kTies, kZeros, kMasked, kNarrow };
+
+std::vector<float> make_scores(int T, int n, ScoreKind kind, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::uniform_real_distribution<float> ud(0.f, 1.f);
+  const float picks[5] = {0.f, -0.f, 1.f, -1.f, INFINITY};
+  std::vector<float> x((size_t)T * n);
+  for (int t = 0; t < T; ++t) {
+    for (int i = 0; i < n; ++i) {
+      float v = nd(rng);
+      switch (kind) {
+        case kNormal: break;
+        case kTies: v = std::round(v * 2.f) / 2.f; break;  // few distinct scores
+        case kZeros: v = i < n / 3 ? picks[rng() % 5] : -INFINITY; break;
+        case kMasked: v = i < 100 ? v : -INFINITY; break;  // short context
+        case kNarrow: v = 1.f + 0.2f * ud(rng); break;     // one level-0 bucket
+      }
+      x[(size_t)t * n + i] = v;
+    }
+  }
+  return x;
+}
+
+// lax.top_k's order: total order of the bits (-0.0 < +0.0), then lower index.
+uint32_t order_key(float f, bool canonical_zero) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if (canonical_zero && u == 0x80000000u) u = 0u;
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// Reference rows: indices and value bits of the top k, in the kernel's order.
+void select_reference(const std::vector<float>& x, int T, int n, int k, int mode,
+                      std::vector<int32_t>* idx, std::vector<uint32_t>* val) {
+  const bool canon = (mode & JT_TOPK_CANONICAL_ZERO) != 0;
+  idx->assign((size_t)T * k, 0);
+  val->assign((size_t)T * k, 0);
+  for (int t = 0; t < T; ++t) {
+    std::vector<int32_t> o(n);
+    for (int i = 0; i < n; ++i) o[i] = i;
+    const float* r = &x[(size_t)t * n];
+    std::sort(o.begin(), o.end(), [&](int32_t a, int32_t b) {
+      const uint32_t ka = order_key(r[a], canon), kb = order_key(r[b], canon);
+      return ka > kb || (ka == kb && a < b);
+    });
+    o.resize(k);
+    if (!(mode & JT_TOPK_SORTED)) std::sort(o.begin(), o.end());
+    for (int j = 0; j < k; ++j) {
+      const uint32_t key = order_key(r[o[j]], canon);
+      (*idx)[(size_t)t * k + j] = o[j];
+      (*val)[(size_t)t * k + j] = (key & 0x80000000u) ? (key & 0x7fffffffu) : ~key;
+    }
+  }
+}
+
+// Device 0; `iters` launches back to back, another shape in between (the
+// scratch must come back clean after every call), outputs poisoned first.
+void test_select(int T, int n, int k, int mode, ScoreKind kind, int iters,
+                 unsigned seed) {
+  CK(cudaSetDevice(0));
+  const std::vector<float> x = make_scores(T, n, kind, seed);
+  std::vector<int32_t> ri;
+  std::vector<uint32_t> rv;
+  select_reference(x, T, n, k, mode, &ri, &rv);
+  const std::vector<float> other = make_scores(2, 4099, kTies, seed + 1);
+  cudaStream_t st;
+  CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  float* dx = dev_copy(x);
+  float* dother = dev_copy(other);
+  int32_t* di = nullptr;
+  float* dv = nullptr;
+  CK(cudaMalloc(&di, (size_t)T * k * 4));
+  CK(cudaMalloc(&dv, (size_t)T * k * 4));
+  int32_t* oi = nullptr;
+  float* ov = nullptr;
+  CK(cudaMalloc(&oi, 2 * 333 * 4));
+  CK(cudaMalloc(&ov, 2 * 333 * 4));
+  for (int it = 0; it < iters; ++it) {
+    CK(cudaMemsetAsync(di, 0xff, (size_t)T * k * 4, st));
+    CK(cudaMemsetAsync(dv, 0xff, (size_t)T * k * 4, st));
+    CK(jt_topk_select(0, st, dx, di, dv, T, n, k, mode));
+    CK(jt_topk_select(0, st, dother, oi, ov, 2, 4099, 333, JT_TOPK_SORTED));
+  }
+  CK(cudaMemsetAsync(di, 0xff, (size_t)T * k * 4, st));
+  CK(jt_topk_select(0, st, dx, di, dv, T, n, k, mode));
+  CK(cudaStreamSynchronize(st));
+  const auto hi = host_copy(di, (size_t)T * k);
+  const auto hv = host_copy(reinterpret_cast<uint32_t*>(dv), (size_t)T * k);
+  int bad = 0;
+  for (size_t j = 0; j < hi.size(); ++j) bad += hi[j] != ri[j] || hv[j] != rv[j];
+  CK(cudaFree(dx));
+  CK(cudaFree(dother));
+  CK(cudaFree(di));
+  CK(cudaFree(dv));
+  CK(cudaFree(oi));
+  CK(cudaFree(ov));
+  CK(cudaStreamDestroy(st));
+  static const char* kinds[] = {"normal", "ties", "zeros/-inf", "masked", "narrow"};
+  char buf[200];
+  std::snprintf(buf, sizeof(buf),
+                "topk_select T=%d n=%d k=%d %s%s %s ctas/row=%d iters=%d: "
+                "mismatches=%d",
+                T, n, k, (mode & JT_TOPK_SORTED) ? "sorted" : "by-index",
+                (mode & JT_TOPK_CANONICAL_ZERO) ? "+canonical-zero" : "",
+                kinds[kind], jt_topk_select_ctas(0, T, n, k, mode), iters, bad);
+  report(bad == 0, buf);
+}
+
+void run_select_tests(bool small, int iters) {
+  const int S = JT_TOPK_SORTED;
+  test_select(1, 100, 100, S, kZeros, iters, 31);
+  test_select(3, 3001, 1000, S, kMasked, iters, 32);
+  test_select(1, 5000, 2048, 0, kZeros, iters, 33);
+  if (small) return;
+  test_select(1, 4096, 2048, S, kNormal, iters, 41);
+  test_select(1, 4096, 2048, S, kTies, iters, 42);
+  test_select(1, 2048, 2048, S, kNormal, iters, 43);             // n == k
+  test_select(2, 32768, 2048, S, kTies, iters, 44);
+  test_select(4, 32771, 2048, 0, kNormal, iters, 45);            // n odd
+  test_select(1, 131072, 2048, S, kNormal, iters, 46);
+  test_select(1, 131072, 2048, S, kMasked, iters, 47);
+  test_select(1, 131072, 2048, S | JT_TOPK_CANONICAL_ZERO, kZeros, iters, 48);
+  test_select(2, 163840, 2048, S, kNarrow, iters, 49);
+  test_select(8, 163840, 2048, S, kTies, iters, 50);
+  test_select(8, 9000, 8192, S, kNormal, iters, 51);             // ranks: one part per slot
+  test_select(3, 70001, 7, 0, kTies, iters, 52);
+}
+
+
 // ---------------- benchmarks (CUDA graphs, no XLA) ----------------
 
 // Ping-pong through peer memory: rank 0 writes flag i into rank 1's buffer,
@@ -562,6 +695,43 @@ void bench_graph(const char* name,
   std::sort(per[0].begin(), per[0].end());
   std::printf("BENCH %s graph_us_per_call=%.3f (rank0 median of %zu)\n", name,
               per[0][per[0].size() / 2], per[0].size());
+}
+
+// One select per rank on its own GPU (the scores stay in L2, as after the
+// indexer); bench_graph prints rank 0's median time per launch.
+void bench_select(int T, int n, int k, int mode) {
+  const std::vector<float> x = make_scores(T, n, kNormal, 7);
+  std::vector<float*> dx(g_world), dv(g_world);
+  std::vector<int32_t*> di(g_world);
+  for (int r = 0; r < g_world; ++r) {
+    CK(cudaSetDevice(r));
+    dx[r] = dev_copy(x);
+    CK(cudaMalloc(&di[r], (size_t)T * k * 4));
+    CK(cudaMalloc(&dv[r], (size_t)T * k * 4));
+  }
+  char name[160];
+  std::snprintf(name, sizeof(name), "topk_select T=%d n=%d k=%d %s ctas/row=%d", T,
+                n, k, (mode & JT_TOPK_SORTED) ? "sorted" : "by-index",
+                jt_topk_select_ctas(0, T, n, k, mode));
+  bench_graph(
+      name,
+      [&](int r, cudaStream_t st) {
+        CK(jt_topk_select(r, st, dx[r], di[r], dv[r], T, n, k, mode));
+      },
+      100);
+  for (int r = 0; r < g_world; ++r) {
+    CK(cudaSetDevice(r));
+    CK(cudaFree(dx[r]));
+    CK(cudaFree(di[r]));
+    CK(cudaFree(dv[r]));
+  }
+}
+
+void run_select_bench() {
+  for (int n : {4096, 32768, 131072, 163840})
+    for (int mode : {JT_TOPK_SORTED, 0}) bench_select(1, n, 2048, mode);
+  bench_select(2, 131072, 2048, JT_TOPK_SORTED);
+  bench_select(4, 131072, 2048, JT_TOPK_SORTED);
 }
 
 int rpw_for(int K, bool fp8) {
@@ -782,6 +952,12 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
+  for (int r = 0; r < g_world; ++r) {
+    if (jt_topk_prepare(r, 20000, err, sizeof(err)) != 0) {
+      std::printf("FAIL topk prepare: %s\n", err);
+      return 1;
+    }
+  }
   int gid = jt_group_create(devs.data(), g_world, 1 << 20, 20000, err,
                             sizeof(err));
   if (gid < 0) {
@@ -828,7 +1004,11 @@ int main(int argc, char** argv) {
     test_merge(gid, 1500, std::min(2048, 1500 * g_world), 4, 512, iters, 24);
     test_interleaved(gid, 500);
   }
-  if (bench) run_bench(gid);
+  run_select_tests(small, iters);
+  if (bench) {
+    run_select_bench();
+    run_bench(gid);
+  }
   std::printf("%s: %d failure(s)\n", g_fail ? "FAILED" : "OK", g_fail);
   return g_fail ? 1 : 0;
 }

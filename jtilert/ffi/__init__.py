@@ -8,6 +8,10 @@ Public functions (all usable inside ``jax.shard_map`` over a mesh axis):
 - ``gemv(x, w, scale=None)``: the same GEMV kernel without communication.
 - ``merge_topk(scores, indices, axis_name, k)``: global top-k of per-rank
   candidate lists, bit-identical on every rank.
+- ``top_k(scores, k)`` / ``topk(scores, k)`` / ``split_topk(scores, k, axis_name)``: exact
+  top-k on one GPU in one launch (``lax.top_k``'s result; ``topk`` is the drop-in for
+  ``jtilert.layers.topk_positions``), and split over the ranks + ``merge_topk``
+  (``jtilert.ffi.select``).
 - ``available()``: whether the CUDA engine is usable in this process.
 
 Without the built library (``python -m jtilert.ffi.build``; it is also built on
@@ -24,6 +28,7 @@ from jtilert.ffi.build import build
 from jtilert.ffi.ops import (all_reduce, dequantize, gemv, gemv_all_reduce, gemv_reference,
                              merge_topk, merge_topk_reference)
 from jtilert.ffi.plan import GemvPlan, build_gemv_plan, check_gemv_plan
+from jtilert.ffi.select import split_topk, top_k, topk
 
 
 def available() -> bool:
@@ -41,5 +46,5 @@ def unavailable_reason() -> str:
 __all__ = [
     "GemvPlan", "all_reduce", "available", "build", "build_gemv_plan", "check_gemv_plan",
     "dequantize", "gemv", "gemv_all_reduce", "gemv_reference", "merge_topk",
-    "merge_topk_reference", "unavailable_reason",
+    "merge_topk_reference", "split_topk", "top_k", "topk", "unavailable_reason",
 ]

@@ -20,6 +20,7 @@ TARGETS = {
     "jtilert_all_reduce": "JtAllReduce",
     "jtilert_gemv_all_reduce": "JtGemvAllReduce",
     "jtilert_merge_topk": "JtMergeTopk",
+    "jtilert_topk_select": "JtTopkSelect",
 }
 
 _lock = threading.RLock()
@@ -69,8 +70,13 @@ class Lib:
     d.jt_group_status.restype = c_int
     d.jt_merge_topk_max_k.argtypes = [c_int, c_int]
     d.jt_merge_topk_max_k.restype = c_int
+    d.jt_topk_prepare.argtypes = [c_int, c_int64, ctypes.c_char_p, c_int]
+    d.jt_topk_prepare.restype = c_int
+    d.jt_topk_select_ctas.argtypes = [c_int] * 5
+    d.jt_topk_select_ctas.restype = c_int
     d.jt_version.restype = ctypes.c_char_p
     self._prepared: set[int] = set()
+    self._select_ready: set[int] = set()
     self._groups: dict[tuple[int, ...], int] = {}
 
   @staticmethod
@@ -95,6 +101,20 @@ class Lib:
       if self.dll.jt_prepare_device(dev, err, 512) != 0:
         raise RuntimeError(err.value.decode())
       self._prepared.add(dev)
+
+  def prepare_select(self, dev: int) -> None:
+    """Allocates (once) device ``dev``'s top-k scratch."""
+    with _lock:
+      if dev in self._select_ready:
+        return
+      err = ctypes.create_string_buffer(512)
+      if self.dll.jt_topk_prepare(dev, timeout_ms(), err, 512) != 0:
+        raise RuntimeError(err.value.decode())
+      self._select_ready.add(dev)
+
+  def topk_ctas(self, dev: int, t: int, n: int, k: int, mode: int) -> int:
+    """CTAs per row of the top-k launch, or -1 if the shape is not supported."""
+    return int(self.dll.jt_topk_select_ctas(dev, t, n, k, mode))
 
   def group(self, devices: tuple[int, ...]) -> int:
     """Creates (once) the group of these local device ids; returns its id."""

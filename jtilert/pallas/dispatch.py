@@ -46,6 +46,17 @@ def swiglu(x, gate, gate_scale, up, up_scale, down, down_scale):
     return layers.swiglu(x, gate, gate_scale, up, up_scale, down, down_scale)
 
 
+def _engine_topk(fallback):
+    """`topk_positions` through the CUDA engine's one-launch top-k (jtilert.ffi.select) when the
+    engine library is loaded on a GPU, for decode token counts; `fallback` otherwise."""
+    def topk_positions(scores, k):
+        from jtilert import ffi  # noqa: PLC0415 - loads the library only when a model asks
+        if scores.ndim == 2 and scores.shape[0] <= MAX_DECODE_TOKENS and ffi.available():
+            return ffi.topk(scores, k)
+        return fallback(scores, k)
+    return topk_positions
+
+
 def _attention_ops() -> dict:
     """Kernels from the attention modules of this package, when they exist and export the op."""
     found = {}
@@ -78,4 +89,5 @@ def ops() -> types.SimpleNamespace:
     except ImportError:
         pass
     table.update(_attention_ops())
+    table.update(topk_positions=_engine_topk(table["topk_positions"]))
     return types.SimpleNamespace(**table)

@@ -1,11 +1,13 @@
-"""Exact top-k of the indexer scores on the device.
+"""Exact top-k of the indexer scores on the device: the XLA-op fallback.
 
-Status (measured on the H200, bench/RESULTS.md): the radix selects below are exact but, built from
-XLA ops (23-30 small kernels: scatter histograms with atomic contention, scans), they are slower
-than XLA's own `lax.top_k` (a CUB radix sort: 33 µs at 4K scores, 45 µs at 128K), so
-`method="xla"` is the default. Neither meets the issue's target; a one-launch Mosaic top-k needs
-per-thread code (SMEM histograms, compaction) that Pallas Mosaic-GPU's array model does not
-express and its interpreter cannot run.
+Status: `backend="pallas"` runs the CUDA engine's one-launch top-k (`jtilert.ffi.select`, hand-written
+CUDA in cuda/src/select.cu: SMEM histograms, a barrier between the CTAs of a row, compaction) when
+the engine library is loaded on a GPU (jtilert/pallas/dispatch.py); this module is what runs
+otherwise. Measured on the H200 (bench/RESULTS.md): the radix selects below are exact but, built
+from XLA ops (23-30 small kernels: scatter histograms with atomic contention, scans), they are
+slower than XLA's own `lax.top_k` (33 µs at 4K scores, 45 µs at 128K), so `method="xla"` is the
+default. Pallas Mosaic-GPU's array model cannot express the per-thread code (SMEM histograms,
+compaction) a one-launch select needs, hence the CUDA kernel.
 
 `topk_radix(scores, k)` returns the k cache rows with the largest scores per token, as (indices [T, k]
 int32 in increasing position order, their scores [T, k] fp32). Ties are broken toward the lower

@@ -167,6 +167,96 @@ def main() -> int:
       traceback.print_exc()
       report(False, f"merge_topk m={m} k={k}: {e}")
 
+  # ---------------- exact top-k on one GPU (jtilert.ffi.select) vs lax.top_k -------
+  from jtilert import layers
+  from jtilert.pallas import dispatch
+
+  def score_rows(t, n, kind):
+    x = rng.standard_normal((t, n))
+    if kind == "ties":
+      x = np.round(x * 2) / 2
+    elif kind == "zeros":      # +0.0 / -0.0 at the threshold, -inf past a causal limit
+      x = rng.choice(np.array([0.0, -0.0, 1.0, -1.0, np.inf]), size=(t, n), p=[.4, .4, .05, .1, .05])
+      x[:, n // 3:] = -np.inf
+    elif kind == "masked":     # short context in a long cache
+      x[:, 100:] = -np.inf
+    return jax.device_put(jnp.asarray(x, jnp.float32), gpus[0])
+
+  zs = jax.device_put(jnp.asarray([[-0.0, 0.0, -0.0, 0.0, 1.0]], jnp.float32), gpus[0])
+  print("INFO lax.top_k on the GPU, k=4 of [-0.0, +0.0, -0.0, +0.0, 1.0]: indices",
+        np.asarray(lax.top_k(zs, 4)[1])[0].tolist(), "(total order of the bits: [4, 1, 3, 0])")
+  for (t, n, k, kind) in ((1, 4096, 2048, "normal"), (1, 32768, 2048, "ties"),
+                          (1, 131072, 2048, "normal"), (1, 131072, 2048, "masked"),
+                          (2, 131072, 2048, "ties"), (4, 163840, 2048, "zeros"),
+                          (1, 1000, 2048, "normal"), (1, 2048, 2048, "ties"),
+                          (3, 70001, 100, "ties"), (8, 9000, 8192, "normal")):
+    try:
+      x = score_rows(t, n, kind)
+      kk = min(k, n)
+      fe = jax.jit(lambda s, k=k: jf.top_k(s, k))
+      fu = jax.jit(lambda s, k=k: jf.top_k(s, k, sorted=False))
+      rv, ri = (np.asarray(a) for a in jax.jit(lambda s, kk=kk: lax.top_k(s, kk))(x))
+      ev, ei = (np.asarray(a) for a in fe(x))
+      uv, ui = (np.asarray(a) for a in fu(x))
+      exact = np.array_equal(ei, ri) and np.array_equal(ev.view(np.uint32), rv.view(np.uint32))
+      order = np.argsort(ri, axis=-1)
+      by_index = (np.array_equal(ui, np.take_along_axis(ri, order, -1)) and
+                  np.array_equal(uv.view(np.uint32), np.take_along_axis(rv, order, -1).view(np.uint32)))
+      di, dvalid = (np.asarray(a) for a in jax.jit(lambda s, k=k: dispatch.ops().topk_positions(s, k))(x))
+      li, lvalid = (np.asarray(a) for a in layers.topk_positions(x, k))
+      drop_in = np.array_equal(di, li) and np.array_equal(dvalid, lvalid)
+      custom = hlo_has(fe, (x,), "jtilert_topk_select")
+      report(exact and by_index and drop_in and custom,
+             f"top_k T={t} N={n} k={k} {kind}: custom_call={custom} equals-lax.top_k={exact} "
+             f"by-index-mode={by_index} pallas-dispatch-equals-layers={drop_in} "
+             f"(mismatching indices: {int((ei != ri).sum())})")
+    except Exception as e:  # noqa: BLE001
+      traceback.print_exc()
+      report(False, f"top_k T={t} N={n} k={k} {kind}: {e}")
+
+  # many calls in one jitted loop (command buffers): the kernel's scratch stays clean
+  try:
+    x = score_rows(1, 131072, "ties")[0]
+
+    def tk_loop(x):
+      def body(it, bad):
+        s = jnp.roll(x, it * 977) * (1.0 + (it % 3).astype(jnp.float32))
+        v, i = jf.top_k(s, 2048)
+        rv, ri = lax.top_k(s, 2048)
+        v2, i2 = jf.top_k(s[:40000].reshape(2, 20000), 333, sorted=False)
+        rv2, ri2 = lax.top_k(s[:40000].reshape(2, 20000), 333)
+        return bad + jnp.sum(i != ri) + jnp.sum(v != rv) + jnp.sum(jnp.sort(i2, -1) != jnp.sort(ri2, -1))
+      return lax.fori_loop(0, 1000, body, jnp.zeros((), jnp.int32))
+
+    t0 = time.perf_counter()
+    bad = int(jax.jit(tk_loop)(x))
+    report(bad == 0, f"1000 iterations of top_k (2 shapes, both modes) in one jitted fori_loop: "
+                     f"mismatches={bad} ({time.perf_counter() - t0:.1f} s incl. compile)")
+  except Exception as e:  # noqa: BLE001
+    traceback.print_exc()
+    report(False, f"top_k jitted loop: {e}")
+
+  # split over the 2 GPUs: local top-k of each half + merge_topk
+  try:
+    n, k = 131072, 2048
+    for kind in ("normal", "ties", "masked"):
+      x = np.asarray(score_rows(1, n, kind))[0]
+      xs = jax.device_put(jnp.asarray(x), jax.sharding.NamedSharding(mesh, P("tp")))
+      fs = smap(per_rank(lambda s: jf.split_topk(s, k, "tp")), P("tp"), P("tp"))
+      sv, si = (np.asarray(a) for a in fs(xs))
+      rv, ri = (np.asarray(a) for a in lax.top_k(jnp.asarray(x), k))
+      same = all(np.array_equal(sv[0].view(np.uint32), sv[r].view(np.uint32)) and
+                 np.array_equal(si[0], si[r]) for r in range(W))
+      exact = np.array_equal(si[0], ri) and np.array_equal(sv[0], rv)
+      txt = fs.lower(xs).as_text()
+      custom = "jtilert_topk_select" in txt and "jtilert_merge_topk" in txt
+      report(same and exact and custom,
+             f"split_topk N={n} k={k} {kind} over {W} GPUs: custom_calls={custom} "
+             f"bit-identical={same} equals-one-GPU-lax.top_k={exact}")
+  except Exception as e:  # noqa: BLE001
+    traceback.print_exc()
+    report(False, f"split_topk: {e}")
+
   # ---------------- 10,000 calls inside one jitted loop -------------------------
   try:
     n = 7168

@@ -51,7 +51,8 @@ typedef struct JtStatus {
   uint32_t src;    // peer it was waiting for
   uint32_t epoch;  // epoch of the call
   uint64_t line;   // inbox line it was waiting on
-  uint64_t op;     // kernel id (1 all-reduce, 2 gemv, 3 merge_topk)
+  uint64_t op;     // kernel id (1 all-reduce, 2 gemv, 3 merge_topk,
+                   // 4 topk_select: rank = row, src = CTA, line = barrier)
 } JtStatus;
 
 // ---- set-up (host, not thread-safe with respect to launches of the same group
@@ -109,6 +110,30 @@ cudaError_t jt_merge_topk(int gid, int rank, cudaStream_t stream,
                           const float* scores, const int32_t* indices,
                           float* out_scores, int32_t* out_indices, int m,
                           int k, int blocks, int threads);
+
+// ---- single-GPU exact top-k (src/select.cu) ----
+
+#define JT_TOPK_MAX_ROWS 8
+#define JT_TOPK_MAX_K 8192
+// mode bits of jt_topk_select
+#define JT_TOPK_SORTED 1          // output by (score desc, index asc), else by index
+#define JT_TOPK_CANONICAL_ZERO 2  // -0.0 counts as (and is returned as) +0.0
+
+// Allocates device `dev`'s top-k scratch (once; idempotent) and raises the
+// kernel's shared-memory limit. `timeout_ms` bounds its barrier waits.
+int jt_topk_prepare(int dev, int64_t timeout_ms, char* err, int errlen);
+// CTAs per row that jt_topk_select would launch, or -1 if the shape is not
+// supported (T > JT_TOPK_MAX_ROWS, k > n or k > JT_TOPK_MAX_K, not
+// co-resident) or the device is not prepared.
+int jt_topk_select_ctas(int dev, int T, int n, int k, int mode);
+// Copies device `dev`'s top-k status record into `out`; returns 0 or -1.
+int jt_topk_status(int dev, JtStatus* out);
+// Exact top-k of every row of scores [T, n] (fp32): the k (index, value)
+// pairs lax.top_k returns (ties toward the lower index; total order of the
+// bits), written to out_idx / out_val [T, k]. One cooperative launch.
+cudaError_t jt_topk_select(int dev, cudaStream_t stream, const float* scores,
+                           int32_t* out_idx, float* out_val, int T, int n,
+                           int k, int mode);
 
 // Dynamic shared memory (bytes) that jt_gemv_all_reduce needs.
 int64_t jt_gemv_smem_bytes(int K, int tile_rows, int max_tasks);

@@ -1,0 +1,259 @@
+"""CPU tests of the engine's one-launch top-k (cuda/src/select.cu, jtilert/ffi/select.py).
+
+The kernel itself runs in cuda/tests/selftest.cu and tests/gpu/engine_gpu_checks.py on a GPU.
+Here: the sources are in the CMake build (tests/test_ffi.py compiles cuda/ with -Werror), the
+fallback equals lax.top_k, the CUDA lowering emits the custom call, and a numpy model that
+follows the kernel step by step (grid plan, digit passes, per-CTA counts, tie take, ranks)
+gives exactly lax.top_k's result on inputs with many ties, -inf, +-0.0 and N < k.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import jtilert.ffi as jf
+from jtilert import layers
+from jtilert.ffi import ops as ffi_ops
+from jtilert.ffi import select as sel
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_select_is_built_and_exported():
+  cm = (ROOT / "cuda" / "CMakeLists.txt").read_text()
+  assert "src/select.cu" in cm
+  assert "JtTopkSelect" in (ROOT / "cuda" / "src" / "ffi.cc").read_text()
+  from jtilert.ffi import _lib
+  assert _lib.TARGETS["jtilert_topk_select"] == "JtTopkSelect"
+
+
+# ------------------------------------------------------------------ numpy model of the kernel
+
+NT, BINS, MAX_CHUNK, MAX_CTAS = 512, 2048, 16384, 1024
+LEVEL_SHIFTS = (21, 10, 0)
+
+
+def order_key(x, canonical_zero=False):
+  u = np.asarray(x, np.float32).view(np.uint32).copy()
+  if canonical_zero:
+    u[u == 0x80000000] = 0
+  return np.where(u >> 31 == 1, ~u, u | np.uint32(0x80000000)).astype(np.uint32)
+
+
+def key_value(key):
+  key = np.asarray(key, np.uint32)
+  return np.where(key >> 31 == 1, key & np.uint32(0x7FFFFFFF), ~key).astype(np.uint32).view(np.float32)
+
+
+def plan(t, n, k, sms=132):
+  g = max(1, sms // t)
+  g = min(g, (n + 31) // 32)
+  chunk = min(MAX_CHUNK, ((n + g - 1) // g + 31) // 32 * 32)
+  return (n + chunk - 1) // chunk, chunk
+
+
+def model_row(x, k, sorted_out=True, canonical_zero=False, sms=132, t=1):
+  """One row through the kernel's steps; returns (values, indices)."""
+  n = x.shape[0]
+  g_n, chunk = plan(t, n, k, sms)
+  keys = order_key(x, canonical_zero)
+  chunks = [keys[g * chunk:min(n, (g + 1) * chunk)] for g in range(g_n)]
+  pre, need, lo = 0, k, 32
+
+  def in_bucket(kk):
+    return np.ones(kk.shape, bool) if lo >= 32 else (kk >> np.uint32(lo)) == pre
+
+  def above_bucket(kk):
+    return np.zeros(kk.shape, bool) if lo >= 32 else (kk >> np.uint32(lo)) > pre
+
+  for shift in LEVEL_SHIFTS:
+    nb = 1 << (lo - shift)
+    hist = np.zeros(nb, np.int64)
+    for c in chunks:           # every CTA adds its shared-memory histogram to the global one
+      m = in_bucket(c)
+      hist += np.bincount(((c[m] >> np.uint32(shift)) & np.uint32(nb - 1)).astype(np.int64),
+                          minlength=nb)
+    # find_digit: per-thread groups of bins, suffix counts, the one bin that crosses `need`
+    per = (nb + NT - 1) // NT
+    found = []
+    for th in range(NT):
+      b_lo, b_hi = min(nb, th * per), min(nb, th * per + per)
+      cum = int(hist[b_hi:].sum())
+      for b in range(b_hi - 1, b_lo - 1, -1):
+        if cum < need <= cum + hist[b]:
+          found.append((b, cum, int(hist[b])))
+        cum += int(hist[b])
+    assert len(found) == 1
+    d, above, in_d = found[0]
+    pre = (pre << (lo - shift)) | d
+    lo = shift
+    need -= above
+    if in_d == need:
+      break
+  gt = [int(above_bucket(c).sum()) for c in chunks]
+  eq = [int(in_bucket(c).sum()) for c in chunks]
+  stage = np.zeros(k, np.uint64)
+  out_v, out_i = np.zeros(k, np.float32), np.full(k, -1, np.int32)
+  written = np.zeros(k, bool)
+  for g, c in enumerate(chunks):
+    gt_before, eq_before = sum(gt[:g]), sum(eq[:g])
+    offset = gt_before + min(eq_before, need)
+    take = min(need - eq_before, eq[g]) if need > eq_before else 0
+    # threads walk contiguous runs; the tie rank is the block scan of their bucket counts
+    vpt = (len(c) + NT - 1) // NT
+    slot, e = offset, 0
+    for th in range(NT):
+      for i in range(min(len(c), th * vpt), min(len(c), th * vpt + vpt)):
+        s = bool(above_bucket(c[i:i + 1])[0])
+        if not s and in_bucket(c[i:i + 1])[0]:
+          s = e < take
+          e += 1
+        if s:
+          assert not written[slot]
+          written[slot] = True
+          stage[slot] = (np.uint64(c[i]) << np.uint64(32)) | np.uint64(g * chunk + i)
+          slot += 1
+  assert written.all()
+  pos, vals = (stage & np.uint64(0xFFFFFFFF)).astype(np.int32), key_value((stage >> np.uint64(32)).astype(np.uint32))
+  if not sorted_out:
+    return vals, pos
+  # ranks: CTA g ranks slots [g*per, ...) against the k staged keys split into `parts` ranges
+  sk = (stage >> np.uint64(32)).astype(np.uint32)
+  per = (k + g_n - 1) // g_n
+  for g in range(g_n):
+    s0 = min(k, g * per)
+    ne = min(k, s0 + per) - s0
+    if ne == 0:
+      continue
+    parts = max(1, NT // ne)
+    rank = np.zeros(ne, np.int64)
+    for part in range(parts):
+      y0, y1 = k * part // parts, k * (part + 1) // parts
+      for el in range(ne):
+        sx = s0 + el
+        a = min(max(sx, y0), y1)
+        b = max(a, min(sx + 1, y1))
+        rank[el] += int((sk[y0:a] >= sk[sx]).sum()) + int((sk[b:y1] > sk[sx]).sum())
+    for el in range(ne):
+      out_v[rank[el]], out_i[rank[el]] = vals[s0 + el], pos[s0 + el]
+  return out_v, out_i
+
+
+def _scores(rng, t, n, kind):
+  if kind == "normal":
+    x = rng.standard_normal((t, n))
+  elif kind == "ties":          # few distinct values: long runs of equal scores
+    x = np.round(rng.standard_normal((t, n)) * 2) / 2
+  elif kind == "zeros":         # +0.0 and -0.0 around the threshold, -inf past a causal limit
+    x = rng.choice(np.array([0.0, -0.0, 1.0, -1.0, np.inf]), size=(t, n), p=[.4, .4, .05, .1, .05])
+    x[:, n // 3:] = -np.inf
+  elif kind == "masked":        # decode with a short context: most rows -inf
+    x = rng.standard_normal((t, n))
+    x[:, 100:] = -np.inf
+  elif kind == "narrow":        # all scores inside one quarter-octave (one level-0 bucket)
+    x = 1.0 + rng.random((t, n)) * 0.2
+  else:
+    raise ValueError(kind)
+  return x.astype(np.float32)
+
+
+CASES = [  # (T, N, k, kind)
+    (1, 4096, 2048, "normal"), (2, 32768, 2048, "ties"), (1, 5000, 2048, "zeros"),
+    (3, 3001, 1000, "masked"), (1, 777, 777, "ties"), (1, 100, 100, "zeros"), (4, 20000, 64, "narrow"),
+    (1, 131072, 2048, "masked"), (8, 1000, 7, "ties"), (8, 9000, 8192, "normal"),
+]
+
+
+@pytest.mark.parametrize("t,n,k,kind", CASES)
+def test_numpy_model_of_the_kernel_equals_lax_top_k(t, n, k, kind):
+  x = _scores(np.random.default_rng(n + k), t, n, kind)
+  rv, ri = (np.asarray(a) for a in lax.top_k(jnp.asarray(x), k))
+  for r in range(min(t, 2)):
+    v, i = model_row(x[r], k, sorted_out=True, t=t)
+    np.testing.assert_array_equal(i, ri[r])
+    np.testing.assert_array_equal(v.view(np.uint32), rv[r].view(np.uint32))
+    vu, iu = model_row(x[r], k, sorted_out=False, t=t)
+    order = np.argsort(ri[r])
+    np.testing.assert_array_equal(iu, ri[r][order])
+    np.testing.assert_array_equal(vu.view(np.uint32), rv[r][order].view(np.uint32))
+
+
+def test_lax_top_k_orders_by_the_bits():
+  """The order the kernel reproduces: -0.0 < +0.0, ties toward the lower position."""
+  x = jnp.asarray([[-0.0, 0.0, -0.0, 0.0, -np.inf, 1.0, -np.inf]], jnp.float32)
+  v, i = lax.top_k(x, 6)
+  np.testing.assert_array_equal(np.asarray(i)[0], [5, 1, 3, 0, 2, 4])
+  np.testing.assert_array_equal(np.asarray(v)[0].view(np.uint32), order_key_inverse([5, 1, 3, 0, 2, 4], x))
+
+
+def order_key_inverse(idx, x):
+  return np.asarray(x)[0][idx].view(np.uint32)
+
+
+# ------------------------------------------------------------------ fallback and lowering
+
+@pytest.mark.parametrize("t,n,k", [(1, 4096, 2048), (3, 1000, 1500), (2, 700, 64)])
+def test_fallback_equals_reference(t, n, k):
+  x = jnp.asarray(_scores(np.random.default_rng(1), t, n, "zeros"))
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    idx, valid = jax.jit(jf.topk, static_argnums=1)(x, k)
+    vals, idx2 = jf.top_k(x, k)
+    vu, iu = jf.top_k(x, k, sorted=False)
+    one_v, one_i = jf.top_k(x[0], k)
+  ridx, rvalid = layers.topk_positions(x, k)
+  np.testing.assert_array_equal(np.asarray(idx), np.asarray(ridx))
+  np.testing.assert_array_equal(np.asarray(valid), np.asarray(rvalid))
+  np.testing.assert_array_equal(np.asarray(idx2), np.asarray(ridx))
+  np.testing.assert_array_equal(np.asarray(one_i), np.asarray(ridx)[0])
+  np.testing.assert_array_equal(np.sort(np.asarray(iu), -1), np.sort(np.asarray(ridx), -1))
+  assert (np.diff(np.asarray(iu), axis=-1) > 0).all()
+  assert vals.shape == idx.shape == (t, min(k, n))
+
+
+def test_fallback_warns_once():
+  from jtilert.ffi import _lib
+  _lib._warned.clear()  # noqa: SLF001
+  with warnings.catch_warnings(record=True) as rec:
+    warnings.simplefilter("always")
+    for n in (64, 65, 66):
+      jf.topk(jnp.ones((1, n)), 8)
+  assert len([w for w in rec if "top-k" in str(w.message)]) == 1
+
+
+def test_cuda_lowering_emits_the_custom_call(monkeypatch):
+  monkeypatch.setattr(ffi_ops, "_TEST_FORCE_EMIT", True)
+  x = jnp.zeros((2, 4096), jnp.float32)
+  f = jax.jit(lambda s: jf.top_k(s, 2048, sorted=False))
+  txt = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+  assert "custom_call @jtilert_topk_select" in txt and "mode = 0 : i32" in txt
+  txt = jax.jit(lambda s: jf.topk(s, 2048)).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+  assert "custom_call @jtilert_topk_select" in txt and "mode = 1 : i32" in txt
+  assert "jtilert" not in jax.jit(lambda s: jf.topk(s, 2048)).trace(x).lower(
+      lowering_platforms=("cpu",)).as_text().split("custom_call @")[-1].split("(")[0]
+
+
+def test_split_topk_fallback_is_the_global_topk():
+  if jax.device_count() < 8:
+    pytest.skip("needs 8 host devices")
+  mesh = Mesh(np.array(jax.devices()[:8]), ("tp",))
+  x = _scores(np.random.default_rng(2), 1, 8 * 512, "ties")[0]
+  x[::5] = -np.inf
+  k = 1000
+  f = jax.jit(jax.shard_map(lambda s: jf.split_topk(s, k, "tp"), mesh=mesh, in_specs=P("tp"),
+                            out_specs=(P(), P())))
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    v, i = f(jnp.asarray(x))
+  rv, ri = lax.top_k(jnp.asarray(x), k)
+  np.testing.assert_array_equal(np.asarray(i), np.asarray(ri))
+  np.testing.assert_array_equal(np.asarray(v), np.asarray(rv))
