@@ -6,6 +6,7 @@ checks the projection / SwiGLU / router wiring of `jtilert.pallas.dispatch`."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ def tiny_fp8_bf16():
 
 def test_pallas_backend_greedy_equals_reference(tiny_fp8_bf16, monkeypatch):
     monkeypatch.setattr(dispatch, "_attention_ops", lambda: {})
+    jax.clear_caches()  # the ops are jitted callees: retrace them so the patched kernel entry is seen
     calls = []
     real = gemv._projection
     monkeypatch.setattr(gemv, "_projection", lambda *a, **k: calls.append(1) or real(*a, **k))
