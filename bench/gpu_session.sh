@@ -23,7 +23,8 @@ step() {  # step NAME LIMIT_S COMMAND...
   local name=$1 limit=$2; shift 2
   echo "[$(( $(date +%s) - T0 ))s] $name: $*" | tee -a "$OUT/session.txt"
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  echo "[$(( $(date +%s) - T0 ))s] $name rc=$?" | tee -a "$OUT/session.txt"
+  local rc=$?
+  echo "[$(( $(date +%s) - T0 ))s] $name rc=$rc" | tee -a "$OUT/session.txt"
   tail -25 "$OUT/$name.log"
 }
 { date -u; nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv; } >> "$OUT/session.txt" 2>&1
