@@ -54,17 +54,17 @@ def key_value(key):
   return np.where(key >> 31 == 1, key & np.uint32(0x7FFFFFFF), ~key).astype(np.uint32).view(np.float32)
 
 
-def plan(t, n, k, sms=132):
-  g = max(1, sms // t)
+def plan(t, n, k, sms=132, ctas=0):
+  g = ctas if ctas > 0 else max(1, sms // t)
   g = min(g, (n + 31) // 32)
   chunk = min(MAX_CHUNK, ((n + g - 1) // g + 31) // 32 * 32)
   return (n + chunk - 1) // chunk, chunk
 
 
-def model_row(x, k, sorted_out=True, canonical_zero=False, sms=132, t=1):
+def model_row(x, k, sorted_out=True, canonical_zero=False, sms=132, t=1, ctas=0):
   """One row through the kernel's steps; returns (values, indices)."""
   n = x.shape[0]
-  g_n, chunk = plan(t, n, k, sms)
+  g_n, chunk = plan(t, n, k, sms, ctas)
   keys = order_key(x, canonical_zero)
   chunks = [keys[g * chunk:min(n, (g + 1) * chunk)] for g in range(g_n)]
   pre, need, lo = 0, k, 32
@@ -166,22 +166,25 @@ def _scores(rng, t, n, kind):
   return x.astype(np.float32)
 
 
-CASES = [  # (T, N, k, kind)
+CASES = [  # (T, N, k, kind[, CTAs per row])
     (1, 4096, 2048, "normal"), (2, 32768, 2048, "ties"), (1, 5000, 2048, "zeros"),
     (3, 3001, 1000, "masked"), (1, 777, 777, "ties"), (1, 100, 100, "zeros"), (4, 20000, 64, "narrow"),
     (1, 131072, 2048, "masked"), (8, 1000, 7, "ties"), (8, 9000, 8192, "normal"),
+    (1, 32768, 2048, "ties", 8), (2, 163840, 2048, "normal", 11),
 ]
 
 
-@pytest.mark.parametrize("t,n,k,kind", CASES)
-def test_numpy_model_of_the_kernel_equals_lax_top_k(t, n, k, kind):
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_numpy_model_of_the_kernel_equals_lax_top_k(case):
+  t, n, k, kind, *ctas = case
+  ctas = ctas[0] if ctas else 0
   x = _scores(np.random.default_rng(n + k), t, n, kind)
   rv, ri = (np.asarray(a) for a in lax.top_k(jnp.asarray(x), k))
   for r in range(min(t, 2)):
-    v, i = model_row(x[r], k, sorted_out=True, t=t)
+    v, i = model_row(x[r], k, sorted_out=True, t=t, ctas=ctas)
     np.testing.assert_array_equal(i, ri[r])
     np.testing.assert_array_equal(v.view(np.uint32), rv[r].view(np.uint32))
-    vu, iu = model_row(x[r], k, sorted_out=False, t=t)
+    vu, iu = model_row(x[r], k, sorted_out=False, t=t, ctas=ctas)
     order = np.argsort(ri[r])
     np.testing.assert_array_equal(iu, ri[r][order])
     np.testing.assert_array_equal(vu.view(np.uint32), rv[r][order].view(np.uint32))
@@ -235,7 +238,7 @@ def test_cuda_lowering_emits_the_custom_call(monkeypatch):
   x = jnp.zeros((2, 4096), jnp.float32)
   f = jax.jit(lambda s: jf.top_k(s, 2048, sorted=False))
   txt = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
-  assert "custom_call @jtilert_topk_select" in txt and "mode = 0 : i32" in txt
+  assert "custom_call @jtilert_topk_select" in txt and "mode = 0 : i32" in txt and "ctas = 0" in txt
   txt = jax.jit(lambda s: jf.topk(s, 2048)).trace(x).lower(lowering_platforms=("cuda",)).as_text()
   assert "custom_call @jtilert_topk_select" in txt and "mode = 1 : i32" in txt
   assert "jtilert" not in jax.jit(lambda s: jf.topk(s, 2048)).trace(x).lower(

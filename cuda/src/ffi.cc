@@ -157,7 +157,7 @@ ffi::Error TopkSelectImpl(cudaStream_t stream, int32_t dev,
                           ffi::Buffer<ffi::F32> scores,
                           ffi::Result<ffi::Buffer<ffi::S32>> out_idx,
                           ffi::Result<ffi::Buffer<ffi::F32>> out_val,
-                          int32_t mode) {
+                          int32_t mode, int32_t ctas) {
   auto sd = scores.dimensions();
   auto od = out_idx->dimensions();
   if (sd.size() != 2 || od.size() != 2 || od[0] != sd[0] ||
@@ -175,7 +175,7 @@ ffi::Error TopkSelectImpl(cudaStream_t stream, int32_t dev,
   if (e != cudaSuccess) return cuda_error(e, "set device");
   e = jt_topk_select(dev, stream, scores.typed_data(), out_idx->typed_data(),
                      out_val->typed_data(), (int)sd[0], (int)sd[1], (int)od[1],
-                     mode);
+                     mode, ctas);
   if (e != cudaSuccess) return cuda_error(e, "topk_select launch");
   return ffi::Error::Success();
 }
@@ -234,5 +234,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JtTopkSelect, TopkSelectImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("mode"),
+                                  .Attr<int32_t>("mode")
+                                  .Attr<int32_t>("ctas"),
                               {ffi::Traits::kCmdBufferCompatible});

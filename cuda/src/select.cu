@@ -345,13 +345,15 @@ struct Plan {
   size_t smem;
 };
 
-// Grid for T rows of n scores: about one CTA per SM in all, chunks a multiple
-// of 32 positions, at most kMaxChunk; false if it cannot be co-resident.
-bool make_plan(const Scratch& s, int T, int n, int k, int mode, Plan* p) {
+// Grid for T rows of n scores: `ctas` CTAs per row (0: about one CTA per SM
+// in all), chunks a multiple of 32 positions, at most kMaxChunk; false if the
+// grid cannot be co-resident.
+bool make_plan(const Scratch& s, int T, int n, int k, int mode, int ctas,
+               Plan* p) {
   if (T < 1 || T > JT_TOPK_MAX_ROWS || n < 1 || k < 1 || k > n ||
-      k > JT_TOPK_MAX_K)
+      k > JT_TOPK_MAX_K || ctas < 0)
     return false;
-  int G = std::max(1, s.sms / T);
+  int G = ctas > 0 ? ctas : std::max(1, s.sms / T);
   G = std::min(G, (n + 31) / 32);
   int chunk = (n + G - 1) / G;
   chunk = std::min(kMaxChunk, (chunk + 31) / 32 * 32);
@@ -440,21 +442,23 @@ extern "C" int jt_topk_status(int dev, JtStatus* out) {
   return 0;
 }
 
-extern "C" int jt_topk_select_ctas(int dev, int T, int n, int k, int mode) {
+extern "C" int jt_topk_select_ctas(int dev, int T, int n, int k, int mode,
+                                   int ctas) {
   if (dev < 0 || dev >= jt::kMaxDevices || !g_scratch[dev].ready) return -1;
   jt::Plan p;
-  return jt::make_plan(g_scratch[dev], T, n, k, mode, &p) ? p.ctas : -1;
+  return jt::make_plan(g_scratch[dev], T, n, k, mode, ctas, &p) ? p.ctas : -1;
 }
 
 extern "C" cudaError_t jt_topk_select(int dev, cudaStream_t stream,
                                       const float* scores, int32_t* out_idx,
                                       float* out_val, int T, int n, int k,
-                                      int mode) {
+                                      int mode, int ctas) {
   if (dev < 0 || dev >= jt::kMaxDevices || !g_scratch[dev].ready)
     return cudaErrorInvalidResourceHandle;
   const jt::Scratch& s = g_scratch[dev];
   jt::Plan plan;
-  if (!jt::make_plan(s, T, n, k, mode, &plan)) return cudaErrorInvalidValue;
+  if (!jt::make_plan(s, T, n, k, mode, ctas, &plan))
+    return cudaErrorInvalidValue;
   jt::SelectParams p;
   p.scores = scores;
   p.out_idx = out_idx;

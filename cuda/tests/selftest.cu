@@ -532,7 +532,7 @@ void select_reference(const std::vector<float>& x, int T, int n, int k, int mode
 // Device 0; `iters` launches back to back, another shape in between (the
 // scratch must come back clean after every call), outputs poisoned first.
 void test_select(int T, int n, int k, int mode, ScoreKind kind, int iters,
-                 unsigned seed) {
+                 unsigned seed, int ctas = 0) {
   CK(cudaSetDevice(0));
   const std::vector<float> x = make_scores(T, n, kind, seed);
   std::vector<int32_t> ri;
@@ -554,11 +554,11 @@ void test_select(int T, int n, int k, int mode, ScoreKind kind, int iters,
   for (int it = 0; it < iters; ++it) {
     CK(cudaMemsetAsync(di, 0xff, (size_t)T * k * 4, st));
     CK(cudaMemsetAsync(dv, 0xff, (size_t)T * k * 4, st));
-    CK(jt_topk_select(0, st, dx, di, dv, T, n, k, mode));
-    CK(jt_topk_select(0, st, dother, oi, ov, 2, 4099, 333, JT_TOPK_SORTED));
+    CK(jt_topk_select(0, st, dx, di, dv, T, n, k, mode, ctas));
+    CK(jt_topk_select(0, st, dother, oi, ov, 2, 4099, 333, JT_TOPK_SORTED, 0));
   }
   CK(cudaMemsetAsync(di, 0xff, (size_t)T * k * 4, st));
-  CK(jt_topk_select(0, st, dx, di, dv, T, n, k, mode));
+  CK(jt_topk_select(0, st, dx, di, dv, T, n, k, mode, ctas));
   CK(cudaStreamSynchronize(st));
   const auto hi = host_copy(di, (size_t)T * k);
   const auto hv = host_copy(reinterpret_cast<uint32_t*>(dv), (size_t)T * k);
@@ -578,7 +578,8 @@ void test_select(int T, int n, int k, int mode, ScoreKind kind, int iters,
                 "mismatches=%d",
                 T, n, k, (mode & JT_TOPK_SORTED) ? "sorted" : "by-index",
                 (mode & JT_TOPK_CANONICAL_ZERO) ? "+canonical-zero" : "",
-                kinds[kind], jt_topk_select_ctas(0, T, n, k, mode), iters, bad);
+                kinds[kind], jt_topk_select_ctas(0, T, n, k, mode, ctas), iters,
+                bad);
   report(bad == 0, buf);
 }
 
@@ -600,6 +601,8 @@ void run_select_tests(bool small, int iters) {
   test_select(8, 163840, 2048, S, kTies, iters, 50);
   test_select(8, 9000, 8192, S, kNormal, iters, 51);             // ranks: one part per slot
   test_select(3, 70001, 7, 0, kTies, iters, 52);
+  test_select(1, 131072, 2048, S, kTies, iters, 53, 8);          // fewer, larger chunks
+  test_select(2, 163840, 2048, 0, kNormal, iters, 54, 11);       // chunks near kMaxChunk
 }
 
 
@@ -699,7 +702,7 @@ void bench_graph(const char* name,
 
 // One select per rank on its own GPU (the scores stay in L2, as after the
 // indexer); bench_graph prints rank 0's median time per launch.
-void bench_select(int T, int n, int k, int mode) {
+void bench_select(int T, int n, int k, int mode, int ctas = 0) {
   const std::vector<float> x = make_scores(T, n, kNormal, 7);
   std::vector<float*> dx(g_world), dv(g_world);
   std::vector<int32_t*> di(g_world);
@@ -712,11 +715,11 @@ void bench_select(int T, int n, int k, int mode) {
   char name[160];
   std::snprintf(name, sizeof(name), "topk_select T=%d n=%d k=%d %s ctas/row=%d", T,
                 n, k, (mode & JT_TOPK_SORTED) ? "sorted" : "by-index",
-                jt_topk_select_ctas(0, T, n, k, mode));
+                jt_topk_select_ctas(0, T, n, k, mode, ctas));
   bench_graph(
       name,
       [&](int r, cudaStream_t st) {
-        CK(jt_topk_select(r, st, dx[r], di[r], dv[r], T, n, k, mode));
+        CK(jt_topk_select(r, st, dx[r], di[r], dv[r], T, n, k, mode, ctas));
       },
       100);
   for (int r = 0; r < g_world; ++r) {
@@ -732,6 +735,10 @@ void run_select_bench() {
     for (int mode : {JT_TOPK_SORTED, 0}) bench_select(1, n, 2048, mode);
   bench_select(2, 131072, 2048, JT_TOPK_SORTED);
   bench_select(4, 131072, 2048, JT_TOPK_SORTED);
+  // CTAs per row: fewer arrivals at each barrier against less work per CTA
+  for (int n : {32768, 131072})
+    for (int ctas : {8, 16, 32, 64})
+      for (int mode : {JT_TOPK_SORTED, 0}) bench_select(1, n, 2048, mode, ctas);
 }
 
 int rpw_for(int K, bool fp8) {

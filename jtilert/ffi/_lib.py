@@ -72,7 +72,7 @@ class Lib:
     d.jt_merge_topk_max_k.restype = c_int
     d.jt_topk_prepare.argtypes = [c_int, c_int64, ctypes.c_char_p, c_int]
     d.jt_topk_prepare.restype = c_int
-    d.jt_topk_select_ctas.argtypes = [c_int] * 5
+    d.jt_topk_select_ctas.argtypes = [c_int] * 6
     d.jt_topk_select_ctas.restype = c_int
     d.jt_version.restype = ctypes.c_char_p
     self._prepared: set[int] = set()
@@ -112,9 +112,10 @@ class Lib:
         raise RuntimeError(err.value.decode())
       self._select_ready.add(dev)
 
-  def topk_ctas(self, dev: int, t: int, n: int, k: int, mode: int) -> int:
-    """CTAs per row of the top-k launch, or -1 if the shape is not supported."""
-    return int(self.dll.jt_topk_select_ctas(dev, t, n, k, mode))
+  def topk_ctas(self, dev: int, t: int, n: int, k: int, mode: int, ctas: int = 0) -> int:
+    """CTAs per row of the top-k launch (``ctas`` asked for, 0: the default), or -1 if the
+    shape is not supported."""
+    return int(self.dll.jt_topk_select_ctas(dev, t, n, k, mode, ctas))
 
   def group(self, devices: tuple[int, ...]) -> int:
     """Creates (once) the group of these local device ids; returns its id."""

@@ -55,7 +55,7 @@ topk_select_p = Primitive("jtilert_topk_select")
 topk_select_p.multiple_results = True
 
 
-def _abstract(scores, *, k, mode):
+def _abstract(scores, *, k, mode, ctas):  # noqa: ARG001 - ctas: a launch detail
   shape = (scores.shape[0], k)
   return (scores.update(shape=shape, dtype=np.dtype(np.int32)),
           scores.update(shape=shape, dtype=np.dtype(np.float32)))
@@ -64,14 +64,14 @@ def _abstract(scores, *, k, mode):
 topk_select_p.def_abstract_eval(_abstract)
 
 
-def _lower_xla(ctx, scores, *, k, mode):
+def _lower_xla(ctx, scores, *, k, mode, ctas):  # noqa: ARG001 - ctas: a launch detail
   def ref(s):
     vals, idx = top_k_reference(s, k, mode)
     return [idx, vals]
   return mlir.lower_fun(ref, multiple_results=True)(ctx, scores)
 
 
-def _lower_cuda(ctx, scores, *, k, mode):
+def _lower_cuda(ctx, scores, *, k, mode, ctas):
   # the scratch of every local GPU is allocated here, in the main thread, before XLA runs
   # anything (XLA may capture the call into a CUDA graph, where no allocation may happen)
   if not _ops._TEST_FORCE_EMIT:  # noqa: SLF001
@@ -83,8 +83,9 @@ def _lower_cuda(ctx, scores, *, k, mode):
         lib.prepare_select(int(d.local_hardware_id))
     except Exception as e:  # noqa: BLE001 - any failure means: fall back
       _warn(f"{type(e).__name__}: {e}")
-      return _lower_xla(ctx, scores, k=k, mode=mode)
-  return jax.ffi.ffi_lowering("jtilert_topk_select")(ctx, scores, mode=np.int32(mode))
+      return _lower_xla(ctx, scores, k=k, mode=mode, ctas=ctas)
+  return jax.ffi.ffi_lowering("jtilert_topk_select")(ctx, scores, mode=np.int32(mode),
+                                                      ctas=np.int32(ctas))
 
 
 mlir.register_lowering(topk_select_p, _lower_xla)
@@ -95,7 +96,7 @@ def _warn(why):
   _lib.warn_once("topk:" + why, f"jtilert.ffi: CUDA top-k not used ({why}); falling back to lax.top_k")
 
 
-def _engine_ok(t, n, k, mode) -> tuple[bool, str]:
+def _engine_ok(t, n, k, mode, ctas) -> tuple[bool, str]:
   ok, why = _ops.engine_status()
   if not ok or _ops._TEST_FORCE_EMIT:  # noqa: SLF001
     return ok, why
@@ -105,16 +106,17 @@ def _engine_ok(t, n, k, mode) -> tuple[bool, str]:
     lib.prepare_select(dev)
   except Exception as e:  # noqa: BLE001
     return False, f"{type(e).__name__}: {e}"
-  if lib.topk_ctas(dev, t, n, k, mode) < 1:
+  if lib.topk_ctas(dev, t, n, k, mode, ctas) < 1:
     return False, "shape not supported by the engine's top-k (T > 8, k > 8192 or N too large)"
   return True, ""
 
 
-def top_k(scores, k, *, sorted=True, canonical_zero=False):  # noqa: A002 - lax.top_k's word
-  """(values, indices) of the k' = min(k, N) largest scores per row, exactly lax.top_k's."""
+def top_k(scores, k, *, sorted=True, canonical_zero=False, ctas=0):  # noqa: A002 - lax.top_k's word
+  """(values, indices) of the k' = min(k, N) largest scores per row, exactly lax.top_k's.
+  ``ctas``: CTAs per row of the launch (0: about one per SM in all; for tuning)."""
   scores = jnp.asarray(scores, jnp.float32)
   if scores.ndim == 1:
-    vals, idx = top_k(scores[None], k, sorted=sorted, canonical_zero=canonical_zero)
+    vals, idx = top_k(scores[None], k, sorted=sorted, canonical_zero=canonical_zero, ctas=ctas)
     return vals[0], idx[0]
   if scores.ndim != 2:
     raise ValueError(f"scores must be [N] or [T, N], got {scores.shape}")
@@ -123,11 +125,11 @@ def top_k(scores, k, *, sorted=True, canonical_zero=False):  # noqa: A002 - lax.
   if k < 1:
     raise ValueError(f"k={k} must be >= 1")
   mode = (SORTED if sorted else 0) | (CANONICAL_ZERO if canonical_zero else 0)
-  ok, why = _engine_ok(t, n, k, mode)
+  ok, why = _engine_ok(t, n, k, mode, ctas)
   if not ok:
     _warn(why)
     return top_k_reference(scores, k, mode)
-  idx, vals = topk_select_p.bind(scores, k=k, mode=mode)
+  idx, vals = topk_select_p.bind(scores, k=k, mode=mode, ctas=int(ctas))
   return vals, idx
 
 

@@ -122,10 +122,11 @@ cudaError_t jt_merge_topk(int gid, int rank, cudaStream_t stream,
 // Allocates device `dev`'s top-k scratch (once; idempotent) and raises the
 // kernel's shared-memory limit. `timeout_ms` bounds its barrier waits.
 int jt_topk_prepare(int dev, int64_t timeout_ms, char* err, int errlen);
-// CTAs per row that jt_topk_select would launch, or -1 if the shape is not
-// supported (T > JT_TOPK_MAX_ROWS, k > n or k > JT_TOPK_MAX_K, not
-// co-resident) or the device is not prepared.
-int jt_topk_select_ctas(int dev, int T, int n, int k, int mode);
+// CTAs per row that jt_topk_select would launch (`ctas` asked for, 0: its
+// default of about one per SM in all), or -1 if the shape is not supported
+// (T > JT_TOPK_MAX_ROWS, k > n or k > JT_TOPK_MAX_K, not co-resident) or the
+// device is not prepared.
+int jt_topk_select_ctas(int dev, int T, int n, int k, int mode, int ctas);
 // Copies device `dev`'s top-k status record into `out`; returns 0 or -1.
 int jt_topk_status(int dev, JtStatus* out);
 // Exact top-k of every row of scores [T, n] (fp32): the k (index, value)
@@ -133,7 +134,7 @@ int jt_topk_status(int dev, JtStatus* out);
 // bits), written to out_idx / out_val [T, k]. One cooperative launch.
 cudaError_t jt_topk_select(int dev, cudaStream_t stream, const float* scores,
                            int32_t* out_idx, float* out_val, int T, int n,
-                           int k, int mode);
+                           int k, int mode, int ctas);
 
 // Dynamic shared memory (bytes) that jt_gemv_all_reduce needs.
 int64_t jt_gemv_smem_bytes(int K, int tile_rows, int max_tasks);
