@@ -585,10 +585,13 @@ void test_select(int T, int n, int k, int mode, ScoreKind kind, int iters,
 
 void run_select_tests(bool small, int iters) {
   const int S = JT_TOPK_SORTED;
+  // few CTAs: these also run under compute-sanitizer
   test_select(1, 100, 100, S, kZeros, iters, 31);
-  test_select(3, 3001, 1000, S, kMasked, iters, 32);
-  test_select(1, 5000, 2048, 0, kZeros, iters, 33);
+  test_select(3, 3001, 1000, S, kMasked, iters, 32, 4);
+  test_select(1, 5000, 2048, 0, kZeros, iters, 33, 8);
   if (small) return;
+  test_select(3, 3001, 1000, S, kMasked, iters, 34);
+  test_select(1, 5000, 2048, 0, kZeros, iters, 35);
   test_select(1, 4096, 2048, S, kNormal, iters, 41);
   test_select(1, 4096, 2048, S, kTies, iters, 42);
   test_select(1, 2048, 2048, S, kNormal, iters, 43);             // n == k
