@@ -186,10 +186,9 @@ def main() -> int:
   print("INFO lax.top_k on the GPU, k=4 of [-0.0, +0.0, -0.0, +0.0, 1.0]: indices",
         np.asarray(lax.top_k(zs, 4)[1])[0].tolist(), "(total order of the bits: [4, 1, 3, 0])")
   for (t, n, k, kind) in ((1, 4096, 2048, "normal"), (1, 32768, 2048, "ties"),
-                          (1, 131072, 2048, "normal"), (1, 131072, 2048, "masked"),
-                          (2, 131072, 2048, "ties"), (4, 163840, 2048, "zeros"),
-                          (1, 1000, 2048, "normal"), (1, 2048, 2048, "ties"),
-                          (3, 70001, 100, "ties"), (8, 9000, 8192, "normal")):
+                          (1, 131072, 2048, "masked"), (2, 131072, 2048, "ties"),
+                          (4, 163840, 2048, "zeros"), (1, 1000, 2048, "normal"),
+                          (1, 2048, 2048, "ties"), (8, 9000, 8192, "normal")):
     try:
       x = score_rows(t, n, kind)
       kk = min(k, n)

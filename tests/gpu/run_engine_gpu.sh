@@ -5,12 +5,13 @@
 #
 # Steps (logs under $OUT, at most 8 files):
 #   1. cmake/nvcc build of cuda/ (library + self-test), ptxas report  -> build.log
-#   2. self-test without XLA: all-reduce / GEMV+AR / merge_topk vs CPU references,
+#   2. self-test without XLA: all-reduce / GEMV+AR / MoE expert-down+AR / merge_topk vs CPU references,
 #      bit-identical ranks, interleaved calls; one-GPU exact top-k (topk_select) vs a
 #      sorted reference; CUDA-graph timings (BENCH lines); the timeout path
 #                                                                     -> selftest.log
 #   3. compute-sanitizer memcheck + racecheck on the small self-test  -> sanitizer.log
-#   4. JAX checks: vs psum, bit-identical across ranks, 10,000 calls in one jitted
+#   4. JAX checks: vs psum, bit-identical across ranks (expert_down_all_reduce also
+#      inside the tiny model at tp=2, engine vs psum), 10,000 calls in one jitted
 #      loop; jtilert.ffi.top_k == lax.top_k, split_topk over 2 GPUs; with XLA
 #      command buffers on                                             -> checks.log
 #   5. timings through JAX (bench/engine.py)                          -> bench.log, bench.json
@@ -44,7 +45,7 @@ export JTILERT_FFI_LIB=$PWD/$BUILD/libjtilert_engine.so
 ST=$BUILD/jtilert_selftest
 
 # ---- 2. self-test (no XLA)
-timeout 150 "$ST" --iters 3 --bench > "$OUT/selftest.log" 2>&1
+timeout 240 "$ST" --iters 3 --bench > "$OUT/selftest.log" 2>&1
 log "selftest rc=$?"
 timeout 60 "$ST" --timeout-test >> "$OUT/selftest.log" 2>&1
 log "timeout-test rc=$?"
@@ -87,7 +88,7 @@ if [ -n "$CBFLAGS" ] && [ "${BENCH_CMDBUF_OFF:-1}" = 1 ]; then
 fi
 
 echo "===== selftest timings (best all-reduce grid per size; all in selftest.log)"
-grep "^BENCH" "$OUT/selftest.log" | grep -v "all_reduce" | cut -c1-120
+grep "^BENCH" "$OUT/selftest.log" | grep -v "^BENCH all_reduce" | cut -c1-170
 grep "^BENCH all_reduce" "$OUT/selftest.log" | sort -t= -k2,2 -k5,5n | awk '{print}' | cut -c1-110 | head -60 | \
   awk -F'graph_us_per_call=' '{split($1,a," grid="); k=a[1]; v=$2+0; if(!(k in b)||v<b[k]){b[k]=v; l[k]=$0}} END{for(k in l) print l[k]}' | sort
 echo "===== bench"; grep -vE "Warning|warn" "$OUT/bench.log" | cut -c1-260 | tail -30
