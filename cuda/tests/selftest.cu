@@ -1,6 +1,6 @@
 // Standalone multi-GPU self-test and micro-benchmark of the engine (no XLA).
 //
-//   jtilert_selftest [--small] [--iters N] [--bench] [--world W]
+//   jtilert_selftest [--small] [--iters N] [--bench] [--world W] [--select-only]
 //
 // One host thread per GPU, like XLA. Checks, against a CPU reference:
 // all-reduce (one-shot, two-shot; bf16/f32; odd sizes), GEMV + all-reduce
@@ -932,17 +932,19 @@ int timeout_test() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool small = false, bench = false;
+  bool small = false, bench = false, select_only = false;
   int iters = 3, world = -1;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--small") small = true;
     else if (a == "--bench") bench = true;
+    else if (a == "--select-only") select_only = true;
     else if (a == "--timeout-test") return timeout_test();
     else if (a == "--iters" && i + 1 < argc) iters = std::atoi(argv[++i]);
     else if (a == "--world" && i + 1 < argc) world = std::atoi(argv[++i]);
     else {
-      std::fprintf(stderr, "usage: %s [--small] [--bench] [--timeout-test] [--iters N] [--world W]\n",
+      std::fprintf(stderr, "usage: %s [--small] [--bench] [--select-only] [--timeout-test] "
+                   "[--iters N] [--world W]\n",
                    argv[0]);
       return 2;
     }
@@ -967,6 +969,12 @@ int main(int argc, char** argv) {
       std::printf("FAIL topk prepare: %s\n", err);
       return 1;
     }
+  }
+  if (select_only) {  // the one-GPU top-k alone: no group needed
+    run_select_tests(small, iters);
+    if (bench) run_select_bench();
+    std::printf("%s: %d failure(s)\n", g_fail ? "FAILED" : "OK", g_fail);
+    return g_fail ? 1 : 0;
   }
   int gid = jt_group_create(devs.data(), g_world, 1 << 20, 20000, err,
                             sizeof(err));

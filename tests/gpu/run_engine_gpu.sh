@@ -14,7 +14,8 @@
 #      inside the tiny model at tp=2, engine vs psum), 10,000 calls in one jitted
 #      loop; jtilert.ffi.top_k == lax.top_k, split_topk over 2 GPUs; with XLA
 #      command buffers on                                             -> checks.log
-#   5. timings through JAX (bench/engine.py)                          -> bench.log, bench.json
+#   5. timings through JAX (bench/engine.py; the top-k sections again on
+#      their own budget if the main run did not reach them)           -> bench.log, bench.json
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0 ...); the engine never uses it.
 set -uo pipefail
 OUT=${OUT:-$PWD/out/engine}
@@ -85,6 +86,14 @@ if [ -n "$CBFLAGS" ] && [ "${BENCH_CMDBUF_OFF:-1}" = 1 ]; then
   XLA_FLAGS="--xla_gpu_enable_command_buffer=" timeout 120 $PY bench/engine.py --sections allreduce \
     --quick --budget-s 30 >> "$OUT/bench.log" 2>&1
   log "bench (command buffers off) rc=$?"
+fi
+# the top-k sections (one-GPU select, split indexer) with a budget of their own when the
+# sections before them spent the main one
+if ! grep -q "engine select + engine merge" "$OUT/bench.log"; then
+  echo "##### top-k sections, own budget" >> "$OUT/bench.log"
+  XLA_FLAGS="$CBFLAGS" timeout 300 $PY bench/engine.py --sections select,indexer --budget-s 120 \
+    >> "$OUT/bench.log" 2>&1
+  log "bench top-k rc=$?"
 fi
 
 echo "===== selftest timings (best all-reduce grid per size; all in selftest.log)"
