@@ -2,14 +2,17 @@
 
 The kernel itself runs in cuda/tests/selftest.cu and tests/gpu/engine_gpu_checks.py on a GPU.
 Here: the sources are in the CMake build (tests/test_ffi.py compiles cuda/ with -Werror), the
-fallback equals lax.top_k, the CUDA lowering emits the custom call, and a numpy model that
+fallback equals lax.top_k, the CUDA lowering emits the custom call, a numpy model that
 follows the kernel step by step (grid plan, digit passes, per-CTA counts, tie take, ranks)
-gives exactly lax.top_k's result on inputs with many ties, -inf, +-0.0 and N < k.
+gives exactly lax.top_k's result on inputs with many ties, -inf, +-0.0 and N < k, and a
+thread model of the row barrier's protocol holds across calls.
 """
 
 from __future__ import annotations
 
 import pathlib
+import threading
+import time
 import warnings
 
 import jax
@@ -146,6 +149,65 @@ def model_row(x, k, sorted_out=True, canonical_zero=False, sms=132, t=1, ctas=0)
     for el in range(ne):
       out_v[rank[el]], out_i[rank[el]] = vals[s0 + el], pos[s0 + el]
   return out_v, out_i
+
+
+class _RowSync:
+  """The row's barrier words: arrival counter and generation, with atomic read-modify-writes."""
+
+  def __init__(self):
+    self.count, self.gen = 0, 0
+    self.lock = threading.Lock()
+
+  def atomic_add(self, field, v):
+    with self.lock:
+      old = getattr(self, field)
+      setattr(self, field, (old + v) & 0xFFFFFFFF)
+      return old
+
+
+def _row_barrier(sync, g_n, gen_seen, last):
+  """row_barrier of select.cu, thread 0's part: returns the generation after the barrier."""
+  g0 = gen_seen
+  if (sync.atomic_add("count", 1) + 1) % g_n == 0:
+    if last:
+      with sync.lock:
+        sync.count = 0
+    sync.atomic_add("gen", 1)
+  else:
+    while sync.gen == g0:
+      time.sleep(0)
+  return g0 + 1
+
+
+def test_row_barrier_protocol_model():
+  """CTAs as threads, calls with different CTA counts and barrier counts back to back (the
+  sorted / by-index paths and the early exit change how many barriers a call has): no CTA
+  leaves a barrier before every CTA of the call has reached it, and the counter is back at 0
+  after each call."""
+  sync = _RowSync()
+  rng = np.random.default_rng(0)
+  for call in range(12):
+    g_n, nbar = int(rng.integers(1, 9)), int(rng.integers(2, 6))
+    reached = np.zeros((nbar, g_n), bool)
+    errors = []
+
+    def cta(g, g_n=g_n, nbar=nbar, reached=reached, errors=errors, seed=call):
+      r = np.random.default_rng(seed * 100 + g)
+      gen = sync.gen                      # read at kernel start
+      for b in range(nbar):
+        time.sleep(float(r.random()) * 1e-3)
+        reached[b, g] = True
+        gen = _row_barrier(sync, g_n, gen, last=b == nbar - 1)
+        if not reached[b].all():
+          errors.append((b, g))
+
+    threads = [threading.Thread(target=cta, args=(g,)) for g in range(g_n)]
+    for th in threads:
+      th.start()
+    for th in threads:
+      th.join(timeout=20)
+    assert not errors and all(not th.is_alive() for th in threads)
+    assert sync.count == 0
 
 
 def _scores(rng, t, n, kind):

@@ -28,10 +28,11 @@
 // Barriers: the CTAs of a row meet at a sense-reversing barrier in global
 // memory (arrival counter + generation word). The launch is cooperative, so
 // all CTAs are resident; a wait still gives up after the timeout and traps
-// with a status record, like the engine's other waits. The launch keeps no
-// state between calls except the barrier generation (never compared across
-// calls) and the global histograms, which the CTAs zero again after their
-// last read: every launch is identical, safe in CUDA graphs.
+// with a status record, like the engine's other waits. Between calls only the
+// barrier generation changes (each call reads it at its start); the arrival
+// counters and the global histograms are back at zero when a call ends (the
+// CTAs clear the histograms after their last read): every launch is
+// identical, safe in CUDA graphs.
 //
 // Scratch (histograms, per-CTA counts, staging, barrier words, a host-mapped
 // status) is allocated once per device by jt_topk_prepare; calls on one
@@ -142,21 +143,27 @@ __device__ void find_digit(const uint32_t* hist, int nb, uint32_t need,
 }
 
 // Barrier of the gridDim.x CTAs of this row (see the file comment). `where`
-// names the barrier in a timeout record.
-__device__ void row_barrier(const SelectParams& p, unsigned* sync, int where) {
+// names the barrier in a timeout record. `gen` (thread 0's) is the row's
+// generation word as it stands until this CTA arrives: read once at kernel
+// start, then known (each barrier advances it by one), so no load of it is
+// on the barrier's path. The arrival counter starts every call at 0 and
+// counts on through the call's barriers (round j: j*G .. j*G + G-1, all CTAs
+// meet the same barriers); the last arrival at the call's `last` barrier
+// sets it back to 0, as the next call may have another G.
+__device__ void row_barrier(const SelectParams& p, unsigned* sync, int where,
+                            unsigned* gen, bool last) {
   __syncthreads();
   if (threadIdx.x == 0) {
-    volatile unsigned* gen = sync + 16;
-    const unsigned g0 = *gen;  // cannot move before this CTA arrives
+    const unsigned g0 = *gen;
     __threadfence();
-    if (atomicAdd(sync, 1u) == gridDim.x - 1u) {
-      atomicExch(sync, 0u);
+    if ((atomicAdd(sync, 1u) + 1u) % gridDim.x == 0u) {
+      if (last) atomicExch(sync, 0u);
       __threadfence();
       atomicAdd(sync + 16, 1u);
     } else {
       const unsigned long long t0 = globaltimer();
       unsigned spins = 0;
-      while (*gen == g0) {
+      while (*(volatile unsigned*)(sync + 16) == g0) {
         if (++spins == 256u) {
           spins = 0;
           if ((long long)(globaltimer() - t0) > p.timeout_ns)
@@ -165,6 +172,7 @@ __device__ void row_barrier(const SelectParams& p, unsigned* sync, int where) {
         }
       }
     }
+    *gen = g0 + 1u;
     __threadfence();
   }
   __syncthreads();
@@ -187,6 +195,8 @@ __global__ void __launch_bounds__(kNT) topk_select_kernel(SelectParams p) {
   uint32_t* counts = p.counts + (size_t)row * 2 * kMaxCtas;
   unsigned* sync = p.sync + row * kSyncWords;
 
+  // stable until this CTA arrives at its first barrier (see row_barrier)
+  unsigned gen = threadIdx.x == 0 ? *(volatile unsigned*)(sync + 16) : 0u;
   const float* src = p.scores + (size_t)row * p.n + base;
   const bool canonical_zero = (p.mode & JT_TOPK_CANONICAL_ZERO) != 0;
   for (int i = tid; i < cnt; i += kNT) keys[i] = order_key(src[i], canonical_zero);
@@ -214,7 +224,7 @@ __global__ void __launch_bounds__(kNT) topk_select_kernel(SelectParams p) {
     __syncthreads();
     for (int b = tid; b < nb; b += kNT)
       if (hist[b] != 0) atomicAdd(&ghist[lvl * kBins + b], hist[b]);
-    row_barrier(p, sync, lvl);
+    row_barrier(p, sync, lvl, &gen, false);
     for (int b = tid; b < nb; b += kNT) hist[b] = __ldcg(&ghist[lvl * kBins + b]);
     __syncthreads();
     find_digit(hist, nb, need, ws, found);
@@ -238,7 +248,7 @@ __global__ void __launch_bounds__(kNT) topk_select_kernel(SelectParams p) {
     counts[g] = tot_gt;
     counts[kMaxCtas + g] = tot_eq;
   }
-  row_barrier(p, sync, kLevels);
+  row_barrier(p, sync, kLevels, &gen, !sorted);
   // every CTA has read the histograms: clear this CTA's share for the next call
   for (int b = g * kNT + tid; b < kLevels * kBins; b += G * kNT) ghist[b] = 0;
   uint32_t gt_before = 0, eq_before = 0;
@@ -288,7 +298,7 @@ __global__ void __launch_bounds__(kNT) topk_select_kernel(SelectParams p) {
   if (!sorted) return;
 
   // ---- sorted output: rank this CTA's share of the k staged entries
-  row_barrier(p, sync, kLevels + 1);
+  row_barrier(p, sync, kLevels + 1, &gen, true);
   unsigned long long* st = reinterpret_cast<unsigned long long*>(smem);
   const uint32_t* st_key = reinterpret_cast<const uint32_t*>(smem) + 1;  // high words
   for (int i = tid; i < k; i += kNT) st[i] = __ldcg(&stage[i]);
