@@ -13,6 +13,8 @@ Sections (in priority order, each skipped once the time budget is spent):
   allreduce  bf16 14/28/56 KiB: engine vs lax.psum
   gemv       o_proj and expert-down shapes: engine fused, engine GEMV alone,
              XLA GEMV alone, XLA GEMV + psum
+  moe        MoE down + shared expert at dsv32-tp8-shard shapes: engine fused
+             expert_down_all_reduce vs the XLA path (gather, dots, psum)
   topk       merge of 2x2048 candidates: engine vs all_gather + sort
   select     exact top-2048 on one GPU, 4K-160K scores: engine one-launch select
              (sorted, by index) vs lax.top_k
@@ -37,7 +39,7 @@ def main() -> int:
   ap.add_argument("--out", default=None)
   ap.add_argument("--budget-s", type=float, default=150.0)
   ap.add_argument("--quick", action="store_true")
-  ap.add_argument("--sections", default="allreduce,gemv,topk,select,indexer,decode")
+  ap.add_argument("--sections", default="allreduce,gemv,moe,topk,select,indexer,decode")
   ap.add_argument("--smoke", action="store_true",
                   help="tiny shapes on any devices (checks the script, numbers meaningless)")
   args = ap.parse_args()
@@ -296,6 +298,63 @@ def main() -> int:
             weight_MB=round(wbytes / 1e6, 2),
             engine_gemv_TBps=round(wbytes / res.get("engine_gemv", float("nan")) / 1e6, 2))
       del ws, ss
+
+  # ---------------------------------------------------------------- MoE down + shared + all-reduce
+  if "moe" in secs and left() > 0:
+    # dsv32-tp8-shard per rank: 8 of 256 routed experts [7168, 256] + the shared [7168, 256];
+    # op i of a chain reads experts 8i..8i+7 and its own shared weight, so weights stream from HBM
+    L = 8
+    n, i_loc, nsel, e = (256, 128, 8, 64) if args.smoke else (7168, 256, 8, 256)
+    rng = np.random.default_rng(5)
+    for wd in ("fp8", "bf16"):
+      if left() < 0:
+        break
+      fp8 = wd == "fp8"
+      key = jax.random.key(3)
+      dt, sd = (jnp.float8_e4m3fn, 4.0) if fp8 else (jnp.bfloat16, 0.02)
+      shard3 = jax.sharding.NamedSharding(mesh, P(None, None, "tp"))
+      shard2 = jax.sharding.NamedSharding(mesh, P(None, "tp"))
+      down = jax.device_put((jax.random.normal(key, (e, n, i_loc * W), jnp.float32) * sd).astype(dt), shard3)
+      shared = [jax.device_put((jax.random.normal(jax.random.fold_in(key, i), (n, i_loc * W), jnp.float32)
+                                * sd).astype(dt), shard2) for i in range(2 * L)]
+      down_s = jnp.full((e, -(-n // 128), i_loc * W // 128), 2.0 ** -6, jnp.float32)
+      sh_s = jnp.full((-(-n // 128), i_loc * W // 128), 2.0 ** -6, jnp.float32)
+      h = jnp.asarray(rng.standard_normal((nsel, i_loc * W)), jnp.bfloat16)
+      hs = jnp.asarray(rng.standard_normal(i_loc * W), jnp.bfloat16)
+      wts = jnp.asarray(rng.uniform(0.1, 1.0, nsel), jnp.float32)
+      ids = [jnp.arange(nsel * i, nsel * (i + 1), dtype=jnp.int32) % e for i in range(2 * L)]
+
+      def make(Lc, kind, down=down, shared=shared, down_s=down_s, sh_s=sh_s, h=h, hs=hs, wts=wts,
+               ids=ids, fp8=fp8):
+        op = jf.expert_down_all_reduce if kind == "engine" else jf.expert_down_reference
+
+        def f(h, hs, wts, down, ds, ss, *rest):
+          return tuple(op(h, wts, rest[Lc + i], down, ds if fp8 else None, hs, rest[i],
+                          ss if fp8 else None, "tp")[None] for i in range(Lc))
+        in_specs = ((P(None, "tp"), P("tp"), P(), P(None, None, "tp"), P(None, None, "tp"),
+                     P(None, "tp")) + (P(None, "tp"),) * Lc + (P(),) * Lc)
+        a = (h, hs, wts, down, down_s, sh_s) + tuple(shared[:Lc]) + tuple(ids[:Lc])
+        return smap(f, in_specs, (P("tp"),) * Lc), a, in_specs
+
+      res = {}
+      for kind in ("engine", "xla"):
+        try:
+          res[kind] = dev_per_op(lambda Lc, kind=kind: make(Lc, kind), L)
+          if res[kind] != res[kind]:
+            res[kind], *_ = per_op(lambda Lc, kind=kind: make(Lc, kind), L)
+        except Exception as ex:  # noqa: BLE001
+          print(f"moe {wd} {kind} failed: {type(ex).__name__}: {ex}", flush=True)
+      if "engine" in res:
+        fe, a, _ = make(1, "engine")
+        fr, _, _ = make(1, "xla")
+        ye, yr = np.asarray(fe(*a)[0], np.float32), np.asarray(fr(*a)[0], np.float32)
+        wbytes = (nsel + 1) * n * i_loc * (1 if fp8 else 2)
+        row("moe", f"expert down {nsel}x[{n},{i_loc}] + shared {wd}: engine fused (+AR)", res["engine"],
+            xla_unfused_psum_us=round(res.get("xla", float("nan")), 2),
+            ratio_vs_xla=round(res["engine"] / res.get("xla", float("nan")), 3),
+            weight_MB=round(wbytes / 1e6, 2),
+            rel_diff_vs_xla=f"{np.linalg.norm(ye - yr) / np.linalg.norm(yr):.1e}")
+      del down, shared
 
   # ---------------------------------------------------------------- merge top-k
   if "topk" in secs and left() > 0:

@@ -50,9 +50,14 @@ def linear(x: jax.Array, w: jax.Array, scale: jax.Array | None = None) -> jax.Ar
     return dot("...k,nk->...n", x, wd).astype(x.dtype)
 
 
-def swiglu(x, gate, gate_scale, up, up_scale, down, down_scale):
+def swiglu_hidden(x, gate, gate_scale, up, up_scale):
+    """silu(gate(x)) · up(x): both projections rounded to x.dtype, the product in fp32, in x.dtype."""
     h = jax.nn.silu(linear(x, gate, gate_scale).astype(F32)) * linear(x, up, up_scale).astype(F32)
-    return linear(h.astype(x.dtype), down, down_scale)
+    return h.astype(x.dtype)
+
+
+def swiglu(x, gate, gate_scale, up, up_scale, down, down_scale):
+    return linear(swiglu_hidden(x, gate, gate_scale, up, up_scale), down, down_scale)
 
 
 # ---- rotary embeddings -----------------------------------------------------------------------
@@ -241,22 +246,36 @@ def moe_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, gate, gate_sca
     tokens (prefill) run every expert once and mix with a dense [T, E] weight matrix."""
     t, k = ids.shape
     n_experts = gate.shape[0]
-
-    def pick(w, s, sel):
-        return w[sel], (None if s is None else s[sel])
-
     if t * k < n_experts:
-        sel = ids.reshape(-1)
-        g, gs = pick(gate, gate_scale, sel)
-        u, us = pick(up, up_scale, sel)
-        d, ds = pick(down, down_scale, sel)
-        xs = jnp.repeat(x, k, axis=0)  # [T*k, hidden]
-        h = (jax.nn.silu(dot("nh,nih->ni", xs, dequantize(g, gs, x.dtype)))
-             * dot("nh,nih->ni", xs, dequantize(u, us, x.dtype)))
-        y = dot("ni,nhi->nh", h.astype(x.dtype), dequantize(d, ds, x.dtype))
-        return dot("tk,tkh->th", weights, y.reshape(t, k, -1)).astype(x.dtype)
+        h = expert_hidden(x, ids, gate, gate_scale, up, up_scale)
+        return expert_down(h, weights, ids, down, down_scale)
     dense = jnp.zeros((t, n_experts), F32).at[jnp.arange(t)[:, None], ids].add(weights)
     h = (jax.nn.silu(dot("th,eih->tei", x, dequantize(gate, gate_scale, x.dtype)))
          * dot("th,eih->tei", x, dequantize(up, up_scale, x.dtype)))
     h = (h * dense[:, :, None]).astype(x.dtype)
     return dot("tei,ehi->th", h, dequantize(down, down_scale, x.dtype)).astype(x.dtype)
+
+
+def _pick(w, s, sel):
+    return w[sel], (None if s is None else s[sel])
+
+
+def expert_hidden(x: jax.Array, ids: jax.Array, gate, gate_scale, up, up_scale) -> jax.Array:
+    """h [T·k, I] = silu(x[t] · gate[ids[t,j]]ᵀ) · (x[t] · up[ids[t,j]]ᵀ) for the chosen experts only,
+    fp32 math, in x.dtype (the first half of `moe_experts` for few tokens)."""
+    sel = ids.reshape(-1)
+    g, gs = _pick(gate, gate_scale, sel)
+    u, us = _pick(up, up_scale, sel)
+    xs = jnp.repeat(x, ids.shape[1], axis=0)  # [T*k, hidden]
+    h = (jax.nn.silu(dot("nh,nih->ni", xs, dequantize(g, gs, x.dtype)))
+         * dot("nh,nih->ni", xs, dequantize(u, us, x.dtype)))
+    return h.astype(x.dtype)
+
+
+def expert_down(h: jax.Array, weights: jax.Array, ids: jax.Array, down, down_scale) -> jax.Array:
+    """Σ_j weights[t,j] · down[ids[t,j]] · h[t·k + j] [T, hidden]: each expert's projection in fp32,
+    the weighted sum in fp32, rounded to h.dtype (the second half of `moe_experts`)."""
+    t, k = ids.shape
+    d, ds = _pick(down, down_scale, ids.reshape(-1))
+    y = dot("ni,nhi->nh", h, dequantize(d, ds, h.dtype))
+    return dot("tk,tkh->th", weights, y.reshape(t, k, -1)).astype(h.dtype)

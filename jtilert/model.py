@@ -73,6 +73,11 @@ class LayerNorm(nnx.Module):
         return layers.layer_norm(x, self.weight[...], self.bias[...], SUBLAYER_EPS)
 
 
+def _swiglu_arrays(gate: Linear, up: Linear, down: Linear) -> tuple:
+    """(gate, gate_scale, up, up_scale, down, down_scale): the argument order of the SwiGLU ops."""
+    return tuple(a for lin in (gate, up, down) for a in (lin.weight[...], lin.scale_or_none))
+
+
 class MLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) · up(x)); under tp each rank holds a slice of the intermediate dim."""
 
@@ -81,14 +86,11 @@ class MLP(nnx.Module):
         self.up_proj = Linear(cfg.hidden_size, width, rngs=rngs, fmt=fmt)
         self.down_proj = Linear(width, cfg.hidden_size, rngs=rngs, fmt=fmt)
 
-    def partial(self, x):
-        """This rank's share of the output (summed over ranks by the caller)."""
-        g, u, d = self.gate_proj, self.up_proj, self.down_proj
-        return backend.ops().swiglu(x, g.weight[...], g.scale_or_none, u.weight[...], u.scale_or_none,
-                                    d.weight[...], d.scale_or_none)
+    def arrays(self) -> tuple:
+        return _swiglu_arrays(self.gate_proj, self.up_proj, self.down_proj)
 
     def __call__(self, x):
-        return sharding.all_reduce(self.partial(x))
+        return sharding.all_reduce(backend.ops().swiglu(x, *self.arrays()))
 
 
 class Router(nnx.Module):
@@ -107,6 +109,9 @@ class Experts(nnx.Module):
         self.up = Linear(h, w, rngs=rngs, fmt=fmt, experts=e)
         self.down = Linear(w, h, rngs=rngs, fmt=fmt, experts=e)
 
+    def arrays(self) -> tuple:
+        return _swiglu_arrays(self.gate, self.up, self.down)
+
 
 class MoE(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs, fmt):
@@ -116,12 +121,8 @@ class MoE(nnx.Module):
         self.shared_experts = MLP(cfg, cfg.moe_intermediate_size * cfg.n_shared_experts, rngs=rngs, fmt=fmt)
 
     def __call__(self, x):
-        ops = backend.ops()
-        weights, ids = ops.route(self.cfg, x, self.gate.weight[...], self.gate.e_score_correction_bias[...])
-        ex = self.experts
-        routed = ops.moe_experts(x, weights, ids, ex.gate.weight[...], ex.gate.scale_or_none, ex.up.weight[...],
-                                 ex.up.scale_or_none, ex.down.weight[...], ex.down.scale_or_none)
-        return sharding.all_reduce(routed + self.shared_experts.partial(x))
+        weights, ids = backend.ops().route(self.cfg, x, self.gate.weight[...], self.gate.e_score_correction_bias[...])
+        return sharding.moe_all_reduce(x, weights, ids, self.experts.arrays(), self.shared_experts.arrays())
 
 
 class Indexer(nnx.Module):

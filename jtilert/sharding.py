@@ -66,6 +66,25 @@ def linear_all_reduce(x: jax.Array, w: jax.Array, scale: jax.Array | None) -> ja
     return all_reduce(backend.ops().linear(x, w, scale))
 
 
+def moe_all_reduce(x: jax.Array, weights: jax.Array, ids: jax.Array, experts: tuple, shared: tuple) -> jax.Array:
+    """all_reduce(Σ_j weights[t,j] · Expert_{ids[t,j]}(x[t]) + Shared(x[t])) for this rank's slices of the
+    SwiGLU experts; `experts` (stacked [E, ...]) and `shared` are (gate, gate_scale, up, up_scale, down,
+    down_scale). With the CUDA engine on, one decode token runs the experts' gate/up halves, then one
+    kernel for the routed down projections, their weighted sum, the shared expert's down projection and
+    the all-reduce (TileRT's ExpertDownAllReduce; the expert ids stay on the device)."""
+    from jtilert import backend
+    ops = backend.ops()
+    axis = _axis.get()
+    if axis is not None and _engine.get() and x.shape[0] == 1:
+        from jtilert import ffi
+        g, gs, u, us, d, ds = experts
+        sg, sgs, su, sus, sd, sds = shared
+        h = ops.expert_hidden(x, ids, g, gs, u, us)
+        hs = ops.swiglu_hidden(x, sg, sgs, su, sus)
+        return ffi.expert_down_all_reduce(h, weights[0], ids[0], d, ds, hs[0], sd, sds, axis)[None]
+    return all_reduce(ops.moe_experts(x, weights, ids, *experts) + ops.swiglu(x, *shared))
+
+
 def all_gather_last(x: jax.Array) -> jax.Array:
     """Concatenate the ranks' slices of the last axis (vocab-split logits)."""
     axis = _axis.get()

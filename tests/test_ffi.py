@@ -22,6 +22,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jtilert.ffi as jf
+from jtilert import layers
 from jtilert.ffi import ops as ffi_ops
 from jtilert.ffi import plan as ffi_plan
 
@@ -59,7 +60,8 @@ def test_cuda_sources_compile_warnings_as_errors(tmp_path):
   nm = shutil.which("nm")
   if nm:
     syms = subprocess.run([nm, "-D", "--defined-only", str(lib)], capture_output=True, text=True).stdout
-    for s in ("JtAllReduce", "JtGemvAllReduce", "JtMergeTopk", "jt_group_create", "jt_all_reduce"):
+    for s in ("JtAllReduce", "JtGemvAllReduce", "JtMergeTopk", "JtExpertDownAllReduce", "jt_group_create",
+              "jt_all_reduce", "jt_expert_down_all_reduce"):
       assert f" {s}\n" in syms, s
     assert " cudaMalloc\n" not in syms
 
@@ -80,6 +82,7 @@ SHAPES = [  # (N, K_local, wdtype): dsv32-tp8-shard o_proj, expert down (1 exper
     (7168, 2048, "bf16"), (7168, 2048, "fp8"), (7168, 256, "bf16"), (7168, 256, "fp8"),
     (7168, 2304, "bf16"), (7168, 2304, "fp8"), (6144, 4096, "fp8"), (1001, 512, "bf16"),
     (1, 16, "fp8"), (129, 128, "bf16"), (7168, 18432, "bf16"),
+    (7168, 9 * 128, "fp8"), (7168, 9 * 128, "bf16"),  # expert down + shared, dsv32-tp8-shard at tp=2
 ]
 
 
@@ -208,6 +211,107 @@ def test_gemv_all_reduce_fallback_equals_reference(fp8):
   assert np.linalg.norm(np.asarray(y1, np.float64) - ref1) / np.linalg.norm(ref1) < 5e-3
 
 
+def _expert_down_case(rng, fp8, world=8, e=6, n=300, k=3):
+  """Global (over `world` ranks) inputs of expert_down_all_reduce; each rank holds an I / Is slice."""
+  i_loc = is_loc = 128 if fp8 else 16
+  i, i_s = world * i_loc, world * is_loc
+  h = jnp.asarray(rng.standard_normal((k, i)), jnp.bfloat16)
+  hs = jnp.asarray(rng.standard_normal(i_s), jnp.bfloat16)
+  wts = jnp.asarray(rng.uniform(0.1, 1.0, k), jnp.float32)
+  ids = jnp.asarray(rng.choice(e, k, replace=False), jnp.int32)
+  if fp8:
+    down, ds = zip(*[_fp8_weights(rng, n, i) for _ in range(e)])
+    down, ds = jnp.stack(down), jnp.stack(ds)
+    sd, ss = _fp8_weights(rng, n, i_s)
+  else:
+    down = jnp.asarray(rng.standard_normal((e, n, i)) * 0.05, jnp.bfloat16)
+    sd = jnp.asarray(rng.standard_normal((n, i_s)) * 0.05, jnp.bfloat16)
+    ds = ss = None
+  return h, wts, ids, down, ds, hs, sd, ss
+
+
+def _np_expert_down(h, wts, ids, down, ds, hs, sd, ss):
+  """fp64 Σ_j w_j · Down[ids_j] · h_j + SharedDown · h_s."""
+  y = _np_gemv(hs, sd, ss)
+  for j, e in enumerate(np.asarray(ids)):
+    y = y + float(wts[j]) * _np_gemv(h[j], down[e], None if ds is None else ds[e])
+  return y
+
+
+_ED_SPECS = (P(None, "tp"), P(), P(), P(None, None, "tp"), P(None, None, "tp"), P("tp"), P(None, "tp"),
+             P(None, "tp"))
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_expert_down_all_reduce_fallback_equals_the_unfused_path(fp8):
+  """The fallback is psum(routed experts' weighted down projections + the shared expert's), rounded
+  like jtilert.layers (moe_experts' second half + swiglu's down), and matches the fp64 math."""
+  mesh = _mesh()
+  args = _expert_down_case(np.random.default_rng(6), fp8)
+  h, wts, ids, down, ds, hs, sd, ss = args
+
+  def fused(h, wts, ids, down, ds, hs, sd, ss):
+    return jf.expert_down_all_reduce(h, wts, ids, down, ds, hs, sd, ss, "tp")
+
+  def unfused(h, wts, ids, down, ds, hs, sd, ss):
+    routed = layers.expert_down(h, wts[None], ids[None], down, ds)
+    return lax.psum(routed + layers.linear(hs[None], sd, ss), "tp")[0]
+
+  if not fp8:  # no scales: drop them from the argument lists
+    f_ = lambda h, w, i, d, hs, sd: fused(h, w, i, d, None, hs, sd, None)  # noqa: E731
+    u_ = lambda h, w, i, d, hs, sd: unfused(h, w, i, d, None, hs, sd, None)  # noqa: E731
+    specs, a = _ED_SPECS[:4] + _ED_SPECS[5:7], (h, wts, ids, down, hs, sd)
+  else:
+    f_, u_, specs, a = fused, unfused, _ED_SPECS, args
+  y = _smap(mesh, f_, specs, P())(*a)
+  assert y.shape == (down.shape[1],) and y.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(_smap(mesh, u_, specs, P())(*a), np.float32))
+  ref = _np_expert_down(*args)
+  assert np.linalg.norm(np.asarray(y, np.float64) - ref) / np.linalg.norm(ref) < 5e-3
+
+
+def _decode_logits(model, mesh, engine, ids):
+  """Logits of one-token forward steps over `ids` (the decode regime, T = 1)."""
+  from jtilert.generate import Engine
+  eng = Engine(model, mesh=mesh, engine_all_reduce=engine)
+  cache, out = eng.new_cache(len(ids) + 1), []
+  for p, t in enumerate(ids):
+    logits, _, cache = eng.forward(eng.state, cache, eng.place(jnp.asarray([t], jnp.int32)),
+                                   eng.place(jnp.int32(p)))
+    out.append(np.asarray(logits))
+  return np.concatenate(out)
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16(tiny_random):
+  """The session's tiny fp32 model with every weight cast to bf16 (bf16 activations)."""
+  from flax import nnx
+  graphdef, state = nnx.split(tiny_random)
+  model = nnx.merge(graphdef, jax.tree.map(lambda v: v.astype(jnp.bfloat16), state))
+  model.dtype = jnp.dtype(jnp.bfloat16)
+  return model
+
+
+@pytest.mark.parametrize("tp", [2, 8])
+def test_model_moe_through_the_fused_op_equals_psum(tiny_bf16, tp, monkeypatch):
+  """bf16 model at tp = 2 and 8, engine on: every MoE layer calls expert_down_all_reduce (here its
+  fallback), and the decode logits equal the psum path's bit for bit (the o_proj is kept on its
+  unfused path so that only the MoE differs; its fused fallback rounds once instead of per rank)."""
+  mesh = _mesh(tp)
+  calls = []
+  orig = jf.expert_down_all_reduce
+  monkeypatch.setattr(jf, "expert_down_all_reduce", lambda *a, **k: calls.append(1) or orig(*a, **k))
+  monkeypatch.setattr(jf, "gemv_all_reduce",
+                      lambda x, w, s, axis: lax.psum(layers.linear(x[None], w, s), axis)[0])
+  ids = np.random.default_rng(7).integers(0, 256, 6)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    ours = _decode_logits(tiny_bf16, mesh, True, ids)
+  moe_layers = sum(tiny_bf16.cfg.is_moe(i) for i in range(tiny_bf16.cfg.num_hidden_layers))
+  assert len(calls) == moe_layers, "the MoE did not take the fused path"
+  np.testing.assert_array_equal(ours, _decode_logits(tiny_bf16, mesh, False, ids))
+
+
 def _sorted_lists(rng, world, m):
   sc = np.round(rng.standard_normal((world, m)) * 2) / 2  # many ties
   sc[:, ::7] = -np.inf
@@ -247,21 +351,40 @@ def test_cuda_lowering_emits_the_engine_custom_calls(monkeypatch):
   w, s = _fp8_weights(rng, 7168, 8 * 256)
   sc, idx = _sorted_lists(rng, 8, 32)
 
-  def f(x, w, s, sc, idx):
+  ed = _expert_down_case(rng, True)
+
+  def f(x, w, s, sc, idx, *ed):
     a = jf.all_reduce(x, "tp")
     b = jf.gemv_all_reduce(x, w, s, "tp")
     c, d = jf.merge_topk(sc[0], idx[0], "tp", 32)
-    return a, b, c, d
+    e = jf.expert_down_all_reduce(*ed, "tp")
+    return a, b, c, d, e
 
-  g = _smap(mesh, f, (P("tp"), P(None, "tp"), P(None, "tp"), P("tp"), P("tp")), (P(), P(), P(), P()))
-  txt = g.trace(x, w, s, jnp.asarray(sc), jnp.asarray(idx)).lower(lowering_platforms=("cuda",)).as_text()
-  for target in ("jtilert_all_reduce", "jtilert_gemv_all_reduce", "jtilert_merge_topk"):
+  g = _smap(mesh, f, (P("tp"), P(None, "tp"), P(None, "tp"), P("tp"), P("tp")) + _ED_SPECS, (P(),) * 5)
+  args = (x, w, s, jnp.asarray(sc), jnp.asarray(idx)) + ed
+  txt = g.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  for target in ("jtilert_all_reduce", "jtilert_gemv_all_reduce", "jtilert_merge_topk",
+                 "jtilert_expert_down_all_reduce"):
     assert f"custom_call @{target}" in txt, target
   assert "groups = dense<[0, 1, 2, 3, 4, 5, 6, 7]>" in txt
   assert "world = 8 : i32" in txt and "has_scale = 1 : i32" in txt
   # on the CPU platform the same program lowers to the XLA fallback
-  txt_cpu = g.trace(x, w, s, jnp.asarray(sc), jnp.asarray(idx)).lower(lowering_platforms=("cpu",)).as_text()
+  txt_cpu = g.trace(*args).lower(lowering_platforms=("cpu",)).as_text()
   assert "custom_call @jtilert" not in txt_cpu
+
+
+def test_model_decode_step_lowers_to_the_fused_kernels(tiny_bf16, monkeypatch):
+  """The tp=2 decode step with the engine on, cross-lowered for CUDA: the o_proj and the MoE down +
+  shared expert become the engine's fused custom calls."""
+  from jtilert.generate import Engine
+  monkeypatch.setattr(ffi_ops, "_TEST_FORCE_EMIT", True)
+  eng = Engine(tiny_bf16, mesh=_mesh(2), engine_all_reduce=True)
+  tok = eng.place(jnp.asarray([5], jnp.int32))
+  txt = eng.forward.trace(eng.state, eng.new_cache(8), tok, eng.place(jnp.int32(0))).lower(
+      lowering_platforms=("cuda",)).as_text()
+  moe_layers = sum(tiny_bf16.cfg.is_moe(i) for i in range(tiny_bf16.cfg.num_hidden_layers))
+  assert txt.count("custom_call @jtilert_expert_down_all_reduce") == moe_layers
+  assert txt.count("custom_call @jtilert_gemv_all_reduce") == tiny_bf16.cfg.num_hidden_layers
 
 
 def test_two_axis_mesh_groups(monkeypatch):

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "jtilert/engine.h"
 #include "xla/ffi/api/ffi.h"
@@ -18,6 +19,7 @@ JT_EXPORT XLA_FFI_Error* JtAllReduce(XLA_FFI_CallFrame* call_frame);
 JT_EXPORT XLA_FFI_Error* JtGemvAllReduce(XLA_FFI_CallFrame* call_frame);
 JT_EXPORT XLA_FFI_Error* JtMergeTopk(XLA_FFI_CallFrame* call_frame);
 JT_EXPORT XLA_FFI_Error* JtTopkSelect(XLA_FFI_CallFrame* call_frame);
+JT_EXPORT XLA_FFI_Error* JtExpertDownAllReduce(XLA_FFI_CallFrame* call_frame);
 
 namespace {
 
@@ -60,6 +62,21 @@ ffi::Error find_rank(ffi::Span<const int32_t> groups, int32_t world,
     return ffi::Error::Internal(
         "jtilert: an earlier engine kernel timed out waiting for rank " +
         std::to_string(st.src) + " (epoch " + std::to_string(st.epoch) + ")");
+  return ffi::Error::Success();
+}
+
+// Group and rank of the caller (gid -1: world 1, no group), device made
+// current: what every GEMV-kernel launch needs first.
+ffi::Error gemv_rank(ffi::Span<const int32_t> groups, int32_t world,
+                     int32_t dev, int* gid, int* rank) {
+  *gid = -1;
+  *rank = 0;
+  if (world > 1) {
+    ffi::Error err = find_rank(groups, world, dev, gid, rank);
+    if (!err.success()) return err;
+  }
+  cudaError_t e = ensure_device(dev);
+  if (e != cudaSuccess) return cuda_error(e, "set device");
   return ffi::Error::Success();
 }
 
@@ -110,19 +127,77 @@ ffi::Error GemvAllReduceImpl(cudaStream_t stream, int32_t dev,
     return ffi::Error::InvalidArgument("jtilert gemv: scale must be f32");
   if (wdt == JT_F8E4M3 && !has_scale)
     return ffi::Error::InvalidArgument("jtilert gemv: fp8 needs scales");
-  int gid = -1, rank = 0;
-  if (world > 1) {
-    ffi::Error err = find_rank(groups, world, dev, &gid, &rank);
-    if (!err.success()) return err;
-  }
-  cudaError_t e = ensure_device(dev);
-  if (e != cudaSuccess) return cuda_error(e, "set device");
-  e = jt_gemv_all_reduce(
+  int gid, rank;
+  ffi::Error err = gemv_rank(groups, world, dev, &gid, &rank);
+  if (!err.success()) return err;
+  cudaError_t e = jt_gemv_all_reduce(
       gid, rank, stream, x.untyped_data(), w.untyped_data(),
       has_scale ? static_cast<const float*>(scale.untyped_data()) : nullptr,
       static_cast<const int32_t*>(table.untyped_data()), y->untyped_data(), N,
       K, wdt, nwc, rpw, num_ctas, max_tasks);
   if (e != cudaSuccess) return cuda_error(e, "gemv launch");
+  return ffi::Error::Success();
+}
+
+// MoE down projection + shared expert + all-reduce (expert-down mode of the
+// GEMV kernel): h [nsel, I], weights [nsel] f32, ids [nsel] s32, down
+// [E, N, I], shared_h [Is], shared_down [N, Is] (+ scales when fp8).
+ffi::Error ExpertDownAllReduceImpl(
+    cudaStream_t stream, int32_t dev, ffi::AnyBuffer h, ffi::AnyBuffer weights,
+    ffi::AnyBuffer ids, ffi::AnyBuffer down, ffi::AnyBuffer down_scale,
+    ffi::AnyBuffer shared_h, ffi::AnyBuffer shared_down,
+    ffi::AnyBuffer shared_scale, ffi::AnyBuffer table,
+    ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int32_t> groups,
+    int32_t world, int32_t nwc, int32_t rpw, int32_t num_ctas,
+    int32_t max_tasks, int32_t has_scale) {
+  const auto bf16 = ffi::DataType::BF16;
+  if (h.element_type() != bf16 || shared_h.element_type() != bf16 ||
+      y->element_type() != bf16)
+    return ffi::Error::InvalidArgument(
+        "jtilert expert_down: h, shared_h and y must be bf16");
+  if (weights.element_type() != ffi::DataType::F32 ||
+      ids.element_type() != ffi::DataType::S32 ||
+      table.element_type() != ffi::DataType::S32)
+    return ffi::Error::InvalidArgument(
+        "jtilert expert_down: weights f32, ids and table int32");
+  const int wdt = dtype_code(down.element_type());
+  if ((wdt != JT_BF16 && wdt != JT_F8E4M3) ||
+      shared_down.element_type() != down.element_type())
+    return ffi::Error::InvalidArgument(
+        "jtilert expert_down: down and shared_down both bf16 or both fp8");
+  if (wdt == JT_F8E4M3 && !has_scale)
+    return ffi::Error::InvalidArgument("jtilert expert_down: fp8 needs scales");
+  if (has_scale && (down_scale.element_type() != ffi::DataType::F32 ||
+                    shared_scale.element_type() != ffi::DataType::F32))
+    return ffi::Error::InvalidArgument("jtilert expert_down: scales must be f32");
+  auto dd = down.dimensions();
+  auto sd = shared_down.dimensions();
+  if (dd.size() != 3 || sd.size() != 2 || sd[0] != dd[1])
+    return ffi::Error::InvalidArgument(
+        "jtilert expert_down: down [E, N, I], shared_down [N, Is]");
+  const int E = (int)dd[0], N = (int)dd[1], I = (int)dd[2], Is = (int)sd[1];
+  const int64_t nsel = (int64_t)ids.element_count();
+  if ((int64_t)weights.element_count() != nsel ||
+      (int64_t)h.element_count() != nsel * I ||
+      (int64_t)shared_h.element_count() != Is ||
+      (int64_t)y->element_count() != N)
+    return ffi::Error::InvalidArgument("jtilert expert_down: shape mismatch");
+  int gid, rank;
+  ffi::Error err = gemv_rank(groups, world, dev, &gid, &rank);
+  if (!err.success()) return err;
+  const float* ds =
+      has_scale ? static_cast<const float*>(down_scale.untyped_data()) : nullptr;
+  const float* ss = has_scale
+                        ? static_cast<const float*>(shared_scale.untyped_data())
+                        : nullptr;
+  cudaError_t e = jt_expert_down_all_reduce(
+      gid, rank, stream, h.untyped_data(),
+      static_cast<const float*>(weights.untyped_data()),
+      static_cast<const int32_t*>(ids.untyped_data()), down.untyped_data(), ds,
+      shared_h.untyped_data(), shared_down.untyped_data(), ss,
+      static_cast<const int32_t*>(table.untyped_data()), y->untyped_data(), N,
+      (int)nsel, I, E, Is, wdt, nwc, rpw, num_ctas, max_tasks);
+  if (e != cudaSuccess) return cuda_error(e, "expert_down launch");
   return ffi::Error::Success();
 }
 
@@ -195,22 +270,30 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JtAllReduce, AllReduceImpl,
                                   .Attr<int32_t>("threads"),
                               {ffi::Traits::kCmdBufferCompatible});
 
+// The attributes of every handler that launches the GEMV kernel on a task
+// table (jtilert/ffi/ops.py, _task_table_lowering).
+template <typename Binding>
+auto task_table_attrs(Binding b) {
+  return std::move(b)
+      .template Attr<ffi::Span<const int32_t>>("groups")
+      .template Attr<int32_t>("world")
+      .template Attr<int32_t>("nwc")
+      .template Attr<int32_t>("rpw")
+      .template Attr<int32_t>("num_ctas")
+      .template Attr<int32_t>("max_tasks")
+      .template Attr<int32_t>("has_scale");
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JtGemvAllReduce, GemvAllReduceImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<ffi::Span<const int32_t>>("groups")
-                                  .Attr<int32_t>("world")
-                                  .Attr<int32_t>("nwc")
-                                  .Attr<int32_t>("rpw")
-                                  .Attr<int32_t>("num_ctas")
-                                  .Attr<int32_t>("max_tasks")
-                                  .Attr<int32_t>("has_scale"),
+                              task_table_attrs(
+                                  ffi::Ffi::Bind()
+                                      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                      .Ctx<ffi::DeviceOrdinal>()
+                                      .Arg<ffi::AnyBuffer>()  // x
+                                      .Arg<ffi::AnyBuffer>()  // w
+                                      .Arg<ffi::AnyBuffer>()  // scale
+                                      .Arg<ffi::AnyBuffer>()  // table
+                                      .Ret<ffi::AnyBuffer>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JtMergeTopk, MergeTopkImpl,
@@ -225,6 +308,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JtMergeTopk, MergeTopkImpl,
                                   .Attr<int32_t>("world")
                                   .Attr<int32_t>("blocks")
                                   .Attr<int32_t>("threads"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JtExpertDownAllReduce, ExpertDownAllReduceImpl,
+                              task_table_attrs(
+                                  ffi::Ffi::Bind()
+                                      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                      .Ctx<ffi::DeviceOrdinal>()
+                                      .Arg<ffi::AnyBuffer>()  // h
+                                      .Arg<ffi::AnyBuffer>()  // weights
+                                      .Arg<ffi::AnyBuffer>()  // ids
+                                      .Arg<ffi::AnyBuffer>()  // down
+                                      .Arg<ffi::AnyBuffer>()  // down_scale
+                                      .Arg<ffi::AnyBuffer>()  // shared_h
+                                      .Arg<ffi::AnyBuffer>()  // shared_down
+                                      .Arg<ffi::AnyBuffer>()  // shared_scale
+                                      .Arg<ffi::AnyBuffer>()  // table
+                                      .Ret<ffi::AnyBuffer>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JtTopkSelect, TopkSelectImpl,

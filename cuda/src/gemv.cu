@@ -1,5 +1,13 @@
 // Persistent GEMV + all-reduce: y = sum over ranks of W_r @ x_r.
 //
+// Expert-down mode (TileRT's ExpertDownAllReduce) is the same GEMV over a K
+// axis made of segments: the routed experts' hidden vectors h_e, each scaled
+// by its routing weight, then the shared expert's hidden vector. Segment e
+// reads Down[ids[e]] ([N, I] of the stacked [E, N, I] tensor; the id is read
+// on the device), the last segment the shared expert's own [N, Is] weight, so
+// y = sum over ranks of (sum_e Down[ids[e]] (w_e h_e) + SharedDown h_s) is
+// one launch with one all-reduce.
+//
 // One CTA per task list of the host-built task table (jtilert/ffi/plan.py).
 // Warps 0..nwc-1 stream weight rows (16-byte non-caching loads, RPW rows x U
 // chunks in flight per lane) and write each tile's fp32 partial to shared
@@ -120,15 +128,68 @@ __device__ __forceinline__ int x_swizzle(int e) {
 }
 
 struct GemvArgs {
-  const __nv_bfloat16* x;
-  const uint4* w;
-  const float* scale;
+  const uint16_t* x;  // bf16 x[K]; expert mode: routed hidden h[nsel, I]
+  const uint4* w;     // W[N, K]; expert mode: stacked experts [E, N, I]
+  const float* scale;  // [ceil(N/128), KB]; expert mode: [E, ceil(N/128), ceil(I/128)]
   const int* table;
   uint16_t* y;  // bf16 bits
   int N, K, KB, nwc, max_tasks, comm;
+  // expert-down mode only (K = nsel * I + Is)
+  const float* rw;   // routing weights [nsel]
+  const int* ids;    // expert ids [nsel]
+  const uint16_t* xs;  // shared expert's hidden h_s[Is], bf16
+  const uint4* ws;   // shared expert's W [N, Is]
+  const float* ss;   // its scales [ceil(N/128), ceil(Is/128)]
+  int nsel, I, E;
 };
 
-template <int WDT, int RPW, int U>
+// Where 16-byte chunk ch of the K axis comes from in expert-down mode: row
+// `row` of its weight is at w + row * wstride, the fp8 scale at
+// s + (row / 128) * sstride. Built once per CTA after reading the expert ids,
+// so the weight stream itself needs no division or id lookup.
+struct ChunkSrc {
+  const uint4* w;
+  const float* s;
+  int wstride;  // 16-byte chunks per weight row
+  int sstride;  // scale blocks per scale row
+};
+
+__device__ __forceinline__ float bf16_to_f32(uint16_t b) {
+  return __uint_as_float((uint32_t)b << 16);
+}
+
+// Fills the chunk sources (expert mode): the routed segments at the expert
+// the router chose (clamped into [0, E) like an XLA gather), then the shared
+// expert's segment.
+template <int EPC>
+__device__ void fill_chunk_sources(const GemvArgs& g, ChunkSrc* src, int KC) {
+  const int ic = g.I / EPC;  // chunks per routed segment
+  const int is = (g.K - g.nsel * g.I) / EPC;
+  const long long nb = (g.N + 127) / 128;
+  const int ib = (g.I + 127) / 128;
+  const int isb = (is * EPC + 127) / 128;
+  for (int ch = threadIdx.x; ch < KC; ch += blockDim.x) {
+    const int seg = ch / ic;
+    ChunkSrc s;
+    if (seg < g.nsel) {
+      const int id = min(max(__ldg(g.ids + seg), 0), g.E - 1);
+      const int local = ch - seg * ic;
+      s.w = g.w + (long long)id * g.N * ic + local;
+      s.s = g.scale ? g.scale + id * nb * ib + ((local * EPC) >> 7) : nullptr;
+      s.wstride = ic;
+      s.sstride = ib;
+    } else {
+      const int local = ch - g.nsel * ic;
+      s.w = g.ws + local;
+      s.s = g.ss ? g.ss + ((local * EPC) >> 7) : nullptr;
+      s.wstride = is;
+      s.sstride = isb;
+    }
+    src[ch] = s;
+  }
+}
+
+template <int WDT, int RPW, int U, bool EXPERT>
 __global__ void __launch_bounds__(544, 1)
     gemv_ar_kernel(CommParams c, GemvArgs g) {
   constexpr int EPC = WTraits<WDT>::kElems;
@@ -140,7 +201,8 @@ __global__ void __launch_bounds__(544, 1)
   const int ntask = g.table[kTableHeader + blockIdx.x + 1] - t0;
   const int* tasks = g.table + kTableHeader + C + 1 + t0;
 
-  // shared memory: mbarriers | task rows | x (swizzled fp32) | partials
+  // shared memory: mbarriers | task rows | x (swizzled fp32) | partials |
+  // chunk sources (expert mode)
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem);
   int* task_s = reinterpret_cast<int*>(smem + g.max_tasks * 8);
   float* x_s = reinterpret_cast<float*>(
@@ -148,6 +210,7 @@ __global__ void __launch_bounds__(544, 1)
   const int KC = g.K / EPC;       // 16-byte chunks per row
   const int LC = (KC + 31) >> 5;  // chunks per lane
   float* part_s = x_s + LC * 32 * EPC;
+  ChunkSrc* src_s = reinterpret_cast<ChunkSrc*>(part_s + g.max_tasks * T);
 
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
@@ -159,17 +222,30 @@ __global__ void __launch_bounds__(544, 1)
   struct Batch {
     uint4 v[RPW][U];
   };
+  auto wptr = [&](int ch, int row) -> const uint4* {
+    if constexpr (EXPERT) {
+      return src_s[ch].w + (long long)row * src_s[ch].wstride;
+    } else {
+      return g.w + (long long)row * row_chunks + ch;
+    }
+  };
+  auto sptr = [&](int ch, int row) -> const float* {
+    if constexpr (EXPERT) {
+      return src_s[ch].s + (row >> 7) * src_s[ch].sstride;
+    } else {
+      return g.scale + (long long)(row >> 7) * g.KB + ((ch * EPC) >> 7);
+    }
+  };
   // load batch `bi` (tile bi / NB, chunk group bi % NB) of this warp's rows
   auto load = [&](Batch& b, int bi, int row0) {
     const int kb = bi % NB;
 #pragma unroll
     for (int r = 0; r < RPW; ++r) {
       const int row = row0 + warp * RPW + r;
-      const uint4* wr = g.w + (long long)row * row_chunks;
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int ch = (kb * U + u) * 32 + lane;
-        b.v[r][u] = (row < g.N && ch < KC) ? ldg_stream(wr + ch)
+        b.v[r][u] = (row < g.N && ch < KC) ? ldg_stream(wptr(ch, row))
                                            : make_uint4(0u, 0u, 0u, 0u);
       }
     }
@@ -177,12 +253,22 @@ __global__ void __launch_bounds__(544, 1)
 
   Batch A, B;
   const bool computes = warp < g.nwc;
-  // issue the first weight loads before anything else: they do not depend on x
-  if (computes && total > 0) load(A, 0, tasks[0]);
-
-  for (int e = tid; e < g.K; e += blockDim.x) {
-    const uint16_t* xb = reinterpret_cast<const uint16_t*>(g.x);
-    x_s[x_swizzle<EPC>(e)] = __uint_as_float((uint32_t)xb[e] << 16);
+  if constexpr (EXPERT) {
+    // the weight addresses depend on the expert ids: resolve them first
+    fill_chunk_sources<EPC>(g, src_s, KC);
+    const int kr = g.nsel * g.I;
+    for (int e = tid; e < g.K; e += blockDim.x) {
+      // x_seg = w_e * h_e in fp32 (the routing weight folded into x)
+      x_s[x_swizzle<EPC>(e)] = e < kr ? bf16_to_f32(g.x[e]) * __ldg(g.rw + e / g.I)
+                                      : bf16_to_f32(g.xs[e - kr]);
+    }
+    __syncthreads();
+    if (computes && total > 0) load(A, 0, tasks[0]);
+  } else {
+    // issue the first weight loads before anything else: they do not depend on x
+    if (computes && total > 0) load(A, 0, tasks[0]);
+    for (int e = tid; e < g.K; e += blockDim.x)
+      x_s[x_swizzle<EPC>(e)] = bf16_to_f32(g.x[e]);
   }
   if (tid == 0) {
     for (int i = 0; i < ntask; ++i) mbar_init(&bars[i], (unsigned)g.nwc);
@@ -212,8 +298,7 @@ __global__ void __launch_bounds__(544, 1)
             if constexpr (WDT == JT_BF16) {
               acc[r] += dot_bf16x8(b.v[r][u], xp);
             } else {
-              const float sc = __ldg(g.scale + (long long)(row >> 7) * g.KB +
-                                     ((ch * EPC) >> 7));
+              const float sc = __ldg(sptr(ch, row));
               acc[r] = fmaf(dot_e4m3x16(b.v[r][u], xp), sc, acc[r]);
             }
           }
@@ -308,78 +393,55 @@ __global__ void __launch_bounds__(544, 1)
 }
 
 template <int WDT, int RPW, int U>
-void* kernel_ptr() {
-  return reinterpret_cast<void*>(&gemv_ar_kernel<WDT, RPW, U>);
+void* kernel_ptr(bool expert) {
+  return expert ? reinterpret_cast<void*>(&gemv_ar_kernel<WDT, RPW, U, true>)
+                : reinterpret_cast<void*>(&gemv_ar_kernel<WDT, RPW, U, false>);
 }
 
-void* select_kernel(int wdtype, int rpw) {
-  if (wdtype == JT_BF16) {
-    switch (rpw) {
-      case 1: return kernel_ptr<JT_BF16, 1, 8>();
-      case 2: return kernel_ptr<JT_BF16, 2, 4>();
-      case 4: return kernel_ptr<JT_BF16, 4, 2>();
-      case 8: return kernel_ptr<JT_BF16, 8, 1>();
-      default: return nullptr;
-    }
+template <int WDT>
+void* select_rpw(int rpw, bool expert) {
+  switch (rpw) {
+    case 1: return kernel_ptr<WDT, 1, 8>(expert);
+    case 2: return kernel_ptr<WDT, 2, 4>(expert);
+    case 4: return kernel_ptr<WDT, 4, 2>(expert);
+    case 8: return kernel_ptr<WDT, 8, 1>(expert);
+    default: return nullptr;
   }
-  if (wdtype == JT_F8E4M3) {
-    switch (rpw) {
-      case 1: return kernel_ptr<JT_F8E4M3, 1, 8>();
-      case 2: return kernel_ptr<JT_F8E4M3, 2, 4>();
-      case 4: return kernel_ptr<JT_F8E4M3, 4, 2>();
-      case 8: return kernel_ptr<JT_F8E4M3, 8, 1>();
-      default: return nullptr;
-    }
-  }
+}
+
+void* select_kernel(int wdtype, int rpw, bool expert) {
+  if (wdtype == JT_BF16) return select_rpw<JT_BF16>(rpw, expert);
+  if (wdtype == JT_F8E4M3) return select_rpw<JT_F8E4M3>(rpw, expert);
   return nullptr;
 }
 
-}  // namespace
-
-int prepare_gemv_kernels(int max_smem) {
-  const int dts[2] = {JT_BF16, JT_F8E4M3};
-  const int rpws[4] = {1, 2, 4, 8};
-  for (int d : dts) {
-    for (int r : rpws) {
-      cudaError_t e = cudaFuncSetAttribute(
-          select_kernel(d, r), cudaFuncAttributeMaxDynamicSharedMemorySize,
-          max_smem);
-      if (e != cudaSuccess) return (int)e;
-    }
-  }
-  return 0;
-}
-
-}  // namespace jt
-
-extern "C" int64_t jt_gemv_smem_bytes(int K, int tile_rows, int max_tasks) {
+int64_t smem_bytes(int K, int tile_rows, int max_tasks, bool expert) {
   // x is padded to whole groups of 32 chunks (512 elements covers bf16 and fp8)
   const int64_t kpad = ((int64_t)K + 511) / 512 * 512;
   return ((int64_t)max_tasks * 12 + 15) / 16 * 16 + kpad * 4 +
-         (int64_t)max_tasks * tile_rows * 4;
+         (int64_t)max_tasks * tile_rows * 4 +
+         (expert ? kpad / 8 * (int64_t)sizeof(ChunkSrc) : 0);
 }
 
-extern "C" cudaError_t jt_gemv_all_reduce(int gid, int rank,
-                                          cudaStream_t stream, const void* x,
-                                          const void* w, const float* scale,
-                                          const int32_t* table, void* y, int N,
-                                          int K, int wdtype, int nwc, int rpw,
-                                          int num_ctas, int max_tasks) {
-  if (nwc < 1 || nwc > 16 || num_ctas < 1 || max_tasks < 1 || N < 1 || K < 1)
+// Checks the launch shape, sets up the group's parameters and launches.
+cudaError_t launch(int gid, int rank, cudaStream_t stream, GemvArgs& g,
+                   int wdtype, int rpw, int num_ctas, bool expert) {
+  if (g.nwc < 1 || g.nwc > 16 || num_ctas < 1 || g.max_tasks < 1 ||
+      g.N < 1 || g.K < 1)
     return cudaErrorInvalidValue;
   const int epc = wdtype == JT_F8E4M3 ? 16 : 8;
-  if (K % epc != 0) return cudaErrorInvalidValue;
-  if (wdtype == JT_F8E4M3 && scale == nullptr) return cudaErrorInvalidValue;
-  void* kern = jt::select_kernel(wdtype, rpw);
+  if (g.K % epc != 0) return cudaErrorInvalidValue;
+  if (wdtype == JT_F8E4M3 && g.scale == nullptr) return cudaErrorInvalidValue;
+  void* kern = select_kernel(wdtype, rpw, expert);
   if (kern == nullptr) return cudaErrorInvalidValue;
-  const int T = nwc * rpw;
+  const int T = g.nwc * rpw;
   if (T % 2 != 0) return cudaErrorInvalidValue;
-  jt::CommParams c;
+  CommParams c;
   std::memset(&c, 0, sizeof(c));
   int comm = 0;
   if (gid >= 0) {
-    if (!jt::make_comm(gid, rank, &c)) return cudaErrorInvalidResourceHandle;
-    if ((N + 1) / 2 > c.cap_lines) return cudaErrorInvalidValue;
+    if (!make_comm(gid, rank, &c)) return cudaErrorInvalidResourceHandle;
+    if ((g.N + 1) / 2 > c.cap_lines) return cudaErrorInvalidValue;
     comm = c.world > 1 ? 1 : 0;
     if (!comm) {
       std::memset(&c, 0, sizeof(c));
@@ -388,20 +450,86 @@ extern "C" cudaError_t jt_gemv_all_reduce(int gid, int rank,
   } else {
     c.world = 1;
   }
-  jt::GemvArgs g;
-  g.x = static_cast<const __nv_bfloat16*>(x);
+  g.KB = (g.K + 127) / 128;
+  g.comm = comm;
+  void* args[2] = {&c, &g};
+  const size_t smem = (size_t)smem_bytes(g.K, T, g.max_tasks, expert);
+  return cudaLaunchKernel(kern, dim3(num_ctas), dim3((g.nwc + 1) * 32), args,
+                          smem, stream);
+}
+
+// Arguments common to both modes (expert fields zero).
+GemvArgs dense_args(const void* x, const void* w, const float* scale,
+                    const int32_t* table, void* y, int N, int K, int nwc,
+                    int max_tasks) {
+  GemvArgs g;
+  std::memset(&g, 0, sizeof(g));
+  g.x = static_cast<const uint16_t*>(x);
   g.w = static_cast<const uint4*>(w);
   g.scale = scale;
   g.table = table;
   g.y = static_cast<uint16_t*>(y);
   g.N = N;
   g.K = K;
-  g.KB = (K + 127) / 128;
   g.nwc = nwc;
   g.max_tasks = max_tasks;
-  g.comm = comm;
-  void* args[2] = {&c, &g};
-  const size_t smem = (size_t)jt_gemv_smem_bytes(K, T, max_tasks);
-  return cudaLaunchKernel(kern, dim3(num_ctas), dim3((nwc + 1) * 32), args,
-                          smem, stream);
+  return g;
+}
+
+}  // namespace
+
+int prepare_gemv_kernels(int max_smem) {
+  for (int d : {JT_BF16, JT_F8E4M3}) {
+    for (int r : {1, 2, 4, 8}) {
+      for (bool expert : {false, true}) {
+        cudaError_t e = cudaFuncSetAttribute(
+            select_kernel(d, r, expert),
+            cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem);
+        if (e != cudaSuccess) return (int)e;
+      }
+    }
+  }
+  return 0;
+}
+
+}  // namespace jt
+
+extern "C" int64_t jt_gemv_smem_bytes(int K, int tile_rows, int max_tasks) {
+  return jt::smem_bytes(K, tile_rows, max_tasks, false);
+}
+
+extern "C" cudaError_t jt_gemv_all_reduce(int gid, int rank,
+                                          cudaStream_t stream, const void* x,
+                                          const void* w, const float* scale,
+                                          const int32_t* table, void* y, int N,
+                                          int K, int wdtype, int nwc, int rpw,
+                                          int num_ctas, int max_tasks) {
+  jt::GemvArgs g =
+      jt::dense_args(x, w, scale, table, y, N, K, nwc, max_tasks);
+  return jt::launch(gid, rank, stream, g, wdtype, rpw, num_ctas, false);
+}
+
+extern "C" cudaError_t jt_expert_down_all_reduce(
+    int gid, int rank, cudaStream_t stream, const void* h,
+    const float* weights, const int32_t* ids, const void* w,
+    const float* scale, const void* shared_h, const void* shared_w,
+    const float* shared_scale, const int32_t* table, void* y, int N, int nsel,
+    int I, int E, int Is, int wdtype, int nwc, int rpw, int num_ctas,
+    int max_tasks) {
+  const int epc = wdtype == JT_F8E4M3 ? 16 : 8;
+  // every segment starts on a 16-byte chunk; fp8 needs both sets of scales
+  if (nsel < 1 || E < 1 || I < epc || I % epc != 0 || Is < epc ||
+      Is % epc != 0 || (wdtype == JT_F8E4M3 && shared_scale == nullptr))
+    return cudaErrorInvalidValue;
+  jt::GemvArgs g = jt::dense_args(h, w, scale, table, y, N, nsel * I + Is, nwc,
+                                  max_tasks);
+  g.rw = weights;
+  g.ids = ids;
+  g.xs = static_cast<const uint16_t*>(shared_h);
+  g.ws = static_cast<const uint4*>(shared_w);
+  g.ss = shared_scale;
+  g.nsel = nsel;
+  g.I = I;
+  g.E = E;
+  return jt::launch(gid, rank, stream, g, wdtype, rpw, num_ctas, true);
 }

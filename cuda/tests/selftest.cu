@@ -229,97 +229,239 @@ Plan make_plan(int N, int T, int sms) {
   return p;
 }
 
-void test_gemv(int gid, int N, int K, bool fp8, int nwc, int rpw, int iters,
-               unsigned seed, double* out_rel_err = nullptr) {
-  std::mt19937 rng(seed);
+// Device copies on one rank's GPU, freed together.
+struct DevBufs {
+  int dev = 0;
+  std::vector<void*> ptrs;
+  DevBufs() = default;
+  DevBufs(const DevBufs&) = delete;
+  DevBufs& operator=(const DevBufs&) = delete;
+  template <typename T>
+  T* copy(const std::vector<T>& h) {
+    if (h.empty()) return nullptr;
+    CK(cudaSetDevice(dev));
+    T* d = dev_copy(h);
+    ptrs.push_back(d);
+    return d;
+  }
+  ~DevBufs() {
+    CK(cudaSetDevice(dev));
+    for (void* p : ptrs) CK(cudaFree(p));
+  }
+};
+
+std::vector<DevBufs> rank_bufs() {
+  std::vector<DevBufs> b(g_world);
+  for (int r = 0; r < g_world; ++r) b[r].dev = r;
+  return b;
+}
+
+// Runs launch(r, stream, y) `iters` times on every rank into y (N bf16,
+// poisoned before each launch); returns every rank's y.
+std::vector<std::vector<uint16_t>> run_launches(
+    int N, int iters,
+    const std::function<void(int, cudaStream_t, uint16_t*)>& launch) {
+  std::vector<std::vector<uint16_t>> out(g_world);
+  run_ranks([&](int r) {
+    cudaStream_t st;
+    CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    uint16_t* dy = nullptr;
+    CK(cudaMalloc(&dy, N * 2));
+    for (int it = 0; it < iters; ++it) {
+      CK(cudaMemsetAsync(dy, 0xff, N * 2, st));
+      launch(r, st, dy);
+    }
+    CK(cudaStreamSynchronize(st));
+    out[r] = host_copy(dy, N);
+    CK(cudaFree(dy));
+    CK(cudaStreamDestroy(st));
+  });
+  return out;
+}
+
+// `mats` random weight matrices [N, K]: bf16, or fp8 e4m3 with a power-of-two
+// scale per 128x128 block (scales [mats][ceil(N/128)][ceil(K/128)]).
+struct HostWeights {
+  int N, K, NB, KB;
+  bool fp8;
+  std::vector<uint16_t> b;
+  std::vector<uint8_t> q;
+  std::vector<float> s;
+
+  HostWeights(std::mt19937& rng, int mats, int n, int k, bool f8)
+      : N(n), K(k), NB((n + 127) / 128), KB((k + 127) / 128), fp8(f8) {
+    std::normal_distribution<float> nd(0.f, 1.f);
+    const size_t elems = (size_t)mats * N * K;
+    if (fp8) {
+      const float pw[4] = {0.25f, 0.5f, 1.f, 2.f};
+      s.resize((size_t)mats * NB * KB);
+      for (auto& v : s) v = pw[rng() & 3u];
+      q.resize(elems);
+      for (auto& v : q)
+        v = (uint8_t)__nv_cvt_float_to_fp8(nd(rng) * 8.f, __NV_SATFINITE,
+                                           __NV_E4M3);
+    } else {
+      b.resize(elems);
+      for (auto& v : b) v = f2bf(nd(rng) * 0.05f);
+    }
+  }
+  // dequantised W_m[n, k]
+  double at(int m, int n, int k) const {
+    const size_t i = ((size_t)m * N + n) * K + k;
+    if (!fp8) return bf2f(b[i]);
+    __half_raw h = __nv_cvt_fp8_to_halfraw(q[i], __NV_E4M3);
+    return (double)__half2float(__half(h)) *
+           s[((size_t)m * NB + n / 128) * KB + k / 128];
+  }
+  void* upload_w(DevBufs& d) const {
+    return fp8 ? (void*)d.copy(q) : (void*)d.copy(b);
+  }
+  float* upload_s(DevBufs& d) const { return d.copy(s); }
+};
+
+std::vector<uint16_t> rand_bf16(std::mt19937& rng, size_t n) {
   std::normal_distribution<float> nd(0.f, 1.f);
-  const int NB = (N + 127) / 128, KB = (K + 127) / 128;
-  std::vector<std::vector<uint16_t>> xs(g_world), wb(g_world);
-  std::vector<std::vector<uint8_t>> wq(g_world);
-  std::vector<std::vector<float>> sc(g_world);
+  std::vector<uint16_t> v(n);
+  for (auto& x : v) x = f2bf(nd(rng));
+  return v;
+}
+
+// Reports rank 0's output against the fp64 reference (relative L2 error) and
+// whether ranks [0, same_ranks) agree bit for bit.
+void check_output(const std::vector<std::vector<uint16_t>>& out,
+                  const std::vector<double>& ref, int same_ranks,
+                  const std::string& what) {
+  bool same = true;
+  for (int r = 0; r < same_ranks; ++r) same &= out[r] == out[0];
+  double num = 0, den = 0;
+  bool finite = true;
+  for (size_t n = 0; n < ref.size(); ++n) {
+    double y = bf2f(out[0][n]);
+    finite &= std::isfinite(y);
+    num += (y - ref[n]) * (y - ref[n]);
+    den += ref[n] * ref[n];
+  }
+  double rel = std::sqrt(num / std::max(den, 1e-30));
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), ": bit-identical=%d rel-err=%.2e", (int)same,
+                rel);
+  report(same && finite && rel < 8e-3, what + buf);
+}
+
+void test_gemv(int gid, int N, int K, bool fp8, int nwc, int rpw, int iters,
+               unsigned seed) {
+  std::mt19937 rng(seed);
+  std::vector<std::vector<uint16_t>> xs(g_world);
+  std::vector<HostWeights> ws;
   std::vector<double> ref(N, 0.0);
   // gid < 0: every rank runs a local GEMV; rank 0's is checked
   const int ref_ranks = gid < 0 ? 1 : g_world;
   for (int r = 0; r < g_world; ++r) {
-    xs[r].resize(K);
-    for (int k = 0; k < K; ++k) xs[r][k] = f2bf(nd(rng));
-    if (fp8) {
-      wq[r].resize((size_t)N * K);
-      sc[r].resize((size_t)NB * KB);
-      const float pw[4] = {0.25f, 0.5f, 1.f, 2.f};
-      for (auto& s : sc[r]) s = pw[rng() & 3u];
-      for (size_t i = 0; i < wq[r].size(); ++i)
-        wq[r][i] = (uint8_t)__nv_cvt_float_to_fp8(nd(rng) * 8.f, __NV_SATFINITE,
-                                                  __NV_E4M3);
-    } else {
-      wb[r].resize((size_t)N * K);
-      for (auto& v : wb[r]) v = f2bf(nd(rng) * 0.05f);
-    }
+    xs[r] = rand_bf16(rng, K);
+    ws.emplace_back(rng, 1, N, K, fp8);
     for (int n = 0; n < N && r < ref_ranks; ++n) {
       double acc = 0.0;
-      for (int k = 0; k < K; ++k) {
-        double w;
-        if (fp8) {
-          __half_raw h = __nv_cvt_fp8_to_halfraw(wq[r][(size_t)n * K + k],
-                                                 __NV_E4M3);
-          w = (double)__half2float(__half(h)) *
-              sc[r][(size_t)(n / 128) * KB + k / 128];
-        } else {
-          w = bf2f(wb[r][(size_t)n * K + k]);
-        }
-        acc += w * bf2f(xs[r][k]);
-      }
+      for (int k = 0; k < K; ++k) acc += ws[r].at(0, n, k) * bf2f(xs[r][k]);
       ref[n] += acc;
     }
   }
   int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   Plan plan = make_plan(N, nwc * rpw, sms);
-  std::vector<std::vector<uint16_t>> out(g_world);
-  run_ranks([&](int r) {
-    cudaStream_t st;
-    CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-    uint16_t* dx = dev_copy(xs[r]);
-    void* dw = fp8 ? (void*)dev_copy(wq[r]) : (void*)dev_copy(wb[r]);
-    float* ds = fp8 ? dev_copy(sc[r]) : nullptr;
-    int32_t* dt = dev_copy(plan.table);
-    uint16_t* dy = nullptr;
-    CK(cudaMalloc(&dy, N * 2));
-    for (int it = 0; it < iters; ++it) {
-      CK(cudaMemsetAsync(dy, 0xff, N * 2, st));
-      CK(jt_gemv_all_reduce(gid, r, st, dx, dw, ds, dt, dy, N, K,
-                            fp8 ? JT_F8E4M3 : JT_BF16, nwc, rpw,
-                            plan.num_ctas, plan.max_tasks));
-    }
-    CK(cudaStreamSynchronize(st));
-    out[r] = host_copy(dy, N);
-    CK(cudaFree(dx));
-    CK(cudaFree(dw));
-    if (ds) CK(cudaFree(ds));
-    CK(cudaFree(dt));
-    CK(cudaFree(dy));
-    CK(cudaStreamDestroy(st));
-  });
-  bool same = true;
-  for (int r = 0; r < ref_ranks; ++r) same &= out[r] == out[0];
-  double num = 0, den = 0, worst = 0;
-  bool finite = true;
-  for (int n = 0; n < N; ++n) {
-    double y = bf2f(out[0][n]);
-    finite &= std::isfinite(y);
-    num += (y - ref[n]) * (y - ref[n]);
-    den += ref[n] * ref[n];
-    worst = std::max(worst, std::fabs(y - ref[n]));
+  std::vector<DevBufs> bufs = rank_bufs();
+  std::vector<const void*> dx(g_world), dw(g_world);
+  std::vector<const float*> ds(g_world);
+  std::vector<const int32_t*> dt(g_world);
+  for (int r = 0; r < g_world; ++r) {
+    dx[r] = bufs[r].copy(xs[r]);
+    dw[r] = ws[r].upload_w(bufs[r]);
+    ds[r] = ws[r].upload_s(bufs[r]);
+    dt[r] = bufs[r].copy(plan.table);
   }
-  double rel = std::sqrt(num / std::max(den, 1e-30));
-  if (out_rel_err) *out_rel_err = rel;
-  char buf[240];
+  auto out = run_launches(N, iters, [&](int r, cudaStream_t st, uint16_t* dy) {
+    CK(jt_gemv_all_reduce(gid, r, st, dx[r], dw[r], ds[r], dt[r], dy, N, K,
+                          fp8 ? JT_F8E4M3 : JT_BF16, nwc, rpw, plan.num_ctas,
+                          plan.max_tasks));
+  });
+  char buf[200];
   std::snprintf(buf, sizeof(buf),
                 "gemv_all_reduce N=%d K=%d %s nwc=%d rpw=%d ctas=%d tasks<=%d "
-                "iters=%d (gid %d): bit-identical=%d rel-err=%.2e",
+                "iters=%d (gid %d)",
                 N, K, fp8 ? "fp8" : "bf16", nwc, rpw, plan.num_ctas,
-                plan.max_tasks, iters, gid, (int)same, rel);
-  report(same && finite && rel < 8e-3, buf);
+                plan.max_tasks, iters, gid);
+  check_output(out, ref, ref_ranks, buf);
+}
+
+// ---------------- MoE down + shared expert + all-reduce ----------------
+
+// y = sum over ranks of (sum_j w_j Down_r[ids_j] h_r[j] + Shared_r h_s,r).
+// The router is replicated, so every rank gets the same ids and weights; ids
+// include an out-of-range value on purpose when `clamp` (the kernel clamps it
+// into [0, E) like an XLA gather).
+void test_expert_down(int gid, int N, int nsel, int I, int E, int Is, bool fp8,
+                      int nwc, int rpw, int iters, unsigned seed,
+                      bool clamp = false) {
+  std::mt19937 rng(seed);
+  std::vector<int32_t> ids(nsel);
+  std::vector<float> wts(nsel);
+  for (int j = 0; j < nsel; ++j) {
+    ids[j] = (int32_t)((j * 7 + 3) % E);
+    wts[j] = 0.1f + 0.9f * (float)(rng() % 1000) / 1000.f;
+  }
+  if (clamp) ids[0] = E + 5;
+  std::vector<std::vector<uint16_t>> hs(g_world), hsh(g_world);
+  std::vector<HostWeights> down, shared;
+  std::vector<double> ref(N, 0.0);
+  const int ref_ranks = gid < 0 ? 1 : g_world;
+  for (int r = 0; r < g_world; ++r) {
+    hs[r] = rand_bf16(rng, (size_t)nsel * I);
+    hsh[r] = rand_bf16(rng, Is);
+    down.emplace_back(rng, E, N, I, fp8);
+    shared.emplace_back(rng, 1, N, Is, fp8);
+    for (int n = 0; n < N && r < ref_ranks; ++n) {
+      double acc = 0.0;
+      for (int j = 0; j < nsel; ++j) {
+        const int e = std::min(std::max(ids[j], 0), E - 1);
+        double a = 0.0;
+        for (int i = 0; i < I; ++i)
+          a += down[r].at(e, n, i) * bf2f(hs[r][(size_t)j * I + i]);
+        acc += (double)wts[j] * a;
+      }
+      for (int i = 0; i < Is; ++i) acc += shared[r].at(0, n, i) * bf2f(hsh[r][i]);
+      ref[n] += acc;
+    }
+  }
+  int sms = 0;
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  Plan plan = make_plan(N, nwc * rpw, sms);
+  struct In {
+    const void *h, *hs, *w, *sw;
+    const float *wts, *s, *ss;
+    const int32_t *ids, *table;
+  };
+  std::vector<DevBufs> bufs = rank_bufs();
+  std::vector<In> in(g_world);
+  for (int r = 0; r < g_world; ++r) {
+    DevBufs& b = bufs[r];
+    in[r] = In{b.copy(hs[r]), b.copy(hsh[r]), down[r].upload_w(b),
+               shared[r].upload_w(b), b.copy(wts), down[r].upload_s(b),
+               shared[r].upload_s(b), b.copy(ids), b.copy(plan.table)};
+  }
+  auto out = run_launches(N, iters, [&](int r, cudaStream_t st, uint16_t* dy) {
+    const In& a = in[r];
+    CK(jt_expert_down_all_reduce(gid, r, st, a.h, a.wts, a.ids, a.w, a.s, a.hs,
+                                 a.sw, a.ss, a.table, dy, N, nsel, I, E, Is,
+                                 fp8 ? JT_F8E4M3 : JT_BF16, nwc, rpw,
+                                 plan.num_ctas, plan.max_tasks));
+  });
+  char buf[240];
+  std::snprintf(buf, sizeof(buf),
+                "expert_down_all_reduce N=%d %dx[%d] of E=%d + shared[%d] %s "
+                "nwc=%d rpw=%d ctas=%d tasks<=%d iters=%d (gid %d)%s",
+                N, nsel, I, E, Is, fp8 ? "fp8" : "bf16", nwc, rpw,
+                plan.num_ctas, plan.max_tasks, iters, gid,
+                clamp ? " id out of range" : "");
+  check_output(out, ref, ref_ranks, buf);
 }
 
 // ---------------- merge top-k ----------------
@@ -667,7 +809,7 @@ void bench_pingpong() {
 
 // Times `reps` launches of `launch` captured in one CUDA graph per rank,
 // replayed concurrently on all ranks; prints the median per-launch time.
-void bench_graph(const char* name,
+float bench_graph(const char* name,
                  const std::function<void(int, cudaStream_t)>& launch,
                  int reps) {
   std::vector<std::vector<float>> per(g_world);
@@ -699,8 +841,10 @@ void bench_graph(const char* name,
     CK(cudaStreamDestroy(st));
   });
   std::sort(per[0].begin(), per[0].end());
+  const float med = per[0][per[0].size() / 2];
   std::printf("BENCH %s graph_us_per_call=%.3f (rank0 median of %zu)\n", name,
-              per[0][per[0].size() / 2], per[0].size());
+              med, per[0].size());
+  return med;
 }
 
 // One select per rank on its own GPU (the scores stay in L2, as after the
@@ -753,8 +897,8 @@ int rpw_for(int K, bool fp8) {
 }
 
 // GEMV (+ all-reduce) per call, weights rotating over `sets` buffers so that
-// they come from HBM, not L2.
-void bench_gemv(int gid, int N, int K, bool fp8, int nwc, int sets) {
+// they come from HBM, not L2. Returns the local GEMV's time per call (us).
+float bench_gemv(int gid, int N, int K, bool fp8, int nwc, int sets) {
   const int rpw = rpw_for(K, fp8);
   int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
@@ -777,6 +921,7 @@ void bench_gemv(int gid, int N, int K, bool fp8, int nwc, int sets) {
     std::vector<float> sc((size_t)((N + 127) / 128) * ((K + 127) / 128), 1.f);
     ss[r] = dev_copy(sc);
   }
+  float local_us = 0.f;
   for (int mode = 0; mode < 2; ++mode) {
     if (mode == 1 && gid < 0) continue;
     const int g = mode == 0 ? -1 : gid;
@@ -786,7 +931,7 @@ void bench_gemv(int gid, int N, int K, bool fp8, int nwc, int sets) {
                   mode ? "+all_reduce" : " (local)", N, K, fp8 ? "fp8" : "bf16",
                   nwc, rpw, plan.num_ctas, plan.max_tasks);
     std::vector<int> cnt(g_world, 0);  // one entry per rank thread
-    bench_graph(
+    const float us = bench_graph(
         name,
         [&](int r, cudaStream_t st) {
           CK(jt_gemv_all_reduce(g, r, st, xs[r], ws[r][cnt[r]++ % sets],
@@ -796,6 +941,7 @@ void bench_gemv(int gid, int N, int K, bool fp8, int nwc, int sets) {
                                 plan.num_ctas, plan.max_tasks));
         },
         64);
+    if (mode == 0) local_us = us;
     std::printf("BENCH   weight bytes per call %.1f MB\n", wbytes / 1e6);
   }
   for (int r = 0; r < g_world; ++r) {
@@ -805,6 +951,84 @@ void bench_gemv(int gid, int N, int K, bool fp8, int nwc, int sets) {
     CK(cudaFree(ys[r]));
     CK(cudaFree(ts[r]));
     CK(cudaFree(ss[r]));
+  }
+  return local_us;
+}
+
+// MoE down + shared expert (+ all-reduce) per call: `nsel` of E stacked
+// experts [N, I] plus a shared [N, Is]. The expert ids rotate over `sets`
+// device arrays of distinct experts (and the shared weight over `sets`
+// copies), so the weights stream from HBM; prints the ratio to `gemv_us`, the
+// plain GEMV of the same bytes (K = nsel * I + Is).
+void bench_expert_down(int gid, int N, int nsel, int I, int E, int Is, bool fp8,
+                       int nwc, int sets, float gemv_us) {
+  const int K = nsel * I + Is;
+  const int rpw = rpw_for(K, fp8);
+  int sms = 0;
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  Plan plan = make_plan(N, nwc * rpw, sms);
+  const size_t es = fp8 ? 1 : 2;
+  const size_t dbytes = (size_t)E * N * I * es, sbytes = (size_t)N * Is * es;
+  const int NB = (N + 127) / 128;
+  std::vector<std::vector<void*>> shw(g_world), idv(g_world);
+  std::vector<void*> dw(g_world), ds(g_world), sss(g_world), hs(g_world),
+      hss(g_world), wts(g_world), ys(g_world), ts(g_world);
+  for (int r = 0; r < g_world; ++r) {
+    CK(cudaSetDevice(r));
+    CK(cudaMalloc(&dw[r], dbytes));
+    CK(cudaMemset(dw[r], 0x11, dbytes));  // finite values in bf16 and e4m3
+    ds[r] = dev_copy(std::vector<float>((size_t)E * NB * ((I + 127) / 128), 1.f));
+    sss[r] = dev_copy(std::vector<float>((size_t)NB * ((Is + 127) / 128), 1.f));
+    for (int i = 0; i < sets; ++i) {
+      void* p = nullptr;
+      CK(cudaMalloc(&p, sbytes));
+      CK(cudaMemset(p, 0x12 + i, sbytes));
+      shw[r].push_back(p);
+      std::vector<int32_t> ids(nsel);
+      for (int j = 0; j < nsel; ++j) ids[j] = (i * nsel + j) % E;
+      idv[r].push_back(dev_copy(ids));
+    }
+    CK(cudaMalloc(&hs[r], (size_t)nsel * I * 2));
+    CK(cudaMemset(hs[r], 0x3c, (size_t)nsel * I * 2));
+    CK(cudaMalloc(&hss[r], Is * 2));
+    CK(cudaMemset(hss[r], 0x3c, Is * 2));
+    wts[r] = dev_copy(std::vector<float>(nsel, 0.125f));
+    CK(cudaMalloc(&ys[r], N * 2));
+    ts[r] = dev_copy(plan.table);
+  }
+  for (int mode = 0; mode < 2; ++mode) {
+    if (mode == 1 && gid < 0) continue;
+    const int g = mode == 0 ? -1 : gid;
+    char name[200];
+    std::snprintf(name, sizeof(name),
+                  "expert_down%s N=%d %dx[%d] of E=%d + shared[%d] %s nwc=%d "
+                  "rpw=%d ctas=%d tasks<=%d",
+                  mode ? "+all_reduce" : " (local)", N, nsel, I, E, Is,
+                  fp8 ? "fp8" : "bf16", nwc, rpw, plan.num_ctas,
+                  plan.max_tasks);
+    std::vector<int> cnt(g_world, 0);  // one entry per rank thread
+    const float us = bench_graph(
+        name,
+        [&](int r, cudaStream_t st) {
+          const int i = cnt[r]++ % sets;
+          CK(jt_expert_down_all_reduce(
+              g, r, st, hs[r], (const float*)wts[r], (const int32_t*)idv[r][i],
+              dw[r], fp8 ? (const float*)ds[r] : nullptr, hss[r], shw[r][i],
+              fp8 ? (const float*)sss[r] : nullptr, (const int32_t*)ts[r],
+              ys[r], N, nsel, I, E, Is, fp8 ? JT_F8E4M3 : JT_BF16, nwc, rpw,
+              plan.num_ctas, plan.max_tasks));
+        },
+        64);
+    std::printf("BENCH   weight bytes per call %.1f MB, x%.3f the plain GEMV "
+                "of the same bytes (%.3f us)\n",
+                (double)N * K * es / 1e6, us / gemv_us, gemv_us);
+  }
+  for (int r = 0; r < g_world; ++r) {
+    CK(cudaSetDevice(r));
+    for (void* p : shw[r]) CK(cudaFree(p));
+    for (void* p : idv[r]) CK(cudaFree(p));
+    for (auto* v : {&dw, &ds, &sss, &hs, &hss, &wts, &ys, &ts})
+      CK(cudaFree((*v)[r]));
   }
 }
 
@@ -819,6 +1043,15 @@ void run_bench(int gid) {
                        {7168, 2304, true}};
   for (const GS& s : shapes)
     for (int nwc : {8, 16}) bench_gemv(gid, s.N, s.K, s.fp8, nwc, 16);
+  // MoE down + shared expert at the dsv32-tp8-shard shapes: 8 of 256 routed
+  // experts [7168, 256] + the shared [7168, 256], against the plain GEMV of
+  // the same bytes (K = 2304)
+  for (bool fp8 : {true, false}) {
+    for (int nwc : {8, 16}) {
+      const float gemv_us = bench_gemv(-1, 7168, 9 * 256, fp8, nwc, 16);
+      bench_expert_down(gid, 7168, 8, 256, 256, 256, fp8, nwc, 16, gemv_us);
+    }
+  }
   {
     const int m = 2048;
     std::vector<float*> sc(g_world), os(g_world);
@@ -1007,6 +1240,9 @@ int main(int argc, char** argv) {
     test_gemv(gid, 200, 256, false, 4, 2, iters, 11);
     test_gemv(gid, 130, 128, true, 4, 2, iters, 12);
     test_gemv(-1, 200, 256, false, 4, 1, iters, 13);
+    test_expert_down(gid, 200, 3, 32, 5, 48, false, 4, 2, iters, 17);
+    test_expert_down(gid, 130, 2, 32, 3, 48, true, 4, 2, iters, 18, true);
+    test_expert_down(-1, 200, 2, 16, 4, 8, false, 4, 1, iters, 19);
     test_merge(gid, 100, 100, 2, 64, iters, 21);
     test_merge(gid, 60, 60 * g_world - 7, 1, 64, iters, 23);
     test_interleaved(gid, 4);
@@ -1017,6 +1253,11 @@ int main(int argc, char** argv) {
     test_gemv(gid, 1001, 2304, false, 8, 1, iters, 14);
     test_gemv(gid, 1001, 512, true, 4, 4, iters, 15);
     test_gemv(-1, 7168, 2048, false, 16, 1, iters, 16);
+    test_expert_down(gid, 7168, 8, 256, 16, 256, true, 16, 2, iters, 31);
+    test_expert_down(gid, 7168, 8, 256, 16, 256, false, 16, 1, iters, 32);
+    test_expert_down(gid, 7168, 8, 128, 12, 128, true, 16, 4, iters, 33, true);
+    test_expert_down(gid, 1001, 3, 64, 5, 128, false, 8, 2, iters, 34);
+    test_expert_down(-1, 7168, 8, 256, 16, 256, true, 16, 2, iters, 35);
     test_merge(gid, 2048, 2048, 4, 512, iters, 21);
     test_merge(gid, 777, 777, 3, 256, iters, 22);
     test_merge(gid, 1500, std::min(2048, 1500 * g_world), 4, 512, iters, 24);

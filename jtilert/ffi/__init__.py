@@ -6,6 +6,10 @@ Public functions (all usable inside ``jax.shard_map`` over a mesh axis):
 - ``gemv_all_reduce(x, w, scale, axis_name)``: persistent GEMV (bf16 or fp8
   block-scaled weights) fused with the all-reduce of its output.
 - ``gemv(x, w, scale=None)``: the same GEMV kernel without communication.
+- ``expert_down_all_reduce(h, weights, ids, down, down_scale, shared_h,
+  shared_down, shared_scale, axis_name)``: the MoE down projections of the
+  chosen experts (ids read on the device), their routing-weighted sum and the
+  shared expert, fused with the all-reduce (the same kernel, K in segments).
 - ``merge_topk(scores, indices, axis_name, k)``: global top-k of per-rank
   candidate lists, bit-identical on every rank.
 - ``top_k(scores, k)`` / ``topk(scores, k)`` / ``split_topk(scores, k, axis_name)``: exact
@@ -25,8 +29,8 @@ message; JTILERT_FFI_TIMEOUT_MS (default 30000) bounds every spin-wait.
 
 from jtilert.ffi._lib import load as _load
 from jtilert.ffi.build import build
-from jtilert.ffi.ops import (all_reduce, dequantize, gemv, gemv_all_reduce, gemv_reference,
-                             merge_topk, merge_topk_reference)
+from jtilert.ffi.ops import (all_reduce, dequantize, expert_down_all_reduce, expert_down_reference,
+                             gemv, gemv_all_reduce, gemv_reference, merge_topk, merge_topk_reference)
 from jtilert.ffi.plan import GemvPlan, build_gemv_plan, check_gemv_plan
 from jtilert.ffi.select import split_topk, top_k, topk
 
@@ -45,6 +49,6 @@ def unavailable_reason() -> str:
 
 __all__ = [
     "GemvPlan", "all_reduce", "available", "build", "build_gemv_plan", "check_gemv_plan",
-    "dequantize", "gemv", "gemv_all_reduce", "gemv_reference", "merge_topk",
+    "dequantize", "expert_down_all_reduce", "expert_down_reference", "gemv", "gemv_all_reduce", "gemv_reference", "merge_topk",
     "merge_topk_reference", "split_topk", "top_k", "topk", "unavailable_reason",
 ]

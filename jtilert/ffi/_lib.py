@@ -21,6 +21,7 @@ TARGETS = {
     "jtilert_gemv_all_reduce": "JtGemvAllReduce",
     "jtilert_merge_topk": "JtMergeTopk",
     "jtilert_topk_select": "JtTopkSelect",
+    "jtilert_expert_down_all_reduce": "JtExpertDownAllReduce",
 }
 
 _lock = threading.RLock()
@@ -149,6 +150,12 @@ def _gpu_present() -> bool:
     return len(jax.devices("gpu")) > 0
   except RuntimeError:
     return False
+
+
+def loaded() -> Lib | None:
+  """The library if an earlier `load()` loaded it (never loads or builds it)."""
+  with _lock:
+    return _state.get("lib")
 
 
 def load() -> tuple[Lib | None, str]:

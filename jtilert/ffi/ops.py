@@ -229,24 +229,28 @@ def _gemv_lower_xla(ctx, x, w, scale, table, *, axis_name, has_scale, **_):
   return mlir.lower_fun(f, multiple_results=True)(ctx, x, w, scale, table)
 
 
-def _gemv_lower_cuda(ctx, x, w, scale, table, *, axis_name, nwc, rpw, num_ctas, max_tasks,
-                     has_scale):
-  if axis_name is None:
-    groups, world = np.zeros((1,), np.int32), 1
-  else:
-    g, why = _groups_for_lowering(ctx, axis_name)
-    if g is None:
-      _fallback_warning(why)
-      return _gemv_lower_xla(ctx, x, w, scale, table, axis_name=axis_name, has_scale=has_scale)
-    groups, world = g.ravel().astype(np.int32), g.shape[1]
-  return jax.ffi.ffi_lowering("jtilert_gemv_all_reduce")(
-      ctx, x, w, scale, table, groups=groups, world=np.int32(world), nwc=np.int32(nwc),
-      rpw=np.int32(rpw), num_ctas=np.int32(num_ctas), max_tasks=np.int32(max_tasks),
-      has_scale=np.int32(1 if has_scale else 0))
+def _task_table_lowering(target, lower_xla):
+  """CUDA lowering of an op that runs the GEMV kernel on a task table: the FFI custom call with
+  the axis' device groups (world 1 without an axis), or ``lower_xla`` when they cannot be set up."""
+  def lower(ctx, *args, axis_name, nwc, rpw, num_ctas, max_tasks, has_scale):
+    if axis_name is None:
+      groups, world = np.zeros((1,), np.int32), 1
+    else:
+      g, why = _groups_for_lowering(ctx, axis_name)
+      if g is None:
+        _fallback_warning(why)
+        return lower_xla(ctx, *args, axis_name=axis_name, has_scale=has_scale)
+      groups, world = g.ravel().astype(np.int32), g.shape[1]
+    return jax.ffi.ffi_lowering(target)(
+        ctx, *args, groups=groups, world=np.int32(world), nwc=np.int32(nwc), rpw=np.int32(rpw),
+        num_ctas=np.int32(num_ctas), max_tasks=np.int32(max_tasks),
+        has_scale=np.int32(1 if has_scale else 0))
+  return lower
 
 
 mlir.register_lowering(gemv_p, _gemv_lower_xla)
-mlir.register_lowering(gemv_p, _gemv_lower_cuda, platform="cuda")
+mlir.register_lowering(gemv_p, _task_table_lowering("jtilert_gemv_all_reduce", _gemv_lower_xla),
+                       platform="cuda")
 
 
 def _num_sms() -> int:
@@ -257,11 +261,9 @@ def _num_sms() -> int:
   return n if n > 0 else 132
 
 
-def _gemv_unsupported(x, w, scale) -> str | None:
-  if x.ndim != 1 or w.ndim != 2 or w.shape[1] != x.shape[0]:
-    return f"shapes x{x.shape} w{w.shape} are not x[K], w[N, K]"
-  if x.dtype != jnp.bfloat16:
-    return f"x dtype {x.dtype} (engine GEMV takes bf16)"
+def _weight_unsupported(w, scale, scale_shape, k) -> str | None:
+  """Why the engine cannot stream ``w`` (bf16, or fp8 with scales of ``scale_shape``) with a K
+  segment of ``k`` elements; None if it can."""
   if w.dtype == jnp.bfloat16:
     if scale is not None:
       return "scales with bf16 weights"
@@ -272,25 +274,45 @@ def _gemv_unsupported(x, w, scale) -> str | None:
     wd = "fp8"
   else:
     return f"weight dtype {w.dtype}"
-  n, k = w.shape
-  if scale is not None and tuple(scale.shape) != (math.ceil(n / 128), math.ceil(k / 128)):
-    return f"scale shape {scale.shape} != ceil(N/128), ceil(K/128)"
+  if scale is not None and tuple(scale.shape) != tuple(scale_shape):
+    return f"scale shape {scale.shape} != {tuple(scale_shape)}"
   if k % _plan.ELEMS_PER_CHUNK[wd]:
     return f"K={k} not a multiple of {_plan.ELEMS_PER_CHUNK[wd]}"
-  if 4 * n > _lib.payload_cap():
-    return f"N={n} over the engine's payload cap"
   return None
 
 
-def _gemv_bind(x, w, scale, axis_name, nwc, rpw):
+def _output_unsupported(n) -> str | None:
+  return f"N={n} over the engine's payload cap" if 4 * n > _lib.payload_cap() else None
+
+
+def _gemv_unsupported(x, w, scale) -> str | None:
+  if x.ndim != 1 or w.ndim != 2 or w.shape[1] != x.shape[0]:
+    return f"shapes x{x.shape} w{w.shape} are not x[K], w[N, K]"
+  if x.dtype != jnp.bfloat16:
+    return f"x dtype {x.dtype} (engine GEMV takes bf16)"
+  n, k = w.shape
+  return (_weight_unsupported(w, scale, (math.ceil(n / 128), math.ceil(k / 128)), k)
+          or _output_unsupported(n))
+
+
+def _scales(*scales):
+  """fp32 scales, or one placeholder per scale for bf16 weights (the kernel ignores them)."""
+  if scales[0] is None:
+    return (jnp.zeros((1,), jnp.float32),) * len(scales)
+  return tuple(s.astype(jnp.float32) for s in scales)
+
+
+def _table_attrs(n, k, w, nwc, rpw):
+  """(device task table, primitive attributes) of the GEMV plan for N x K weights like ``w``."""
   wd = "fp8" if w.dtype == jnp.float8_e4m3fn else "bf16"
-  p = _plan.build_gemv_plan(w.shape[0], w.shape[1], wdtype=wd, num_sms=_num_sms(), nwc=nwc,
-                            rpw=rpw)
-  table = jnp.asarray(p.table)
-  has_scale = scale is not None
-  s = scale.astype(jnp.float32) if has_scale else jnp.zeros((1,), jnp.float32)
-  return gemv_p.bind(x, w, s, table, axis_name=axis_name, nwc=p.nwc, rpw=p.rpw,
-                     num_ctas=p.num_ctas, max_tasks=p.max_tasks, has_scale=has_scale)
+  p = _plan.build_gemv_plan(n, k, wdtype=wd, num_sms=_num_sms(), nwc=nwc, rpw=rpw)
+  return jnp.asarray(p.table), dict(nwc=p.nwc, rpw=p.rpw, num_ctas=p.num_ctas,
+                                    max_tasks=p.max_tasks, has_scale=wd == "fp8")
+
+
+def _gemv_bind(x, w, scale, axis_name, nwc, rpw):
+  table, attrs = _table_attrs(w.shape[0], w.shape[1], w, nwc, rpw)
+  return gemv_p.bind(x, w, *_scales(scale), table, axis_name=axis_name, **attrs)
 
 
 def gemv_all_reduce(x, w, scale, axis_name, *, nwc=None, rpw=None):
@@ -330,6 +352,105 @@ def gemv(x, w, scale=None, *, nwc=None, rpw=None):
     _fallback_warning(why)
     return gemv_reference(x, w, scale, None)
   return _gemv_bind(x, w, scale, None, nwc, rpw)
+
+
+# ----------------------------------------------------------------- MoE down + shared + all-reduce
+
+def expert_down_reference(h, weights, ids, down, down_scale, shared_h, shared_down, shared_scale,
+                          axis_name):
+  """The XLA path, which is the model's unfused one: psum over ``axis_name`` of the routed
+  experts' weighted down projections (``jtilert.layers.expert_down``: fp32, rounded to h.dtype)
+  plus the shared expert's (``layers.linear``: rounded to h.dtype), added in h.dtype."""
+  from jtilert import layers  # noqa: PLC0415 - the model's reference ops
+
+  routed = layers.expert_down(h, weights[None], ids[None], down, down_scale)[0]
+  y = routed + layers.linear(shared_h, shared_down, shared_scale)
+  return y if axis_name is None else lax.psum(y, axis_name)
+
+
+expert_down_p = Primitive("jtilert_expert_down_all_reduce")
+
+
+def _ed_abstract(h, *rest, axis_name, **_):
+  vma = frozenset().union(*(_vma(a) for a in rest))
+  return _out_aval(h, axis_name, shape=(rest[2].shape[1],), dtype=h.dtype, extra_vma=vma)
+
+
+expert_down_p.def_abstract_eval(_ed_abstract)
+
+
+def _ed_lower_xla(ctx, h, weights, ids, down, down_scale, shared_h, shared_down, shared_scale,
+                  table, *, axis_name, has_scale, **_):
+  def f(h, weights, ids, down, ds, shared_h, shared_down, ss, table):
+    del table
+    return [expert_down_reference(h, weights, ids, down, ds if has_scale else None, shared_h,
+                                  shared_down, ss if has_scale else None, axis_name)]
+  return mlir.lower_fun(f, multiple_results=True)(ctx, h, weights, ids, down, down_scale, shared_h,
+                                                  shared_down, shared_scale, table)
+
+
+mlir.register_lowering(expert_down_p, _ed_lower_xla)
+mlir.register_lowering(expert_down_p,
+                       _task_table_lowering("jtilert_expert_down_all_reduce", _ed_lower_xla),
+                       platform="cuda")
+
+
+def _expert_down_unsupported(h, weights, ids, down, down_scale, shared_h, shared_down,
+                             shared_scale) -> str | None:
+  if (h.ndim != 2 or down.ndim != 3 or shared_h.ndim != 1 or shared_down.ndim != 2
+      or down.shape[2] != h.shape[1] or weights.shape != (h.shape[0],) or ids.shape != weights.shape
+      or shared_down.shape != (down.shape[1], shared_h.shape[0])):
+    return (f"shapes h{h.shape} weights{weights.shape} ids{ids.shape} down{down.shape} "
+            f"shared_h{shared_h.shape} shared_down{shared_down.shape} are not h[k, I], weights[k], "
+            "ids[k], down[E, N, I], shared_h[Is], shared_down[N, Is]")
+  if h.dtype != jnp.bfloat16 or shared_h.dtype != jnp.bfloat16:
+    return f"hidden dtypes {h.dtype}/{shared_h.dtype} (engine GEMV takes bf16)"
+  if shared_down.dtype != down.dtype:
+    return f"routed {down.dtype} and shared {shared_down.dtype} weights differ"
+  e, n, i = down.shape
+  i_s = shared_h.shape[0]
+  nb = math.ceil(n / 128)
+  return (_weight_unsupported(down, down_scale, (e, nb, math.ceil(i / 128)), i)
+          or _weight_unsupported(shared_down, shared_scale, (nb, math.ceil(i_s / 128)), i_s)
+          or _output_unsupported(n))
+
+
+def expert_down_all_reduce(h, weights, ids, down, down_scale, shared_h, shared_down, shared_scale,
+                           axis_name, *, nwc=None, rpw=None):
+  """y[N] = all_reduce(Σ_j weights[j] · Down[ids[j]] · h[j] + SharedDown · shared_h) over
+  ``axis_name``, in ``h.dtype``: one decode token's MoE down projections, the routing-weighted sum
+  and the shared expert (TileRT's ExpertDownAllReduce).
+
+  h [k, I] bf16 (the chosen experts' SwiGLU outputs), weights [k] fp32, ids [k] int32 (device
+  values: the kernel reads the expert ids itself), down [E, N, I] stacked experts, shared_h [Is]
+  bf16, shared_down [N, Is]; weights bf16, or fp8 with ``down_scale`` [E, ceil(N/128),
+  ceil(I/128)] and ``shared_scale`` [ceil(N/128), ceil(Is/128)]. On GPU with the engine: the GEMV
+  kernel over K = k·I + Is, x = (w_j · h_j in fp32, then shared_h), fp32 until the single bf16
+  rounding of the reduced result. Otherwise ``expert_down_reference`` (one warning).
+  """
+  h, shared_h = jnp.asarray(h), jnp.asarray(shared_h)
+  weights, ids = jnp.asarray(weights, jnp.float32), jnp.asarray(ids, jnp.int32)
+  ok, why = engine_status()
+  if ok and not isinstance(axis_name, str):
+    ok, why = False, "only a single named axis is supported"
+  if ok:
+    bad = _expert_down_unsupported(h, weights, ids, down, down_scale, shared_h, shared_down,
+                                   shared_scale)
+    if bad:
+      ok, why = False, bad
+  if not ok:
+    _fallback_warning(why)
+    return expert_down_reference(h, weights, ids, down, down_scale, shared_h, shared_down,
+                                 shared_scale, axis_name)
+  if lax.axis_size(axis_name) == 1:
+    axis_name = None
+  else:
+    h = _ensure_varying(h, axis_name)
+  n = down.shape[1]
+  table, attrs = _table_attrs(n, h.size + shared_h.size, down, nwc, rpw)
+  ds, ss = _scales(down_scale, shared_scale)
+  return expert_down_p.bind(h, weights, ids, down, ds, shared_h, shared_down, ss, table,
+                            axis_name=axis_name, **attrs)
 
 
 # ----------------------------------------------------------------- merge top-k

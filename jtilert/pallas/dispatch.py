@@ -9,6 +9,7 @@ kernels refuse), so a model runs end to end with `backend="pallas"` on any shape
 from __future__ import annotations
 
 import importlib
+import os
 import types
 
 import jax.numpy as jnp
@@ -46,13 +47,22 @@ def swiglu(x, gate, gate_scale, up, up_scale, down, down_scale):
     return layers.swiglu(x, gate, gate_scale, up, up_scale, down, down_scale)
 
 
+def swiglu_hidden(x, gate, gate_scale, up, up_scale):
+    if _gemv_ok(x, gate, gate_scale) and _gemv_ok(x, up, up_scale) and gate.dtype == up.dtype:
+        return gemv.swiglu_pair(x, gate, gate_scale, up, up_scale)
+    return layers.swiglu_hidden(x, gate, gate_scale, up, up_scale)
+
+
 def _engine_topk(fallback):
-    """`topk_positions` through the CUDA engine's one-launch top-k (jtilert.ffi.select) when the
-    engine library is loaded on a GPU, for decode token counts; `fallback` otherwise."""
+    """`topk_positions` through the CUDA engine's one-launch top-k (jtilert.ffi.select) for decode
+    token counts when the engine library is already loaded (on a GPU: `jtilert.ffi.available()`,
+    or the engine all-reduce, loads it; this never builds it) and JTILERT_FFI_TOPK is not 0;
+    `fallback` otherwise."""
     def topk_positions(scores, k):
-        from jtilert import ffi  # noqa: PLC0415 - loads the library only when a model asks
-        if scores.ndim == 2 and scores.shape[0] <= MAX_DECODE_TOKENS and ffi.available():
-            return ffi.topk(scores, k)
+        from jtilert.ffi import _lib, select  # noqa: PLC0415
+        if (scores.ndim == 2 and scores.shape[0] <= MAX_DECODE_TOKENS and _lib.loaded() is not None
+                and os.environ.get("JTILERT_FFI_TOPK", "1") != "0"):
+            return select.topk(scores, k)
         return fallback(scores, k)
     return topk_positions
 
@@ -79,13 +89,15 @@ def ops() -> types.SimpleNamespace:
         swiglu=swiglu,
         route=layers.route,
         moe_experts=layers.moe_experts,
+        expert_hidden=layers.expert_hidden,
+        swiglu_hidden=swiglu_hidden,
         indexer_scores=layers.indexer_scores,
         topk_positions=layers.topk_positions,
         sparse_mla=layers.sparse_mla,
     )
     try:
         from jtilert.pallas import moe
-        table.update(route=moe.route_op, moe_experts=moe.moe_experts_op)
+        table.update(route=moe.route_op, moe_experts=moe.moe_experts_op, expert_hidden=moe.expert_hidden_op)
     except ImportError:
         pass
     table.update(_attention_ops())

@@ -276,11 +276,20 @@ def route_op(cfg, x, gate, bias):
     return layers.route(cfg, x, gate, bias)
 
 
+def _gate_up_ok(x, gate, gate_scale, up):
+    return _decode_ok(x, gate, up) and gate.shape[1] % QBLOCK == 0 and (gate.dtype == FP8) == (gate_scale is not None)
+
+
 def moe_experts_op(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale):
-    if (_decode_ok(x, gate, up, down) and gate.shape[1] % QBLOCK == 0
-            and (gate.dtype == FP8) == (gate_scale is not None) and (down.dtype == FP8) == (down_scale is not None)):
+    if _gate_up_ok(x, gate, gate_scale, up) and _decode_ok(x, down) and (down.dtype == FP8) == (down_scale is not None):
         return moe_experts(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale)
     return layers.moe_experts(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale)
+
+
+def expert_hidden_op(x, ids, gate, gate_scale, up, up_scale):
+    if _gate_up_ok(x, gate, gate_scale, up):
+        return expert_gate_up(x, ids, gate, gate_scale, up, up_scale)
+    return layers.expert_hidden(x, ids, gate, gate_scale, up, up_scale)
 
 
 def _bench():  # pragma: no cover - GPU only; bench/kernels.py has the full table

@@ -103,6 +103,22 @@ cudaError_t jt_gemv_all_reduce(int gid, int rank, cudaStream_t stream,
                                void* y, int N, int K, int wdtype, int nwc,
                                int rpw, int num_ctas, int max_tasks);
 
+// Expert-down mode of the same kernel (MoE down projection + shared expert,
+// one all-reduce): y[N] = sum over ranks of
+//   sum_e Down[ids[e]] @ (weights[e] * h[e]) + SharedDown @ shared_h
+// h [nsel, I] and shared_h [Is] bf16, weights [nsel] fp32 and ids [nsel]
+// int32 (device memory, ids clamped into [0, E)), Down [E, N, I] and
+// SharedDown [N, Is] both bf16 or both fp8 e4m3 with scales
+// [E, ceil(N/128), ceil(I/128)] and [ceil(N/128), ceil(Is/128)]. The task
+// table is the GEMV's for N rows and K = nsel * I + Is.
+cudaError_t jt_expert_down_all_reduce(
+    int gid, int rank, cudaStream_t stream, const void* h,
+    const float* weights, const int32_t* ids, const void* w,
+    const float* scale, const void* shared_h, const void* shared_w,
+    const float* shared_scale, const int32_t* table, void* y, int N, int nsel,
+    int I, int E, int Is, int wdtype, int nwc, int rpw, int num_ctas,
+    int max_tasks);
+
 // Global top-k (k <= W*m) of the union of every rank's list of m (score,
 // index) pairs, each list sorted by score desc then index asc; output in that
 // order, bit-identical on all ranks.
