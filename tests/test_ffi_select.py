@@ -307,6 +307,23 @@ def test_cuda_lowering_emits_the_custom_call(monkeypatch):
       lowering_platforms=("cpu",)).as_text().split("custom_call @")[-1].split("(")[0]
 
 
+def test_pallas_dispatch_uses_the_engine_once_loaded(monkeypatch):
+  from jtilert.ffi import _lib
+  from jtilert.pallas import dispatch
+  x = jnp.zeros((2, 4096), jnp.float32)
+
+  def lowered():
+    f = jax.jit(lambda s: dispatch.ops().topk_positions(s, 2048))
+    return f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+
+  monkeypatch.setattr(ffi_ops, "_TEST_FORCE_EMIT", True)
+  assert "jtilert_topk_select" not in lowered()        # library not loaded: never loads it
+  monkeypatch.setattr(_lib, "loaded", lambda: object())
+  assert "custom_call @jtilert_topk_select" in lowered()
+  monkeypatch.setenv("JTILERT_FFI_TOPK", "0")
+  assert "jtilert_topk_select" not in lowered()
+
+
 def test_split_topk_fallback_is_the_global_topk():
   if jax.device_count() < 8:
     pytest.skip("needs 8 host devices")

@@ -15,7 +15,9 @@
 
 scores: fp32 [N] or [T, N] with T <= 8, k' <= 8192, and all CTAs co-resident (N up to ~2M for
 T = 1, ~260K for T = 8 on an H200). Elsewhere (no GPU, no library, other shapes) ``lax.top_k``
-runs instead, with one warning per reason.
+runs instead, with one warning per reason. ``backend="pallas"`` calls ``topk`` for
+``topk_positions`` once the engine library is loaded (jtilert/pallas/dispatch.py);
+JTILERT_FFI_TOPK=0 turns that off.
 """
 
 from __future__ import annotations
