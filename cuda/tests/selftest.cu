@@ -671,8 +671,9 @@ void select_reference(const std::vector<float>& x, int T, int n, int k, int mode
   }
 }
 
-// Device 0; `iters` launches back to back, another shape in between (the
-// scratch must come back clean after every call), outputs poisoned first.
+// Device 0; `iters` launches back to back, another call in between (other
+// shape, 6 CTAs per row, sorted: the scratch and the barrier words must come
+// back clean after every call), outputs poisoned first.
 void test_select(int T, int n, int k, int mode, ScoreKind kind, int iters,
                  unsigned seed, int ctas = 0) {
   CK(cudaSetDevice(0));
@@ -697,7 +698,7 @@ void test_select(int T, int n, int k, int mode, ScoreKind kind, int iters,
     CK(cudaMemsetAsync(di, 0xff, (size_t)T * k * 4, st));
     CK(cudaMemsetAsync(dv, 0xff, (size_t)T * k * 4, st));
     CK(jt_topk_select(0, st, dx, di, dv, T, n, k, mode, ctas));
-    CK(jt_topk_select(0, st, dother, oi, ov, 2, 4099, 333, JT_TOPK_SORTED, 0));
+    CK(jt_topk_select(0, st, dother, oi, ov, 2, 4099, 333, JT_TOPK_SORTED, 6));
   }
   CK(cudaMemsetAsync(di, 0xff, (size_t)T * k * 4, st));
   CK(jt_topk_select(0, st, dx, di, dv, T, n, k, mode, ctas));
@@ -706,6 +707,12 @@ void test_select(int T, int n, int k, int mode, ScoreKind kind, int iters,
   const auto hv = host_copy(reinterpret_cast<uint32_t*>(dv), (size_t)T * k);
   int bad = 0;
   for (size_t j = 0; j < hi.size(); ++j) bad += hi[j] != ri[j] || hv[j] != rv[j];
+  if (iters > 0) {  // the call in between, too
+    select_reference(other, 2, 4099, 333, JT_TOPK_SORTED, &ri, &rv);
+    const auto oh = host_copy(oi, 2 * 333);
+    const auto ovh = host_copy(reinterpret_cast<uint32_t*>(ov), 2 * 333);
+    for (size_t j = 0; j < oh.size(); ++j) bad += oh[j] != ri[j] || ovh[j] != rv[j];
+  }
   CK(cudaFree(dx));
   CK(cudaFree(dother));
   CK(cudaFree(di));
