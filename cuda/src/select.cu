@@ -39,6 +39,7 @@
 // device must be stream-ordered (XLA's compute stream).
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 
@@ -343,6 +344,7 @@ struct Scratch {
   long long timeout_ns;
   int sms;
   int max_smem;
+  bool cooperative;  // JTILERT_TOPK_COOPERATIVE=0: plain launches
 };
 
 constexpr int kMaxDevices = 64;
@@ -441,6 +443,11 @@ extern "C" int jt_topk_prepare(int dev, int64_t timeout_ms, char* err,
   s.counts = reinterpret_cast<uint32_t*>(b + hist_b + stage_b);
   s.sync = reinterpret_cast<unsigned*>(b + hist_b + stage_b + counts_b);
   s.timeout_ns = (long long)timeout_ms * 1000000LL;
+  // a way out should a driver refuse cooperative kernels in CUDA graphs; the
+  // grid still fits on the GPU (make_plan), so it runs co-resident when the
+  // GPU has nothing else running, and a barrier wait times out otherwise
+  const char* coop = std::getenv("JTILERT_TOPK_COOPERATIVE");
+  s.cooperative = coop == nullptr || std::strcmp(coop, "0") != 0;
   s.ready = true;
   return 0;
 }
@@ -493,6 +500,6 @@ extern "C" cudaError_t jt_topk_select(int dev, cudaStream_t stream,
   cfg.dynamicSmemBytes = plan.smem;
   cfg.stream = stream;
   cfg.attrs = &attr;
-  cfg.numAttrs = 1;
+  cfg.numAttrs = s.cooperative ? 1 : 0;
   return cudaLaunchKernelEx(&cfg, jt::topk_select_kernel, p);
 }
