@@ -181,6 +181,56 @@ SMLA_VARIANTS = [
 ]
 
 
+SM_CLOCK_GHZ = 1.98   # H200 boost clock: Mosaic's trace times within a warpgroup are %clock cycles
+
+
+def trace_summary(path):
+    """Per named stage of the sparse MLA kernel, from Mosaic's trace (Perfetto JSON; `ts` = the
+    warpgroup's globaltimer start in ns + %clock cycles since its first event, over 1000): median
+    start and duration in cycles over the warpgroups that ran it, and the warpgroups' start skew."""
+    with open(path) as fh:
+        events = json.load(fh)["traceEvents"]
+    by_tid = {}
+    for e in events:
+        by_tid.setdefault(e["tid"], []).append(e)
+    first = {tid: min(e["ts"] for e in evs) for tid, evs in by_tid.items()}
+    t0 = min(first.values())
+    stages = {}
+    for tid, evs in by_tid.items():
+        open_ = {}
+        for e in evs:
+            cyc = (e["ts"] - first[tid]) * 1e3
+            if e["ph"] == "B":
+                open_[e["name"]] = cyc
+            else:
+                begin = open_.pop(e["name"])
+                st = stages.setdefault(e["name"], {}).setdefault(tid, [begin, 0.0])
+                st[1] += cyc - begin
+    ends = [first[tid] - t0 + (max(e["ts"] for e in evs) - first[tid]) * 1e3 / SM_CLOCK_GHZ / 1e3
+            for tid, evs in by_tid.items()]
+    log(f"    trace {os.path.basename(path)}: {len(by_tid)} warpgroup traces; warpgroup start skew "
+        f"median {np.median([f - t0 for f in first.values()]):.2f} us, max {max(first.values()) - t0:.2f} us; "
+        f"last stage ends {max(ends):.2f} us after the first starts")
+    log(f"    {'stage':18s} {'start (cyc)':>12s} {'dur med (cyc)':>14s} {'dur max':>8s} {'med us':>7s}  traces")
+    for name, per in sorted(stages.items(), key=lambda kv: np.median([v[0] for v in kv[1].values()])):
+        starts = [v[0] for v in per.values()]
+        durs = [v[1] for v in per.values()]
+        log(f"    {name:18s} {np.median(starts):12.0f} {np.median(durs):14.0f} {max(durs):8.0f} "
+            f"{np.median(durs) / SM_CLOCK_GHZ / 1e3:7.2f}  {len(per)}")
+
+
+def profile_sparse_mla(fn, args, tdir):
+    """Run a profiled variant once (after the unprofiled one warmed L2) and summarise its trace."""
+    os.makedirs(tdir, exist_ok=True)
+    before = set(os.listdir(tdir))
+    jax.block_until_ready(fn(*args))
+    new = sorted(set(os.listdir(tdir)) - before)
+    if not new:
+        log(f"    {tdir}: no trace written (CPU dry run: interpret mode does not profile)")
+        return
+    trace_summary(os.path.join(tdir, new[-1]))
+
+
 def bench_sparse_mla(ctx, cfg, bw, key):
     """Sparse MLA: the XLA reference, the Pallas path (partials kernel + combine) on the bf16 and
     the fp8 cache, and the stage-skipping timing variants of the partials kernel."""
@@ -223,22 +273,24 @@ def bench_sparse_mla(ctx, cfg, bw, key):
             traceback.print_exc(file=LOG)
     log("  partials kernel alone, stage by stage (predicted µs in brackets):")
     for label, kw, cache, pred in SMLA_VARIANTS:
+        cc, pc = caches[cache]
+
+        def partials(config, pc=pc):   # fp8: the kernel takes plane-ordered queries; timing does not care
+            return jax.jit(lambda q1, q2, c_, i: smla.sparse_mla_partials(q1, q2, c_, pc, i, None, scale, config))
+
         try:
             c = smla.SparseMLAConfig(**kw)
-            if cache == "fp8":   # the kernel takes plane-ordered queries; timing does not care
-                fn = lambda q1, q2, c_, p, i, v: smla.sparse_mla_partials(q1, q2, c_, None, i, None, scale, c)  # noqa: E731
-            else:
-                fn = lambda q1, q2, c_, p, i, v: smla.sparse_mla_partials(q1, q2, c_, p, i, None, scale, c)  # noqa: E731
-            (o, m, l), t, _ = run(fn, cache)
+            (o, m, l), t, _ = measure(partials(c), ql, qp, cc, sidx)
             fl = floor_mla if cache == "bf16" else floor_fp8
             row(f"  {label} [pred {pred}]", ctx, t, fl, refs[cache][1], 1, "")
-            if kw.get("stop", "full") == "full":
+            if c.stop == "full":
                 _, tc, _ = measure(jax.jit(smla.combine_kernel), o, m, l)
                 row(f"  combine kernel alone after {label}", ctx, tc, floor_mla, refs["bf16"][1], 1, "")
+                tdir = os.path.join(OUT, "smla_traces", f"{cache}_bk{c.block_k}")
+                profile_sparse_mla(partials(dataclasses.replace(c, profile_dir=tdir)), (ql, qp, cc, sidx), tdir)
         except Exception as e:  # noqa: BLE001
             log(f"  {label} FAILED: {type(e).__name__}: {str(e)[:300]}")
             traceback.print_exc(file=LOG)
-
 
 def main():
     import argparse

@@ -45,8 +45,10 @@ into byte planes with integer ops, decodes e4m3, multiplies by the group's scale
 stores one 32-column plane per tile; the queries are permuted to the plane order and the output
 permuted back (`_plane_order`), the math after the tiles is the bf16 path's.
 
-`SparseMLAConfig.block_k` 32 gives 64 CTAs instead of 32 (bf16 cache); `stop` cuts the kernel after a
-stage, for timing only (bench/attention.py --only sparse_mla prints each stage with its prediction).
+`SparseMLAConfig.block_k` 32 gives 64 CTAs instead of 32 (bf16 cache). For placing the time (bench/
+attention.py --only sparse_mla): `stop` cuts the kernel after a stage, and `profile_dir` makes Mosaic
+write a per-warpgroup trace of the named stages (index_loads, row_copies_issue, rows_wait, relayout,
+qk, softmax, pv_store, ml_store_drain) on the kernel's first call.
 
 Shapes: L a multiple of 64, R a multiple of 64 (smaller R is zero-padded by the wrapper), H ≤ 64 or a multiple of 64; any K (padded
 to `block_k` with masked rows); any T.
@@ -77,6 +79,7 @@ MAX_TOKENS = 4          # decode / MTP verify; longer chunks (prefill) use the r
 
 
 STOPS = ("index", "gather", "qk", "softmax", "full")
+PROFILE_EVENTS = 10   # profiler events per warpgroup: 8 named stages (bk64 bf16 has < 1 KB of SMEM to spare)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +90,9 @@ class SparseMLAConfig:
     # unwritten — "index" (row indices read), "gather" (rows in SMEM, re-laid for wgmma), "qk" (scores;
     # m written), "softmax" (m and l written), "full".
     stop: str = "full"
+    # Timing only: a directory where Mosaic writes a per-warpgroup trace (Perfetto JSON) of the
+    # kernel's named stages on its first call; "" = no profiling.
+    profile_dir: str = ""
 
     def __post_init__(self):
         # 16 rows: no bank-conflict-free relayout of the staged rows; 128: over the SMEM budget
@@ -220,39 +226,43 @@ def sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: floa
             js = [wg * rows_per_wg + jj for jj in rows]
             # all scalar loads first (independent, so they overlap: one memory latency, not 16),
             # then the copies (each copy ends in a warpgroup barrier, which would serialise them)
-            rs = [idx_ref[t, base + j] for j in js]
-            if has_valid:
-                vs = [valid_ref[t, base + j] for j in js]
-                rs = [jnp.where(v, r, -1) for r, v in zip(rs, vs)]
-            for j, r in zip(js, rs):
-                midx_s[j] = r
+            with jax.named_scope("index_loads"):
+                rs = [idx_ref[t, base + j] for j in js]
+                if has_valid:
+                    vs = [valid_ref[t, base + j] for j in js]
+                    rs = [jnp.where(v, r, -1) for r, v in zip(rs, vs)]
+                for j, r in zip(js, rs):
+                    midx_s[j] = r
             if stop == STOPS.index("index"):
                 return
-            for j, r in zip(js, rs):
-                r = jnp.maximum(r, 0)
-                if fp8:
-                    plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(r, 1), pl.ds(0, L // 4)], stage[0].at[pl.ds(j, 1)],
-                                            gbar.at[wg])
-                    plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(r, 1), pl.ds(W - TW, TW)], stage[1].at[pl.ds(j, 1)],
-                                            gbar.at[wg])
-                else:
-                    plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(r, 1)], stage[0].at[pl.ds(j, 1)], gbar.at[wg])
-                    plgpu.copy_gmem_to_smem(pe_ref.at[pl.ds(r, 1)], stage[1].at[pl.ds(j, 1)], gbar.at[wg])
-            plgpu.barrier_arrive(done)
+            with jax.named_scope("row_copies_issue"):
+                for j, r in zip(js, rs):
+                    r = jnp.maximum(r, 0)
+                    if fp8:
+                        plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(r, 1), pl.ds(0, L // 4)],
+                                                stage[0].at[pl.ds(j, 1)], gbar.at[wg])
+                        plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(r, 1), pl.ds(W - TW, TW)],
+                                                stage[1].at[pl.ds(j, 1)], gbar.at[wg])
+                    else:
+                        plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(r, 1)], stage[0].at[pl.ds(j, 1)], gbar.at[wg])
+                        plgpu.copy_gmem_to_smem(pe_ref.at[pl.ds(r, 1)], stage[1].at[pl.ds(j, 1)], gbar.at[wg])
+                plgpu.barrier_arrive(done)
 
             @pl.when(wg == 0)
             def _():
-                plgpu.barrier_wait(done)
-                for w in range(nwg):
-                    plgpu.barrier_wait(gbar.at[w])
-                if fp8:
-                    dequantize(*stage)
-                else:
-                    for c in range(nlc):
-                        a, b = divmod(c * lc, lw)
-                        kv_s[c] = plgpu.load(stage[0].at[:, a, pl.ds(b, lc)], layout=kv_layout)
-                    pe_s[...] = plgpu.load(stage[1], layout=pe_layout)
-                plgpu.commit_smem()
+                with jax.named_scope("rows_wait"):
+                    plgpu.barrier_wait(done)
+                    for w in range(nwg):
+                        plgpu.barrier_wait(gbar.at[w])
+                with jax.named_scope("relayout"):
+                    if fp8:
+                        dequantize(*stage)
+                    else:
+                        for c in range(nlc):
+                            a, b = divmod(c * lc, lw)
+                            kv_s[c] = plgpu.load(stage[0].at[:, a, pl.ds(b, lc)], layout=kv_layout)
+                        pe_s[...] = plgpu.load(stage[1], layout=pe_layout)
+                    plgpu.commit_smem()
 
         def dequantize(lat_words, tail_words):
             # packed rows → bf16 tiles, one byte plane (32 columns) per store; values × power-of-two
@@ -287,33 +297,37 @@ def sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: floa
                     plgpu.wgmma(acc, qp_s, pe_s.T)
                     return acc[...]
 
-                sc = pl.run_scoped(qk, plgpu.ACC((HP, bk), F32))
-                rows = plgpu.load(midx_s, layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
-                ok = lax.broadcast_in_dim(rows, (HP, bk), [1]) >= 0
-                sc = jnp.where(ok, sc * scale, -jnp.inf)
-                m = sc.max(axis=1)
-                ml_s[0] = m
-                if stop >= STOPS.index("softmax"):
-                    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
-                    p = jnp.exp(sc - lax.broadcast_in_dim(m_safe, sc.shape, [0]))
-                    ml_s[1] = p.sum(axis=1)
-                    p_s[...] = p.astype(BF16)
-                plgpu.commit_smem()
+                with jax.named_scope("qk"):
+                    sc = pl.run_scoped(qk, plgpu.ACC((HP, bk), F32))
+                with jax.named_scope("softmax"):
+                    rows = plgpu.load(midx_s, layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+                    ok = lax.broadcast_in_dim(rows, (HP, bk), [1]) >= 0
+                    sc = jnp.where(ok, sc * scale, -jnp.inf)
+                    m = sc.max(axis=1)
+                    ml_s[0] = m
+                    if stop >= STOPS.index("softmax"):
+                        m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+                        p = jnp.exp(sc - lax.broadcast_in_dim(m_safe, sc.shape, [0]))
+                        ml_s[1] = p.sum(axis=1)
+                        p_s[...] = p.astype(BF16)
+                    plgpu.commit_smem()
                 for c in range(nlc if stop == STOPS.index("full") else 0):
                     def pv(acc):
                         plgpu.wgmma(acc, p_s, kv_s.at[c])
                         return acc[...]
-                    o = pl.run_scoped(pv, plgpu.ACC((HP, lc), F32))
-                    if c >= 2:
-                        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                    o_s[c % 2] = o
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(o_s.at[c % 2, pl.ds(0, hc)],
-                                            o_ref.at[t, g, s, :, pl.ds(c * lc, lc)])
-                plgpu.copy_smem_to_gmem(ml_s.at[0, pl.ds(0, hc)], m_ref.at[t, g, s])
-                if stop >= STOPS.index("softmax"):
-                    plgpu.copy_smem_to_gmem(ml_s.at[1, pl.ds(0, hc)], l_ref.at[t, g, s])
-                plgpu.wait_smem_to_gmem(0)
+                    with jax.named_scope("pv_store"):
+                        o = pl.run_scoped(pv, plgpu.ACC((HP, lc), F32))
+                        if c >= 2:
+                            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                        o_s[c % 2] = o
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(o_s.at[c % 2, pl.ds(0, hc)],
+                                                o_ref.at[t, g, s, :, pl.ds(c * lc, lc)])
+                with jax.named_scope("ml_store_drain"):
+                    plgpu.copy_smem_to_gmem(ml_s.at[0, pl.ds(0, hc)], m_ref.at[t, g, s])
+                    if stop >= STOPS.index("softmax"):
+                        plgpu.copy_smem_to_gmem(ml_s.at[1, pl.ds(0, hc)], l_ref.at[t, g, s])
+                    plgpu.wait_smem_to_gmem(0)
 
         if stop >= STOPS.index("qk"):
             pl.run_scoped(finish, plgpu.SMEM((2, HP, lc), F32, transforms=o_tf), collective_axes="wg")
@@ -337,7 +351,9 @@ def sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: floa
         ],
         grid=(T, groups, n_split), grid_names=("t", "g", "s"),
         num_threads=nwg, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
+                                             profile_space=PROFILE_EVENTS if config.profile_dir else 0,
+                                             profile_dir=config.profile_dir),
         interpret=_interp.params(),
     )
     args = [q_lat.reshape(T * Hq, L), q_pe.reshape(T * Hq, R)]
