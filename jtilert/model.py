@@ -90,7 +90,8 @@ class MLP(nnx.Module):
         return _swiglu_arrays(self.gate_proj, self.up_proj, self.down_proj)
 
     def __call__(self, x):
-        return sharding.all_reduce(backend.ops().swiglu(x, *self.arrays()))
+        g, gs, u, us, d, ds = self.arrays()
+        return sharding.linear_all_reduce(backend.ops().swiglu_hidden(x, g, gs, u, us), d, ds)
 
 
 class Router(nnx.Module):

@@ -295,8 +295,9 @@ def tiny_bf16(tiny_random):
 @pytest.mark.parametrize("tp", [2, 8])
 def test_model_moe_through_the_fused_op_equals_psum(tiny_bf16, tp, monkeypatch):
   """bf16 model at tp = 2 and 8, engine on: every MoE layer calls expert_down_all_reduce (here its
-  fallback), and the decode logits equal the psum path's bit for bit (the o_proj is kept on its
-  unfused path so that only the MoE differs; its fused fallback rounds once instead of per rank)."""
+  fallback), and the decode logits equal the psum path's bit for bit (the o_proj and the dense MLP
+  stay on their unfused path so that only the MoE differs; gemv_all_reduce's fallback rounds once
+  instead of per rank)."""
   mesh = _mesh(tp)
   calls = []
   orig = jf.expert_down_all_reduce
@@ -374,8 +375,8 @@ def test_cuda_lowering_emits_the_engine_custom_calls(monkeypatch):
 
 
 def test_model_decode_step_lowers_to_the_fused_kernels(tiny_bf16, monkeypatch):
-  """The tp=2 decode step with the engine on, cross-lowered for CUDA: the o_proj and the MoE down +
-  shared expert become the engine's fused custom calls."""
+  """The tp=2 decode step with the engine on, cross-lowered for CUDA: the o_proj, the dense MLP's
+  down projection and the MoE down + shared expert become the engine's fused custom calls."""
   from jtilert.generate import Engine
   monkeypatch.setattr(ffi_ops, "_TEST_FORCE_EMIT", True)
   eng = Engine(tiny_bf16, mesh=_mesh(2), engine_all_reduce=True)
@@ -383,8 +384,10 @@ def test_model_decode_step_lowers_to_the_fused_kernels(tiny_bf16, monkeypatch):
   txt = eng.forward.trace(eng.state, eng.new_cache(8), tok, eng.place(jnp.int32(0))).lower(
       lowering_platforms=("cuda",)).as_text()
   moe_layers = sum(tiny_bf16.cfg.is_moe(i) for i in range(tiny_bf16.cfg.num_hidden_layers))
+  layers_ = tiny_bf16.cfg.num_hidden_layers
   assert txt.count("custom_call @jtilert_expert_down_all_reduce") == moe_layers
-  assert txt.count("custom_call @jtilert_gemv_all_reduce") == tiny_bf16.cfg.num_hidden_layers
+  assert txt.count("custom_call @jtilert_gemv_all_reduce") == layers_ + (layers_ - moe_layers)
+  assert "custom_call @jtilert_all_reduce" not in txt
 
 
 def test_two_axis_mesh_groups(monkeypatch):
