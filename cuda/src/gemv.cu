@@ -256,19 +256,22 @@ __global__ void __launch_bounds__(544, 1)
   if constexpr (EXPERT) {
     // the weight addresses depend on the expert ids: resolve them first
     fill_chunk_sources<EPC>(g, src_s, KC);
-    const int kr = g.nsel * g.I;
-    for (int e = tid; e < g.K; e += blockDim.x) {
-      // x_seg = w_e * h_e in fp32 (the routing weight folded into x)
-      x_s[x_swizzle<EPC>(e)] = e < kr ? bf16_to_f32(g.x[e]) * __ldg(g.rw + e / g.I)
-                                      : bf16_to_f32(g.xs[e - kr]);
-    }
     __syncthreads();
-    if (computes && total > 0) load(A, 0, tasks[0]);
-  } else {
-    // issue the first weight loads before anything else: they do not depend on x
-    if (computes && total > 0) load(A, 0, tasks[0]);
-    for (int e = tid; e < g.K; e += blockDim.x)
-      x_s[x_swizzle<EPC>(e)] = bf16_to_f32(g.x[e]);
+  }
+  // issue the first weight loads before x is staged: they do not depend on it
+  if (computes && total > 0) load(A, 0, tasks[0]);
+  for (int e = tid; e < g.K; e += blockDim.x) {
+    float v;
+    if constexpr (EXPERT) {
+      // x = (w_0 h_0, ..., w_{k-1} h_{k-1}, h_s): the routing weights folded
+      // into x in fp32
+      const int kr = g.nsel * g.I;
+      v = e < kr ? bf16_to_f32(g.x[e]) * __ldg(g.rw + e / g.I)
+                 : bf16_to_f32(g.xs[e - kr]);
+    } else {
+      v = bf16_to_f32(g.x[e]);
+    }
+    x_s[x_swizzle<EPC>(e)] = v;
   }
   if (tid == 0) {
     for (int i = 0; i < ntask; ++i) mbar_init(&bars[i], (unsigned)g.nwc);
