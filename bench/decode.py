@@ -78,17 +78,19 @@ def kernel_class(name: str) -> str:
     return "other"
 
 
-def kernel_profile(step) -> dict:
-    """One decode step under CUPTI: how many kernels it launches and where their device time goes."""
-    kernels, busy = _cupti(step)
+def kernel_profile(call, steps: int) -> dict:
+    """One decode call of `steps` steps under CUPTI: per step, how many kernels it launches and where
+    their device time goes."""
+    kernels, busy = _cupti(call)
+    kernels, busy = [(name, sec / steps) for name, sec in kernels], busy / steps
     groups: dict = {}
     for name, sec in kernels:
         g = groups.setdefault(kernel_class(name), [0, 0.0])
         g[0] += 1
         g[1] += sec
     top = sorted(groups.items(), key=lambda kv: -kv[1][1])
-    return {"kernels": len(kernels), "busy_ms": busy * 1e3,
-            "groups": [{"group": k, "count": c, "ms": t * 1e3} for k, (c, t) in top]}
+    return {"kernels": len(kernels) / steps, "busy_ms": busy * 1e3,
+            "groups": [{"group": k, "count": c / steps, "ms": t * 1e3} for k, (c, t) in top]}
 
 
 def step_bytes(model, context: int, tp: int = 1) -> dict:
@@ -221,7 +223,7 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
             out = eng.decode(eng.state, holder[0], token, pos, params, key)
             holder[0] = out[0]
             return out
-        result["kernel_profile"] = kernel_profile(one_step)
+        result["kernel_profile"] = kernel_profile(one_step, eng.steps_per_call)
         result["kernel_profile"]["gaps_ms"] = device_s * 1e3 - result["kernel_profile"]["busy_ms"]
     stats = jax.devices()[0].memory_stats() or {}
     result["peak_device_bytes"] = int(stats.get("peak_bytes_in_use", 0))
@@ -229,22 +231,23 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
 
 
 def host_loop(eng, cache, token, draft, pos, params, key, mtp, n):
-    """(seconds per step, cache) of the loop a Generator runs: one dispatch per step, one step ahead
-    of the reads, always at the same position so the context stays fixed."""
+    """(seconds per step, cache) of the loop a Generator runs: one dispatch per `steps_per_call`
+    steps, one call ahead of the reads, always from the same position so the context stays fixed."""
     if mtp:
         fn = lambda c: eng.speculate(eng.state, c, token, draft, pos, params, key)
     else:
         fn = lambda c: eng.decode(eng.state, c, token, pos, params, key)
     out = jax.block_until_ready(fn(cache))  # compile
+    calls = max(1, n // eng.steps_per_call)
     t = time.perf_counter()
     pending = None
-    for _ in range(n):
+    for _ in range(calls):
         out = fn(out[0])
         if pending is not None:
-            int(pending[0])
-        pending = out[3] if mtp else out[1]
+            np.asarray(pending)
+        pending = out[1]
     jax.block_until_ready(out)
-    return (time.perf_counter() - t) / n, out[0]
+    return (time.perf_counter() - t) / (calls * eng.steps_per_call), out[0]
 
 
 def main(argv=None) -> dict:
@@ -318,10 +321,10 @@ def main(argv=None) -> dict:
     for r in result["runs"]:
         prof = r.get("kernel_profile")
         if prof:
-            print(f"{r['backend']}: {prof['kernels']} kernels per step, {prof['busy_ms']:.3f} ms busy, "
+            print(f"{r['backend']}: {prof['kernels']:.0f} kernels per step, {prof['busy_ms']:.3f} ms busy, "
                   f"{prof['gaps_ms']:.3f} ms between kernels; by group:")
             for g in prof["groups"][:12]:
-                print(f"    {g['group']:48} {g['count']:5d} {g['ms']:9.3f} ms")
+                print(f"    {g['group']:48} {g['count']:7.1f} {g['ms']:9.3f} ms")
     full = {r["backend"]: r["step_ms_median"] for r in result["runs"] if not r["mtp"]}
     for backend, parts in result.get("breakdown", {}).items():
         f, rest = full[backend], parts["embedding + head only"]
