@@ -1,54 +1,65 @@
 #!/usr/bin/env bash
-# One device-tool call that runs the chosen GPU benchmarks from the checkout and keeps every log.
+# GPU benchmarks from the checkout, in one device-tool call; every log and JSON is kept.
 #
-#   OUT=$OUT bench/gpu_session.sh PART [PART ...]      (device tool: `bash bench/gpu_session.sh ...`)
+#   WORK=/tmp/w bench/gpu_session.sh PART [PART ...]     logs and JSON in $WORK/<part>.*
+#   WORK=/tmp/w bench/gpu_session.sh pack                 -> $OUT/results.tgz (the tool returns ≤ 8 files)
 #
-# PARTs (each under its own time limit, logs and JSON in $OUT/<part>.*):
+# BACKENDS (default pallas,reference) picks the decode backends. PARTs, each under a time limit:
 #   stream       bench/kernels.py --only stream: what the TMA pipeline streams with no arithmetic
 #   kernels      bench/kernels.py --sweep --quick: projection / MoE / lm-head kernels vs XLA (issue 4)
 #   attention    bench/attention.py (issue 5)
-#   decode       bench.decode: dsv32-tp8-shard, 61 layers, context 4096, pallas + reference (issue 7)
-#   breakdown    bench.decode at 8 layers with the attention / MLP timing variants and a CUPTI profile
-#   tp2          bench.decode at tp=2, 4 layers, engine vs psum (2 GPUs; issues 6 and 7)
-#   transformers transformers' model vs ours on the same 4-layer bf16 checkpoint (issue 7)
-#   engine       tests/gpu/run_engine_gpu.sh: CUDA engine build, checks, sanitizers, timings (2 GPUs)
+#   decode       bench.decode: dsv32-tp8-shard, 61 layers, context 4096, CUPTI kernel profile (issue 7)
+#   breakdown    bench.decode at 8 layers with the attention / MLP timing variants (issue 7)
+#   checkpoint   a 4-layer bf16 dsv32-tp8-shard HF checkpoint at $CK (on the CPU), for:
+#   ours_4l      bench.decode on that checkpoint, context 1024, pallas and reference
+#   hf_eager     transformers' model on it (static cache), bench/transformers_decode.py
+#   hf_compile   the same with torch.compile (CUDA graphs)
+#   build        the CUDA engine library and self-test (python -m jtilert.ffi.build --selftest)
+#   select       the engine's top-k select: self-test + CUDA-graph timings (after build)
+#   tp2          bench.decode at tp=2, 4 layers, psum vs the engine's all-reduce (2 GPUs, after build)
+#   engine       tests/gpu/run_engine_gpu.sh: the whole engine check (2 GPUs, ~12 min)
+# Two parts can share a 2-GPU machine: CUDA_VISIBLE_DEVICES=0 ... & CUDA_VISIBLE_DEVICES=1 ... &
 set -uo pipefail
-OUT=${OUT:-$PWD/out}
-mkdir -p "$OUT" "$OUT/stream"
+WORK=${WORK:-${OUT:-$PWD/out}}
+mkdir -p "$WORK"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL"
+B=${BACKENDS:-pallas,reference}
+CK=${CK:-/tmp/jt_dsv32_4l}
 T0=$(date +%s)
 step() {  # step NAME LIMIT_S COMMAND...
   local name=$1 limit=$2; shift 2
-  echo "[$(( $(date +%s) - T0 ))s] $name: $*" | tee -a "$OUT/session.txt"
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "[$(date -u +%T) +$(( $(date +%s) - T0 ))s] $name: $*" >> "$WORK/session.txt"
+  timeout "$limit" "$@" > "$WORK/$name.log" 2>&1
   local rc=$?
-  echo "[$(( $(date +%s) - T0 ))s] $name rc=$rc" | tee -a "$OUT/session.txt"
-  tail -25 "$OUT/$name.log"
+  echo "[$(date -u +%T) +$(( $(date +%s) - T0 ))s] $name rc=$rc" >> "$WORK/session.txt"
+  grep -v "Warning\|^\s*$" "$WORK/$name.log" | tail -30
 }
-{ date -u; nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv; } >> "$OUT/session.txt" 2>&1
 DEC="python3 -m bench.decode --preset dsv32-tp8-shard --context 4096"
 for part in "$@"; do
   case $part in
-    stream) OUT=$OUT/stream step stream 150 python3 bench/kernels.py --only stream ;;
-    kernels) OUT=$OUT step kernels 300 python3 bench/kernels.py --sweep --quick ;;
-    attention) OUT=$OUT step attention 200 python3 bench/attention.py ;;
-    decode) step decode 400 $DEC --layers 61 --backend pallas,reference --kernels \
-              --out "$OUT/decode.json" --plot "$OUT/decode.png" ;;
-    breakdown) step breakdown 300 $DEC --layers 8 --backend pallas,reference --breakdown --kernels \
-                 --out "$OUT/breakdown.json" ;;
-    tp2) step tp2 300 $DEC --layers 4 --tp 2 --backend pallas,reference --all-reduce psum,engine \
-           --out "$OUT/tp2.json" ;;
-    transformers)
-      ck=/tmp/jt_dsv32_4l
-      step make_checkpoint 200 python3 -c "import jtilert; jtilert.random_checkpoint('dsv32-tp8-shard', '$ck', fmt='bf16', num_layers=4, overwrite=True)"
-      step ours_ckpt 200 python3 -m bench.decode --checkpoint $ck --context 1024 --backend pallas,reference \
-        --out "$OUT/ours_4l.json"
-      step transformers 300 python3 -m bench.transformers_decode $ck --context 1024 --new 32 --out "$OUT/transformers.json"
-      step transformers_compile 300 python3 -m bench.transformers_decode $ck --context 1024 --new 32 --compile \
-        --out "$OUT/transformers_compile.json" ;;
-    engine) OUT=$OUT/engine step engine 400 tests/gpu/run_engine_gpu.sh ;;
+    stream) OUT=$WORK/stream step stream 150 python3 bench/kernels.py --only stream ;;
+    kernels) OUT=$WORK/kernels step kernels 300 python3 bench/kernels.py --sweep --quick ;;
+    attention) OUT=$WORK/attention step attention 200 python3 bench/attention.py ;;
+    decode) step decode 430 $DEC --layers 61 --backend "$B" --kernels \
+              --out "$WORK/decode.json" --plot "$WORK/decode.png" ;;
+    breakdown) step breakdown 200 $DEC --layers 8 --backend "$B" --breakdown --samples 10 \
+                 --out "$WORK/breakdown.json" ;;
+    checkpoint) JAX_PLATFORMS=cpu step checkpoint 200 python3 -c \
+                  "import jtilert; jtilert.random_checkpoint('dsv32-tp8-shard', '$CK', fmt='bf16', num_layers=4, overwrite=True)" ;;
+    ours_4l) step ours_4l 200 python3 -m bench.decode --checkpoint "$CK" --context 1024 --backend pallas,reference --samples 10 \
+               --out "$WORK/ours_4l.json" ;;
+    hf_eager) step hf_eager 150 python3 -m bench.transformers_decode "$CK" --context 1024 --new 32 \
+                --out "$WORK/hf_eager.json" ;;
+    hf_compile) step hf_compile 200 python3 -m bench.transformers_decode "$CK" --context 1024 --new 32 --compile \
+                  --out "$WORK/hf_compile.json" ;;
+    build) step build 240 python3 -m jtilert.ffi.build --selftest ;;
+    select) step select 90 "$(dirname "$(tail -1 "$WORK/build.log")")/jtilert_selftest" --select-only --iters 3 --bench ;;
+    tp2) JTILERT_FFI_TOPK=0 step tp2 200 $DEC --layers 4 --tp 2 --backend "$B" --all-reduce psum,engine \
+           --samples 10 --out "$WORK/tp2.json" ;;
+    engine) OUT=$WORK/engine step engine 900 tests/gpu/run_engine_gpu.sh ;;
+    pack) tar czf "${OUT:?}/results.tgz" -C "$WORK" . && cp "$WORK/session.txt" "$OUT/" ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac
 done
