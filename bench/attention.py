@@ -12,7 +12,9 @@ rope 64, 64 index heads of dim 128 in fp8 with one fp32 scale per row, index_top
 3. times each path with CUPTI (sum of the kernels' device time per call, median over iterations,
    after a warm-up), and counts its kernels: every extra kernel boundary costs about 2.7 µs more
    inside a decode step (GPU.md), which the CUPTI sum does not show;
-4. prints the table: time, floor (bytes / measured copy bandwidth), ratio to floor, ratio to XLA.
+4. prints the table: time, floor (bytes / measured copy bandwidth), ratio to floor, ratio to XLA;
+5. times the indexer's key append inside the scoring kernel against XLA's append followed by the
+   scoring kernel (`--only append` runs just that; the "XLA/this" column is then separate/fused).
 
 Floors: indexer+top-k reads the key cache (ctx × (128 + 4) B) — the issue's floor; sparse MLA
 reads 2048 latent+rope rows (2048 × 576 × 2 B) plus queries and the fp32 output.
@@ -292,10 +294,75 @@ def bench_sparse_mla(ctx, cfg, bw, key):
             log(f"  {label} FAILED: {type(e).__name__}: {str(e)[:300]}")
             traceback.print_exc(file=LOG)
 
+APPEND_STEPS = 8   # decode steps per timed call (the caches are carried, so updated in place)
+
+
+def bench_append(ctx, cfg, bw, key):
+    """The indexer's key append: in the scoring kernel (`indexer_append_scores`) against XLA's
+    quantise + dynamic_update_slice followed by the scoring kernel, in a 160K-row cache holding
+    ctx positions. One call runs APPEND_STEPS decode steps (positions ctx-1, ctx, ...) carrying
+    the caches; the time is per step, and "no copies" leaves out the one-off copy of the
+    non-donated caches at the call's entry."""
+    H, D = cfg.index_n_heads, cfg.index_head_dim
+    rows = 163840 if jax.default_backend() == "gpu" else ctx + 256   # CPU: a dry run of the script
+    keys = jax.random.split(key, 4)
+    q8, qs = act_quant(jax.random.normal(keys[0], (1, H, D)))
+    w = jax.random.normal(keys[1], (1, H)) * qs[..., 0] * (H ** -0.5 * D ** -0.5)
+    kc, ks = act_quant(jax.random.normal(keys[2], (rows, D)))
+    ks = ks[:, 0]
+    knew = jax.random.normal(keys[3], (APPEND_STEPS, 1, D)) * 3
+    floor = ctx * (D + 4) / bw * 1e6
+
+    def steps(op):
+        def f(q8, w, knew, kc, ks):
+            out = []
+            for i in range(APPEND_STEPS):
+                pos = jnp.array([ctx - 1 + i], jnp.int32)
+                s, kc, ks = op(cfg, q8, w, knew[i], kc, ks, pos, pos[0])
+                out.append(s[:, ctx - 1 + i])
+            return jnp.stack(out), kc, ks
+        return jax.jit(f)
+
+    def separate(cfg, q, w, k, kc, ks, pos, start):   # the previous decode path: XLA append, then score
+        k8, s8 = layers.indexer_key(cfg, k)
+        kc = jax.lax.dynamic_update_slice(kc, k8, (start, 0))
+        ks = jax.lax.dynamic_update_slice(ks, s8, (start,))
+        return ix.indexer_scores(q, w, kc, ks, pos), kc, ks
+
+    res = {}
+    for name, op in (("separate", separate), ("fused", ix.indexer_append_scores)):
+        f = steps(op)
+        out = f(q8, w, knew, kc, ks)
+        jax.block_until_ready(out)
+        res[name] = out
+        if jax.default_backend() != "gpu":
+            us = us_nc = 1.0
+            names = ["cpu"]
+        else:
+            from jax.experimental.mosaic.gpu import profiler
+            _, per = profiler.measure(f, aggregate=False, iterations=ITERS)(q8, w, knew, kc, ks)
+            us = float(np.median([sum(t for _, t in c) for c in per])) * 1e3 / APPEND_STEPS
+            us_nc = float(np.median([sum(t for n, t in c if "copy" not in n.lower()) for c in per])) * 1e3 / APPEND_STEPS
+            names = [n for n, _ in per[-1]]
+        res[name + "_t"] = (us, us_nc, len(names) / APPEND_STEPS)
+        log(f"    kernels ({name}):", names)
+    (s0, c0, k0), (s1, c1, k1) = res["separate"], res["fused"]
+    same_keys = bool(np.array_equal(np.asarray(c0).view(np.uint8), np.asarray(c1).view(np.uint8)))
+    same_scales = bool(np.array_equal(np.asarray(k0), np.asarray(k1)))
+    err = float(np.abs(np.asarray(s1) - np.asarray(s0)).max() / np.abs(np.asarray(s0)).max())
+    check = f"keys bit-exact {same_keys} scales bit-exact {same_scales} new-row score err {err:.1e}"
+    t0, t1 = res["separate_t"], res["fused_t"]
+    row("INDEXER APPEND+SCORE fused kernel", ctx, t1[0], floor, t0[0], t1[2], check)
+    row("indexer append+score fused, no copies", ctx, t1[1], floor, t0[1], t1[2], "")
+    row("INDEXER APPEND (XLA) + SCORE kernel", ctx, t0[0], floor, t0[0], t0[2], "")
+    row("indexer append (XLA) + score, no copies", ctx, t0[1], floor, t0[1], t0[2], "")
+
+
 def main():
     import argparse
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", choices=("indexer", "sparse_mla"), help="one half of the benchmark")
+    ap.add_argument("--only", choices=("indexer", "sparse_mla", "append"),
+                    help="one part: indexer + top-k, sparse MLA, or the indexer's key append")
     only = ap.parse_args().only
     cfg = preset("dsv32-tp8-shard")
     log("devices:", jax.devices())
@@ -306,9 +373,11 @@ def main():
     for i, ctx in enumerate(contexts):
         log(f"== context {ctx}")
         try:
-            if only != "sparse_mla":
+            if only in (None, "indexer"):
                 bench_context(ctx, cfg, bw, jax.random.key(i))
-            if only != "indexer":
+            if only in (None, "append"):
+                bench_append(ctx, cfg, bw, jax.random.key(200 + i))
+            if only in (None, "sparse_mla"):
                 bench_sparse_mla(ctx, cfg, bw, jax.random.key(100 + i))
         except Exception as e:  # noqa: BLE001
             log(f"context {ctx} FAILED: {type(e).__name__}: {str(e)[:500]}")

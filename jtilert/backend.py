@@ -27,6 +27,7 @@ REFERENCE = types.SimpleNamespace(
     expert_hidden=layers.expert_hidden,
     swiglu_hidden=layers.swiglu_hidden,
     indexer_scores=layers.indexer_scores,
+    indexer_append_scores=layers.indexer_append_scores,
     topk_positions=layers.topk_positions,
     sparse_mla=layers.sparse_mla,
 )

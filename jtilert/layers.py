@@ -126,13 +126,31 @@ def indexer_query(cfg: ModelConfig, q: jax.Array, w: jax.Array):
     return q8, w * qs[..., 0]
 
 
+def indexer_key_rotated(cfg: ModelConfig, k: jax.Array) -> jax.Array:
+    """New index keys k [T, D] before quantisation: Hadamard-rotated in fp32 in fp8 mode, else k."""
+    if cfg.index_quant == "none":
+        return k
+    return jnp.einsum("td,de->te", k.astype(F32), jnp.asarray(hadamard(k.shape[-1])))
+
+
 def indexer_key(cfg: ModelConfig, k: jax.Array):
     """Cache entry for new index keys k [T, D]: (key, scale [T] or None)."""
+    k = indexer_key_rotated(cfg, k)
     if cfg.index_quant == "none":
         return k, None
-    k = jnp.einsum("td,de->te", k.astype(F32), jnp.asarray(hadamard(k.shape[-1])))
     k8, ks = act_quant(k)
     return k8, ks[..., 0]
+
+
+def indexer_append_scores(cfg: ModelConfig, q, w, k, k_cache, k_scale, positions, start, score=None):
+    """Write the new tokens' index keys k [T, D] into the cache at row `start` (quantised in fp8
+    mode), then score every cache row with `score` (default `indexer_scores`):
+    (scores [T, S], k_cache, k_scale)."""
+    k, ks = indexer_key(cfg, k)
+    k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (start, 0))
+    if ks is not None:
+        k_scale = jax.lax.dynamic_update_slice(k_scale, ks, (start,))
+    return (score or indexer_scores)(q, w, k_cache, k_scale, positions), k_cache, k_scale
 
 
 def indexer_scores(q: jax.Array, w: jax.Array, k_cache: jax.Array, k_scale: jax.Array | None,

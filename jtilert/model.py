@@ -148,11 +148,11 @@ class Indexer(nnx.Module):
         w = layers.linear(x.astype(F32), self.weights_proj.weight[...].astype(F32))
         w = w * (cfg.index_n_heads**-0.5 * cfg.index_head_dim**-0.5)
         q, w = layers.indexer_query(cfg, q, w)
-        k, k_scale = layers.indexer_key(cfg, k)
-        cache = dict(cache, index_k=_write(cache["index_k"], k, start))
+        scores, k_cache, k_scale = ops.indexer_append_scores(cfg, q, w, k, cache["index_k"], cache.get("index_scale"),
+                                                             positions, start)
+        cache = dict(cache, index_k=k_cache)
         if k_scale is not None:
-            cache["index_scale"] = _write(cache["index_scale"], k_scale, start)
-        scores = ops.indexer_scores(q, w, cache["index_k"], cache.get("index_scale"), positions)
+            cache["index_scale"] = k_scale
         _record(self, "scores", scores)
         return ops.topk_positions(scores, cfg.index_topk), cache
 

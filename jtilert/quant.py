@@ -46,9 +46,13 @@ def quantize_weight(w: np.ndarray | jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def pow2_scale(amax: jax.Array) -> jax.Array:
-    """Smallest power of two s with amax / s <= 448 (the official "ue8m0" scale format)."""
-    amax = jnp.maximum(amax.astype(jnp.float32), 1e-4)
-    return jnp.exp2(jnp.ceil(jnp.log2(amax / FP8_MAX)))
+    """Smallest power of two s with amax / s <= 448 (the official "ue8m0" scale format). ceil(log2)
+    is read off the fp32 bits, as the official kernels do: exact where a rounded log2 is not, and
+    the same integer ops in the Pallas kernels that quantise (jtilert.pallas.indexer)."""
+    r = jnp.maximum(amax.astype(jnp.float32), 1e-4) / FP8_MAX     # a normal float: no subnormal case
+    bits = jax.lax.bitcast_convert_type(r, jnp.int32)
+    e = (bits >> 23) + jnp.where(bits & 0x7FFFFF, 1, 0).astype(jnp.int32)   # biased exponent of the ceiling
+    return jax.lax.bitcast_convert_type(e << 23, jnp.float32)
 
 
 def act_quant(x: jax.Array, block: int = BLOCK) -> tuple[jax.Array, jax.Array]:

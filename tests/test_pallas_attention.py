@@ -180,25 +180,69 @@ def test_topk_scores_and_merge():
     assert _same_set(idx, ridx)
 
 
-# ---- in the model ------------------------------------------------------------------------------
+# ---- key append inside the indexer kernel ----------------------------------------------------
 
-def test_greedy_tokens_match_reference_on_tiny(monkeypatch):
-    """Decode with these kernels in place of the reference ops (prompt longer than index_topk, so the
-    indexer really selects) gives the reference backend's greedy tokens."""
-    import types
+def _append_case(T, H, D, S, fp8, seed):
+    from jtilert.config import preset
+    cfg = preset("tiny").replace(index_quant="fp8" if fp8 else "none", index_head_dim=D, index_n_heads=H)
+    q, w, kc, ks = _index_inputs(T, H, D, S, fp8, seed)
+    k = jax.random.normal(jax.random.key(seed + 1), (T, D)) * 3
+    return cfg, q, w, k if fp8 else k.astype(BF16), kc, ks
 
-    import jtilert
-    from jtilert import backend
 
-    model = jtilert.random_model("tiny", fmt="bf16")
-    prompt = np.random.RandomState(1).randint(0, 256, 40)     # tiny's index_topk is 32
-    ref_tokens = jtilert.Generator(model, max_seq_len=64).generate(prompt, 2, stop_tokens=[])
+@pytest.mark.parametrize("T,H,S,pos,start,end,fp8", [
+    (1, 64, 512, [300], 0, None, True),         # dsv32 widths, new row mid-cache, fp8 + scales
+    (1, 64, 768, [767], 0, None, True),         # the last cache row, several blocks per CTA
+    (2, 64, 512, [127, 128], 0, None, False),   # MTP verify: two rows in two blocks (two CTAs), bf16
+    (2, 64, 512, [200, 201], 0, None, True),    # MTP verify, fp8: both rows (and scales) in one block
+    (1, 64, 1024, [600], 256, 768, True),       # a range starting mid-cache that holds the new row
+    (1, 64, 1024, [900], 256, 768, True),       # the new row is another GPU's: nothing written here
+    (1, 8, 256, [40], 0, None, False),          # 8 heads (padded); the rows of 64 bytes are
+])                                              # appended by XLA (too short for one TMA)
+def test_indexer_append_scores(T, H, S, pos, start, end, fp8):
+    """The kernel appends the new keys (fp8 quantised bit for bit as jtilert.quant, or bf16) at
+    their rows of the range, in place, and scores them from the fresh keys as the reference does."""
+    D = 128 if H != 8 else 32
+    cfg, q, w, k, kc, ks = _append_case(T, H, D, S, fp8, np.random.randint(1 << 30))
+    pos = jnp.array(pos, jnp.int32)
 
-    ops = types.SimpleNamespace(**vars(backend.REFERENCE))
-    ops.indexer_scores = functools.partial(ix.indexer_scores, config=SMALL)
-    ops.topk_positions = functools.partial(tk.topk_positions, method="radix")
-    ops.sparse_mla = smla.sparse_mla
-    monkeypatch.setattr(backend, "ops", lambda: ops)
-    with interp.interpret(detect_races=False):
-        tokens = jtilert.Generator(model, max_seq_len=64).generate(prompt, 2, stop_tokens=[])
-    assert tokens == ref_tokens
+    def f(q, w, k, kc, ks, pos):
+        if H == 8:
+            return ix.indexer_append_scores(cfg, q, w, k, kc, ks, pos, pos[0])
+        k_new = layers.indexer_key_rotated(cfg, k)
+        return ix.append_and_score(q, w, k_new, kc, ks, pos, start=start, end=end, config=SMALL)
+
+    scores, kc_out, ks_out = _run(f, q, w, k, kc, ks, pos)
+    ref, rkc, rks = layers.indexer_append_scores(cfg, q, w, k, kc, ks, pos, pos[0])
+    lo, hi = start, end or S
+    in_range = [(lo <= int(p) < hi) for p in pos]
+    want_kc = np.asarray(rkc if all(in_range) else kc)    # rows outside the range are left alone
+    np.testing.assert_array_equal(kc_out.view(np.uint8), want_kc.view(np.uint8))
+    if fp8:
+        np.testing.assert_array_equal(ks_out, np.asarray(rks if all(in_range) else ks))
+    ref = np.asarray(ref)[:, lo:hi]
+    fin = np.isfinite(ref)
+    np.testing.assert_array_equal(np.isfinite(scores), fin)
+    if all(in_range):
+        assert np.abs(scores[fin] - ref[fin]).max() <= 1e-5 * np.abs(ref[fin]).max()
+
+
+def test_indexer_append_under_shard_map():
+    """Interpreted kernels inside shard_map (the tp > 1 decode step) run one device at a time."""
+    cfg, q, w, k, kc, ks = _append_case(1, 64, 128, 256, True, np.random.randint(1 << 30))
+    pos = jnp.array([100], jnp.int32)
+    mesh = jax.make_mesh((2,), ("tp",))
+    P = jax.sharding.PartitionSpec
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=P(), out_specs=P())
+    def f(q, w, k, kc, ks, pos):
+        return ix.indexer_append_scores(cfg, q, w, k, kc, ks, pos, pos[0])
+
+    with interp.interpret():
+        out = jax.tree.map(np.asarray, f(q, w, k, kc, ks, pos))
+    ref = layers.indexer_append_scores(cfg, q, w, k, kc, ks, pos, pos[0])
+    np.testing.assert_array_equal(out[1].view(np.uint8), np.asarray(ref[1]).view(np.uint8))
+    np.testing.assert_array_equal(out[2], np.asarray(ref[2]))
+    fin = np.isfinite(np.asarray(ref[0]))
+    assert np.abs(out[0][fin] - np.asarray(ref[0])[fin]).max() <= 1e-5 * np.abs(np.asarray(ref[0])[fin]).max()

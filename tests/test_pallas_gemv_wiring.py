@@ -1,8 +1,7 @@
 """backend="pallas" end to end: greedy tokens of the tiny fp8 model (bf16 activations) equal the
-reference backend's, with the projection kernels running in GPU interpret mode.
-
-The attention ops are pinned to the reference here (their kernels have their own tests), so this
-checks the projection / SwiGLU / router wiring of `jtilert.pallas.dispatch`."""
+reference backend's, with every kernel of `jtilert.pallas.dispatch` (projections, SwiGLU, router,
+indexer append + scoring, sparse MLA) running in GPU interpret mode. The prompt is longer than
+tiny's index_topk (32), so the indexer really selects."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ import numpy as np
 import pytest
 
 import jtilert
-from jtilert.pallas import dispatch, gemv
+from jtilert.pallas import gemv, indexer, sparse_mla
 
 
 @pytest.fixture(scope="module")
@@ -21,13 +20,15 @@ def tiny_fp8_bf16():
 
 
 def test_pallas_backend_greedy_equals_reference(tiny_fp8_bf16, monkeypatch):
-    monkeypatch.setattr(dispatch, "_attention_ops", lambda: {})
     jax.clear_caches()  # the ops are jitted callees: retrace them so the patched kernel entry is seen
     calls = []
     real = gemv._projection
-    monkeypatch.setattr(gemv, "_projection", lambda *a, **k: calls.append(1) or real(*a, **k))
-    prompt = np.random.RandomState(1).randint(0, 256, 12)
+    monkeypatch.setattr(gemv, "_projection", lambda *a, **k: calls.append("gemv") or real(*a, **k))
+    for mod, name in ((indexer, "indexer_scores_kernel"), (sparse_mla, "sparse_mla_partials")):
+        fn = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _f=fn, _n=name, **k: calls.append(_n) or _f(*a, **k))
+    prompt = np.random.RandomState(1).randint(0, 256, 40)
     ref = jtilert.Generator(tiny_fp8_bf16, max_seq_len=64).generate(prompt, 2, stop_tokens=[])
     pal = jtilert.Generator(tiny_fp8_bf16, max_seq_len=64, backend="pallas").generate(prompt, 2, stop_tokens=[])
     assert pal == ref
-    assert calls, "the GEMV kernels were not used"
+    assert {"gemv", "indexer_scores_kernel", "sparse_mla_partials"} <= set(calls), "a kernel was not used"

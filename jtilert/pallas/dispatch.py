@@ -71,7 +71,7 @@ def _attention_ops() -> dict:
     """Kernels from the attention modules of this package, when they exist and export the op."""
     found = {}
     for mod_name, names in (("attention", ("indexer_scores", "topk_positions", "sparse_mla")),
-                            ("indexer", ("indexer_scores",)), ("topk", ("topk_positions",)),
+                            ("indexer", ("indexer_scores", "indexer_append_scores")), ("topk", ("topk_positions",)),
                             ("sparse_mla", ("sparse_mla",))):
         try:
             mod = importlib.import_module(f"jtilert.pallas.{mod_name}")
@@ -92,6 +92,7 @@ def ops() -> types.SimpleNamespace:
         expert_hidden=layers.expert_hidden,
         swiglu_hidden=swiglu_hidden,
         indexer_scores=layers.indexer_scores,
+        indexer_append_scores=layers.indexer_append_scores,
         topk_positions=layers.topk_positions,
         sparse_mla=layers.sparse_mla,
     )

@@ -21,6 +21,19 @@ fp8), so the kernel is built like a GEMV weight stream with the key rows on wgmm
 
 `start` and `pos_offset` (the global position of cache row 0, for a cache sharded by position
 across GPUs) may be traced scalars; `n` (the number of rows scored) is static.
+
+Key append in the same kernel (`append_and_score`; the model's op `indexer_append_scores`, whose
+reference is XLA's quantise + write followed by the scores). The new tokens' keys come in before
+quantisation; the caches are passed as mutable refs, so the kernel updates them in place (aliased,
+no copy). The CTA that owns the block holding a new token's row (block b goes to CTA b mod grid)
+appends it before its pipeline starts: fp8 e4m3 with a power-of-two scale computed as
+`jtilert.quant.act_quant` does (bit for bit; the bf16 key as is in the unquantised mode), the row
+written by TMA and, since a 4-byte TMA is too small, the block's 128 scales read, patched and
+written back. Its own TMA reads of that block come after, so the new row is scored from the fresh
+key exactly as the reference scores it; no other CTA touches the block, so there is no race. Rows
+outside [start, start + n) are another range's (another GPU's) to write. Cost: one CTA does two
+extra TMA round trips (~1-2 µs) before streaming; rows shorter than 128 bytes (tiny test models)
+are appended by XLA instead.
 """
 
 from __future__ import annotations
@@ -36,8 +49,10 @@ import numpy as np
 from jax import lax
 
 import jtilert.pallas.interpret as _interp
+from jtilert.quant import pow2_scale
 
 F32, BF16, FP8 = jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn
+
 NUM_SMS = 132
 MAX_TOKENS = 4      # decode, MTP verify; longer chunks (prefill) use the reference
 
@@ -67,12 +82,15 @@ def _cdiv(a, b):
 
 
 def indexer_scores_kernel(q, w, k_cache, k_scale, positions, offsets, n: int,
-                          config: IndexerConfig = IndexerConfig()):
+                          config: IndexerConfig = IndexerConfig(), k_new=None):
     """q [T, H, D], w [T, H] fp32, k_cache [S, D], k_scale [S] fp32 or None, positions [T] int32,
     offsets = (start, pos_offset): Python ints (baked into the kernel) or an int32 [2] array →
     scores [T, n] fp32 for cache rows [start, start + n).
     n must be a multiple of block_s; rows past the cache (start + i >= S) must not be needed, i.e.
-    positions must stay below pos_offset + S."""
+    positions must stay below pos_offset + S.
+
+    With k_new [T, D] (fp32 when the cache is fp8, else the cache dtype) the new tokens' keys are
+    appended first: → (scores, k_cache, k_scale) with the caches updated in place (aliased)."""
     T, H, D = q.shape
     S = k_cache.shape[0]
     bs, ns = config.block_s, config.stages
@@ -89,17 +107,27 @@ def indexer_scores_kernel(q, w, k_cache, k_scale, positions, offsets, n: int,
     k_tf = _tiled(D, isz)
 
     static_offsets = isinstance(offsets, tuple)
+    append = k_new is not None
+    if append and has_scale and (D != 128 or k_new.dtype != F32):
+        raise ValueError("fp8 append quantises one 128-wide block per key: k_new must be [T, 128] fp32")
 
     def body(*refs):
         refs = list(refs)
-        q_ref, w_ref, k_ref = refs[:3]
+        q_ref, w_ref = refs[:2]
+        kn_ref = refs.pop(2) if append else None
+        k_ref = refs[2]
         ks_ref = refs[3] if has_scale else None
         refs = refs[3 + has_scale:]
         pos_ref = refs.pop(0)
         off_ref = None if static_offsets else refs.pop(0)
-        o_ref, q_s, w_s, k_s = refs[:4]
-        ks_s = refs[4] if has_scale else None
-        o_s, inf_s, qbar, kbar = refs[4 + has_scale:]
+        o_ref = refs.pop(0)
+        if append:
+            kn_s = refs.pop(0)
+            k8_s, sc_s = (refs.pop(0), refs.pop(0)) if has_scale else (None, None)
+            abar = refs.pop(-1)
+        q_s, w_s, k_s = refs[:3]
+        ks_s = refs[3] if has_scale else None
+        o_s, inf_s, qbar, kbar = refs[3 + has_scale:]
         c = lax.axis_index("c")
         if static_offsets:
             start, pos_off = offsets
@@ -110,6 +138,9 @@ def indexer_scores_kernel(q, w, k_cache, k_scale, positions, offsets, n: int,
         plgpu.copy_gmem_to_smem(w_ref, w_s, qbar)
         inf_s[...] = jnp.full((bs,), -jnp.inf, F32)
         pos = [pos_ref[t] for t in range(T)]
+        row_iota = plgpu.broadcasted_iota(jnp.int32, (bs,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
+        if append:
+            _append(kn_ref, k_ref, ks_ref, kn_s, k8_s, sc_s, abar, pos, start, pos_off, c, row_iota)
         pmax = functools.reduce(jnp.maximum, pos)
         # rows [0, limit) of the range hold a position <= max(positions); the rest are -inf
         limit = jnp.clip(pmax + 1 - pos_off - start, 0, n)
@@ -131,7 +162,6 @@ def indexer_scores_kernel(q, w, k_cache, k_scale, positions, offsets, n: int,
         plgpu.barrier_wait(qbar)
         wv = [plgpu.load(w_s.at[t], layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
               for t in range(T)]
-        row_iota = plgpu.broadcasted_iota(jnp.int32, (bs,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
 
         @pl.loop(0, my_valid)
         def _(i):
@@ -171,6 +201,38 @@ def indexer_scores_kernel(q, w, k_cache, k_scale, positions, offsets, n: int,
 
         plgpu.wait_smem_to_gmem(0)
 
+    def _append(kn_ref, k_ref, ks_ref, kn_s, k8_s, sc_s, abar, pos, start, pos_off, c, row_iota):
+        """The CTA whose blocks hold a new token's cache row writes that row (and in fp8 the row's
+        scale) before its pipeline starts, so its own TMA reads of the block see the fresh key; no
+        other CTA reads that block (blocks are dealt out whole), hence no race."""
+        for t in range(T):
+            row = pos[t] - pos_off
+            b = (row - start) // bs
+            mine = (row >= start) & (row < start + n) & (lax.rem(b, grid) == c)
+
+            @pl.when(mine)   # the other CTAs start streaming at once
+            def _():
+                plgpu.copy_gmem_to_smem(kn_ref.at[pl.ds(t, 1)], kn_s.at[pl.ds(t, 1)], abar)
+                plgpu.barrier_wait(abar)
+                if not has_scale:   # unquantised mode: the key is already in the cache dtype
+                    plgpu.copy_smem_to_gmem(kn_s.at[pl.ds(t, 1)], k_ref.at[pl.ds(row, 1)])
+                    plgpu.wait_smem_to_gmem(0)
+                    return
+                # jtilert.quant.act_quant: one 128-wide block, a power-of-two scale
+                v = plgpu.load(kn_s.at[t], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+                scale = pow2_scale(jnp.max(jnp.abs(v)))
+                k8_s[t] = (v / scale).astype(FP8)
+                # the block's scales are read, patched and written whole (a 4-byte TMA is too small)
+                blk = start + b * bs
+                plgpu.copy_gmem_to_smem(ks_ref.at[pl.ds(blk, bs)], sc_s, abar)
+                plgpu.barrier_wait(abar)
+                old = plgpu.load(sc_s, layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+                sc_s[...] = jnp.where(row_iota == row - blk, scale, old)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(sc_s, ks_ref.at[pl.ds(blk, bs)])
+                plgpu.copy_smem_to_gmem(k8_s.at[pl.ds(t, 1)], k_ref.at[pl.ds(row, 1)])
+                plgpu.wait_smem_to_gmem(0)
+
     scratch = [
         plgpu.SMEM((T, H, D), k_cache.dtype, transforms=k_tf),
         plgpu.SMEM((T, H), F32),
@@ -184,6 +246,10 @@ def indexer_scores_kernel(q, w, k_cache, k_scale, positions, offsets, n: int,
         plgpu.Barrier(num_arrivals=2),
         plgpu.Barrier(num_arrivals=2 if has_scale else 1, num_barriers=ns),
     ]
+    if append:
+        scratch = [plgpu.SMEM((T, D), k_new.dtype)] + (
+            [plgpu.SMEM((T, D), FP8), plgpu.SMEM((bs,), F32)] if has_scale else []) + scratch
+        scratch.append(plgpu.Barrier(num_arrivals=1))
     kernel = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((T, n), F32),
@@ -192,13 +258,16 @@ def indexer_scores_kernel(q, w, k_cache, k_scale, positions, offsets, n: int,
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=_interp.params(),
     )
-    args = [q, w.astype(F32), k_cache]
-    if has_scale:
-        args.append(k_scale.astype(F32))
-    args.append(positions.astype(jnp.int32))
+    caches = [k_cache] + ([k_scale.astype(F32)] if has_scale else [])
+    if append:   # mutable refs: the kernel writes the caches in place (aliased, no copy)
+        caches = [jax.new_ref(x) for x in caches]
+    args = [q, w.astype(F32)] + ([k_new] if append else []) + caches + [positions.astype(jnp.int32)]
     if not static_offsets:
         args.append(offsets)
-    return kernel(*args)
+    scores = kernel(*args)
+    if not append:
+        return scores
+    return (scores, caches[0][...]) + ((caches[1][...],) if has_scale else (None,))
 
 
 def indexer_scores(q, w, k_cache, k_scale, positions, *, start=0, end=None, pos_offset=0,
@@ -207,13 +276,47 @@ def indexer_scores(q, w, k_cache, k_scale, positions, *, start=0, end=None, pos_
     position), plus a range: with `start`/`end` only cache rows [start, end) are scored and the
     result is [T, end - start] (positions are split across GPUs this way); `end - start` must be
     static, `start` and `pos_offset` (global position of cache row 0) may be traced."""
-    config = config or IndexerConfig()
-    T, H, D = q.shape
-    S = k_cache.shape[0]
+    T, S = q.shape[0], k_cache.shape[0]
     if T > MAX_TOKENS and isinstance(start, int) and end in (None, S) and pos_offset == 0:
         # prefill chunks: one scalar loop per token in the kernel does not scale; use the reference
         from jtilert.layers import indexer_scores as reference
         return reference(q, w, k_cache, k_scale, positions)
+    return _call(q, w, k_cache, k_scale, positions, start, end, pos_offset, config or IndexerConfig())
+
+
+def append_and_score(q, w, k_new, k_cache, k_scale, positions, *, start=0, end=None, pos_offset=0,
+                     config: IndexerConfig | None = None):
+    """`indexer_scores` after writing the new tokens' keys into the cache rows `positions -
+    pos_offset` that fall in the range, in the same kernel: k_new [T, D] is the key before
+    quantisation (fp32, Hadamard-rotated, when the cache is fp8: quantised in the kernel exactly
+    as `jtilert.quant.act_quant`; else already in the cache dtype). → (scores, k_cache, k_scale),
+    the caches updated in place."""
+    return _call(q, w, k_cache, k_scale, positions, start, end, pos_offset, config or IndexerConfig(), k_new)
+
+
+def indexer_append_scores(cfg, q, w, k, k_cache, k_scale, positions, start):
+    """Drop-in for `jtilert.layers.indexer_append_scores` (the model's op): decode steps run
+    `append_and_score`, prefill chunks the reference."""
+    from jtilert import layers
+    if q.shape[0] > MAX_TOKENS:
+        return layers.indexer_append_scores(cfg, q, w, k, k_cache, k_scale, positions, start)
+    if not _row_copyable(k_cache):   # rows too short for one TMA (tiny test models): XLA appends
+        return layers.indexer_append_scores(cfg, q, w, k, k_cache, k_scale, positions, start, indexer_scores)
+    k_new = layers.indexer_key_rotated(cfg, k)
+    k_new = k_new.astype(F32 if k_scale is not None else k_cache.dtype)
+    return append_and_score(q, w, k_new, k_cache, k_scale, positions)
+
+
+def _row_copyable(k_cache) -> bool:
+    """Whether one cache row is a whole number of 128-byte TMA transfers (the append's row copy)."""
+    return (k_cache.shape[1] * k_cache.dtype.itemsize) % 128 == 0
+
+
+def _call(q, w, k_cache, k_scale, positions, start, end, pos_offset, config, k_new=None):
+    T, H, D = q.shape
+    S = k_cache.shape[0]
+    if k_new is not None and not _row_copyable(k_cache):
+        raise ValueError(f"the append copies whole rows: {D} × {k_cache.dtype} is not a multiple of 128 bytes")
     if T > MAX_TOKENS:
         raise ValueError(f"at most {MAX_TOKENS} tokens per call with a range (got {T})")
     if end is None:
@@ -223,27 +326,34 @@ def indexer_scores(q, w, k_cache, k_scale, positions, *, start=0, end=None, pos_
     n = end - start if isinstance(start, int) else end
     if not isinstance(n, int):
         raise ValueError("the range length end - start must be static")
-    if k_cache.dtype == FP8:
-        q = q.astype(FP8)
-    else:
-        q = q.astype(k_cache.dtype)
+    q = q.astype(FP8 if k_cache.dtype == FP8 else k_cache.dtype)
     if H % 32:   # the weights' TMA moves a multiple of 128 bytes: pad the heads (zero weight)
         hp = _cdiv(H, 32) * 32
         q = jnp.pad(q, ((0, 0), (0, hp - H), (0, 0)))
         w = jnp.pad(w, ((0, 0), (0, hp - H)))
     bs = config.block_s
     n_pad = _cdiv(n, bs) * bs
-    if n_pad != n and isinstance(start, int) and start + n_pad > S:
-        # the last block would read past the cache: pad the cache (only for odd cache sizes)
-        k_cache = jnp.pad(k_cache, ((0, start + n_pad - S), (0, 0)))
+    grow = start + n_pad - S if isinstance(start, int) else 0
+    if n_pad != n and grow > 0:
+        # the last block would read past the cache: pad the cache (only for odd cache sizes; with
+        # an append the caches are then copied, not updated in place)
+        k_cache = jnp.pad(k_cache, ((0, grow), (0, 0)))
         if k_scale is not None:
-            k_scale = jnp.pad(k_scale, (0, start + n_pad - S))
+            k_scale = jnp.pad(k_scale, (0, grow), constant_values=1.0)
     if isinstance(start, int) and isinstance(pos_offset, int):
         offsets = (start, pos_offset)      # baked into the kernel: no extra XLA op
     else:
         offsets = jnp.stack([jnp.asarray(start, jnp.int32), jnp.asarray(pos_offset, jnp.int32)])
-    scores = indexer_scores_kernel(q, w, k_cache, k_scale, positions, offsets, n_pad, config)
-    return scores[:, :n] if n_pad != n else scores
+    out = indexer_scores_kernel(q, w, k_cache, k_scale, positions, offsets, n_pad, config, k_new)
+    if k_new is None:
+        return out[:, :n] if n_pad != n else out
+    scores, k_cache, k_scale = out
+    if n_pad != n:
+        scores = scores[:, :n]
+    if grow > 0 and n_pad != n:
+        k_cache = k_cache[:S]
+        k_scale = None if k_scale is None else k_scale[:S]
+    return scores, k_cache, k_scale
 
 
 def byte_floor(n: int, dim: int = 128, fp8: bool = True) -> int:

@@ -11,16 +11,33 @@
 Interpret mode differs from the GPU in one place the kernels care about: its `wgmma` reads A only
 from shared memory, so `a_in_registers()` is False there and the dequantised weight tile takes a
 trip through SMEM instead of feeding the tensor core from registers.
+
+Kernels inside `shard_map` (the tp > 1 decode step). jax's GPU interpreter treats a kernel traced
+under named mesh axes as ONE multi-device kernel: every device's program must enter it together,
+and all of them share one process-wide simulated memory. Our kernels are per-device, and XLA:CPU
+runs the devices' programs concurrently, so (jax 0.11.2, 2 to 8 host devices) a device that
+finishes first trips the interpreter's global "no barrier left allocated" check while another
+device's barriers are still live. `_serialise_under_named_axes` (installed by `params()`)
+therefore interprets such a kernel as a one-device kernel (the mesh axes hidden from the
+interpreter) between two ordered callbacks that take and give back a process-wide semaphore: one
+interpreted kernel at a time. Kernels outside `shard_map` are interpreted as before. Checked: the
+tiny model at tp=2 and tp=4 decodes the reference's tokens with backend="pallas"; at tp=8 the step
+still hangs (the 4-warpgroup sparse-MLA kernel's per-warpgroup computations, which the interpreter
+runs as nested XLA executions, never start while the other 7 device programs wait; not solved).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
+import threading
 
 import jax
 import jax.experimental.pallas.mosaic_gpu as plgpu
+from jax.experimental import io_callback
 from jax._src import config as _jax_config
+from jax._src import core as _jax_core
 
 InterpretGPUParams = plgpu.InterpretGPUParams
 _compile_for_gpu: contextvars.ContextVar[bool] = contextvars.ContextVar("jtilert_compile_for_gpu", default=False)
@@ -41,11 +58,50 @@ def on_gpu() -> bool:
 def params() -> InterpretGPUParams | None:
     """Interpret parameters for the kernel about to be traced, or None to compile for the GPU."""
     forced = _forced()
-    if forced is not None:
-        return forced
-    if _compile_for_gpu.get():
+    if forced is None and (_compile_for_gpu.get() or on_gpu()):
         return None
-    return None if on_gpu() else InterpretGPUParams()
+    _serialise_under_named_axes()
+    return forced if forced is not None else InterpretGPUParams()
+
+
+# One interpreted kernel at a time across the devices' programs. A semaphore, not a lock: it is
+# taken and given back in different callbacks, which XLA may run on different threads.
+_ONE_KERNEL_AT_A_TIME = threading.Semaphore(1)
+_WAIT_S = 900   # a kernel that failed on another device never gives it back: fail, do not hang
+
+
+@functools.cache
+def _serialise_under_named_axes():
+    """Make kernels traced under named axes (shard_map) one-device kernels (see the docstring)."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc
+    upstream = ipc.interpret_pallas_call
+
+    def interpret_pallas_call(*args, **params):
+        if not _jax_core.get_axis_env().axis_sizes:
+            return upstream(*args, **params)
+        # ordered callbacks: XLA keeps them in program order with the interpreter's own
+        # (ordered) first and last callbacks, so the whole kernel runs between take and give
+        args = io_callback(_take, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args], *args, ordered=True)
+        prev = _jax_core.trace_ctx.axis_env
+        _jax_core.trace_ctx.set_axis_env(_jax_core.top_axis_env)   # the interpreter sees one device
+        try:
+            outs = upstream(*args, **params)
+        finally:
+            _jax_core.trace_ctx.set_axis_env(prev)
+        return io_callback(_give, [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs], *outs, ordered=True)
+
+    ipc.interpret_pallas_call = interpret_pallas_call
+
+
+def _take(*xs):
+    if not _ONE_KERNEL_AT_A_TIME.acquire(timeout=_WAIT_S):
+        raise RuntimeError("an interpreted kernel on another device did not finish (it failed?)")
+    return list(xs)
+
+
+def _give(*xs):
+    _ONE_KERNEL_AT_A_TIME.release()
+    return list(xs)
 
 
 def active() -> bool:
