@@ -133,11 +133,12 @@ def _random_leaf(key, shape, dtype):
     return jax.random.normal(key, shape, jnp.float32).astype(dtype)
 
 
-def device_loop(eng: Engine, mtp: bool, steps: int):
-    """`steps` decode (or MTP) steps in one compiled loop, always restarting at the same position."""
+def device_loop(eng: Engine, mtp: bool):
+    """decode (or MTP) steps in one compiled loop, always restarting at the same position; the
+    number of steps is an argument, so one compile serves every loop length."""
     step = eng._wrap(eng._speculate if mtp else eng._decode)
 
-    def run(state, cache, token, draft, pos, params, key):
+    def run(state, cache, token, draft, pos, params, key, steps):
         def body(_, c):
             cache, token, draft, key = c
             if mtp:
@@ -197,24 +198,31 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
     pos = eng.place(jnp.int32(context))
     params = eng.place(jtilert.Sampling().arrays())
     key = eng.place(jax.random.PRNGKey(0))
-    loop = device_loop(eng, mtp, steps)
+    loop = device_loop(eng, mtp)
+    n1, n2 = eng.place(jnp.int32(steps)), eng.place(jnp.int32(2 * steps))
 
-    t0 = time.perf_counter()
-    cache, token, draft, key = jax.block_until_ready(loop(eng.state, cache, token, draft, pos, params, key))
-    compile_s = time.perf_counter() - t0
-    per_step = []
-    for _ in range(samples):
+    def timed(n):
+        nonlocal cache, token, draft, key
         t = time.perf_counter()
-        cache, token, draft, key = jax.block_until_ready(loop(eng.state, cache, token, draft, pos, params, key))
-        per_step.append((time.perf_counter() - t) / steps)
+        cache, token, draft, key = jax.block_until_ready(loop(eng.state, cache, token, draft, pos, params, key, n))
+        return time.perf_counter() - t
 
+    compile_s = timed(n1)
+    # A call costs its dispatch (flattening ~30 arrays per layer: milliseconds at 61 layers) plus its
+    # steps; the difference of a 2n- and an n-step loop is n steps of device time alone.
+    per_step, fixed = [], []
+    for _ in range(samples):
+        t1, t2 = timed(n1), timed(n2)
+        per_step.append((t2 - t1) / steps)
+        fixed.append(t1 - steps * per_step[-1])
     device_s = statistics.median(per_step)
     if engine:  # an "engine" run whose library did not load ran psum: say which one ran
         from jtilert import ffi
         engine = ffi.available()
     result = {"backend": eng.backend, "mtp": mtp, "tp": eng.tp, "all_reduce": "engine" if engine else "psum",
               "step_ms_median": device_s * 1e3, "step_ms_p90": float(np.percentile(per_step, 90)) * 1e3,
-              "tok_s": 1.0 / device_s, "compile_s": compile_s, "steps_timed": steps * samples}
+              "tok_s": 1.0 / device_s, "compile_s": compile_s, "steps_timed": 3 * steps * samples,
+              "call_overhead_ms": statistics.median(fixed) * 1e3}
     if host:
         host_s, cache = host_loop(eng, cache, token, draft, pos, params, key, mtp, steps * samples)
         result.update(host_loop_ms=host_s * 1e3, host_overhead_ms=max(0.0, host_s - device_s) * 1e3,
@@ -273,6 +281,9 @@ def main(argv=None) -> dict:
                    help="time variants without attention / without MLP to split the step (first all-reduce only)")
     a = p.parse_args(argv)
 
+    if jax.default_backend() == "gpu":
+        from jtilert import ffi
+        ffi.available()  # loads (or builds) the CUDA engine: the pallas backend then uses its top-k
     mesh = jtilert.make_mesh(a.tp) if a.tp > 1 else None
     if a.checkpoint:
         model = jtilert.load(a.checkpoint, mesh=mesh)

@@ -35,6 +35,7 @@ step() {  # step NAME LIMIT_S COMMAND...
   local rc=$?
   echo "[$(date -u +%T) +$(( $(date +%s) - T0 ))s] $name rc=$rc" >> "$WORK/session.txt"
   grep -v "Warning\|^\s*$" "$WORK/$name.log" | tail -30
+  return $rc
 }
 DEC="python3 -m bench.decode --preset dsv32-tp8-shard --context 4096"
 for part in "$@"; do
