@@ -168,18 +168,20 @@ def bench_context(ctx, cfg, bw, key):
 # Sparse MLA timing variants (one context: the kernel reads 2048 rows whatever the context). Each
 # row: (label, config, cache, predicted µs for the partials kernel alone). Predictions from the
 # 2026-11-30 run (gather kernel 8.5 µs, combine kernel 3.3 µs, bk64 = 32 CTAs): if the serial chain
-# after the gather dominates (RESULTS.md's guess), "gather" ≈ 4 µs and qk/softmax/full add ≈ 1.5 µs
-# each; if instead the TMA issue dominates, "gather" ≈ 7 µs and the rest < 1.5 µs together.
+# after the gather dominates (RESULTS.md's guess), "gather" ≈ 5 µs and the rest ≈ 3.5 µs; if instead
+# the TMA issue dominates, "gather" ≈ 7 µs. The traces of the full variants split each into stages
+# (qk, softmax, pv_store, ...), so the stage-cut rows are a cross-check of the traces.
 SMLA_VARIANTS = [
     ("index (idx/valid loads only)", dict(block_k=64, stop="index"), "bf16", 2.5),
     ("gather (+ row TMAs, relayout)", dict(block_k=64, stop="gather"), "bf16", 5.0),
-    ("qk (+ QK^T wgmma, m)", dict(block_k=64, stop="qk"), "bf16", 6.0),
-    ("softmax (+ P, l)", dict(block_k=64, stop="softmax"), "bf16", 6.5),
     ("full bk64 (32 CTAs)", dict(block_k=64), "bf16", 8.5),
-    ("gather bk32 (64 CTAs)", dict(block_k=32, stop="gather"), "bf16", 4.0),
+    # relayout and P·V + stores on 4 warpgroups instead of 1: saves ≈ 3/4 of those two stages
+    ("full bk64 spread", dict(block_k=64, spread=True), "bf16", 6.7),
     ("full bk32 (64 CTAs)", dict(block_k=32), "bf16", 6.5),
+    ("full bk32 spread", dict(block_k=32, spread=True), "bf16", 5.5),
     ("fp8 gather (+ dequant)", dict(block_k=64, stop="gather"), "fp8", 5.0),
     ("fp8 full bk64", dict(block_k=64), "fp8", 8.0),
+    ("fp8 full bk64 spread", dict(block_k=64, spread=True), "fp8", 6.0),
 ]
 
 
@@ -226,6 +228,7 @@ def profile_sparse_mla(fn, args, tdir):
     os.makedirs(tdir, exist_ok=True)
     before = set(os.listdir(tdir))
     jax.block_until_ready(fn(*args))
+    jax.effects_barrier()   # the trace is written by a host callback
     new = sorted(set(os.listdir(tdir)) - before)
     if not new:
         log(f"    {tdir}: no trace written (CPU dry run: interpret mode does not profile)")
@@ -261,20 +264,27 @@ def bench_sparse_mla(ctx, cfg, bw, key):
         fl = floor_mla if cache == "bf16" else floor_fp8
         row(f"SPARSE MLA XLA reference, {cache} cache", ctx, refs[cache][1], fl, refs[cache][1],
             len(refs[cache][2]), "")
-    for cache, combine, bk in (("bf16", "kernel", 64), ("bf16", "xla", 64), ("bf16", "kernel", 32),
-                               ("fp8", "kernel", 64)):
+    # `spread` on the CPU (a dry run in interpret mode) can deadlock the interpreter: GPU only
+    on_gpu = jax.default_backend() == "gpu"
+    for cache, bk, spread in (("bf16", 64, False), ("bf16", 64, True), ("bf16", 32, False), ("bf16", 32, True),
+                              ("fp8", 64, False), ("fp8", 64, True)):
+        name = f"{cache} bk{bk}{' spread' if spread else ''}"
+        if spread and not on_gpu:
+            continue
         try:
-            c = smla.SparseMLAConfig(block_k=bk, combine=combine)
+            c = smla.SparseMLAConfig(block_k=bk, spread=spread)
             o, t, n = run(functools.partial(smla.sparse_mla, scale=scale, config=c), cache)
             fl = floor_mla if cache == "bf16" else floor_fp8
-            row(f"SPARSE MLA pallas {cache} bk{bk} {combine} combine", ctx, t, fl, refs[cache][1], len(n),
+            row(f"SPARSE MLA pallas {name}", ctx, t, fl, refs[cache][1], len(n),
                 f"rel err {rel(o, refs[cache][0]):.1e}")
             log("    kernels:", n)
         except Exception as e:  # noqa: BLE001
-            log(f"  sparse MLA {cache} bk{bk} {combine} FAILED: {type(e).__name__}: {str(e)[:300]}")
+            log(f"  sparse MLA {name} FAILED: {type(e).__name__}: {str(e)[:300]}")
             traceback.print_exc(file=LOG)
     log("  partials kernel alone, stage by stage (predicted µs in brackets):")
     for label, kw, cache, pred in SMLA_VARIANTS:
+        if kw.get("spread") and not on_gpu:
+            continue
         cc, pc = caches[cache]
 
         def partials(config, pc=pc):   # fp8: the kernel takes plane-ordered queries; timing does not care
@@ -288,11 +298,12 @@ def bench_sparse_mla(ctx, cfg, bw, key):
             if c.stop == "full":
                 _, tc, _ = measure(jax.jit(smla.combine_kernel), o, m, l)
                 row(f"  combine kernel alone after {label}", ctx, tc, floor_mla, refs["bf16"][1], 1, "")
-                tdir = os.path.join(OUT, "smla_traces", f"{cache}_bk{c.block_k}")
+                tdir = os.path.join(OUT, "smla_traces", f"{cache}_bk{c.block_k}{'_spread' if c.spread else ''}")
                 profile_sparse_mla(partials(dataclasses.replace(c, profile_dir=tdir)), (ql, qp, cc, sidx), tdir)
         except Exception as e:  # noqa: BLE001
             log(f"  {label} FAILED: {type(e).__name__}: {str(e)[:300]}")
             traceback.print_exc(file=LOG)
+
 
 APPEND_STEPS = 8   # decode steps per timed call (the caches are carried, so updated in place)
 

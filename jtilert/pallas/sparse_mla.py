@@ -18,8 +18,8 @@ How it works. The K selected rows of a token are split over CTAs, `block_k` (64)
    most 256 wide) into a plain row-major staging buffer. Issuing the row copies is the serial part
    of the kernel, so all four warpgroups of the CTA issue a quarter of them, each on its own
    barrier; the row indices and `valid` flags are read as scalars straight from GMEM;
-3. warpgroup 0 (which does the rest) re-lays the staged rows out into the swizzled tiles wgmma reads (registers in the
-   conflict-free SMEM↔GMEM copy layout, then SMEM);
+3. warpgroup 0 (which does the rest) re-lays the staged rows out into the swizzled tiles wgmma reads
+   (registers in the conflict-free SMEM↔GMEM copy layout, then SMEM);
 4. S = Q_lat·KVᵀ + Q_pe·PEᵀ on the tensor cores (fp32 accumulator [64, block_k]); masks; the block's
    row max m and P = exp(S − m), l = Σ P in fp32;
 5. O = P·KV (P rounded to bf16, as FlashMLA does) in 128-column chunks, each written through SMEM
@@ -45,13 +45,19 @@ into byte planes with integer ops, decodes e4m3, multiplies by the group's scale
 stores one 32-column plane per tile; the queries are permuted to the plane order and the output
 permuted back (`_plane_order`), the math after the tiles is the bf16 path's.
 
-`SparseMLAConfig.block_k` 32 gives 64 CTAs instead of 32 (bf16 cache). For placing the time (bench/
+Options (`SparseMLAConfig`), each timed by the bench so the default can follow the GPU: `block_k` 32
+gives 64 CTAs instead of 32 (bf16 cache); `spread` moves the re-layout (dequantisation) and P·V + store
+of latent chunk c to warpgroup c % 4, leaving QKᵀ and the softmax on warpgroup 0 (checked on the GPU
+only: in the interpreter four warpgroups blocked in barrier waits at once can starve XLA:CPU's thread
+pool on a 2-core machine). For placing the time (bench/
 attention.py --only sparse_mla): `stop` cuts the kernel after a stage, and `profile_dir` makes Mosaic
 write a per-warpgroup trace of the named stages (index_loads, row_copies_issue, rows_wait, relayout,
 qk, softmax, pv_store, ml_store_drain) on the kernel's first call.
 
-Shapes: L a multiple of 64, R a multiple of 64 (smaller R is zero-padded by the wrapper), H ≤ 64 or a multiple of 64; any K (padded
-to `block_k` with masked rows); any T.
+Shapes: L a multiple of 64, R a multiple of 64 (smaller R is zero-padded by the wrapper), H ≤ 64 or a
+multiple of 64; any K (padded to `block_k` with masked rows); any T. fp8 cache: L = 512-like (a
+multiple of 128 with the row a multiple of 16 bytes), R = 64, block_k = 64; other widths fall back to
+the reference.
 """
 
 from __future__ import annotations
@@ -93,6 +99,9 @@ class SparseMLAConfig:
     # Timing only: a directory where Mosaic writes a per-warpgroup trace (Perfetto JSON) of the
     # kernel's named stages on its first call; "" = no profiling.
     profile_dir: str = ""
+    # Spread the serial tail over the 4 warpgroups: warpgroup c % 4 re-lays (dequantises) latent chunk
+    # c and computes its P·V + store; warpgroup 0 keeps QKᵀ and the softmax. Off: warpgroup 0 does all.
+    spread: bool = False
 
     def __post_init__(self):
         # 16 rows: no bank-conflict-free relayout of the staged rows; 128: over the SMEM budget
@@ -199,6 +208,8 @@ def sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: floa
     rows_per_wg = bk // nwg
     has_valid = valid is not None
     stop = STOPS.index(config.stop)
+    spread = config.spread
+    hl = lc // 2                      # P·V columns per step when spread
 
     def body(*refs):
         it = iter(refs)
@@ -206,7 +217,8 @@ def sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: floa
         pe_ref = None if fp8 else next(it)
         idx_ref = next(it)
         valid_ref = next(it) if has_valid else None
-        o_ref, m_ref, l_ref, ql_s, qp_s, kv_s, pe_s, p_s, ml_s, midx_s, qbar, gbar, done = it
+        o_ref, m_ref, l_ref, ql_s, qp_s, kv_s, pe_s, p_s, ml_s, midx_s, qbar, gbar, done, *spread_bars = it
+        relaid, pready = spread_bars if spread else (None, None)
         t, g, s = lax.axis_index("t"), lax.axis_index("g"), lax.axis_index("s")
         wg = lax.axis_index("wg")
         row0 = t * Hq + g * HP
@@ -248,35 +260,47 @@ def sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: floa
                         plgpu.copy_gmem_to_smem(pe_ref.at[pl.ds(r, 1)], stage[1].at[pl.ds(j, 1)], gbar.at[wg])
                 plgpu.barrier_arrive(done)
 
-            @pl.when(wg == 0)
-            def _():
+            def relayout(chunks, rope: bool):
                 with jax.named_scope("rows_wait"):
                     plgpu.barrier_wait(done)
                     for w in range(nwg):
                         plgpu.barrier_wait(gbar.at[w])
                 with jax.named_scope("relayout"):
-                    if fp8:
-                        dequantize(*stage)
-                    else:
-                        for c in range(nlc):
+                    for c in chunks:
+                        if fp8:
+                            dequantize_chunk(stage[0], stage[1], c)
+                        else:
                             a, b = divmod(c * lc, lw)
                             kv_s[c] = plgpu.load(stage[0].at[:, a, pl.ds(b, lc)], layout=kv_layout)
+                    if rope and fp8:
+                        dequantize_rope(stage[1])
+                    elif rope:
                         pe_s[...] = plgpu.load(stage[1], layout=pe_layout)
                     plgpu.commit_smem()
 
-        def dequantize(lat_words, tail_words):
+            if spread:
+                for w in range(nwg):
+                    @pl.when(wg == w)
+                    def _():
+                        relayout(range(w, nlc, nwg), rope=w == 0)
+                        plgpu.barrier_arrive(relaid)
+            else:
+                pl.when(wg == 0)(lambda: relayout(range(nlc), rope=True))
+
+        def dequantize_chunk(lat_words, tail_words, c):
             # packed rows → bf16 tiles, one byte plane (32 columns) per store; values × power-of-two
             # scales are exact in bf16
             wl = plgpu.Layout.WGMMA
-            for c in range(nlc):
-                sc = plgpu.load(tail_words.at[:, L // 4 + c - (W - TW)], layout=wl.reduce(1), optimized=False)
-                sc = lax.bitcast_convert_type(sc, F32)
-                sc = plgpu.layout_cast(lax.broadcast_in_dim(sc, (bk, PLANE), [0]), wl)
-                w = plgpu.load(lat_words.at[:, pl.ds(c * PLANE, PLANE)], layout=wl, optimized=False)
-                for k in range(4):
-                    v = _e4m3_to_f32((w >> (8 * k)) & 0xFF) * sc
-                    kv_s[c, :, pl.ds(k * PLANE, PLANE)] = v.astype(BF16)
-            w = plgpu.load(tail_words.at[:, pl.ds(TW - PLANE, PLANE)], layout=wl, optimized=False)
+            sc = plgpu.load(tail_words.at[:, L // 4 + c - (W - TW)], layout=wl.reduce(1), optimized=False)
+            sc = lax.bitcast_convert_type(sc, F32)
+            sc = plgpu.layout_cast(lax.broadcast_in_dim(sc, (bk, PLANE), [0]), wl)
+            w = plgpu.load(lat_words.at[:, pl.ds(c * PLANE, PLANE)], layout=wl, optimized=False)
+            for k in range(4):
+                v = _e4m3_to_f32((w >> (8 * k)) & 0xFF) * sc
+                kv_s[c, :, pl.ds(k * PLANE, PLANE)] = v.astype(BF16)
+
+        def dequantize_rope(tail_words):
+            w = plgpu.load(tail_words.at[:, pl.ds(TW - PLANE, PLANE)], layout=plgpu.Layout.WGMMA, optimized=False)
             pe_s[:, pl.ds(0, PLANE)] = lax.bitcast_convert_type(w << 16, F32).astype(BF16)
             pe_s[:, pl.ds(PLANE, PLANE)] = lax.bitcast_convert_type((w >> 16) << 16, F32).astype(BF16)
 
@@ -290,6 +314,8 @@ def sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: floa
             @pl.when(wg == 0)
             def _():
                 plgpu.barrier_wait(qbar)
+                if spread:
+                    plgpu.barrier_wait(relaid)
 
                 def qk(acc):
                     for c in range(nlc):
@@ -311,7 +337,9 @@ def sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: floa
                         ml_s[1] = p.sum(axis=1)
                         p_s[...] = p.astype(BF16)
                     plgpu.commit_smem()
-                for c in range(nlc if stop == STOPS.index("full") else 0):
+                    if spread:
+                        plgpu.barrier_arrive(pready)
+                for c in range(nlc if stop == STOPS.index("full") and not spread else 0):
                     def pv(acc):
                         plgpu.wgmma(acc, p_s, kv_s.at[c])
                         return acc[...]
@@ -329,8 +357,29 @@ def sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: floa
                         plgpu.copy_smem_to_gmem(ml_s.at[1, pl.ds(0, hc)], l_ref.at[t, g, s])
                     plgpu.wait_smem_to_gmem(0)
 
+            if spread and stop == STOPS.index("full"):
+                # chunk c on warpgroup c % nwg, in two halves (one [64, lc/2] fp32 buffer each)
+                plgpu.barrier_wait(pready)
+                for c in range(nlc):
+                    @pl.when(wg == c % nwg)
+                    def _():
+                        for h in range(2):
+                            def pv(acc):
+                                plgpu.wgmma(acc, p_s, kv_s.at[c, :, pl.ds(h * hl, hl)])
+                                return acc[...]
+                            with jax.named_scope("pv_store"):
+                                o = pl.run_scoped(pv, plgpu.ACC((HP, hl), F32))
+                                if h:
+                                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                                o_s[c % nwg] = o
+                                plgpu.commit_smem()
+                                plgpu.copy_smem_to_gmem(o_s.at[c % nwg, pl.ds(0, hc)],
+                                                        o_ref.at[t, g, s, :, pl.ds(c * lc + h * hl, hl)])
+                        plgpu.wait_smem_to_gmem(0)
+
         if stop >= STOPS.index("qk"):
-            pl.run_scoped(finish, plgpu.SMEM((2, HP, lc), F32, transforms=o_tf), collective_axes="wg")
+            o_shape = (nwg, HP, hl) if spread else (2, HP, lc)
+            pl.run_scoped(finish, plgpu.SMEM(o_shape, F32, transforms=o_tf), collective_axes="wg")
 
     kernel = plgpu.kernel(
         body,
@@ -348,6 +397,7 @@ def sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: floa
             plgpu.Barrier(num_arrivals=nlc + 1),
             plgpu.Barrier(num_arrivals=2 * rows_per_wg, num_barriers=nwg),
             plgpu.Barrier(num_arrivals=nwg),
+            *([plgpu.Barrier(num_arrivals=nwg), plgpu.Barrier(num_arrivals=1)] if spread else []),
         ],
         grid=(T, groups, n_split), grid_names=("t", "g", "s"),
         num_threads=nwg, thread_name="wg",
