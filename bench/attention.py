@@ -175,12 +175,12 @@ SMLA_VARIANTS = [
     ("index (idx/valid loads only)", dict(block_k=64, stop="index"), "bf16", 2.5),
     ("gather (+ row TMAs, relayout)", dict(block_k=64, stop="gather"), "bf16", 5.0),
     ("full bk64 (32 CTAs)", dict(block_k=64), "bf16", 8.5),
-    # relayout and P·V + stores on 4 warpgroups instead of 1: saves ≈ 3/4 of those two stages
-    ("full bk64 spread", dict(block_k=64, spread=True), "bf16", 6.7),
     ("full bk32 (64 CTAs)", dict(block_k=32), "bf16", 6.5),
-    ("full bk32 spread", dict(block_k=32, spread=True), "bf16", 5.5),
     ("fp8 gather (+ dequant)", dict(block_k=64, stop="gather"), "fp8", 5.0),
     ("fp8 full bk64", dict(block_k=64), "fp8", 8.0),
+    # spread last: relayout and P·V + stores on 4 warpgroups instead of 1 save ≈ 3/4 of those stages
+    ("full bk64 spread", dict(block_k=64, spread=True), "bf16", 6.7),
+    ("full bk32 spread", dict(block_k=32, spread=True), "bf16", 5.5),
     ("fp8 full bk64 spread", dict(block_k=64, spread=True), "fp8", 6.0),
 ]
 
@@ -264,13 +264,8 @@ def bench_sparse_mla(ctx, cfg, bw, key):
         fl = floor_mla if cache == "bf16" else floor_fp8
         row(f"SPARSE MLA XLA reference, {cache} cache", ctx, refs[cache][1], fl, refs[cache][1],
             len(refs[cache][2]), "")
-    # `spread` on the CPU (a dry run in interpret mode) can deadlock the interpreter: GPU only
-    on_gpu = jax.default_backend() == "gpu"
-    for cache, bk, spread in (("bf16", 64, False), ("bf16", 64, True), ("bf16", 32, False), ("bf16", 32, True),
-                              ("fp8", 64, False), ("fp8", 64, True)):
+    def full_path(cache, bk, spread):
         name = f"{cache} bk{bk}{' spread' if spread else ''}"
-        if spread and not on_gpu:
-            continue
         try:
             c = smla.SparseMLAConfig(block_k=bk, spread=spread)
             o, t, n = run(functools.partial(smla.sparse_mla, scale=scale, config=c), cache)
@@ -281,9 +276,12 @@ def bench_sparse_mla(ctx, cfg, bw, key):
         except Exception as e:  # noqa: BLE001
             log(f"  sparse MLA {name} FAILED: {type(e).__name__}: {str(e)[:300]}")
             traceback.print_exc(file=LOG)
+
+    for cache, bk in (("bf16", 64), ("bf16", 32), ("fp8", 64)):
+        full_path(cache, bk, False)
     log("  partials kernel alone, stage by stage (predicted µs in brackets):")
     for label, kw, cache, pred in SMLA_VARIANTS:
-        if kw.get("spread") and not on_gpu:
+        if kw.get("spread") and jax.default_backend() != "gpu":
             continue
         cc, pc = caches[cache]
 
@@ -303,6 +301,10 @@ def bench_sparse_mla(ctx, cfg, bw, key):
         except Exception as e:  # noqa: BLE001
             log(f"  {label} FAILED: {type(e).__name__}: {str(e)[:300]}")
             traceback.print_exc(file=LOG)
+    # `spread` last (its bf16 form never finished in the CPU interpreter, which can deadlock on it: GPU only)
+    if jax.default_backend() == "gpu":
+        for cache, bk in (("bf16", 64), ("bf16", 32), ("fp8", 64)):
+            full_path(cache, bk, True)
 
 
 APPEND_STEPS = 8   # decode steps per timed call (the caches are carried, so updated in place)
