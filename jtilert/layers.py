@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jtilert.config import ModelConfig
-from jtilert.quant import FP8_MAX, act_quant, dequantize, hadamard
+from jtilert.quant import FP8_MAX, act_quant, dequantize, hadamard, pow2_scale
 
 F32 = jnp.float32
 
@@ -188,12 +188,12 @@ def kv_fp8_words(lat: int, rope: int) -> int:
 
 def quantize_kv_fp8(latent: jax.Array, k_pe: jax.Array) -> jax.Array:
     """Latent [..., L] and rope key [..., R] → packed FlashMLA fp8 rows [..., L/4 + L/128 + R/2] uint32.
-    Scale of a 128-value group: 2^ceil(log2(max(amax / 448, 1e-4))) (FlashMLA clamps the scale, not
-    amax, unlike `quant.pow2_scale`); stored values are latent / scale in e4m3."""
+    Scale of a 128-value group: 2^ceil(log2(max(amax / 448, 1e-4))) — FlashMLA clamps the scale at
+    1e-4, i.e. amax at 0.0448 (`quant.pow2_scale` alone clamps amax at 1e-4); stored values are
+    latent / scale in e4m3."""
     *lead, lat = latent.shape
     g = latent.astype(F32).reshape(*lead, lat // KV_FP8_GROUP, KV_FP8_GROUP)
-    m, e = jnp.frexp(jnp.maximum(jnp.abs(g).max(-1) / FP8_MAX, 1e-4))   # exact, unlike exp2(ceil(log2))
-    scale = jnp.ldexp(jnp.float32(1), jnp.where(m == 0.5, e - 1, e))
+    scale = pow2_scale(jnp.maximum(jnp.abs(g).max(-1), 1e-4 * FP8_MAX))
     q = (g / scale[..., None]).astype(jnp.float8_e4m3fn).reshape(*lead, lat)
     as_bytes = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(*lead, -1)  # noqa: E731
     row = jnp.concatenate([as_bytes(q), as_bytes(scale), as_bytes(k_pe.astype(jnp.bfloat16))], -1)
