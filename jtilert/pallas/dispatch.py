@@ -55,9 +55,8 @@ def swiglu_hidden(x, gate, gate_scale, up, up_scale):
 
 def _engine_topk(fallback):
     """`topk_positions` through the CUDA engine's one-launch top-k (jtilert.ffi.select) for decode
-    token counts when the engine library is already loaded (on a GPU: `jtilert.ffi.available()`,
-    or the engine all-reduce, loads it; this never builds it) and JTILERT_FFI_TOPK is not 0;
-    `fallback` otherwise."""
+    token counts when the engine library is already loaded (on a GPU, `Engine(backend="pallas")`
+    loads it; tracing never builds it) and JTILERT_FFI_TOPK is not 0; `fallback` otherwise."""
     def topk_positions(scores, k):
         from jtilert.ffi import _lib, select  # noqa: PLC0415
         if (scores.ndim == 2 and scores.shape[0] <= MAX_DECODE_TOKENS and _lib.loaded() is not None
