@@ -30,6 +30,7 @@ REFERENCE = types.SimpleNamespace(
     indexer_append_scores=layers.indexer_append_scores,
     topk_positions=layers.topk_positions,
     sparse_mla=layers.sparse_mla,
+    lm_head_topk=layers.lm_head_topk,
 )
 
 _current: contextvars.ContextVar[str] = contextvars.ContextVar("jtilert_backend", default="reference")

@@ -111,9 +111,9 @@ class Engine:
     @staticmethod
     def _decode(model, cache, token, pos, params, key):
         """One plain decode step: (cache, next token [1], pos + 1, key)."""
-        logits, _, cache = model(token, pos, cache)
+        h, cache = model.hidden(token, pos, cache)
         key, sub = jax.random.split(key)
-        return cache, sample(logits[0], params, sub)[None], pos + 1, key
+        return cache, model.next_token(h, params, sub), pos + 1, key
 
     @staticmethod
     def _speculate(model, cache, token, draft, pos, params, key):

@@ -174,6 +174,14 @@ def topk_positions(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     return idx.astype(jnp.int32), vals > -jnp.inf
 
 
+def lm_head_topk(x: jax.Array, w: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """The k largest logits of x [T, H] against this rank's head rows w [V, H]: (values [T, k] fp32,
+    vocab ids [T, k] int32), descending, ties to the lower id (the logits as `Transformer.logits`
+    computes them)."""
+    vals, ids = jax.lax.top_k(dot("th,vh->tv", x, w.astype(x.dtype)), min(k, w.shape[0]))
+    return vals, ids.astype(jnp.int32)
+
+
 # ---- absorbed sparse MLA ---------------------------------------------------------------------
 
 # FlashMLA's fp8 latent cache ("V32_FP8Sparse"): per position L fp8 e4m3 latent values, L/128 fp32

@@ -20,9 +20,11 @@ from flax import nnx
 from jtilert import backend, layers, sharding
 from jtilert.config import ModelConfig
 from jtilert.quant import dequantize, quantize_weight
+from jtilert.sampling import sample
 
 F32 = jnp.float32
 WEIGHT_FORMATS = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp8": jnp.bfloat16}
+HEAD_CANDIDATES = 8  # top logits the head hands to decode sampling (greedy, or top_k ≤ 8)
 SUBLAYER_EPS = 1e-6  # q_a / kv_a layernorms and the indexer's k_norm use a fixed eps in both model families
 
 
@@ -252,8 +254,20 @@ class Transformer(nnx.Module):
         local = layers.dot("th,vh->tv", norm(h), self.lm_head.weight[...].astype(h.dtype))
         return sharding.all_gather_last(local)
 
-    def __call__(self, tokens: jax.Array, start: jax.Array, cache: dict):
-        """Main model on tokens [T] at positions start.. : (logits [T, V] fp32, hidden [T, hidden], cache)."""
+    def next_token(self, h: jax.Array, params: dict, key: jax.Array) -> jax.Array:
+        """The decode step's token [1] after the last hidden state h [1, hidden]. Greedy and top-k
+        sampling (top_k ≤ HEAD_CANDIDATES) draw from the head's top candidates, so the full logits row
+        is never written (the Pallas head keeps only its top logits); other settings sample the full
+        logits. Both give exactly the distribution of `sample(logits)`, greedy the same token."""
+        w = self.lm_head.weight[...]
+        vals, ids = sharding.top_candidates(*backend.ops().lm_head_topk(self.norm(h), w, HEAD_CANDIDATES),
+                                            w.shape[0])
+        fits = (params["temperature"] <= 0) | ((params["top_k"] > 0) & (params["top_k"] <= vals.shape[1]))
+        return jax.lax.cond(fits, lambda: ids[0, sample(vals[0], params, key)][None],
+                            lambda: sample(self.logits(h, self.norm)[0], params, key)[None])
+
+    def hidden(self, tokens: jax.Array, start: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
+        """Main model on tokens [T] at positions start.. up to the final norm: (hidden [T, hidden], cache)."""
         positions = start + jnp.arange(tokens.shape[0], dtype=jnp.int32)
         cos, sin = self._rope(positions)
         x = self.embed_tokens[...][tokens].astype(self.dtype)
@@ -261,7 +275,12 @@ class Transformer(nnx.Module):
         for layer, c in zip(self.layers, cache["layers"]):
             x, c, topk = layer(x, cos, sin, positions, start, c, topk)
             new_layers.append(c)
-        return self.logits(x, self.norm), x, dict(cache, layers=new_layers)
+        return x, dict(cache, layers=new_layers)
+
+    def __call__(self, tokens: jax.Array, start: jax.Array, cache: dict):
+        """Main model on tokens [T] at positions start.. : (logits [T, V] fp32, hidden [T, hidden], cache)."""
+        x, cache = self.hidden(tokens, start, cache)
+        return self.logits(x, self.norm), x, cache
 
     def draft(self, hidden: jax.Array, next_tokens: jax.Array, start: jax.Array, cache: dict):
         """MTP block at positions start.. on the main model's hidden states and the tokens that

@@ -13,6 +13,7 @@ import contextlib
 import contextvars
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -91,6 +92,19 @@ def all_gather_last(x: jax.Array) -> jax.Array:
     if axis is None:
         return x
     return jax.lax.all_gather(x, axis, axis=x.ndim - 1, tiled=True)
+
+
+def top_candidates(vals: jax.Array, ids: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:
+    """The global top-k of a vocab-split head from every rank's own top-k (values [T, k], ids of its
+    `rows` vocab rows): (values, global vocab ids), descending, ties to the lower id."""
+    axis = _axis.get()
+    if axis is None:
+        return vals, ids
+    ids = ids + jax.lax.axis_index(axis) * rows
+    # Gathered in rank order = vocab order, so top_k's lower-position tie rule is the lower id.
+    vals, ids = (jax.lax.all_gather(a, axis, axis=1, tiled=True) for a in (vals, ids))
+    top, pos = jax.lax.top_k(vals, vals.shape[1] // jax.lax.axis_size(axis))
+    return top, jnp.take_along_axis(ids, pos, axis=1)
 
 
 # Which axis of each weight is split over tp, by the parameter's name in the module tree.

@@ -108,3 +108,24 @@ def test_bad_generator_settings(tiny_random):
         jtilert.Generator(tiny_random, backend="cuda-magic")
     with pytest.raises(ValueError, match="max_position_embeddings"):
         jtilert.Generator(tiny_random, max_seq_len=10**7)
+
+
+def test_next_token_from_head_candidates(tiny_random):
+    """Greedy and top-k ≤ HEAD_CANDIDATES sample from the head's candidates: greedy is the argmax of the
+    full logits, top-k draws only from the full logits' top k; other settings sample the full row."""
+    import jax
+    import jax.numpy as jnp
+    from jtilert.model import HEAD_CANDIDATES, init_cache
+    m = tiny_random
+    h, _ = m.hidden(jnp.asarray(PROMPT[:12], jnp.int32), 0, init_cache(m.cfg, 16, m.dtype))
+    h = h[-1:]
+    logits = np.asarray(m.logits(h, m.norm)[0])
+    top = set(np.argsort(-logits)[:3])
+    key = jax.random.PRNGKey(0)
+    assert int(m.next_token(h, Sampling().arrays(), key)[0]) == int(np.argmax(logits))
+    drawn = {int(m.next_token(h, Sampling(temperature=5.0, top_k=3).arrays(), jax.random.fold_in(key, i))[0])
+             for i in range(40)}
+    assert drawn <= top and len(drawn) > 1
+    wide = {int(m.next_token(h, Sampling(temperature=50.0).arrays(), jax.random.fold_in(key, i))[0])
+            for i in range(40)}
+    assert len(wide) > HEAD_CANDIDATES  # the full-row path: tokens beyond the candidates

@@ -1,6 +1,6 @@
 """backend="pallas" end to end: greedy tokens of the tiny fp8 model (bf16 activations) equal the
 reference backend's, with every kernel of `jtilert.pallas.dispatch` (projections, SwiGLU, router,
-indexer append + scoring, sparse MLA) running in GPU interpret mode. The prompt is longer than
+indexer append + scoring, sparse MLA, the lm head's top candidates) running in GPU interpret mode. The prompt is longer than
 tiny's index_topk (32), so the indexer really selects."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jtilert
-from jtilert.pallas import gemv, indexer, sparse_mla
+from jtilert.pallas import gemv, indexer, lm_head, sparse_mla
 
 
 @pytest.fixture(scope="module")
@@ -24,11 +24,14 @@ def test_pallas_backend_greedy_equals_reference(tiny_fp8_bf16, monkeypatch):
     calls = []
     real = gemv._projection
     monkeypatch.setattr(gemv, "_projection", lambda *a, **k: calls.append("gemv") or real(*a, **k))
-    for mod, name in ((indexer, "indexer_scores_kernel"), (sparse_mla, "sparse_mla_partials")):
+    for mod, name in ((indexer, "indexer_scores_kernel"), (sparse_mla, "sparse_mla_partials"),
+                      (lm_head, "lm_head_candidates")):
         fn = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _f=fn, _n=name, **k: calls.append(_n) or _f(*a, **k))
     prompt = np.random.RandomState(1).randint(0, 256, 40)
-    ref = jtilert.Generator(tiny_fp8_bf16, max_seq_len=64).generate(prompt, 2, stop_tokens=[])
-    pal = jtilert.Generator(tiny_fp8_bf16, max_seq_len=64, backend="pallas").generate(prompt, 2, stop_tokens=[])
+    gen = lambda **kw: jtilert.Generator(tiny_fp8_bf16, max_seq_len=64, steps_per_call=1, **kw)
+    ref = gen().generate(prompt, 2, stop_tokens=[])
+    pal = gen(backend="pallas").generate(prompt, 2, stop_tokens=[])
     assert pal == ref
-    assert {"gemv", "indexer_scores_kernel", "sparse_mla_partials"} <= set(calls), "a kernel was not used"
+    assert {"gemv", "indexer_scores_kernel", "sparse_mla_partials", "lm_head_candidates"} <= set(calls), \
+        "a kernel was not used"

@@ -56,3 +56,25 @@ def test_engine_flag_falls_back_to_the_same_tokens(tiny_random):
     one = jtilert.Generator(tiny_random, max_seq_len=128).generate(IDS, 8, stop_tokens=[])
     eng = jtilert.Generator(tiny_random, max_seq_len=128, mesh=jtilert.make_mesh(8), engine_all_reduce=True)
     assert eng.generate(IDS, 8, stop_tokens=[]) == one
+
+
+def test_head_candidates_merge_over_ranks_with_ties():
+    """Each rank's top-k of its vocab slice, merged: the top-k of the whole row, ties to the lower id."""
+    from jax.sharding import PartitionSpec as P
+    from jtilert import layers
+    rng = np.random.RandomState(3)
+    x = rng.randn(1, 64).astype(np.float32)
+    w = rng.randn(8 * 16, 64).astype(np.float32)
+    w[3] = w[5] = 3 * x[0]     # the two largest logits, tied, inside rank 0's slice
+    w[7] = w[18] = 2 * x[0]    # the next two, tied across ranks 0 and 1
+    mesh = jtilert.make_mesh(8)
+
+    def merged(x, w):
+        with sharding.tensor_parallel(sharding.AXIS):
+            return sharding.top_candidates(*layers.lm_head_topk(x, w, 4), w.shape[0])
+    vals, ids = jax.jit(jax.shard_map(merged, mesh=mesh, in_specs=(P(), P("tp", None)), out_specs=P(),
+                                      check_vma=False))(x, w)
+    want_vals, want_ids = layers.lm_head_topk(x, w, 4)
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_array_equal(vals, want_vals)
+    assert list(np.asarray(ids[0, :4])) == [3, 5, 7, 18]

@@ -53,6 +53,13 @@ def swiglu_hidden(x, gate, gate_scale, up, up_scale):
     return layers.swiglu_hidden(x, gate, gate_scale, up, up_scale)
 
 
+def lm_head_topk(x, w, k):
+    if x.dtype == BF16 and w.dtype == BF16 and _decode_tokens(x) and x.shape[-1] % gemv.KGRAIN == 0 and k <= 64:
+        from jtilert.pallas import lm_head
+        return lm_head.lm_head_topk(x, w, k)
+    return layers.lm_head_topk(x, w, k)
+
+
 def _engine_topk(fallback):
     """`topk_positions` through the CUDA engine's one-launch top-k (jtilert.ffi.select) for decode
     token counts when the engine library is already loaded (on a GPU, `Engine(backend="pallas")`
@@ -94,6 +101,7 @@ def ops() -> types.SimpleNamespace:
         indexer_append_scores=layers.indexer_append_scores,
         topk_positions=layers.topk_positions,
         sparse_mla=layers.sparse_mla,
+        lm_head_topk=lm_head_topk,
     )
     try:
         from jtilert.pallas import moe
