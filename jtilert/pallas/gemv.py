@@ -40,10 +40,13 @@ blocks); any N (the last row block reads TMA's zero fill and its stores are clip
 kernel call (larger T is chunked).
 
 Measured (H200, 2026-11-30, bench/RESULTS.md): correct at every dsv32-tp8-shard shape on the GPU,
-but streaming at 38–54 % of the copy bandwidth for the ≥ 4 MB projections: every CTA streams at
-about 20 GB/s whichever engine runs (three instruction mixes gave the same rate), which points at
-the bytes in flight per SM (4 stages × 16 KB) and the per-kernel fixed latency rather than at
-the dequantisation; see RESULTS.md for the numbers and the experiments that come next.
+but streaming at 38–54 % of the copy bandwidth for the ≥ 4 MB projections. The same grids and
+BlockSpecs with an empty body (`bench/kernels.py --only stream`) stream at 91–113 % of the copy rate
+(4.7–5.0 µs where this kernel takes 8.4–11.7 µs), so the bytes in flight are not the bound: the
+3.5–6.7 µs extra per call is the work around the stream (the token TMA and B build before step 0's
+compute, the wgmma wait in every step before the slot is refilled, the epilogue, and for split-K the
+separate finishing fusion). `bench/kernels.py --sweep` times split 1 with 8 stages (no finishing
+kernel) against the default.
 """
 
 from __future__ import annotations
