@@ -154,7 +154,7 @@ def test_dispatch_falls_back_to_reference_for_prefill():
 
 def _lower(f, *specs):
     with interp.compile_for_gpu():
-        jax.jit(f).trace(*specs).lower(lowering_platforms=("cuda",))
+        return jax.jit(f).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_cross_lowering_dsv32_shapes():
@@ -166,3 +166,15 @@ def test_cross_lowering_dsv32_shapes():
     _lower(gemv.linear_residual, S((2, 2048), BF16), *q(7168, 2048), S((2, 7168), BF16))
     _lower(gemv.swiglu_pair, x, *q(2304, 7168), *q(2304, 7168))
     _lower(lambda x, w: gemv.linear(x, w, config=gemv.GemvConfig(engine="fma")), x, S((256, 7168), BF16))
+
+
+def test_pdl_variant_waits_before_the_tokens():
+    """GemvConfig(pdl=True): the kernel is marked for programmatic dependent launch and carries the
+    wait (before the token loads) and the early launch of its dependents; the default does not."""
+    S = jax.ShapeDtypeStruct
+    q = (S((7168, 2048), FP8), S((56, 16), F32))
+    args = (S((1, 2048), BF16), *q, S((1, 7168), BF16))
+    pdl = _lower(lambda x, w, s, r: gemv.linear_residual(x, w, s, r, config=gemv.GemvConfig(pdl=True)), *args)
+    assert "mosaic_gpu.uses_pdl" in pdl and "griddepcontrol.wait" in pdl and "griddepcontrol.launch_dependents" in pdl
+    plain = _lower(gemv.linear_residual, *args)
+    assert "griddepcontrol" not in plain

@@ -85,6 +85,7 @@ class GemvConfig:
     stages: int = 4          # TMA pipeline depth (steps in flight)
     engine: str = "auto"     # "fma": CUDA-core FMAs (T ≤ 2); "wgmma": tensor cores; "auto": by T
     a_in_registers: bool | None = None   # wgmma engine, fp8: A from registers (None: GPU yes, interpret no)
+    pdl: bool = False        # wgmma engine on a GPU: programmatic dependent launch (see _projection)
 
     def resolved(self, n: int, k: int, t: int, n_weights: int, w_itemsize: int, sms: int) -> "GemvConfig":
         if k % KGRAIN:
@@ -244,6 +245,11 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
     sub = w_swizzle // itemsize          # one swizzle row: ≤ one 128-wide scale block
     nsub = bk // sub
     a_regs = cfg.a_in_registers
+    # Programmatic dependent launch: this kernel may start while the previous one finishes; the
+    # weight pipeline's first TMAs (weights never depend on earlier kernels) are issued before
+    # `griddepcontrol.wait`, the token loads after it. Not in expert mode (the expert ids, made by the
+    # router just before, steer the weight loads). GPU only (the interpreter has no grids).
+    pdl = cfg.pdl and not fma and ids is None and not _interp.active()
     in_kernel_epilogue = split == 1
     out_rows = 1 if in_kernel_epilogue else p
     o_dtype = out_dtype if in_kernel_epilogue else F32
@@ -288,6 +294,11 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
         srow = row0 // QBLOCK
 
         bw = QBLOCK if kc % QBLOCK == 0 else KGRAIN    # B built in 128- (or 64-) column blocks
+
+        def load_tokens():
+            plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(zero, MAX_TOKENS), pl.ds(k0, kc)], xstage, bar.at[0])
+            if res_smem is not None:
+                plgpu.copy_gmem_to_smem(res_gmem.at[pl.ds(zero, MAX_TOKENS), pl.ds(row0, bn)], res_smem, bar.at[1])
         nblk = kc // bw
 
         def build_b(xstage, svals):
@@ -335,11 +346,11 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
             if res_smem is not None:
                 plgpu.copy_gmem_to_smem(res_gmem.at[pl.ds(zero, MAX_TOKENS), pl.ds(row0, bn)], res_smem, bar.at[1])
         else:
-            # Issue the token TMA now; B is built at step 0 of the weight pipeline, whose first
-            # `stages` weight tiles are already in flight by then.
-            plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(zero, MAX_TOKENS), pl.ds(k0, kc)], xstage, bar.at[0])
-            if res_smem is not None:
-                plgpu.copy_gmem_to_smem(res_gmem.at[pl.ds(zero, MAX_TOKENS), pl.ds(row0, bn)], res_smem, bar.at[1])
+            # Issue the token TMA now (with PDL: at step 0, once the kernel that writes x is done); B
+            # is built at step 0 of the weight pipeline, whose first `stages` weight tiles are
+            # already in flight by then.
+            if not pdl:
+                load_tokens()
             svals = ([[scale_at(j, (k0 + b * bw) // QBLOCK) for b in range(nblk)] for j in range(p)]
                      if fp8 else None)
 
@@ -377,6 +388,9 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
 
             @pl.when(step == 0)
             def _():
+                if pdl:
+                    plgpu.griddepcontrol_wait()   # x (and the residual) come from the previous kernel
+                    load_tokens()
                 build_b(xstage, svals)
 
             for j in range(p):
@@ -412,6 +426,8 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
         else:
             def run(*acc_refs):
                 pipeline(body_wgmma, acc_refs)
+                if pdl:
+                    plgpu.griddepcontrol_launch_dependents()   # the next kernel may start its weight loads
                 return tuple(a[...] for a in acc_refs)
             ys = pl.run_scoped(run, *[plgpu.ACC((bn, MAX_TOKENS), F32) for _ in range(p)])
             col_id = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (bn, MAX_TOKENS), 1), plgpu.Layout.WGMMA)
