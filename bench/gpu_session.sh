@@ -14,6 +14,7 @@
 #   ours_4l      bench.decode on that checkpoint, context 1024, pallas and reference
 #   hf_eager     transformers' model on it (static cache), bench/transformers_decode.py
 #   hf_compile   the same with torch.compile (CUDA graphs)
+#   flags        the 8-layer step with XLA's PDL launches / RAFT top-k on and off
 #   build        the CUDA engine library and self-test (python -m jtilert.ffi.build --selftest)
 #   select       the engine's top-k select: self-test + CUDA-graph timings (after build)
 #   tp2          bench.decode at tp=2, 4 layers, psum vs the engine's all-reduce (2 GPUs, after build)
@@ -55,6 +56,12 @@ for part in "$@"; do
                 --out "$WORK/hf_eager.json" ;;
     hf_compile) step hf_compile 200 python3 -m bench.transformers_decode "$CK" --context 1024 --new 32 --compile \
                   --out "$WORK/hf_compile.json" ;;
+    flags)  # XLA options that may cut the per-kernel cost or the top-k, on the 8-layer step
+      for f in "" --xla_gpu_enable_pdl=true --xla_gpu_experimental_enable_raft_for_stable_topk=true; do
+        n=flags${f:+_$(echo "$f" | sed 's/--xla_gpu_//; s/=true//; s/experimental_enable_//; s/_for_stable_topk//')}
+        XLA_FLAGS="$XLA_FLAGS $f" step "$n" 200 $DEC --layers 8 --backend pallas,reference --samples 10 \
+          --kernels --out "$WORK/$n.json"
+      done ;;
     build) step build 240 python3 -m jtilert.ffi.build --selftest ;;
     select) step select 90 "$(dirname "$(tail -1 "$WORK/build.log")")/jtilert_selftest" --select-only --iters 3 --bench ;;
     tp2) JTILERT_FFI_TOPK=0 step tp2 200 $DEC --layers 4 --tp 2 --backend "$B" --all-reduce psum,engine \
