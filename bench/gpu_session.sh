@@ -2,7 +2,7 @@
 # GPU benchmarks from the checkout, in one device-tool call; every log and JSON is kept.
 #
 #   WORK=/tmp/w bench/gpu_session.sh PART [PART ...]     logs and JSON in $WORK/<part>.*
-#   WORK=/tmp/w bench/gpu_session.sh pack                 -> $OUT/results.tgz (the tool returns ≤ 8 files)
+#   (the device tool returns ≤ 8 files from $OUT: tar $WORK into $OUT, as bench/gpu_report.sh does)
 #
 # BACKENDS (default pallas,reference) picks the decode backends. PARTs, each under a time limit:
 #   stream       bench/kernels.py --only stream: what the TMA pipeline streams with no arithmetic
@@ -67,7 +67,6 @@ for part in "$@"; do
     tp2) JTILERT_FFI_TOPK=0 step tp2 200 $DEC --layers 4 --tp 2 --backend "$B" --all-reduce psum,engine \
            --samples 10 --out "$WORK/tp2.json" ;;
     engine) OUT=$WORK/engine step engine 900 tests/gpu/run_engine_gpu.sh ;;
-    pack) tar czf "${OUT:?}/results.tgz" -C "$WORK" . && cp "$WORK/session.txt" "$OUT/" ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac
 done
