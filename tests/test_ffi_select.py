@@ -2,10 +2,11 @@
 
 The kernel itself runs in cuda/tests/selftest.cu and tests/gpu/engine_gpu_checks.py on a GPU.
 Here: the sources are in the CMake build (tests/test_ffi.py compiles cuda/ with -Werror), the
-fallback equals lax.top_k, the CUDA lowering emits the custom call, a numpy model that
-follows the kernel step by step (grid plan, digit passes, per-CTA counts, tie take, ranks)
-gives exactly lax.top_k's result on inputs with many ties, -inf, +-0.0 and N < k, and a
-thread model of the row barrier's protocol holds across calls.
+fallback equals lax.top_k, the CUDA lowering emits the custom call, numpy models that follow
+the grid kernel (grid plan, digit passes, per-CTA counts, tie take, ranks) and the cluster
+kernel (cluster plan, per-CTA histograms, coarse/fine merge, digit search, counts of the CTAs
+before, compaction) step by step give exactly lax.top_k's result on inputs with many ties,
+-inf, +-0.0 and N < k, and a thread model of the row barrier's protocol holds across calls.
 """
 
 from __future__ import annotations
@@ -64,73 +65,72 @@ def plan(t, n, k, sms=132, ctas=0):
   return (n + chunk - 1) // chunk, chunk
 
 
-def model_row(x, k, sorted_out=True, canonical_zero=False, sms=132, t=1, ctas=0):
-  """One row through the kernel's steps; returns (values, indices)."""
-  n = x.shape[0]
-  g_n, chunk = plan(t, n, k, sms, ctas)
-  keys = order_key(x, canonical_zero)
-  chunks = [keys[g * chunk:min(n, (g + 1) * chunk)] for g in range(g_n)]
-  pre, need, lo = 0, k, 32
+def find_digit(hist, need, threads=NT):
+  """find_digit of select.cu (threads=32: warp_find_digit): per-thread groups of bins, suffix
+  counts, the one bin that crosses `need`; returns (bin, keys in the bins above it, keys in it)."""
+  nb = len(hist)
+  per = (nb + threads - 1) // threads
+  found = []
+  for th in range(min(threads, (nb + per - 1) // per)):   # threads past the bins have none
+    b_lo, b_hi = th * per, min(nb, th * per + per)
+    cum = int(hist[b_hi:].sum())
+    for b in range(b_hi - 1, b_lo - 1, -1):
+      if cum < need <= cum + hist[b]:
+        found.append((b, cum, int(hist[b])))
+      cum += int(hist[b])
+  assert len(found) == 1
+  return found[0]
 
-  def in_bucket(kk):
-    return np.ones(kk.shape, bool) if lo >= 32 else (kk >> np.uint32(lo)) == pre
 
-  def above_bucket(kk):
-    return np.zeros(kk.shape, bool) if lo >= 32 else (kk >> np.uint32(lo)) > pre
+class Bucket:
+  """The keys whose bits above `lo` equal `pre` (lo = 32: all keys)."""
 
-  for shift in LEVEL_SHIFTS:
-    nb = 1 << (lo - shift)
-    hist = np.zeros(nb, np.int64)
-    for c in chunks:           # every CTA adds its shared-memory histogram to the global one
-      m = in_bucket(c)
-      hist += np.bincount(((c[m] >> np.uint32(shift)) & np.uint32(nb - 1)).astype(np.int64),
-                          minlength=nb)
-    # find_digit: per-thread groups of bins, suffix counts, the one bin that crosses `need`
-    per = (nb + NT - 1) // NT
-    found = []
-    for th in range(NT):
-      b_lo, b_hi = min(nb, th * per), min(nb, th * per + per)
-      cum = int(hist[b_hi:].sum())
-      for b in range(b_hi - 1, b_lo - 1, -1):
-        if cum < need <= cum + hist[b]:
-          found.append((b, cum, int(hist[b])))
-        cum += int(hist[b])
-    assert len(found) == 1
-    d, above, in_d = found[0]
-    pre = (pre << (lo - shift)) | d
-    lo = shift
-    need -= above
-    if in_d == need:
-      break
-  gt = [int(above_bucket(c).sum()) for c in chunks]
-  eq = [int(in_bucket(c).sum()) for c in chunks]
+  def __init__(self):
+    self.pre, self.lo = 0, 32
+
+  def inside(self, kk):
+    return np.ones(kk.shape, bool) if self.lo >= 32 else (kk >> np.uint32(self.lo)) == self.pre
+
+  def above(self, kk):
+    return np.zeros(kk.shape, bool) if self.lo >= 32 else (kk >> np.uint32(self.lo)) > self.pre
+
+  def digits(self, kk, shift, nb):
+    """count_digits: the histogram of digit (key >> shift) & (nb - 1) over the keys inside."""
+    m = self.inside(kk)
+    return np.bincount(((kk[m] >> np.uint32(shift)) & np.uint32(nb - 1)).astype(np.int64),
+                       minlength=nb)
+
+  def narrow(self, shift, digit):
+    self.pre = (self.pre << (self.lo - shift)) | digit
+    self.lo = shift
+
+
+def select_and_order(chunks, chunk, k, need, bkt, gt_eq_before, sorted_out):
+  """write_selected of every CTA: the entry at chunk position i goes to slot offset + (keys above
+  the bucket before i) + min(bucket keys before i, take) (the kernel counts those by warp
+  segments and ballots); then rank_store; returns (values, indices)."""
   stage = np.zeros(k, np.uint64)
-  out_v, out_i = np.zeros(k, np.float32), np.full(k, -1, np.int32)
   written = np.zeros(k, bool)
   for g, c in enumerate(chunks):
-    gt_before, eq_before = sum(gt[:g]), sum(eq[:g])
+    gt_before, eq_before = gt_eq_before(g)
+    inside = bkt.inside(c)
     offset = gt_before + min(eq_before, need)
-    take = min(need - eq_before, eq[g]) if need > eq_before else 0
-    # threads walk contiguous runs; the tie rank is the block scan of their bucket counts
-    vpt = (len(c) + NT - 1) // NT
-    slot, e = offset, 0
-    for th in range(NT):
-      for i in range(min(len(c), th * vpt), min(len(c), th * vpt + vpt)):
-        s = bool(above_bucket(c[i:i + 1])[0])
-        if not s and in_bucket(c[i:i + 1])[0]:
-          s = e < take
-          e += 1
-        if s:
-          assert not written[slot]
-          written[slot] = True
-          stage[slot] = (np.uint64(c[i]) << np.uint64(32)) | np.uint64(g * chunk + i)
-          slot += 1
+    take = min(need - eq_before, int(inside.sum())) if need > eq_before else 0
+    above = bkt.above(c)
+    gt_in, eq_in = np.cumsum(above) - above, np.cumsum(inside) - inside   # before each position
+    pos = np.flatnonzero(above | (inside & (eq_in < take)))
+    slot = offset + gt_in[pos] + np.minimum(eq_in[pos], take)
+    assert not written[slot].any()
+    written[slot] = True
+    stage[slot] = (c[pos].astype(np.uint64) << np.uint64(32)) | (pos + g * chunk).astype(np.uint64)
   assert written.all()
   pos, vals = (stage & np.uint64(0xFFFFFFFF)).astype(np.int32), key_value((stage >> np.uint64(32)).astype(np.uint32))
   if not sorted_out:
     return vals, pos
   # ranks: CTA g ranks slots [g*per, ...) against the k staged keys split into `parts` ranges
   sk = (stage >> np.uint64(32)).astype(np.uint32)
+  out_v, out_i = np.zeros(k, np.float32), np.full(k, -1, np.int32)
+  g_n = len(chunks)
   per = (k + g_n - 1) // g_n
   for g in range(g_n):
     s0 = min(k, g * per)
@@ -146,9 +146,74 @@ def model_row(x, k, sorted_out=True, canonical_zero=False, sms=132, t=1, ctas=0)
         a = min(max(sx, y0), y1)
         b = max(a, min(sx + 1, y1))
         rank[el] += int((sk[y0:a] >= sk[sx]).sum()) + int((sk[b:y1] > sk[sx]).sum())
-    for el in range(ne):
-      out_v[rank[el]], out_i[rank[el]] = vals[s0 + el], pos[s0 + el]
+    out_v[rank], out_i[rank] = vals[s0:s0 + ne], pos[s0:s0 + ne]
+  assert (out_i >= 0).all()
   return out_v, out_i
+
+
+def model_row(x, k, sorted_out=True, canonical_zero=False, sms=132, t=1, ctas=0):
+  """One row through the grid kernel's steps; returns (values, indices)."""
+  n = x.shape[0]
+  g_n, chunk = plan(t, n, k, sms, ctas)
+  keys = order_key(x, canonical_zero)
+  chunks = [keys[g * chunk:min(n, (g + 1) * chunk)] for g in range(g_n)]
+  bkt, need = Bucket(), k
+  for shift in LEVEL_SHIFTS:
+    nb = 1 << (bkt.lo - shift)
+    hist = np.zeros(nb, np.int64)
+    for c in chunks:           # every CTA adds its shared-memory histogram to the global one
+      hist += bkt.digits(c, shift, nb)
+    d, above, in_d = find_digit(hist, need)
+    bkt.narrow(shift, d)
+    need -= above
+    if in_d == need:
+      break
+  gt = [int(bkt.above(c).sum()) for c in chunks]
+  eq = [int(bkt.inside(c).sum()) for c in chunks]
+  return select_and_order(chunks, chunk, k, need, bkt, lambda g: (sum(gt[:g]), sum(eq[:g])),
+                          sorted_out)
+
+
+# ------------------------------------------------------------------ numpy model of the cluster kernel
+
+MAX_CLUSTER, CLUSTER_CAP, GROUP = 16, 12288, 16
+
+
+def cluster_plan(n, k, ctas=0, max_cluster=MAX_CLUSTER):
+  """make_cluster_plan: (C, chunk), or None where the grid kernel runs."""
+  c = -ctas if ctas < 0 else max_cluster
+  if c < 2 or c > max_cluster or (k + c - 1) // c > BINS or c * CLUSTER_CAP < n:
+    return None
+  return c, (n + c - 1) // c
+
+
+def model_cluster_row(x, k, sorted_out=True, canonical_zero=False, ctas=0):
+  """One row through topk_cluster_kernel's steps; returns (values, indices)."""
+  n = x.shape[0]
+  c_n, chunk = cluster_plan(n, k, ctas)
+  keys = order_key(x, canonical_zero)
+  # the last CTAs may have no keys (chunk = ceil(n / C))
+  chunks = [keys[min(n, g * chunk):min(n, (g + 1) * chunk)] for g in range(c_n)]
+  bkt, need = Bucket(), k
+  for shift in LEVEL_SHIFTS:
+    nb = 1 << (bkt.lo - shift)
+    hist = [bkt.digits(c, shift, nb) for c in chunks]           # hist[lvl] of every CTA
+    coarse = [h.reshape(-1, GROUP).sum(1) for h in hist]         # coarse[lvl]
+    # after the cluster barrier every CTA does the same: cluster_sum of the coarse histograms
+    sum_coarse = np.sum(coarse, axis=0)
+    grp, above_grp, _ = find_digit(sum_coarse, need, threads=32)
+    sum_fine = np.sum([h[grp * GROUP:(grp + 1) * GROUP] for h in hist], axis=0)
+    d, above, in_d = find_digit(sum_fine, need - above_grp, threads=32)
+    assert in_d == sum(int(h[grp * GROUP + d]) for h in hist)
+    bkt.narrow(shift, grp * GROUP + d)
+    need -= above_grp + above
+    if in_d == need:
+      break
+  # my_counts of every CTA; after a cluster barrier warp 0 sums those of the CTAs before it
+  counts = [(int(bkt.above(c).sum()), int(bkt.inside(c).sum())) for c in chunks]
+  return select_and_order(chunks, chunk, k, need, bkt,
+                          lambda g: tuple(int(v) for v in np.sum(counts[:g] or [(0, 0)], axis=0)),
+                          sorted_out)
 
 
 class _RowSync:
@@ -236,20 +301,52 @@ CASES = [  # (T, N, k, kind[, CTAs per row])
 ]
 
 
+def _check_model(x, k, t, model):
+  rv, ri = (np.asarray(a) for a in lax.top_k(jnp.asarray(x), k))
+  for r in range(min(t, 2)):
+    v, i = model(x[r], sorted_out=True)
+    np.testing.assert_array_equal(i, ri[r])
+    np.testing.assert_array_equal(v.view(np.uint32), rv[r].view(np.uint32))
+    vu, iu = model(x[r], sorted_out=False)
+    order = np.argsort(ri[r])
+    np.testing.assert_array_equal(iu, ri[r][order])
+    np.testing.assert_array_equal(vu.view(np.uint32), rv[r][order].view(np.uint32))
+
+
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_numpy_model_of_the_kernel_equals_lax_top_k(case):
   t, n, k, kind, *ctas = case
   ctas = ctas[0] if ctas else 0
   x = _scores(np.random.default_rng(n + k), t, n, kind)
-  rv, ri = (np.asarray(a) for a in lax.top_k(jnp.asarray(x), k))
-  for r in range(min(t, 2)):
-    v, i = model_row(x[r], k, sorted_out=True, t=t, ctas=ctas)
-    np.testing.assert_array_equal(i, ri[r])
-    np.testing.assert_array_equal(v.view(np.uint32), rv[r].view(np.uint32))
-    vu, iu = model_row(x[r], k, sorted_out=False, t=t, ctas=ctas)
-    order = np.argsort(ri[r])
-    np.testing.assert_array_equal(iu, ri[r][order])
-    np.testing.assert_array_equal(vu.view(np.uint32), rv[r][order].view(np.uint32))
+  _check_model(x, k, t, lambda row, sorted_out: model_row(row, k, sorted_out, t=t, ctas=ctas))
+
+
+@pytest.mark.parametrize("case", CASES + [(1, 196608, 2048, "ties")], ids=str)
+def test_numpy_model_of_the_cluster_kernel_equals_lax_top_k(case):
+  """Clusters of 16 and of 8 CTAs (where the row fits) on the same cases."""
+  t, n, k, kind, *_ = case
+  x = _scores(np.random.default_rng(n + k), t, n, kind)
+  sizes = [c for c in (-16, -8) if cluster_plan(n, k, c) is not None]
+  assert sizes
+  for c in sizes:
+    _check_model(x, k, t, lambda row, sorted_out, c=c: model_cluster_row(row, k, sorted_out, ctas=c))
+
+
+def test_cluster_plan_picks_the_variant_by_n():
+  assert cluster_plan(4096, 2048) == (16, 256)
+  assert cluster_plan(4096, 2048, max_cluster=8) == (8, 512)
+  assert cluster_plan(32769, 2048) == (16, 2049)
+  assert cluster_plan(131072, 2048) == (16, 8192)
+  assert cluster_plan(163840, 2048) == (16, 10240)
+  assert cluster_plan(16 * CLUSTER_CAP, 2048) == (16, CLUSTER_CAP)
+  assert cluster_plan(16 * CLUSTER_CAP + 1, 2048) is None            # the grid kernel
+  assert cluster_plan(131072, 2048, max_cluster=8) is None           # no 16-CTA clusters
+  assert cluster_plan(131072, 2048, ctas=-8) is None
+  assert cluster_plan(8192, 8192, ctas=-2) is None                   # ranks > hist[0]
+  assert cluster_plan(100, 100, ctas=-16) == (16, 7)                  # CTAs 15: no keys
+  src = (ROOT / "cuda" / "src" / "select.cu").read_text()
+  for name, v in [("kMaxCluster", MAX_CLUSTER), ("kClusterCap", CLUSTER_CAP), ("kGroup", GROUP)]:
+    assert f"constexpr int {name} = {v};" in src
 
 
 def test_lax_top_k_orders_by_the_bits():

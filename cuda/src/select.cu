@@ -37,6 +37,30 @@
 // Scratch (histograms, per-CTA counts, staging, barrier words, a host-mapped
 // status) is allocated once per device by jt_topk_prepare; calls on one
 // device must be stream-ordered (XLA's compute stream).
+//
+// Cluster variant (topk_cluster_kernel, chosen when n <= C * kClusterCap):
+// one thread-block cluster of C <= 16 CTAs per row, grid = T clusters, so the
+// row's CTAs meet at hardware cluster barriers (a few hundred ns) instead of
+// the global-memory barrier (3-4 us each), and exchange histograms and counts
+// through distributed shared memory; no spin-wait, no global scratch except
+// the sorted output's staging. Same steps as above, per digit level:
+//   1. every CTA counts the digits of its keys in the bucket into its own
+//      shared histogram hist[lvl] (never reused within a call, so a CTA may
+//      run ahead while others still read it) and the sums of its groups of
+//      kGroup bins into coarse[lvl]; cluster barrier;
+//   2. every CTA adds up the C coarse histograms (remote reads), finds the
+//      group that holds the k-th key, adds up that group's kGroup bins of the
+//      C fine histograms and finds the digit: the same digit in every CTA,
+//      with 1/14 of the remote reads that pulling whole histograms would take.
+// Then each CTA publishes its (above, in-bucket) counts in shared memory;
+// after a cluster barrier it sums those of the CTAs before it (remote reads)
+// and writes its entries like the grid kernel. A CTA leaves only after a last
+// cluster barrier that every CTA reaches after its last remote read. Sorted
+// output: staged in global memory, one more cluster barrier, then the grid
+// kernel's ranking (k * k / C comparisons per CTA: ~2 us for k = 2048, C = 16,
+// the one step that does not shrink with fewer barriers).
+#include <cooperative_groups.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -56,6 +80,12 @@ constexpr int kMaxChunk = 16384;    // keys per CTA (64 KiB of shared memory)
 constexpr int kMaxCtas = 1024;      // CTAs per row
 constexpr int kSyncWords = 32;      // per row: [0] arrivals, [16] generation
 constexpr unsigned kOpTopkSelect = 4;  // JtStatus.op of a timed-out barrier
+constexpr int kMaxCluster = 16;     // CTAs per cluster (non-portable above 8)
+constexpr int kClusterCap = 12288;  // keys per CTA of a cluster (48 KiB)
+constexpr int kGroup = 16;          // bins per coarse group of the cluster merge
+constexpr int kLoadBatch = 16;      // score loads in flight per thread
+// dynamic shared memory of the cluster kernel: its keys or the sorted staging
+constexpr int kClusterSmem = std::max(kClusterCap * 4, JT_TOPK_MAX_K * 8);
 
 struct SelectParams {
   const float* scores;     // [T, n]
@@ -120,6 +150,23 @@ __device__ uint32_t block_exclusive_scan(uint32_t v, uint32_t* ws,
   return r;
 }
 
+// This thread's bins [lo, hi) of a histogram with `cum` keys in the bins
+// above them: writes {d, #(digits > d), hist[d]} to out if bin d is the one
+// where the count from the top reaches `need`.
+__device__ __forceinline__ void mark_crossing(const uint32_t* hist, int lo,
+                                              int hi, uint32_t cum,
+                                              uint32_t need, uint32_t* out) {
+  for (int b = hi - 1; b >= lo; --b) {
+    const uint32_t h = hist[b];
+    if (cum < need && cum + h >= need) {  // exactly one bin crosses `need`
+      out[0] = (uint32_t)b;
+      out[1] = cum;
+      out[2] = h;
+    }
+    cum += h;
+  }
+}
+
 // In hist[0..nb): the largest digit d with #(digits >= d) >= need. Writes
 // {d, #(digits > d), hist[d]} to out (shared memory), visible on return.
 __device__ void find_digit(const uint32_t* hist, int nb, uint32_t need,
@@ -131,16 +178,29 @@ __device__ void find_digit(const uint32_t* hist, int nb, uint32_t need,
   uint32_t total;
   const uint32_t before = block_exclusive_scan(s, ws, &total);
   uint32_t cum = total - before - s;  // keys in the bins above this thread's
-  for (int b = hi - 1; b >= lo; --b) {
-    const uint32_t h = hist[b];
-    if (cum < need && cum + h >= need) {  // exactly one bin crosses `need`
-      out[0] = (uint32_t)b;
-      out[1] = cum;
-      out[2] = h;
-    }
-    cum += h;
-  }
+  mark_crossing(hist, lo, hi, cum, need, out);
   __syncthreads();
+}
+
+// find_digit by warp 0 alone, for nb <= 128 bins (the cluster kernel's
+// merged coarse and fine histograms): no block-wide scan; `out` is visible
+// after the caller's next __syncthreads.
+__device__ void warp_find_digit(const uint32_t* hist, int nb, uint32_t need,
+                                uint32_t* out) {
+  const int lane = threadIdx.x;
+  if (lane >= 32) return;
+  const int per = (nb + 31) / 32;
+  const int lo = min(nb, lane * per), hi = min(nb, lo + per);
+  uint32_t s = 0;
+  for (int b = lo; b < hi; ++b) s += hist[b];
+  uint32_t incl = s;  // keys in this lane's bins and above
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const uint32_t y = __shfl_down_sync(0xffffffffu, incl, o);
+    if (lane + o < 32) incl += y;
+  }
+  uint32_t cum = incl - s;  // keys in the bins above this lane's
+  mark_crossing(hist, lo, hi, cum, need, out);
 }
 
 // Barrier of the gridDim.x CTAs of this row (see the file comment). `where`
@@ -179,133 +239,150 @@ __device__ void row_barrier(const SelectParams& p, unsigned* sync, int where,
   __syncthreads();
 }
 
-__global__ void __launch_bounds__(kNT) topk_select_kernel(SelectParams p) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  __shared__ uint32_t ws[kWarps + 1];
-  __shared__ uint32_t found[3];
-  const int row = blockIdx.y, g = blockIdx.x, G = gridDim.x;
-  const int tid = threadIdx.x;
-  const bool sorted = (p.mode & JT_TOPK_SORTED) != 0;
-  const int k = p.k;
-  const int base = g * p.chunk;
-  const int cnt = min(p.chunk, p.n - base);
-  const int region = (max(p.chunk * 4, sorted ? k * 8 : 0) + 15) & ~15;
-  uint32_t* keys = reinterpret_cast<uint32_t*>(smem);
-  uint32_t* hist = reinterpret_cast<uint32_t*>(smem + region);
-  uint32_t* ghist = p.hist + (size_t)row * kLevels * kBins;
-  uint32_t* counts = p.counts + (size_t)row * 2 * kMaxCtas;
-  unsigned* sync = p.sync + row * kSyncWords;
-
-  // stable until this CTA arrives at its first barrier (see row_barrier)
-  unsigned gen = threadIdx.x == 0 ? *(volatile unsigned*)(sync + 16) : 0u;
-  const float* src = p.scores + (size_t)row * p.n + base;
-  const bool canonical_zero = (p.mode & JT_TOPK_CANONICAL_ZERO) != 0;
-  for (int i = tid; i < cnt; i += kNT) keys[i] = order_key(src[i], canonical_zero);
-  __syncthreads();
-
-  // ---- the k-th largest key, digit by digit
-  const int vpt = (cnt + kNT - 1) / kNT;  // same trip count for every thread
-  uint32_t pre = 0, need = (uint32_t)k;
-  int lo = 32;
-  for (int lvl = 0; lvl < kLevels; ++lvl) {
-    const int shift = lvl == 0 ? 21 : (lvl == 1 ? 10 : 0);
-    const int nb = 1 << (lo - shift);
-    for (int b = tid; b < nb; b += kNT) hist[b] = 0;
-    __syncthreads();
-    for (int j = 0; j < vpt; ++j) {
-      const int i = j * kNT + tid;
-      uint32_t d = 0xffffffffu;  // not counted
-      if (i < cnt && in_bucket(keys[i], pre, lo)) d = (keys[i] >> shift) & (nb - 1);
-      // one shared atomic per distinct digit in the warp: top digits of
-      // similar scores collide a lot
-      const unsigned peers = __match_any_sync(0xffffffffu, d);
-      if (d != 0xffffffffu && (tid & 31) == __ffs(peers) - 1)
-        atomicAdd(&hist[d], (uint32_t)__popc(peers));
+// Converts the row's scores [base, base + cnt) into keys in shared memory;
+// kLoadBatch loads in flight per thread (one L2 round trip per batch).
+__device__ void load_keys(const float* src, int cnt, bool canonical_zero,
+                          uint32_t* keys) {
+  for (int i0 = 0; i0 < cnt; i0 += kNT * kLoadBatch) {
+    float v[kLoadBatch];
+#pragma unroll
+    for (int j = 0; j < kLoadBatch; ++j) {
+      const int i = i0 + j * kNT + (int)threadIdx.x;
+      v[j] = i < cnt ? __ldg(src + i) : 0.f;
     }
-    __syncthreads();
-    for (int b = tid; b < nb; b += kNT)
-      if (hist[b] != 0) atomicAdd(&ghist[lvl * kBins + b], hist[b]);
-    row_barrier(p, sync, lvl, &gen, false);
-    for (int b = tid; b < nb; b += kNT) hist[b] = __ldcg(&ghist[lvl * kBins + b]);
-    __syncthreads();
-    find_digit(hist, nb, need, ws, found);
-    const uint32_t above = found[1], in_d = found[2];
-    pre = (pre << (lo - shift)) | found[0];
-    lo = shift;
-    need -= above;
-    if (in_d == need) break;  // the whole bucket is taken
+#pragma unroll
+    for (int j = 0; j < kLoadBatch; ++j) {
+      const int i = i0 + j * kNT + (int)threadIdx.x;
+      if (i < cnt) keys[i] = order_key(v[j], canonical_zero);
+    }
   }
+  __syncthreads();
+}
 
-  // ---- how many selected entries lie before this chunk
+// hist[0..nb) (zeroed by the caller) += the digits (key >> shift) & (nb - 1)
+// of the keys in the bucket (pre, lo).
+__device__ void count_digits(const uint32_t* keys, int cnt, uint32_t pre,
+                             int lo, int shift, int nb, uint32_t* hist) {
+  const int tid = threadIdx.x;
+  const int vpt = (cnt + kNT - 1) / kNT;  // same trip count for every thread
+  for (int j = 0; j < vpt; ++j) {
+    const int i = j * kNT + tid;
+    uint32_t d = 0xffffffffu;  // not counted
+    if (i < cnt && in_bucket(keys[i], pre, lo)) d = (keys[i] >> shift) & (nb - 1);
+    // past level 0 most warps hold no key of the bucket
+    if (!__any_sync(0xffffffffu, d != 0xffffffffu)) continue;
+    // one shared atomic per distinct digit in the warp: top digits of
+    // similar scores collide a lot
+    const unsigned peers = __match_any_sync(0xffffffffu, d);
+    if (d != 0xffffffffu && (tid & 31) == __ffs(peers) - 1)
+      atomicAdd(&hist[d], (uint32_t)__popc(peers));
+  }
+  __syncthreads();
+}
+
+// Warp w of the CTA owns segment w of the chunk: seg (a multiple of 32)
+// positions from w * seg on, walked 32 consecutive keys at a time (no bank
+// conflicts; ballots give the order inside each step).
+__device__ __forceinline__ int warp_segment(int cnt) {
+  return ((cnt + kWarps - 1) / kWarps + 31) & ~31;
+}
+
+// The chunk's keys above the bucket (*gt) and in it (*eq); wc[w] and
+// wc[kWarps + w] get those in the segments before warp w's (2 * kWarps + 2
+// words of shared memory, read by write_selected).
+__device__ void chunk_counts(const uint32_t* keys, int cnt, uint32_t pre,
+                             int lo, uint32_t* wc, uint32_t* gt,
+                             uint32_t* eq) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int seg = warp_segment(cnt), end = min(cnt, (warp + 1) * seg);
   uint32_t n_gt = 0, n_eq = 0;
-  for (int i = tid; i < cnt; i += kNT) {
+  for (int i = warp * seg + lane; i < end; i += 32) {
     n_gt += above_bucket(keys[i], pre, lo);
     n_eq += in_bucket(keys[i], pre, lo);
   }
-  uint32_t tot_gt, tot_eq;
-  block_exclusive_scan(n_gt, ws, &tot_gt);
-  block_exclusive_scan(n_eq, ws, &tot_eq);
-  if (tid == 0) {
-    counts[g] = tot_gt;
-    counts[kMaxCtas + g] = tot_eq;
+  n_gt = __reduce_add_sync(0xffffffffu, n_gt);
+  n_eq = __reduce_add_sync(0xffffffffu, n_eq);
+  if (lane == 0) {
+    wc[warp] = n_gt;
+    wc[kWarps + warp] = n_eq;
   }
-  row_barrier(p, sync, kLevels, &gen, !sorted);
-  // every CTA has read the histograms: clear this CTA's share for the next call
-  for (int b = g * kNT + tid; b < kLevels * kBins; b += G * kNT) ghist[b] = 0;
-  uint32_t gt_before = 0, eq_before = 0;
-  for (int c = tid; c < g; c += kNT) {
-    gt_before += __ldcg(&counts[c]);
-    eq_before += __ldcg(&counts[kMaxCtas + c]);
-  }
-  block_exclusive_scan(gt_before, ws, &gt_before);
-  block_exclusive_scan(eq_before, ws, &eq_before);
-  // bucket entries are taken in position order: the first `need` of the row
-  const uint32_t offset = gt_before + min(eq_before, need);
-  const uint32_t take = need > eq_before ? min(need - eq_before, tot_eq) : 0u;
-
-  // ---- write this chunk's selected entries in position order; each thread
-  // walks a contiguous run of the chunk
-  const int r0 = min(cnt, tid * vpt), r1 = min(cnt, r0 + vpt);
-  uint32_t my_eq = 0;
-  for (int i = r0; i < r1; ++i) my_eq += in_bucket(keys[i], pre, lo);
-  uint32_t unused;
-  const uint32_t eq0 = block_exclusive_scan(my_eq, ws, &unused);
-  uint32_t my_sel = 0, e = eq0;
-  for (int i = r0; i < r1; ++i) {
-    if (above_bucket(keys[i], pre, lo)) {
-      ++my_sel;
-    } else if (in_bucket(keys[i], pre, lo)) {
-      my_sel += e < take;
-      ++e;
+  __syncthreads();
+  if (warp == 0) {  // exclusive scans over the warps, both counts at once
+    const uint32_t vg = lane < kWarps ? wc[lane] : 0u;
+    const uint32_t ve = lane < kWarps ? wc[kWarps + lane] : 0u;
+    uint32_t sg = vg, se = ve;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const uint32_t yg = __shfl_up_sync(0xffffffffu, sg, o);
+      const uint32_t ye = __shfl_up_sync(0xffffffffu, se, o);
+      if (lane >= o) {
+        sg += yg;
+        se += ye;
+      }
+    }
+    if (lane < kWarps) {
+      wc[lane] = sg - vg;
+      wc[kWarps + lane] = se - ve;
+    }
+    if (lane == 31) {
+      wc[2 * kWarps] = sg;
+      wc[2 * kWarps + 1] = se;
     }
   }
-  uint32_t slot = offset + block_exclusive_scan(my_sel, ws, &unused);
-  e = eq0;
-  int32_t* oi = p.out_idx + (size_t)row * k;
-  float* ov = p.out_val + (size_t)row * k;
+  __syncthreads();
+  *gt = wc[2 * kWarps];
+  *eq = wc[2 * kWarps + 1];
+}
+
+// Writes this chunk's selected entries in position order from slot `offset`
+// on: the keys above the bucket and the first `take` of the chunk's bucket
+// keys; to the outputs (by index) or to the row's staging (sorted). The entry
+// at chunk position i goes to offset + (keys above the bucket before i) +
+// min(bucket keys before i, take); wc from chunk_counts.
+__device__ void write_selected(const SelectParams& p, const uint32_t* keys,
+                               int cnt, int base, uint32_t pre, int lo,
+                               uint32_t offset, uint32_t take, bool sorted,
+                               const uint32_t* wc) {
+  const int row = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int seg = warp_segment(cnt), end = min(cnt, (warp + 1) * seg);
+  const unsigned lanes_below = (1u << lane) - 1u;
+  int32_t* oi = p.out_idx + (size_t)row * p.k;
+  float* ov = p.out_val + (size_t)row * p.k;
   unsigned long long* stage = p.stage + (size_t)row * JT_TOPK_MAX_K;
-  for (int i = r0; i < r1; ++i) {
-    bool sel = above_bucket(keys[i], pre, lo);
-    if (!sel && in_bucket(keys[i], pre, lo)) sel = e++ < take;
-    if (!sel) continue;
-    if (sorted) {
-      stage[slot] = ((unsigned long long)keys[i] << 32) | (uint32_t)(base + i);
-    } else {
-      oi[slot] = base + i;
-      ov[slot] = key_value(keys[i]);
+  uint32_t gt_run = wc[warp], eq_run = wc[kWarps + warp];
+  for (int i0 = warp * seg; i0 < end; i0 += 32) {  // same trips for the warp
+    const int i = i0 + lane;
+    const uint32_t key = i < end ? keys[i] : 0u;
+    const bool gt = i < end && above_bucket(key, pre, lo);
+    const bool eq = i < end && in_bucket(key, pre, lo);
+    const unsigned b_gt = __ballot_sync(0xffffffffu, gt);
+    const unsigned b_eq = __ballot_sync(0xffffffffu, eq);
+    const uint32_t gt_before = gt_run + __popc(b_gt & lanes_below);
+    const uint32_t eq_before = eq_run + __popc(b_eq & lanes_below);
+    if (gt || (eq && eq_before < take)) {
+      const uint32_t slot = offset + gt_before + min(eq_before, take);
+      if (sorted) {
+        stage[slot] = ((unsigned long long)key << 32) | (uint32_t)(base + i);
+      } else {
+        oi[slot] = base + i;
+        ov[slot] = key_value(key);
+      }
     }
-    ++slot;
+    gt_run += __popc(b_gt);
+    eq_run += __popc(b_eq);
   }
-  if (!sorted) return;
+}
 
-  // ---- sorted output: rank this CTA's share of the k staged entries
-  row_barrier(p, sync, kLevels + 1, &gen, true);
-  unsigned long long* st = reinterpret_cast<unsigned long long*>(smem);
-  const uint32_t* st_key = reinterpret_cast<const uint32_t*>(smem) + 1;  // high words
+// Sorted output, after a barrier behind every write_selected of the row:
+// this CTA's share [s0, s0 + ne) of the k staged entries goes to its rank,
+// the number of entries before it in (score desc, position asc) order.
+// `st` (k entries) and `rank` (ne words) are shared memory.
+__device__ void rank_store(const SelectParams& p, unsigned long long* st,
+                           uint32_t* rank, int s0, int ne) {
+  const int row = blockIdx.y, tid = threadIdx.x, k = p.k;
+  const unsigned long long* stage = p.stage + (size_t)row * JT_TOPK_MAX_K;
+  const uint32_t* st_key = reinterpret_cast<const uint32_t*>(st) + 1;  // high words
   for (int i = tid; i < k; i += kNT) st[i] = __ldcg(&stage[i]);
-  const int per = (k + G - 1) / G;
-  const int s0 = min(k, g * per), ne = min(k, s0 + per) - s0;
-  uint32_t* rank = hist + kBins;
   for (int i = tid; i < ne; i += kNT) rank[i] = 0;
   __syncthreads();
   if (ne == 0) return;
@@ -326,12 +403,226 @@ __global__ void __launch_bounds__(kNT) topk_select_kernel(SelectParams p) {
     atomicAdd(&rank[el], c);
   }
   __syncthreads();
+  int32_t* oi = p.out_idx + (size_t)row * k;
+  float* ov = p.out_val + (size_t)row * k;
   for (int i = tid; i < ne; i += kNT) {
     const unsigned long long v = st[s0 + i];
     const uint32_t r = rank[i];
     oi[r] = (int32_t)(uint32_t)v;
     ov[r] = key_value((uint32_t)(v >> 32));
   }
+}
+
+// Bits of digit level `lvl`: 31..21, 20..10, 9..0.
+__device__ __forceinline__ int level_shift(int lvl) {
+  return lvl == 0 ? 21 : (lvl == 1 ? 10 : 0);
+}
+
+__global__ void __launch_bounds__(kNT) topk_select_kernel(SelectParams p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ uint32_t ws[kWarps + 1];
+  __shared__ uint32_t wc[2 * kWarps + 2];
+  __shared__ uint32_t found[3];
+  const int row = blockIdx.y, g = blockIdx.x, G = gridDim.x;
+  const int tid = threadIdx.x;
+  const bool sorted = (p.mode & JT_TOPK_SORTED) != 0;
+  const int k = p.k;
+  const int base = g * p.chunk;
+  const int cnt = min(p.chunk, p.n - base);
+  const int region = (max(p.chunk * 4, sorted ? k * 8 : 0) + 15) & ~15;
+  uint32_t* keys = reinterpret_cast<uint32_t*>(smem);
+  uint32_t* hist = reinterpret_cast<uint32_t*>(smem + region);
+  uint32_t* ghist = p.hist + (size_t)row * kLevels * kBins;
+  uint32_t* counts = p.counts + (size_t)row * 2 * kMaxCtas;
+  unsigned* sync = p.sync + row * kSyncWords;
+
+  // stable until this CTA arrives at its first barrier (see row_barrier)
+  unsigned gen = threadIdx.x == 0 ? *(volatile unsigned*)(sync + 16) : 0u;
+  load_keys(p.scores + (size_t)row * p.n + base, cnt,
+            (p.mode & JT_TOPK_CANONICAL_ZERO) != 0, keys);
+
+  // ---- the k-th largest key, digit by digit
+  uint32_t pre = 0, need = (uint32_t)k;
+  int lo = 32;
+  for (int lvl = 0; lvl < kLevels; ++lvl) {
+    const int shift = level_shift(lvl);
+    const int nb = 1 << (lo - shift);
+    for (int b = tid; b < nb; b += kNT) hist[b] = 0;
+    __syncthreads();
+    count_digits(keys, cnt, pre, lo, shift, nb, hist);
+    for (int b = tid; b < nb; b += kNT)
+      if (hist[b] != 0) atomicAdd(&ghist[lvl * kBins + b], hist[b]);
+    row_barrier(p, sync, lvl, &gen, false);
+    for (int b = tid; b < nb; b += kNT) hist[b] = __ldcg(&ghist[lvl * kBins + b]);
+    __syncthreads();
+    find_digit(hist, nb, need, ws, found);
+    const uint32_t above = found[1], in_d = found[2];
+    pre = (pre << (lo - shift)) | found[0];
+    lo = shift;
+    need -= above;
+    if (in_d == need) break;  // the whole bucket is taken
+  }
+
+  // ---- how many selected entries lie before this chunk
+  uint32_t tot_gt, tot_eq;
+  chunk_counts(keys, cnt, pre, lo, wc, &tot_gt, &tot_eq);
+  if (tid == 0) {
+    counts[g] = tot_gt;
+    counts[kMaxCtas + g] = tot_eq;
+  }
+  row_barrier(p, sync, kLevels, &gen, !sorted);
+  // every CTA has read the histograms: clear this CTA's share for the next call
+  for (int b = g * kNT + tid; b < kLevels * kBins; b += G * kNT) ghist[b] = 0;
+  uint32_t gt_before = 0, eq_before = 0;
+  for (int c = tid; c < g; c += kNT) {
+    gt_before += __ldcg(&counts[c]);
+    eq_before += __ldcg(&counts[kMaxCtas + c]);
+  }
+  block_exclusive_scan(gt_before, ws, &gt_before);
+  block_exclusive_scan(eq_before, ws, &eq_before);
+  // bucket entries are taken in position order: the first `need` of the row
+  const uint32_t offset = gt_before + min(eq_before, need);
+  const uint32_t take = need > eq_before ? min(need - eq_before, tot_eq) : 0u;
+  write_selected(p, keys, cnt, base, pre, lo, offset, take, sorted, wc);
+  if (!sorted) return;
+
+  // ---- sorted output: rank this CTA's share of the k staged entries
+  row_barrier(p, sync, kLevels + 1, &gen, true);
+  const int per = (k + G - 1) / G;
+  const int s0 = min(k, g * per);
+  rank_store(p, reinterpret_cast<unsigned long long*>(smem), hist + kBins, s0,
+             min(k, s0 + per) - s0);
+}
+
+// Cluster barrier halves: every thread of every CTA of the cluster arrives;
+// arrive releases this thread's writes (shared and global), wait acquires
+// those of all. A CTA may work between its arrive and its wait.
+__device__ __forceinline__ void cluster_arrive() {
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// Adds up the C CTAs' arrays src[0..n) (n a multiple of 4, 16-byte aligned;
+// remote shared memory) into dst[0..n) (this CTA's, zeroed by the caller).
+__device__ void cluster_sum(const uint32_t* src, int n, uint32_t* dst) {
+  namespace cg = cooperative_groups;
+  const cg::cluster_group cl = cg::this_cluster();
+  const int nq = n / 4, C = (int)cl.num_blocks();
+  for (int t = threadIdx.x; t < C * nq; t += kNT) {
+    const uint4 v = reinterpret_cast<const uint4*>(
+        cl.map_shared_rank(const_cast<uint32_t*>(src), t / nq))[t % nq];
+    uint32_t* d = dst + 4 * (t % nq);
+    if (v.x) atomicAdd(d, v.x);
+    if (v.y) atomicAdd(d + 1, v.y);
+    if (v.z) atomicAdd(d + 2, v.z);
+    if (v.w) atomicAdd(d + 3, v.w);
+  }
+  __syncthreads();
+}
+
+// One cluster per row (see the file comment); blockIdx.x is the CTA's rank in
+// the cluster, gridDim.x = C, chunks of p.chunk <= kClusterCap keys.
+__global__ void __launch_bounds__(kNT) topk_cluster_kernel(SelectParams p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  // read by the other CTAs of the cluster
+  __shared__ __align__(16) uint32_t hist[kLevels][kBins];
+  __shared__ __align__(16) uint32_t coarse[kLevels][kBins / kGroup];
+  __shared__ uint32_t my_counts[2];
+  // this CTA's
+  __shared__ __align__(16) uint32_t sum_coarse[kBins / kGroup];
+  __shared__ __align__(16) uint32_t sum_fine[kGroup];
+  __shared__ uint32_t wc[2 * kWarps + 2];
+  __shared__ uint32_t found[3];
+  namespace cg = cooperative_groups;
+  const cg::cluster_group cl = cg::this_cluster();
+  const int g = blockIdx.x, C = gridDim.x, tid = threadIdx.x;
+  const bool sorted = (p.mode & JT_TOPK_SORTED) != 0;
+  const int k = p.k;
+  const int base = g * p.chunk;
+  const int cnt = max(0, min(p.chunk, p.n - base));
+  uint32_t* keys = reinterpret_cast<uint32_t*>(smem);
+  load_keys(p.scores + (size_t)blockIdx.y * p.n + base, cnt,
+            (p.mode & JT_TOPK_CANONICAL_ZERO) != 0, keys);
+
+  uint32_t pre = 0, need = (uint32_t)k;
+  int lo = 32;
+  for (int lvl = 0; lvl < kLevels; ++lvl) {
+    const int shift = level_shift(lvl);
+    const int nb = 1 << (lo - shift), ng = nb / kGroup;
+    uint32_t* h = hist[lvl];
+    for (int b = tid; b < nb; b += kNT) h[b] = 0;
+    for (int b = tid; b < ng; b += kNT) sum_coarse[b] = 0;
+    if (tid < kGroup) sum_fine[tid] = 0;
+    __syncthreads();
+    count_digits(keys, cnt, pre, lo, shift, nb, h);
+    // group sums: 4 bins per thread, 4 threads per group (nb / 4 is a
+    // multiple of 32: whole warps)
+    static_assert(kGroup == 16, "a group is 4 lanes x 4 bins");
+    for (int t = tid; t < nb / 4; t += kNT) {
+      const uint4 v = reinterpret_cast<const uint4*>(h)[t];
+      uint32_t s = v.x + v.y + v.z + v.w;
+      s += __shfl_xor_sync(0xffffffffu, s, 1);
+      s += __shfl_xor_sync(0xffffffffu, s, 2);
+      if ((t & 3) == 0) coarse[lvl][t / 4] = s;
+    }
+    cluster_arrive();
+    cluster_wait();
+    cluster_sum(coarse[lvl], ng, sum_coarse);
+    warp_find_digit(sum_coarse, ng, need, found);
+    __syncthreads();
+    const uint32_t grp = found[0], above_grp = found[1];
+    cluster_sum(h + grp * kGroup, kGroup, sum_fine);  // ends with __syncthreads
+    warp_find_digit(sum_fine, kGroup, need - above_grp, found);
+    __syncthreads();
+    const uint32_t above = above_grp + found[1], in_d = found[2];
+    pre = (pre << (lo - shift)) | (grp * kGroup + found[0]);
+    lo = shift;
+    need -= above;
+    if (in_d == need) break;  // the whole bucket is taken (in every CTA)
+  }
+
+  uint32_t tot_gt, tot_eq;
+  chunk_counts(keys, cnt, pre, lo, wc, &tot_gt, &tot_eq);
+  if (tid == 0) {
+    my_counts[0] = tot_gt;
+    my_counts[1] = tot_eq;
+  }
+  cluster_arrive();
+  cluster_wait();
+  if (tid < 32) {  // the counts of the CTAs before this one (C <= 32)
+    uint32_t gt = 0, eq = 0;
+    if (tid < g) {
+      const uint32_t* rc = cl.map_shared_rank(my_counts, tid);
+      gt = rc[0];
+      eq = rc[1];
+    }
+    gt = __reduce_add_sync(0xffffffffu, gt);
+    eq = __reduce_add_sync(0xffffffffu, eq);
+    if (tid == 0) {
+      found[0] = gt;
+      found[1] = eq;
+    }
+  }
+  __syncthreads();
+  const uint32_t gt_before = found[0], eq_before = found[1];
+  const uint32_t offset = gt_before + min(eq_before, need);
+  const uint32_t take = need > eq_before ? min(need - eq_before, tot_eq) : 0u;
+  // the last remote reads are done: this arrive lets the other CTAs exit
+  // (by index) or, after the staging, start ranking (sorted)
+  if (!sorted) cluster_arrive();
+  write_selected(p, keys, cnt, base, pre, lo, offset, take, sorted, wc);
+  if (sorted) cluster_arrive();
+  cluster_wait();
+  if (!sorted) return;
+
+  // ---- sorted output: the grid kernel's ranking; no remote reads any more,
+  // so hist is free for the ranks
+  const int per = (k + C - 1) / C;
+  const int s0 = min(k, g * per);
+  rank_store(p, reinterpret_cast<unsigned long long*>(smem), hist[0], s0,
+             min(k, s0 + per) - s0);
 }
 
 struct Scratch {
@@ -344,6 +635,7 @@ struct Scratch {
   long long timeout_ns;
   int sms;
   int max_smem;
+  int max_cluster;   // largest cluster the cluster kernel runs with (0: none)
   bool cooperative;  // JTILERT_TOPK_COOPERATIVE=0: plain launches
 };
 
@@ -352,19 +644,66 @@ Scratch g_scratch[kMaxDevices];
 std::mutex g_mu;
 
 struct Plan {
-  int ctas;   // G, CTAs per row
-  int chunk;  // positions per CTA
+  int ctas;      // G, CTAs per row
+  int chunk;     // positions per CTA
   size_t smem;
+  bool cluster;  // topk_cluster_kernel, one cluster of `ctas` CTAs per row
 };
 
-// Grid for T rows of n scores: `ctas` CTAs per row (0: about one CTA per SM
-// in all), chunks a multiple of 32 positions, at most kMaxChunk; false if the
-// grid cannot be co-resident.
+// Largest cluster size (16, else 8) with which the cluster kernel can run, 0
+// if none; needs the kernel's attributes set (jt_topk_prepare).
+int max_cluster_size() {
+  for (int c : {kMaxCluster, 8}) {
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = (unsigned)c;
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3((unsigned)c, 1, 1);
+    cfg.blockDim = dim3(kNT, 1, 1);
+    cfg.dynamicSmemBytes = kClusterSmem;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    int n = 0;
+    if (cudaOccupancyMaxActiveClusters(&n, topk_cluster_kernel, &cfg) == cudaSuccess &&
+        n >= 1)
+      return c;
+    cudaGetLastError();
+  }
+  return 0;
+}
+
+// Cluster plan: C = -ctas CTAs, or (ctas == 0) the largest cluster the GPU
+// runs (16; the sorted output's ranking costs k * k / C per CTA), each with a
+// chunk of ceil(n / C) <= kClusterCap keys.
+bool make_cluster_plan(const Scratch& s, int n, int k, int mode, int ctas,
+                       Plan* p) {
+  const int C = ctas < 0 ? -ctas : s.max_cluster;
+  // the ranks of a CTA's share of the sorted output live in hist[0]
+  if (C < 2 || C > s.max_cluster || (k + C - 1) / C > kBins ||
+      (long long)C * kClusterCap < n)
+    return false;
+  const bool sorted = (mode & JT_TOPK_SORTED) != 0;
+  p->ctas = C;
+  p->chunk = (n + C - 1) / C;
+  p->smem = ((size_t)std::max(p->chunk * 4, sorted ? k * 8 : 0) + 15) & ~(size_t)15;
+  p->cluster = true;
+  return true;
+}
+
+// Launch for T rows of n scores. ctas > 0: the grid kernel with `ctas` CTAs
+// per row; ctas < 0: the cluster kernel with clusters of -ctas CTAs; 0: the
+// cluster kernel where the row fits (n <= 16 * kClusterCap), else the grid
+// kernel with about one CTA per SM in all. Grid kernel: chunks a multiple of
+// 32 positions, at most kMaxChunk; false if the grid cannot be co-resident.
 bool make_plan(const Scratch& s, int T, int n, int k, int mode, int ctas,
                Plan* p) {
   if (T < 1 || T > JT_TOPK_MAX_ROWS || n < 1 || k < 1 || k > n ||
-      k > JT_TOPK_MAX_K || ctas < 0)
+      k > JT_TOPK_MAX_K)
     return false;
+  if (ctas <= 0 && make_cluster_plan(s, n, k, mode, ctas, p)) return true;
+  if (ctas < 0) return false;
   int G = ctas > 0 ? ctas : std::max(1, s.sms / T);
   G = std::min(G, (n + 31) / 32);
   int chunk = (n + G - 1) / G;
@@ -385,6 +724,7 @@ bool make_plan(const Scratch& s, int T, int n, int k, int mode, int ctas,
   p->ctas = G;
   p->chunk = chunk;
   p->smem = smem;
+  p->cluster = false;
   return true;
 }
 
@@ -421,6 +761,14 @@ extern "C" int jt_topk_prepare(int dev, int64_t timeout_ms, char* err,
     e = cudaFuncSetAttribute(reinterpret_cast<const void*>(&jt::topk_select_kernel),
                              cudaFuncAttributeMaxDynamicSharedMemorySize,
                              s.max_smem);
+  const void* ck = reinterpret_cast<const void*>(&jt::topk_cluster_kernel);
+  if (e == cudaSuccess)
+    e = cudaFuncSetAttribute(ck, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             jt::kClusterSmem);
+  // clusters of 16 CTAs (8 is the portable limit)
+  if (e == cudaSuccess)
+    e = cudaFuncSetAttribute(ck, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+  if (e == cudaSuccess) s.max_cluster = jt::max_cluster_size();
   if (e == cudaSuccess) e = cudaMalloc(&buf, hist_b + counts_b + stage_b + sync_b);
   if (e == cudaSuccess) e = cudaMemset(buf, 0, hist_b + counts_b + stage_b + sync_b);
   if (e == cudaSuccess)
@@ -466,6 +814,14 @@ extern "C" int jt_topk_select_ctas(int dev, int T, int n, int k, int mode,
   return jt::make_plan(g_scratch[dev], T, n, k, mode, ctas, &p) ? p.ctas : -1;
 }
 
+extern "C" int jt_topk_select_cluster(int dev, int T, int n, int k, int mode,
+                                      int ctas) {
+  if (dev < 0 || dev >= jt::kMaxDevices || !g_scratch[dev].ready) return -1;
+  jt::Plan p;
+  if (!jt::make_plan(g_scratch[dev], T, n, k, mode, ctas, &p)) return -1;
+  return p.cluster ? p.ctas : 0;
+}
+
 extern "C" cudaError_t jt_topk_select(int dev, cudaStream_t stream,
                                       const float* scores, int32_t* out_idx,
                                       float* out_val, int T, int n, int k,
@@ -490,16 +846,24 @@ extern "C" cudaError_t jt_topk_select(int dev, cudaStream_t stream,
   p.k = k;
   p.chunk = plan.chunk;
   p.mode = mode;
-  // cooperative: the row barriers need every CTA resident
   cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeCooperative;
-  attr.val.cooperative = 1;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3((unsigned)plan.ctas, (unsigned)T, 1);
   cfg.blockDim = dim3(jt::kNT, 1, 1);
   cfg.dynamicSmemBytes = plan.smem;
   cfg.stream = stream;
   cfg.attrs = &attr;
+  if (plan.cluster) {  // one cluster per row
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = (unsigned)plan.ctas;
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    cfg.numAttrs = 1;
+    return cudaLaunchKernelEx(&cfg, jt::topk_cluster_kernel, p);
+  }
+  // cooperative: the row barriers need every CTA resident
+  attr.id = cudaLaunchAttributeCooperative;
+  attr.val.cooperative = 1;
   cfg.numAttrs = s.cooperative ? 1 : 0;
   return cudaLaunchKernelEx(&cfg, jt::topk_select_kernel, p);
 }

@@ -671,17 +671,29 @@ void select_reference(const std::vector<float>& x, int T, int n, int k, int mode
   }
 }
 
-// Device 0; `iters` launches back to back, another call in between (other
-// shape, 6 CTAs per row, sorted: the scratch and the barrier words must come
-// back clean after every call), outputs poisoned first.
+// "cluster C=16" or "grid ctas/row=132": the kernel jt_topk_select launches
+// for this shape and `ctas` (see engine.h).
+std::string select_variant(int T, int n, int k, int mode, int ctas) {
+  const int c = jt_topk_select_cluster(0, T, n, k, mode, ctas);
+  if (c < 0) return "unsupported";
+  return c > 0 ? "cluster C=" + std::to_string(c)
+               : "grid ctas/row=" + std::to_string(jt_topk_select_ctas(0, T, n, k, mode, ctas));
+}
+
+// Device 0; for each `ctas` (see engine.h) in turn: `iters` launches back to
+// back, another call in between (other shape, grid kernel with 6 CTAs per row,
+// sorted: the scratch and the barrier words must come back clean after every
+// call), outputs poisoned first. Kernels that do not support the shape are
+// skipped.
 void test_select(int T, int n, int k, int mode, ScoreKind kind, int iters,
-                 unsigned seed, int ctas = 0) {
+                 unsigned seed, const std::vector<int>& variants) {
   CK(cudaSetDevice(0));
   const std::vector<float> x = make_scores(T, n, kind, seed);
-  std::vector<int32_t> ri;
-  std::vector<uint32_t> rv;
+  std::vector<int32_t> ri, ori;
+  std::vector<uint32_t> rv, orv;
   select_reference(x, T, n, k, mode, &ri, &rv);
   const std::vector<float> other = make_scores(2, 4099, kTies, seed + 1);
+  select_reference(other, 2, 4099, 333, JT_TOPK_SORTED, &ori, &orv);
   cudaStream_t st;
   CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   float* dx = dev_copy(x);
@@ -694,24 +706,39 @@ void test_select(int T, int n, int k, int mode, ScoreKind kind, int iters,
   float* ov = nullptr;
   CK(cudaMalloc(&oi, 2 * 333 * 4));
   CK(cudaMalloc(&ov, 2 * 333 * 4));
-  for (int it = 0; it < iters; ++it) {
+  for (int ctas : variants) {
+    if (jt_topk_select_ctas(0, T, n, k, mode, ctas) < 1) {
+      std::printf("SKIP topk_select T=%d n=%d k=%d ctas=%d: shape or cluster not supported\n",
+                  T, n, k, ctas);
+      continue;
+    }
+    for (int it = 0; it < iters; ++it) {
+      CK(cudaMemsetAsync(di, 0xff, (size_t)T * k * 4, st));
+      CK(cudaMemsetAsync(dv, 0xff, (size_t)T * k * 4, st));
+      CK(jt_topk_select(0, st, dx, di, dv, T, n, k, mode, ctas));
+      CK(jt_topk_select(0, st, dother, oi, ov, 2, 4099, 333, JT_TOPK_SORTED, 6));
+    }
     CK(cudaMemsetAsync(di, 0xff, (size_t)T * k * 4, st));
-    CK(cudaMemsetAsync(dv, 0xff, (size_t)T * k * 4, st));
     CK(jt_topk_select(0, st, dx, di, dv, T, n, k, mode, ctas));
-    CK(jt_topk_select(0, st, dother, oi, ov, 2, 4099, 333, JT_TOPK_SORTED, 6));
-  }
-  CK(cudaMemsetAsync(di, 0xff, (size_t)T * k * 4, st));
-  CK(jt_topk_select(0, st, dx, di, dv, T, n, k, mode, ctas));
-  CK(cudaStreamSynchronize(st));
-  const auto hi = host_copy(di, (size_t)T * k);
-  const auto hv = host_copy(reinterpret_cast<uint32_t*>(dv), (size_t)T * k);
-  int bad = 0;
-  for (size_t j = 0; j < hi.size(); ++j) bad += hi[j] != ri[j] || hv[j] != rv[j];
-  if (iters > 0) {  // the call in between, too
-    select_reference(other, 2, 4099, 333, JT_TOPK_SORTED, &ri, &rv);
-    const auto oh = host_copy(oi, 2 * 333);
-    const auto ovh = host_copy(reinterpret_cast<uint32_t*>(ov), 2 * 333);
-    for (size_t j = 0; j < oh.size(); ++j) bad += oh[j] != ri[j] || ovh[j] != rv[j];
+    CK(cudaStreamSynchronize(st));
+    const auto hi = host_copy(di, (size_t)T * k);
+    const auto hv = host_copy(reinterpret_cast<uint32_t*>(dv), (size_t)T * k);
+    int bad = 0;
+    for (size_t j = 0; j < hi.size(); ++j) bad += hi[j] != ri[j] || hv[j] != rv[j];
+    if (iters > 0) {  // the call in between, too
+      const auto oh = host_copy(oi, 2 * 333);
+      const auto ovh = host_copy(reinterpret_cast<uint32_t*>(ov), 2 * 333);
+      for (size_t j = 0; j < oh.size(); ++j) bad += oh[j] != ori[j] || ovh[j] != orv[j];
+    }
+    static const char* kinds[] = {"normal", "ties", "zeros/-inf", "masked", "narrow"};
+    char buf[200];
+    std::snprintf(buf, sizeof(buf),
+                  "topk_select T=%d n=%d k=%d %s%s %s %s iters=%d: mismatches=%d",
+                  T, n, k, (mode & JT_TOPK_SORTED) ? "sorted" : "by-index",
+                  (mode & JT_TOPK_CANONICAL_ZERO) ? "+canonical-zero" : "",
+                  kinds[kind], select_variant(T, n, k, mode, ctas).c_str(), iters,
+                  bad);
+    report(bad == 0, buf);
   }
   CK(cudaFree(dx));
   CK(cudaFree(dother));
@@ -720,41 +747,46 @@ void test_select(int T, int n, int k, int mode, ScoreKind kind, int iters,
   CK(cudaFree(oi));
   CK(cudaFree(ov));
   CK(cudaStreamDestroy(st));
-  static const char* kinds[] = {"normal", "ties", "zeros/-inf", "masked", "narrow"};
-  char buf[200];
-  std::snprintf(buf, sizeof(buf),
-                "topk_select T=%d n=%d k=%d %s%s %s ctas/row=%d iters=%d: "
-                "mismatches=%d",
-                T, n, k, (mode & JT_TOPK_SORTED) ? "sorted" : "by-index",
-                (mode & JT_TOPK_CANONICAL_ZERO) ? "+canonical-zero" : "",
-                kinds[kind], jt_topk_select_ctas(0, T, n, k, mode, ctas), iters,
-                bad);
-  report(bad == 0, buf);
 }
 
+// The grid kernel's default CTAs per row for T rows (make_plan's).
+int grid_ctas(int T) {
+  int sms = 0;
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  return std::max(1, sms / T);
+}
+
+// Every case on the grid kernel (`ctas` CTAs per row, 0: its default) and on
+// clusters of 16 and 8 where the row fits.
 void run_select_tests(bool small, int iters) {
   const int S = JT_TOPK_SORTED;
+  auto test = [&](int T, int n, int k, int mode, ScoreKind kind, unsigned seed,
+                  int ctas = 0) {
+    test_select(T, n, k, mode, kind, iters, seed,
+                {ctas > 0 ? ctas : grid_ctas(T), -16, -8});
+  };
   // few CTAs: these also run under compute-sanitizer
-  test_select(1, 100, 100, S, kZeros, iters, 31);
-  test_select(3, 3001, 1000, S, kMasked, iters, 32, 4);
-  test_select(1, 5000, 2048, 0, kZeros, iters, 33, 8);
+  test(1, 100, 100, S, kZeros, 31);
+  test(3, 3001, 1000, S, kMasked, 32, 4);
+  test(1, 5000, 2048, 0, kZeros, 33, 8);
   if (small) return;
-  test_select(3, 3001, 1000, S, kMasked, iters, 34);
-  test_select(1, 5000, 2048, 0, kZeros, iters, 35);
-  test_select(1, 4096, 2048, S, kNormal, iters, 41);
-  test_select(1, 4096, 2048, S, kTies, iters, 42);
-  test_select(1, 2048, 2048, S, kNormal, iters, 43);             // n == k
-  test_select(2, 32768, 2048, S, kTies, iters, 44);
-  test_select(4, 32771, 2048, 0, kNormal, iters, 45);            // n odd
-  test_select(1, 131072, 2048, S, kNormal, iters, 46);
-  test_select(1, 131072, 2048, S, kMasked, iters, 47);
-  test_select(1, 131072, 2048, S | JT_TOPK_CANONICAL_ZERO, kZeros, iters, 48);
-  test_select(2, 163840, 2048, S, kNarrow, iters, 49);
-  test_select(8, 163840, 2048, S, kTies, iters, 50);
-  test_select(8, 9000, 8192, S, kNormal, iters, 51);             // ranks: one part per slot
-  test_select(3, 70001, 7, 0, kTies, iters, 52);
-  test_select(1, 131072, 2048, S, kTies, iters, 53, 8);          // fewer, larger chunks
-  test_select(2, 163840, 2048, 0, kNormal, iters, 54, 11);       // chunks near kMaxChunk
+  test(3, 3001, 1000, S, kMasked, 34);
+  test(1, 5000, 2048, 0, kZeros, 35);
+  test(1, 4096, 2048, S, kNormal, 41);
+  test(1, 4096, 2048, S, kTies, 42);
+  test(1, 2048, 2048, S, kNormal, 43);             // n == k
+  test(2, 32768, 2048, S, kTies, 44);
+  test(4, 32771, 2048, 0, kNormal, 45);            // n odd
+  test(1, 131072, 2048, S, kNormal, 46);
+  test(1, 131072, 2048, S, kMasked, 47);
+  test(1, 131072, 2048, S | JT_TOPK_CANONICAL_ZERO, kZeros, 48);
+  test(2, 163840, 2048, S, kNarrow, 49);
+  test(8, 163840, 2048, S, kTies, 50);
+  test(8, 9000, 8192, S, kNormal, 51);             // ranks: one part per slot
+  test(3, 70001, 7, 0, kTies, 52);
+  test(1, 131072, 2048, S, kTies, 53, 8);          // fewer, larger chunks
+  test(2, 163840, 2048, 0, kNormal, 54, 11);       // chunks near kMaxChunk
+  test(1, 196608, 2048, 0, kTies, 55);             // 16 full cluster chunks
 }
 
 
@@ -867,9 +899,9 @@ void bench_select(int T, int n, int k, int mode, int ctas = 0) {
     CK(cudaMalloc(&dv[r], (size_t)T * k * 4));
   }
   char name[160];
-  std::snprintf(name, sizeof(name), "topk_select T=%d n=%d k=%d %s ctas/row=%d", T,
-                n, k, (mode & JT_TOPK_SORTED) ? "sorted" : "by-index",
-                jt_topk_select_ctas(0, T, n, k, mode, ctas));
+  std::snprintf(name, sizeof(name), "topk_select T=%d n=%d k=%d %s %s", T, n, k,
+                (mode & JT_TOPK_SORTED) ? "sorted" : "by-index",
+                select_variant(T, n, k, mode, ctas).c_str());
   bench_graph(
       name,
       [&](int r, cudaStream_t st) {
@@ -885,10 +917,15 @@ void bench_select(int T, int n, int k, int mode, int ctas = 0) {
 }
 
 void run_select_bench() {
+  // the grid kernel (its default CTAs per row), clusters of 8 and 16 (the
+  // default picks one of them where the row fits)
   for (int n : {4096, 32768, 131072, 163840})
-    for (int mode : {JT_TOPK_SORTED, 0}) bench_select(1, n, 2048, mode);
-  bench_select(2, 131072, 2048, JT_TOPK_SORTED);
-  bench_select(4, 131072, 2048, JT_TOPK_SORTED);
+    for (int mode : {JT_TOPK_SORTED, 0})
+      for (int ctas : {grid_ctas(1), -8, -16})
+        if (jt_topk_select_ctas(0, 1, n, 2048, mode, ctas) > 0)
+          bench_select(1, n, 2048, mode, ctas);
+  for (int T : {2, 4, 8})
+    for (int ctas : {grid_ctas(T), -16}) bench_select(T, 131072, 2048, JT_TOPK_SORTED, ctas);
   // CTAs per row: fewer arrivals at each barrier against less work per CTA
   for (int n : {32768, 131072})
     for (int ctas : {8, 16, 32, 64})

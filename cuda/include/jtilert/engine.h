@@ -138,16 +138,23 @@ cudaError_t jt_merge_topk(int gid, int rank, cudaStream_t stream,
 // Allocates device `dev`'s top-k scratch (once; idempotent) and raises the
 // kernel's shared-memory limit. `timeout_ms` bounds its barrier waits.
 int jt_topk_prepare(int dev, int64_t timeout_ms, char* err, int errlen);
-// CTAs per row that jt_topk_select would launch (`ctas` asked for, 0: its
-// default of about one per SM in all), or -1 if the shape is not supported
-// (T > JT_TOPK_MAX_ROWS, k > n or k > JT_TOPK_MAX_K, not co-resident) or the
-// device is not prepared.
+// CTAs per row that jt_topk_select would launch, or -1 if the shape is not
+// supported (T > JT_TOPK_MAX_ROWS, k > n or k > JT_TOPK_MAX_K, not
+// co-resident, no such cluster) or the device is not prepared. `ctas` > 0:
+// the grid kernel with that many CTAs per row; < 0: one thread-block cluster
+// of -ctas CTAs per row; 0: a cluster of 16 (8 where the GPU runs no 16) if
+// the row fits (n <= 12288 per CTA: 196608), else the grid kernel with about
+// one CTA per SM in all.
 int jt_topk_select_ctas(int dev, int T, int n, int k, int mode, int ctas);
+// Cluster size jt_topk_select would launch with (0: the grid kernel), or -1
+// as above.
+int jt_topk_select_cluster(int dev, int T, int n, int k, int mode, int ctas);
 // Copies device `dev`'s top-k status record into `out`; returns 0 or -1.
 int jt_topk_status(int dev, JtStatus* out);
 // Exact top-k of every row of scores [T, n] (fp32): the k (index, value)
 // pairs lax.top_k returns (ties toward the lower index; total order of the
-// bits), written to out_idx / out_val [T, k]. One cooperative launch.
+// bits), written to out_idx / out_val [T, k]. One launch: cooperative (grid
+// kernel) or of T clusters.
 cudaError_t jt_topk_select(int dev, cudaStream_t stream, const float* scores,
                            int32_t* out_idx, float* out_val, int T, int n,
                            int k, int mode, int ctas);
