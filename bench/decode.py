@@ -111,7 +111,9 @@ def step_bytes(model, context: int, tp: int = 1) -> dict:
         weights += n
     seen = min(context + 1, cfg.index_topk)
     dtype_bytes = jnp.dtype(model.dtype).itemsize
-    mla = cfg.num_hidden_layers * seen * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * dtype_bytes
+    row = (cfg.kv_lora_rank + 4 * cfg.kv_lora_rank // 128 + 2 * cfg.qk_rope_head_dim if cfg.kv_cache_quant == "fp8"
+           else (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * dtype_bytes)   # FlashMLA's fp8 row: 656 B
+    mla = cfg.num_hidden_layers * seen * row
     key_bytes = cfg.index_head_dim + 4 if cfg.index_quant == "fp8" else cfg.index_head_dim * dtype_bytes
     indexer = sum(t == "full" for t in cfg.indexer_types) * (context + 1) * key_bytes
     return {"weights": weights, "mla_kv": mla, "index_keys": indexer, "total": weights + mla + indexer}
@@ -269,6 +271,8 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="dsv32-tp8-shard")
     p.add_argument("--layers", type=int, default=None, help="override num_hidden_layers")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a config field of the preset, e.g. --set kv_cache_quant=fp8 (repeatable)")
     p.add_argument("--checkpoint", default=None, help="load this checkpoint instead of random weights")
     p.add_argument("--fmt", default=None, help="weight format for random weights (default fp8 for fp8 presets)")
     p.add_argument("--context", type=int, default=4096)
@@ -289,7 +293,10 @@ def main(argv=None) -> dict:
     if a.checkpoint:
         model = jtilert.load(a.checkpoint, mesh=mesh)
     else:
-        cfg = jtilert.preset(a.preset, **({"num_hidden_layers": a.layers} if a.layers else {}))
+        overrides = dict(_field(kv) for kv in a.set)
+        if a.layers:
+            overrides["num_hidden_layers"] = a.layers
+        cfg = jtilert.preset(a.preset, **overrides)
         fmt = a.fmt or ("fp8" if cfg.index_quant == "fp8" else "bf16")
         model = jtilert.random_model(cfg, fmt=fmt, mesh=mesh)
     cfg = model.cfg
@@ -299,7 +306,7 @@ def main(argv=None) -> dict:
     bw = copy_bandwidth(256 << 20 if jax.default_backend() == "cpu" else 2 << 30)
     floor_ms = nbytes["total"] / bw * 1e3
     result = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind,
-              "preset": a.checkpoint or a.preset, "layers": cfg.num_hidden_layers, "context": a.context, "tp": a.tp,
+              "preset": a.checkpoint or a.preset, "overrides": a.set, "layers": cfg.num_hidden_layers, "context": a.context, "tp": a.tp,
               "bytes_per_step": nbytes, "copy_bandwidth_GBs": bw / 1e9, "floor_ms": floor_ms, "runs": []}
     def save():
         if a.out:
@@ -353,6 +360,17 @@ def main(argv=None) -> dict:
     if a.plot:
         plot(result, a.plot)
     return result
+
+
+def _field(kv: str) -> tuple[str, object]:
+    """'name=value' → (name, value), the value parsed as JSON where it can be (numbers, booleans)."""
+    name, sep, value = kv.partition("=")
+    if not sep:
+        raise SystemExit(f"--set {kv!r}: expected FIELD=VALUE")
+    try:
+        return name, json.loads(value)
+    except json.JSONDecodeError:
+        return name, value
 
 
 def plot(result: dict, path: str) -> None:

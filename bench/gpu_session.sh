@@ -15,6 +15,7 @@
 #   hf_eager     transformers' model on it (static cache), bench/transformers_decode.py
 #   hf_compile   the same with torch.compile (CUDA graphs)
 #   flags        the 8-layer step with XLA's PDL launches / RAFT top-k on and off
+#   kvfp8        the 8-layer step with FlashMLA's fp8 latent cache (656 B per position)
 #   build        the CUDA engine library and self-test (python -m jtilert.ffi.build --selftest)
 #   select       the engine's top-k select: self-test + CUDA-graph timings (after build)
 #   tp2          bench.decode at tp=2, 4 layers, psum vs the engine's all-reduce (2 GPUs, after build)
@@ -62,6 +63,8 @@ for part in "$@"; do
         XLA_FLAGS="$XLA_FLAGS $f" step "$n" 200 $DEC --layers 8 --backend pallas,reference --samples 10 \
           --kernels --out "$WORK/$n.json"
       done ;;
+    kvfp8) step kvfp8 200 $DEC --layers 8 --backend pallas,reference --set kv_cache_quant=fp8 --samples 10 \
+             --out "$WORK/kvfp8.json" ;;
     build) step build 240 python3 -m jtilert.ffi.build --selftest ;;
     select) step select 90 "$(dirname "$(tail -1 "$WORK/build.log")")/jtilert_selftest" --select-only --iters 3 --bench ;;
     tp2) JTILERT_FFI_TOPK=0 step tp2 200 $DEC --layers 4 --tp 2 --backend "$B" --all-reduce psum,engine \
