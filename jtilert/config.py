@@ -262,12 +262,17 @@ TINY_GLM5 = TINY.replace(model_type="glm_moe_dsa", n_group=1, topk_group=1, inde
 DSV32_TP8_SHARD = DEEPSEEK_V32.replace(num_attention_heads=16, moe_intermediate_size=256,
                                        intermediate_size=2304, vocab_size=129280 // 8)
 
+# The same for GLM-5 (64 heads, expert intermediate 2048, dense intermediate 12288, vocab 154880 / 8).
+GLM5_TP8_SHARD = GLM_5.replace(num_attention_heads=8, moe_intermediate_size=256, intermediate_size=1536,
+                               vocab_size=154880 // 8)
+
 PRESETS: dict[str, ModelConfig] = {
     "tiny": TINY,
     "tiny-glm5": TINY_GLM5,
     "deepseek-v3.2": DEEPSEEK_V32,
     "glm-5": GLM_5,
     "dsv32-tp8-shard": DSV32_TP8_SHARD,
+    "glm5-tp8-shard": GLM5_TP8_SHARD,
 }
 
 

@@ -20,7 +20,12 @@ def test_presets_have_documented_shapes():
     tiny = preset("tiny")
     for n in (tiny.num_attention_heads, tiny.moe_intermediate_size, tiny.vocab_size):
         assert n % 8 == 0
-    assert set(PRESETS) >= {"tiny", "tiny-glm5", "deepseek-v3.2", "glm-5", "dsv32-tp8-shard"}
+    assert set(PRESETS) >= {"tiny", "tiny-glm5", "deepseek-v3.2", "glm-5", "dsv32-tp8-shard", "glm5-tp8-shard"}
+    for full, part in (("deepseek-v3.2", "dsv32-tp8-shard"), ("glm-5", "glm5-tp8-shard")):
+        f, p = preset(full), preset(part)   # one rank's share: every tp-split width over 8, the rest equal
+        split = ("num_attention_heads", "moe_intermediate_size", "intermediate_size", "vocab_size")
+        assert all(getattr(p, n) * 8 == getattr(f, n) for n in split)
+        assert p.replace(**{n: getattr(f, n) for n in split}) == f
 
 
 def test_softmax_scale_has_yarn_mscale():
