@@ -105,10 +105,10 @@ class Bucket:
     self.lo = shift
 
 
-def select_and_order(chunks, chunk, k, need, bkt, gt_eq_before, sorted_out):
+def stage_entries(chunks, chunk, k, need, bkt, gt_eq_before):
   """write_selected of every CTA: the entry at chunk position i goes to slot offset + (keys above
   the bucket before i) + min(bucket keys before i, take) (the kernel counts those by warp
-  segments and ballots); then rank_store; returns (values, indices)."""
+  segments and ballots); returns the staged entries, key << 32 | position."""
   stage = np.zeros(k, np.uint64)
   written = np.zeros(k, bool)
   for g, c in enumerate(chunks):
@@ -124,13 +124,29 @@ def select_and_order(chunks, chunk, k, need, bkt, gt_eq_before, sorted_out):
     written[slot] = True
     stage[slot] = (c[pos].astype(np.uint64) << np.uint64(32)) | (pos + g * chunk).astype(np.uint64)
   assert written.all()
-  pos, vals = (stage & np.uint64(0xFFFFFFFF)).astype(np.int32), key_value((stage >> np.uint64(32)).astype(np.uint32))
-  if not sorted_out:
-    return vals, pos
-  # ranks: CTA g ranks slots [g*per, ...) against the k staged keys split into `parts` ranges
+  return stage
+
+
+def unstage(stage):
+  """(keys, values, positions) of staged entries."""
   sk = (stage >> np.uint64(32)).astype(np.uint32)
+  return sk, key_value(sk), (stage & np.uint64(0xFFFFFFFF)).astype(np.int32)
+
+
+def place(ranks, vals, pos):
+  """The outputs written at their ranks; every rank exactly once."""
+  k = len(vals)
+  assert sorted(ranks) == list(range(k))
   out_v, out_i = np.zeros(k, np.float32), np.full(k, -1, np.int32)
-  g_n = len(chunks)
+  out_v[ranks], out_i[ranks] = vals, pos
+  return out_v, out_i
+
+
+def grid_ranks(stage, k, g_n):
+  """rank_store: CTA g ranks slots [g*per, ...) against the k staged keys split into `parts`
+  ranges."""
+  sk, vals, pos = unstage(stage)
+  ranks = np.zeros(k, np.int64)
   per = (k + g_n - 1) // g_n
   for g in range(g_n):
     s0 = min(k, g * per)
@@ -146,9 +162,52 @@ def select_and_order(chunks, chunk, k, need, bkt, gt_eq_before, sorted_out):
         a = min(max(sx, y0), y1)
         b = max(a, min(sx + 1, y1))
         rank[el] += int((sk[y0:a] >= sk[sx]).sum()) + int((sk[b:y1] > sk[sx]).sum())
-    out_v[rank], out_i[rank] = vals[s0:s0 + ne], pos[s0:s0 + ne]
-  assert (out_i >= 0).all()
-  return out_v, out_i
+    ranks[s0:s0 + ne] = rank
+  return place(ranks, vals, pos)
+
+
+def cluster_ranks(stage, k, c_n):
+  """cluster_rank_store: CTA g sorts its share of slots [g*per, ...) (rank in the share by
+  comparisons in `parts` ranges), publishes the sorted keys; after a cluster barrier every entry
+  adds, for each other share, the binary-search count of its keys that go first."""
+  sk, vals, pos = unstage(stage)
+  per = (k + c_n - 1) // c_n
+  shares = [sk[min(k, g * per):min(k, (g + 1) * per)] for g in range(c_n)]
+  local = []
+  for sh in shares:
+    ne = len(sh)
+    rank = np.zeros(ne, np.int64)
+    parts = max(1, NT // max(ne, 1))
+    for part in range(parts):
+      y0, y1 = ne * part // parts, ne * (part + 1) // parts
+      for el in range(ne):
+        a = min(max(el, y0), y1)
+        b = max(a, min(el + 1, y1))
+        rank[el] += int((sh[y0:a] >= sh[el]).sum()) + int((sh[b:y1] > sh[el]).sum())
+    local.append(rank)
+  sorted_keys = []
+  for sh, rank in zip(shares, local):
+    sk_sorted = np.zeros(len(sh), np.uint32)
+    sk_sorted[rank] = sh
+    assert (np.diff(sk_sorted.astype(np.int64)) <= 0).all()
+    sorted_keys.append(sk_sorted)
+  ranks = np.zeros(k, np.int64)
+  for g, (sh, rank) in enumerate(zip(shares, local)):
+    for el in range(len(sh)):
+      r = int(rank[el])
+      for o, y in enumerate(sorted_keys):
+        if o == g:
+          continue
+        lo, hi = 0, len(y)     # the kernel's binary search: a prefix goes before sh[el]
+        while lo < hi:
+          mid = (lo + hi) >> 1
+          if (y[mid] >= sh[el]) if o < g else (y[mid] > sh[el]):
+            lo = mid + 1
+          else:
+            hi = mid
+        r += lo
+      ranks[g * per + el] = r
+  return place(ranks, vals, pos)
 
 
 def model_row(x, k, sorted_out=True, canonical_zero=False, sms=132, t=1, ctas=0):
@@ -170,8 +229,8 @@ def model_row(x, k, sorted_out=True, canonical_zero=False, sms=132, t=1, ctas=0)
       break
   gt = [int(bkt.above(c).sum()) for c in chunks]
   eq = [int(bkt.inside(c).sum()) for c in chunks]
-  return select_and_order(chunks, chunk, k, need, bkt, lambda g: (sum(gt[:g]), sum(eq[:g])),
-                          sorted_out)
+  stage = stage_entries(chunks, chunk, k, need, bkt, lambda g: (sum(gt[:g]), sum(eq[:g])))
+  return grid_ranks(stage, k, g_n) if sorted_out else unstage(stage)[1:]
 
 
 # ------------------------------------------------------------------ numpy model of the cluster kernel
@@ -211,9 +270,9 @@ def model_cluster_row(x, k, sorted_out=True, canonical_zero=False, ctas=0):
       break
   # my_counts of every CTA; after a cluster barrier warp 0 sums those of the CTAs before it
   counts = [(int(bkt.above(c).sum()), int(bkt.inside(c).sum())) for c in chunks]
-  return select_and_order(chunks, chunk, k, need, bkt,
-                          lambda g: tuple(int(v) for v in np.sum(counts[:g] or [(0, 0)], axis=0)),
-                          sorted_out)
+  stage = stage_entries(chunks, chunk, k, need, bkt,
+                        lambda g: tuple(int(v) for v in np.sum(counts[:g] or [(0, 0)], axis=0)))
+  return cluster_ranks(stage, k, c_n) if sorted_out else unstage(stage)[1:]
 
 
 class _RowSync:

@@ -56,9 +56,10 @@
 // after a cluster barrier it sums those of the CTAs before it (remote reads)
 // and writes its entries like the grid kernel. A CTA leaves only after a last
 // cluster barrier that every CTA reaches after its last remote read. Sorted
-// output: staged in global memory, one more cluster barrier, then the grid
-// kernel's ranking (k * k / C comparisons per CTA: ~2 us for k = 2048, C = 16,
-// the one step that does not shrink with fewer barriers).
+// output: staged in global memory, one more cluster barrier, then every CTA
+// sorts its 1/C share of the slots and ranks it against the other sorted
+// shares by binary search (cluster_rank_store: one more barrier; k * k / C^2
+// comparisons per CTA instead of the grid kernel's k * k / G).
 #include <cooperative_groups.h>
 
 #include <algorithm>
@@ -522,6 +523,80 @@ __device__ void cluster_sum(const uint32_t* src, int n, uint32_t* dst) {
   __syncthreads();
 }
 
+// Sorted output of the cluster kernel, after the barrier behind the staging
+// (k entries in position order). CTA g owns the share of slots [g * per,
+// g * per + ne): it sorts the share by (score desc, position asc) with
+// ne * ne comparisons, publishes the sorted keys in `sorted_keys`, and after
+// a cluster barrier copies every share's sorted keys. An entry's rank is its
+// rank in its share plus, for every other share, the count of keys that go
+// before it by a binary search: shares before its own win ties (lower
+// positions), shares after it lose them. `rank`, `sorted_keys`, `share_keys`
+// hold per words, `dyn` (the dynamic shared memory) k + per words. All CTAs
+// meet the same barriers; the last one lets a CTA exit once no other reads
+// its sorted keys.
+__device__ void cluster_rank_store(const SelectParams& p, uint32_t* rank,
+                                   uint32_t* sorted_keys, uint32_t* share_keys,
+                                   uint32_t* dyn) {
+  namespace cg = cooperative_groups;
+  const cg::cluster_group cl = cg::this_cluster();
+  const int row = blockIdx.y, g = blockIdx.x, C = gridDim.x, tid = threadIdx.x;
+  const int k = p.k, per = (k + C - 1) / C;
+  const int s0 = min(k, g * per), ne = min(k, s0 + per) - s0;
+  const unsigned long long* stage = p.stage + (size_t)row * JT_TOPK_MAX_K;
+  uint32_t* all_keys = dyn;           // [k]: every share, sorted
+  uint32_t* share_pos = dyn + k;      // [ne]
+  for (int j = tid; j < ne; j += kNT) {
+    const unsigned long long v = __ldcg(&stage[s0 + j]);
+    share_keys[j] = (uint32_t)(v >> 32);
+    share_pos[j] = (uint32_t)v;
+    rank[j] = 0;
+  }
+  __syncthreads();
+  // rank in the share: threads split the share into `parts` ranges
+  const int parts = max(1, kNT / max(ne, 1));
+  for (int w = tid; w < ne * parts; w += kNT) {
+    const int el = w % ne, part = w / ne;
+    const uint32_t kx = share_keys[el];
+    const int y0 = ne * part / parts, y1 = ne * (part + 1) / parts;
+    const int a = min(max(el, y0), y1);  // those before el win ties
+    const int b = max(a, min(el + 1, y1));
+    uint32_t c = 0;
+    for (int y = y0; y < a; ++y) c += share_keys[y] >= kx;
+    for (int y = b; y < y1; ++y) c += share_keys[y] > kx;
+    atomicAdd(&rank[el], c);
+  }
+  __syncthreads();
+  for (int j = tid; j < ne; j += kNT) sorted_keys[rank[j]] = share_keys[j];
+  cluster_arrive();
+  cluster_wait();
+  for (int i = tid; i < k; i += kNT)
+    all_keys[i] = cl.map_shared_rank(sorted_keys, i / per)[i % per];
+  cluster_arrive();  // no more remote reads: the other CTAs may exit
+  __syncthreads();
+  for (int w = tid; w < ne * C; w += kNT) {
+    const int el = w % ne, sh = w / ne;
+    if (sh == g) continue;
+    const uint32_t kx = share_keys[el];
+    const uint32_t* y = all_keys + sh * per;
+    // keys that go before kx come first in the sorted share
+    int lo = 0, hi = max(0, min(k - sh * per, per));
+    while (lo < hi) {
+      const int mid = (lo + hi) >> 1;
+      if (sh < g ? y[mid] >= kx : y[mid] > kx) lo = mid + 1;
+      else hi = mid;
+    }
+    if (lo > 0) atomicAdd(&rank[el], (uint32_t)lo);
+  }
+  __syncthreads();
+  int32_t* oi = p.out_idx + (size_t)row * k;
+  float* ov = p.out_val + (size_t)row * k;
+  for (int j = tid; j < ne; j += kNT) {
+    oi[rank[j]] = (int32_t)share_pos[j];
+    ov[rank[j]] = key_value(share_keys[j]);
+  }
+  cluster_wait();
+}
+
 // One cluster per row (see the file comment); blockIdx.x is the CTA's rank in
 // the cluster, gridDim.x = C, chunks of p.chunk <= kClusterCap keys.
 __global__ void __launch_bounds__(kNT) topk_cluster_kernel(SelectParams p) {
@@ -537,7 +612,7 @@ __global__ void __launch_bounds__(kNT) topk_cluster_kernel(SelectParams p) {
   __shared__ uint32_t found[3];
   namespace cg = cooperative_groups;
   const cg::cluster_group cl = cg::this_cluster();
-  const int g = blockIdx.x, C = gridDim.x, tid = threadIdx.x;
+  const int g = blockIdx.x, tid = threadIdx.x;
   const bool sorted = (p.mode & JT_TOPK_SORTED) != 0;
   const int k = p.k;
   const int base = g * p.chunk;
@@ -615,14 +690,7 @@ __global__ void __launch_bounds__(kNT) topk_cluster_kernel(SelectParams p) {
   write_selected(p, keys, cnt, base, pre, lo, offset, take, sorted, wc);
   if (sorted) cluster_arrive();
   cluster_wait();
-  if (!sorted) return;
-
-  // ---- sorted output: the grid kernel's ranking; no remote reads any more,
-  // so hist is free for the ranks
-  const int per = (k + C - 1) / C;
-  const int s0 = min(k, g * per);
-  rank_store(p, reinterpret_cast<unsigned long long*>(smem), hist[0], s0,
-             min(k, s0 + per) - s0);
+  if (sorted) cluster_rank_store(p, hist[0], hist[1], hist[2], keys);
 }
 
 struct Scratch {
@@ -675,12 +743,12 @@ int max_cluster_size() {
 }
 
 // Cluster plan: C = -ctas CTAs, or (ctas == 0) the largest cluster the GPU
-// runs (16; the sorted output's ranking costs k * k / C per CTA), each with a
+// runs (16: the most CTAs loading and counting keys at once), each with a
 // chunk of ceil(n / C) <= kClusterCap keys.
 bool make_cluster_plan(const Scratch& s, int n, int k, int mode, int ctas,
                        Plan* p) {
   const int C = ctas < 0 ? -ctas : s.max_cluster;
-  // the ranks of a CTA's share of the sorted output live in hist[0]
+  // a CTA's share of the sorted output (ranks, keys) lives in its histograms
   if (C < 2 || C > s.max_cluster || (k + C - 1) / C > kBins ||
       (long long)C * kClusterCap < n)
     return false;
