@@ -705,6 +705,7 @@ struct Scratch {
   int max_smem;
   int max_cluster;   // largest cluster the cluster kernel runs with (0: none)
   bool cooperative;  // JTILERT_TOPK_COOPERATIVE=0: plain launches
+  bool cluster_default;  // JTILERT_TOPK_CLUSTER=1: ctas == 0 picks the cluster kernel
 };
 
 constexpr int kMaxDevices = 64;
@@ -762,15 +763,18 @@ bool make_cluster_plan(const Scratch& s, int n, int k, int mode, int ctas,
 
 // Launch for T rows of n scores. ctas > 0: the grid kernel with `ctas` CTAs
 // per row; ctas < 0: the cluster kernel with clusters of -ctas CTAs; 0: the
-// cluster kernel where the row fits (n <= 16 * kClusterCap), else the grid
-// kernel with about one CTA per SM in all. Grid kernel: chunks a multiple of
+// grid kernel with about one CTA per SM in all, or with JTILERT_TOPK_CLUSTER=1
+// the cluster kernel where the row fits (n <= 16 * kClusterCap). The cluster
+// kernel is opt-in until it has run on a GPU: its barriers cannot time out. Grid kernel: chunks a multiple of
 // 32 positions, at most kMaxChunk; false if the grid cannot be co-resident.
 bool make_plan(const Scratch& s, int T, int n, int k, int mode, int ctas,
                Plan* p) {
   if (T < 1 || T > JT_TOPK_MAX_ROWS || n < 1 || k < 1 || k > n ||
       k > JT_TOPK_MAX_K)
     return false;
-  if (ctas <= 0 && make_cluster_plan(s, n, k, mode, ctas, p)) return true;
+  if ((ctas < 0 || (ctas == 0 && s.cluster_default)) &&
+      make_cluster_plan(s, n, k, mode, ctas, p))
+    return true;
   if (ctas < 0) return false;
   int G = ctas > 0 ? ctas : std::max(1, s.sms / T);
   G = std::min(G, (n + 31) / 32);
@@ -864,6 +868,8 @@ extern "C" int jt_topk_prepare(int dev, int64_t timeout_ms, char* err,
   // GPU has nothing else running, and a barrier wait times out otherwise
   const char* coop = std::getenv("JTILERT_TOPK_COOPERATIVE");
   s.cooperative = coop == nullptr || std::strcmp(coop, "0") != 0;
+  const char* cluster = std::getenv("JTILERT_TOPK_CLUSTER");
+  s.cluster_default = cluster != nullptr && std::strcmp(cluster, "1") == 0;
   s.ready = true;
   return 0;
 }

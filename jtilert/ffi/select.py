@@ -14,8 +14,10 @@
   one-GPU top-k except that -0.0 and +0.0 tie (merge_topk's order).
 
 scores: fp32 [N] or [T, N] with T <= 8, k' <= 8192, and all CTAs co-resident (N up to ~2M for
-T = 1, ~260K for T = 8 on an H200). Rows up to N = 196608 run on one thread-block cluster each
-(16 CTAs; cluster barriers and distributed shared memory), longer ones on the grid kernel (about one CTA per SM in all, barriers through global memory): cuda/README.md. Elsewhere (no GPU, no library, other shapes) ``lax.top_k``
+T = 1, ~260K for T = 8 on an H200). By default the grid kernel runs (about one CTA per SM in all,
+barriers through global memory; measured 19-24 µs at N = 128K on an H200); JTILERT_TOPK_CLUSTER=1
+runs rows up to N = 196608 on one thread-block cluster each instead (16 CTAs; cluster barriers and
+distributed shared memory; not yet run on a GPU, so opt-in): cuda/README.md. Elsewhere (no GPU, no library, other shapes) ``lax.top_k``
 runs instead, with one warning per reason. ``backend="pallas"`` calls ``topk`` for
 ``topk_positions`` once the engine library is loaded (jtilert/pallas/dispatch.py);
 JTILERT_FFI_TOPK=0 turns that off.
@@ -117,7 +119,7 @@ def _engine_ok(t, n, k, mode, ctas) -> tuple[bool, str]:
 def top_k(scores, k, *, sorted=True, canonical_zero=False, ctas=0):  # noqa: A002 - lax.top_k's word
   """(values, indices) of the k' = min(k, N) largest scores per row, exactly lax.top_k's.
   ``ctas`` (for tuning): > 0, the grid kernel with that many CTAs per row; < 0, one cluster of
-  -ctas CTAs per row; 0, the default (cluster where the row fits, see the module docstring)."""
+  -ctas CTAs per row; 0, the default (see the module docstring)."""
   scores = jnp.asarray(scores, jnp.float32)
   if scores.ndim == 1:
     vals, idx = top_k(scores[None], k, sorted=sorted, canonical_zero=canonical_zero, ctas=ctas)
