@@ -192,8 +192,8 @@ def breakdown(model, backend, context, steps, samples, mesh, engine) -> dict:
 
 
 def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samples: int, mesh=None,
-                  engine: bool = False, host: bool = True, kernels: bool = False) -> dict:
-    eng = Engine(model, mesh=mesh, backend=backend, engine_all_reduce=engine)
+                  engine: bool = False, host: bool = True, kernels: bool = False, split_indexer: bool = False) -> dict:
+    eng = Engine(model, mesh=mesh, backend=backend, engine_all_reduce=engine, split_indexer=split_indexer)
     rows = context + 2 * steps + 8
     cache = random_cache(eng, rows)
     token, draft = eng.place(jnp.array([1], jnp.int32)), eng.place(jnp.array([2], jnp.int32))
@@ -226,6 +226,7 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
         from jtilert import ffi
         engine = ffi.available()
     result = {"backend": eng.backend, "mtp": mtp, "tp": eng.tp, "all_reduce": "engine" if engine else "psum",
+              "split_indexer": split_indexer,
               "step_ms_median": device_s * 1e3, "step_ms_p90": float(np.percentile(per_step, 90)) * 1e3,
               "tok_s": 1.0 / device_s, "compile_s": compile_s, "steps_timed": 3 * steps * samples,
               "call_overhead_ms": (statistics.median(short) - steps * device_s) * 1e3, "timing": timing}
@@ -280,6 +281,8 @@ def main(argv=None) -> dict:
     p.add_argument("--mtp", action="store_true", help="also time the MTP speculative step (verify 2 + draft)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (the config is split over tp devices)")
     p.add_argument("--all-reduce", default="psum", help="comma-separated: psum,engine (the CUDA engine)")
+    p.add_argument("--split-indexer", action="store_true",
+                   help="with --tp: each rank scores 1/tp of the cached positions, top-k lists merged")
     p.add_argument("--steps", type=int, default=10, help="steps per timed sample")
     p.add_argument("--samples", type=int, default=20)
     p.add_argument("--out", default=None, help="write the JSON here")
@@ -318,7 +321,7 @@ def main(argv=None) -> dict:
         for ar in ars:
             for mtp in (False, True) if a.mtp else (False,):
                 r = bench_backend(model, backend, a.context, mtp, a.steps, a.samples, mesh, ar == "engine",
-                                  kernels=a.kernels and not mtp)
+                                  kernels=a.kernels and not mtp, split_indexer=a.split_indexer)
                 r["step_over_floor"] = r["step_ms_median"] / floor_ms
                 result["runs"].append(r)
                 print(json.dumps({k: v for k, v in r.items() if k != "kernel_profile"}), flush=True)

@@ -15,6 +15,7 @@
 #   hf_eager     transformers' model on it (static cache), bench/transformers_decode.py
 #   hf_compile   the same with torch.compile (CUDA graphs)
 #   flags        the 8-layer step with XLA's PDL launches / RAFT top-k on and off
+#   tp2split     tp=2, 4 layers, 32K context: the indexer split over the GPUs vs not (after build)
 #   kvfp8        the 8-layer step with FlashMLA's fp8 latent cache (656 B per position)
 #   build        the CUDA engine library and self-test (python -m jtilert.ffi.build --selftest)
 #   select       the engine's top-k select: self-test + CUDA-graph timings (after build)
@@ -62,6 +63,11 @@ for part in "$@"; do
         n=flags${f:+_$(echo "$f" | sed 's/--xla_gpu_//; s/=true//; s/experimental_enable_//; s/_for_stable_topk//')}
         XLA_FLAGS="$XLA_FLAGS $f" step "$n" 200 $DEC --layers 8 --backend pallas,reference --samples 10 \
           --kernels --out "$WORK/$n.json"
+      done ;;
+    tp2split)  # the indexer split over the 2 GPUs against every GPU scoring all rows, at 32K context
+      for split in "" --split-indexer; do
+        step "tp2split${split:+_on}" 200 python3 -m bench.decode --preset dsv32-tp8-shard --context 32768 --layers 4 \
+          --tp 2 --backend pallas --all-reduce engine --samples 10 $split --out "$WORK/tp2split${split:+_on}.json"
       done ;;
     kvfp8) step kvfp8 200 $DEC --layers 8 --backend pallas,reference --set kv_cache_quant=fp8 --samples 10 \
              --out "$WORK/kvfp8.json" ;;

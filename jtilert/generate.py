@@ -28,7 +28,7 @@ class Engine:
     """The compiled steps of one model on one mesh with one backend."""
 
     def __init__(self, model: Transformer, mesh: Mesh | None = None, backend: str = "reference",
-                 engine_all_reduce: bool = False, steps_per_call: int = 8):
+                 engine_all_reduce: bool = False, steps_per_call: int = 8, split_indexer: bool = False):
         if steps_per_call < 1:
             raise ValueError(f"steps_per_call must be >= 1, got {steps_per_call}")
         self.cfg, self.dtype = model.cfg, model.dtype
@@ -54,6 +54,8 @@ class Engine:
         # costs ~7 µs of host time per array and call (its pytree nodes flatten in Python), 3x the list.
         self.state, self._treedef = jax.tree_util.tree_flatten(state)
         self._engine = engine_all_reduce
+        # Each rank scores 1/tp of the cached positions and the top-k lists are merged (decode only).
+        self._split_indexer = split_indexer
         self.forward = jax.jit(self._wrap(self._forward), donate_argnums=(1,))
         self.draft = jax.jit(self._wrap(self._draft), donate_argnums=(1,))
         # Generation runs `steps_per_call` steps per dispatch: one call's host cost (passing ~30 arrays
@@ -68,7 +70,7 @@ class Engine:
         """Run `fn(model, cache, *args)` under the backend and, with tp > 1, under shard_map."""
         def run(state, cache, *args):
             with backend_mod.use(self.backend), sharding.tensor_parallel(
-                    sharding.AXIS if self.tp > 1 else None, self._engine):
+                    sharding.AXIS if self.tp > 1 else None, self._engine, self._split_indexer):
                 return fn(nnx.merge(self.graphdef, jax.tree_util.tree_unflatten(self._treedef, state)), cache, *args)
 
         if self.tp == 1:
@@ -152,7 +154,8 @@ class Generator:
 
     def __init__(self, model: Transformer, max_seq_len: int = 2048, sampling: Sampling | None = None,
                  mtp: bool = False, backend: str = "reference", mesh: Mesh | None = None,
-                 prefill_chunk: int = 64, engine_all_reduce: bool = False, steps_per_call: int = 8):
+                 prefill_chunk: int = 64, engine_all_reduce: bool = False, steps_per_call: int = 8,
+                 split_indexer: bool = False):
         cfg = model.cfg
         if max_seq_len <= 0:
             raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
@@ -167,7 +170,7 @@ class Generator:
         # Room for the padded last prefill chunk, and for the steps a decode call runs past the last
         # token kept (up to 2 rows per MTP step).
         self.rows = -(-(max_seq_len + 2 * steps_per_call + 2) // prefill_chunk) * prefill_chunk
-        self.engine = Engine(model, mesh, backend, engine_all_reduce, steps_per_call)
+        self.engine = Engine(model, mesh, backend, engine_all_reduce, steps_per_call, split_indexer)
         self._cache = None
         self._injected = 0
         self.stats: dict = {}

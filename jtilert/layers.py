@@ -142,15 +142,20 @@ def indexer_key(cfg: ModelConfig, k: jax.Array):
     return k8, ks[..., 0]
 
 
-def indexer_append_scores(cfg: ModelConfig, q, w, k, k_cache, k_scale, positions, start, score=None):
+def indexer_append_scores(cfg: ModelConfig, q, w, k, k_cache, k_scale, positions, start, score=None,
+                          first_row=None, num_rows=None):
     """Write the new tokens' index keys k [T, D] into the cache at row `start` (quantised in fp8
     mode), then score every cache row with `score` (default `indexer_scores`):
-    (scores [T, S], k_cache, k_scale)."""
+    (scores [T, S], k_cache, k_scale). With num_rows: only the scores of rows [first_row, first_row +
+    num_rows) ([T, num_rows]; the indexer split over GPUs)."""
     k, ks = indexer_key(cfg, k)
     k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (start, 0))
     if ks is not None:
         k_scale = jax.lax.dynamic_update_slice(k_scale, ks, (start,))
-    return (score or indexer_scores)(q, w, k_cache, k_scale, positions), k_cache, k_scale
+    scores = (score or indexer_scores)(q, w, k_cache, k_scale, positions)
+    if num_rows is not None:
+        scores = jax.lax.dynamic_slice_in_dim(scores, first_row, num_rows, axis=1)
+    return scores, k_cache, k_scale
 
 
 def indexer_scores(q: jax.Array, w: jax.Array, k_cache: jax.Array, k_scale: jax.Array | None,

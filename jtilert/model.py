@@ -150,12 +150,15 @@ class Indexer(nnx.Module):
         w = layers.linear(x.astype(F32), self.weights_proj.weight[...].astype(F32))
         w = w * (cfg.index_n_heads**-0.5 * cfg.index_head_dim**-0.5)
         q, w = layers.indexer_query(cfg, q, w)
+        first, num = sharding.indexer_rows(cache["index_k"].shape[0], t)   # this rank's rows when split
         scores, k_cache, k_scale = ops.indexer_append_scores(cfg, q, w, k, cache["index_k"], cache.get("index_scale"),
-                                                             positions, start)
+                                                             positions, start, first_row=first, num_rows=num)
         cache = dict(cache, index_k=k_cache)
         if k_scale is not None:
             cache["index_scale"] = k_scale
         _record(self, "scores", scores)
+        if num is not None:
+            return sharding.split_topk(scores, cfg.index_topk), cache
         return ops.topk_positions(scores, cfg.index_topk), cache
 
 

@@ -25,6 +25,7 @@ AXIS = "tp"
 # engine replaces psum.
 _axis: contextvars.ContextVar[str | None] = contextvars.ContextVar("jtilert_tp_axis", default=None)
 _engine: contextvars.ContextVar[bool] = contextvars.ContextVar("jtilert_tp_engine", default=False)
+_split_indexer: contextvars.ContextVar[bool] = contextvars.ContextVar("jtilert_split_indexer", default=False)
 
 
 def make_mesh(tp: int = 1, devices=None) -> Mesh:
@@ -36,13 +37,33 @@ def make_mesh(tp: int = 1, devices=None) -> Mesh:
 
 
 @contextlib.contextmanager
-def tensor_parallel(axis: str | None, engine: bool = False):
-    t1, t2 = _axis.set(axis), _engine.set(engine)
+def tensor_parallel(axis: str | None, engine: bool = False, split_indexer: bool = False):
+    t1, t2, t3 = _axis.set(axis), _engine.set(engine), _split_indexer.set(split_indexer)
     try:
         yield
     finally:
         _axis.reset(t1)
         _engine.reset(t2)
+        _split_indexer.reset(t3)
+
+
+def indexer_rows(rows: int, tokens: int) -> tuple[jax.Array | None, int | None]:
+    """(first row, count) of this rank's share of the index-key cache when the indexer is split over
+    the ranks (one decode token, rows divisible by tp), else (None, None): every rank scores every row."""
+    axis = _axis.get()
+    if axis is None or not _split_indexer.get() or tokens != 1 or rows % jax.lax.axis_size(axis):
+        return None, None
+    n = rows // jax.lax.axis_size(axis)
+    return jax.lax.axis_index(axis) * n, n
+
+
+def split_topk(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """topk_positions over the whole cache from this rank's scores [1, n] of rows [r·n, (r+1)·n):
+    a local top-k per rank, merged across the ranks (the engine's peer-memory merge, or all_gather
+    and a sort) into the same (indices [1, k], valid [1, k]) on every rank."""
+    from jtilert import ffi
+    vals, idx = ffi.split_topk(scores[0], k, _axis.get())
+    return idx[None], vals[None] > -jnp.inf
 
 
 def all_reduce(x: jax.Array) -> jax.Array:

@@ -390,6 +390,18 @@ def test_model_decode_step_lowers_to_the_fused_kernels(tiny_bf16, monkeypatch):
   assert "custom_call @jtilert_all_reduce" not in txt
 
 
+def test_split_indexer_lowers_to_the_engine_merge(tiny_bf16, monkeypatch):
+  """split_indexer=True at tp=2, cross-lowered for CUDA: every indexer's per-rank top-k lists go
+  through the engine's peer-memory merge."""
+  from jtilert.generate import Engine
+  monkeypatch.setattr(ffi_ops, "_TEST_FORCE_EMIT", True)
+  eng = Engine(tiny_bf16, mesh=_mesh(2), split_indexer=True)
+  tok = eng.place(jnp.asarray([5], jnp.int32))
+  txt = eng.forward.trace(eng.state, eng.new_cache(64), tok, eng.place(jnp.int32(0))).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert txt.count("custom_call @jtilert_merge_topk") == tiny_bf16.cfg.indexer_types.count("full")
+
+
 def test_two_axis_mesh_groups(monkeypatch):
   """On a (2, 4) mesh the all-reduce over 'tp' forms one group per 'dp' row."""
   if jax.device_count() < 8:

@@ -78,3 +78,16 @@ def test_head_candidates_merge_over_ranks_with_ties():
     np.testing.assert_array_equal(ids, want_ids)
     np.testing.assert_array_equal(vals, want_vals)
     assert list(np.asarray(ids[0, :4])) == [3, 5, 7, 18]
+
+
+def test_split_indexer_decodes_the_same_tokens(tiny_random):
+    """split_indexer=True: each of 2 (or 8) ranks scores its share of the cached positions and the
+    top-k lists are merged (XLA fallback of the engine's merge here); the prompt is longer than
+    index_topk, so the merged selection decides the attention. 80 cache rows: the 52 positions span
+    the shares of 2 ranks at tp=2 and of 6 at tp=8."""
+    gen = lambda **kw: jtilert.Generator(tiny_random, max_seq_len=60, prefill_chunk=16, **kw)
+    one = gen().generate(IDS, 8, stop_tokens=[])
+    for tp in (2, 8):
+        split = gen(mesh=jtilert.make_mesh(tp), split_indexer=True)
+        assert split.engine.new_cache(split.rows)["layers"][1]["index_k"].shape[0] == 80
+        assert split.generate(IDS, 8, stop_tokens=[]) == one
