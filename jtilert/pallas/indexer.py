@@ -296,21 +296,20 @@ def append_and_score(q, w, k_new, k_cache, k_scale, positions, *, start=0, end=N
 
 def indexer_append_scores(cfg, q, w, k, k_cache, k_scale, positions, start, first_row=None, num_rows=None):
     """Drop-in for `jtilert.layers.indexer_append_scores` (the model's op): decode steps run
-    `append_and_score` (over rows [first_row, first_row + num_rows) when num_rows is given; the new
-    key lands in the cache only where it is in that range), prefill chunks the reference."""
+    `append_and_score`, prefill chunks the reference. With num_rows (the indexer split over GPUs)
+    the kernel scores rows [first_row, first_row + num_rows) and XLA appends the key, so every
+    rank's cache stays whole for the steps that score all rows (prefill, MTP's two tokens)."""
     from jtilert import layers
     if q.shape[0] > MAX_TOKENS:
         return layers.indexer_append_scores(cfg, q, w, k, k_cache, k_scale, positions, start,
                                             first_row=first_row, num_rows=num_rows)
-    if not _row_copyable(k_cache):   # rows too short for one TMA (tiny test models): XLA appends
+    if num_rows is not None or not _row_copyable(k_cache):   # (tiny test models: rows shorter than a TMA)
         score = (indexer_scores if num_rows is None else
                  lambda *a: indexer_scores(*a, start=first_row, end=num_rows))
         return layers.indexer_append_scores(cfg, q, w, k, k_cache, k_scale, positions, start, score)
     k_new = layers.indexer_key_rotated(cfg, k)
     k_new = k_new.astype(F32 if k_scale is not None else k_cache.dtype)
-    if num_rows is None:
-        return append_and_score(q, w, k_new, k_cache, k_scale, positions)
-    return append_and_score(q, w, k_new, k_cache, k_scale, positions, start=first_row, end=num_rows)
+    return append_and_score(q, w, k_new, k_cache, k_scale, positions)
 
 
 def _row_copyable(k_cache) -> bool:
