@@ -9,6 +9,7 @@ library. Prints one PASS/FAIL line per check and exits non-zero on failure.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 import traceback
@@ -39,6 +40,15 @@ def main() -> int:
     print(("PASS " if ok else "FAIL ") + what, flush=True)
     if not ok:
       fails.append(what)
+
+  @contextlib.contextmanager
+  def checking(what):
+    """A check that raises reports itself as failed, and the others still run."""
+    try:
+      yield
+    except Exception as e:  # noqa: BLE001
+      traceback.print_exc()
+      report(False, f"{what}: {e}")
 
   gpus = jax.devices() if args.cpu_smoke else jax.devices("gpu")
   print(f"jax {jax.__version__}, {len(gpus)} GPU(s): {gpus[0].device_kind}")
@@ -72,7 +82,7 @@ def main() -> int:
         fe = smap(per_rank(lambda v, algo=algo: jf.all_reduce(v[0], "tp", algo=algo)),
                   P("tp"), P("tp"))
         fp = smap(per_rank(lambda v: lax.psum(v[0], "tp")), P("tp"), P("tp"))
-        try:
+        with checking(f"all_reduce {dtype} n={n} algo={algo}"):
           ye = np.asarray(fe(x).astype(jnp.float32))
           yp = np.asarray(fp(x).astype(jnp.float32))
           ref = np.asarray(x.astype(jnp.float32)).sum(0)
@@ -87,9 +97,6 @@ def main() -> int:
                  f"custom_call={custom} bit-identical={same} close-to-ref={close} "
                  f"equals-psum-bitwise={eq_psum} max|d psum|="
                  f"{np.abs(ye[0] - yp[0]).max():.3g}")
-        except Exception as e:  # noqa: BLE001
-          traceback.print_exc()
-          report(False, f"all_reduce {dtype} n={n} algo={algo}: {e}")
 
   # ---------------- GEMV + all-reduce -----------------------------------------
   def ref_gemv(x, w, s):
@@ -121,26 +128,20 @@ def main() -> int:
       in_specs = (P("tp"), P(None, "tp"))
       fn = smap(per_rank(lambda x, w: jf.gemv_all_reduce(x, w, None, "tp")), in_specs, P("tp"))
       args_ = (x, w)
-    try:
+    with checking(f"gemv_all_reduce N={n} K={k} fp8={fp8}"):
       rel, same = rel_and_same(np.asarray(fn(*args_).astype(jnp.float32)), ref_gemv(x, w, s))
       custom = hlo_has(fn, args_, "jtilert_gemv_all_reduce")
       report(same and rel < 8e-3 and custom,
              f"gemv_all_reduce N={n} K_local={k} {'fp8' if fp8 else 'bf16'}: custom_call={custom} "
              f"bit-identical={same} rel-err={rel:.2e}")
-    except Exception as e:  # noqa: BLE001
-      traceback.print_exc()
-      report(False, f"gemv_all_reduce N={n} K={k} fp8={fp8}: {e}")
 
   # local GEMV (no communication)
-  try:
+  with checking("gemv local"):
     x = jnp.asarray(rng.standard_normal(2048), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((7168, 2048)) * 0.05, jnp.bfloat16)
     y = np.asarray(jax.jit(lambda x, w: jf.gemv(x, w))(x, w).astype(jnp.float32))
     rel = np.linalg.norm(y - ref_gemv(x, w, None)) / np.linalg.norm(ref_gemv(x, w, None))
     report(rel < 8e-3, f"gemv (local) 7168x2048 bf16: rel-err={rel:.2e}")
-  except Exception as e:  # noqa: BLE001
-    traceback.print_exc()
-    report(False, f"gemv local: {e}")
 
   # ---------------- MoE down + shared expert + all-reduce ----------------------
   def expert_down_case(n, k, i_loc, e, is_loc, fp8):
@@ -179,7 +180,7 @@ def main() -> int:
 
   for (n, k, i_loc, e, is_loc, fp8) in ((7168, 8, 256, 16, 256, True), (7168, 8, 256, 16, 256, False),
                                         (7168, 8, 128, 16, 128, True), (1001, 3, 64, 5, 128, False)):
-    try:
+    with checking(f"expert_down_all_reduce N={n} fp8={fp8}"):
       case = expert_down_case(n, k, i_loc, e, is_loc, fp8)
       args_ = tuple(a for a in case if a is not None)
       fe = expert_down_fn(lambda *a: jf.expert_down_all_reduce(*a, "tp"), fp8)
@@ -193,12 +194,9 @@ def main() -> int:
              f"expert_down_all_reduce N={n} {k}x[{i_loc}] of E={e} + shared[{is_loc}] per rank "
              f"{'fp8' if fp8 else 'bf16'}: custom_call={custom} bit-identical={same} "
              f"rel-err={rel:.2e} rel-diff-vs-psum-path={rel_p:.2e}")
-    except Exception as e_:  # noqa: BLE001
-      traceback.print_exc()
-      report(False, f"expert_down_all_reduce N={n} fp8={fp8}: {e_}")
 
   # interleaved with the o_proj GEMV + all-reduce and all_reduce, many calls in one jitted loop
-  try:
+  with checking("expert_down jitted loop"):
     case = expert_down_case(7168, 8, 256, 16, 256, True)
     w_o = jnp.asarray(rng.standard_normal((7168, 1024 * W)) * 0.05, jnp.bfloat16)
     x_o = jnp.asarray(rng.standard_normal(1024 * W), jnp.bfloat16)
@@ -226,12 +224,9 @@ def main() -> int:
            f"2000 iterations of expert_down_all_reduce (ids changing on the device) + gemv_all_reduce "
            f"in one jitted fori_loop: mismatches moe={res[0].tolist()} gemv={res[1].tolist()} "
            f"({time.perf_counter() - t0:.1f} s incl. compile)")
-  except Exception as e:  # noqa: BLE001
-    traceback.print_exc()
-    report(False, f"expert_down jitted loop: {e}")
 
   # inside the model: the trained tiny model in bf16 at tp=2, engine on vs psum
-  try:
+  with checking("tiny model engine vs psum"):
     import jtilert
     from flax import nnx
     from jtilert.generate import Engine
@@ -258,9 +253,6 @@ def main() -> int:
     report(custom and agree >= 0.9,
            f"tiny model (bf16) tp={W}, {len(toks)} one-token steps, engine vs psum: custom_calls={custom} "
            f"greedy-agreement={agree:.2f} logits rel-diff={rel:.2e}")
-  except Exception as e:  # noqa: BLE001
-    traceback.print_exc()
-    report(False, f"tiny model engine vs psum: {e}")
 
   # ---------------- merge_topk --------------------------------------------------
   for (m, k) in ((2048, 2048), (100, 150), (777, 777)):
@@ -274,7 +266,7 @@ def main() -> int:
     s_j, i_j = jnp.asarray(sc, jnp.float32), jnp.asarray(idx)
     fe = smap(per_rank(lambda s, i, k=k: jf.merge_topk(s[0], i[0], "tp", k)),
               (P("tp"), P("tp")), P("tp"))
-    try:
+    with checking(f"merge_topk m={m} k={k}"):
       os_, oi = (np.asarray(a) for a in fe(s_j, i_j))
       allc = sorted(zip(-sc.ravel(), idx.ravel()))[:k]
       rs = -np.array([a for a, _ in allc], np.float32)
@@ -285,9 +277,6 @@ def main() -> int:
       custom = hlo_has(fe, (s_j, i_j), "jtilert_merge_topk")
       report(same and exact and custom,
              f"merge_topk m={m} k={k}: custom_call={custom} bit-identical={same} exact={exact}")
-    except Exception as e:  # noqa: BLE001
-      traceback.print_exc()
-      report(False, f"merge_topk m={m} k={k}: {e}")
 
   # ---------------- exact top-k on one GPU (jtilert.ffi.select) vs lax.top_k -------
   from jtilert import layers
@@ -311,7 +300,7 @@ def main() -> int:
                           (1, 131072, 2048, "masked"), (2, 131072, 2048, "ties"),
                           (4, 163840, 2048, "zeros"), (1, 1000, 2048, "normal"),
                           (1, 2048, 2048, "ties"), (8, 9000, 8192, "normal")):
-    try:
+    with checking(f"top_k T={t} N={n} k={k} {kind}"):
       x = score_rows(t, n, kind)
       kk = min(k, n)
       fe = jax.jit(lambda s, k=k: jf.top_k(s, k))
@@ -333,12 +322,9 @@ def main() -> int:
              f"top_k T={t} N={n} k={k} {kind}: custom_call={custom} equals-lax.top_k={exact} "
              f"by-index-mode={by_index} pallas-dispatch-equals-layers={drop_in} "
              f"(mismatching indices: {int((ei != ri).sum())})")
-    except Exception as e:  # noqa: BLE001
-      traceback.print_exc()
-      report(False, f"top_k T={t} N={n} k={k} {kind}: {e}")
 
   # many calls in one jitted loop (command buffers): the kernel's scratch stays clean
-  try:
+  with checking("top_k jitted loop"):
     x = score_rows(1, 131072, "ties")[0]
 
     def tk_loop(x):
@@ -355,12 +341,9 @@ def main() -> int:
     bad = int(jax.jit(tk_loop)(x))
     report(bad == 0, f"1000 iterations of top_k (2 shapes, both modes) in one jitted fori_loop: "
                      f"mismatches={bad} ({time.perf_counter() - t0:.1f} s incl. compile)")
-  except Exception as e:  # noqa: BLE001
-    traceback.print_exc()
-    report(False, f"top_k jitted loop: {e}")
 
   # split over the 2 GPUs: local top-k of each half + merge_topk
-  try:
+  with checking("split_topk"):
     n, k = 131072, 2048
     for kind in ("normal", "ties", "masked"):
       x = np.asarray(score_rows(1, n, kind))[0]
@@ -376,12 +359,9 @@ def main() -> int:
       report(same and exact and custom,
              f"split_topk N={n} k={k} {kind} over {W} GPUs: custom_calls={custom} "
              f"bit-identical={same} equals-one-GPU-lax.top_k={exact}")
-  except Exception as e:  # noqa: BLE001
-    traceback.print_exc()
-    report(False, f"split_topk: {e}")
 
   # ---------------- 10,000 calls inside one jitted loop -------------------------
-  try:
+  with checking("jitted loop"):
     n = 7168
     x0 = jnp.asarray(rng.standard_normal((W, n)), jnp.bfloat16)
     wl = jnp.asarray(rng.standard_normal((7168, 2048 * W)) * 0.05, jnp.bfloat16)
@@ -418,12 +398,9 @@ def main() -> int:
     report(ok, f"{args.calls} iterations of all_reduce + gemv_all_reduce + merge_topk in one "
                f"jitted fori_loop: mismatches ar={res[0].tolist()} gemv={res[1].tolist()} "
                f"topk={res[2].tolist()} ({dt:.1f} s incl. compile)")
-  except Exception as e:  # noqa: BLE001
-    traceback.print_exc()
-    report(False, f"jitted loop: {e}")
 
   # ---------------- many host-dispatched calls ----------------------------------
-  try:
+  with checking("dispatch calls"):
     x = jnp.asarray(rng.standard_normal((W, 7168)), jnp.bfloat16)
     fe = smap(per_rank(lambda v: jf.all_reduce(v[0], "tp")), P("tp"), P("tp"))
     ref = fe(x)
@@ -432,9 +409,6 @@ def main() -> int:
     jax.block_until_ready(outs)
     ok &= all(np.array_equal(np.asarray(o), np.asarray(ref)) for o in outs[::97])
     report(ok, f"{args.dispatch_calls} host-dispatched all_reduce calls: all equal")
-  except Exception as e:  # noqa: BLE001
-    traceback.print_exc()
-    report(False, f"dispatch calls: {e}")
 
   print(f"{'FAILED' if fails else 'OK'}: {len(fails)} failure(s)")
   return 1 if fails else 0
