@@ -41,7 +41,7 @@ class Engine:
                 self.backend = "reference"
             else:
                 from jtilert import ffi
-                ffi.available()  # on a GPU, loads (or builds once) the CUDA engine, whose top-k the kernels use
+                ffi.available()  # on a GPU, loads (or builds once) the CUDA engine (its top-k: JTILERT_FFI_TOPK=1)
         self.graphdef, state = nnx.split(model)
         self.mesh = mesh
         tp = 1 if mesh is None else mesh.shape[sharding.AXIS]

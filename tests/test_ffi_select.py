@@ -463,7 +463,7 @@ def test_cuda_lowering_emits_the_custom_call(monkeypatch):
       lowering_platforms=("cpu",)).as_text().split("custom_call @")[-1].split("(")[0]
 
 
-def test_pallas_dispatch_uses_the_engine_once_loaded(monkeypatch):
+def test_pallas_dispatch_uses_the_engine_once_loaded_and_asked(monkeypatch):
   from jtilert.ffi import _lib
   from jtilert.pallas import dispatch
   x = jnp.zeros((2, 4096), jnp.float32)
@@ -473,10 +473,11 @@ def test_pallas_dispatch_uses_the_engine_once_loaded(monkeypatch):
     return f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
 
   monkeypatch.setattr(ffi_ops, "_TEST_FORCE_EMIT", True)
+  monkeypatch.setenv("JTILERT_FFI_TOPK", "1")
   assert "jtilert_topk_select" not in lowered()        # library not loaded: never loads it
   monkeypatch.setattr(_lib, "loaded", lambda: object())
   assert "custom_call @jtilert_topk_select" in lowered()
-  monkeypatch.setenv("JTILERT_FFI_TOPK", "0")
+  monkeypatch.delenv("JTILERT_FFI_TOPK")               # opt-in: off by default
   assert "jtilert_topk_select" not in lowered()
 
 

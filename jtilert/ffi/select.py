@@ -20,7 +20,7 @@ runs rows up to N = 196608 on one thread-block cluster each instead (16 CTAs; cl
 distributed shared memory; not yet run on a GPU, so opt-in): cuda/README.md. Elsewhere (no GPU, no library, other shapes) ``lax.top_k``
 runs instead, with one warning per reason. ``backend="pallas"`` calls ``topk`` for
 ``topk_positions`` once the engine library is loaded (jtilert/pallas/dispatch.py);
-JTILERT_FFI_TOPK=0 turns that off.
+with JTILERT_FFI_TOPK=1 (opt-in until its JAX path has been checked on a GPU).
 """
 
 from __future__ import annotations
