@@ -61,6 +61,7 @@ import ml_dtypes
 import numpy as np
 
 from jtilert import hf, sharding
+from jtilert.checkpoint import move_into_place
 from jtilert.config import ModelConfig
 from jtilert.quant import BLOCK, FP8_MAX, scale_shape
 
@@ -1251,15 +1252,9 @@ def _finish(p: Plan, tmp: Path, dst: Path, done: dict, overwrite: bool) -> None:
         raise _disk_error(e, tmp / META, "metadata", tmp) from None
     for f in (DONE_LOG, REQUEST, ".lock"):
         (tmp / f).unlink(missing_ok=True)
-    if dst.exists():
-        if not overwrite:
-            raise FileExistsError(f"{dst} appeared during the conversion; the result is in {tmp}")
-        old = dst.parent / f".{dst.name}.old-{os.getpid()}"
-        dst.rename(old)
-        tmp.rename(dst)
-        shutil.rmtree(old)
-    else:
-        tmp.rename(dst)
+    if dst.exists() and not overwrite:
+        raise FileExistsError(f"{dst} appeared during the conversion; the result is in {tmp}")
+    move_into_place(tmp, dst)
     _fsync(dst.parent)
 
 
