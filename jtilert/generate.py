@@ -39,9 +39,6 @@ class Engine:
                 warnings.warn("backend='pallas': the Pallas kernels are not available here; using the reference path",
                               stacklevel=3)
                 self.backend = "reference"
-            else:
-                from jtilert import ffi
-                ffi.available()  # on a GPU, loads (or builds once) the CUDA engine (its top-k: JTILERT_FFI_TOPK=1)
         self.graphdef, state = nnx.split(model)
         self.mesh = mesh
         tp = 1 if mesh is None else mesh.shape[sharding.AXIS]

@@ -152,12 +152,6 @@ def _gpu_present() -> bool:
     return False
 
 
-def loaded() -> Lib | None:
-  """The library if an earlier `load()` loaded it (never loads or builds it)."""
-  with _lock:
-    return _state.get("lib")
-
-
 def load() -> tuple[Lib | None, str]:
   """The loaded library (FFI targets registered) or None and the reason."""
   with _lock:

@@ -62,13 +62,13 @@ def lm_head_topk(x, w, k):
 
 def _engine_topk(fallback):
     """`topk_positions` through the CUDA engine's one-launch top-k (jtilert.ffi.select) for decode
-    token counts when the engine library is already loaded (on a GPU, `Engine(backend="pallas")`
-    loads it; tracing never builds it) and JTILERT_FFI_TOPK=1; `fallback` otherwise. Opt-in until
-    the JAX path of the select has been checked on a GPU (its CUDA self-test passed there)."""
+    token counts when JTILERT_FFI_TOPK=1 and the engine loads (on a GPU; built once on first use);
+    `fallback` otherwise. Opt-in until the JAX path of the select has been checked on a GPU (its
+    CUDA self-test passed there)."""
     def topk_positions(scores, k):
         from jtilert.ffi import _lib, select  # noqa: PLC0415
-        if (scores.ndim == 2 and scores.shape[0] <= MAX_DECODE_TOKENS and _lib.loaded() is not None
-                and os.environ.get("JTILERT_FFI_TOPK", "0") == "1"):
+        if (scores.ndim == 2 and scores.shape[0] <= MAX_DECODE_TOKENS
+                and os.environ.get("JTILERT_FFI_TOPK", "0") == "1" and _lib.load()[0] is not None):
             return select.topk(scores, k)
         return fallback(scores, k)
     return topk_positions
