@@ -261,13 +261,17 @@ class Transformer(nnx.Module):
         """The decode step's token [1] after the last hidden state h [1, hidden]. Greedy and top-k
         sampling (top_k ≤ HEAD_CANDIDATES) draw from the head's top candidates, so the full logits row
         is never written (the Pallas head keeps only its top logits); other settings sample the full
-        logits. Both give exactly the distribution of `sample(logits)`, greedy the same token."""
+        logits. Both give exactly the distribution of `sample(logits)`, greedy the same token. Only
+        the chosen branch streams the head's weights."""
         w = self.lm_head.weight[...]
-        vals, ids = sharding.top_candidates(*backend.ops().lm_head_topk(self.norm(h), w, HEAD_CANDIDATES),
-                                            w.shape[0])
-        fits = (params["temperature"] <= 0) | ((params["top_k"] > 0) & (params["top_k"] <= vals.shape[1]))
-        return jax.lax.cond(fits, lambda: ids[0, sample(vals[0], params, key)][None],
-                            lambda: sample(self.logits(h, self.norm)[0], params, key)[None])
+        k = min(HEAD_CANDIDATES, w.shape[0])   # candidates per rank, and after the merge
+
+        def from_candidates():
+            vals, ids = sharding.top_candidates(*backend.ops().lm_head_topk(self.norm(h), w, k), w.shape[0])
+            return ids[0, sample(vals[0], params, key)][None]
+
+        fits = (params["temperature"] <= 0) | ((params["top_k"] > 0) & (params["top_k"] <= k))
+        return jax.lax.cond(fits, from_candidates, lambda: sample(self.logits(h, self.norm)[0], params, key)[None])
 
     def hidden(self, tokens: jax.Array, start: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
         """Main model on tokens [T] at positions start.. up to the final norm: (hidden [T, hidden], cache)."""
