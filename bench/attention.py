@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench.decode import copy_bandwidth
 from jtilert import layers
 from jtilert.config import preset
 from jtilert.pallas import indexer as ix
@@ -65,14 +66,6 @@ def measure(f, *args, iters=ITERS):
     totals = [sum(t for _, t in call) for call in per]
     names = [n for n, _ in per[-1]]
     return out, float(np.median(totals)) * 1e3, names
-
-
-def copy_bandwidth():
-    x = jnp.ones((1 << 29,) if jax.default_backend() == "gpu" else (1 << 20,), jnp.float32)   # 2 GiB
-    f = jax.jit(lambda a: a * 1.0001)
-    _, us, _ = measure(f, x, iters=10)
-
-    return 2 * x.size * 4 / (us * 1e-6) if jax.default_backend() == "gpu" else 4.2e12
 
 
 def rel(a, b):

@@ -33,13 +33,14 @@ from jtilert.generate import Engine
 from jtilert.model import init_cache
 
 
-def copy_bandwidth(nbytes: int = 2 << 30) -> float:
-    """Bytes/s of an elementwise read+write pass over `nbytes` (the practical HBM ceiling); device
-    time from CUPTI on a GPU, wall time on the CPU."""
-    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
+def copy_bandwidth() -> float:
+    """Bytes/s of an elementwise read+write pass (the practical HBM ceiling; every bench/ script's
+    copy bandwidth): 2 GiB, device time from CUPTI on a GPU; 256 MiB, wall time on the CPU."""
+    gpu = jax.default_backend() == "gpu"
+    x = jnp.ones(((2 << 30 if gpu else 256 << 20) // 2,), jnp.bfloat16)
     f = jax.jit(lambda a: a * 1.5 + 1)
     f(x).block_until_ready()
-    if jax.default_backend() == "gpu":
+    if gpu:
         times = [_cupti(lambda: f(x))[1] for _ in range(10)]
     else:
         times = []
@@ -306,7 +307,7 @@ def main(argv=None) -> dict:
     if a.context + 2 * a.steps + 8 > cfg.max_position_embeddings:
         raise SystemExit(f"--context {a.context} too large for this model")
     nbytes = step_bytes(model, a.context, a.tp)
-    bw = copy_bandwidth(256 << 20 if jax.default_backend() == "cpu" else 2 << 30)
+    bw = copy_bandwidth()
     floor_ms = nbytes["total"] / bw * 1e3
     result = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind,
               "preset": a.checkpoint or a.preset, "overrides": a.set, "layers": cfg.num_hidden_layers, "context": a.context, "tp": a.tp,

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench import decode
 from jtilert import layers
 from jtilert.quant import dequantize, quantize_weight
 
@@ -84,17 +85,6 @@ def time_op(op, make_args, nbytes, copies=None, iterations=4):
     return dict(us=statistics.median(totals), wall_us=statistics.median(walls),
                 kernels_per_call=kernels_per_call, kernel_names=names, per_kernel=per_kernel,
                 l2_resident_risk=copies * nbytes < 2 * L2_BYTES)
-
-
-def copy_bandwidth():
-    n = 1 << 30  # 1 Gi bf16 elements = 2 GiB
-    x = jnp.ones((n,), BF16) * 1.5
-    f = jax.jit(lambda a: a * 2)
-    jax.block_until_ready(f(x))
-    per_iter = cupti_kernels(f, x, iterations=10)
-    ms = statistics.median(sum(t for _, t in it) for it in per_iter)
-    del x
-    return 2 * n * 2 / (ms * 1e-3) / 1e12  # TB/s, bytes read + written
 
 
 # ---- checks -------------------------------------------------------------------------------------
@@ -535,7 +525,7 @@ def main():
         f"devices {jax.devices()} args {sys.argv[1:]}")
     if a.dump:
         dump_kernels()
-    copy_tbs = copy_bandwidth()
+    copy_tbs = decode.copy_bandwidth() / 1e12   # TB/s, bytes read + written
     RESULTS["copy_tbs"] = copy_tbs
     log(f"copy bandwidth: {copy_tbs:.3f} TB/s")
     for name, fn in SECTIONS:
