@@ -13,7 +13,7 @@
 #   checkpoint   a 4-layer bf16 dsv32-tp8-shard HF checkpoint at $CK (on the CPU), for:
 #   ours_4l      bench.decode on that checkpoint, context 1024, pallas and reference
 #   hf_eager     transformers' model on it (static cache), bench/transformers_decode.py
-#   hf_compile   the same with torch.compile (CUDA graphs)
+#   hf_compile   the same with torch.compile (mode default: reduce-overhead's CUDA graphs fail there)
 #   flags        the 8-layer step with XLA's PDL launches / RAFT top-k on and off
 #   tp2split     tp=2, 4 layers, 32K context: the indexer split over the GPUs vs not (after build)
 #   kvfp8        the 8-layer step with FlashMLA's fp8 latent cache (656 B per position)

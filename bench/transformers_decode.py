@@ -1,9 +1,12 @@
 """Time per output token of transformers' own DeepSeek-V3.2 / GLM-5 model on the same weights (issue 7).
 
-    python3 -m bench.transformers_decode HF_FOLDER --context 1024 --new 64 [--compile] [--out r.json]
+    python3 -m bench.transformers_decode HF_FOLDER --context 1024 --new 64 [--compile [MODE]] [--out r.json]
 
 What a user would otherwise run: `AutoModelForCausalLM` in bf16 on the GPU, greedy `generate` with
-a static cache, optionally `torch.compile` (mode "reduce-overhead", which uses CUDA graphs). TPOT =
+a static cache, optionally `torch.compile` (mode "default"; "reduce-overhead", which adds CUDA graphs,
+fails in transformers 5.17's DeepSeek-V3.2 on the H200 image: its indexer cache bumps a counter
+in place, which the graph trees reject with "Pointer argument must be either uint64 or have
+data_ptr method"). TPOT =
 (time of generate(new + 1) − time of generate(1)) / new, after a warm-up of each, synchronised.
 Runs under the GPU image's torch + transformers; no jtilert import.
 """
@@ -39,7 +42,8 @@ def main(argv=None) -> dict:
     p.add_argument("folder")
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--new", type=int, default=64)
-    p.add_argument("--compile", action="store_true")
+    p.add_argument("--compile", nargs="?", const="default", default=None,
+                   choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"], help="torch.compile mode")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=None)
     p.add_argument("--device", default="cuda")
@@ -47,7 +51,7 @@ def main(argv=None) -> dict:
 
     model = AutoModelForCausalLM.from_pretrained(a.folder, dtype=torch.bfloat16).to(a.device).eval()
     if a.compile:
-        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=False)
+        model.forward = torch.compile(model.forward, mode=a.compile, fullgraph=False)
     ids = torch.randint(0, model.config.vocab_size, (1, a.context), device=a.device)
     with torch.inference_mode():
         timed_generate(model, ids, 1)

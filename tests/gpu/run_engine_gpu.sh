@@ -54,7 +54,7 @@ grep -E "^(PASS|FAIL|SKIP|OK|FAILED)" "$OUT/selftest.log" | tee -a "$SUM"
 
 # ---- 3. compute-sanitizer on the small case
 : > "$OUT/sanitizer.log"
-for tool in memcheck racecheck; do
+for tool in ${SANITIZERS-memcheck racecheck}; do   # SANITIZERS="" skips them
   echo "===== compute-sanitizer --tool $tool" >> "$OUT/sanitizer.log"
   timeout 200 compute-sanitizer --tool "$tool" --error-exitcode 9 "$ST" --small --iters 2 \
     >> "$OUT/sanitizer.log" 2>&1
@@ -89,7 +89,7 @@ if [ -n "$CBFLAGS" ] && [ "${BENCH_CMDBUF_OFF:-1}" = 1 ]; then
 fi
 # the top-k sections (one-GPU select, split indexer) with a budget of their own when the
 # sections before them spent the main one
-if ! grep -q "engine select + engine merge" "$OUT/bench.log"; then
+if [ "${BENCH_TOPK:-1}" = 1 ] && ! grep -q "engine select + engine merge" "$OUT/bench.log"; then
   echo "##### top-k sections, own budget" >> "$OUT/bench.log"
   XLA_FLAGS="$CBFLAGS" timeout 300 $PY bench/engine.py --sections select,indexer --budget-s 120 \
     >> "$OUT/bench.log" 2>&1
