@@ -62,7 +62,7 @@ for part in "$@"; do
     flags)  # XLA options that may cut the per-kernel cost or the top-k, on the 8-layer step
       for f in "" --xla_gpu_enable_pdl=true --xla_gpu_experimental_enable_raft_for_stable_topk=true; do
         n=flags${f:+_$(echo "$f" | sed 's/--xla_gpu_//; s/=true//; s/experimental_enable_//; s/_for_stable_topk//')}
-        XLA_FLAGS="$XLA_FLAGS $f" step "$n" 200 $DEC --layers 8 --backend pallas,reference --samples 10 \
+        XLA_FLAGS="$XLA_FLAGS $f" step "$n" 200 $DEC --layers 8 --backend "$B" --samples 10 \
           --kernels --out "$WORK/$n.json"
       done ;;
     tp2split)  # the indexer split over the 2 GPUs against every GPU scoring all rows, at 32K context
