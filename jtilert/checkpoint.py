@@ -61,8 +61,9 @@ def _fill(model: Transformer, get) -> Transformer:
 
 
 def _sharding_of(name: str, ndim: int, mesh: Mesh | None):
-    if mesh is None:
-        return None
+    if mesh is None:  # the default device; never the sharding saved with the checkpoint (the
+        # embedded one was written on a CPU, and orbax refuses another machine's topology)
+        return jax.sharding.SingleDeviceSharding(jax.devices()[0])
     return NamedSharding(mesh, sharding.spec_for(tuple(name.split(".")), ndim))
 
 

@@ -1,5 +1,8 @@
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -36,6 +39,23 @@ def test_load_onto_mesh_shards_directly(tiny_random, saved):
     assert w.sharding.spec == jax.P(None, "tp", None)
     assert w.addressable_shards[0].data.shape == (16, 8, 128)
     np.testing.assert_allclose(jtilert.score(m, IDS, mesh=mesh), jtilert.score(tiny_random, IDS), atol=2e-5)
+
+
+def test_load_on_another_machine_topology(tiny_random, saved, tmp_path):
+    """A checkpoint written from 8 devices loads in a process that has one (orbax keeps the writer's
+    shardings: the embedded checkpoint, written on a CPU, failed to load on a GPU)."""
+    path = tmp_path / "from8"
+    jtilert.save(jtilert.load(saved, mesh=jtilert.make_mesh(8)), path)
+    code = ("import jax, numpy as np, jtilert; from jtilert import checkpoint\n"
+            f"m = jtilert.load({str(path)!r})\n"
+            "w = checkpoint.flat_params(m)['layers.1.mlp.experts.gate.weight']\n"
+            "print(len(jax.devices()), np.asarray(w, np.float32).sum())")
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    n, total = out.stdout.split()
+    want = np.asarray(checkpoint.flat_params(tiny_random)["layers.1.mlp.experts.gate.weight"], np.float32).sum()
+    assert n == "1" and np.isclose(float(total), want, rtol=1e-5)
 
 
 def test_fp8_round_trip_and_compute_dtype(tiny_fp8, tmp_path):
