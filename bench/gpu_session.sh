@@ -27,7 +27,6 @@ WORK=${WORK:-${OUT:-$PWD/out}}
 mkdir -p "$WORK"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-export JTILERT_FFI_TOPK=${JTILERT_FFI_TOPK:-1}   # the pallas decode with the engine's top-k (opt-in)
 export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL"
 B=${BACKENDS:-pallas,reference}
 CK=${CK:-/tmp/jt_dsv32_4l}

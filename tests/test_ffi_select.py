@@ -473,11 +473,11 @@ def test_pallas_dispatch_uses_the_engine_when_asked_and_loadable(monkeypatch):
     return f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
 
   monkeypatch.setattr(ffi_ops, "_TEST_FORCE_EMIT", True)
-  monkeypatch.setenv("JTILERT_FFI_TOPK", "1")
+  monkeypatch.delenv("JTILERT_FFI_TOPK", raising=False)
   assert "jtilert_topk_select" not in lowered()        # no engine here (no GPU): the fallback
   monkeypatch.setattr(_lib, "load", lambda: (object(), ""))
-  assert "custom_call @jtilert_topk_select" in lowered()
-  monkeypatch.delenv("JTILERT_FFI_TOPK")               # opt-in: off by default
+  assert "custom_call @jtilert_topk_select" in lowered()   # on by default where the engine loads
+  monkeypatch.setenv("JTILERT_FFI_TOPK", "0")
   assert "jtilert_topk_select" not in lowered()
 
 

@@ -15,6 +15,7 @@ from jtilert.ffi import build as _build
 JT_F32, JT_BF16, JT_F16, JT_F8E4M3 = 0, 1, 2, 3
 AR_ONESHOT, AR_TWOSHOT = 0, 1
 MAX_WORLD = 8
+NO_GPU = "no GPU backend"   # load()'s reason on a machine without a GPU, where falling back is expected
 
 TARGETS = {
     "jtilert_all_reduce": "JtAllReduce",
@@ -173,7 +174,7 @@ def _load_uncached() -> tuple[Lib | None, str]:
   if os.environ.get("JTILERT_FFI_DISABLE", "") not in ("", "0"):
     return None, "disabled by JTILERT_FFI_DISABLE"
   if not _gpu_present():
-    return None, "no GPU backend"
+    return None, NO_GPU
   if jax.process_count() != 1:
     return None, "multi-process runs are not supported by the engine"
   path = _build.find_library()

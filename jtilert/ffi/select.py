@@ -19,8 +19,7 @@ barriers through global memory; measured 19-24 µs at N = 128K on an H200); JTIL
 runs rows up to N = 196608 on one thread-block cluster each instead (16 CTAs; cluster barriers and
 distributed shared memory; not yet run on a GPU, so opt-in): cuda/README.md. Elsewhere (no GPU, no library, other shapes) ``lax.top_k``
 runs instead, with one warning per reason. ``backend="pallas"`` calls ``topk`` for
-``topk_positions`` with JTILERT_FFI_TOPK=1 (jtilert/pallas/dispatch.py; opt-in until its JAX
-path has been checked on a GPU).
+``topk_positions`` (jtilert/pallas/dispatch.py; JTILERT_FFI_TOPK=0 turns that off).
 """
 
 from __future__ import annotations

@@ -62,14 +62,19 @@ def lm_head_topk(x, w, k):
 
 def _engine_topk(fallback):
     """`topk_positions` through the CUDA engine's one-launch top-k (jtilert.ffi.select) for decode
-    token counts when JTILERT_FFI_TOPK=1 and the engine loads (on a GPU; built once on first use);
-    `fallback` otherwise. Opt-in until the JAX path of the select has been checked on a GPU (its
-    CUDA self-test passed there)."""
+    token counts when the engine loads (on a GPU; built once on first use); `fallback` otherwise,
+    or when JTILERT_FFI_TOPK=0. Checked on an H200 against `lax.top_k` (tests/gpu) and worth
+    3.4 ms of a 61-layer step there (bench/RESULTS.md)."""
     def topk_positions(scores, k):
         from jtilert.ffi import _lib, select  # noqa: PLC0415
         if (scores.ndim == 2 and scores.shape[0] <= MAX_DECODE_TOKENS
-                and os.environ.get("JTILERT_FFI_TOPK", "0") == "1" and _lib.load()[0] is not None):
-            return select.topk(scores, k)
+                and os.environ.get("JTILERT_FFI_TOPK", "1") != "0"):
+            lib, why = _lib.load()
+            if lib is not None:
+                return select.topk(scores, k)
+            if why != _lib.NO_GPU:  # a GPU without the engine: say why the slower top-k runs
+                _lib.warn_once("dispatch-topk", f"jtilert: the CUDA engine did not load ({why}); "
+                                                "the indexer's top-k runs as lax.top_k")
         return fallback(scores, k)
     return topk_positions
 

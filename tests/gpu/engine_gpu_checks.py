@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import sys
 import time
 import traceback
@@ -20,7 +19,6 @@ import numpy as np
 
 
 def main() -> int:
-  os.environ.setdefault("JTILERT_FFI_TOPK", "1")   # check the pallas dispatch's (opt-in) engine top-k too
   ap = argparse.ArgumentParser()
   ap.add_argument("--calls", type=int, default=10000)
   ap.add_argument("--dispatch-calls", type=int, default=2000)
