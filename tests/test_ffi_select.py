@@ -432,8 +432,11 @@ def test_fallback_equals_reference(t, n, k):
     vu, iu = jf.top_k(x, k, sorted=False)
     one_v, one_i = jf.top_k(x[0], k)
   ridx, rvalid = layers.topk_positions(x, k)
-  np.testing.assert_array_equal(np.asarray(idx), np.asarray(ridx))
-  np.testing.assert_array_equal(np.asarray(valid), np.asarray(rvalid))
+  by_position = np.argsort(np.asarray(ridx), -1)   # topk: the reference's pairs in position order
+  np.testing.assert_array_equal(np.asarray(idx), np.take_along_axis(np.asarray(ridx), by_position, -1))
+  np.testing.assert_array_equal(np.asarray(valid), np.take_along_axis(np.asarray(rvalid), by_position, -1))
+  if k >= n:   # every position comes back, the "zeros" rows' -inf scores too: some pairs are invalid
+    assert not np.asarray(valid).all()
   np.testing.assert_array_equal(np.asarray(idx2), np.asarray(ridx))
   np.testing.assert_array_equal(np.asarray(one_i), np.asarray(ridx)[0])
   np.testing.assert_array_equal(np.sort(np.asarray(iu), -1), np.sort(np.asarray(ridx), -1))
@@ -457,8 +460,10 @@ def test_cuda_lowering_emits_the_custom_call(monkeypatch):
   f = jax.jit(lambda s: jf.top_k(s, 2048, sorted=False))
   txt = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
   assert "custom_call @jtilert_topk_select" in txt and "mode = 0 : i32" in txt and "ctas = 0" in txt
-  txt = jax.jit(lambda s: jf.topk(s, 2048)).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+  txt = jax.jit(lambda s: jf.top_k(s, 2048)).trace(x).lower(lowering_platforms=("cuda",)).as_text()
   assert "custom_call @jtilert_topk_select" in txt and "mode = 1 : i32" in txt
+  txt = jax.jit(lambda s: jf.topk(s, 2048)).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+  assert "custom_call @jtilert_topk_select" in txt and "mode = 0 : i32" in txt   # positions: unsorted
   assert "jtilert" not in jax.jit(lambda s: jf.topk(s, 2048)).trace(x).lower(
       lowering_platforms=("cpu",)).as_text().split("custom_call @")[-1].split("(")[0]
 

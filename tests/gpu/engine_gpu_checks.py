@@ -315,7 +315,10 @@ def main() -> int:
       fd = jax.jit(lambda s, k=k: dispatch.ops().topk_positions(s, k))
       di, dvalid = (np.asarray(a) for a in fd(x))
       li, lvalid = (np.asarray(a) for a in layers.topk_positions(x, k))
-      drop_in = (np.array_equal(di, li) and np.array_equal(dvalid, lvalid)
+      do, lo = np.argsort(di, axis=-1), np.argsort(li, axis=-1)   # the same pairs, in position order
+      drop_in = (np.array_equal(di, np.take_along_axis(li, lo, -1))
+                 and np.array_equal(dvalid, np.take_along_axis(lvalid, lo, -1))
+                 and np.array_equal(do, np.arange(di.shape[-1])[None].repeat(di.shape[0], 0))
                  and hlo_has(fd, (x,), "jtilert_topk_select"))
       custom = hlo_has(fe, (x,), "jtilert_topk_select")
       report(exact and by_index and drop_in and custom,
