@@ -6,7 +6,8 @@
 #
 # BACKENDS (default pallas,reference) picks the decode backends. PARTs, each under a time limit:
 #   stream       bench/kernels.py --only stream: what the TMA pipeline streams with no arithmetic
-#   kernels      bench/kernels.py --sweep --quick: projection / MoE / lm-head kernels vs XLA (issue 4)
+#   kernels      bench/kernels.py --quick: projection / MoE / lm-head kernels vs XLA (issue 4; ~4 min)
+#   sweep        the same with the config sweeps (longer: the MoE sweep alone filled 5 minutes)
 #   attention    bench/attention.py (issue 5)
 #   decode       bench.decode: dsv32-tp8-shard, 61 layers, context 4096, CUPTI kernel profile (issue 7)
 #   breakdown    bench.decode at 8 layers with the attention / MLP timing variants (issue 7)
@@ -15,6 +16,7 @@
 #   hf_eager     transformers' model on it (static cache), bench/transformers_decode.py
 #   hf_compile   the same with torch.compile (mode default: reduce-overhead's CUDA graphs fail there)
 #   flags        the 8-layer step with XLA's PDL launches / RAFT top-k on and off
+#   cmdbuf       the 8-layer step with XLA command buffers off: is the 24 ms per-call dispatch their update?
 #   tp2split     tp=2, 4 layers, 32K context: the indexer split over the GPUs vs not (after build)
 #   kvfp8        the 8-layer step with FlashMLA's fp8 latent cache (656 B per position)
 #   build        the CUDA engine library and self-test (python -m jtilert.ffi.build --selftest)
@@ -44,7 +46,8 @@ DEC="python3 -m bench.decode --preset dsv32-tp8-shard --context 4096"
 for part in "$@"; do
   case $part in
     stream) OUT=$WORK/stream step stream 150 python3 bench/kernels.py --only stream ;;
-    kernels) OUT=$WORK/kernels step kernels 300 python3 bench/kernels.py --sweep --quick ;;
+    kernels) OUT=$WORK/kernels step kernels 300 python3 bench/kernels.py --quick ;;
+    sweep) OUT=$WORK/sweep step sweep 540 python3 bench/kernels.py --sweep --quick ;;
     attention) OUT=$WORK/attention step attention 200 python3 bench/attention.py ;;
     decode) step decode 430 $DEC --layers 61 --backend "$B" --kernels \
               --out "$WORK/decode.json" --plot "$WORK/decode.png" ;;
@@ -64,6 +67,8 @@ for part in "$@"; do
         XLA_FLAGS="$XLA_FLAGS $f" step "$n" 200 $DEC --layers 8 --backend "$B" --samples 10 \
           --kernels --out "$WORK/$n.json"
       done ;;
+    cmdbuf) XLA_FLAGS="$XLA_FLAGS --xla_gpu_enable_command_buffer=" step cmdbuf_off 200 $DEC --layers 8 \
+              --backend "$B" --samples 10 --out "$WORK/cmdbuf_off.json" ;;
     tp2split)  # the indexer split over the 2 GPUs against every GPU scoring all rows, at 32K context
       for split in "" --split-indexer; do
         step "tp2split${split:+_on}" 200 python3 -m bench.decode --preset dsv32-tp8-shard --context 32768 --layers 4 \
