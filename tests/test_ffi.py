@@ -26,6 +26,8 @@ from jtilert import layers
 from jtilert.ffi import ops as ffi_ops
 from jtilert.ffi import plan as ffi_plan
 
+from ffi_inputs import EXPERT_DOWN_SPECS, expert_down_case, fp8_weights, np_expert_down, np_gemv
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -173,20 +175,6 @@ def test_model_all_reduce_with_engine_flag_equals_psum():
   np.testing.assert_array_equal(np.asarray(ours), np.asarray(ref))
 
 
-def _fp8_weights(rng, n, k):
-  w = jnp.asarray(rng.standard_normal((n, k)) * 4, jnp.float32).astype(jnp.float8_e4m3fn)
-  s = jnp.asarray(2.0 ** rng.integers(-3, 2, (math.ceil(n / 128), math.ceil(k / 128))), jnp.float32)
-  return w, s
-
-
-def _np_gemv(x, w, s):
-  wf = np.asarray(w.astype(jnp.float32), np.float64)
-  if s is not None:
-    n, k = wf.shape
-    wf = wf * np.repeat(np.repeat(np.asarray(s, np.float64), 128, 0)[:n], 128, 1)[:, :k]
-  return wf @ np.asarray(x.astype(jnp.float32), np.float64)
-
-
 @pytest.mark.parametrize("fp8", [False, True])
 def test_gemv_all_reduce_fallback_equals_reference(fp8):
   mesh = _mesh()
@@ -194,7 +182,7 @@ def test_gemv_all_reduce_fallback_equals_reference(fp8):
   n, k_local = 300, 256
   x = jnp.asarray(rng.standard_normal(8 * k_local), jnp.bfloat16)
   if fp8:
-    w, s = _fp8_weights(rng, n, 8 * k_local)
+    w, s = fp8_weights(rng, n, 8 * k_local)
     f = _smap(mesh, lambda x, w, s: jf.gemv_all_reduce(x, w, s, "tp"),
               (P("tp"), P(None, "tp"), P(None, "tp")), P())
     y = f(x, w, s)
@@ -202,44 +190,18 @@ def test_gemv_all_reduce_fallback_equals_reference(fp8):
     w, s = jnp.asarray(rng.standard_normal((n, 8 * k_local)) * 0.05, jnp.bfloat16), None
     y = _smap(mesh, lambda x, w: jf.gemv_all_reduce(x, w, None, "tp"), (P("tp"), P(None, "tp")), P())(x, w)
   assert y.shape == (n,) and y.dtype == jnp.bfloat16
-  ref = _np_gemv(x, w, s)
+  ref = np_gemv(x, w, s)
   rel = np.linalg.norm(np.asarray(y, np.float64) - ref) / np.linalg.norm(ref)
   assert rel < 5e-3, rel
   # the local GEMV fallback equals a single-device reference
   y1 = jf.gemv(x[:k_local], w[:, :k_local], None if s is None else s[:, :k_local // 128])
-  ref1 = _np_gemv(x[:k_local], w[:, :k_local], None if s is None else s[:, :k_local // 128])
+  ref1 = np_gemv(x[:k_local], w[:, :k_local], None if s is None else s[:, :k_local // 128])
   assert np.linalg.norm(np.asarray(y1, np.float64) - ref1) / np.linalg.norm(ref1) < 5e-3
 
 
-def _expert_down_case(rng, fp8, world=8, e=6, n=300, k=3):
-  """Global (over `world` ranks) inputs of expert_down_all_reduce; each rank holds an I / Is slice."""
-  i_loc = is_loc = 128 if fp8 else 16
-  i, i_s = world * i_loc, world * is_loc
-  h = jnp.asarray(rng.standard_normal((k, i)), jnp.bfloat16)
-  hs = jnp.asarray(rng.standard_normal(i_s), jnp.bfloat16)
-  wts = jnp.asarray(rng.uniform(0.1, 1.0, k), jnp.float32)
-  ids = jnp.asarray(rng.choice(e, k, replace=False), jnp.int32)
-  if fp8:
-    down, ds = zip(*[_fp8_weights(rng, n, i) for _ in range(e)])
-    down, ds = jnp.stack(down), jnp.stack(ds)
-    sd, ss = _fp8_weights(rng, n, i_s)
-  else:
-    down = jnp.asarray(rng.standard_normal((e, n, i)) * 0.05, jnp.bfloat16)
-    sd = jnp.asarray(rng.standard_normal((n, i_s)) * 0.05, jnp.bfloat16)
-    ds = ss = None
-  return h, wts, ids, down, ds, hs, sd, ss
-
-
-def _np_expert_down(h, wts, ids, down, ds, hs, sd, ss):
-  """fp64 Σ_j w_j · Down[ids_j] · h_j + SharedDown · h_s."""
-  y = _np_gemv(hs, sd, ss)
-  for j, e in enumerate(np.asarray(ids)):
-    y = y + float(wts[j]) * _np_gemv(h[j], down[e], None if ds is None else ds[e])
-  return y
-
-
-_ED_SPECS = (P(None, "tp"), P(), P(), P(None, None, "tp"), P(None, None, "tp"), P("tp"), P(None, "tp"),
-             P(None, "tp"))
+def _expert_down_case(rng, fp8):
+  return expert_down_case(rng, fp8, world=8, e=6, n=300, k=3, i_loc=128 if fp8 else 16,
+                          is_loc=128 if fp8 else 16)
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -260,13 +222,13 @@ def test_expert_down_all_reduce_fallback_equals_the_unfused_path(fp8):
   if not fp8:  # no scales: drop them from the argument lists
     f_ = lambda h, w, i, d, hs, sd: fused(h, w, i, d, None, hs, sd, None)  # noqa: E731
     u_ = lambda h, w, i, d, hs, sd: unfused(h, w, i, d, None, hs, sd, None)  # noqa: E731
-    specs, a = _ED_SPECS[:4] + _ED_SPECS[5:7], (h, wts, ids, down, hs, sd)
+    specs, a = EXPERT_DOWN_SPECS[:4] + EXPERT_DOWN_SPECS[5:7], (h, wts, ids, down, hs, sd)
   else:
-    f_, u_, specs, a = fused, unfused, _ED_SPECS, args
+    f_, u_, specs, a = fused, unfused, EXPERT_DOWN_SPECS, args
   y = _smap(mesh, f_, specs, P())(*a)
   assert y.shape == (down.shape[1],) and y.dtype == jnp.bfloat16
   np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(_smap(mesh, u_, specs, P())(*a), np.float32))
-  ref = _np_expert_down(*args)
+  ref = np_expert_down(*args)
   assert np.linalg.norm(np.asarray(y, np.float64) - ref) / np.linalg.norm(ref) < 5e-3
 
 
@@ -349,7 +311,7 @@ def test_cuda_lowering_emits_the_engine_custom_calls(monkeypatch):
   monkeypatch.setattr(ffi_ops, "_TEST_FORCE_EMIT", True)
   rng = np.random.default_rng(5)
   x = jnp.asarray(rng.standard_normal(8 * 256), jnp.bfloat16)
-  w, s = _fp8_weights(rng, 7168, 8 * 256)
+  w, s = fp8_weights(rng, 7168, 8 * 256)
   sc, idx = _sorted_lists(rng, 8, 32)
 
   ed = _expert_down_case(rng, True)
@@ -361,7 +323,7 @@ def test_cuda_lowering_emits_the_engine_custom_calls(monkeypatch):
     e = jf.expert_down_all_reduce(*ed, "tp")
     return a, b, c, d, e
 
-  g = _smap(mesh, f, (P("tp"), P(None, "tp"), P(None, "tp"), P("tp"), P("tp")) + _ED_SPECS, (P(),) * 5)
+  g = _smap(mesh, f, (P("tp"), P(None, "tp"), P(None, "tp"), P("tp"), P("tp")) + EXPERT_DOWN_SPECS, (P(),) * 5)
   args = (x, w, s, jnp.asarray(sc), jnp.asarray(idx)) + ed
   txt = g.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   for target in ("jtilert_all_reduce", "jtilert_gemv_all_reduce", "jtilert_merge_topk",

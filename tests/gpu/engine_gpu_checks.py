@@ -17,6 +17,9 @@ import warnings
 
 import numpy as np
 
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))  # tests/: ffi_inputs
+from ffi_inputs import EXPERT_DOWN_SPECS, expert_down_case, fp8_weights, np_expert_down, np_gemv  # noqa: E402
+
 
 def main() -> int:
   ap = argparse.ArgumentParser()
@@ -99,14 +102,6 @@ def main() -> int:
                  f"{np.abs(ye[0] - yp[0]).max():.3g}")
 
   # ---------------- GEMV + all-reduce -----------------------------------------
-  def ref_gemv(x, w, s):
-    wf = np.asarray(w.astype(jnp.float32), np.float64)
-    if s is not None:
-      s = np.asarray(s, np.float64)
-      n, k = wf.shape
-      wf = wf * np.repeat(np.repeat(s, 128, 0)[:n], 128, 1)[:, :k]
-    return wf @ np.asarray(x.astype(jnp.float32), np.float64)
-
   def rel_and_same(y, ref):
     """rank 0's relative L2 error against ref, and whether all ranks agree bit for bit."""
     return (np.linalg.norm(y[0] - ref) / np.linalg.norm(ref),
@@ -117,8 +112,7 @@ def main() -> int:
     kg = k * W
     x = jnp.asarray(rng.standard_normal(kg), jnp.bfloat16)
     if fp8:
-      w = jnp.asarray(rng.standard_normal((n, kg)) * 4, jnp.float32).astype(jnp.float8_e4m3fn)
-      s = jnp.asarray(2.0 ** rng.integers(-3, 2, (-(-n // 128), kg // 128)), jnp.float32)
+      w, s = fp8_weights(rng, n, kg)
       in_specs = (P("tp"), P(None, "tp"), P(None, "tp"))
       fn = smap(per_rank(lambda x, w, s: jf.gemv_all_reduce(x, w, s, "tp")), in_specs, P("tp"))
       args_ = (x, w, s)
@@ -129,7 +123,7 @@ def main() -> int:
       fn = smap(per_rank(lambda x, w: jf.gemv_all_reduce(x, w, None, "tp")), in_specs, P("tp"))
       args_ = (x, w)
     with checking(f"gemv_all_reduce N={n} K={k} fp8={fp8}"):
-      rel, same = rel_and_same(np.asarray(fn(*args_).astype(jnp.float32)), ref_gemv(x, w, s))
+      rel, same = rel_and_same(np.asarray(fn(*args_).astype(jnp.float32)), np_gemv(x, w, s))
       custom = hlo_has(fn, args_, "jtilert_gemv_all_reduce")
       report(same and rel < 8e-3 and custom,
              f"gemv_all_reduce N={n} K_local={k} {'fp8' if fp8 else 'bf16'}: custom_call={custom} "
@@ -140,53 +134,29 @@ def main() -> int:
     x = jnp.asarray(rng.standard_normal(2048), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((7168, 2048)) * 0.05, jnp.bfloat16)
     y = np.asarray(jax.jit(lambda x, w: jf.gemv(x, w))(x, w).astype(jnp.float32))
-    rel = np.linalg.norm(y - ref_gemv(x, w, None)) / np.linalg.norm(ref_gemv(x, w, None))
+    rel = np.linalg.norm(y - np_gemv(x, w, None)) / np.linalg.norm(np_gemv(x, w, None))
     report(rel < 8e-3, f"gemv (local) 7168x2048 bf16: rel-err={rel:.2e}")
 
   # ---------------- MoE down + shared expert + all-reduce ----------------------
-  def expert_down_case(n, k, i_loc, e, is_loc, fp8):
-    """Global inputs; each rank holds an I / Is slice (the last axis)."""
-    i, i_s = i_loc * W, is_loc * W
-    h = jnp.asarray(rng.standard_normal((k, i)), jnp.bfloat16)
-    hs = jnp.asarray(rng.standard_normal(i_s), jnp.bfloat16)
-    wts = jnp.asarray(rng.uniform(0.1, 1.0, k), jnp.float32)
-    ids = jnp.asarray(rng.choice(e, k, replace=False), jnp.int32)
-    if fp8:
-      down = jnp.asarray(rng.standard_normal((e, n, i)) * 4, jnp.float32).astype(jnp.float8_e4m3fn)
-      ds = jnp.asarray(2.0 ** rng.integers(-3, 2, (e, -(-n // 128), i // 128)), jnp.float32)
-      sd = jnp.asarray(rng.standard_normal((n, i_s)) * 4, jnp.float32).astype(jnp.float8_e4m3fn)
-      ss = jnp.asarray(2.0 ** rng.integers(-3, 2, (-(-n // 128), i_s // 128)), jnp.float32)
-    else:
-      down = jnp.asarray(rng.standard_normal((e, n, i)) * 0.05, jnp.bfloat16)
-      sd = jnp.asarray(rng.standard_normal((n, i_s)) * 0.05, jnp.bfloat16)
-      ds = ss = None
-    return h, wts, ids, down, ds, hs, sd, ss
-
-  ed_specs = (P(None, "tp"), P(), P(), P(None, None, "tp"), P(None, None, "tp"), P("tp"),
-              P(None, "tp"), P(None, "tp"))
+  def ed_case(n, k, i_loc, e, is_loc, fp8):
+    return expert_down_case(rng, fp8, world=W, e=e, n=n, k=k, i_loc=i_loc, is_loc=is_loc)
 
   def expert_down_fn(f, fp8):
     """smap of f(h, wts, ids, down, ds, hs, sd, ss) over the ranks (scales dropped for bf16)."""
     if fp8:
-      return smap(per_rank(f), ed_specs, P("tp"))
+      return smap(per_rank(f), EXPERT_DOWN_SPECS, P("tp"))
     g = lambda h, w, i, d, hs, sd: f(h, w, i, d, None, hs, sd, None)  # noqa: E731
-    return smap(per_rank(g), ed_specs[:4] + ed_specs[5:7], P("tp"))
-
-  def ref_expert_down(h, wts, ids, down, ds, hs, sd, ss):
-    y = ref_gemv(hs, sd, ss)
-    for j, e in enumerate(np.asarray(ids)):
-      y = y + float(wts[j]) * ref_gemv(h[j], down[e], None if ds is None else ds[e])
-    return y
+    return smap(per_rank(g), EXPERT_DOWN_SPECS[:4] + EXPERT_DOWN_SPECS[5:7], P("tp"))
 
   for (n, k, i_loc, e, is_loc, fp8) in ((7168, 8, 256, 16, 256, True), (7168, 8, 256, 16, 256, False),
                                         (7168, 8, 128, 16, 128, True), (1001, 3, 64, 5, 128, False)):
     with checking(f"expert_down_all_reduce N={n} fp8={fp8}"):
-      case = expert_down_case(n, k, i_loc, e, is_loc, fp8)
+      case = ed_case(n, k, i_loc, e, is_loc, fp8)
       args_ = tuple(a for a in case if a is not None)
       fe = expert_down_fn(lambda *a: jf.expert_down_all_reduce(*a, "tp"), fp8)
       fp = expert_down_fn(lambda *a: jf.expert_down_reference(*a, "tp"), fp8)
       y = np.asarray(fe(*args_).astype(jnp.float32))
-      rel, same = rel_and_same(y, ref_expert_down(*case))
+      rel, same = rel_and_same(y, np_expert_down(*case))
       yp = np.asarray(fp(*args_).astype(jnp.float32))[0]
       rel_p = np.linalg.norm(y[0] - yp) / np.linalg.norm(yp)
       custom = hlo_has(fe, args_, "jtilert_expert_down_all_reduce")
@@ -197,7 +167,7 @@ def main() -> int:
 
   # interleaved with the o_proj GEMV + all-reduce and all_reduce, many calls in one jitted loop
   with checking("expert_down jitted loop"):
-    case = expert_down_case(7168, 8, 256, 16, 256, True)
+    case = ed_case(7168, 8, 256, 16, 256, True)
     w_o = jnp.asarray(rng.standard_normal((7168, 1024 * W)) * 0.05, jnp.bfloat16)
     x_o = jnp.asarray(rng.standard_normal(1024 * W), jnp.bfloat16)
 
@@ -217,7 +187,7 @@ def main() -> int:
       z = jnp.zeros((), jnp.int32)
       return jax.tree.map(lambda o: o[None], lax.fori_loop(0, 2000, body, (z, z)))
 
-    fl = smap(moe_loop, (P("tp"), P(None, "tp")) + ed_specs, P("tp"))
+    fl = smap(moe_loop, (P("tp"), P(None, "tp")) + EXPERT_DOWN_SPECS, P("tp"))
     t0 = time.perf_counter()
     res = [np.asarray(a) for a in fl(x_o, w_o, *case)]
     report(all(int(a.sum()) == 0 for a in res),
