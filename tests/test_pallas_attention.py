@@ -110,7 +110,7 @@ def test_indexer_scores(T, H, S, pos, start, end, fp8):
     D = 128 if H != 8 else 32
     q, w, k, ks = _index_inputs(T, H, D, S, fp8, np.random.randint(1 << 30))
     pos = jnp.array(pos, jnp.int32)
-    f = functools.partial(ix.indexer_scores, start=start, end=end, config=SMALL)
+    f = functools.partial(ix.indexer_scores, start=start, rows=None if end is None else end - start, config=SMALL)
     out = _run(f, q, w, k, ks, pos)
     ref = np.asarray(layers.indexer_scores(q, w, k, ks, pos))[:, start:end]
     assert out.shape == ref.shape
@@ -127,7 +127,7 @@ def test_indexer_traced_start_and_offset():
     pos = jnp.array([1000], jnp.int32)
 
     def f(q, w, k, ks, pos, start, off):
-        return ix.indexer_scores(q, w, k, ks, pos, start=start, end=256, pos_offset=off, config=SMALL)
+        return ix.indexer_scores(q, w, k, ks, pos, start=start, rows=256, pos_offset=off, config=SMALL)
 
     out = _run(f, q, w, k, ks, pos, jnp.int32(128), jnp.int32(700))
     # rows 128..383 of this shard hold global positions 828..1083: rows past 1000 are -inf
@@ -210,7 +210,8 @@ def test_indexer_append_scores(T, H, S, pos, start, end, fp8):
         if H == 8:
             return ix.indexer_append_scores(cfg, q, w, k, kc, ks, pos, pos[0])
         k_new = layers.indexer_key_rotated(cfg, k)
-        return ix.append_and_score(q, w, k_new, kc, ks, pos, start=start, end=end, config=SMALL)
+        return ix.append_and_score(q, w, k_new, kc, ks, pos, start=start, rows=None if end is None else end - start,
+                                   config=SMALL)
 
     scores, kc_out, ks_out = _run(f, q, w, k, kc, ks, pos)
     ref, rkc, rks = layers.indexer_append_scores(cfg, q, w, k, kc, ks, pos, pos[0])
@@ -225,6 +226,27 @@ def test_indexer_append_scores(T, H, S, pos, start, end, fp8):
     np.testing.assert_array_equal(np.isfinite(scores), fin)
     if all(in_range):
         assert np.abs(scores[fin] - ref[fin]).max() <= 1e-5 * np.abs(ref[fin]).max()
+
+
+def test_indexer_append_scores_one_gpus_share():
+    """The model's op with the indexer split over GPUs (first_row traced, num_rows static): the
+    kernel scores that share of the rows, the whole cache gets the new key, as in the reference."""
+    cfg, q, w, k, kc, ks = _append_case(1, 64, 128, 1024, True, np.random.randint(1 << 30))
+    pos = jnp.array([600], jnp.int32)
+
+    def f(q, w, k, kc, ks, pos, first):
+        return ix.indexer_append_scores(cfg, q, w, k, kc, ks, pos, pos[0], first_row=first, num_rows=256)
+
+    scores, kc_out, ks_out = _run(f, q, w, k, kc, ks, pos, jnp.int32(512))
+    ref, rkc, rks = layers.indexer_append_scores(cfg, q, w, k, kc, ks, pos, pos[0], first_row=512, num_rows=256)
+    np.testing.assert_array_equal(kc_out.view(np.uint8), np.asarray(rkc).view(np.uint8))
+    np.testing.assert_array_equal(ks_out, np.asarray(rks))
+    ref = np.asarray(ref)
+    assert scores.shape == ref.shape == (1, 256)
+    fin = np.isfinite(ref)
+    assert 0 < fin.sum() < 256   # the share holds the context's end: finite rows, then -inf
+    np.testing.assert_array_equal(np.isfinite(scores), fin)
+    assert np.abs(scores[fin] - ref[fin]).max() <= 1e-5 * np.abs(ref[fin]).max()
 
 
 def test_indexer_append_under_shard_map():

@@ -20,7 +20,7 @@ fp8), so the kernel is built like a GEMV weight stream with the key rows on wgmm
   and a TMA store of the [block_s] scores.
 
 `start` and `pos_offset` (the global position of cache row 0, for a cache sharded by position
-across GPUs) may be traced scalars; `n` (the number of rows scored) is static.
+across GPUs) may be traced scalars; `rows` (the number of rows scored) is static.
 
 Key append in the same kernel (`append_and_score`; the model's op `indexer_append_scores`, whose
 reference is XLA's quantise + write followed by the scores). The new tokens' keys come in before
@@ -270,28 +270,30 @@ def indexer_scores_kernel(q, w, k_cache, k_scale, positions, offsets, n: int,
     return (scores, caches[0][...]) + ((caches[1][...],) if has_scale else (None,))
 
 
-def indexer_scores(q, w, k_cache, k_scale, positions, *, start=0, end=None, pos_offset=0,
+def indexer_scores(q, w, k_cache, k_scale, positions, *, start=0, rows=None, pos_offset=0,
                    config: IndexerConfig | None = None):
     """Drop-in for `jtilert.layers.indexer_scores` (scores [T, S] fp32, -inf past each token's
-    position), plus a range: with `start`/`end` only cache rows [start, end) are scored and the
-    result is [T, end - start] (positions are split across GPUs this way); `end - start` must be
-    static, `start` and `pos_offset` (global position of cache row 0) may be traced."""
+    position), plus a range: with `start`/`rows` only cache rows [start, start + rows) are scored
+    and the result is [T, rows] (positions are split across GPUs this way). `rows` is static (None:
+    to the end of the cache, for a static start); `start` and `pos_offset` (global position of
+    cache row 0) may be traced."""
     T, S = q.shape[0], k_cache.shape[0]
-    if T > MAX_TOKENS and isinstance(start, int) and end in (None, S) and pos_offset == 0:
+    whole = isinstance(start, int) and start == 0 and rows in (None, S)
+    if T > MAX_TOKENS and whole and pos_offset == 0:
         # prefill chunks: one scalar loop per token in the kernel does not scale; use the reference
         from jtilert.layers import indexer_scores as reference
         return reference(q, w, k_cache, k_scale, positions)
-    return _call(q, w, k_cache, k_scale, positions, start, end, pos_offset, config or IndexerConfig())
+    return _call(q, w, k_cache, k_scale, positions, start, rows, pos_offset, config or IndexerConfig())
 
 
-def append_and_score(q, w, k_new, k_cache, k_scale, positions, *, start=0, end=None, pos_offset=0,
+def append_and_score(q, w, k_new, k_cache, k_scale, positions, *, start=0, rows=None, pos_offset=0,
                      config: IndexerConfig | None = None):
     """`indexer_scores` after writing the new tokens' keys into the cache rows `positions -
     pos_offset` that fall in the range, in the same kernel: k_new [T, D] is the key before
     quantisation (fp32, Hadamard-rotated, when the cache is fp8: quantised in the kernel exactly
     as `jtilert.quant.act_quant`; else already in the cache dtype). → (scores, k_cache, k_scale),
     the caches updated in place."""
-    return _call(q, w, k_cache, k_scale, positions, start, end, pos_offset, config or IndexerConfig(), k_new)
+    return _call(q, w, k_cache, k_scale, positions, start, rows, pos_offset, config or IndexerConfig(), k_new)
 
 
 def indexer_append_scores(cfg, q, w, k, k_cache, k_scale, positions, start, first_row=None, num_rows=None):
@@ -305,7 +307,7 @@ def indexer_append_scores(cfg, q, w, k, k_cache, k_scale, positions, start, firs
                                             first_row=first_row, num_rows=num_rows)
     if num_rows is not None or not _row_copyable(k_cache):   # (tiny test models: rows shorter than a TMA)
         score = (indexer_scores if num_rows is None else
-                 lambda *a: indexer_scores(*a, start=first_row, end=num_rows))
+                 lambda *a: indexer_scores(*a, start=first_row, rows=num_rows))
         return layers.indexer_append_scores(cfg, q, w, k, k_cache, k_scale, positions, start, score)
     k_new = layers.indexer_key_rotated(cfg, k)
     k_new = k_new.astype(F32 if k_scale is not None else k_cache.dtype)
@@ -317,20 +319,20 @@ def _row_copyable(k_cache) -> bool:
     return (k_cache.shape[1] * k_cache.dtype.itemsize) % 128 == 0
 
 
-def _call(q, w, k_cache, k_scale, positions, start, end, pos_offset, config, k_new=None):
+def _call(q, w, k_cache, k_scale, positions, start, rows, pos_offset, config, k_new=None):
     T, H, D = q.shape
     S = k_cache.shape[0]
     if k_new is not None and not _row_copyable(k_cache):
         raise ValueError(f"the append copies whole rows: {D} × {k_cache.dtype} is not a multiple of 128 bytes")
     if T > MAX_TOKENS:
         raise ValueError(f"at most {MAX_TOKENS} tokens per call with a range (got {T})")
-    if end is None:
+    if rows is None:
         if not isinstance(start, int):
-            raise ValueError("a traced start needs a static end (the range length)")
-        end = S
-    n = end - start if isinstance(start, int) else end
-    if not isinstance(n, int):
-        raise ValueError("the range length end - start must be static")
+            raise ValueError("a traced start needs a static row count (rows=)")
+        rows = S - start
+    if not isinstance(rows, int):
+        raise ValueError(f"the row count must be a static int, got {rows!r}")
+    n = rows
     q = q.astype(FP8 if k_cache.dtype == FP8 else k_cache.dtype)
     if H % 32:   # the weights' TMA moves a multiple of 128 bytes: pad the heads (zero weight)
         hp = _cdiv(H, 32) * 32
