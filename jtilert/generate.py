@@ -55,9 +55,9 @@ class Engine:
         self._split_indexer = split_indexer
         self.forward = jax.jit(self._wrap(self._forward), donate_argnums=(1,))
         self.draft = jax.jit(self._wrap(self._draft), donate_argnums=(1,))
-        # Generation runs `steps_per_call` steps per dispatch: one call's host cost (passing ~30 arrays
-        # per layer) was about 3x a 61-layer step's device time, so per-step dispatch left the GPU
-        # idle; in chunks it is paid once per chunk and overlapped.
+        # Generation runs `steps_per_call` steps per dispatch: one call's host cost (24 ms at 61 layers
+        # on an H200, bench/RESULTS.md) is more than 2x a step's device time, so per-step dispatch left
+        # the GPU idle; in chunks it is paid once per chunk and overlapped.
         self.steps_per_call = steps_per_call
         self.decode = jax.jit(self._wrap(self._decode_steps), donate_argnums=(1,))
         self.speculate = jax.jit(self._wrap(self._speculate_steps), donate_argnums=(1,))

@@ -49,6 +49,7 @@ def unavailable_reason() -> str:
 
 __all__ = [
     "GemvPlan", "all_reduce", "available", "build", "build_gemv_plan", "check_gemv_plan",
-    "dequantize", "expert_down_all_reduce", "expert_down_reference", "gemv", "gemv_all_reduce", "gemv_reference", "merge_topk",
-    "merge_topk_reference", "split_topk", "top_k", "topk", "unavailable_reason",
+    "dequantize", "expert_down_all_reduce", "expert_down_reference", "gemv", "gemv_all_reduce",
+    "gemv_reference", "merge_topk", "merge_topk_reference", "split_topk", "top_k", "topk",
+    "unavailable_reason",
 ]

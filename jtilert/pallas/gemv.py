@@ -294,12 +294,12 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
         srow = row0 // QBLOCK
 
         bw = QBLOCK if kc % QBLOCK == 0 else KGRAIN    # B built in 128- (or 64-) column blocks
+        nblk = kc // bw
 
         def load_tokens():
             plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(zero, MAX_TOKENS), pl.ds(k0, kc)], xstage, bar.at[0])
             if res_smem is not None:
                 plgpu.copy_gmem_to_smem(res_gmem.at[pl.ds(zero, MAX_TOKENS), pl.ds(row0, bn)], res_smem, bar.at[1])
-        nblk = kc // bw
 
         def build_b(xstage, svals):
             """B operand(s) for wgmma: the tokens' K slice, [8, kc] (rows ≥ T are TMA's zero fill).
