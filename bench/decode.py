@@ -8,7 +8,8 @@ fills the caches with random entries for `context` positions (as an injected pre
 times decode steps:
 - device time per step: `steps` consecutive steps inside one compiled loop (one dispatch, so no host
   time), repeated `samples` times; median and p90 over the samples;
-- host overhead: the pipelined Python loop a Generator runs, minus the device time;
+- host overhead: the pipelined Python loop `Generator.stream` runs (one step per call), minus the
+  device time; the enqueue time of one call (until the call returns, the step still running);
 - bytes per step, counted from the parameters actually read (the chosen experts only, one embedding
   row) plus the KV reads; the copy bandwidth measured in the same run; floor = bytes / bandwidth.
 """
@@ -30,7 +31,8 @@ from flax import nnx
 import jtilert
 from jtilert import checkpoint, sharding
 from jtilert.generate import Engine
-from jtilert.model import init_cache
+from jtilert.model import Layout, _no_topk, init_cache
+from jtilert.ops import DecodeConfig
 
 
 def copy_bandwidth() -> float:
@@ -98,6 +100,7 @@ def step_bytes(model, context: int, tp: int = 1) -> dict:
     """Bytes one decode step must read on one device: weights (routed experts: only the chosen k of
     E; the embedding: one row; tp-split weights: one slice) and the KV / index-key reads."""
     cfg = model.cfg
+    lay = Layout.of(cfg)
     weights = 0
     for name, x in checkpoint.flat_params(model).items():
         n = x.size * jnp.dtype(x.dtype).itemsize
@@ -105,7 +108,9 @@ def step_bytes(model, context: int, tp: int = 1) -> dict:
             n //= tp
         if name.startswith("mtp."):
             continue  # the MTP block runs only in speculative steps
-        if ".experts." in name and "shared_experts" not in name:
+        if name.split(".")[0] in ("layers", "indexers", "moe") and lay.mtp_layer is not None:
+            n = n * (x.shape[0] - 1) // x.shape[0]   # the stacks' last layer is the MTP block's
+        if name.startswith("moe.experts."):
             n = n * cfg.num_experts_per_tok // cfg.n_routed_experts
         if name == "embed_tokens":
             n = x.shape[1] * jnp.dtype(x.dtype).itemsize
@@ -123,15 +128,15 @@ def step_bytes(model, context: int, tp: int = 1) -> dict:
 def random_cache(eng: Engine, rows: int, seed: int = 0) -> dict:
     """Caches with random entries in every row (rows past the position are masked anyway). One small
     jit per distinct leaf shape: a single jit over all layers' leaves took 3.5 min to compile."""
-    leaves, tree = jax.tree_util.tree_flatten(jax.eval_shape(lambda: init_cache(eng.cfg, rows, eng.dtype)))
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    return eng.place(jax.tree_util.tree_unflatten(tree, [_random_leaf(k, x.shape, x.dtype)
-                                                        for k, x in zip(keys, leaves)]))
+    shapes = jax.eval_shape(lambda: init_cache(eng.cfg, rows, eng.dtype))
+    keys = jax.random.split(jax.random.key(seed), len(shapes))
+    return eng.place({name: _random_leaf(k, x.shape, x.dtype, name == "index_scale")
+                      for k, (name, x) in zip(keys, sorted(shapes.items()))})
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _random_leaf(key, shape, dtype):
-    if len(shape) == 1:  # index-key scales: powers of two, as the fp8 quantiser makes them
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _random_leaf(key, shape, dtype, scales: bool):
+    if scales:  # index-key scales: powers of two, as the fp8 quantiser makes them
         return jnp.exp2(jax.random.randint(key, shape, -8, -4).astype(jnp.float32))
     return jax.random.normal(key, shape, jnp.float32).astype(dtype)
 
@@ -145,9 +150,9 @@ def device_loop(eng: Engine, mtp: bool):
         def body(_, c):
             cache, token, draft, key = c
             if mtp:
-                cache, _, _, token, draft, _, key = step(state, cache, token, draft, pos, params, key)
+                cache, token, draft, _, key, _, _ = step(state, cache, token, draft, pos, key, params)
             else:
-                cache, token, _, key = step(state, cache, token, pos, params, key)
+                cache, token, _, key, _ = step(state, cache, token, pos, key, params)
             return cache, token, draft, key
         return jax.lax.fori_loop(0, steps, body, (cache, token, draft, key))
 
@@ -155,26 +160,25 @@ def device_loop(eng: Engine, mtp: bool):
 
 
 class _Skipped(nnx.Module):
-    """Stands in for a sub-layer in the timing variants: attention → (0, cache, topk), MLP → 0."""
+    """Stands in for a sub-layer stack in the timing variants: attention → (0, cache, no top-k), MLP → 0."""
 
-    def __init__(self, attention: bool):
-        self.attention = attention
+    def __init__(self, cfg, attention: bool):
+        self.cfg, self.attention = cfg, attention
 
-    def __call__(self, x, *args):
+    def __call__(self, ops, i, x, *args):
         if self.attention:
-            cache, topk = args[-2:]
-            return jnp.zeros_like(x), cache, topk
+            cache = args[-2]
+            return jnp.zeros_like(x), cache, _no_topk(self.cfg, x.shape[0], cache)
         return jnp.zeros_like(x)
 
 
 def variant(model, skip: tuple[str, ...]):
     """A view of `model` (same weight arrays) with every layer's attention and/or MLP skipped."""
     m = nnx.merge(*nnx.split(model))
-    for layer in m.layers:
-        if "attention" in skip:
-            layer.self_attn = _Skipped(True)
-        if "mlp" in skip:
-            layer.mlp = _Skipped(False)
+    if "attention" in skip:
+        m.layers.self_attn = _Skipped(m.cfg, True)
+    if "mlp" in skip:
+        m.dense = m.moe = _Skipped(m.cfg, False)
     return m
 
 
@@ -194,8 +198,10 @@ def breakdown(model, backend, context, steps, samples, mesh, engine) -> dict:
 
 def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samples: int, mesh=None,
                   engine: bool = False, host: bool = True, kernels: bool = False, split_indexer: bool = False) -> dict:
-    eng = Engine(model, mesh=mesh, backend=backend, engine_all_reduce=engine, split_indexer=split_indexer)
-    rows = context + 2 * steps + 8
+    eng = Engine(model, mesh=mesh, config=DecodeConfig(backend=backend, engine_all_reduce=engine,
+                                                       split_indexer=split_indexer))
+    host_steps = steps * samples
+    rows = context + 2 * (steps + host_steps) + 16
     cache = random_cache(eng, rows)
     token, draft = eng.place(jnp.array([1], jnp.int32)), eng.place(jnp.array([2], jnp.int32))
     pos = eng.place(jnp.int32(context))
@@ -226,23 +232,26 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
     if engine:  # an "engine" run whose library did not load ran psum: say which one ran
         from jtilert import ffi
         engine = ffi.available()
-    result = {"backend": eng.backend, "mtp": mtp, "tp": eng.tp, "all_reduce": "engine" if engine else "psum",
+    result = {"backend": backend, "mtp": mtp, "tp": eng.tp, "all_reduce": "engine" if engine else "psum",
               "split_indexer": split_indexer,
               "step_ms_median": device_s * 1e3, "step_ms_p90": float(np.percentile(per_step, 90)) * 1e3,
               "tok_s": 1.0 / device_s, "compile_s": compile_s, "steps_timed": 3 * steps * samples,
               "call_overhead_ms": (statistics.median(short) - steps * device_s) * 1e3, "timing": timing}
     if host:
-        host_s, cache = host_loop(eng, cache, token, draft, pos, params, key, mtp, steps * samples)
+        host_s, enqueue_s, carry = host_loop(eng, cache, token, draft, pos, params, key, mtp, host_steps)
+        cache = carry[0]
         result.update(host_loop_ms=host_s * 1e3, host_overhead_ms=max(0.0, host_s - device_s) * 1e3,
-                      host_overhead_frac=max(0.0, host_s - device_s) / host_s)
-    if kernels and jax.default_backend() == "gpu":
-        holder = [jax.block_until_ready(eng.decode(eng.state, cache, token, pos, params, key)[0])]
+                      host_overhead_frac=max(0.0, host_s - device_s) / host_s, enqueue_ms=enqueue_s * 1e3,
+                      arguments=eng.num_arguments, step_compile_s=host_loop.compile_s)
+    else:
+        carry = (cache, token, pos, key)
+    if kernels and jax.default_backend() == "gpu" and not mtp:
+        holder = [jax.block_until_ready(eng.decode(eng.state, *carry[:4], params))]
 
         def one_step():
-            out = eng.decode(eng.state, holder[0], token, pos, params, key)
-            holder[0] = out[0]
-            return out
-        result["kernel_profile"] = kernel_profile(one_step, eng.steps_per_call)
+            holder[0] = eng.decode(eng.state, *holder[0][:4], params)
+            return holder[0]
+        result["kernel_profile"] = kernel_profile(one_step, 1)
         result["kernel_profile"]["gaps_ms"] = device_s * 1e3 - result["kernel_profile"]["busy_ms"]
     stats = jax.devices()[0].memory_stats() or {}
     result["peak_device_bytes"] = int(stats.get("peak_bytes_in_use", 0))
@@ -250,23 +259,30 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
 
 
 def host_loop(eng, cache, token, draft, pos, params, key, mtp, n):
-    """(seconds per step, cache) of the loop a Generator runs: one dispatch per `steps_per_call`
-    steps, one call ahead of the reads, always from the same position so the context stays fixed."""
+    """(seconds per step, median enqueue seconds of one call, the carried arrays) of the loop
+    `Generator.stream` runs: one step per call, dispatched before the previous step's token is read
+    (the position advances by one row per step, or two per MTP step)."""
     if mtp:
-        fn = lambda c: eng.speculate(eng.state, c, token, draft, pos, params, key)
+        carry = (cache, token, draft, pos, key)
+        fn = lambda c: eng.speculate(eng.state, *c, params)
     else:
-        fn = lambda c: eng.decode(eng.state, c, token, pos, params, key)
-    out = jax.block_until_ready(fn(cache))  # compile
-    calls = max(1, n // eng.steps_per_call)
+        carry = (cache, token, pos, key)
+        fn = lambda c: eng.decode(eng.state, *c, params)
+    keep = 5 if mtp else 4
     t = time.perf_counter()
-    pending = None
-    for _ in range(calls):
-        out = fn(out[0])
+    out = jax.block_until_ready(fn(carry))  # compile (and warm)
+    host_loop.compile_s = time.perf_counter() - t
+    t = time.perf_counter()
+    pending, enqueue = None, []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        out = fn(out[:keep])
+        enqueue.append(time.perf_counter() - t0)
         if pending is not None:
             np.asarray(pending)
-        pending = out[1]
+        pending = out[-1]
     jax.block_until_ready(out)
-    return (time.perf_counter() - t) / (calls * eng.steps_per_call), out[0]
+    return (time.perf_counter() - t) / n, statistics.median(enqueue), out[:keep]
 
 
 def main(argv=None) -> dict:
@@ -304,7 +320,7 @@ def main(argv=None) -> dict:
         fmt = a.fmt or ("fp8" if cfg.index_quant == "fp8" else "bf16")
         model = jtilert.random_model(cfg, fmt=fmt, mesh=mesh)
     cfg = model.cfg
-    if a.context + 2 * a.steps + 8 > cfg.max_position_embeddings:
+    if a.context + 2 * a.steps * (a.samples + 1) + 16 > cfg.max_position_embeddings:
         raise SystemExit(f"--context {a.context} too large for this model")
     nbytes = step_bytes(model, a.context, a.tp)
     bw = copy_bandwidth()

@@ -1,10 +1,14 @@
 """Checkpoints: jtilert's formats (save / load onto a mesh) and HF model folders (load).
 
 A jtilert checkpoint is a folder with `jtilert.json` (config, weight format, layout version, every
-parameter's shape and dtype) and `params/`, in one of two layouts:
-  1. written by `save`: an orbax checkpoint of the whole (unsharded) parameter tree;
-  2. written by `jtilert.convert` (see jtilert/converter.py): raw per-device shard files laid out for a given
-     tensor-parallel degree, loaded shard by shard straight onto each device.
+parameter's shape and dtype) and `params/`, in one of three layouts:
+  3. written by `save`: an orbax checkpoint of the model's parameter tree, layers stacked ([L, ...]
+     per weight kind, as the runtime holds them: `jtilert.model`);
+  1. written by `save` before the layer stacks: an orbax checkpoint with one entry per layer
+     (`layers.3.self_attn.q_b_proj.weight`); still read, stacked at load;
+  2. written by `jtilert.convert` (see jtilert/converter.py): raw per-device shard files of the per-layer
+     parameters, laid out for a given tensor-parallel degree, loaded shard by shard onto each device
+     and stacked there.
 Writes go to a temporary sibling folder that is renamed into place only when complete.
 """
 
@@ -26,11 +30,11 @@ from jax.sharding import Mesh, NamedSharding
 
 from jtilert import hf, sharding
 from jtilert.config import PRESETS, ModelConfig
-from jtilert.model import Transformer
+from jtilert.model import Transformer, layer_names
 
 META = "jtilert.json"
-LAYOUT_VERSION = 1  # what `save` writes; bump when the stored layout of any parameter changes
-LAYOUT_VERSIONS = (1, 2)  # 2: jtilert.convert's per-shard files
+LAYOUT_VERSION = 3  # what `save` writes; bump when the stored layout of any parameter changes
+LAYOUT_VERSIONS = (1, 2, 3)  # 1: per-layer orbax; 2: jtilert.convert's per-shard files; 3: stacked orbax
 ASSETS = Path(__file__).parent / "assets"
 EMBEDDED = {"tiny": ASSETS / "tiny"}
 
@@ -40,6 +44,34 @@ EMBEDDED = {"tiny": ASSETS / "tiny"}
 def flat_params(model: Transformer) -> dict[str, jax.Array]:
     state = nnx.state(model, nnx.Param)
     return {".".join(map(str, sharding.path_names(p))): x for p, x in jax.tree_util.tree_leaves_with_path(state)}
+
+
+def layer_params(model: Transformer) -> dict[str, jax.ShapeDtypeStruct]:
+    """The per-layer parameters (checkpoint naming: `layers.3.self_attn.q_b_proj.weight`,
+    `mtp.layer.mlp.gate.weight`) of a model, as shapes: what HF folders and converted checkpoints hold."""
+    out = {}
+    for name, x in flat_params(model).items():
+        names = layer_names(model.cfg, name)
+        if not names:
+            out[name] = jax.ShapeDtypeStruct(x.shape, x.dtype)
+        for n in names:
+            out[n] = jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+    return out
+
+
+def _stacked(model: Transformer, get_layer) -> Transformer:
+    """A concrete model from an abstract one, `get_layer(per_layer_name, shape)` giving each per-layer
+    parameter (a numpy or jax array); stacks are built on the device(s) by `_fill`'s caller."""
+    cfg = model.cfg
+
+    def get(name, like):
+        names = layer_names(cfg, name)
+        if not names:
+            return get_layer(name, like)
+        parts = [get_layer(n, jax.ShapeDtypeStruct(like.shape[1:], like.dtype)) for n in names]
+        return jnp.stack([jnp.asarray(p) for p in parts]) if not isinstance(parts[0], np.ndarray) else np.stack(parts)
+
+    return _fill(model, get)
 
 
 def weight_format(params: dict) -> str:
@@ -178,9 +210,10 @@ def read_meta(path: Path) -> dict:
 
 
 def _check_params(path: Path, meta: dict, model: Transformer) -> dict:
-    """The model's parameters, checked against the shapes and dtypes the checkpoint records."""
+    """The model's parameters as the checkpoint names them (stacked in layout 3, per layer before),
+    checked against the shapes and dtypes the checkpoint records."""
     stored = meta["params"]
-    expected = {k: v for k, v in flat_params(model).items()}
+    expected = dict(flat_params(model)) if meta["layout_version"] == 3 else layer_params(model)
     for name, x in expected.items():
         if name not in stored:
             raise ValueError(f"{path}: parameter {name} missing from the checkpoint")
@@ -203,7 +236,14 @@ def _load_jtilert(path: Path, mesh, dtype) -> Transformer:
                     for k, x in expected.items()})
     with ocp.StandardCheckpointer() as ckpt:
         restored = _flatten(ckpt.restore(path / "params", target))
-    return _fill(model, lambda name, _: restored[name])
+    if meta["layout_version"] == 3:
+        return _fill(model, lambda name, _: restored[name])
+    return _place(_stacked(model, lambda name, _: restored.pop(name)), mesh)
+
+
+def _place(model: Transformer, mesh) -> Transformer:
+    """Every parameter in its sharding (stacks built from per-layer parts land where jnp.stack put them)."""
+    return _fill(model, lambda name, x: jax.device_put(x, _sharding_of(name, x.ndim, mesh)))
 
 
 def np_dtype(name: str) -> np.dtype:
@@ -320,8 +360,20 @@ def _load_sharded(path: Path, meta: dict, mesh: Mesh | None, dtype, reshard: boo
         arrays = [jax.device_put(shards[d], dev) for dev, d in owner.items()]
         return jax.make_array_from_single_device_arrays(t.shape, sh, arrays)
 
+    def get_stacked(name, like):
+        names = layer_names(cfg, name)
+        if not names:
+            return get(name, like)
+        if mesh is None:
+            return jnp.stack([jnp.asarray(tensors[n].read()) for n in names])
+
+        def read(idx):   # a device's block of the stack: its layers, each read from its own shard files
+            layers_idx = range(len(names))[idx[0]]
+            return np.stack([tensors[names[i]].read(idx[1:]) for i in layers_idx])
+        return jax.make_array_from_callback(like.shape, _sharding_of(name, like.ndim, mesh), read)
+
     try:
-        return _fill(model, get)
+        return _fill(model, get_stacked)
     finally:
         reader.shutdown()
 
@@ -366,7 +418,7 @@ def load_hf(path: str | os.PathLike, mesh: Mesh | None = None, dtype=None, **con
         flat[name.replace("gate_up", "gate")], flat[name.replace("gate_up", "up")] = w[:, :half], w[:, half:]
 
     model = abstract_model(cfg, fmt, dtype)
-    unexpected = set(flat) - set(flat_params(model))
+    unexpected = set(flat) - set(layer_params(model))
     if unexpected:
         raise ValueError(f"{path}: tensors with no place in a {cfg.model_type} model: {sorted(unexpected)[:5]}")
 
@@ -378,10 +430,9 @@ def load_hf(path: str | os.PathLike, mesh: Mesh | None = None, dtype=None, **con
             raise ValueError(f"{path}: parameter {name} has shape {tuple(x.shape)}, the config needs {tuple(like.shape)}")
         if (x.dtype == np.dtype(jnp.float8_e4m3fn)) != (like.dtype == jnp.float8_e4m3fn):
             raise ValueError(f"{path}: parameter {name} is {x.dtype}, the {fmt} model needs {jnp.dtype(like.dtype).name}")
-        x = np.asarray(x).astype(like.dtype)
-        return jax.device_put(x, _sharding_of(name, x.ndim, mesh)) if mesh is not None else jnp.asarray(x)
+        return np.asarray(x).astype(like.dtype)
 
-    return _fill(model, get)
+    return _place(_stacked(model, get), mesh)
 
 
 def info(source: str | os.PathLike) -> dict:

@@ -302,7 +302,7 @@ def plan(src: str | os.PathLike, tp: int = 1, dtype: str | None = None, layers=N
     source_format = _source_format(tensors, src)
     fmt = dtype or source_format
     expected = {k: (tuple(v.shape), np.dtype(v.dtype))
-                for k, v in checkpoint.flat_params(checkpoint.abstract_model(cfg, fmt)).items()}
+                for k, v in checkpoint.layer_params(checkpoint.abstract_model(cfg, fmt)).items()}
 
     # every source tensor, by the parameter it feeds
     single: dict[str, tuple] = {}
@@ -1277,7 +1277,7 @@ def verify(dst: str | os.PathLike, against: str | os.PathLike | None = None, sam
     cfg = ModelConfig.from_json_dict(meta["config"])
     problems: list[str] = []
     expected = {k: (list(v.shape), np.dtype(v.dtype).name) for k, v in
-                checkpoint.flat_params(checkpoint.abstract_model(cfg, meta["weight_format"])).items()}
+                checkpoint.layer_params(checkpoint.abstract_model(cfg, meta["weight_format"])).items()}
     params, tensors = meta["params"], meta.get("tensors", {})
     for name in sorted(set(expected) - set(params)):
         problems.append(f"parameter {name} missing")

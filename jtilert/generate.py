@@ -1,16 +1,20 @@
-"""Generation: prefill, a decode step compiled once, MTP speculative decoding, scoring.
+"""Generation: prefill, the decode step compiled once, MTP speculative decoding, scoring.
 
-The compiled steps take the model state, the caches (donated, updated in place), the tokens and
-the position as arguments; sampling settings are arrays. Shapes never change while generating, so
-each step compiles once per Generator. The host runs one step ahead of the device: it dispatches
-step i+1 before it reads step i's tokens, so the device never waits for Python.
+`Engine` holds the compiled steps of one model on one mesh under one `DecodeConfig`. Each step
+takes the weights (a flat list of arrays: the layer stacks make it a few dozen), the stacked caches
+and the loop-carried scalars; everything it carries (cache, token, position, key) is donated, so the
+buffers keep their device addresses from call to call. Each step is compiled ahead of time, once per
+shape (`Compiled`), and sampling settings are arrays: nothing compiles while generating.
+
+`Generator.stream` runs one step per call and yields each token as soon as it is read back; the
+host dispatches step i+1 before it reads step i's token, so the device never waits for Python.
+`Generator.generate` runs the steps on the device in a loop that ends at a stop token or the
+token budget (`GENERATE_STEPS` steps per call at most).
 """
 
 from __future__ import annotations
 
-import functools
 import time
-import warnings
 from collections.abc import Iterator, Sequence
 
 import jax
@@ -19,56 +23,73 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jtilert import backend as backend_mod, sharding
-from jtilert.model import Transformer, init_cache
+from jtilert import compile_cache, sharding
+from jtilert.model import Layout, Transformer, init_cache, split_cache
+from jtilert.ops import DecodeConfig, Ops
 from jtilert.sampling import Sampling, sample, verify
+
+GENERATE_STEPS = 64   # decode steps per call of `generate` (the loop on the device exits early at a stop)
+MAX_STOPS = 8         # stop tokens `generate` checks on the device
+
+
+class Compiled:
+    """`jax.jit(fn, donate_argnums)` compiled ahead of time (`lower(...).compile()`) on the first call
+    and reused for every later call with the same shapes; `compiles` counts the compilations."""
+
+    def __init__(self, fn, donate: tuple[int, ...] = ()):
+        self._jit = jax.jit(fn, donate_argnums=donate)
+        self._done: dict = {}
+        self.compiles = 0
+
+    def __call__(self, *args):
+        sig = jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), args)
+        key = jax.tree_util.tree_flatten(sig)
+        key = (tuple(key[0]), key[1])
+        exe = self._done.get(key)
+        if exe is None:
+            exe = self._done[key] = self._jit.lower(*args).compile()
+            self.compiles += 1
+        return exe(*args)
+
+    def lower(self, *args):
+        return self._jit.lower(*args)
 
 
 class Engine:
-    """The compiled steps of one model on one mesh with one backend."""
+    """The compiled steps of one model on one mesh under one DecodeConfig."""
 
-    def __init__(self, model: Transformer, mesh: Mesh | None = None, backend: str = "reference",
-                 engine_all_reduce: bool = False, steps_per_call: int = 8, split_indexer: bool = False):
-        if steps_per_call < 1:
-            raise ValueError(f"steps_per_call must be >= 1, got {steps_per_call}")
-        self.cfg, self.dtype = model.cfg, model.dtype
-        self.backend = backend_mod.check(backend)
-        if backend == "pallas":
+    def __init__(self, model: Transformer, mesh: Mesh | None = None, config: DecodeConfig = DecodeConfig()):
+        compile_cache.enable()
+        self.cfg, self.dtype, self.config = model.cfg, model.dtype, config
+        if config.backend == "pallas":
             from jtilert import pallas
             if not pallas.available():
-                warnings.warn("backend='pallas': the Pallas kernels are not available here; using the reference path",
-                              stacklevel=3)
-                self.backend = "reference"
+                raise RuntimeError("backend='pallas': jax.experimental.pallas.mosaic_gpu does not import here")
         self.graphdef, state = nnx.split(model)
         self.mesh = mesh
-        tp = 1 if mesh is None else mesh.shape[sharding.AXIS]
-        self.tp = tp
+        self.tp = tp = 1 if mesh is None else mesh.shape[sharding.AXIS]
         if tp > 1:
             specs = sharding.param_specs(state)
             self._state_specs = jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, P))
             state = sharding.shard_state(state, mesh)
-        # The compiled steps take the weights as a flat list of arrays: passing the nnx.State itself
-        # costs ~7 µs of host time per array and call (its pytree nodes flatten in Python), 3x the list.
+        # The steps take the weights as a flat list of arrays (an nnx.State argument costs host time
+        # per array and call to flatten).
         self.state, self._treedef = jax.tree_util.tree_flatten(state)
-        self._engine = engine_all_reduce
-        # Each rank scores 1/tp of the cached positions and the top-k lists are merged (decode only).
-        self._split_indexer = split_indexer
-        self.forward = jax.jit(self._wrap(self._forward), donate_argnums=(1,))
-        self.draft = jax.jit(self._wrap(self._draft), donate_argnums=(1,))
-        # Generation runs `steps_per_call` steps per dispatch: one call's host cost (24 ms at 61 layers
-        # on an H200, bench/RESULTS.md) is more than 2x a step's device time, so per-step dispatch left
-        # the GPU idle; in chunks it is paid once per chunk and overlapped.
-        self.steps_per_call = steps_per_call
-        self.decode = jax.jit(self._wrap(self._decode_steps), donate_argnums=(1,))
-        self.speculate = jax.jit(self._wrap(self._speculate_steps), donate_argnums=(1,))
+        self.forward = Compiled(self._wrap(self._forward), donate=(1,))
+        self.draft = Compiled(self._wrap(self._draft), donate=(1,))
+        self.decode = Compiled(self._wrap(self._decode), donate=(1, 2, 3, 4))
+        self.speculate = Compiled(self._wrap(self._speculate), donate=(1, 2, 3, 4, 5))
+        self.decode_loop = Compiled(self._wrap(self._decode_loop), donate=(1, 2, 3, 4))
+        self.speculate_loop = Compiled(self._wrap(self._speculate_loop), donate=(1, 2, 3, 4, 5))
+        self.first_token = Compiled(_first_token, donate=(2,))
+        self.first_draft = Compiled(_first_draft)
 
-    # --- tracing helpers ---------------------------------------------------------------------
+    # --- tracing -----------------------------------------------------------------------------
     def _wrap(self, fn):
-        """Run `fn(model, cache, *args)` under the backend and, with tp > 1, under shard_map."""
+        """Run `fn(model, ops, cache, *args)` with this engine's ops and, with tp > 1, under shard_map."""
         def run(state, cache, *args):
-            with backend_mod.use(self.backend), sharding.tensor_parallel(
-                    sharding.AXIS if self.tp > 1 else None, self._engine, self._split_indexer):
-                return fn(nnx.merge(self.graphdef, jax.tree_util.tree_unflatten(self._treedef, state)), cache, *args)
+            model = nnx.merge(self.graphdef, jax.tree_util.tree_unflatten(self._treedef, state))
+            return fn(model, Ops(self.config, sharding.AXIS if self.tp > 1 else None), cache, *args)
 
         if self.tp == 1:
             return run
@@ -79,67 +100,104 @@ class Engine:
             return f(state, cache, *args)
         return sharded
 
-    def _decode_steps(self, model, cache, token, pos, params, key):
-        """steps_per_call plain decode steps: (cache, tokens [n], last token [1], pos, key)."""
-        def body(i, c):
-            cache, token, pos, key, toks = c
-            cache, token, pos, key = self._decode(model, cache, token, pos, params, key)
-            return cache, token, pos, key, toks.at[i].set(token[0])
-        init = (cache, token, pos, key, jnp.zeros(self.steps_per_call, jnp.int32))
-        cache, token, pos, key, toks = jax.lax.fori_loop(0, self.steps_per_call, body, init)
-        return cache, toks, token, pos, key
-
-    def _speculate_steps(self, model, cache, token, draft, pos, params, key):
-        """steps_per_call MTP steps: (cache, emitted [n, 2], counts [n], token, draft, pos, key)."""
-        def body(i, c):
-            cache, token, draft, pos, key, emitted, counts = c
-            cache, em, cnt, token, draft, pos, key = self._speculate(model, cache, token, draft, pos, params, key)
-            return cache, token, draft, pos, key, emitted.at[i].set(em), counts.at[i].set(cnt)
-        n = self.steps_per_call
-        init = (cache, token, draft, pos, key, jnp.zeros((n, 2), jnp.int32), jnp.zeros(n, jnp.int32))
-        cache, token, draft, pos, key, emitted, counts = jax.lax.fori_loop(0, n, body, init)
-        return cache, emitted, counts, token, draft, pos, key
+    @staticmethod
+    def _forward(model, ops, cache, tokens, start):
+        logits, hidden, cache = model(ops, tokens, start, cache)
+        return logits, hidden, cache
 
     @staticmethod
-    def _forward(model, cache, tokens, start):
-        return model(tokens, start, cache)
+    def _draft(model, ops, cache, hidden, next_tokens, start):
+        return model.draft(ops, hidden, next_tokens, start, cache)
 
     @staticmethod
-    def _draft(model, cache, hidden, next_tokens, start):
-        logits, cache = model.draft(hidden, next_tokens, start, cache)
-        return logits, cache
-
-    @staticmethod
-    def _decode(model, cache, token, pos, params, key):
-        """One plain decode step: (cache, next token [1], pos + 1, key)."""
-        h, cache = model.hidden(token, pos, cache)
+    def _decode(model, ops, cache, token, pos, key, params):
+        """One plain decode step: (cache, next token [1], pos + 1, key, the token again for the host:
+        the first four are donated to the next step, the last is read back)."""
+        h, cache = model.hidden(ops, token, pos, cache)
         key, sub = jax.random.split(key)
-        return cache, model.next_token(h, params, sub), pos + 1, key
+        token = model.next_token(ops, h, params, sub)
+        return cache, token, pos + 1, key, token
 
     @staticmethod
-    def _speculate(model, cache, token, draft, pos, params, key):
+    def _speculate(model, ops, cache, token, draft, pos, key, params):
         """One MTP step: verify the draft for pos+1 with a 2-token forward, then draft again.
-        Returns (cache, emitted [2], n_emitted, next token, next draft, next pos, key)."""
-        logits, hidden, cache = model(jnp.concatenate([token, draft]), pos, cache)
+        Returns (cache, next token [1], next draft [1], next pos, key, emitted [2], n_emitted)."""
+        logits, hidden, cache = model(ops, jnp.concatenate([token, draft]), pos, cache)
         key, k1, k2 = jax.random.split(key, 3)
         accepted, first = verify(logits[0], draft[0], params, k1)
         second = sample(logits[1], params, k2)
-        mtp_logits, cache = model.draft(hidden, jnp.stack([first, second]), pos, cache)
+        mtp_logits, cache = model.draft(ops, hidden, jnp.stack([first, second]), pos, cache)
         drafts = jnp.argmax(mtp_logits, axis=-1).astype(jnp.int32)
         n = jnp.where(accepted, 2, 1)
         nxt = jnp.where(accepted, second, first)
         new_draft = jnp.where(accepted, drafts[1], drafts[0])
-        return cache, jnp.stack([first, second]), n, nxt[None], new_draft[None], pos + n, key
+        return cache, nxt[None], new_draft[None], pos + n, key, jnp.stack([first, second]), n
+
+    @staticmethod
+    def _decode_loop(model, ops, cache, token, pos, key, params, stops, budget):
+        """Up to GENERATE_STEPS decode steps, ending after a stop token or `budget` tokens:
+        (cache, token, pos, key, tokens [GENERATE_STEPS], count)."""
+        def cond(c):
+            return (c[5] < jnp.minimum(budget, GENERATE_STEPS)) & ~c[6]
+
+        def body(c):
+            cache, token, pos, key, out, n, _ = c
+            cache, token, pos, key, _ = Engine._decode(model, ops, cache, token, pos, key, params)
+            return cache, token, pos, key, out.at[n].set(token[0]), n + 1, jnp.any(stops == token[0])
+
+        out = jnp.zeros(GENERATE_STEPS, jnp.int32)
+        c = jax.lax.while_loop(cond, body, (cache, token, pos, key, out, jnp.int32(0), jnp.bool_(False)))
+        return c[:6]
+
+    @staticmethod
+    def _speculate_loop(model, ops, cache, token, draft, pos, key, params, stops, budget):
+        """Up to GENERATE_STEPS MTP steps (1 or 2 tokens each), ending after a stop token or `budget`
+        tokens: (cache, token, draft, pos, key, tokens [2 · GENERATE_STEPS], count, drafted, accepted)."""
+        def cond(c):
+            return (c[6] < jnp.minimum(budget, 2 * GENERATE_STEPS)) & (c[7] < GENERATE_STEPS) & ~c[9]
+
+        def body(c):
+            cache, token, draft, pos, key, out, n, steps, acc, _ = c
+            cache, token, draft, pos, key, em, cnt = Engine._speculate(model, ops, cache, token, draft, pos, key,
+                                                                       params)
+            out = jax.lax.dynamic_update_slice(out, em, (n,))
+            stop = jnp.any(stops == em[0]) | ((cnt == 2) & jnp.any(stops == em[1]))
+            # a stop token as the first of two ends the output there
+            cnt = jnp.where(jnp.any(stops == em[0]), 1, cnt)
+            return cache, token, draft, pos, key, out, n + cnt, steps + 1, acc + (cnt - 1), stop
+
+        out = jnp.zeros(2 * GENERATE_STEPS + 2, jnp.int32)
+        z = jnp.int32(0)
+        c = jax.lax.while_loop(cond, body, (cache, token, draft, pos, key, out, z, z, z, jnp.bool_(False)))
+        return c[:9]
 
     # --- caches ------------------------------------------------------------------------------
     def new_cache(self, rows: int) -> dict:
-        cache = init_cache(self.cfg, rows, self.dtype)
-        if self.mesh is not None:
-            cache = jax.device_put(cache, NamedSharding(self.mesh, P()))
-        return cache
+        return self.place(init_cache(self.cfg, rows, self.dtype))
 
     def place(self, x):
-        return x if self.mesh is None else jax.device_put(x, NamedSharding(self.mesh, P()))
+        """x on this engine's device(s), committed (replicated over the mesh)."""
+        if self.mesh is None:
+            return jax.device_put(x, jax.devices()[0])
+        return jax.device_put(x, NamedSharding(self.mesh, P()))
+
+    @property
+    def num_arguments(self) -> int:
+        """Arrays a decode call passes: weights, cache arrays and the six loop scalars."""
+        return len(self.state) + len(jax.tree_util.tree_leaves(jax.eval_shape(
+            lambda: init_cache(self.cfg, 8, self.dtype)))) + 6
+
+
+def _first_token(logits, last, key, params):
+    """The token after the prompt from the last prefill chunk's logits [c, V] (the prompt's last
+    position is row `last`), and the key for the decode steps."""
+    key, sub = jax.random.split(key)
+    return sample(logits[last], params, sub)[None], key
+
+
+def _first_draft(logits, last):
+    """The MTP block's first draft [1]: the argmax of row `last` of its last prefill chunk's logits."""
+    return jnp.argmax(logits[last]).astype(jnp.int32)[None]
 
 
 class Generator:
@@ -151,8 +209,8 @@ class Generator:
 
     def __init__(self, model: Transformer, max_seq_len: int = 2048, sampling: Sampling | None = None,
                  mtp: bool = False, backend: str = "reference", mesh: Mesh | None = None,
-                 prefill_chunk: int = 64, engine_all_reduce: bool = False, steps_per_call: int = 8,
-                 split_indexer: bool = False):
+                 prefill_chunk: int = 64, engine_all_reduce: bool = False, split_indexer: bool = False,
+                 config: DecodeConfig | None = None):
         cfg = model.cfg
         if max_seq_len <= 0:
             raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
@@ -161,16 +219,27 @@ class Generator:
                              f"{cfg.max_position_embeddings}")
         if mtp and model.mtp is None:
             raise ValueError("mtp=True but the model has no MTP block (num_nextn_predict_layers=0)")
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        config = config or DecodeConfig(backend=backend, engine_all_reduce=engine_all_reduce,
+                                        split_indexer=split_indexer)
         self.cfg, self.max_seq_len, self.mtp = cfg, max_seq_len, mtp
         self.sampling = sampling or Sampling()
         self.chunk = prefill_chunk
-        # Room for the padded last prefill chunk, and for the steps a decode call runs past the last
-        # token kept (up to 2 rows per MTP step).
-        self.rows = -(-(max_seq_len + 2 * steps_per_call + 2) // prefill_chunk) * prefill_chunk
-        self.engine = Engine(model, mesh, backend, engine_all_reduce, steps_per_call, split_indexer)
+        # Room for the padded last prefill chunk, and for the steps a call runs past the last token
+        # kept (the step in flight when a stop token is read, up to 2 rows per MTP step).
+        self.rows = -(-(max_seq_len + 4) // prefill_chunk) * prefill_chunk
+        self.engine = Engine(model, mesh, config)
         self._cache = None
         self._injected = 0
         self.stats: dict = {}
+
+    @property
+    def compiles(self) -> int:
+        """Compilations of this Generator's steps so far."""
+        e = self.engine
+        return sum(c.compiles for c in (e.forward, e.draft, e.decode, e.speculate, e.decode_loop,
+                                        e.speculate_loop, e.first_token, e.first_draft))
 
     # --- validation -------------------------------------------------------------------------
     def _check_prompt(self, prompt_ids, max_new_tokens: int) -> np.ndarray:
@@ -195,32 +264,35 @@ class Generator:
     # --- caches -----------------------------------------------------------------------------
     def inject_cache(self, caches: Sequence[dict], length: int, mtp_cache: dict | None = None) -> None:
         """Use externally computed caches (prefill/decode disaggregation) holding positions [0, length).
-        `caches[i]` has this layer's arrays as `init_cache` lays them out (`kv` [S, kv_lora], `pe`
-        [S, rope], and `index_k`/`index_scale` for layers with an indexer), S >= length; rows past
-        `length` are ignored. The next `generate` prefills only the prompt tokens after `length`."""
+        `caches[i]` has layer i's arrays (`kv` [S, kv_lora], `pe` [S, rope], and `index_k` /
+        `index_scale` for layers with their own indexer), as `prefill` returns them, S >= length; rows
+        past `length` are ignored. The next `generate` prefills only the prompt tokens after `length`."""
+        lay = Layout.of(self.cfg)
         template = init_cache(self.cfg, self.rows, self.engine.dtype)
-        if len(caches) != len(template["layers"]):
-            raise ValueError(f"inject_cache: got {len(caches)} layer caches, the model has {len(template['layers'])}")
+        main = self.cfg.num_hidden_layers
+        if len(caches) != main:
+            raise ValueError(f"inject_cache: got {len(caches)} layer caches, the model has {main}")
         if not 0 < length < self.max_seq_len:
             raise ValueError(f"inject_cache: length must be in (0, max_seq_len={self.max_seq_len}), got {length}")
-
-        def fill(name, want, got):
+        if mtp_cache is None and self.mtp:
+            raise ValueError("inject_cache: mtp=True needs the MTP layer's cache too (mtp_cache=...)")
+        given = list(enumerate(caches)) + ([(main, mtp_cache)] if mtp_cache is not None else [])
+        cache = dict(template)
+        for i, got in given:
+            name = "mtp" if i == main else f"layer {i}"
+            slot = lay.indexer_slot[i]
+            want = {k: (k, i) for k in ("kv", "pe") if k in template}
+            if slot >= 0:
+                want.update({k: (k, slot) for k in ("index_k", "index_scale") if k in template})
             if set(got) != set(want):
                 raise ValueError(f"inject_cache: {name} has arrays {sorted(got)}, expected {sorted(want)}")
-            out = {}
-            for k, buf in want.items():
+            for k, (stack, j) in want.items():
                 arr = jnp.asarray(got[k])
-                if arr.shape[1:] != buf.shape[1:] or arr.shape[0] < length:
+                row_shape = template[stack].shape[2:]
+                if arr.shape[1:] != row_shape or arr.shape[0] < length:
                     raise ValueError(f"inject_cache: {name}.{k} has shape {tuple(arr.shape)}, expected "
-                                     f"({'>=' + str(length)}, {', '.join(map(str, buf.shape[1:]))})")
-                out[k] = buf.at[:length].set(arr[:length].astype(buf.dtype))
-            return out
-
-        cache = {"layers": [fill(f"layer {i}", w, g) for i, (w, g) in enumerate(zip(template["layers"], caches))]}
-        if "mtp" in template:
-            if mtp_cache is None and self.mtp:
-                raise ValueError("inject_cache: mtp=True needs the MTP layer's cache too (mtp_cache=...)")
-            cache["mtp"] = fill("mtp", template["mtp"], mtp_cache) if mtp_cache is not None else template["mtp"]
+                                     f"(>={length}, {', '.join(map(str, row_shape))})")
+                cache[stack] = cache[stack].at[j, :length].set(arr[:length].astype(cache[stack].dtype))
         self._cache = self.engine.place(cache)
         self._injected = length
 
@@ -228,8 +300,8 @@ class Generator:
         """The per-layer caches of prompt_ids, as `inject_cache` takes them (for disaggregation:
         one Generator prefills, another decodes)."""
         ids = self._check_prompt(prompt_ids, 0)
-        _, _, cache = self._prefill(ids, 0, self.engine.new_cache(self.rows))
-        return cache["layers"]
+        *_, cache = self._prefill(ids, 0, self.engine.new_cache(self.rows))
+        return split_cache(self.cfg, cache)[0]
 
     def _take_cache(self) -> tuple[dict, int]:
         if self._cache is not None:
@@ -240,113 +312,142 @@ class Generator:
 
     # --- prefill ----------------------------------------------------------------------------
     def _prefill(self, ids: np.ndarray, start: int, cache: dict):
-        """Run the main model over ids[start:] in fixed-size chunks: (logits of the last prompt
-        position, hidden states of positions start.., cache)."""
+        """Run the main model over ids[start:] in fixed-size chunks: (the last chunk's logits, the row
+        of the prompt's last position in it, the chunks' hidden states, cache). Only compiled steps
+        run, so a new prompt length compiles nothing."""
         eng, c = self.engine, self.chunk
         tail = ids[start:]
         padded = np.zeros(-(-tail.size // c) * c, np.int32)
         padded[:tail.size] = tail
         hidden, logits = [], None
         for i in range(0, padded.size, c):
-            logits, h, cache = eng.forward(eng.state, cache, eng.place(jnp.asarray(padded[i:i + c])),
-                                           eng.place(jnp.int32(start + i)))
+            logits, h, cache = eng.forward(eng.state, cache, eng.place(padded[i:i + c]), eng.place(np.int32(start + i)))
             hidden.append(h)
-        last = (tail.size - 1) % c
-        return logits[last], jnp.concatenate(hidden)[:tail.size], cache
+        return logits, (tail.size - 1) % c, hidden, cache
 
-    def _prefill_draft(self, ids, start, first_token, hidden, cache):
-        """Fill the MTP cache over the prompt and return the first draft (for the position after first_token)."""
+    def _prefill_draft(self, ids, start, first: int, hidden: list, cache):
+        """Fill the MTP layer's cache over the prompt (chunk by chunk, on the main model's hidden
+        chunks) and return the first draft (for the position after `first`)."""
         eng, c = self.engine, self.chunk
-        nxt = np.concatenate([ids[start + 1:], [0]]).astype(np.int32)
-        n = nxt.size
-        pad = -(-n // c) * c
-        nxt_dev = jnp.zeros(pad, jnp.int32).at[:n].set(jnp.asarray(nxt)).at[n - 1].set(first_token)
-        hid = jnp.zeros((pad, hidden.shape[-1]), hidden.dtype).at[:n].set(hidden)
+        nxt = np.zeros(len(hidden) * c, np.int32)    # the token after each prompt position
+        n = ids.size - start
+        nxt[:n - 1], nxt[n - 1] = ids[start + 1:], first
         logits = None
-        for i in range(0, pad, c):
-            logits, cache = eng.draft(eng.state, cache, eng.place(hid[i:i + c]), eng.place(nxt_dev[i:i + c]),
-                                      eng.place(jnp.int32(start + i)))
-        return jnp.argmax(logits[(n - 1) % c]).astype(jnp.int32)[None], cache
+        for j, h in enumerate(hidden):
+            logits, cache = eng.draft(eng.state, cache, h, eng.place(nxt[j * c:(j + 1) * c]),
+                                      eng.place(np.int32(start + j * c)))
+        return eng.first_draft(logits, eng.place(np.int32((n - 1) % c))), cache
+
+    def _start(self, prompt_ids, max_new_tokens, sampling):
+        """Prefill and the first token: (ids, first token id, device state for the steps)."""
+        ids = self._check_prompt(prompt_ids, max_new_tokens)
+        sampling = sampling or self.sampling
+        eng = self.engine
+        params = eng.place(sampling.arrays())
+        cache, start = self._take_cache()
+        self.stats = {"prompt_tokens": int(ids.size), "generated": 0, "steps": 0, "drafted": 0, "accepted": 0}
+        t0 = time.perf_counter()
+        logits, last, hidden, cache = self._prefill(ids, start, cache)
+        token, key = eng.first_token(logits, eng.place(np.int32(last)), eng.place(_seed_key(sampling.seed)), params)
+        first = int(token[0])
+        self.stats["prefill_s"] = time.perf_counter() - t0
+        state = {"cache": cache, "token": token, "pos": eng.place(np.int32(ids.size)), "key": key, "params": params}
+        if self.mtp:
+            state["draft"], state["cache"] = self._prefill_draft(ids, start, first, hidden, cache)
+        return ids, first, state
 
     # --- generation -------------------------------------------------------------------------
     def stream(self, prompt_ids, max_new_tokens: int, sampling: Sampling | None = None,
                stop_tokens: Sequence[int] | None = None) -> Iterator[int]:
-        """Yield generated token ids as they are produced (stops after a stop token, which is yielded)."""
-        ids = self._check_prompt(prompt_ids, max_new_tokens)
-        sampling = sampling or self.sampling
+        """Yield generated token ids as they are produced, each as soon as its step finishes (stops
+        after a stop token, which is yielded)."""
         stops = set(self.cfg.eos_token_id if stop_tokens is None else stop_tokens)
-        eng = self.engine
-        params = eng.place(sampling.arrays())
-        key = eng.place(jax.random.PRNGKey(sampling.seed))
-        cache, start = self._take_cache()
-        self.stats = {"prompt_tokens": int(ids.size), "generated": 0, "steps": 0, "drafted": 0, "accepted": 0}
         if max_new_tokens == 0:
+            self._check_prompt(prompt_ids, 0)
             return
-        t0 = time.perf_counter()
-        last_logits, hidden, cache = self._prefill(ids, start, cache)
-        key, sub = jax.random.split(key)
-        token = eng.place(sample(last_logits, params, sub)[None])
-        first = int(token[0])
-        self.stats["prefill_s"] = time.perf_counter() - t0
+        _, first, s = self._start(prompt_ids, max_new_tokens, sampling)
         t1 = time.perf_counter()
-        done = 0
-
-        def emit(tok):
-            nonlocal done
-            done += 1
-            self.stats["generated"] = done
-            return tok in stops or done >= max_new_tokens
-
-        if emit(first):
-            yield first
-            return
+        done = 1
+        self.stats["generated"] = 1
         yield first
-        pos = eng.place(jnp.int32(ids.size))
-        if self.mtp:
-            draft, cache = self._prefill_draft(ids, start, token[0], hidden, cache)
-            steps = self._speculative_steps(cache, token, draft, pos, params, key)
-        else:
-            steps = self._plain_steps(cache, token, pos, params, key)
+        if first in stops or done >= max_new_tokens:
+            return
+        steps = self._speculative_steps(s) if self.mtp else self._plain_steps(s)
         try:
             for toks in steps:
                 for tok in toks:
-                    if emit(tok):
-                        yield tok
-                        return
+                    done += 1
+                    self.stats["generated"] = done
                     yield tok
+                    if tok in stops or done >= max_new_tokens:
+                        return
         finally:
             steps.close()
             self.stats["decode_s"] = time.perf_counter() - t1
 
-    def _plain_steps(self, cache, token, pos, params, key):
-        """Pipelined decode: dispatch call i+1 (steps_per_call steps), then read call i's tokens."""
+    def _plain_steps(self, s):
+        """One step per call, pipelined: dispatch step i+1, then read step i's token."""
         eng = self.engine
+        cache, token, pos, key, params = s["cache"], s["token"], s["pos"], s["key"], s["params"]
         pending = None
         while True:
-            cache, toks, token, pos, key = eng.decode(eng.state, cache, token, pos, params, key)
-            self.stats["steps"] += eng.steps_per_call
+            cache, token, pos, key, emitted = eng.decode(eng.state, cache, token, pos, key, params)
+            self.stats["steps"] += 1
             if pending is not None:
-                yield [int(t) for t in np.asarray(pending)]
-            pending = toks
+                yield [int(pending.result()[0])]
+            pending = _HostCopy(emitted)
 
-    def _speculative_steps(self, cache, token, draft, pos, params, key):
+    def _speculative_steps(self, s):
         eng = self.engine
+        cache, token, draft, pos, key, params = s["cache"], s["token"], s["draft"], s["pos"], s["key"], s["params"]
         pending = None
         while True:
-            cache, emitted, counts, token, draft, pos, key = eng.speculate(eng.state, cache, token, draft, pos,
-                                                                           params, key)
-            self.stats["steps"] += eng.steps_per_call
+            cache, token, draft, pos, key, em, n = eng.speculate(eng.state, cache, token, draft, pos, key, params)
+            self.stats["steps"] += 1
             if pending is not None:
-                toks, cnts = np.asarray(pending[0]), np.asarray(pending[1])
-                self.stats["drafted"] += cnts.size
-                self.stats["accepted"] += int(cnts.sum()) - cnts.size
-                yield [int(t) for row, c in zip(toks, cnts) for t in row[:c]]
-            pending = (emitted, counts)
+                em_h, n_h = pending[0].result(), int(pending[1].result())
+                self.stats["drafted"] += 1
+                self.stats["accepted"] += n_h - 1
+                yield [int(t) for t in em_h[:n_h]]
+            pending = (_HostCopy(em), _HostCopy(n))
 
     def generate(self, prompt_ids, max_new_tokens: int, sampling: Sampling | None = None,
                  stop_tokens: Sequence[int] | None = None) -> list[int]:
-        """Generated token ids (the prompt not included)."""
-        return list(self.stream(prompt_ids, max_new_tokens, sampling, stop_tokens))
+        """Generated token ids (the prompt not included). The steps run in loops on the device that
+        end at a stop token or the budget, up to GENERATE_STEPS steps per call."""
+        stops = list(self.cfg.eos_token_id if stop_tokens is None else stop_tokens)
+        if len(stops) > MAX_STOPS:
+            return list(self.stream(prompt_ids, max_new_tokens, sampling, stop_tokens))
+        if max_new_tokens == 0:
+            self._check_prompt(prompt_ids, 0)
+            return []
+        _, first, s = self._start(prompt_ids, max_new_tokens, sampling)
+        out = [first]
+        t1 = time.perf_counter()
+        eng = self.engine
+        stop_arr = eng.place(np.array(stops + [-1] * (MAX_STOPS - len(stops)), np.int32))
+        cache, token, pos, key, params = s["cache"], s["token"], s["pos"], s["key"], s["params"]
+        draft = s.get("draft")
+        while out[-1] not in stops and len(out) < max_new_tokens:
+            budget = eng.place(np.int32(max_new_tokens - len(out)))
+            if self.mtp:
+                cache, token, draft, pos, key, toks, n, steps, acc = eng.speculate_loop(
+                    eng.state, cache, token, draft, pos, key, params, stop_arr, budget)
+                self.stats["drafted"] += int(steps)
+                self.stats["accepted"] += int(acc)
+                self.stats["steps"] += int(steps)
+            else:
+                cache, token, pos, key, toks, n = eng.decode_loop(eng.state, cache, token, pos, key, params,
+                                                                  stop_arr, budget)
+                self.stats["steps"] += int(n)
+            new = [int(t) for t in np.asarray(toks)[:int(n)]]
+            for t in new:
+                out.append(t)
+                if t in stops or len(out) >= max_new_tokens:
+                    break
+        self.stats["generated"] = len(out)
+        self.stats["decode_s"] = time.perf_counter() - t1
+        return out
 
     @property
     def acceptance(self) -> float | None:
@@ -355,24 +456,44 @@ class Generator:
         return self.stats["accepted"] / d if self.mtp and d else None
 
 
+def _seed_key(seed: int) -> np.ndarray:
+    """`jax.random.PRNGKey(seed)` made on the host (threefry, 32-bit seeds: [0, seed mod 2^32]), so a
+    new seed compiles nothing."""
+    return np.array([0, seed & 0xFFFFFFFF], np.uint32)
+
+
+class _HostCopy:
+    """A device scalar/array being copied to the host (started at once, read with `result()`)."""
+
+    def __init__(self, x: jax.Array):
+        self._x = x
+        x.copy_to_host_async()
+
+    def result(self) -> np.ndarray:
+        return np.asarray(self._x)
+
+
 def score(model: Transformer, token_ids, prefill: int | None = None, mesh: Mesh | None = None,
-          backend: str = "reference", prefill_chunk: int = 16) -> np.ndarray:
+          backend: str = "reference", prefill_chunk: int = 16, config: DecodeConfig | None = None) -> np.ndarray:
     """Next-token logits [T, vocab] at every position of token_ids, through the real path: the first
     `prefill` tokens (default: half) go through chunked prefill, the rest through one-token decode steps."""
     ids = np.asarray(token_ids, np.int32)
-    gen = Generator(model, max_seq_len=ids.size + 1, mesh=mesh, backend=backend, prefill_chunk=prefill_chunk)
+    gen = Generator(model, max_seq_len=ids.size + 1, mesh=mesh, backend=backend, prefill_chunk=prefill_chunk,
+                    config=config)
     gen._check_prompt(ids, 0)
     n = max(1, ids.size // 2 if prefill is None else prefill)
+    if n > ids.size:
+        raise ValueError(f"score: prefill={n} is more than the {ids.size} token ids")
     eng, c = gen.engine, gen.chunk
     cache = eng.new_cache(gen.rows)
     out = []
     padded = np.zeros(-(-n // c) * c, np.int32)
     padded[:n] = ids[:n]
     for i in range(0, padded.size, c):
-        logits, _, cache = eng.forward(eng.state, cache, eng.place(jnp.asarray(padded[i:i + c])), eng.place(jnp.int32(i)))
+        logits, _, cache = eng.forward(eng.state, cache, eng.place(padded[i:i + c]), eng.place(np.int32(i)))
         out.append(np.asarray(logits))
     out = [np.concatenate(out)[:n]]
     for p in range(n, ids.size):
-        logits, _, cache = eng.forward(eng.state, cache, eng.place(jnp.asarray(ids[p:p + 1])), eng.place(jnp.int32(p)))
+        logits, _, cache = eng.forward(eng.state, cache, eng.place(ids[p:p + 1]), eng.place(np.int32(p)))
         out.append(np.asarray(logits))
     return np.concatenate(out)

@@ -1,24 +1,37 @@
 """The decoder as Flax (nnx) modules: MLA with the absorbed decode formulation and a latent cache,
 the DSA lightning indexer, dense SwiGLU and the sigmoid-routed MoE, the lm head and the MTP block.
 
+Weights are stacked per layer group, each weight kind one array [L, ...]:
+  `layers`   attention and norms of every layer, the MTP block's layer last (index num_hidden_layers);
+  `indexers` the lightning indexers of the layers that run their own ("full"; GLM-5.2's "shared"
+             layers reuse the previous top-k and have none);
+  `dense`    the dense SwiGLU of the first `first_k_dense_replace` layers;
+  `moe`      router, routed and shared experts of the remaining layers (the MTP layer's last).
+The caches are stacked the same way (`init_cache`). A step loops over the layers with
+`lax.fori_loop` (one loop body for the dense layers, one for the MoE layers); every op gets the
+stacked arrays and the traced layer index, so no layer is ever copied out of its stack.
+
 Every step takes T new tokens at positions start..start+T-1 (T = 1 when decoding, 2 in an MTP verify
 step, a chunk in prefill), writes them into the preallocated caches and attends over the caches.
 The same code runs unsharded and as one rank of a tensor-parallel mesh: local sizes (heads, expert
-width, vocab) are read off the weights, and partial sums go through `sharding.all_reduce`.
-Module and parameter names follow the HF checkpoint keys, so loading is a rename.
+width, vocab) are read off the weights, and partial sums go through `Ops.all_reduce`.
+Parameter names follow the HF checkpoint keys within a layer (`layer_name` maps them).
 """
 
 from __future__ import annotations
 
 import functools
+import re
 import zlib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from jtilert import backend, layers, sharding
+from jtilert import layers, sharding
 from jtilert.config import ModelConfig
+from jtilert.ops import Ops
 from jtilert.quant import dequantize, quantize_weight
 from jtilert.sampling import sample
 
@@ -34,7 +47,8 @@ def compute_dtype(fmt: str):
 
 
 class Linear(nnx.Module):
-    """y = x · Wᵀ, W [out, in] (or stacked [E, out, in] for experts) in fp32/bf16, or fp8 with 128×128 block scales."""
+    """y = x · Wᵀ, W [out, in] (or stacked [E, out, in] for experts) in fp32/bf16, or fp8 with 128×128
+    block scales. Inside a layer stack every array has the layer axis in front."""
 
     def __init__(self, in_features: int, out_features: int, *, rngs: nnx.Rngs, fmt: str = "bf16",
                  quantizable: bool = True, experts: int = 0, std: float | None = None):
@@ -50,11 +64,15 @@ class Linear(nnx.Module):
     def scale_or_none(self):
         return None if self.scale is None else self.scale[...]
 
-    def dequantized(self, dtype) -> jax.Array:
-        return dequantize(self.weight[...], self.scale_or_none, dtype)
+    def arrays(self) -> tuple:
+        return self.weight[...], self.scale_or_none
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return backend.ops().linear(x, self.weight[...], self.scale_or_none)
+    def __call__(self, ops: Ops, x: jax.Array, layer=None) -> jax.Array:
+        return ops.linear(x, self.weight[...], self.scale_or_none, layer)
+
+
+def _at(w: jax.Array, layer):
+    return w if layer is None else w[layer]
 
 
 class RMSNorm(nnx.Module):
@@ -62,8 +80,8 @@ class RMSNorm(nnx.Module):
         self.weight = nnx.Param((1.0 + 0.1 * jax.random.normal(rngs.params(), (dim,), F32)).astype(dtype))
         self.eps = eps
 
-    def __call__(self, x):
-        return layers.rms_norm(x, self.weight[...], self.eps)
+    def __call__(self, x, layer=None):
+        return layers.rms_norm(x, _at(self.weight[...], layer), self.eps)
 
 
 class LayerNorm(nnx.Module):
@@ -71,13 +89,13 @@ class LayerNorm(nnx.Module):
         self.weight = nnx.Param((1.0 + 0.1 * jax.random.normal(rngs.params(), (dim,), F32)).astype(dtype))
         self.bias = nnx.Param((0.1 * jax.random.normal(rngs.params(), (dim,), F32)).astype(dtype))
 
-    def __call__(self, x):
-        return layers.layer_norm(x, self.weight[...], self.bias[...], SUBLAYER_EPS)
+    def __call__(self, x, layer=None):
+        return layers.layer_norm(x, _at(self.weight[...], layer), _at(self.bias[...], layer), SUBLAYER_EPS)
 
 
 def _swiglu_arrays(gate: Linear, up: Linear, down: Linear) -> tuple:
     """(gate, gate_scale, up, up_scale, down, down_scale): the argument order of the SwiGLU ops."""
-    return tuple(a for lin in (gate, up, down) for a in (lin.weight[...], lin.scale_or_none))
+    return gate.arrays() + up.arrays() + down.arrays()
 
 
 class MLP(nnx.Module):
@@ -91,9 +109,8 @@ class MLP(nnx.Module):
     def arrays(self) -> tuple:
         return _swiglu_arrays(self.gate_proj, self.up_proj, self.down_proj)
 
-    def __call__(self, x):
-        g, gs, u, us, d, ds = self.arrays()
-        return sharding.linear_all_reduce(backend.ops().swiglu_hidden(x, g, gs, u, us), d, ds)
+    def __call__(self, ops: Ops, x, layer=None):
+        return ops.mlp(x, self.arrays(), layer)
 
 
 class Router(nnx.Module):
@@ -123,9 +140,10 @@ class MoE(nnx.Module):
         self.experts = Experts(cfg, rngs=rngs, fmt=fmt)
         self.shared_experts = MLP(cfg, cfg.moe_intermediate_size * cfg.n_shared_experts, rngs=rngs, fmt=fmt)
 
-    def __call__(self, x):
-        weights, ids = backend.ops().route(self.cfg, x, self.gate.weight[...], self.gate.e_score_correction_bias[...])
-        return sharding.moe_all_reduce(x, weights, ids, self.experts.arrays(), self.shared_experts.arrays())
+    def __call__(self, ops: Ops, x, layer=None):
+        weights, ids = ops("route", self.cfg, x, self.gate.weight[...], self.gate.e_score_correction_bias[...],
+                           layer=layer)
+        return ops.moe(x, weights, ids, self.experts.arrays(), self.shared_experts.arrays(), layer)
 
 
 class Indexer(nnx.Module):
@@ -139,34 +157,31 @@ class Indexer(nnx.Module):
         self.k_norm = LayerNorm(cfg.index_head_dim, rngs=rngs, dtype=norm_dtype)
         self.weights_proj = Linear(cfg.hidden_size, cfg.index_n_heads, rngs=rngs, fmt="fp32", quantizable=False)
 
-    def __call__(self, x, qa, cos, sin, positions, start, cache):
-        cfg, ops = self.cfg, backend.ops()
+    def __call__(self, ops: Ops, slot, x, qa, cos, sin, positions, start, cache):
+        """(top-k (indices [T, k], valid [T, k]), cache) for indexer `slot` of the stack."""
+        cfg = self.cfg
         t, r = x.shape[0], cfg.qk_rope_head_dim
-        q = self.wq_b(qa).reshape(t, cfg.index_n_heads, cfg.index_head_dim)
-        k = self.k_norm(self.wk(x))
+        q = self.wq_b(ops, qa, slot).reshape(t, cfg.index_n_heads, cfg.index_head_dim)
+        k = self.k_norm(self.wk(ops, x, slot), slot)
         rot = cfg.indexer_rope_interleaved
         q = jnp.concatenate([layers.apply_rope(q[..., :r], cos, sin, rot), q[..., r:]], axis=-1)
         k = jnp.concatenate([layers.apply_rope(k[..., :r], cos, sin, rot), k[..., r:]], axis=-1)
-        w = layers.linear(x.astype(F32), self.weights_proj.weight[...].astype(F32))
+        w = layers.linear(x.astype(F32), self.weights_proj.weight[...][slot].astype(F32))
         w = w * (cfg.index_n_heads**-0.5 * cfg.index_head_dim**-0.5)
         q, w = layers.indexer_query(cfg, q, w)
-        first, num = sharding.indexer_rows(cache["index_k"].shape[0], t)   # this rank's rows when split
-        scores, k_cache, k_scale = ops.indexer_append_scores(cfg, q, w, k, cache["index_k"], cache.get("index_scale"),
-                                                             positions, start, first_row=first, num_rows=num)
+        topk, k_cache, k_scale = ops.indexer_topk(cfg, q, w, k, cache["index_k"], cache.get("index_scale"),
+                                                  positions, start, slot)
         cache = dict(cache, index_k=k_cache)
         if k_scale is not None:
             cache["index_scale"] = k_scale
-        _record(self, "scores", scores)
-        if num is not None:
-            return sharding.split_topk(scores, cfg.index_topk), cache
-        return ops.topk_positions(scores, cfg.index_topk), cache
+        return topk, cache
 
 
 class Attention(nnx.Module):
     """Multi-head latent attention, absorbed for decode: queries are moved into the latent space so
     attention reads only the cached latent rows (kv_lora + rope key per position)."""
 
-    def __init__(self, cfg: ModelConfig, has_indexer: bool, *, rngs, fmt):
+    def __init__(self, cfg: ModelConfig, *, rngs, fmt):
         self.cfg = cfg
         norm_dtype = WEIGHT_FORMATS[fmt]
         h = cfg.num_attention_heads
@@ -177,62 +192,132 @@ class Attention(nnx.Module):
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, SUBLAYER_EPS, rngs=rngs, dtype=norm_dtype)
         self.kv_b_proj = Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), rngs=rngs, fmt=fmt)
         self.o_proj = Linear(h * cfg.v_head_dim, cfg.hidden_size, rngs=rngs, fmt=fmt)
-        self.indexer = Indexer(cfg, rngs=rngs, fmt=fmt) if has_indexer else None
 
-    def __call__(self, x, cos, sin, positions, start, cache, topk):
-        cfg, ops = self.cfg, backend.ops()
-        t, lat, nope, r = x.shape[0], cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
-        qa = self.q_a_layernorm(self.q_a_proj(x))
-        q = self.q_b_proj(qa)
+    def __call__(self, ops: Ops, i, x, cos, sin, positions, start, cache, indexer):
+        """Layer i's attention: (output, cache, top-k). `indexer(qa, cache)` gives (top-k, cache)."""
+        cfg = self.cfg
+        t, lat, nope = x.shape[0], cfg.kv_lora_rank, cfg.qk_nope_head_dim
+        qa = self.q_a_layernorm(self.q_a_proj(ops, x, i), i)
+        q = self.q_b_proj(ops, qa, i)
         heads = q.shape[-1] // cfg.qk_head_dim  # local heads under tp
         q = q.reshape(t, heads, cfg.qk_head_dim)
         q_nope, q_pe = q[..., :nope], layers.apply_rope(q[..., nope:], cos, sin, True)
-        kva = self.kv_a_proj_with_mqa(x)
-        latent = self.kv_a_layernorm(kva[:, :lat])
+        kva = self.kv_a_proj_with_mqa(ops, x, i)
+        latent = self.kv_a_layernorm(kva[:, :lat], i)
         k_pe = layers.apply_rope(kva[:, lat:], cos, sin, True)
         if cfg.kv_cache_quant == "fp8":
-            cache = dict(cache, kv=_write(cache["kv"], layers.quantize_kv_fp8(latent, k_pe), start))
+            cache = dict(cache, kv=_write(cache["kv"], layers.quantize_kv_fp8(latent, k_pe), i, start))
         else:
-            cache = dict(cache, kv=_write(cache["kv"], latent, start), pe=_write(cache["pe"], k_pe, start))
-        if self.indexer is not None:
-            topk, cache = self.indexer(x, qa, cos, sin, positions, start, cache)
-        wkv = self.kv_b_proj.dequantized(x.dtype).reshape(heads, nope + cfg.v_head_dim, lat)
+            cache = dict(cache, kv=_write(cache["kv"], latent, i, start), pe=_write(cache["pe"], k_pe, i, start))
+        topk, cache = indexer(qa, cache)
+        wkv = dequantize(self.kv_b_proj.weight[...][i], None if self.kv_b_proj.scale is None
+                         else self.kv_b_proj.scale[...][i], x.dtype).reshape(heads, nope + cfg.v_head_dim, lat)
         q_lat = layers.dot("thn,hnl->thl", q_nope, wkv[:, :nope]).astype(x.dtype)
-        _record(self, "q_lat", q_lat)
-        _record(self, "q_pe", q_pe)
-        o_lat = ops.sparse_mla(q_lat, q_pe, cache["kv"], cache.get("pe"), *topk, cfg.softmax_scale)
+        o_lat = ops("sparse_mla", q_lat, q_pe, cache["kv"], cache.get("pe"), *topk, cfg.softmax_scale, layer=i)
         o = layers.dot("thl,hvl->thv", o_lat.astype(x.dtype), wkv[:, nope:])
         o = o.reshape(t, heads * cfg.v_head_dim).astype(x.dtype)
-        out = sharding.linear_all_reduce(o, self.o_proj.weight[...], self.o_proj.scale_or_none)
-        return out, cache, topk
+        return ops.linear_all_reduce(o, *self.o_proj.arrays(), i), cache, topk
 
 
-class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, index: int, *, rngs, fmt):
+class Block(nnx.Module):
+    """A layer's attention and its two norms (the FFN lives in the `dense` / `moe` stacks)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs, fmt):
         norm_dtype = WEIGHT_FORMATS[fmt]
-        has_indexer = index >= cfg.num_hidden_layers or cfg.indexer_types[index] == "full"
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rngs=rngs, dtype=norm_dtype)
-        self.self_attn = Attention(cfg, has_indexer, rngs=rngs, fmt=fmt)
+        self.self_attn = Attention(cfg, rngs=rngs, fmt=fmt)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rngs=rngs, dtype=norm_dtype)
-        self.mlp = MoE(cfg, rngs=rngs, fmt=fmt) if cfg.is_moe(index) else MLP(cfg, cfg.intermediate_size, rngs=rngs, fmt=fmt)
-
-    def __call__(self, x, cos, sin, positions, start, cache, topk):
-        a, cache, topk = self.self_attn(self.input_layernorm(x), cos, sin, positions, start, cache, topk)
-        h = x + a
-        return h + self.mlp(self.post_attention_layernorm(h)), cache, topk
 
 
 class MTP(nnx.Module):
     """Multi-token prediction block: from the main model's last hidden state at position i and the
-    embedding of token i+1, predicts token i+2 (the draft for speculative decoding)."""
+    embedding of token i+1, predicts token i+2 (the draft for speculative decoding). Its decoder
+    layer is the last entry of the model's layer stacks."""
 
     def __init__(self, cfg: ModelConfig, *, rngs, fmt):
         norm_dtype = WEIGHT_FORMATS[fmt]
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rngs=rngs, dtype=norm_dtype)
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rngs=rngs, dtype=norm_dtype)
         self.eh_proj = Linear(2 * cfg.hidden_size, cfg.hidden_size, rngs=rngs, fmt=fmt)
-        self.layer = DecoderLayer(cfg, cfg.num_hidden_layers, rngs=rngs, fmt=fmt)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rngs=rngs, dtype=norm_dtype)
+
+
+# ---- the layer stacks ---------------------------------------------------------------------------
+
+class Layout:
+    """Where each decoder layer's weights and caches sit in the stacks. Layer i < num_hidden_layers is
+    a main layer, i = num_hidden_layers the MTP block's. `Layout.of(cfg)` is cached."""
+
+    @staticmethod
+    @functools.cache
+    def of(cfg: ModelConfig) -> "Layout":
+        return Layout(cfg)
+
+    def __init__(self, cfg: ModelConfig):
+        self.num_layers = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
+        self.mtp_layer = cfg.num_hidden_layers if cfg.num_nextn_predict_layers else None
+        self.num_dense = min(cfg.first_k_dense_replace, cfg.num_hidden_layers)
+        self.num_moe = self.num_layers - self.num_dense
+        full = [t == "full" for t in cfg.indexer_types] + [True] * cfg.num_nextn_predict_layers
+        self.indexer_slot = tuple(int(s) if f else -1 for f, s in zip(full, np.cumsum(full) - 1))
+        self.num_indexers = sum(full)
+        self.all_full = all(full)
+
+    def place(self, i: int) -> tuple[str, int]:
+        """(FFN stack, index in it) of layer i."""
+        return ("dense", i) if i < self.num_dense else ("moe", i - self.num_dense)
+
+
+_LAYER = re.compile(r"layers\.(\d+)\.(.*)")
+
+
+def stacked_name(cfg: ModelConfig, name: str) -> tuple[str, int | None]:
+    """The stacked parameter and index that hold per-layer parameter `name` (the checkpoint naming:
+    `layers.3.self_attn.q_b_proj.weight`, `mtp.layer.mlp.gate.weight`); (name, None) for the rest."""
+    m = _LAYER.fullmatch(name)
+    if m:
+        i, rest = int(m.group(1)), m.group(2)
+    elif name.startswith("mtp.layer."):
+        i, rest = cfg.num_hidden_layers, name.removeprefix("mtp.layer.")
+    else:
+        return name, None
+    lay = Layout.of(cfg)
+    if rest.startswith("self_attn.indexer."):
+        if lay.indexer_slot[i] < 0:
+            raise ValueError(f"parameter {name}: layer {i} shares the previous indexer and has none")
+        return "indexers." + rest.removeprefix("self_attn.indexer."), lay.indexer_slot[i]
+    if rest.startswith("mlp."):
+        stack, j = lay.place(i)
+        return f"{stack}.{rest.removeprefix('mlp.')}", j
+    return "layers." + rest, i
+
+
+def layer_names(cfg: ModelConfig, stacked: str) -> list[str]:
+    """The per-layer parameter names of stacked parameter `stacked`, in stack order ([] if unstacked)."""
+    group, _, rest = stacked.partition(".")
+    lay = Layout.of(cfg)
+
+    def prefix(i):
+        return "mtp.layer." if i == lay.mtp_layer else f"layers.{i}."
+
+    if group == "layers":
+        return [prefix(i) + rest for i in range(lay.num_layers)]
+    if group == "indexers":
+        return [prefix(i) + "self_attn.indexer." + rest for i in range(lay.num_layers) if lay.indexer_slot[i] >= 0]
+    if group == "dense":
+        return [prefix(i) + "mlp." + rest for i in range(lay.num_dense)]
+    if group == "moe":
+        return [prefix(i) + "mlp." + rest for i in range(lay.num_dense, lay.num_layers)]
+    return []
+
+
+def _stack(modules: list) -> nnx.Module | None:
+    """One module whose every array is the modules' arrays stacked on a new leading axis."""
+    if not modules:
+        return None
+    graphdef, _ = nnx.split(modules[0])
+    states = [nnx.split(m)[1] for m in modules]
+    return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
 
 
 class Transformer(nnx.Module):
@@ -241,23 +326,62 @@ class Transformer(nnx.Module):
             raise ValueError(f"unknown weight format {fmt!r}; expected one of {tuple(WEIGHT_FORMATS)}")
         self.cfg = cfg
         self.dtype = jnp.dtype(dtype or compute_dtype(fmt))
+        lay = self.layout
         dense_dtype = WEIGHT_FORMATS[fmt]
         self.embed_tokens = nnx.Param(jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size), F32)
                                       .astype(dense_dtype))
-        self.layers = nnx.List([DecoderLayer(cfg, i, rngs=rngs, fmt=fmt) for i in range(cfg.num_hidden_layers)])
+        self.layers = _stack([Block(cfg, rngs=rngs, fmt=fmt) for _ in range(lay.num_layers)])
+        self.indexers = _stack([Indexer(cfg, rngs=rngs, fmt=fmt) for _ in range(lay.num_indexers)])
+        self.dense = _stack([MLP(cfg, cfg.intermediate_size, rngs=rngs, fmt=fmt) for _ in range(lay.num_dense)])
+        self.moe = _stack([MoE(cfg, rngs=rngs, fmt=fmt) for _ in range(lay.num_moe)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rngs=rngs, dtype=dense_dtype)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, rngs=rngs, fmt=fmt, quantizable=False)
         self.mtp = MTP(cfg, rngs=rngs, fmt=fmt) if cfg.num_nextn_predict_layers else None
 
+    @property
+    def layout(self) -> Layout:
+        return Layout.of(self.cfg)
+
     def _rope(self, positions):
         return layers.rope_cos_sin(self.cfg, positions)
 
-    def logits(self, h, norm: RMSNorm):
+    # --- one decoder layer -----------------------------------------------------------------------
+    def _layer(self, ops: Ops, i, ffn: str, x, cos, sin, positions, start, cache, topk):
+        """Decoder layer i (a traced index; `ffn` names its FFN stack): (x, cache, top-k)."""
+        lay, blk = self.layout, self.layers
+        slot = i if lay.all_full else jnp.asarray(lay.indexer_slot, jnp.int32)[i]
+
+        def indexer(qa, c):
+            def run(c):
+                return self.indexers(ops, jnp.maximum(slot, 0), x_in, qa, cos, sin, positions, start, c)
+            if lay.all_full:
+                return run(c)
+            return jax.lax.cond(slot >= 0, run, lambda c: (topk, c), c)
+
+        x_in = blk.input_layernorm(x, i)
+        a, cache, topk = blk.self_attn(ops, i, x_in, cos, sin, positions, start, cache, indexer)
+        h = x + a
+        f = blk.post_attention_layernorm(h, i)
+        out = self.dense(ops, f, i) if ffn == "dense" else self.moe(ops, f, i - lay.num_dense)
+        return h + out, cache, topk
+
+    def _layers(self, ops, lo: int, hi: int, ffn: str, carry, cos, sin, positions, start):
+        """Layers lo..hi-1 as one loop (one compiled body)."""
+        if hi <= lo:
+            return carry
+
+        def body(i, c):
+            x, cache, topk = c
+            return self._layer(ops, i, ffn, x, cos, sin, positions, start, cache, topk)
+        return jax.lax.fori_loop(lo, hi, body, carry)
+
+    # --- the model -------------------------------------------------------------------------------
+    def logits(self, ops: Ops, h, norm: RMSNorm):
         """Full-vocab fp32 logits [T, V] (gathered over tp ranks from the vocab-split head)."""
         local = layers.dot("th,vh->tv", norm(h), self.lm_head.weight[...].astype(h.dtype))
-        return sharding.all_gather_last(local)
+        return ops.all_gather_last(local)
 
-    def next_token(self, h: jax.Array, params: dict, key: jax.Array) -> jax.Array:
+    def next_token(self, ops: Ops, h: jax.Array, params: dict, key: jax.Array) -> jax.Array:
         """The decode step's token [1] after the last hidden state h [1, hidden]. Greedy and top-k
         sampling (top_k ≤ HEAD_CANDIDATES) draw from the head's top candidates, so the full logits row
         is never written (the Pallas head keeps only its top logits); other settings sample the full
@@ -267,100 +391,115 @@ class Transformer(nnx.Module):
         k = min(HEAD_CANDIDATES, w.shape[0])   # candidates per rank, and after the merge
 
         def from_candidates():
-            vals, ids = sharding.top_candidates(*backend.ops().lm_head_topk(self.norm(h), w, k), w.shape[0])
+            vals, ids = ops.top_candidates(*ops("lm_head_topk", self.norm(h), w, k), w.shape[0])
             return ids[0, sample(vals[0], params, key)][None]
 
         fits = (params["temperature"] <= 0) | ((params["top_k"] > 0) & (params["top_k"] <= k))
-        return jax.lax.cond(fits, from_candidates, lambda: sample(self.logits(h, self.norm)[0], params, key)[None])
+        return jax.lax.cond(fits, from_candidates,
+                            lambda: sample(self.logits(ops, h, self.norm)[0], params, key)[None])
 
-    def hidden(self, tokens: jax.Array, start: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
+    def hidden(self, ops: Ops, tokens: jax.Array, start: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
         """Main model on tokens [T] at positions start.. up to the final norm: (hidden [T, hidden], cache)."""
         positions = start + jnp.arange(tokens.shape[0], dtype=jnp.int32)
         cos, sin = self._rope(positions)
         x = self.embed_tokens[...][tokens].astype(self.dtype)
-        new_layers, topk = [], None
-        for layer, c in zip(self.layers, cache["layers"]):
-            x, c, topk = layer(x, cos, sin, positions, start, c, topk)
-            new_layers.append(c)
-        return x, dict(cache, layers=new_layers)
+        lay = self.layout
+        carry = (x, cache, _no_topk(self.cfg, tokens.shape[0], cache))
+        carry = self._layers(ops, 0, lay.num_dense, "dense", carry, cos, sin, positions, start)
+        carry = self._layers(ops, lay.num_dense, self.cfg.num_hidden_layers, "moe", carry, cos, sin, positions, start)
+        return carry[0], carry[1]
 
-    def __call__(self, tokens: jax.Array, start: jax.Array, cache: dict):
+    def __call__(self, ops: Ops, tokens: jax.Array, start: jax.Array, cache: dict):
         """Main model on tokens [T] at positions start.. : (logits [T, V] fp32, hidden [T, hidden], cache)."""
-        x, cache = self.hidden(tokens, start, cache)
-        return self.logits(x, self.norm), x, cache
+        x, cache = self.hidden(ops, tokens, start, cache)
+        return self.logits(ops, x, self.norm), x, cache
 
-    def draft(self, hidden: jax.Array, next_tokens: jax.Array, start: jax.Array, cache: dict):
+    def draft(self, ops: Ops, hidden: jax.Array, next_tokens: jax.Array, start: jax.Array, cache: dict):
         """MTP block at positions start.. on the main model's hidden states and the tokens that
         followed them: (logits of the token after next [T, V], cache)."""
-        m = self.mtp
+        m, lay = self.mtp, self.layout
         positions = start + jnp.arange(hidden.shape[0], dtype=jnp.int32)
         cos, sin = self._rope(positions)
         e = self.embed_tokens[...][next_tokens].astype(self.dtype)
-        x = m.eh_proj(jnp.concatenate([m.enorm(e), m.hnorm(hidden)], axis=-1))
-        x, c, _ = m.layer(x, cos, sin, positions, start, cache["mtp"], None)
-        return self.logits(x, m.norm), dict(cache, mtp=c)
+        x = m.eh_proj(ops, jnp.concatenate([m.enorm(e), m.hnorm(hidden)], axis=-1))
+        i = jnp.int32(lay.mtp_layer)
+        x, cache, _ = self._layer(ops, i, lay.place(lay.mtp_layer)[0], x, cos, sin, positions, start, cache,
+                                  _no_topk(self.cfg, hidden.shape[0], cache))
+        return self.logits(ops, x, m.norm), cache
 
 
-def _record(module: nnx.Module, name: str, value) -> None:
-    """Expose an intermediate to `nnx.capture` (models/tiny/train.py distils the indexer from them).
-    Outside a capture it does nothing: a plain `sow` would add variables to the model's state."""
-    if hasattr(module, "__captures__"):  # set by nnx.capture (flax 0.12)
-        module.sow(nnx.Intermediate, name, value)
+def _no_topk(cfg: ModelConfig, tokens: int, cache: dict):
+    """The top-k carried into the first layer (every first layer runs its own indexer)."""
+    k = min(cfg.index_topk, cache["kv"].shape[1])
+    return jnp.zeros((tokens, k), jnp.int32), jnp.zeros((tokens, k), bool)
 
 
-def _write(buf: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array:
-    """Write rows [T, ...] into a preallocated cache buffer [S, ...] at row `start`."""
-    return jax.lax.dynamic_update_slice(buf, rows.astype(buf.dtype), (start,) + (0,) * (buf.ndim - 1))
+def _write(buf: jax.Array, rows: jax.Array, layer, start: jax.Array) -> jax.Array:
+    """Write rows [T, ...] into layer `layer` of a stacked cache [L, S, ...] at row `start`, in place."""
+    return jax.lax.dynamic_update_slice(buf, rows[None].astype(buf.dtype), (layer, start) + (0,) * (buf.ndim - 2))
 
 
 def init_cache(cfg: ModelConfig, rows: int, dtype) -> dict:
-    """Preallocated per-layer caches for `rows` positions: latent `kv` and rope key `pe` (or, with
-    kv_cache_quant="fp8", `kv` alone in FlashMLA's packed fp8 rows), and for layers with their own
-    indexer the index keys (fp8 + one fp32 scale per position in fp8 mode)."""
-    def layer_cache(has_indexer):
-        lat, r = cfg.kv_lora_rank, cfg.qk_rope_head_dim
-        if cfg.kv_cache_quant == "fp8":
-            c = {"kv": jnp.zeros((rows, layers.kv_fp8_words(lat, r)), jnp.uint32)}
-        else:
-            c = {"kv": jnp.zeros((rows, lat), dtype), "pe": jnp.zeros((rows, r), dtype)}
-        if has_indexer:
-            fp8 = cfg.index_quant == "fp8"
-            c["index_k"] = jnp.zeros((rows, cfg.index_head_dim), jnp.float8_e4m3fn if fp8 else dtype)
-            if fp8:
-                c["index_scale"] = jnp.ones((rows,), F32)
+    """Preallocated caches for `rows` positions, stacked over the layers (the MTP layer last): latent
+    `kv` [L, S, kv_lora] and rope key `pe` [L, S, rope] (or, with kv_cache_quant="fp8", `kv` alone in
+    FlashMLA's packed fp8 rows), and for the layers with their own indexer the index keys `index_k`
+    [I, S, D] (fp8 + `index_scale` [I, S], one fp32 scale per position, in fp8 mode)."""
+    lay = Layout.of(cfg)
+    n, lat, r = lay.num_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    if cfg.kv_cache_quant == "fp8":
+        cache = {"kv": jnp.zeros((n, rows, layers.kv_fp8_words(lat, r)), jnp.uint32)}
+    else:
+        cache = {"kv": jnp.zeros((n, rows, lat), dtype), "pe": jnp.zeros((n, rows, r), dtype)}
+    fp8 = cfg.index_quant == "fp8"
+    cache["index_k"] = jnp.zeros((lay.num_indexers, rows, cfg.index_head_dim), jnp.float8_e4m3fn if fp8 else dtype)
+    if fp8:
+        cache["index_scale"] = jnp.ones((lay.num_indexers, rows), F32)
+    return cache
+
+
+def split_cache(cfg: ModelConfig, cache: dict) -> tuple[list[dict], dict | None]:
+    """The stacked caches as one dict per main layer (`index_k`/`index_scale` only in the layers with
+    their own indexer) and the MTP layer's dict (None without MTP)."""
+    lay = Layout.of(cfg)
+
+    def one(i):
+        c = {k: cache[k][i] for k in ("kv", "pe") if k in cache}
+        s = lay.indexer_slot[i]
+        if s >= 0:
+            c.update({k: cache[k][s] for k in ("index_k", "index_scale") if k in cache})
         return c
 
-    cache = {"layers": [layer_cache(t == "full") for t in cfg.indexer_types]}
-    if cfg.num_nextn_predict_layers:
-        cache["mtp"] = layer_cache(True)
-    return cache
+    per = [one(i) for i in range(lay.num_layers)]
+    return (per[:-1], per[-1]) if lay.mtp_layer is not None else (per, None)
 
 
 def random_model(cfg: ModelConfig | str, fmt: str = "bf16", seed: int = 0, dtype=None, mesh=None) -> Transformer:
     """A model with random weights, made on the devices: each part is built by a compiled function
-    (layers of one kind share one compilation) straight into its tensor-parallel sharding, so even
+    (a stack's layers one after another inside it) straight into its tensor-parallel sharding, so even
     a full-size model never passes through one device or the host."""
     if isinstance(cfg, str):
         from jtilert.config import preset
         cfg = preset(cfg)
     norm_dtype = WEIGHT_FORMATS[fmt]
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), fmt=fmt, dtype=dtype)))
-    first_of_kind = {}
-    for i, t in enumerate(cfg.indexer_types):
-        first_of_kind.setdefault((t, cfg.is_moe(i)), i)
+    lay = Layout.of(cfg)
 
-    def part(name, ctor, prefix=()):
-        key = jax.random.fold_in(jax.random.key(seed), zlib.crc32(name.encode()))
-        return _build(ctor, mesh, prefix)(key)
+    def key_of(name):
+        return jax.random.fold_in(jax.random.key(seed), zlib.crc32(name.encode()))
 
-    for i, t in enumerate(cfg.indexer_types):
-        rep = first_of_kind[(t, cfg.is_moe(i))]
-        state["layers"][i] = part(f"layers.{i}", _Ctor(DecoderLayer, cfg, rep, fmt=fmt))
-    state["norm"] = part("norm", _Ctor(RMSNorm, cfg.hidden_size, cfg.rms_norm_eps, dtype=norm_dtype))
-    state["lm_head"] = part("lm_head", _Ctor(Linear, cfg.hidden_size, cfg.vocab_size, fmt=fmt, quantizable=False),
-                            prefix=("lm_head",))
+    stacks = {"layers": (_Ctor(Block, cfg, fmt=fmt), lay.num_layers),
+              "indexers": (_Ctor(Indexer, cfg, fmt=fmt), lay.num_indexers),
+              "dense": (_Ctor(MLP, cfg, cfg.intermediate_size, fmt=fmt), lay.num_dense),
+              "moe": (_Ctor(MoE, cfg, fmt=fmt), lay.num_moe)}
+    for name, (ctor, n) in stacks.items():
+        if n:
+            keys = jnp.stack([key_of(f"{name}.{i}") for i in range(n)])
+            state[name] = _build(ctor, mesh, (name,), n)(keys)
+    state["norm"] = _build(_Ctor(RMSNorm, cfg.hidden_size, cfg.rms_norm_eps, dtype=norm_dtype), mesh, ())(key_of("norm"))
+    state["lm_head"] = _build(_Ctor(Linear, cfg.hidden_size, cfg.vocab_size, fmt=fmt, quantizable=False), mesh,
+                              ("lm_head",))(key_of("lm_head"))
     if cfg.num_nextn_predict_layers:
-        state["mtp"] = part("mtp", _Ctor(MTP, cfg, fmt=fmt))
+        state["mtp"] = _build(_Ctor(MTP, cfg, fmt=fmt), mesh, ("mtp",))(key_of("mtp"))
     embed = jax.jit(lambda k: jax.random.normal(k, (cfg.vocab_size, cfg.hidden_size), F32).astype(norm_dtype),
                     out_shardings=None if mesh is None else jax.sharding.NamedSharding(mesh, jax.P()))
     state["embed_tokens"] = nnx.Param(embed(jax.random.key(seed)))
@@ -384,11 +523,19 @@ class _Ctor:
 
 
 @functools.lru_cache(maxsize=None)
-def _build(ctor: _Ctor, mesh, prefix: tuple):
-    """The compiled builder of one kind of sub-module, its outputs in their tp shardings; `prefix`
-    is the sub-module's own name where the sharding rule needs it (the lm head)."""
+def _build(ctor: _Ctor, mesh, prefix: tuple, stack: int = 0):
+    """The compiled builder of one kind of sub-module, its outputs in their tp shardings: from one key,
+    or with `stack` > 0 from `stack` keys, the layers built one after another (`lax.map`, so only one
+    layer's fp32 draws exist at a time) into arrays with a leading layer axis. `prefix` is the
+    sub-module's name in the model (the sharding rules need it)."""
     abstract = nnx.split(nnx.eval_shape(lambda: ctor(nnx.Rngs(0))))[1]
-    shardings = None if mesh is None else jax.tree_util.tree_map_with_path(
-        lambda p, x: jax.sharding.NamedSharding(mesh, sharding.spec_for(prefix + sharding.path_names(p), x.ndim)),
-        abstract)
-    return jax.jit(lambda key: nnx.split(ctor(nnx.Rngs(key)))[1], out_shardings=shardings)
+
+    def spec(p, x):
+        return jax.sharding.NamedSharding(mesh, sharding.spec_for(prefix + sharding.path_names(p), x.ndim + bool(stack)))
+
+    shardings = None if mesh is None else jax.tree_util.tree_map_with_path(spec, abstract)
+
+    def one(key):
+        return nnx.split(ctor(nnx.Rngs(key)))[1]
+
+    return jax.jit((lambda keys: jax.lax.map(one, keys)) if stack else one, out_shardings=shardings)

@@ -37,8 +37,8 @@ def _config(config, num_layers: int | None) -> ModelConfig:
 def hf_tensors(cfg: ModelConfig, fmt: str = "fp8", mtp_copies: bool = True) -> list[tuple[str, tuple, str]]:
     """(HF key, shape, dtype name) of every tensor of an HF checkpoint of `cfg`, in the official order
     (embedding, layer by layer with experts one by one, the MTP layer, final norm, head)."""
-    from jtilert.checkpoint import abstract_model, flat_params
-    params = {k: (tuple(v.shape), np.dtype(v.dtype).name) for k, v in flat_params(abstract_model(cfg, fmt)).items()}
+    from jtilert.checkpoint import abstract_model, layer_params
+    params = {k: (tuple(v.shape), np.dtype(v.dtype).name) for k, v in layer_params(abstract_model(cfg, fmt)).items()}
     n = cfg.num_hidden_layers
     dense = "float32" if fmt == "fp32" else "bfloat16"
 

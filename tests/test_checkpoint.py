@@ -35,9 +35,9 @@ def test_round_trip_is_bit_exact(tiny_random, saved):
 def test_load_onto_mesh_shards_directly(tiny_random, saved):
     mesh = jtilert.make_mesh(8)
     m = jtilert.load(saved, mesh=mesh)
-    w = m.layers[1].mlp.experts.gate.weight[...]
-    assert w.sharding.spec == jax.P(None, "tp", None)
-    assert w.addressable_shards[0].data.shape == (16, 8, 128)
+    w = m.moe.experts.gate.weight[...]     # [MoE layers, experts, width, hidden]
+    assert w.sharding.spec == jax.P(None, None, "tp", None)
+    assert w.addressable_shards[0].data.shape == (4, 16, 8, 128)
     np.testing.assert_allclose(jtilert.score(m, IDS, mesh=mesh), jtilert.score(tiny_random, IDS), atol=2e-5)
 
 
@@ -48,21 +48,21 @@ def test_load_on_another_machine_topology(tiny_random, saved, tmp_path):
     jtilert.save(jtilert.load(saved, mesh=jtilert.make_mesh(8)), path)
     code = ("import jax, numpy as np, jtilert; from jtilert import checkpoint\n"
             f"m = jtilert.load({str(path)!r})\n"
-            "w = checkpoint.flat_params(m)['layers.1.mlp.experts.gate.weight']\n"
+            "w = checkpoint.flat_params(m)['moe.experts.gate.weight']\n"
             "print(len(jax.devices()), np.asarray(w, np.float32).sum())")
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     n, total = out.stdout.split()
-    want = np.asarray(checkpoint.flat_params(tiny_random)["layers.1.mlp.experts.gate.weight"], np.float32).sum()
+    want = np.asarray(checkpoint.flat_params(tiny_random)["moe.experts.gate.weight"], np.float32).sum()
     assert n == "1" and np.isclose(float(total), want, rtol=1e-5)
 
 
 def test_fp8_round_trip_and_compute_dtype(tiny_fp8, tmp_path):
     jtilert.save(tiny_fp8, tmp_path / "f8")
     loaded = jtilert.load(tmp_path / "f8", dtype="float32")
-    w = loaded.layers[1].self_attn.q_b_proj
-    assert w.weight[...].dtype == jax.numpy.float8_e4m3fn and w.scale[...].shape == (2, 1)
+    w = loaded.layers.self_attn.q_b_proj
+    assert w.weight[...].dtype == jax.numpy.float8_e4m3fn and w.scale[...].shape == (5, 2, 1)
     assert loaded.dtype == np.float32
     assert np.isfinite(jtilert.score(loaded, IDS[:20])).all()
 
@@ -145,9 +145,9 @@ def test_hf_fp8_folder_loads(tmp_path):
     shutil.copy(f"{src}/config.json", d)
     save_file(out, str(d / "model.safetensors"))
     m = checkpoint.load_hf(d)
-    q = m.layers[0].self_attn.q_a_proj
+    q = m.layers.self_attn.q_a_proj
     assert q.weight[...].dtype == jax.numpy.float8_e4m3fn
-    np.testing.assert_array_equal(np.asarray(dequantize(q.weight[...], q.scale[...], np.float32)),
+    np.testing.assert_array_equal(np.asarray(dequantize(q.weight[...][0], q.scale[...][0], np.float32)),
                                   np.asarray(dequantize(*quantize_weight(f.get("model.layers.0.self_attn.q_a_proj.weight")),
                                                         np.float32)))
     assert np.isfinite(jtilert.score(m, IDS[:20] % 128)).all()

@@ -73,7 +73,9 @@ def test_glm_folders_convert(tmp_path, name):
     assert_same_params(m, checkpoint.load_hf(src, mesh=mesh))
     assert m.cfg.model_type == "glm_moe_dsa"
     if name == "glm52":  # shared-indexer layers ship no indexer weights
-        assert m.layers[1].self_attn.indexer is None and m.cfg.indexer_types[1] == "shared"
+        assert m.cfg.indexer_types[1] == "shared"
+        assert "layers.1.self_attn.indexer.wq_b.weight" not in checkpoint.layer_params(m)
+        assert m.indexers.wq_b.weight[...].shape[0] == m.cfg.indexer_types.count("full") + 1   # + MTP's
 
 
 def test_pack_layout_is_recorded_and_checked(tmp_path, monkeypatch):
@@ -104,9 +106,9 @@ def test_fp8_tp_layouts_load_exactly_and_agree(fp8_src, converted):
         mesh = jtilert.make_mesh(tp) if tp > 1 else None
         m = jtilert.load(dst, mesh=mesh)
         assert_same_params(m, checkpoint.load_hf(fp8_src, mesh=mesh))
-        w = m.layers[1].mlp.experts.down.weight[...]
+        w = m.moe.experts.down.weight[...]
         assert w.dtype == jax.numpy.float8_e4m3fn
-        assert w.addressable_shards[0].data.shape == (8, 256, 1024 // tp)
+        assert w.addressable_shards[0].data.shape[1:] == (8, 256, 1024 // tp)
         scores[tp] = jtilert.score(jtilert.load(dst, mesh=mesh, dtype="float32"), IDS, mesh=mesh, prefill=10)
     assert np.isfinite(scores[1]).all() and scores[1].std() > 0.1
     for tp in (2, 8):  # the same logits up to the order of the all-reduce sums
@@ -155,9 +157,9 @@ def test_dequantising_to_bf16_matches_dequantize(fp8_src, tmp_path):
     dst = jtilert.convert(fp8_src, tmp_path / "b", tp=2, dtype="bf16")
     m = jtilert.load(dst, mesh=jtilert.make_mesh(2))
     ref = checkpoint.load_hf(fp8_src)
-    for layer in (m.layers[1].self_attn.q_b_proj, m.mtp.eh_proj):
+    for layer in (m.layers.self_attn.q_b_proj, m.mtp.eh_proj):
         assert layer.scale is None and layer.weight[...].dtype == jax.numpy.bfloat16
-    a, b = m.layers[1].mlp.experts.up, ref.layers[1].mlp.experts.up
+    a, b = m.moe.experts.up, ref.moe.experts.up
     np.testing.assert_array_equal(np.asarray(a.weight[...]),
                                   np.asarray(dequantize(b.weight[...], b.scale[...], jax.numpy.bfloat16)))
     assert jtilert.verify(dst, against=fp8_src)["spot_checked"] > 0
@@ -167,8 +169,8 @@ def test_quantising_fp32_to_fp8_matches_quantize_weight(tmp_path):
     src = "tests/golden/dsv32"
     dst = jtilert.convert(src, tmp_path / "q", dtype="fp8")
     m, ref = jtilert.load(dst), checkpoint.load_hf(src)
-    for got, want in ((m.layers[0].self_attn.kv_b_proj, ref.layers[0].self_attn.kv_b_proj),
-                      (m.layers[2].mlp.experts.down, ref.layers[2].mlp.experts.down)):
+    for got, want in ((m.layers.self_attn.kv_b_proj, ref.layers.self_attn.kv_b_proj),
+                      (m.moe.experts.down, ref.moe.experts.down)):
         q, s = quantize_weight(want.weight[...])
         np.testing.assert_array_equal(np.asarray(got.scale[...]), np.asarray(s))
         np.testing.assert_array_equal(np.asarray(dequantize(got.weight[...], got.scale[...], np.float32)),

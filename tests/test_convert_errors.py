@@ -256,7 +256,7 @@ def test_partial_from_other_arguments(good, tmp_path):
         jtilert.convert(good, tmp_path / "dst", tp=1, callback=stop)
     fails(good, tmp_path, ValueError, r"holds a partial conversion with other arguments or source files", dtype="bf16")
     jtilert.convert(good, tmp_path / "dst", dtype="bf16", overwrite=True)
-    assert jtilert.load(tmp_path / "dst").layers[1].self_attn.q_b_proj.scale is None
+    assert jtilert.load(tmp_path / "dst").layers.self_attn.q_b_proj.scale is None
 
 
 def test_header_dtypes_match_hf_names():

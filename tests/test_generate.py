@@ -20,13 +20,32 @@ def test_mtp_greedy_equals_plain_greedy(tiny_random, gen):
     assert gen.acceptance is None
 
 
-def test_decode_step_compiles_once(gen):
+def test_nothing_compiles_after_the_first_call(tiny_random):
+    """The steps compile on the first call of a Generator (once each: the prefill chunk, the first-token
+    sampler, the decode loop, the streaming step), and never again: not for new sampling settings, not
+    for another prompt length, not for streaming after generating."""
+    import jax
+    gen = jtilert.Generator(tiny_random, max_seq_len=256)
+    backend_compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, _secs, **kw: backend_compiles.append(name) if name == "/jax/core/compile/backend_compile_duration"
+        else None)
     gen.generate(PROMPT[:8], 4, stop_tokens=[])
-    before = gen.engine.decode._cache_size()
+    list(gen.stream(PROMPT[:8], 4, stop_tokens=[]))
+    first, seen = gen.compiles, len(backend_compiles)
+    assert first == 4
     out = gen.generate(PROMPT[:8], 200, stop_tokens=[], sampling=Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=3))
     out2 = gen.generate(PROMPT[:20], 30, stop_tokens=[], sampling=Sampling(temperature=1.3, seed=4))
-    assert len(out) == 200 and len(out2) == 30
-    assert gen.engine.decode._cache_size() == before == 1
+    out3 = list(gen.stream(PROMPT[:30], 12, stop_tokens=[], sampling=Sampling(temperature=0.5, seed=5)))
+    assert len(out) == 200 and len(out2) == 30 and len(out3) == 12
+    assert gen.compiles == first and len(backend_compiles) == seen
+
+
+def test_decode_arguments_do_not_grow_with_layers(tiny_random):
+    """The layer stacks keep the arrays a decode call passes to a few dozen, whatever the depth."""
+    counts = [jtilert.Generator(jtilert.random_model(jtilert.preset("tiny", num_hidden_layers=n), fmt="fp8"),
+                                max_seq_len=64).engine.num_arguments for n in (2, 6)]
+    assert counts[0] == counts[1] <= 64
 
 
 def test_sampling_is_seeded_and_filters(gen):
@@ -63,10 +82,14 @@ def test_stop_tokens_and_stream(gen):
     stop = full[5]
     first = full.index(stop)
     assert gen.generate(PROMPT, 12, stop_tokens=[stop]) == full[:first + 1]
+    assert list(gen.stream(PROMPT, 12, stop_tokens=[stop])) == full[:first + 1]
     streamed = []
     for t in gen.stream(PROMPT, 12, stop_tokens=[]):
         streamed.append(t)
     assert streamed == full
+    # a stream ends as soon as a stop token is read: at most the one step in flight runs past it
+    list(gen.stream(PROMPT, 12, stop_tokens=[stop]))
+    assert gen.stats["steps"] <= first + 1
 
 
 def test_inject_cache_continues_like_plain_prefill(tiny_random, gen):
@@ -116,16 +139,17 @@ def test_next_token_from_head_candidates(tiny_random):
     import jax
     import jax.numpy as jnp
     from jtilert.model import HEAD_CANDIDATES, init_cache
-    m = tiny_random
-    h, _ = m.hidden(jnp.asarray(PROMPT[:12], jnp.int32), 0, init_cache(m.cfg, 16, m.dtype))
+    from jtilert.ops import Ops
+    m, ops = tiny_random, Ops()
+    h, _ = m.hidden(ops, jnp.asarray(PROMPT[:12], jnp.int32), 0, init_cache(m.cfg, 16, m.dtype))
     h = h[-1:]
-    logits = np.asarray(m.logits(h, m.norm)[0])
+    logits = np.asarray(m.logits(ops, h, m.norm)[0])
     top = set(np.argsort(-logits)[:3])
     key = jax.random.PRNGKey(0)
-    assert int(m.next_token(h, Sampling().arrays(), key)[0]) == int(np.argmax(logits))
-    drawn = {int(m.next_token(h, Sampling(temperature=5.0, top_k=3).arrays(), jax.random.fold_in(key, i))[0])
+    assert int(m.next_token(ops, h, Sampling().arrays(), key)[0]) == int(np.argmax(logits))
+    drawn = {int(m.next_token(ops, h, Sampling(temperature=5.0, top_k=3).arrays(), jax.random.fold_in(key, i))[0])
              for i in range(40)}
     assert drawn <= top and len(drawn) > 1
-    wide = {int(m.next_token(h, Sampling(temperature=50.0).arrays(), jax.random.fold_in(key, i))[0])
+    wide = {int(m.next_token(ops, h, Sampling(temperature=50.0).arrays(), jax.random.fold_in(key, i))[0])
             for i in range(40)}
     assert len(wide) > HEAD_CANDIDATES  # the full-row path: tokens beyond the candidates

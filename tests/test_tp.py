@@ -20,15 +20,19 @@ def test_weights_split_like_tilert(tiny_random):
     specs = {".".join(map(str, sharding.path_names(p))): s for p, s in
              jax.tree_util.tree_leaves_with_path(sharding.param_specs(nnx.state(tiny_random)),
                                                  is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))}
-    assert specs["layers.1.self_attn.q_b_proj.weight"] == jax.P("tp", None)
-    assert specs["layers.1.self_attn.o_proj.weight"] == jax.P(None, "tp")
-    assert specs["layers.1.mlp.experts.gate.weight"] == jax.P(None, "tp", None)
-    assert specs["layers.1.mlp.experts.down.weight"] == jax.P(None, None, "tp")
-    assert specs["layers.0.mlp.down_proj.weight"] == jax.P(None, "tp")
+    # stacked: the layer axis first, never split
+    assert specs["layers.self_attn.q_b_proj.weight"] == jax.P(None, "tp", None)
+    assert specs["layers.self_attn.o_proj.weight"] == jax.P(None, None, "tp")
+    assert specs["moe.experts.gate.weight"] == jax.P(None, None, "tp", None)
+    assert specs["moe.experts.down.weight"] == jax.P(None, None, None, "tp")
+    assert specs["dense.down_proj.weight"] == jax.P(None, None, "tp")
+    assert specs["moe.shared_experts.gate_proj.weight"] == jax.P(None, "tp", None)
     assert specs["lm_head.weight"] == jax.P("tp", None)
-    for replicated in ("layers.1.self_attn.q_a_proj.weight", "layers.1.self_attn.indexer.wq_b.weight",
-                       "layers.1.mlp.gate.weight", "embed_tokens"):
+    for replicated in ("layers.self_attn.q_a_proj.weight", "indexers.wq_b.weight", "moe.gate.weight",
+                       "embed_tokens", "mtp.eh_proj.weight"):
         assert specs[replicated] == jax.P()
+    # the per-layer names of checkpoints keep their own axes
+    assert sharding.spec_for(("layers", "1", "mlp", "experts", "gate", "weight"), 3) == jax.P(None, "tp", None)
 
 
 IDS = np.random.RandomState(2).randint(0, 256, 44)
@@ -69,9 +73,10 @@ def test_head_candidates_merge_over_ranks_with_ties():
     w[7] = w[18] = 2 * x[0]    # the next two, tied across ranks 0 and 1
     mesh = jtilert.make_mesh(8)
 
+    from jtilert.ops import Ops
+
     def merged(x, w):
-        with sharding.tensor_parallel(sharding.AXIS):
-            return sharding.top_candidates(*layers.lm_head_topk(x, w, 4), w.shape[0])
+        return Ops(axis=sharding.AXIS).top_candidates(*layers.lm_head_topk(x, w, 4), w.shape[0])
     vals, ids = jax.jit(jax.shard_map(merged, mesh=mesh, in_specs=(P(), P("tp", None)), out_specs=P(),
                                       check_vma=False))(x, w)
     want_vals, want_ids = layers.lm_head_topk(x, w, 4)
@@ -83,11 +88,11 @@ def test_head_candidates_merge_over_ranks_with_ties():
 def test_split_indexer_decodes_the_same_tokens(tiny_random):
     """split_indexer=True: each of 2 (or 8) ranks scores its share of the cached positions and the
     top-k lists are merged (XLA fallback of the engine's merge here); the prompt is longer than
-    index_topk, so the merged selection decides the attention. 80 cache rows: the 52 positions span
-    the shares of 2 ranks at tp=2 and of 6 at tp=8."""
+    index_topk, so the merged selection decides the attention. 64 cache rows: the 52 positions span
+    the shares of 2 ranks at tp=2 and of 7 at tp=8."""
     gen = lambda **kw: jtilert.Generator(tiny_random, max_seq_len=60, prefill_chunk=16, **kw)
     one = gen().generate(IDS, 8, stop_tokens=[])
     for tp in (2, 8):
         split = gen(mesh=jtilert.make_mesh(tp), split_indexer=True)
-        assert split.engine.new_cache(split.rows)["layers"][1]["index_k"].shape[0] == 80
+        assert split.engine.new_cache(split.rows)["index_k"].shape[1] == 64
         assert split.generate(IDS, 8, stop_tokens=[]) == one

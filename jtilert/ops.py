@@ -1,0 +1,319 @@
+"""What the decode step runs: one `DecodeConfig`, and the one table that maps each op to its
+plain-JAX reference (`jtilert.layers`) and its kernel.
+
+`Ops(config, axis)` is handed to the model's modules; every op a module calls goes through it, so
+`Generator` → `Engine` → `Transformer.hidden(ops, ...)` → `ops.linear(...)` → `OPS["linear"]` →
+`jtilert.pallas.gemv.linear` is the whole path from the user to a kernel.
+
+Weights and caches are stacked per layer ([L, ...]); an op's `layer` argument (a traced int32
+scalar) says which layer. A kernel takes the stacked array and the index and addresses the layer
+itself; the reference slices the layer out in XLA (a copy where the consumer is a library call).
+
+Choosing, per call: backend "reference" runs the reference. Backend "pallas" runs the kernel when the
+call is decode-shaped (≤ `MAX_DECODE_TOKENS` tokens: more tokens are prefill, where XLA's matmuls are
+the right tool, so the reference runs without a word) and the kernel supports the arrays; where it
+does not, the reference runs and a warning names the op and the shapes, once per op and shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import warnings
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jtilert import layers
+
+BACKENDS = ("reference", "pallas")
+MAX_DECODE_TOKENS = 8
+BF16, FP8, F32 = jnp.bfloat16, jnp.float8_e4m3fn, jnp.float32
+KGRAIN = 64   # the GEMV kernels' K granularity (TMA / swizzle)
+QBLOCK = 128  # fp8 block-scale granularity
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """How a model is run; given to `Generator` / `score` and passed down to every op.
+
+    backend: "reference" (plain JAX) or "pallas" (Mosaic-GPU kernels where they apply; GPU interpret
+        mode on a machine without a GPU).
+    engine_all_reduce: with tp > 1, the CUDA engine's all-reduce fused into the row-split
+        projections (o_proj, dense down, the MoE down) instead of XLA's psum.
+    split_indexer: with tp > 1, each rank scores 1/tp of the cached positions and the top-k lists
+        are merged (decode steps of one token).
+    engine_topk: backend "pallas" on a GPU: the indexer's top-k through the CUDA engine's one-launch
+        select instead of `lax.top_k`.
+    """
+
+    backend: str = "reference"
+    engine_all_reduce: bool = False
+    split_indexer: bool = False
+    engine_topk: bool = True
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"unknown backend {self.backend!r}; expected one of {BACKENDS}")
+
+
+# ---- the op table -------------------------------------------------------------------------------
+
+def _tokens(x) -> int:
+    return int(np.prod(x.shape[:-1]))
+
+
+def _gemv_unsupported(x, w, scale) -> str | None:
+    if x.dtype != BF16:
+        return f"activations are {x.dtype}, the kernel takes bfloat16"
+    if w.ndim != 2 or w.shape[1] != x.shape[-1] or x.shape[-1] % KGRAIN:
+        return f"K={x.shape[-1]} must be a multiple of {KGRAIN}"
+    if w.dtype not in (FP8, BF16, F32) or (w.dtype == FP8) != (scale is not None):
+        return f"weights {w.dtype} (scales {'given' if scale is not None else 'none'})"
+    return None
+
+
+def _swiglu_unsupported(x, gate, gate_scale, up, up_scale) -> str | None:
+    if gate.dtype != up.dtype:
+        return "gate and up differ in format"
+    return _gemv_unsupported(x, gate, gate_scale) or _gemv_unsupported(x, up, up_scale)
+
+
+def _experts_unsupported(x, gate, gate_scale, up) -> str | None:
+    if x.dtype != BF16 or x.shape[-1] % KGRAIN:
+        return f"activations {x.dtype}, K={x.shape[-1]}"
+    if gate.dtype not in (FP8, BF16) or up.dtype != gate.dtype or (gate.dtype == FP8) != (gate_scale is not None):
+        return f"expert weights {gate.dtype}"
+    if gate.shape[1] % QBLOCK:
+        return f"expert width {gate.shape[1]} is not a multiple of {QBLOCK}"
+    return None
+
+
+def _moe_unsupported(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale) -> str | None:
+    return (_experts_unsupported(x, gate, gate_scale, up)
+            or (None if down.dtype in (FP8, BF16) and (down.dtype == FP8) == (down_scale is not None)
+                else f"down weights {down.dtype}"))
+
+
+def _lm_head_unsupported(x, w, k) -> str | None:
+    if x.dtype != BF16 or w.dtype != BF16 or x.shape[-1] % KGRAIN:
+        return f"activations {x.dtype}, head {w.dtype}, K={x.shape[-1]}"
+    return None if k <= 64 else f"k={k} > 64"
+
+
+def _sparse_mla_unsupported(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale) -> str | None:
+    from jtilert.pallas import sparse_mla
+    if pe_cache is None and not sparse_mla.fp8_kernel_applies(q_lat.shape[-1], q_pe.shape[-1], kv_cache.shape[-1]):
+        return f"fp8 cache rows of {kv_cache.shape[-1]} words"
+    return None
+
+
+def _indexer_unsupported(cfg, q, w, k, k_cache, k_scale, positions, start) -> str | None:
+    if (k_cache.shape[-1] * k_cache.dtype.itemsize) % 128:
+        return f"index keys of {k_cache.shape[-1]} × {k_cache.dtype} are not a whole 128-byte TMA row"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One op: its reference, its kernel ("module:function" under jtilert, taking `layer=`), which
+    positional arguments carry the layer axis, and why the kernel would not apply (None: it does)."""
+
+    reference: Callable
+    kernel: str | None = None
+    stacked: tuple[int, ...] = ()
+    unsupported: Callable[..., str | None] = lambda *a: None
+
+
+OPS: dict[str, Op] = {
+    "linear": Op(layers.linear, "pallas.gemv:linear", (1, 2), _gemv_unsupported),
+    "swiglu_hidden": Op(layers.swiglu_hidden, "pallas.gemv:swiglu_pair", (1, 2, 3, 4), _swiglu_unsupported),
+    "route": Op(layers.route, "pallas.moe:route", (2, 3),
+                lambda cfg, x, gate, bias: None if x.dtype == BF16 and x.shape[-1] % KGRAIN == 0
+                else f"activations {x.dtype}, K={x.shape[-1]}"),
+    "moe_experts": Op(layers.moe_experts, "pallas.moe:moe_experts", (3, 4, 5, 6, 7, 8), _moe_unsupported),
+    "expert_hidden": Op(layers.expert_hidden, "pallas.moe:expert_gate_up", (2, 3, 4, 5),
+                        lambda x, ids, g, gs, u, us: _experts_unsupported(x, g, gs, u)),
+    # its reference path is in Ops.indexer_topk (an in-place write into the stack, then the scores)
+    "indexer_append_scores": Op(layers.indexer_append_scores, "pallas.indexer:indexer_append_scores", (4, 5),
+                                _indexer_unsupported),
+    "sparse_mla": Op(layers.sparse_mla, "pallas.sparse_mla:sparse_mla", (2, 3), _sparse_mla_unsupported),
+    "lm_head_topk": Op(layers.lm_head_topk, "pallas.lm_head:lm_head_topk", (), _lm_head_unsupported),
+    "topk_positions": Op(layers.topk_positions, "ffi.select:topk", ()),
+}
+
+
+def _per_layer(op: Op, args) -> tuple:
+    """args with each stacked array replaced by the shape of one layer of it (for the checks)."""
+    return tuple(jax.ShapeDtypeStruct(a.shape[1:], a.dtype) if i in op.stacked and a is not None else a
+                 for i, a in enumerate(args))
+
+
+def _take(a, layer):
+    return None if a is None else a[layer]
+
+
+@functools.cache
+def _kernel(path: str) -> Callable:
+    mod, fn = path.split(":")
+    return getattr(importlib.import_module(f"jtilert.{mod}"), fn)
+
+
+_warned: set = set()
+
+
+def _warn_once(name: str, shapes: str, why: str) -> None:
+    key = (name, shapes)
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(f"jtilert: backend='pallas' but the {name} kernel does not apply to {shapes} ({why}); "
+                      f"running the reference", stacklevel=4)
+
+
+def _shapes(args) -> str:
+    return ", ".join(f"{a.dtype}{list(a.shape)}" for a in args if hasattr(a, "shape"))
+
+
+# ---- the ops a model calls ----------------------------------------------------------------------
+
+class Ops:
+    """The decode step's ops under one DecodeConfig; `axis` is the tensor-parallel mesh axis while
+    the step is traced under shard_map (None without tp)."""
+
+    def __init__(self, config: DecodeConfig = DecodeConfig(), axis: str | None = None):
+        self.config, self.axis = config, axis
+        self._kernels = config.backend == "pallas"
+        self._engine_topk = self._kernels and config.engine_topk and _engine_loads()
+
+    def __call__(self, name: str, *args, layer=None):
+        """Run op `name` on one layer (`layer` given: the stacked arguments of OPS[name] carry it)."""
+        op = OPS[name]
+        if self._use_kernel(name, op, args if layer is None else _per_layer(op, args)):
+            kw = {} if layer is None or not op.stacked else {"layer": layer}
+            return _kernel(op.kernel)(*args, **kw)
+        if layer is not None:
+            args = tuple(_take(a, layer) if i in op.stacked else a for i, a in enumerate(args))
+        return op.reference(*args)
+
+    def _use_kernel(self, name: str, op: Op, args) -> bool:
+        if not self._kernels or op.kernel is None:
+            return False
+        x = next(a for a in args if hasattr(a, "shape") and a.ndim >= 2)
+        if name == "topk_positions":
+            return self._engine_topk and x.shape[0] <= MAX_DECODE_TOKENS
+        if _tokens(x) > MAX_DECODE_TOKENS:
+            return False
+        why = op.unsupported(*args)
+        if why is not None:
+            _warn_once(name, _shapes(args), why)
+        return why is None
+
+    # the ops with more than one kernel, and the tensor-parallel collectives ---------------------
+
+    def linear(self, x, w, scale, layer=None):
+        return self("linear", x, w, scale, layer=layer)
+
+    def all_reduce(self, x):
+        """Sum of the ranks' partial results: THE all-reduce of the model (identity without tp)."""
+        if self.axis is None:
+            return x
+        if self.config.engine_all_reduce:
+            from jtilert import ffi
+            return ffi.all_reduce(x, self.axis)
+        return jax.lax.psum(x, self.axis)
+
+    def linear_all_reduce(self, x, w, scale, layer=None):
+        """all_reduce(x · Wᵀ) for a row-split projection. With the engine, one decode token goes
+        through the fused kernel that streams W and exchanges finished output tiles while it streams."""
+        if self.axis is not None and self.config.engine_all_reduce and x.shape[0] == 1:
+            from jtilert import ffi
+            return ffi.gemv_all_reduce(x[0], w, scale, self.axis, layer=layer)[None]
+        return self.all_reduce(self.linear(x, w, scale, layer))
+
+    def mlp(self, x, arrays, layer=None):
+        """Dense SwiGLU of one layer (arrays: gate, gate_scale, up, up_scale, down, down_scale)."""
+        g, gs, u, us, d, ds = arrays
+        return self.linear_all_reduce(self("swiglu_hidden", x, g, gs, u, us, layer=layer), d, ds, layer)
+
+    def moe(self, x, weights, ids, experts: tuple, shared: tuple, layer=None):
+        """all_reduce(Σ_j weights[t,j] · Expert_{ids[t,j]}(x[t]) + Shared(x[t])) for this rank's slices.
+        With the engine, one decode token runs the experts' gate/up, then one kernel for the routed
+        down projections, their weighted sum, the shared expert's down and the all-reduce."""
+        g, gs, u, us, d, ds = experts
+        sg, sgs, su, sus, sd, sds = shared
+        if self.axis is not None and self.config.engine_all_reduce and x.shape[0] == 1:
+            from jtilert import ffi
+            h = self("expert_hidden", x, ids, g, gs, u, us, layer=layer)
+            hs = self("swiglu_hidden", x, sg, sgs, su, sus, layer=layer)
+            return ffi.expert_down_all_reduce(h, weights[0], ids[0], d, ds, hs[0], sd, sds, self.axis,
+                                              layer=layer)[None]
+        routed = self("moe_experts", x, weights, ids, *experts, layer=layer)
+        dense = self.linear(self("swiglu_hidden", x, sg, sgs, su, sus, layer=layer), sd, sds, layer)
+        return self.all_reduce(routed + dense)
+
+    def indexer_rows(self, rows: int, tokens: int):
+        """(first row, count) of this rank's share of the index-key cache when the indexer is split
+        (one decode token, rows divisible by tp), else (None, None): every rank scores every row."""
+        if self.axis is None or not self.config.split_indexer or tokens != 1 or rows % jax.lax.axis_size(self.axis):
+            return None, None
+        n = rows // jax.lax.axis_size(self.axis)
+        return jax.lax.axis_index(self.axis) * n, n
+
+    def indexer_topk(self, cfg, q, w, k, k_cache, k_scale, positions, start, layer):
+        """Append the new index keys at row `start` of layer `layer` of the stacked key cache and select
+        the top-k cached positions: ((indices [T, k], valid [T, k]), k_cache, k_scale)."""
+        first, num = self.indexer_rows(k_cache.shape[1], q.shape[0])
+        op = OPS["indexer_append_scores"]
+        args = (cfg, q, w, k, k_cache, k_scale, positions, start)
+        if num is None and self._use_kernel("indexer_append_scores", op, _per_layer(op, args)):
+            scores, k_cache, k_scale = _kernel(op.kernel)(*args, layer=layer)
+            return self("topk_positions", scores, cfg.index_topk), k_cache, k_scale
+        # XLA appends the key (on every rank under a split indexer, so caches stay whole for the steps
+        # that score every row: prefill, MTP's two tokens), then the rows are scored
+        k8, ks = layers.indexer_key(cfg, k)
+        k_cache = jax.lax.dynamic_update_slice(k_cache, k8[None].astype(k_cache.dtype), (layer, start, 0))
+        if ks is not None:
+            k_scale = jax.lax.dynamic_update_slice(k_scale, ks[None], (layer, start))
+        if num is None:
+            scores = layers.indexer_scores(q, w, k_cache[layer], _take(k_scale, layer), positions)
+            return self("topk_positions", scores, cfg.index_topk), k_cache, k_scale
+        if self._kernels:
+            from jtilert.pallas import indexer
+            scores = indexer.indexer_scores(q, w, k_cache, k_scale, positions, start=first, rows=num, layer=layer)
+        else:
+            scores = layers.indexer_scores(q, w, k_cache[layer], _take(k_scale, layer), positions)
+            scores = jax.lax.dynamic_slice_in_dim(scores, first, num, axis=1)
+        from jtilert import ffi
+        vals, idx = ffi.split_topk(scores[0], cfg.index_topk, self.axis)
+        return (idx[None], vals[None] > -jnp.inf), k_cache, k_scale
+
+    def all_gather_last(self, x):
+        """Concatenate the ranks' slices of the last axis (vocab-split logits)."""
+        if self.axis is None:
+            return x
+        return jax.lax.all_gather(x, self.axis, axis=x.ndim - 1, tiled=True)
+
+    def top_candidates(self, vals, ids, rows: int):
+        """The global top-k of a vocab-split head from every rank's own top-k (values [T, k], ids of
+        its `rows` vocab rows): (values, global vocab ids), descending, ties to the lower id."""
+        if self.axis is None:
+            return vals, ids
+        ids = ids + jax.lax.axis_index(self.axis) * rows
+        # gathered in rank order = vocab order, so top_k's lower-position tie rule is the lower id
+        vals, ids = (jax.lax.all_gather(a, self.axis, axis=1, tiled=True) for a in (vals, ids))
+        top, pos = jax.lax.top_k(vals, vals.shape[1] // jax.lax.axis_size(self.axis))
+        return top, jnp.take_along_axis(ids, pos, axis=1)
+
+
+def _engine_loads() -> bool:
+    """Whether the CUDA engine's top-k can run here (a GPU where the engine builds and loads); warns
+    once on a GPU where it does not."""
+    from jtilert.ffi import _lib
+    lib, why = _lib.load()
+    if lib is None and why != _lib.NO_GPU:
+        _lib.warn_once("ops-topk", f"jtilert: the CUDA engine did not load ({why}); the indexer's top-k runs "
+                                   "as lax.top_k")
+    return lib is not None
