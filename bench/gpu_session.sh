@@ -19,6 +19,9 @@
 #   cmdbuf       the 8-layer step with XLA command buffers off: is the 24 ms per-call dispatch their update?
 #   tp2split     tp=2, 4 layers, 32K context: the indexer split over the GPUs vs not (after build)
 #   kvfp8        the 8-layer step with FlashMLA's fp8 latent cache (656 B per position)
+#   check        tests/gpu/decode_check.py: pallas vs reference logits, 4 layers, 32 decode steps
+#   recompile    bench.decode 61 layers, pallas, in a new process: the step from the persistent cache
+#   callcost     the 61-layer stream loop (one step per call) with XLA's command-buffer update modes
 #   build        the CUDA engine library and self-test (python -m jtilert.ffi.build --selftest)
 #   select       the engine's top-k select: self-test + CUDA-graph timings (after build)
 #   tp2          bench.decode at tp=2, 4 layers, psum vs the engine's all-reduce (2 GPUs, after build)
@@ -32,6 +35,7 @@ export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAS
 export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL"
 B=${BACKENDS:-pallas,reference}
 CK=${CK:-/tmp/jt_dsv32_4l}
+export JTILERT_COMPILATION_CACHE=${JTILERT_COMPILATION_CACHE:-$WORK/xla_cache}
 T0=$(date +%s)
 step() {  # step NAME LIMIT_S COMMAND...
   local name=$1 limit=$2; shift 2
@@ -76,6 +80,16 @@ for part in "$@"; do
       done ;;
     kvfp8) step kvfp8 200 $DEC --layers 8 --backend pallas,reference --set kv_cache_quant=fp8 --samples 10 \
              --out "$WORK/kvfp8.json" ;;
+    check) step check 300 python3 tests/gpu/decode_check.py --out "$WORK/check.json" ;;
+    recompile) step recompile 300 $DEC --layers 61 --backend pallas --steps 5 --samples 4 \
+                 --out "$WORK/recompile.json" ;;
+    callcost)  # does XLA update its command buffers on every call? the same loop under each update mode
+      for f in "" "--xla_gpu_enable_command_buffer_va_remapping=true --xla_gpu_command_buffer_update_mode=SKIP_TEMP" \
+               "--xla_gpu_command_buffer_update_mode=CAPTURE_CMD_NEVER_UPDATE"; do
+        n=callcost${f:+_$(echo "$f" | sed 's/.*update_mode=//')}
+        XLA_FLAGS="$XLA_FLAGS $f" step "$n" 300 $DEC --layers 61 --backend pallas --steps 5 --samples 6 \
+          --out "$WORK/$n.json"
+      done ;;
     build) step build 240 python3 -m jtilert.ffi.build --selftest ;;
     select) step select 90 "$(dirname "$(tail -1 "$WORK/build.log")")/jtilert_selftest" --select-only --iters 3 --bench ;;
     tp2) JTILERT_FFI_TOPK=0 step tp2 200 $DEC --layers 4 --tp 2 --backend "$B" --all-reduce psum,engine \

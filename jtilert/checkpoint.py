@@ -30,34 +30,15 @@ from jax.sharding import Mesh, NamedSharding
 
 from jtilert import hf, sharding
 from jtilert.config import PRESETS, ModelConfig
-from jtilert.model import Transformer, layer_names
+from jtilert.converter import StoredTensor
+from jtilert.folder import LAYOUT_VERSION, META, move_into_place, np_dtype, read_meta  # noqa: F401
+from jtilert.model import Transformer, abstract_model, flat_params, layer_names, layer_params  # noqa: F401
 
-META = "jtilert.json"
-LAYOUT_VERSION = 3  # what `save` writes; bump when the stored layout of any parameter changes
-LAYOUT_VERSIONS = (1, 2, 3)  # 1: per-layer orbax; 2: jtilert.convert's per-shard files; 3: stacked orbax
 ASSETS = Path(__file__).parent / "assets"
 EMBEDDED = {"tiny": ASSETS / "tiny"}
 
 
 # ---- parameters as a flat {dotted name: array} dict ------------------------------------------
-
-def flat_params(model: Transformer) -> dict[str, jax.Array]:
-    state = nnx.state(model, nnx.Param)
-    return {".".join(map(str, sharding.path_names(p))): x for p, x in jax.tree_util.tree_leaves_with_path(state)}
-
-
-def layer_params(model: Transformer) -> dict[str, jax.ShapeDtypeStruct]:
-    """The per-layer parameters (checkpoint naming: `layers.3.self_attn.q_b_proj.weight`,
-    `mtp.layer.mlp.gate.weight`) of a model, as shapes: what HF folders and converted checkpoints hold."""
-    out = {}
-    for name, x in flat_params(model).items():
-        names = layer_names(model.cfg, name)
-        if not names:
-            out[name] = jax.ShapeDtypeStruct(x.shape, x.dtype)
-        for n in names:
-            out[n] = jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
-    return out
-
 
 def _stacked(model: Transformer, get_layer) -> Transformer:
     """A concrete model from an abstract one, `get_layer(per_layer_name, shape)` giving each per-layer
@@ -78,10 +59,6 @@ def weight_format(params: dict) -> str:
     if any(x.dtype == jnp.float8_e4m3fn for x in params.values()):
         return "fp8"
     return "fp32" if params["embed_tokens"].dtype == jnp.float32 else "bf16"
-
-
-def abstract_model(cfg: ModelConfig, fmt: str, dtype=None) -> Transformer:
-    return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), fmt=fmt, dtype=dtype))
 
 
 def _fill(model: Transformer, get) -> Transformer:
@@ -121,17 +98,6 @@ def _flatten(nested: dict, prefix: str = "") -> dict:
 
 
 # ---- save ----------------------------------------------------------------------------------
-
-def move_into_place(tmp: Path, path: Path) -> None:
-    """Rename a finished temporary folder to `path`, replacing what was there only once complete."""
-    if path.exists():
-        old = path.parent / f".{path.name}.old-{os.getpid()}"
-        path.rename(old)
-        tmp.rename(path)
-        shutil.rmtree(old)
-    else:
-        tmp.rename(path)
-
 
 def save(model: Transformer, path: str | os.PathLike, overwrite: bool = False,
          tokenizer: str | os.PathLike | None = None) -> Path:
@@ -198,17 +164,6 @@ def load(source: str | os.PathLike, mesh: Mesh | None = None, dtype=None, reshar
     raise FileNotFoundError(f"{path} is neither a jtilert checkpoint ({META}) nor an HF folder (config.json)")
 
 
-def read_meta(path: Path) -> dict:
-    try:
-        meta = json.loads((path / META).read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path / META}: not valid JSON ({e})") from None
-    if meta.get("layout_version") not in LAYOUT_VERSIONS:
-        raise ValueError(f"{path}: layout version {meta.get('layout_version')} is not one of the supported "
-                         f"{LAYOUT_VERSIONS}")
-    return meta
-
-
 def _check_params(path: Path, meta: dict, model: Transformer) -> dict:
     """The model's parameters as the checkpoint names them (stacked in layout 3, per layer before),
     checked against the shapes and dtypes the checkpoint records."""
@@ -244,75 +199,6 @@ def _load_jtilert(path: Path, mesh, dtype) -> Transformer:
 def _place(model: Transformer, mesh) -> Transformer:
     """Every parameter in its sharding (stacks built from per-layer parts land where jnp.stack put them)."""
     return _fill(model, lambda name, x: jax.device_put(x, _sharding_of(name, x.ndim, mesh)))
-
-
-def np_dtype(name: str) -> np.dtype:
-    """The numpy dtype of a dtype name ("bfloat16" and "float8_e4m3fn" via ml_dtypes)."""
-    return np.dtype(jnp.dtype(name))
-
-
-class StoredTensor:
-    """One parameter of a converted (layout 2) checkpoint: reads any index of the parameter's logical shape
-    from its shard files (a split parameter's shards are slices of its split axis)."""
-
-    def __init__(self, path: Path, name: str, meta: dict):
-        from jtilert import converter as convert
-        t = meta["tensors"][name]
-        shape, dt = meta["params"][name]
-        self.name, self.shape, self.dtype = name, tuple(shape), np_dtype(dt)
-        self.split, self.shards, self.stored = t["split"], t["shards"], tuple(t["stored"])
-        self.paths = [path / f for f in convert.shard_files(name, self.shards)]
-        self.packer = convert.PACKERS[t["kind"]]
-        if self.packer.name != t.get("pack", "identity"):
-            raise ValueError(f"{path}: parameter {name} is stored with layout {t.get('pack')!r}, this jtilert "
-                             f"packs {t['kind']} parameters as {self.packer.name!r}; convert the checkpoint again")
-        for p in self.paths:
-            if not p.exists():
-                raise FileNotFoundError(f"{path}: missing shard file {p} of parameter {name}")
-            size = p.stat().st_size
-            if size != int(np.prod(self.stored)) * self.dtype.itemsize:
-                raise ValueError(f"{p}: {size} bytes, parameter {name} needs "
-                                 f"{int(np.prod(self.stored)) * self.dtype.itemsize}")
-
-    @property
-    def identity(self) -> bool:
-        return self.packer.name == "identity"
-
-    def shard(self, d: int) -> np.ndarray:
-        """Shard d as stored (packed)."""
-        from jtilert import converter
-        return converter.read_file(self.paths[d], self.dtype, self.stored)
-
-    def _local(self, d: int, idx: tuple) -> np.ndarray:
-        if self.identity:
-            mm = np.memmap(self.paths[d], self.dtype, "r", shape=self.stored)
-            out = np.array(mm[idx])
-            del mm
-            return out
-        if self.packer.unpack is None:
-            raise ValueError(f"parameter {self.name}: layout {self.packer.name!r} cannot be unpacked")
-        return np.asarray(self.packer.unpack(self.shard(d)))[idx]
-
-    def read(self, idx: tuple = ()) -> np.ndarray:
-        """The parameter at `idx` (ints and slices over its logical shape)."""
-        idx = tuple(idx) + (slice(None),) * (len(self.shape) - len(idx))
-        drop = tuple(i for i, x in enumerate(idx) if not isinstance(x, slice))
-        idx = tuple(x if isinstance(x, slice) else slice(int(x), int(x) + 1) for x in idx)
-        if self.split is None or self.shards == 1:
-            out = self._local(0, idx)
-        else:
-            ax, local = self.split, self.shape[self.split] // self.shards
-            a, b, step = idx[ax].indices(self.shape[ax])
-            if step != 1:
-                raise ValueError("strided reads are not supported")
-            parts = []
-            for d in range(a // local, (b - 1) // local + 1) if b > a else []:
-                sub = list(idx)
-                sub[ax] = slice(max(a, d * local) - d * local, min(b, (d + 1) * local) - d * local)
-                parts.append(self._local(d, tuple(sub)))
-            out = np.concatenate(parts, axis=ax) if parts else np.zeros(
-                tuple(len(range(*s.indices(n))) for s, n in zip(idx, self.shape)), self.dtype)
-        return out.reshape(tuple(n for i, n in enumerate(out.shape) if i not in drop)) if drop else out
 
 
 def _load_sharded(path: Path, meta: dict, mesh: Mesh | None, dtype, reshard: bool) -> Transformer:

@@ -61,7 +61,8 @@ import ml_dtypes
 import numpy as np
 
 from jtilert import hf, sharding
-from jtilert.checkpoint import move_into_place
+from jtilert.folder import META, move_into_place, np_dtype, read_meta
+from jtilert.model import abstract_model, layer_params
 from jtilert.config import ModelConfig
 from jtilert.quant import BLOCK, FP8_MAX, scale_shape
 
@@ -282,7 +283,6 @@ def _renumber(name: str, a: int, b: int) -> str | None:
 def plan(src: str | os.PathLike, tp: int = 1, dtype: str | None = None, layers=None, mtp: bool = True) -> Plan:
     """Check an HF folder against its config and work out every parameter to write (reads only headers).
     Every bad input is a ValueError/FileNotFoundError naming the file and tensor."""
-    from jtilert import checkpoint
     src = Path(src)
     if not src.is_dir():
         raise FileNotFoundError(f"no HF model folder at {src}")
@@ -302,7 +302,7 @@ def plan(src: str | os.PathLike, tp: int = 1, dtype: str | None = None, layers=N
     source_format = _source_format(tensors, src)
     fmt = dtype or source_format
     expected = {k: (tuple(v.shape), np.dtype(v.dtype))
-                for k, v in checkpoint.layer_params(checkpoint.abstract_model(cfg, fmt)).items()}
+                for k, v in layer_params(abstract_model(cfg, fmt)).items()}
 
     # every source tensor, by the parameter it feeds
     single: dict[str, tuple] = {}
@@ -1239,7 +1239,6 @@ def _sync_all(tmp: Path, paths) -> None:
 
 
 def _finish(p: Plan, tmp: Path, dst: Path, done: dict, overwrite: bool) -> None:
-    from jtilert.checkpoint import META
     _sync_all(tmp, [tmp / f for item in p.items for f in item.files])
     for name in COPIED:
         if (p.src / name).exists():
@@ -1266,18 +1265,17 @@ def verify(dst: str | os.PathLike, against: str | os.PathLike | None = None, sam
     shard file present with the right size and CRC-32; with `against` (the HF source), compare `samples`
     rows of every matrix (of two experts per stacked parameter), dequantised, with the source's.
     Raises ValueError listing the problems; returns a summary."""
-    from jtilert import checkpoint
     path = Path(dst)
-    if not (path / checkpoint.META).exists():
-        raise FileNotFoundError(f"{path}: no {checkpoint.META} (not a jtilert checkpoint, or an unfinished conversion)")
-    meta = checkpoint.read_meta(path)
+    if not (path / META).exists():
+        raise FileNotFoundError(f"{path}: no {META} (not a jtilert checkpoint, or an unfinished conversion)")
+    meta = read_meta(path)
     if meta["layout_version"] != LAYOUT_VERSION:
         raise ConvertError(f"{path}: layout version {meta['layout_version']} (written by jtilert.save) has no "
                            f"checksums; verify checks converted checkpoints (layout {LAYOUT_VERSION})")
     cfg = ModelConfig.from_json_dict(meta["config"])
     problems: list[str] = []
     expected = {k: (list(v.shape), np.dtype(v.dtype).name) for k, v in
-                checkpoint.layer_params(checkpoint.abstract_model(cfg, meta["weight_format"])).items()}
+                layer_params(abstract_model(cfg, meta["weight_format"])).items()}
     params, tensors = meta["params"], meta.get("tensors", {})
     for name in sorted(set(expected) - set(params)):
         problems.append(f"parameter {name} missing")
@@ -1288,7 +1286,7 @@ def verify(dst: str | os.PathLike, against: str | os.PathLike | None = None, sam
             problems.append(f"parameter {name}: {params[name]} in the metadata, the config needs {expected[name]}")
         if name not in tensors:
             problems.append(f"parameter {name}: no storage record")
-    total = sum(int(np.prod(tensors[k]["stored"])) * np.dtype(checkpoint.np_dtype(params[k][1])).itemsize
+    total = sum(int(np.prod(tensors[k]["stored"])) * np.dtype(np_dtype(params[k][1])).itemsize
                 * tensors[k]["shards"] for k in tensors if k in params)
     prog = _Progress(total, progress, f"verify {path.name}")
     checked = 0
@@ -1298,7 +1296,7 @@ def verify(dst: str | os.PathLike, against: str | os.PathLike | None = None, sam
             if name not in params:
                 continue
             prog.tensor(name)
-            size = int(np.prod(t["stored"])) * np.dtype(checkpoint.np_dtype(params[name][1])).itemsize
+            size = int(np.prod(t["stored"])) * np.dtype(np_dtype(params[name][1])).itemsize
             for rel, crc in zip(shard_files(name, t["shards"]), t["crc32"]):
                 f = path / rel
                 if not f.exists():
@@ -1323,7 +1321,6 @@ def verify(dst: str | os.PathLike, against: str | os.PathLike | None = None, sam
 
 def _spot_check(path: Path, meta: dict, against, samples: int, seed: int, problems: list) -> int:
     """Compare sampled rows, dequantised, of every parameter with the source."""
-    from jtilert import checkpoint
     cfg = ModelConfig.from_json_dict(meta["config"])
     p = plan(against, meta["tp"], meta["weight_format"], tuple(meta["layers"]), bool(cfg.num_nextn_predict_layers))
     rng = np.random.default_rng(seed)
@@ -1335,8 +1332,8 @@ def _spot_check(path: Path, meta: dict, against, samples: int, seed: int, proble
                 continue  # checked through the dequantised weights
             if item.name not in meta["tensors"] or PACKERS[item.kind].unpack is None:
                 continue
-            w = checkpoint.StoredTensor(path, item.name, meta)
-            s = checkpoint.StoredTensor(path, item.name.removesuffix("weight") + "scale", meta) \
+            w = StoredTensor(path, item.name, meta)
+            s = StoredTensor(path, item.name.removesuffix("weight") + "scale", meta) \
                 if item.name.removesuffix("weight") + "scale" in meta["tensors"] else None
             stacked = len(item.shape) == 3
             experts = sorted({0, int(rng.integers(len(item.mats)))}) if stacked else [0]
@@ -1369,3 +1366,65 @@ def _spot_check(path: Path, meta: dict, against, samples: int, seed: int, proble
     finally:
         files.close()
     return n
+
+
+class StoredTensor:
+    """One parameter of a converted (layout 2) checkpoint: reads any index of the parameter's logical shape
+    from its shard files (a split parameter's shards are slices of its split axis)."""
+
+    def __init__(self, path: Path, name: str, meta: dict):
+        t = meta["tensors"][name]
+        shape, dt = meta["params"][name]
+        self.name, self.shape, self.dtype = name, tuple(shape), np_dtype(dt)
+        self.split, self.shards, self.stored = t["split"], t["shards"], tuple(t["stored"])
+        self.paths = [path / f for f in shard_files(name, self.shards)]
+        self.packer = PACKERS[t["kind"]]
+        if self.packer.name != t.get("pack", "identity"):
+            raise ValueError(f"{path}: parameter {name} is stored with layout {t.get('pack')!r}, this jtilert "
+                             f"packs {t['kind']} parameters as {self.packer.name!r}; convert the checkpoint again")
+        for p in self.paths:
+            if not p.exists():
+                raise FileNotFoundError(f"{path}: missing shard file {p} of parameter {name}")
+            size = p.stat().st_size
+            if size != int(np.prod(self.stored)) * self.dtype.itemsize:
+                raise ValueError(f"{p}: {size} bytes, parameter {name} needs "
+                                 f"{int(np.prod(self.stored)) * self.dtype.itemsize}")
+
+    @property
+    def identity(self) -> bool:
+        return self.packer.name == "identity"
+
+    def shard(self, d: int) -> np.ndarray:
+        """Shard d as stored (packed)."""
+        return read_file(self.paths[d], self.dtype, self.stored)
+
+    def _local(self, d: int, idx: tuple) -> np.ndarray:
+        if self.identity:
+            mm = np.memmap(self.paths[d], self.dtype, "r", shape=self.stored)
+            out = np.array(mm[idx])
+            del mm
+            return out
+        if self.packer.unpack is None:
+            raise ValueError(f"parameter {self.name}: layout {self.packer.name!r} cannot be unpacked")
+        return np.asarray(self.packer.unpack(self.shard(d)))[idx]
+
+    def read(self, idx: tuple = ()) -> np.ndarray:
+        """The parameter at `idx` (ints and slices over its logical shape)."""
+        idx = tuple(idx) + (slice(None),) * (len(self.shape) - len(idx))
+        drop = tuple(i for i, x in enumerate(idx) if not isinstance(x, slice))
+        idx = tuple(x if isinstance(x, slice) else slice(int(x), int(x) + 1) for x in idx)
+        if self.split is None or self.shards == 1:
+            out = self._local(0, idx)
+        else:
+            ax, local = self.split, self.shape[self.split] // self.shards
+            a, b, step = idx[ax].indices(self.shape[ax])
+            if step != 1:
+                raise ValueError("strided reads are not supported")
+            parts = []
+            for d in range(a // local, (b - 1) // local + 1) if b > a else []:
+                sub = list(idx)
+                sub[ax] = slice(max(a, d * local) - d * local, min(b, (d + 1) * local) - d * local)
+                parts.append(self._local(d, tuple(sub)))
+            out = np.concatenate(parts, axis=ax) if parts else np.zeros(
+                tuple(len(range(*s.indices(n))) for s, n in zip(idx, self.shape)), self.dtype)
+        return out.reshape(tuple(n for i, n in enumerate(out.shape) if i not in drop)) if drop else out

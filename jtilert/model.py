@@ -311,6 +311,28 @@ def layer_names(cfg: ModelConfig, stacked: str) -> list[str]:
     return []
 
 
+def flat_params(model: Transformer) -> dict[str, jax.Array]:
+    state = nnx.state(model, nnx.Param)
+    return {".".join(map(str, sharding.path_names(p))): x for p, x in jax.tree_util.tree_leaves_with_path(state)}
+
+
+def abstract_model(cfg: ModelConfig, fmt: str, dtype=None) -> Transformer:
+    return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), fmt=fmt, dtype=dtype))
+
+
+def layer_params(model: Transformer) -> dict[str, jax.ShapeDtypeStruct]:
+    """The per-layer parameters (checkpoint naming: `layers.3.self_attn.q_b_proj.weight`,
+    `mtp.layer.mlp.gate.weight`) of a model, as shapes: what HF folders and converted checkpoints hold."""
+    out = {}
+    for name, x in flat_params(model).items():
+        names = layer_names(model.cfg, name)
+        if not names:
+            out[name] = jax.ShapeDtypeStruct(x.shape, x.dtype)
+        for n in names:
+            out[n] = jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+    return out
+
+
 def _stack(modules: list) -> nnx.Module | None:
     """One module whose every array is the modules' arrays stacked on a new leading axis."""
     if not modules:

@@ -78,8 +78,17 @@ def test_shape_mismatch_names_parameter_and_shapes(saved, tmp_path):
     meta = json.loads((bad / "jtilert.json").read_text())
     meta["config"]["q_lora_rank"] = 32
     (bad / "jtilert.json").write_text(json.dumps(meta))
-    with pytest.raises(ValueError, match=r"parameter layers\.0\.\S+ has shape \(\d+, 64\) float32 in the checkpoint, the config needs \(\d+, 32\)"):
+    with pytest.raises(ValueError, match=r"parameter \S+ has shape \(5, \d+, 64\) float32 in the checkpoint, "
+                                         r"the config needs \(5, \d+, 32\)"):
         jtilert.load(bad)
+
+
+def test_per_layer_checkpoints_still_load(tiny_random):
+    """Layout 1 (one orbax entry per layer, as the embedded tiny model is stored) is stacked at load."""
+    assert checkpoint.read_meta(checkpoint.resolve("tiny"))["layout_version"] == 1
+    m = jtilert.load("tiny")
+    assert m.layers.self_attn.q_b_proj.weight[...].shape[0] == m.cfg.num_hidden_layers + 1
+    assert len(jtilert.Generator(m, max_seq_len=64).generate(IDS[:10], 4, stop_tokens=[])) == 4
 
 
 def test_missing_and_unknown_sources(tmp_path):

@@ -1,0 +1,43 @@
+"""A jtilert checkpoint folder's metadata file and its atomic placement (shared by `checkpoint`,
+which reads and writes checkpoints, and `converter`, which writes the per-device shard layout)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+META = "jtilert.json"
+LAYOUT_VERSION = 3  # what `save` writes; bump when the stored layout of any parameter changes
+LAYOUT_VERSIONS = (1, 2, 3)  # 1: per-layer orbax; 2: jtilert.convert's per-shard files; 3: stacked orbax
+
+
+def move_into_place(tmp: Path, path: Path) -> None:
+    """Rename a finished temporary folder to `path`, replacing what was there only once complete."""
+    if path.exists():
+        old = path.parent / f".{path.name}.old-{os.getpid()}"
+        path.rename(old)
+        tmp.rename(path)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(path)
+
+
+def read_meta(path: Path) -> dict:
+    try:
+        meta = json.loads((path / META).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path / META}: not valid JSON ({e})") from None
+    if meta.get("layout_version") not in LAYOUT_VERSIONS:
+        raise ValueError(f"{path}: layout version {meta.get('layout_version')} is not one of the supported "
+                         f"{LAYOUT_VERSIONS}")
+    return meta
+
+
+def np_dtype(name: str) -> np.dtype:
+    """The numpy dtype of a dtype name ("bfloat16" and "float8_e4m3fn" via ml_dtypes)."""
+    return np.dtype(jnp.dtype(name))
