@@ -223,8 +223,7 @@ def run_gemv(copy_tbs, sweep, quick):
             # Next experiments (see bench/RESULTS.md): deeper TMA pipelines (bytes in flight per SM),
             # fewer/more split-K CTAs, and the CUDA-core engine.
             configs += [gemv.GemvConfig(stages=8), gemv.GemvConfig(stages=8, block_k=128),
-                        gemv.GemvConfig(split_k=1, stages=8), gemv.GemvConfig(engine="fma"),
-                        gemv.GemvConfig(pdl=True), gemv.GemvConfig(split_k=1, stages=8, pdl=True)]
+                        gemv.GemvConfig(split_k=1, stages=8), gemv.GemvConfig(engine="fma")]
         best = None
         for cfg in configs:
             kfn, _ = gemv_fns(sh, cfg)

@@ -20,6 +20,7 @@ import pytest
 from jtilert import layers
 from jtilert.pallas import gemv
 from jtilert.pallas import interpret as interp
+
 from jtilert.quant import quantize_weight
 
 F32, BF16, FP8 = jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn
@@ -142,12 +143,29 @@ def test_refuses_bad_shapes():
         gemv.linear(_x(1, 384), *_weight((64, 384), "fp8"), config=gemv.GemvConfig(split_k=6))
 
 
-def test_dispatch_falls_back_to_reference_for_prefill():
-    from jtilert.pallas import dispatch
-    x = _x(16, 128)   # a prefill chunk: XLA's matmul, not the GEMV kernel
+def test_op_table_runs_the_reference_for_prefill_and_warns_where_a_kernel_does_not_apply(monkeypatch):
+    import warnings
+
+    from jtilert import ops as ops_mod
+    ops = ops_mod.Ops(ops_mod.DecodeConfig(backend="pallas"))
+    calls = []
+    real = gemv._projection
+    monkeypatch.setattr(gemv, "_projection", lambda *a, **k: calls.append(1) or real(*a, **k))
     w, s = _weight((64, 128), "fp8")
-    np.testing.assert_array_equal(np.asarray(dispatch.linear(x, w, s), F32),
-                                  np.asarray(layers.linear(x, w, s), F32))
+    x = _x(16, 128)   # a prefill chunk: XLA's matmul (the reference), silently
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        np.testing.assert_array_equal(np.asarray(ops.linear(x, w, s), F32), np.asarray(layers.linear(x, w, s), F32))
+    assert calls == []
+    ops.linear(_x(1, 128), w, s)   # decode: the kernel
+    assert calls == [1]
+    x96 = _x(1, 96)                # K not a multiple of the kernel's 64: the reference, with one warning
+    w96 = jnp.asarray(np.random.RandomState(5).randn(64, 96), BF16)
+    with pytest.warns(UserWarning, match=r"linear kernel does not apply to bfloat16\[1, 96\]"):
+        ops.linear(x96, w96, None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # once per op and shape
+        ops.linear(x96, w96, None)
 
 
 # ---- cross-lowering at the dsv32-tp8-shard shapes (no GPU needed) ------------------------------
@@ -166,15 +184,3 @@ def test_cross_lowering_dsv32_shapes():
     _lower(gemv.linear_residual, S((2, 2048), BF16), *q(7168, 2048), S((2, 7168), BF16))
     _lower(gemv.swiglu_pair, x, *q(2304, 7168), *q(2304, 7168))
     _lower(lambda x, w: gemv.linear(x, w, config=gemv.GemvConfig(engine="fma")), x, S((256, 7168), BF16))
-
-
-def test_pdl_variant_waits_before_the_tokens():
-    """GemvConfig(pdl=True): the kernel is marked for programmatic dependent launch and carries the
-    wait (before the token loads) and the early launch of its dependents; the default does not."""
-    S = jax.ShapeDtypeStruct
-    q = (S((7168, 2048), FP8), S((56, 16), F32))
-    args = (S((1, 2048), BF16), *q, S((1, 7168), BF16))
-    pdl = _lower(lambda x, w, s, r: gemv.linear_residual(x, w, s, r, config=gemv.GemvConfig(pdl=True)), *args)
-    assert "mosaic_gpu.uses_pdl" in pdl and "griddepcontrol.wait" in pdl and "griddepcontrol.launch_dependents" in pdl
-    plain = _lower(gemv.linear_residual, *args)
-    assert "griddepcontrol" not in plain

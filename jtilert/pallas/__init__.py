@@ -8,15 +8,13 @@ Projection / MoE / lm-head kernels (issue 4):
   with the routing-weighted sum (and the shared expert);
 * `lm_head`: vocab-sharded GEMV with top-k candidates in the epilogue.
 
-Without a GPU every kernel runs in GPU interpret mode (see `interpret`). `ops()` is what
-`jtilert.backend` uses for `backend="pallas"`: these kernels where they apply, the attention
-kernels from the `attention*`/`indexer*`/`topk*`/`sparse_mla*` modules when those exist, and the
-plain-JAX reference for everything else.
+Attention kernels: `indexer` (key append + lightning-indexer scores) and `sparse_mla` (absorbed
+attention over the selected latent rows). Every kernel takes the model's stacked [L, ...] weights
+or caches with a traced `layer=` index. Which op runs which kernel: `jtilert.ops.OPS`. Without a
+GPU every kernel runs in GPU interpret mode (see `interpret`).
 """
 
 from __future__ import annotations
-
-import types
 
 from jtilert.pallas.interpret import interpret as interpret_mode  # noqa: F401
 from jtilert.pallas.gemv import (GemvConfig, linear, linear_residual, rmsnorm_linear,  # noqa: F401
@@ -34,7 +32,3 @@ def available() -> bool:
         return False
     return True
 
-
-def ops() -> types.SimpleNamespace:
-    from jtilert.pallas import dispatch
-    return dispatch.ops()

@@ -1,59 +1,22 @@
 """Block-scaled GEMV for batch-1 decode on Hopper (Pallas Mosaic-GPU).
 
-y[t] = x[t] · Wᵀ for a handful of tokens (T ≤ 8) and W [N, K] in bf16, or in fp8 e4m3 with the
-DeepSeek-V3.2 checkpoint's 128×128 fp32 block scales (`jtilert.quant`), with fp32 accumulation.
-Fused variants:
-
-* `rmsnorm_linear`: RMSNorm of x inside the GEMV (TileRT's RMSNormProjxWqkvia: norm + the
-  concatenated q_a / kv_a projections in one kernel);
-* `linear_residual`: residual add in the epilogue;
-* `swiglu_pair`: gate and up projections in one pass, `silu(g)·u` in the epilogue (dense MLP and
-  shared expert); `swiglu` chains it with the down projection.
-
-How it works. At batch 1 the time is the weight bytes, so the kernel is a weight stream: each CTA
-owns `block_n` (64) output rows and a 1/`split_k` share of K. The weights go through a multi-stage
-TMA pipeline (`plgpu.emit_pipeline`) in their checkpoint layout ([N, K], rows of K; no repacking,
-the HF scale tensor is read as is). Two engines:
-
-* "wgmma" (default): the output rows are wgmma's M side, the tokens its N side (wgmma's minimum N
-  is 8, so up to 8 tokens cost the same as one). The B operand is the CTA's K slice of the tokens
-  [8, kc] in SMEM (rows ≥ T are TMA's out-of-bounds zeros), built once at pipeline step 0 while
-  the first weight tiles are in flight. For fp8 weights the CTA's 128×128 block scales and the
-  RMSNorm weight are folded into B, which is stored in f16 after a power-of-two rescale (max|B|
-  in 2^13..2^15): B = f16(x·w_norm·s[row block, k block]·2^e). The fp8 tile is then only
-  converted e4m3 → f16 in registers (one cvt per pair) and fed to wgmma as A; the epilogue
-  multiplies by 2^-e. With the checkpoint's power-of-two scales every product is exact, as in
-  the reference's bf16 dequantisation. bf16 weights feed wgmma straight from SMEM.
-* "fma": CUDA-core FMAs in fp32 on a [64, 128] register tile (fp8 → f16 → f32 conversions), the
-  x slice in SMEM as fp32; used for fp32 weights (the router, at the reference's precision).
-
-The per-token RMS factor rsqrt(mean(x²) + eps) commutes with the projection and is applied to the
-accumulator in the epilogue (the reference rounds x·r to bf16 before the weight multiply; here
-x·w_norm is rounded instead: both are bf16-rounding-level differences).
-
-With split_k > 1 each CTA writes fp32 partial sums [split_k, P, T, N] and the epilogue (sum,
-norm factor, residual, SiLU) runs as one XLA fusion after the kernel. With split_k = 1 the whole
-epilogue runs in the kernel and only the bf16 result is written.
-
-Shapes: K must be a multiple of 64 (TMA/swizzle granularity; fp8 K slices whole 128-wide scale
-blocks); any N (the last row block reads TMA's zero fill and its stores are clipped); T ≤ 8 per
-kernel call (larger T is chunked).
-
-Measured (H200, 2026-11-30, bench/RESULTS.md): correct at every dsv32-tp8-shard shape on the GPU,
-but streaming at 38–54 % of the copy bandwidth for the ≥ 4 MB projections. The same grids and
-BlockSpecs with an empty body (`bench/kernels.py --only stream`) stream at 91–113 % of the copy rate
-(4.7–5.0 µs where this kernel takes 8.4–11.7 µs), so the bytes in flight are not the bound: the
-3.5–6.7 µs extra per call is the work around the stream (the token TMA and B build before step 0's
-compute, the wgmma wait in every step before the slot is refilled, the epilogue, and for split-K the
-separate finishing fusion). `bench/kernels.py --sweep` times split 1 with 8 stages (no finishing
-kernel) against the default.
+y[t] = x[t] · Wᵀ for T ≤ 8 tokens, W [N, K] bf16 or fp8 e4m3 with the checkpoint's 128×128 fp32
+block scales, fp32 accumulation. Fused variants: `rmsnorm_linear` (RMSNorm prologue),
+`linear_residual` (residual epilogue), `swiglu_pair` (gate and up in one pass, silu(g)·u epilogue).
+Each CTA owns 64 output rows and a 1/split_k share of K and streams its weights through a TMA
+pipeline in the checkpoint layout. "wgmma" engine: rows are wgmma's M, tokens its N (rows ≥ T are
+TMA's zero fill); for fp8 the block scales (and the norm weight) are folded into the f16 B operand
+with a power-of-two rescale, so the weight tile only needs e4m3 → f16. "fma" engine: CUDA-core
+fp32 FMAs, for fp32 weights (the router). split_k > 1 writes fp32 partials finished by XLA.
+`layer=`: the weights are stacks [L, N, K] and the traced layer index, read on the device, steers
+the weight TMA (no slice of the stack outside the kernel). Expert mode (`ids`, used by `moe`): the
+selected experts' rows of a stack [E, N, K] (or [L, E, N, K]) are read the same way.
+K must be a multiple of 64; any N; larger T is chunked by 8.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 
 import jax
 import jax.experimental.pallas as pl
@@ -62,19 +25,9 @@ import jax.numpy as jnp
 from jax import lax
 
 import jtilert.pallas.interpret as _interp
-
-F32, BF16, F16, FP8 = jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn
-QBLOCK = 128          # fp8 block-scale granularity (both dims)
-KGRAIN = 64           # K granularity: one 128-byte swizzle row of bf16
-MAX_TOKENS = 8        # wgmma N: tokens per kernel call
-SMEM_BYTES = 227 * 1024
-
-# Register layout for the [8, 64·m] token tile in SMEM (tiling (8, 64), 128-byte swizzle): each
-# warp owns two rows, each lane four consecutive bf16 of a row, so one wavefront covers one
-# 128-byte row and the transfer is free of bank conflicts.
-X_LAYOUT = plgpu.Layout.TILED(plgpu.Tiling(((8, 64), (2, 64), (4,))),
-                              warp_dims=(-5,), lane_dims=(-3, -2), vector_dim=-1)
-X_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+from jtilert.pallas import _hopper as hw
+from jtilert.pallas._hopper import (BF16, F16, F32, FP8, KGRAIN, MAX_TOKENS, QBLOCK,  # noqa: F401
+                                    SMEM_BYTES, X_LAYOUT, X_TRANSFORMS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,9 +36,8 @@ class GemvConfig:
     block_k: int = 256       # K per pipeline step (multiple of 128 for fp8, 64 for bf16)
     split_k: int = 0         # CTAs sharing one row block; 0 = pick from the shape
     stages: int = 4          # TMA pipeline depth (steps in flight)
-    engine: str = "auto"     # "fma": CUDA-core FMAs (T ≤ 2); "wgmma": tensor cores; "auto": by T
+    engine: str = "auto"     # "fma": CUDA-core FMAs; "wgmma": tensor cores; "auto": fma for fp32 weights
     a_in_registers: bool | None = None   # wgmma engine, fp8: A from registers (None: GPU yes, interpret no)
-    pdl: bool = False        # wgmma engine on a GPU: programmatic dependent launch (see _projection)
 
     def resolved(self, n: int, k: int, t: int, n_weights: int, w_itemsize: int, sms: int) -> "GemvConfig":
         if k % KGRAIN:
@@ -145,34 +97,6 @@ class GemvConfig:
         return x + pipe + abuf + out
 
 
-def _x_col_layout(cols: int, itemsize: int):
-    """`_w_layout(cols, itemsize)` with the rows reduced away: the x values each lane multiplies."""
-    vec = 16 // itemsize
-    chunks = cols // vec
-    return plgpu.Layout.TILED(plgpu.Tiling(((cols,), (vec,))), warp_dims=(plgpu.Replicated(4),),
-                              lane_dims=(plgpu.Replicated(32 // chunks), -2), vector_dim=-1)
-
-
-def _w_layout(cols: int, itemsize: int):
-    """Register layout of a [64, cols] weight tile (one 16-byte vector per lane, 128-byte rows)
-    for the FMA engine: warp w holds rows 16w..16w+15; within a warp the lanes cover
-    32·16/(cols·itemsize) rows × (cols·itemsize/16) 16-byte chunks, repeated down the slab."""
-    vec = 16 // itemsize
-    chunks = cols // vec
-    rows = 32 // chunks
-    return plgpu.Layout.TILED(plgpu.Tiling(((64, cols), (16, cols), (rows, cols), (vec,))),
-                              warp_dims=(-7,), lane_dims=(-3, -2), vector_dim=-1)
-
-
-def _num_sms() -> int:
-    if _interp.active():
-        return 8
-    try:
-        return jax.devices()[0].core_count
-    except Exception:  # noqa: BLE001
-        return 132
-
-
 # ---- the epilogue, shared by the kernel (split_k = 1) and the XLA finish (split_k > 1) ----------
 
 def _sigmoid(x):
@@ -198,23 +122,40 @@ def _finish(cols, *, kind, rms, residual, out_dtype):
 # ---- the kernel ---------------------------------------------------------------------------------
 
 def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="linear",
-                out_dtype=BF16, config: GemvConfig | None = None, ids=None):
+                out_dtype=BF16, config: GemvConfig | None = None, ids=None, layer=None):
     """Core: x [T, K] (T ≤ 8) against P = len(ws) weights [N, K] with shared x; see module doc.
+
+    Layer mode (`layer` an int32 scalar): the weights are stacks [L, N, K] (scales [L, nb, kb], norm
+    weight [L, K]) and layer `layer` is used; every CTA reads the index on the device and the
+    weight TMA (and the scale / norm loads) address that layer, so nothing is sliced outside.
 
     Expert mode (`ids` int32 [S] given, S a multiple of T): the weights are stacked [E, N, K]
     (scales [E, nb, kb]) and selection i multiplies token i // (S / T) with expert ids[i]; only
     the selected experts' rows are read (the expert id is read on the device and steers the TMA).
-    The result is [S, N]."""
+    The result is [S, N]. With `layer` too, the stacks are [L, E, N, K], taken as [L·E, N, K] (a
+    free reshape) and the kernel reads expert ids[i] + layer·E."""
     t, k = x.shape
     p = len(ws)
+    stacked = ids is not None or layer is not None
+    per_layer = 1                                 # stack entries per layer (E in expert mode)
+    if ids is not None and layer is not None:
+        if ws[0].ndim != 4:
+            raise ValueError(f"GEMV expert mode with layer: weights must be [L, E, N, K], got {ws[0].shape}")
+        per_layer = ws[0].shape[1]
+        ws = tuple(w.reshape(-1, *w.shape[2:]) for w in ws)
+        scales = tuple(None if s is None else s.reshape(-1, *s.shape[2:]) for s in scales)
     if ids is not None:
         if ws[0].ndim != 3 or ids.ndim != 1 or ids.shape[0] % t:
             raise ValueError(f"GEMV expert mode: weights {ws[0].shape}, ids {ids.shape}, tokens {t}")
         if norm is not None or residual is not None:
             raise ValueError("GEMV expert mode has no norm prologue / residual epilogue")
-        _, n, k2 = ws[0].shape
-    else:
-        n, k2 = ws[0].shape
+    elif layer is not None and ws[0].ndim != 3:
+        raise ValueError(f"GEMV layer mode: weights must be stacked [L, N, K], got {ws[0].shape}")
+    elif layer is None and ws[0].ndim != 2:
+        raise ValueError(f"GEMV kernel: weights must be [N, K], got {ws[0].shape} (stacks need layer=)")
+    n, k2 = ws[0].shape[-2:]
+    if norm is not None and norm.shape != ((ws[0].shape[0], k) if layer is not None else (k,)):
+        raise ValueError(f"GEMV kernel: norm weight {norm.shape} does not match weights {ws[0].shape}")
     nsel = ids.shape[0] if ids is not None else t
     kper = nsel // t
     tb = 1 if ids is not None else t              # token rows of B that this CTA uses
@@ -234,35 +175,29 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
                 raise ValueError(f"GEMV kernel: fp8 weight {w.shape} needs scales {want}, got "
                                  f"{None if s is None else s.shape}")
     itemsize = ws[0].dtype.itemsize
-    cfg = (config or GemvConfig()).resolved(n * (nsel if ids is not None else 1), k, t, p, itemsize, _num_sms())
+    cfg = (config or GemvConfig()).resolved(n * (nsel if ids is not None else 1), k, t, p, itemsize, hw.num_sms())
     if itemsize == 4 and cfg.engine != "fma":
         raise ValueError("GEMV kernel: fp32 weights need the FMA engine")
     bn, bk, split, stages = cfg.block_n, cfg.block_k, cfg.split_k, cfg.stages
     fma = cfg.engine == "fma"
     kc = k // split
     steps = kc // bk
-    w_swizzle = min(128, bk * itemsize)
-    sub = w_swizzle // itemsize          # one swizzle row: ≤ one 128-wide scale block
+    w_tr, sub = hw.weight_transforms(bk, itemsize)    # sub: one swizzle row, ≤ one scale block
     nsub = bk // sub
     a_regs = cfg.a_in_registers
-    # Programmatic dependent launch: this kernel may start while the previous one finishes; the
-    # weight pipeline's first TMAs (weights never depend on earlier kernels) are issued before
-    # `griddepcontrol.wait`, the token loads after it. Not in expert mode (the expert ids, made by the
-    # router just before, steer the weight loads). GPU only (the interpreter has no grids).
-    pdl = cfg.pdl and not fma and ids is None and not _interp.active()
     in_kernel_epilogue = split == 1
     out_rows = 1 if in_kernel_epilogue else p
     o_dtype = out_dtype if in_kernel_epilogue else F32
     row_blocks = -(-n // bn)
     kb_total = -(-k // QBLOCK)
-    w_tr = (plgpu.TilingTransform((8, sub)), plgpu.SwizzleTransform(w_swizzle))
-    w_layout = _w_layout(sub, itemsize) if fma else None
-    x_col_layout = _x_col_layout(sub, itemsize) if fma else None
+    w_layout = hw.w_layout(sub, itemsize) if fma else None
+    x_col_layout = hw.x_col_layout(sub, itemsize) if fma else None
 
     def kernel(*refs):
         it = iter(refs)
         x_gmem = next(it)
         ids_gmem = next(it) if ids is not None else None
+        layer_gmem = next(it) if layer is not None else None
         w_gmems = [next(it) for _ in range(p)]
         s_gmems = [next(it) for _ in range(p)] if fp8 else [None] * p
         nw_gmem = next(it) if norm is not None else None
@@ -279,16 +214,23 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
         n_idx = lax.axis_index("n")
         s_idx = lax.axis_index("s")
         zero = n_idx * 0                    # a traced 0: TMA boxes may then overhang T
+        # wid: the stack entry of the weights (layer, expert, or layer·E + expert), read on the
+        # device; it steers the weight TMA and indexes the scales and the norm weight.
+        lid = layer_gmem[0] if layer is not None else None
         if ids is not None:
             e_idx = lax.axis_index("e")
-            eid = ids_gmem[e_idx]           # the expert: read on the device, steers the weight TMA
+            wid = ids_gmem[e_idx] if lid is None else ids_gmem[e_idx] + lid * per_layer
             tok0 = e_idx // kper            # the token of this selection
         else:
-            e_idx = eid = None
+            e_idx = None
+            wid = lid
             tok0 = zero
 
         def scale_at(j, kb):
-            return s_gmems[j][eid, srow, kb] if ids is not None else s_gmems[j][srow, kb]
+            return s_gmems[j][wid, srow, kb] if stacked else s_gmems[j][srow, kb]
+
+        def norm_at(start, size):
+            return nw_gmem.at[lid, pl.ds(start, size)] if lid is not None else nw_gmem.at[pl.ds(start, size)]
         k0 = s_idx * kc
         row0 = n_idx * bn
         srow = row0 // QBLOCK
@@ -296,25 +238,18 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
         bw = QBLOCK if kc % QBLOCK == 0 else KGRAIN    # B built in 128- (or 64-) column blocks
         nblk = kc // bw
 
-        def load_tokens():
-            plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(zero, MAX_TOKENS), pl.ds(k0, kc)], xstage, bar.at[0])
-            if res_smem is not None:
-                plgpu.copy_gmem_to_smem(res_gmem.at[pl.ds(zero, MAX_TOKENS), pl.ds(row0, bn)], res_smem, bar.at[1])
-
         def build_b(xstage, svals):
             """B operand(s) for wgmma: the tokens' K slice, [8, kc] (rows ≥ T are TMA's zero fill).
             bf16 weights: B = x (· norm weight) in bf16. fp8 weights: B_j = f16(x · w_norm · s_j[row
-            block, k block] · 2^e_j), the block scales of the CTA's row block folded into x (exact
-            for the checkpoint's power-of-two scales) and a power of two 2^e_j that puts max|B_j|
-            at 2^13..2^15, so f16 keeps x's 8 mantissa bits for every element that matters; the
-            epilogue multiplies by 2^-e_j (kept in `invf`). The weights then only need e4m3 → f16
-            (one cvt per pair of weights, no fp32 conversions)."""
+            block, k block] · f_j), the block scales of the CTA's row block folded into x (exact
+            for the checkpoint's power-of-two scales) and f_j = `hw.f16_range_factor`; the
+            epilogue multiplies by 1/f_j (kept in `invf`). The weights then only need e4m3 → f16."""
             plgpu.barrier_wait(bar.at[0])
 
             def block(b):
                 v = plgpu.load(xstage.at[:, pl.ds(b * bw, bw)], layout=X_LAYOUT).astype(F32)
                 if nw_gmem is not None:
-                    nwv = plgpu.load(nw_gmem.at[pl.ds(k0 + b * bw, bw)], optimized=False).astype(F32)
+                    nwv = plgpu.load(norm_at(k0 + b * bw, bw), optimized=False).astype(F32)
                     v = v * plgpu.layout_cast(lax.broadcast_in_dim(nwv, (MAX_TOKENS, bw), (1,)), X_LAYOUT)
                 return v
 
@@ -323,13 +258,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
                     for b in range(nblk):
                         xb.at[0, :, pl.ds(b * bw, bw)][...] = block(b).astype(BF16)
                     continue
-                m = None
-                for b in range(nblk):
-                    a = jnp.abs(block(b) * svals[j][b])
-                    m = a if m is None else jnp.maximum(m, a)
-                amax = jnp.maximum(jnp.max(jnp.max(m, axis=1), axis=0), 1e-30)
-                # f ≈ 2^(13 - floor(log2 amax)): max|B| ≤ 2^15 even if the approximate log2 is off by one.
-                f = jnp.exp2(13.0 - lax.round(jnp.log2(amax) - 0.5))
+                f = hw.f16_range_factor(jnp.abs(block(b) * svals[j][b]) for b in range(nblk))
                 for b in range(nblk):
                     xb.at[j, :, pl.ds(b * bw, bw)][...] = (block(b) * (svals[j][b] * f)).astype(F16)
                 invf[j] = 1.0 / f
@@ -341,18 +270,16 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
             for tok in range(tb):
                 xr = x_gmem.at[tok0 + tok, pl.ds(k0, kc)][...].astype(F32)
                 if nw_gmem is not None:
-                    xr = xr * nw_gmem.at[pl.ds(k0, kc)][...].astype(F32)
+                    xr = xr * norm_at(k0, kc)[...].astype(F32)
                 xf.at[tok][...] = xr.astype(BF16).astype(F32)
-            if res_smem is not None:
-                plgpu.copy_gmem_to_smem(res_gmem.at[pl.ds(zero, MAX_TOKENS), pl.ds(row0, bn)], res_smem, bar.at[1])
         else:
-            # Issue the token TMA now (with PDL: at step 0, once the kernel that writes x is done); B
-            # is built at step 0 of the weight pipeline, whose first `stages` weight tiles are
-            # already in flight by then.
-            if not pdl:
-                load_tokens()
+            # The token TMA now; B is built at step 0 of the weight pipeline, whose first `stages`
+            # weight tiles are already in flight by then.
+            plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(zero, MAX_TOKENS), pl.ds(k0, kc)], xstage, bar.at[0])
             svals = ([[scale_at(j, (k0 + b * bw) // QBLOCK) for b in range(nblk)] for j in range(p)]
                      if fp8 else None)
+        if res_smem is not None:
+            plgpu.copy_gmem_to_smem(res_gmem.at[pl.ds(zero, MAX_TOKENS), pl.ds(row0, bn)], res_smem, bar.at[1])
 
         def scales_at(step):
             """Block scales of one pipeline step: [weight][sub-chunk] scalars (loaded a step ahead)."""
@@ -377,8 +304,8 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
                     w = plgpu.load(w_smems[j].at[:, pl.ds(h * sub, sub)], layout=w_layout).astype(F32)
                     for tok in range(tb):
                         xc = xcols[tok] * scs[j][h] if fp8 else xcols[tok]
-                        xb = plgpu.layout_cast(lax.broadcast_in_dim(xc, (bn, sub), (1,)), w_layout)
-                        accs[j][tok] = accs[j][tok] + w * xb
+                        xbc = plgpu.layout_cast(lax.broadcast_in_dim(xc, (bn, sub), (1,)), w_layout)
+                        accs[j][tok] = accs[j][tok] + w * xbc
             return tuple(tuple(a) for a in accs), nxt
 
         def body_wgmma(idx, *args):
@@ -388,36 +315,26 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
 
             @pl.when(step == 0)
             def _():
-                if pdl:
-                    plgpu.griddepcontrol_wait()   # x (and the residual) come from the previous kernel
-                    load_tokens()
                 build_b(xstage, svals)
 
             for j in range(p):
                 if not fp8:
                     plgpu.wgmma(acc_refs[j], w_smems[j], xb.at[0, :, pl.ds(kk, bk)].T)
                     continue
-                for h in range(nsub):
-                    a = w_smems[j].at[:, pl.ds(h * sub, sub)][...].astype(F16)
-                    if not a_regs:
-                        buf = a_bufs.at[j, h % 2]
-                        buf[...] = a
-                        plgpu.commit_smem()
-                        a = buf
-                    plgpu.wgmma(acc_refs[j], a, xb.at[j, :, pl.ds(kk + h * sub, sub)].T)
-                    if not a_regs:
-                        plgpu.wgmma_wait(0)
+                hw.wgmma_fp8_step(acc_refs[j], w_smems[j], lambda h, j=j: xb.at[j, :, pl.ds(kk + h * sub, sub)].T,
+                                  nsub=nsub, sub=sub,
+                                  a_buf_of=None if a_regs else (lambda i, j=j: a_bufs.at[j, i]))
             plgpu.wgmma_wait(0)
             return acc_refs
 
+        def w_spec():
+            if stacked:
+                return plgpu.BlockSpec((None, bn, bk), lambda s: (wid, n_idx, s_idx * steps + s), transforms=w_tr)
+            return plgpu.BlockSpec((bn, bk), lambda s: (n_idx, s_idx * steps + s), transforms=w_tr)
+
         def pipeline(body, carry):
-            return plgpu.emit_pipeline(
-                body, grid=(steps,),
-                in_specs=[plgpu.BlockSpec((bn, bk), lambda s: (n_idx, s_idx * steps + s), transforms=w_tr)
-                          if ids is None else
-                          plgpu.BlockSpec((None, bn, bk), lambda s: (eid, n_idx, s_idx * steps + s), transforms=w_tr)
-                          for _ in range(p)],
-                max_concurrent_steps=stages, init_carry=carry)(*w_gmems)
+            return plgpu.emit_pipeline(body, grid=(steps,), in_specs=[w_spec() for _ in range(p)],
+                                       max_concurrent_steps=stages, init_carry=carry)(*w_gmems)
 
         if fma:
             zeros = plgpu.layout_cast(jnp.zeros((bn, sub), F32), w_layout)
@@ -426,8 +343,6 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
         else:
             def run(*acc_refs):
                 pipeline(body_wgmma, acc_refs)
-                if pdl:
-                    plgpu.griddepcontrol_launch_dependents()   # the next kernel may start its weight loads
                 return tuple(a[...] for a in acc_refs)
             ys = pl.run_scoped(run, *[plgpu.ACC((bn, MAX_TOKENS), F32) for _ in range(p)])
             col_id = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (bn, MAX_TOKENS), 1), plgpu.Layout.WGMMA)
@@ -479,7 +394,8 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
     call = plgpu.kernel(kernel, out_type=out_type, grid=grid, grid_names=names,
                         scratch_types=scratch, interpret=_interp.params(),
                         kernel_name=f"jtilert_gemv_{cfg.engine}")
-    args = [x] + ([ids.astype(jnp.int32)] if ids is not None else []) + list(ws)
+    args = [x] + ([ids.astype(jnp.int32)] if ids is not None else [])
+    args += ([hw.layer_operand(layer)] if layer is not None else []) + list(ws)
     if fp8:
         args += [s.astype(F32) for s in scales]
     if norm is not None:
@@ -497,65 +413,66 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
     return _finish([part[j] for j in range(p)], kind=kind, rms=rms, residual=residual, out_dtype=out_dtype)
 
 
-def _tokens(x, fn):
-    """Apply fn to x [..., K] in chunks of ≤ 8 tokens."""
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    outs = [fn(x2[i:i + MAX_TOKENS], slice(i, i + MAX_TOKENS)) for i in range(0, x2.shape[0], MAX_TOKENS)]
-    y = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
-    return y.reshape(*lead, y.shape[-1])
-
-
-def _prep_weight(w, scale):
+def _prep_weight(w, scale, layer=None):
     """bf16 and fp8(+scales) stream as stored; other float weights are rounded to bf16 once
-    (what the reference's dequantize(w, None, bf16) does)."""
+    (what the reference's dequantize(w, None, bf16) does), except layer stacks: an fp32 stack
+    streams as stored (FMA engine) instead of a cast of the whole stack in every call."""
     if w.dtype == FP8:
         return w, scale
     if scale is not None:
         raise ValueError("block scales only go with fp8 weights")
-    return (w if w.dtype == BF16 else w.astype(BF16)), None
+    if w.dtype == BF16 or (layer is not None and w.dtype == F32):
+        return w, None
+    if layer is not None:
+        raise ValueError(f"stacked weights must be bf16, fp8 or fp32, got {w.dtype} (convert once at load time)")
+    return w.astype(BF16), None
 
 
-# ---- public wrappers (same signatures as jtilert.layers) ----------------------------------------
+# ---- public wrappers (same signatures as jtilert.layers, plus layer=) ---------------------------
+#
+# layer=None: W [N, K] (scales [N/128, K/128]). layer = an int32 scalar (may be traced): every
+# weight, scale and norm-weight argument is a stack with a leading layer axis, and the result is
+# the unstacked op on layer `layer`, read in place by the kernel.
 
-def linear(x, w, scale=None, *, config: GemvConfig | None = None):
+def linear(x, w, scale=None, *, layer=None, config: GemvConfig | None = None):
     """jtilert.layers.linear: y = x · Wᵀ, x [..., K] bf16, W [N, K] bf16 or fp8 (+ scale)."""
-    w, scale = _prep_weight(w, scale)
-    return _tokens(x, lambda xc, _: _projection(xc, (w,), (scale,), config=config))
+    w, scale = _prep_weight(w, scale, layer)
+    return hw.token_chunks(x, lambda xc, _: _projection(xc, (w,), (scale,), layer=layer, config=config))
 
 
-def linear_residual(x, w, scale, residual, *, config: GemvConfig | None = None):
+def linear_residual(x, w, scale, residual, *, layer=None, config: GemvConfig | None = None):
     """residual + linear(x, w, scale), the add in the epilogue (rounded like the reference)."""
-    w, scale = _prep_weight(w, scale)
+    w, scale = _prep_weight(w, scale, layer)
     res2 = residual.reshape(-1, residual.shape[-1])
-    return _tokens(x, lambda xc, sl: _projection(xc, (w,), (scale,), residual=res2[sl],
+    return hw.token_chunks(x, lambda xc, sl: _projection(xc, (w,), (scale,), residual=res2[sl], layer=layer,
                                                  out_dtype=residual.dtype, config=config))
 
 
-def rmsnorm_linear(x, norm_weight, eps, w, scale=None, *, config: GemvConfig | None = None):
-    """linear(rms_norm(x, norm_weight, eps), w, scale) in one kernel."""
-    w, scale = _prep_weight(w, scale)
-    if norm_weight.shape != (x.shape[-1],):
+def rmsnorm_linear(x, norm_weight, eps, w, scale=None, *, layer=None, config: GemvConfig | None = None):
+    """linear(rms_norm(x, norm_weight, eps), w, scale) in one kernel (norm_weight [L, K] with layer=)."""
+    w, scale = _prep_weight(w, scale, layer)
+    if norm_weight.shape[-1:] != x.shape[-1:] or norm_weight.ndim != (1 if layer is None else 2):
         raise ValueError(f"norm weight {norm_weight.shape} does not match x {x.shape}")
     nw = norm_weight.astype(BF16)  # the reference multiplies in x.dtype
-    return _tokens(x, lambda xc, _: _projection(xc, (w,), (scale,), norm=nw, eps=eps, config=config))
-
-
-def swiglu_pair(x, gate, gate_scale, up, up_scale, *, config: GemvConfig | None = None):
-    """silu(linear(x, gate)) · linear(x, up) (fp32 math, bf16 result) in one pass over both weights."""
-    gate, gate_scale = _prep_weight(gate, gate_scale)
-    up, up_scale = _prep_weight(up, up_scale)
-    if gate.dtype != up.dtype:
-        raise ValueError("gate and up must have the same format")
-    return _tokens(x, lambda xc, _: _projection(xc, (gate, up), (gate_scale, up_scale), kind="swiglu",
+    return hw.token_chunks(x, lambda xc, _: _projection(xc, (w,), (scale,), norm=nw, eps=eps, layer=layer,
                                                 config=config))
 
 
-def swiglu(x, gate, gate_scale, up, up_scale, down, down_scale, *, config: GemvConfig | None = None,
-           down_config: GemvConfig | None = None):
+def swiglu_pair(x, gate, gate_scale, up, up_scale, *, layer=None, config: GemvConfig | None = None):
+    """silu(linear(x, gate)) · linear(x, up) (fp32 math, bf16 result) in one pass over both weights."""
+    gate, gate_scale = _prep_weight(gate, gate_scale, layer)
+    up, up_scale = _prep_weight(up, up_scale, layer)
+    if gate.dtype != up.dtype:
+        raise ValueError("gate and up must have the same format")
+    return hw.token_chunks(x, lambda xc, _: _projection(xc, (gate, up), (gate_scale, up_scale), kind="swiglu",
+                                                layer=layer, config=config))
+
+
+def swiglu(x, gate, gate_scale, up, up_scale, down, down_scale, *, layer=None,
+           config: GemvConfig | None = None, down_config: GemvConfig | None = None):
     """jtilert.layers.swiglu: down(silu(gate(x)) · up(x)) as two kernels (pair, then down)."""
-    h = swiglu_pair(x, gate, gate_scale, up, up_scale, config=config)
-    return linear(h, down, down_scale, config=down_config)
+    h = swiglu_pair(x, gate, gate_scale, up, up_scale, layer=layer, config=config)
+    return linear(h, down, down_scale, layer=layer, config=down_config)
 
 
 def reference_rmsnorm_linear(x, norm_weight, eps, w, scale=None):

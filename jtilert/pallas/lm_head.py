@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import jtilert.pallas.interpret as _interp
-from jtilert.pallas.gemv import BF16, F32, KGRAIN, MAX_TOKENS, X_TRANSFORMS
+from jtilert.pallas._hopper import BF16, F32, KGRAIN, MAX_TOKENS, X_TRANSFORMS
 
 NEG = float("-inf")
 

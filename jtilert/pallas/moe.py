@@ -1,28 +1,20 @@
 """MoE decode path (Pallas Mosaic-GPU): router, selected experts' gate/up/SiLU, down + weighted sum.
 
-For one token the routed experts move 8 × 3 × 256 × 7168 fp8 bytes per GPU (dsv32-tp8-shard); only
-the chosen experts' weights are read, steered by expert ids that stay on the device:
+Only the chosen experts' weights are read, steered by expert ids that stay on the device:
 
-* `expert_gate_up`: the GEMV kernel of `gemv` in expert mode: grid (row block, split, selection);
-  each CTA reads `ids[selection]` from GMEM and TMA-streams that expert's gate and up rows (one pass
-  over both, SwiGLU in the epilogue, fp32 like the reference) → h [T·k, I] bf16.
-* `expert_down`: y[t] = Σ_i w_i · down[ids_i] · h_i as ONE GEMV whose K axis is the gathered
-  (selection, I) axis: the K block of step s belongs to selection s·bk // I, whose expert id picks
-  the weight tile the TMA fetches; the routing weight w_i, the fp8 block scale and h_i are folded
-  into the B operand once per CTA, so the weighted sum over experts is the tensor core's
-  accumulation. A shared expert packed as one more "expert" (`pack_shared_expert`) rides along
-  with weight 1.
-* `route`: logits x·Wgᵀ in fp32 (the FMA engine of `gemv`, fp32 weights, the reference's
-  precision, so near-ties select the same experts) and the selection (sigmoid, bias, group top-2
-  sum, top-k groups, top-k experts, normalised × routed_scaling_factor) in plain JAX on the
-  [T, E] logits, exactly the reference's code. Ids and weights never leave the device.
-
-No dense "all experts" path: every call reads only the selected experts.
+* `expert_gate_up`: the `gemv` kernel in expert mode: grid (row block, split, selection); each CTA
+  reads ids[selection] and TMA-streams that expert's gate and up rows (SwiGLU epilogue, fp32).
+* `expert_down`: y[t] = Σ_i w_i · down[ids_i] · h_i as ONE GEMV over the gathered (selection, I)
+  axis: each K step's expert id picks the weight tile; w_i, the fp8 block scale and h_i are folded
+  into the B operand, so the weighted sum is the tensor core's accumulation. A shared expert
+  packed as one more expert (`pack_shared_expert`) rides along with weight 1.
+* `route`: fp32 logits with the FMA engine of `gemv` (the reference's precision, so near-ties
+  select the same experts) and the reference's selection in plain JAX on the [T, E] logits.
+`layer=` (a traced int32 scalar): the weights are stacks [L, E, ...] taken as [L·E, ...] (a free
+reshape); the kernels read the layer on the device and add layer·E to the expert ids.
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.experimental.pallas as pl
@@ -32,30 +24,41 @@ from jax import lax
 
 import jtilert.pallas.interpret as _interp
 from jtilert import layers
+from jtilert.pallas import _hopper as hw
 from jtilert.pallas import gemv
-from jtilert.pallas.gemv import (BF16, F16, F32, FP8, MAX_TOKENS, QBLOCK, X_LAYOUT, X_TRANSFORMS,
-                                 GemvConfig, _finish, _num_sms)
+from jtilert.pallas._hopper import BF16, F16, F32, FP8, KGRAIN, MAX_TOKENS, QBLOCK, X_LAYOUT, X_TRANSFORMS
+from jtilert.pallas.gemv import GemvConfig
 
 MOE_LAYOUT_VERSION = "jtilert-moe-v1: experts stacked [E(+1 shared), out, in] in the HF [out, in] layout"
 
 
 # ---- gate/up ------------------------------------------------------------------------------------
 
-def expert_gate_up(x, ids, gate, gate_scale, up, up_scale, *, config: GemvConfig | None = None):
+def expert_gate_up(x, ids, gate, gate_scale, up, up_scale, *, layer=None, config: GemvConfig | None = None):
     """h[i] = silu(x[tok_i] · gate[ids_i]ᵀ) · (x[tok_i] · up[ids_i]ᵀ), fp32 math, bf16 result.
-    x [T, H] bf16, ids [T, k] int32, gate/up [E, I, H] (fp8 + scales [E, ., .], or bf16)."""
-    t, k = ids.shape
+    x [T, H] bf16, ids [T, k] int32, gate/up [E, I, H] (fp8 + scales [E, ., .], or bf16); with
+    `layer`, [L, E, I, H] (scales [L, E, ., .]) and layer `layer`'s experts."""
     return gemv._projection(x, (gate, up), (gate_scale, up_scale), kind="swiglu_f32",
-                            ids=ids.reshape(-1), config=config)
+                            ids=ids.reshape(-1), layer=layer, config=config)
 
 
 # ---- down + weighted sum ------------------------------------------------------------------------
 
-def expert_down(h, weights, ids, down, down_scale, *, out_dtype=BF16, config: GemvConfig | None = None):
+def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16,
+                config: GemvConfig | None = None):
     """y[t] = Σ_j weights[t, j] · h[t·k + j] · down[ids[t, j]]ᵀ  (fp32 accumulation).
-    h [T·k, I] bf16, weights [T, k] fp32, ids [T, k] int32, down [E, H, I] (fp8 + scales or bf16)."""
+    h [T·k, I] bf16, weights [T, k] fp32, ids [T, k] int32, down [E, H, I] (fp8 + scales or bf16);
+    with `layer`, down [L, E, H, I] (scales [L, E, ., .]) and layer `layer`'s experts."""
     t, kper = ids.shape
     nsel = t * kper
+    per_layer = 0
+    if layer is not None:
+        if down.ndim != 4:
+            raise ValueError(f"expert_down with layer: down must be [L, E, H, I], got {down.shape}")
+        per_layer = down.shape[1]
+        down = down.reshape(-1, *down.shape[2:])                  # [L·E, H, I]: free
+        if down_scale is not None:
+            down_scale = down_scale.reshape(-1, *down_scale.shape[2:])
     e, n, i_dim = down.shape
     if h.shape != (nsel, i_dim):
         raise ValueError(f"expert_down: h {h.shape} does not match ids {ids.shape} and down {down.shape}")
@@ -78,7 +81,7 @@ def expert_down(h, weights, ids, down, down_scale, *, out_dtype=BF16, config: Ge
         bk *= 2
     cfg = GemvConfig(block_n=base.block_n, block_k=bk, split_k=base.split_k or 1, stages=base.stages,
                      engine="wgmma", a_in_registers=base.a_in_registers)
-    cfg = cfg.resolved(n, ktot, t, 1, down.dtype.itemsize, _num_sms())
+    cfg = cfg.resolved(n, ktot, t, 1, down.dtype.itemsize, hw.num_sms())
     bn, split, stages, a_regs = cfg.block_n, cfg.split_k, cfg.stages, cfg.a_in_registers
     bk = cfg.block_k
     if i_dim % bk:
@@ -87,15 +90,15 @@ def expert_down(h, weights, ids, down, down_scale, *, out_dtype=BF16, config: Ge
     steps = kc // bk
     nblk = kc // QBLOCK
     row_blocks = -(-n // bn)
-    sub = QBLOCK if fp8 else 64
+    w_tr, sub = hw.weight_transforms(bk, down.dtype.itemsize)
     nsub = bk // sub
-    w_swz = 128
-    w_tr = (plgpu.TilingTransform((8, w_swz // down.dtype.itemsize)), plgpu.SwizzleTransform(w_swz))
     in_kernel = split == 1
     o_dtype = out_dtype if in_kernel else F32
 
-    def kernel(h_gmem, w_gmem, ids_gmem, d_gmem, *rest):
+    def kernel(h_gmem, w_gmem, ids_gmem, *rest):
         it = iter(rest)
+        layer_gmem = next(it) if layer is not None else None
+        d_gmem = next(it)
         s_gmem = next(it) if fp8 else None
         out_gmem, xb, invf, o_smem = next(it), next(it), next(it), next(it)
         a_bufs = next(it) if (fp8 and not a_regs) else None
@@ -104,7 +107,9 @@ def expert_down(h, weights, ids, down, down_scale, *, out_dtype=BF16, config: Ge
         k0 = s_idx * kc
         row0 = n_idx * bn
         srow = row0 // QBLOCK
-        ids_v = [ids_gmem[i] for i in range(nsel)]          # scalars, read once
+        # stack entries (expert ids, + layer·E), scalars read once
+        base_id = layer_gmem[0] * per_layer if layer is not None else 0
+        ids_v = [ids_gmem[i] + base_id for i in range(nsel)]
         w_v = [w_gmem[i // kper, i % kper] for i in range(nsel)]
 
         def pick(vals, i):
@@ -131,11 +136,7 @@ def expert_down(h, weights, ids, down, down_scale, *, out_dtype=BF16, config: Ge
 
             vals = [block(b) for b in range(nblk)]
             if fp8:
-                m = None
-                for v in vals:
-                    m = jnp.abs(v) if m is None else jnp.maximum(m, jnp.abs(v))
-                amax = jnp.maximum(jnp.max(jnp.max(m, axis=1), axis=0), 1e-30)
-                f = jnp.exp2(13.0 - lax.round(jnp.log2(amax) - 0.5))
+                f = hw.f16_range_factor(jnp.abs(v) for v in vals)
                 for b, v in enumerate(vals):
                     xb.at[:, pl.ds(b * QBLOCK, QBLOCK)][...] = (v * f).astype(F16)
                 invf[0] = 1.0 / f
@@ -160,16 +161,8 @@ def expert_down(h, weights, ids, down, down_scale, *, out_dtype=BF16, config: Ge
             if not fp8:
                 plgpu.wgmma(acc, w_smem, xb.at[:, pl.ds(kk, bk)].T)
             else:
-                for hh in range(nsub):
-                    a = w_smem.at[:, pl.ds(hh * sub, sub)][...].astype(F16)
-                    if not a_regs:
-                        buf = a_bufs.at[hh % 2]
-                        buf[...] = a
-                        plgpu.commit_smem()
-                        a = buf
-                    plgpu.wgmma(acc, a, xb.at[:, pl.ds(kk + hh * sub, sub)].T)
-                    if not a_regs:
-                        plgpu.wgmma_wait(0)
+                hw.wgmma_fp8_step(acc, w_smem, lambda hh: xb.at[:, pl.ds(kk + hh * sub, sub)].T, nsub=nsub,
+                                  sub=sub, a_buf_of=None if a_regs else (lambda i: a_bufs.at[i]))
             plgpu.wgmma_wait(0)
             return acc
 
@@ -200,7 +193,8 @@ def expert_down(h, weights, ids, down, down_scale, *, out_dtype=BF16, config: Ge
                 else jax.ShapeDtypeStruct((split, t, n), F32))
     call = plgpu.kernel(kernel, out_type=out_type, grid=(row_blocks, split), grid_names=("n", "s"),
                         scratch_types=scratch, interpret=_interp.params(), kernel_name="jtilert_moe_down")
-    args = [h.astype(BF16), weights.astype(F32), ids.reshape(-1).astype(jnp.int32), down]
+    args = [h.astype(BF16), weights.astype(F32), ids.reshape(-1).astype(jnp.int32)]
+    args += ([hw.layer_operand(layer)] if layer is not None else []) + [down]
     if fp8:
         args.append(down_scale.astype(F32))
     out = call(*args)
@@ -209,14 +203,14 @@ def expert_down(h, weights, ids, down, down_scale, *, out_dtype=BF16, config: Ge
 
 # ---- public wrappers ----------------------------------------------------------------------------
 
-def moe_experts(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale, *,
+def moe_experts(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale, *, layer=None,
                 gate_up_config: GemvConfig | None = None, down_config: GemvConfig | None = None):
     """jtilert.layers.moe_experts for decode (T ≤ 8): two kernels, only the selected experts read."""
     t = x.shape[0]
     if t > MAX_TOKENS:
         raise ValueError(f"moe_experts kernel: at most {MAX_TOKENS} tokens, got {t}")
-    h = expert_gate_up(x, ids, gate, gate_scale, up, up_scale, config=gate_up_config)
-    return expert_down(h, weights, ids, down, down_scale, out_dtype=x.dtype, config=down_config)
+    h = expert_gate_up(x, ids, gate, gate_scale, up, up_scale, layer=layer, config=gate_up_config)
+    return expert_down(h, weights, ids, down, down_scale, layer=layer, out_dtype=x.dtype, config=down_config)
 
 
 def pack_shared_expert(gate, gate_scale, up, up_scale, down, down_scale,
@@ -228,15 +222,15 @@ def pack_shared_expert(gate, gate_scale, up, up_scale, down, down_scale,
             cat(down, sh_down), cat(down_scale, sh_down_scale))
 
 
-def moe_with_shared(x, weights, ids, packed):
+def moe_with_shared(x, weights, ids, packed, *, layer=None):
     """Σ_j w_j · Expert_{ids_j}(x) + Shared(x) with the shared expert packed as the last expert:
     the shared expert's gate/up and down ride in the same two kernels (weight 1.0)."""
     gate, gs, up, us, down, ds = packed
     t, k = ids.shape
-    shared = jnp.full((t, 1), gate.shape[0] - 1, jnp.int32)
+    shared = jnp.full((t, 1), gate.shape[-3] - 1, jnp.int32)
     ids2 = jnp.concatenate([ids.astype(jnp.int32), shared], axis=1)
     w2 = jnp.concatenate([weights.astype(F32), jnp.ones((t, 1), F32)], axis=1)
-    return moe_experts(x, w2, ids2, gate, gs, up, us, down, ds)
+    return moe_experts(x, w2, ids2, gate, gs, up, us, down, ds, layer=layer)
 
 
 def reference_moe_with_shared(x, weights, ids, packed, shared_raw):
@@ -248,54 +242,63 @@ def reference_moe_with_shared(x, weights, ids, packed, shared_raw):
 
 # ---- router -------------------------------------------------------------------------------------
 
-def router_logits(x, gate):
-    """x · Wgᵀ in fp32 (the reference's precision) with the FMA engine, Wg [E, H] fp32 (or bf16)."""
-    w = gate if gate.dtype in (F32, BF16) else gate.astype(F32)
+def router_logits(x, gate, *, layer=None):
+    """x · Wgᵀ in fp32 (the reference's precision) with the FMA engine, Wg [E, H] fp32 (or bf16);
+    with `layer`, Wg [L, E, H] fp32 or bf16 (a stack is never cast per call)."""
+    if gate.dtype in (F32, BF16):
+        w = gate
+    elif layer is None:
+        w = gate.astype(F32)
+    else:
+        raise ValueError(f"router_logits: a stacked gate must be fp32 or bf16, got {gate.dtype}")
     cfg = GemvConfig(engine="fma")
-    return gemv._tokens(x.astype(BF16) if x.dtype != BF16 else x,
-                        lambda xc, _: gemv._projection(xc, (w,), (None,), out_dtype=F32, config=cfg))
+    return hw.token_chunks(x.astype(BF16) if x.dtype != BF16 else x,
+                        lambda xc, _: gemv._projection(xc, (w,), (None,), out_dtype=F32, layer=layer, config=cfg))
 
 
-def route(cfg, x, gate, bias):
-    """jtilert.layers.route with the logits GEMV in Pallas."""
+def _at(a, layer):
+    """Layer `layer` of a stack (an XLA slice: for the small router bias and the reference fallbacks)."""
+    if a is None or layer is None:
+        return a
+    return lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)
+
+
+def route(cfg, x, gate, bias, *, layer=None):
+    """jtilert.layers.route with the logits GEMV in Pallas (gate [L, E, H], bias [L, E] with layer=)."""
     if x.dtype != BF16:
-        return layers.route(cfg, x, gate, bias)
-    return layers.select_experts(cfg, router_logits(x, gate), bias)
+        return layers.route(cfg, x, _at(gate, layer), _at(bias, layer))
+    return layers.select_experts(cfg, router_logits(x, gate, layer=layer), _at(bias, layer))
 
 
 # ---- backend="pallas" entry points (fall back to the reference outside the decode regime) --------
+#
+# With layer= the weights are stacks with a leading layer axis; the kernels read layer `layer` in
+# place, the fallbacks slice it in XLA.
 
 def _decode_ok(x, *ws):
     return (x.ndim == 2 and x.shape[0] <= MAX_TOKENS and x.dtype == BF16
-            and x.shape[-1] % gemv.KGRAIN == 0 and all(w.dtype in (FP8, BF16) for w in ws))
+            and x.shape[-1] % KGRAIN == 0 and all(w.dtype in (FP8, BF16) for w in ws))
 
 
-def route_op(cfg, x, gate, bias):
-    if x.ndim == 2 and x.shape[0] <= MAX_TOKENS and x.shape[-1] % gemv.KGRAIN == 0:
-        return route(cfg, x, gate, bias)
-    return layers.route(cfg, x, gate, bias)
+def route_op(cfg, x, gate, bias, *, layer=None):
+    if (x.ndim == 2 and x.shape[0] <= MAX_TOKENS and x.shape[-1] % KGRAIN == 0
+            and (layer is None or gate.dtype in (F32, BF16))):
+        return route(cfg, x, gate, bias, layer=layer)
+    return layers.route(cfg, x, _at(gate, layer), _at(bias, layer))
 
 
 def _gate_up_ok(x, gate, gate_scale, up):
-    return _decode_ok(x, gate, up) and gate.shape[1] % QBLOCK == 0 and (gate.dtype == FP8) == (gate_scale is not None)
+    return _decode_ok(x, gate, up) and gate.shape[-2] % QBLOCK == 0 and (gate.dtype == FP8) == (gate_scale is not None)
 
 
-def moe_experts_op(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale):
+def moe_experts_op(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale, *, layer=None):
     if _gate_up_ok(x, gate, gate_scale, up) and _decode_ok(x, down) and (down.dtype == FP8) == (down_scale is not None):
-        return moe_experts(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale)
-    return layers.moe_experts(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale)
+        return moe_experts(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale, layer=layer)
+    return layers.moe_experts(x, weights, ids, *(_at(a, layer) for a in (gate, gate_scale, up, up_scale,
+                                                                         down, down_scale)))
 
 
-def expert_hidden_op(x, ids, gate, gate_scale, up, up_scale):
+def expert_hidden_op(x, ids, gate, gate_scale, up, up_scale, *, layer=None):
     if _gate_up_ok(x, gate, gate_scale, up):
-        return expert_gate_up(x, ids, gate, gate_scale, up, up_scale)
-    return layers.expert_hidden(x, ids, gate, gate_scale, up, up_scale)
-
-
-def _bench():  # pragma: no cover - GPU only; bench/kernels.py has the full table
-    from bench import kernels
-    kernels.main()
-
-
-if __name__ == "__main__":  # pragma: no cover
-    _bench()
+        return expert_gate_up(x, ids, gate, gate_scale, up, up_scale, layer=layer)
+    return layers.expert_hidden(x, ids, *(_at(a, layer) for a in (gate, gate_scale, up, up_scale)))

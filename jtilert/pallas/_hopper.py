@@ -1,0 +1,110 @@
+"""Hopper (Mosaic-GPU) building blocks shared by the projection kernels (`gemv`, `moe`, `lm_head`):
+dtypes and granularities, the token tile's SMEM transforms and register layouts, the weight tiles'
+swizzle, the SM count, token chunking, the layer-index operand of stacked weights, the
+power-of-two rescale that puts the f16 B operand in range, and the fp8 wgmma step."""
+
+from __future__ import annotations
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+import jtilert.pallas.interpret as _interp
+
+F32, BF16, F16, FP8 = jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn
+QBLOCK = 128          # fp8 block-scale granularity (both dims)
+KGRAIN = 64           # K granularity: one 128-byte swizzle row of bf16
+MAX_TOKENS = 8        # wgmma N: tokens per kernel call
+SMEM_BYTES = 227 * 1024
+
+# Register layout for the [8, 64·m] token tile in SMEM (tiling (8, 64), 128-byte swizzle): each
+# warp owns two rows, each lane four consecutive bf16 of a row, so one wavefront covers one
+# 128-byte row and the transfer is free of bank conflicts.
+X_LAYOUT = plgpu.Layout.TILED(plgpu.Tiling(((8, 64), (2, 64), (4,))),
+                              warp_dims=(-5,), lane_dims=(-3, -2), vector_dim=-1)
+X_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
+def token_chunks(x, fn):
+    """fn(chunk, rows) over x [..., K] in chunks of ≤ MAX_TOKENS tokens, the results concatenated."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    outs = [fn(x2[i:i + MAX_TOKENS], slice(i, i + MAX_TOKENS)) for i in range(0, x2.shape[0], MAX_TOKENS)]
+    y = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
+    return y.reshape(*lead, y.shape[-1])
+
+
+def layer_operand(layer):
+    """A layer index (int scalar, may be traced) as a kernel's int32 [1] input: the kernel reads it
+    on the device and steers its weight TMA with it, so a stack [L, ...] is never sliced outside."""
+    layer = jnp.asarray(layer)
+    if layer.shape != () or not jnp.issubdtype(layer.dtype, jnp.integer):
+        raise ValueError(f"layer must be an integer scalar, got {layer.dtype}{list(layer.shape)}")
+    return layer.astype(jnp.int32).reshape(1)
+
+
+def weight_transforms(block_k: int, itemsize: int):
+    """SMEM transforms of a [rows, block_k] weight tile (the widest swizzle ≤ 128 bytes) and the
+    columns of one swizzle row (`sub`, ≤ one 128-wide scale block for fp8)."""
+    swizzle = min(128, block_k * itemsize)
+    sub = swizzle // itemsize
+    return (plgpu.TilingTransform((8, sub)), plgpu.SwizzleTransform(swizzle)), sub
+
+
+def x_col_layout(cols: int, itemsize: int):
+    """`w_layout(cols, itemsize)` with the rows reduced away: the x values each lane multiplies."""
+    vec = 16 // itemsize
+    chunks = cols // vec
+    return plgpu.Layout.TILED(plgpu.Tiling(((cols,), (vec,))), warp_dims=(plgpu.Replicated(4),),
+                              lane_dims=(plgpu.Replicated(32 // chunks), -2), vector_dim=-1)
+
+
+def w_layout(cols: int, itemsize: int):
+    """Register layout of a [64, cols] weight tile (one 16-byte vector per lane, 128-byte rows)
+    for CUDA-core FMAs: warp w holds rows 16w..16w+15; within a warp the lanes cover
+    32·16/(cols·itemsize) rows × (cols·itemsize/16) 16-byte chunks, repeated down the slab."""
+    vec = 16 // itemsize
+    chunks = cols // vec
+    rows = 32 // chunks
+    return plgpu.Layout.TILED(plgpu.Tiling(((64, cols), (16, cols), (rows, cols), (vec,))),
+                              warp_dims=(-7,), lane_dims=(-3, -2), vector_dim=-1)
+
+
+def num_sms() -> int:
+    if _interp.active():
+        return 8
+    try:
+        return jax.devices()[0].core_count
+    except Exception:  # noqa: BLE001
+        return 132
+
+
+def f16_range_factor(abs_tiles):
+    """Power of two f with max|B|·f in 2^13..2^15 (f16 keeps bf16's 8 mantissa bits for every
+    element that matters), from elementwise |B| tiles; the epilogue multiplies by 1/f."""
+    m = None
+    for a in abs_tiles:
+        m = a if m is None else jnp.maximum(m, a)
+    amax = jnp.maximum(jnp.max(jnp.max(m, axis=1), axis=0), 1e-30)
+    # max|B| ≤ 2^15 even if the approximate log2 is off by one.
+    return jnp.exp2(13.0 - lax.round(jnp.log2(amax) - 0.5))
+
+
+def wgmma_fp8_step(acc, w_smem, b_of, *, nsub: int, sub: int, a_buf_of=None):
+    """acc += Σ_h f16(w_smem[:, h·sub : (h+1)·sub]) · b_of(h) for one pipeline step of fp8 weights.
+    The e4m3 tile is converted in registers (one cvt per pair) and fed as wgmma's A from registers
+    (GPU: `a_buf_of` None) or through the SMEM double buffer `a_buf_of(h % 2)` (interpret mode,
+    whose wgmma reads A only from SMEM)."""
+    a_regs = a_buf_of is None
+    for h in range(nsub):
+        a = w_smem.at[:, pl.ds(h * sub, sub)][...].astype(F16)
+        if not a_regs:
+            buf = a_buf_of(h % 2)
+            buf[...] = a
+            plgpu.commit_smem()
+            a = buf
+        plgpu.wgmma(acc, a, b_of(h))
+        if not a_regs:
+            plgpu.wgmma_wait(0)
