@@ -7,8 +7,7 @@ rope 64, 64 index heads of dim 128 in fp8 with one fp32 scale per row, index_top
 
 1. measures the device copy bandwidth (a large device-to-device copy, read + write bytes);
 2. checks every kernel against its plain-JAX reference on fresh random data (indexer scores:
-   finite mask identical and max error relative to max |score|; top-k: the same set as
-   `lax.top_k`; sparse MLA: relative L2 error);
+   finite mask identical and max error relative to max |score|; sparse MLA: relative L2 error);
 3. times each path with CUPTI (sum of the kernels' device time per call, median over iterations,
    after a warm-up), and counts its kernels: every extra kernel boundary costs about 2.7 µs more
    inside a decode step (GPU.md), which the CUPTI sum does not show;
@@ -22,12 +21,9 @@ reads 2048 latent+rope rows (2048 × 576 × 2 B) plus queries and the fp32 outpu
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import os
-import sys
-import time
 import traceback
 
 import jax
@@ -126,25 +122,16 @@ def bench_context(ctx, cfg, bw, key):
         _, tbr, _ = measure(ref_scores, q8, w, kb, ksb, pos)
         row("indexer pallas, 160K-row cache", ctx, tb, floor_idx, tbr, len(nb), f"same scores {ok}")
 
-    # ---- top-k (on the reference scores: every variant must return lax.top_k's set)
+    # ---- top-k (on the reference scores): lax.top_k, what the pallas path runs without the CUDA engine
     ref_topk = jax.jit(functools.partial(layers.topk_positions, k=topk_k))
-    (ridx, _), t_rtk, n_rtk = measure(ref_topk, s_ref)
-    tk_variants = {m: functools.partial(tk.topk_positions, method=m) for m in ("radix", "radix-lex")}
-    tk_best = ("lax.top_k", layers.topk_positions, t_rtk)
-    for vname, fn in tk_variants.items():
-        (idx, _), t_tk, n_tk = measure(jax.jit(functools.partial(fn, k=topk_k)), s_ref)
-        same = bool(np.array_equal(np.sort(np.asarray(idx), -1), np.sort(np.asarray(ridx), -1)))
-        row(f"topk {vname} (XLA ops)", ctx, t_tk, floor_idx, t_rtk, len(n_tk), f"same set {same}")
-        if same and t_tk < tk_best[2]:
-            tk_best = (vname, fn, t_tk)
-    row("topk lax.top_k (reference)", ctx, t_rtk, floor_idx, t_rtk, len(n_rtk), "")
+    _, t_rtk, n_rtk = measure(ref_topk, s_ref)
+    row("topk lax.top_k", ctx, t_rtk, floor_idx, t_rtk, len(n_rtk), "")
 
-    # ---- indexer + top-k, one jit each (ours: the best indexer config and the fastest exact top-k)
+    # ---- indexer + top-k, one jit each (ours: the best indexer config)
     bcfg = best[0] if best else ix.IndexerConfig()
-    tk_fn = tk_best[1]
 
     def ours(q8, w, k8, ks, pos):
-        return tk_fn(ix.indexer_scores(q8, w, k8, ks, pos, config=bcfg), topk_k)
+        return tk.topk_positions(ix.indexer_scores(q8, w, k8, ks, pos, config=bcfg), topk_k)
 
     def theirs(q8, w, k8, ks, pos):
         return layers.topk_positions(layers.indexer_scores(q8, w, k8, ks, pos), topk_k)
@@ -152,86 +139,15 @@ def bench_context(ctx, cfg, bw, key):
     (i1, _), t1, n1 = measure(jax.jit(theirs), q8, w, k8, ks, pos)
     (i2, _), t2, n2 = measure(jax.jit(ours), q8, w, k8, ks, pos)
     overlap = len(np.intersect1d(np.asarray(i1)[0], np.asarray(i2)[0])) / i1.shape[-1]
-    row(f"INDEXER+TOPK pallas+{tk_best[0]}", ctx, t2, floor_idx, t1, len(n2),
+    row("INDEXER+TOPK pallas+lax.top_k", ctx, t2, floor_idx, t1, len(n2),
         f"overlap with XLA path {overlap:.4f} (fp32 sum order near-ties)")
     row("INDEXER+TOPK XLA reference", ctx, t1, floor_idx, t1, len(n1), "")
     log("    kernels (ours):", n2)
 
 
-# Sparse MLA timing variants (one context: the kernel reads 2048 rows whatever the context). Each
-# row: (label, config, cache, predicted µs for the partials kernel alone). Predictions from the
-# 2026-11-30 run (gather kernel 8.5 µs, combine kernel 3.3 µs, bk64 = 32 CTAs): if the serial chain
-# after the gather dominates (RESULTS.md's guess), "gather" ≈ 5 µs and the rest ≈ 3.5 µs; if instead
-# the TMA issue dominates, "gather" ≈ 7 µs. The traces of the full variants split each into stages
-# (qk, softmax, pv_store, ...), so the stage-cut rows are a cross-check of the traces.
-SMLA_VARIANTS = [
-    ("index (idx/valid loads only)", dict(block_k=64, stop="index"), "bf16", 2.5),
-    ("gather (+ row TMAs, relayout)", dict(block_k=64, stop="gather"), "bf16", 5.0),
-    ("full bk64 (32 CTAs)", dict(block_k=64), "bf16", 8.5),
-    ("full bk32 (64 CTAs)", dict(block_k=32), "bf16", 6.5),
-    ("fp8 gather (+ dequant)", dict(block_k=64, stop="gather"), "fp8", 5.0),
-    ("fp8 full bk64", dict(block_k=64), "fp8", 8.0),
-    # spread last: relayout and P·V + stores on 4 warpgroups instead of 1 save ≈ 3/4 of those stages
-    ("full bk64 spread", dict(block_k=64, spread=True), "bf16", 6.7),
-    ("full bk32 spread", dict(block_k=32, spread=True), "bf16", 5.5),
-    ("fp8 full bk64 spread", dict(block_k=64, spread=True), "fp8", 6.0),
-]
-
-
-SM_CLOCK_GHZ = 1.98   # H200 boost clock: Mosaic's trace times within a warpgroup are %clock cycles
-
-
-def trace_summary(path):
-    """Per named stage of the sparse MLA kernel, from Mosaic's trace (Perfetto JSON; `ts` = the
-    warpgroup's globaltimer start in ns + %clock cycles since its first event, over 1000): median
-    start and duration in cycles over the warpgroups that ran it, and the warpgroups' start skew."""
-    with open(path) as fh:
-        events = json.load(fh)["traceEvents"]
-    by_tid = {}
-    for e in events:
-        by_tid.setdefault(e["tid"], []).append(e)
-    first = {tid: min(e["ts"] for e in evs) for tid, evs in by_tid.items()}
-    t0 = min(first.values())
-    stages = {}
-    for tid, evs in by_tid.items():
-        open_ = {}
-        for e in evs:
-            cyc = (e["ts"] - first[tid]) * 1e3
-            if e["ph"] == "B":
-                open_[e["name"]] = cyc
-            else:
-                begin = open_.pop(e["name"])
-                st = stages.setdefault(e["name"], {}).setdefault(tid, [begin, 0.0])
-                st[1] += cyc - begin
-    ends = [first[tid] - t0 + (max(e["ts"] for e in evs) - first[tid]) * 1e3 / SM_CLOCK_GHZ / 1e3
-            for tid, evs in by_tid.items()]
-    log(f"    trace {os.path.basename(path)}: {len(by_tid)} warpgroup traces; warpgroup start skew "
-        f"median {np.median([f - t0 for f in first.values()]):.2f} us, max {max(first.values()) - t0:.2f} us; "
-        f"last stage ends {max(ends):.2f} us after the first starts")
-    log(f"    {'stage':18s} {'start (cyc)':>12s} {'dur med (cyc)':>14s} {'dur max':>8s} {'med us':>7s}  traces")
-    for name, per in sorted(stages.items(), key=lambda kv: np.median([v[0] for v in kv[1].values()])):
-        starts = [v[0] for v in per.values()]
-        durs = [v[1] for v in per.values()]
-        log(f"    {name:18s} {np.median(starts):12.0f} {np.median(durs):14.0f} {max(durs):8.0f} "
-            f"{np.median(durs) / SM_CLOCK_GHZ / 1e3:7.2f}  {len(per)}")
-
-
-def profile_sparse_mla(fn, args, tdir):
-    """Run a profiled variant once (after the unprofiled one warmed L2) and summarise its trace."""
-    os.makedirs(tdir, exist_ok=True)
-    before = set(os.listdir(tdir))
-    jax.block_until_ready(fn(*args))
-    jax.effects_barrier()   # the trace is written by a host callback
-    new = sorted(set(os.listdir(tdir)) - before)
-    if not new:
-        log(f"    {tdir}: no trace written (CPU dry run: interpret mode does not profile)")
-        return
-    trace_summary(os.path.join(tdir, new[-1]))
-
-
 def bench_sparse_mla(ctx, cfg, bw, key):
-    """Sparse MLA: the XLA reference, the Pallas path (partials kernel + combine) on the bf16 and
-    the fp8 cache, and the stage-skipping timing variants of the partials kernel."""
+    """Sparse MLA: the XLA reference and the Pallas path (partials kernel + combine kernel) on the
+    bf16 and the fp8 cache, each kernel also timed alone."""
     Hm, L, R = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     K = min(cfg.index_topk, ctx)
     keys = jax.random.split(key, 5)
@@ -244,8 +160,8 @@ def bench_sparse_mla(ctx, cfg, bw, key):
     sidx = jax.random.permutation(keys[4], ctx)[:K].astype(jnp.int32)[None]
     valid = jnp.ones_like(sidx, bool)
     scale = cfg.softmax_scale
-    floor_mla = smla.byte_floor(Hm, K, L, R) / bw * 1e6
-    floor_fp8 = (K * 656 + Hm * (L + R) * 2 + Hm * L * 4) / bw * 1e6
+    floors = {"bf16": smla.byte_floor(Hm, K, L, R) / bw * 1e6,
+              "fp8": (K * 656 + Hm * (L + R) * 2 + Hm * L * 4) / bw * 1e6}
 
     def run(fn, cache):
         c, p = caches[cache]
@@ -254,50 +170,26 @@ def bench_sparse_mla(ctx, cfg, bw, key):
     refs = {}
     for cache in ("bf16", "fp8"):
         refs[cache] = run(functools.partial(layers.sparse_mla, scale=scale), cache)
-        fl = floor_mla if cache == "bf16" else floor_fp8
-        row(f"SPARSE MLA XLA reference, {cache} cache", ctx, refs[cache][1], fl, refs[cache][1],
+        row(f"SPARSE MLA XLA reference, {cache} cache", ctx, refs[cache][1], floors[cache], refs[cache][1],
             len(refs[cache][2]), "")
-    def full_path(cache, bk, spread):
-        name = f"{cache} bk{bk}{' spread' if spread else ''}"
+    for cache, bk in (("bf16", 64), ("bf16", 32), ("fp8", 64)):
+        name = f"{cache} bk{bk}"
         try:
-            c = smla.SparseMLAConfig(block_k=bk, spread=spread)
+            c = smla.SparseMLAConfig(block_k=bk)
             o, t, n = run(functools.partial(smla.sparse_mla, scale=scale, config=c), cache)
-            fl = floor_mla if cache == "bf16" else floor_fp8
-            row(f"SPARSE MLA pallas {name}", ctx, t, fl, refs[cache][1], len(n),
+            row(f"SPARSE MLA pallas {name}", ctx, t, floors[cache], refs[cache][1], len(n),
                 f"rel err {rel(o, refs[cache][0]):.1e}")
             log("    kernels:", n)
+            cc, pc = caches[cache]   # fp8: the kernel takes plane-ordered queries; timing does not care
+            partials = jax.jit(lambda q1, q2, c_, i, pc=pc, c=c: smla.sparse_mla_partials(q1, q2, c_, pc, i, None,
+                                                                                           scale, c))
+            (po, pm, plse), tp, _ = measure(partials, ql, qp, cc, sidx)
+            row(f"  partials kernel alone, {name}", ctx, tp, floors[cache], refs[cache][1], 1, "")
+            _, tc, _ = measure(jax.jit(smla.combine_kernel), po, pm, plse)
+            row(f"  combine kernel alone, {name}", ctx, tc, floors[cache], refs[cache][1], 1, "")
         except Exception as e:  # noqa: BLE001
             log(f"  sparse MLA {name} FAILED: {type(e).__name__}: {str(e)[:300]}")
             traceback.print_exc(file=LOG)
-
-    for cache, bk in (("bf16", 64), ("bf16", 32), ("fp8", 64)):
-        full_path(cache, bk, False)
-    log("  partials kernel alone, stage by stage (predicted µs in brackets):")
-    for label, kw, cache, pred in SMLA_VARIANTS:
-        if kw.get("spread") and jax.default_backend() != "gpu":
-            continue
-        cc, pc = caches[cache]
-
-        def partials(config, pc=pc):   # fp8: the kernel takes plane-ordered queries; timing does not care
-            return jax.jit(lambda q1, q2, c_, i: smla.sparse_mla_partials(q1, q2, c_, pc, i, None, scale, config))
-
-        try:
-            c = smla.SparseMLAConfig(**kw)
-            (o, m, l), t, _ = measure(partials(c), ql, qp, cc, sidx)
-            fl = floor_mla if cache == "bf16" else floor_fp8
-            row(f"  {label} [pred {pred}]", ctx, t, fl, refs[cache][1], 1, "")
-            if c.stop == "full":
-                _, tc, _ = measure(jax.jit(smla.combine_kernel), o, m, l)
-                row(f"  combine kernel alone after {label}", ctx, tc, floor_mla, refs["bf16"][1], 1, "")
-                tdir = os.path.join(OUT, "smla_traces", f"{cache}_bk{c.block_k}{'_spread' if c.spread else ''}")
-                profile_sparse_mla(partials(dataclasses.replace(c, profile_dir=tdir)), (ql, qp, cc, sidx), tdir)
-        except Exception as e:  # noqa: BLE001
-            log(f"  {label} FAILED: {type(e).__name__}: {str(e)[:300]}")
-            traceback.print_exc(file=LOG)
-    # `spread` last (its bf16 form never finished in the CPU interpreter, which can deadlock on it: GPU only)
-    if jax.default_backend() == "gpu":
-        for cache, bk in (("bf16", 64), ("bf16", 32), ("fp8", 64)):
-            full_path(cache, bk, True)
 
 
 APPEND_STEPS = 8   # decode steps per timed call (the caches are carried, so updated in place)

@@ -104,7 +104,10 @@ def _index_inputs(T, H, D, S, fp8, seed):
     (2, 64, 512, [40, 41], 0, None, False),     # MTP verify step, bf16 keys ("none" mode), 1 block valid
     (1, 32, 1024, [900], 256, 768, True),       # a range that starts mid-cache (one GPU's share)
     (1, 64, 1024, [100], 256, 768, True),       # range entirely past the context: all -inf
-    (1, 8, 300, [299], 0, None, False),         # tiny widths: 8 heads (padded), cache not a block multiple
+    (1, 8, 320, [319], 0, None, False),         # tiny widths: 8 heads (padded), a partial last block
+    (1, 64, 192, [100], 64, 192, True),         # a range ending in a partial block, at the cache's end
+    (1, 64, 256, [250], 64, 128, True),         # a range shorter than one block
+    (1, 32, 64, [40], 0, None, True),           # a cache shorter than one block (TMA zero fill)
 ])
 def test_indexer_scores(T, H, S, pos, start, end, fp8):
     D = 128 if H != 8 else 32
@@ -143,20 +146,19 @@ def _same_set(idx, ridx):
     return all(np.array_equal(np.sort(a), np.sort(b)) for a, b in zip(np.asarray(idx), np.asarray(ridx)))
 
 
-@pytest.mark.parametrize("fn", [functools.partial(tk.topk_positions, method=m) for m in tk.METHODS])
 @pytest.mark.parametrize("N,k,n_finite", [
     (3000, 256, 3000),      # more positions than k
     (256, 256, 256),        # exactly k
     (200, 256, 200),        # fewer positions than k: k clipped to N
     (3000, 256, 100),       # fewer finite scores than k: the lowest -inf positions fill up
 ])
-def test_topk_same_set_as_reference(fn, N, k, n_finite):
+def test_topk_same_set_as_reference(N, k, n_finite):
     rng = np.random.default_rng(np.random.randint(1 << 30))
     s = rng.standard_normal((2, N)).astype(np.float32)
     s[:, n_finite:] = -np.inf
     s[1] = np.round(s[1] * 2) / 2                 # many exact ties: lower position wins
     s = jnp.asarray(s)
-    idx, valid = jax.jit(fn, static_argnums=1)(s, k)
+    idx, valid = jax.jit(tk.topk_positions, static_argnums=1)(s, k)
     ridx, rvalid = layers.topk_positions(s, k)
     assert idx.shape == ridx.shape
     assert _same_set(idx, ridx)
@@ -171,7 +173,7 @@ def test_topk_scores_and_merge():
     k = 300
     parts = []
     for a in range(0, 4096, 1024):                 # four "GPUs", 1024 positions each
-        i, v = tk.topk(s[:, a:a + 1024], k, method="radix")
+        i, v = tk.topk(s[:, a:a + 1024], k)
         np.testing.assert_array_equal(np.asarray(v), np.asarray(jnp.take_along_axis(s[:, a:a + 1024], i, -1)))
         parts.append((i + a, v))
     idx, val = tk.merge_topk(jnp.concatenate([p[0] for p in parts], -1),
@@ -197,6 +199,7 @@ def _append_case(T, H, D, S, fp8, seed):
     (2, 64, 512, [200, 201], 0, None, True),    # MTP verify, fp8: both rows (and scales) in one block
     (1, 64, 1024, [600], 256, 768, True),       # a range starting mid-cache that holds the new row
     (1, 64, 1024, [900], 256, 768, True),       # the new row is another GPU's: nothing written here
+    (1, 64, 64, [63], 0, None, True),           # a cache shorter than one block (TMA zero fill)
     (1, 8, 256, [40], 0, None, False),          # 8 heads (padded); the rows of 64 bytes are
 ])                                              # appended by XLA (too short for one TMA)
 def test_indexer_append_scores(T, H, S, pos, start, end, fp8):
@@ -268,3 +271,99 @@ def test_indexer_append_under_shard_map():
     np.testing.assert_array_equal(out[2], np.asarray(ref[2]))
     fin = np.isfinite(np.asarray(ref[0]))
     assert np.abs(out[0][fin] - np.asarray(ref[0])[fin]).max() <= 1e-5 * np.abs(np.asarray(ref[0])[fin]).max()
+
+
+# ---- layer-stacked caches: the layer is addressed inside the kernel ---------------------------
+
+NL = 3   # layers in a stack
+
+
+def _stacked_case(T, S, fp8, seed):
+    """A model op's inputs with key caches stacked over NL layers, each layer's rows different."""
+    cfg, q, w, k, kc, ks = _append_case(T, 64, 128, NL * S, fp8, seed)
+    return cfg, q, w, k, kc.reshape(NL, S, 128), None if ks is None else ks.reshape(NL, S)
+
+
+@pytest.mark.parametrize("S,layer,pos,fp8,share", [
+    (192, 2, [150], True, None),          # the new row in the partial last block (TMA zero fill, clipped stores)
+    (192, 0, [191], False, None),         # bf16 keys, the cache's last row
+    (256, 2, [200, 201], True, None),     # a whole number of blocks, MTP verify's two tokens
+    (320, 2, [300], True, (256, 64)),     # one GPU's share (traced first row), shorter than a block
+])
+def test_indexer_append_scores_stacked(S, layer, pos, fp8, share):
+    """The model's op on a layer stack with a traced layer index: the layer's rows equal the
+    reference's on that layer alone (key and scale bit for bit, scores), the other layers are
+    returned untouched."""
+    cfg, q, w, k, kc, ks = _stacked_case(len(pos), S, fp8, np.random.randint(1 << 30))
+    pos = jnp.array(pos, jnp.int32)
+    first, num = share or (None, None)
+
+    def f(q, w, k, kc, ks, pos, layer, first):
+        return ix.indexer_append_scores(cfg, q, w, k, kc, ks, pos, pos[0], first_row=first, num_rows=num,
+                                        layer=layer)
+
+    scores, kc_out, ks_out = _run(jax.jit(f), q, w, k, kc, ks, pos, jnp.int32(layer), jnp.int32(first or 0))
+    ref, rkc, rks = layers.indexer_append_scores(cfg, q, w, k, kc[layer], None if ks is None else ks[layer],
+                                                 pos, pos[0], first_row=first, num_rows=num)
+    np.testing.assert_array_equal(kc_out[layer].view(np.uint8), np.asarray(rkc).view(np.uint8))
+    others = [i for i in range(NL) if i != layer]
+    np.testing.assert_array_equal(kc_out[others].view(np.uint8), np.asarray(kc)[others].view(np.uint8))
+    if fp8:
+        np.testing.assert_array_equal(ks_out[layer], np.asarray(rks))
+        np.testing.assert_array_equal(ks_out[others], np.asarray(ks)[others])
+    ref = np.asarray(ref)
+    assert scores.shape == ref.shape
+    fin = np.isfinite(ref)
+    assert fin.any()
+    np.testing.assert_array_equal(np.isfinite(scores), fin)
+    assert np.abs(scores[fin] - ref[fin]).max() <= 1e-5 * np.abs(ref[fin]).max()
+
+
+def test_indexer_stacked_prefill_falls_back_to_reference():
+    """Prefill chunks (more tokens than the kernel takes) run the reference on the layer."""
+    S, layer = 128, 1
+    cfg, q, w, k, kc, ks = _stacked_case(6, S, True, np.random.randint(1 << 30))
+    pos = jnp.arange(40, 46, dtype=jnp.int32)
+    scores, kc_out, ks_out = jax.jit(lambda *a: ix.indexer_append_scores(cfg, *a, pos[0], layer=jnp.int32(layer)))(
+        q, w, k, kc, ks, pos)
+    ref, rkc, rks = layers.indexer_append_scores(cfg, q, w, k, kc[layer], ks[layer], pos, pos[0])
+    np.testing.assert_array_equal(np.asarray(scores), np.asarray(ref))
+    np.testing.assert_array_equal(np.asarray(kc_out[layer]).view(np.uint8), np.asarray(rkc).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(ks_out[layer]), np.asarray(rks))
+    np.testing.assert_array_equal(np.asarray(kc_out[0]).view(np.uint8), np.asarray(kc[0]).view(np.uint8))
+
+
+def _cache_copies(f, args, stack_prefix):
+    """Cross-lower f for CUDA; → the StableHLO lines outside the Mosaic custom calls that slice, pad,
+    concatenate or gather an array whose type starts with `stack_prefix` (e.g. "3x320x": a stacked
+    cache), and the number of Mosaic custom calls that take such an array."""
+    with interp.compile_for_gpu():
+        txt = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    copies, kernels = [], 0
+    for line in txt.splitlines():
+        if "custom_call @mosaic_gpu" in line:
+            kernels += f"tensor<{stack_prefix}" in line.rsplit(" : (", 1)[-1]
+        elif (any(op in line for op in ("stablehlo.dynamic_slice", "stablehlo.slice", "stablehlo.pad",
+                                        "stablehlo.concatenate", "stablehlo.gather"))
+              and f"tensor<{stack_prefix}" in line):
+            copies.append(line.strip()[:200])
+    return copies, kernels
+
+
+@pytest.mark.parametrize("fp8,S", [(True, 320), (False, 192), (True, 256)])
+def test_indexer_stacked_lowering_has_no_cache_copies(fp8, S):
+    """The decode op on a layer stack lowers to one Mosaic kernel that takes the whole stacks (no
+    dynamic_slice / pad / concatenate of a cache in XLA, whatever S), also for one GPU's share."""
+    cfg, q, w, k, kc, ks = _stacked_case(1, S, fp8, np.random.randint(1 << 30))
+    pos = jnp.array([S - 30], jnp.int32)
+    for share in (None, (S // 2, S // 2)):
+        first, num = share or (None, None)
+
+        def f(q, w, k, kc, ks, pos, layer, first):
+            return ix.indexer_append_scores(cfg, q, w, k, kc, ks, pos, pos[0], first_row=first, num_rows=num,
+                                            layer=layer)
+
+        copies, kernels = _cache_copies(f, (q, w, k, kc, ks, pos, jnp.int32(2), jnp.int32(first or 0)),
+                                        f"{NL}x{S}x")
+        assert not copies, copies
+        assert kernels == 1

@@ -8,7 +8,6 @@ GPU), then runs it under the interpreter with race detection; the interpreter po
 
 from __future__ import annotations
 
-import functools
 import types
 
 import jax
@@ -87,48 +86,110 @@ def test_fp8_cache_layout_is_flashmla():
 
 def test_fp8_cache_in_model_pallas_equals_reference(monkeypatch):
     """kv_cache_quant="fp8": init_cache holds packed rows only, the attention layer appends the new
-    token quantised, and the decode step with the kernel equals the reference backend on the same
-    cache (after a 40-token prefill: more positions than tiny's index_topk, so the indexer selects).
-    The kernel's step runs eagerly: the GPU interpreter can deadlock on a 2-core machine when a kernel runs
-    inside a large jit (its simulated warpgroups and TMA threads wait on XLA:CPU's thread pool)."""
+    token quantised, and the decode step with the kernel (on the layer stack, traced layer index)
+    equals the reference on the same cache (after a 40-token prefill: more positions than tiny's
+    index_topk, so the indexer selects). The other ops run their references. The step runs eagerly:
+    the GPU interpreter can deadlock on a 2-core machine when a kernel runs inside a large jit (its
+    simulated warpgroups wait on XLA:CPU's thread pool)."""
     import jtilert
-    from jtilert import backend
     from jtilert.model import init_cache
+    from jtilert.ops import DecodeConfig, Ops
 
     cfg = jtilert.preset("tiny", num_hidden_layers=1, kv_lora_rank=512, qk_rope_head_dim=64,
                          index_head_dim=64, num_nextn_predict_layers=0, kv_cache_quant="fp8")
-    attn = jtilert.random_model(cfg, fmt="bf16").layers[0].self_attn
-    cache = init_cache(cfg, 48, BF16)["layers"][0]
-    assert cache["kv"].shape == (48, 164) and cache["kv"].dtype == jnp.uint32 and "pe" not in cache
+    model = jtilert.random_model(cfg, fmt="bf16")
+    cache = init_cache(cfg, 48, BF16)
+    assert cache["kv"].shape == (1, 48, 164) and cache["kv"].dtype == jnp.uint32 and "pe" not in cache
     keys = jax.random.split(jax.random.key(np.random.randint(1 << 30)), 2)
+    layer = jnp.int32(0)
 
-    def step(x, start, cache):
+    def step(ops, x, start, cache):
         pos = start + jnp.arange(x.shape[0], dtype=jnp.int32)
-        return attn(x, *layers.rope_cos_sin(cfg, pos), pos, jnp.int32(start), cache, None)
+        cos, sin = layers.rope_cos_sin(cfg, pos)
 
-    _, cache, _ = jax.jit(step, static_argnums=1)(jax.random.normal(keys[0], (40, cfg.hidden_size), BF16), 0, cache)
+        def indexer(qa, c):
+            return model.indexers(ops, layer, x, qa, cos, sin, pos, jnp.int32(start), c)
+
+        return model.layers.self_attn(ops, layer, x, cos, sin, pos, jnp.int32(start), cache, indexer)
+
+    reference = Ops(DecodeConfig(backend="reference"))
+    _, cache, _ = jax.jit(lambda x, c: step(reference, x, 0, c))(
+        jax.random.normal(keys[0], (40, cfg.hidden_size), BF16), cache)
     x = jax.random.normal(keys[1], (1, cfg.hidden_size), BF16)
-    ref, ref_cache, _ = step(x, 40, cache)   # eager like the kernel's step: the same rounding
-    ops = types.SimpleNamespace(**vars(backend.REFERENCE))
-    ops.sparse_mla = smla.sparse_mla
-    monkeypatch.setattr(backend, "ops", lambda: ops)
+    ref, ref_cache, _ = step(reference, x, 40, cache)   # eager like the kernel's step: the same rounding
+    kernels = Ops(DecodeConfig(backend="pallas", engine_topk=False))
+    use = kernels._use_kernel
+    monkeypatch.setattr(kernels, "_use_kernel", lambda name, *a: name == "sparse_mla" and use(name, *a))
+    calls = []
+    real = smla.sparse_mla_partials
+    monkeypatch.setattr(smla, "sparse_mla_partials", lambda *a, **k: calls.append(1) or real(*a, **k))
     with interp.interpret():
-        out, out_cache, _ = step(x, 40, cache)
+        out, out_cache, _ = step(kernels, x, 40, cache)
+    assert calls, "the kernel did not run"
     np.testing.assert_array_equal(np.asarray(out_cache["kv"]), np.asarray(ref_cache["kv"]))
-    assert np.asarray(ref_cache["kv"][40]).any() and not np.asarray(ref_cache["kv"][41:]).any()
+    assert np.asarray(ref_cache["kv"][0, 40]).any() and not np.asarray(ref_cache["kv"][0, 41:]).any()
     assert _rel(out, ref) < 1e-2   # bf16 output of the o projection, P in bf16
 
 
-@pytest.mark.parametrize("kw", [dict(stop="gather"), dict(stop="softmax"), dict(spread=True)])
-def test_timing_variants_cross_lower(kw):
-    """Variants that bench/attention.py times compile for CUDA. Stage-cut ones leave outputs unwritten
-    ("index" and "qk" are prefixes of these); `spread` is checked on the GPU by the bench's error
-    column: in the interpreter its four warpgroups block in barrier waits at once, which can starve
-    XLA:CPU's thread pool on a 2-core machine and hang."""
-    ql, qp, kv, pe, idx, valid = _inputs(1, 16, 512, 64, 300, 128, 1.0)
-    for cache, pcache, bk in ((kv, pe, 32), (layers.quantize_kv_fp8(kv, pe), None, 64)):
-        cfg = smla.SparseMLAConfig(block_k=bk, **kw)
-        f = functools.partial(smla.sparse_mla, pe_cache=pcache, scale=0.1, config=cfg)
-        with interp.compile_for_gpu():
-            jax.jit(lambda q, p, c, i, v: f(q, p, c, idx=i, valid=v)).trace(
-                ql, qp, cache, idx, valid).lower(lowering_platforms=("cuda",))
+NL = 3   # layers in a stack
+
+
+def _stacked_inputs(cache, S, seed):
+    """Queries, layer stacks [NL, S, ...] (each layer's rows different), the selected rows (the cache's
+    last row among them), their valid flags; cache "bf16", "fp8" (packed) or "tiny" (rope rows of 32
+    bytes, read with TMA zero fill)."""
+    H, L, R = (8, 64, 16) if cache == "tiny" else (16, 512, 64)
+    keys = jax.random.split(jax.random.key(seed), 6)
+    ql = jax.random.normal(keys[0], (1, H, L), BF16)
+    qp = jax.random.normal(keys[1], (1, H, R), BF16)
+    kv = jax.random.normal(keys[2], (NL, S, L), BF16)
+    pe = jax.random.normal(keys[3], (NL, S, R), BF16)
+    idx = jax.random.permutation(keys[4], S - 1)[:63].astype(jnp.int32)
+    idx = jnp.concatenate([idx, jnp.array([S - 1], jnp.int32)])[None]
+    valid = (jax.random.uniform(keys[5], idx.shape) < 0.8).at[:, -1].set(True)
+    if cache == "fp8":
+        kv, pe = layers.quantize_kv_fp8(kv, pe), None
+    return ql, qp, kv, pe, idx, valid
+
+
+@pytest.mark.parametrize("cache,S,layer", [("bf16", 192, 2), ("fp8", 320, 0), ("tiny", 192, 2), ("bf16", 256, 0)])
+def test_sparse_mla_stacked_layer(cache, S, layer):
+    """Caches stacked over NL layers with a traced layer index: the result equals the reference on
+    that layer's cache alone."""
+    ql, qp, kv, pe, idx, valid = _stacked_inputs(cache, S, np.random.randint(1 << 30))
+    f = jax.jit(lambda ql, qp, kv, idx, valid, layer: smla.sparse_mla(ql, qp, kv, pe, idx, valid, 0.07, layer=layer))
+    out = _run(f, ql, qp, kv, idx, valid, jnp.int32(layer))
+    ref = layers.sparse_mla(ql, qp, kv[layer], None if pe is None else pe[layer], idx, valid, 0.07)
+    assert out.shape == ref.shape and np.isfinite(out).all()
+    assert _rel(out, ref) < 4e-3
+
+
+def test_sparse_mla_stacked_prefill_falls_back_to_reference():
+    """Prefill chunks run the reference on the selected rows of the layer (gathered from the stack)."""
+    ql, qp, kv, pe, idx, valid = _stacked_inputs("bf16", 128, np.random.randint(1 << 30))
+    T = smla.MAX_TOKENS + 1
+    ql, qp = jnp.tile(ql, (T, 1, 1)), jnp.tile(qp, (T, 1, 1))
+    idx, valid = jnp.tile(idx, (T, 1)), jnp.tile(valid, (T, 1))
+    out = jax.jit(lambda *a: smla.sparse_mla(*a, 0.07, layer=jnp.int32(1)))(ql, qp, kv, pe, idx, valid)
+    ref = layers.sparse_mla(ql, qp, kv[1], pe[1], idx, valid, 0.07)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("cache,S", [("bf16", 320), ("fp8", 192), ("tiny", 320)])
+def test_sparse_mla_stacked_lowering_has_no_cache_copies(cache, S):
+    """On a layer stack the kernel takes the whole stacks: no dynamic_slice / pad / concatenate /
+    gather of a cache in XLA (the tiny model's narrow rope rows are not padded either)."""
+    ql, qp, kv, pe, idx, valid = _stacked_inputs(cache, S, np.random.randint(1 << 30))
+
+    def f(ql, qp, kv, pe, idx, valid, layer):
+        return smla.sparse_mla(ql, qp, kv, pe, idx, valid, 0.07, layer=layer)
+
+    with interp.compile_for_gpu():
+        txt = jax.jit(f).trace(ql, qp, kv, pe, idx, valid, jnp.int32(1)).lower(lowering_platforms=("cuda",)).as_text()
+    stack = f"tensor<{NL}x{S}x"
+    kernels = [ln for ln in txt.splitlines() if "custom_call @mosaic_gpu" in ln and stack in ln.rsplit(" : (", 1)[-1]]
+    copies = [ln.strip()[:200] for ln in txt.splitlines() if "custom_call" not in ln and stack in ln and any(
+        op in ln for op in ("stablehlo.dynamic_slice", "stablehlo.slice", "stablehlo.pad", "stablehlo.concatenate",
+                            "stablehlo.gather"))]
+    assert not copies, copies
+    assert len(kernels) == 1

@@ -1,45 +1,22 @@
-"""DSA lightning-indexer scoring on Hopper (Pallas Mosaic-GPU).
+"""DSA lightning-indexer scoring on Hopper (Pallas Mosaic-GPU), with the key append fused in.
 
-I(t, s) = Σ_h w[t,h] · ReLU(q[t,h] · k[s]) · k_scale[s] for the cache rows s of a range
-[start, start + n), -inf where the row's position is past the token's (causal) or past the cache.
-Same contract as `jtilert.layers.indexer_scores` (whose q/w come from `indexer_query`: fp8 e4m3
-with the per-token query scale folded into w, or the unquantised compute dtype; k is fp8 with one
-fp32 scale per row, or the compute dtype with no scale).
-
-How it works. At long context the indexer is a stream over the key cache (128 B + 4 B per row in
-fp8), so the kernel is built like a GEMV weight stream with the key rows on wgmma's M side:
-
-* grid = `num_ctas` CTAs (two per SM: 1.28× the byte floor at 128K, 1.54× with one per SM); the
-  range is cut into blocks of `block_s` (128) rows, CTA c takes blocks
-  c, c + num_ctas, ... (strided, so any causal limit spreads evenly over the SMs);
-* only blocks that hold a position ≤ max(positions) are read: a TMA pipeline `stages` deep brings
-  the key block [block_s, D] and its scales into SMEM; blocks past the limit are just filled
-  with -inf (no key bytes read), so a 4K-token context in a 160K-row cache reads 4K rows;
-* per block and token: logits [block_s, H] = K · qᵀ on the tensor cores (fp8 × fp8 → fp32, or
-  bf16 × bf16), then ReLU, · w (per column), Σ over heads, · k_scale (per row), the causal mask,
-  and a TMA store of the [block_s] scores.
-
-`start` and `pos_offset` (the global position of cache row 0, for a cache sharded by position
-across GPUs) may be traced scalars; `rows` (the number of rows scored) is static.
-
-Key append in the same kernel (`append_and_score`; the model's op `indexer_append_scores`, whose
-reference is XLA's quantise + write followed by the scores). The new tokens' keys come in before
-quantisation; the caches are passed as mutable refs, so the kernel updates them in place (aliased,
-no copy). The CTA that owns the block holding a new token's row (block b goes to CTA b mod grid)
-appends it before its pipeline starts: fp8 e4m3 with a power-of-two scale computed as
-`jtilert.quant.act_quant` does (bit for bit; the bf16 key as is in the unquantised mode), the row
-written by TMA and, since a 4-byte TMA is too small, the block's 128 scales read, patched and
-written back. Its own TMA reads of that block come after, so the new row is scored from the fresh
-key exactly as the reference scores it; no other CTA touches the block, so there is no race. Rows
-outside [start, start + n) are another range's (another GPU's) to write. Cost: one CTA does two
-extra TMA round trips (~1-2 µs) before streaming; rows shorter than 128 bytes (tiny test models)
-are appended by XLA instead.
+I(t, s) = Σ_h w[t,h] · ReLU(q[t,h] · k[s]) · k_scale[s] over cache rows [start, start + n), -inf
+past each token's position; contract of `jtilert.layers.indexer_scores` / `indexer_append_scores`.
+The caches may be one layer ([S, D], [S]) or a layer group's stack ([L, S, D], [L, S]) with a traced
+`layer`: the kernel addresses the layer in its TMA coordinates, so no slice of the cache is copied.
+A grid of `num_ctas` CTAs deals the range's blocks of `block_s` rows round-robin. Blocks holding a
+position ≤ max(positions) stream through a `stages`-deep TMA pipeline (keys [block_s, D] + scales);
+per block and token: K · qᵀ on the tensor cores, ReLU, · w, Σ heads, · k_scale, causal mask, TMA
+store; later blocks get -inf without reading keys. A partial last block is read past the range or
+the cache (TMA zero-fills rows past S) and its store is clipped to the output: no padded copy.
+Append: the CTA owning a new row's block quantises the key (as `jtilert.quant.act_quant`), writes it
+and patches the block's scales (read, patch, write back) before streaming, into the caches passed
+as mutable refs (aliased, updated in place).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.experimental.pallas as pl
@@ -59,13 +36,13 @@ MAX_TOKENS = 4      # decode, MTP verify; longer chunks (prefill) use the refere
 
 @dataclasses.dataclass(frozen=True)
 class IndexerConfig:
-    block_s: int = 128          # cache rows per block (wgmma M; multiple of 128)
+    block_s: int = 128          # cache rows per block (wgmma M; 128 or 256)
     stages: int = 4             # TMA pipeline depth
     num_ctas: int = 2 * NUM_SMS  # CTAs, two per SM (blocks are dealt to them round-robin)
 
     def __post_init__(self):
-        if self.block_s % 128:
-            raise ValueError(f"block_s={self.block_s} must be a multiple of 128")
+        if self.block_s not in (128, 256):   # 1-D register stores of 128-element multiples; TMA boxes ≤ 256
+            raise ValueError(f"block_s={self.block_s} must be 128 or 256")
         if self.stages < 1:
             raise ValueError("stages must be >= 1")
 
@@ -83,28 +60,27 @@ def _cdiv(a, b):
 
 def indexer_scores_kernel(q, w, k_cache, k_scale, positions, offsets, n: int,
                           config: IndexerConfig = IndexerConfig(), k_new=None):
-    """q [T, H, D], w [T, H] fp32, k_cache [S, D], k_scale [S] fp32 or None, positions [T] int32,
-    offsets = (start, pos_offset): Python ints (baked into the kernel) or an int32 [2] array →
-    scores [T, n] fp32 for cache rows [start, start + n).
-    n must be a multiple of block_s; rows past the cache (start + i >= S) must not be needed, i.e.
-    positions must stay below pos_offset + S.
+    """q [T, H, D] (H a multiple of 32), w [T, H] fp32, k_cache [S, D] or a layer stack [L, S, D],
+    k_scale [S] / [L, S] fp32 or None, positions [T] int32, offsets = (start, pos_offset, layer):
+    Python ints (baked into the kernel) or an int32 [3] array (layer is ignored for [S, D]) →
+    scores [T, n rounded up to 4] fp32 for the layer's cache rows [start, start + n) (columns past
+    n are junk: the caller slices them off). start + n must not exceed S.
 
     With k_new [T, D] (fp32 when the cache is fp8, else the cache dtype) the new tokens' keys are
-    appended first: → (scores, k_cache, k_scale) with the caches updated in place (aliased)."""
+    appended first: → (scores, k_cache, k_scale), the whole caches updated in place (aliased)."""
     T, H, D = q.shape
-    S = k_cache.shape[0]
+    stacked = k_cache.ndim == 3
+    S = k_cache.shape[-2]
     bs, ns = config.block_s, config.stages
-    if n % bs:
-        raise ValueError(f"n={n} must be a multiple of block_s={bs}")
     if H % 32 or H > 256:
         raise ValueError(f"index heads={H} must be a multiple of 32, at most 256")
     if q.dtype != k_cache.dtype:
         raise ValueError(f"q {q.dtype} and k_cache {k_cache.dtype} must have the same dtype")
-    nblk = n // bs
+    nblk = _cdiv(n, bs)
+    n_out = _cdiv(n, 4) * 4   # TMA: rows of 16-byte multiples
     grid = max(1, min(config.num_ctas, nblk))
     has_scale = k_scale is not None
-    isz = jnp.dtype(k_cache.dtype).itemsize
-    k_tf = _tiled(D, isz)
+    k_tf = _tiled(D, jnp.dtype(k_cache.dtype).itemsize)
 
     static_offsets = isinstance(offsets, tuple)
     append = k_new is not None
@@ -129,10 +105,10 @@ def indexer_scores_kernel(q, w, k_cache, k_scale, positions, offsets, n: int,
         ks_s = refs[3] if has_scale else None
         o_s, inf_s, qbar, kbar = refs[3 + has_scale:]
         c = lax.axis_index("c")
-        if static_offsets:
-            start, pos_off = offsets
-        else:
-            start, pos_off = off_ref[0], off_ref[1]
+        start, pos_off, layer = offsets if static_offsets else (off_ref[0], off_ref[1], off_ref[2])
+        if stacked:   # the layer's rows: one more TMA coordinate, no copy
+            k_ref = k_ref.at[layer]
+            ks_ref = ks_ref.at[layer] if has_scale else None
         # the query, weight copies and the -inf block do not depend on the positions: start them first
         plgpu.copy_gmem_to_smem(q_ref, q_s, qbar)
         plgpu.copy_gmem_to_smem(w_ref, w_s, qbar)
@@ -141,7 +117,9 @@ def indexer_scores_kernel(q, w, k_cache, k_scale, positions, offsets, n: int,
         row_iota = plgpu.broadcasted_iota(jnp.int32, (bs,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
         if append:
             _append(kn_ref, k_ref, ks_ref, kn_s, k8_s, sc_s, abar, pos, start, pos_off, c, row_iota)
-        pmax = functools.reduce(jnp.maximum, pos)
+        pmax = pos[0]
+        for p in pos[1:]:
+            pmax = jnp.maximum(pmax, p)
         # rows [0, limit) of the range hold a position <= max(positions); the rest are -inf
         limit = jnp.clip(pmax + 1 - pos_off - start, 0, n)
         nvalid = (limit + bs - 1) // bs
@@ -149,6 +127,8 @@ def indexer_scores_kernel(q, w, k_cache, k_scale, positions, offsets, n: int,
         my_valid = jnp.clip((nvalid - c + grid - 1) // grid, 0, mine)
 
         def issue(i, slot):
+            # the last block may run past the cache (row is traced, so the box may overhang even a
+            # cache shorter than one block): TMA fills those rows with zeros
             row = start + (c + i * grid) * bs
             plgpu.copy_gmem_to_smem(k_ref.at[pl.ds(row, bs)], k_s.at[slot], kbar.at[slot])
             if has_scale:
@@ -184,7 +164,7 @@ def indexer_scores_kernel(q, w, k_cache, k_scale, positions, offsets, n: int,
                     sc = sc * ksv
                 o_s[t] = jnp.where(gpos <= pos[t], sc, -jnp.inf)
             plgpu.commit_smem()
-            for t in range(T):
+            for t in range(T):   # (b is traced: a box past the output's end is clipped by the TMA)
                 plgpu.copy_smem_to_gmem(o_s.at[t], o_ref.at[t, pl.ds(b * bs, bs)])
 
             @pl.when(i + ns < my_valid)
@@ -222,7 +202,8 @@ def indexer_scores_kernel(q, w, k_cache, k_scale, positions, offsets, n: int,
                 v = plgpu.load(kn_s.at[t], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
                 scale = pow2_scale(jnp.max(jnp.abs(v)))
                 k8_s[t] = (v / scale).astype(FP8)
-                # the block's scales are read, patched and written whole (a 4-byte TMA is too small)
+                # the block's scales are read, patched and written whole (a 4-byte TMA is too
+                # small); past the cache's end the read gets zeros and the write is clipped
                 blk = start + b * bs
                 plgpu.copy_gmem_to_smem(ks_ref.at[pl.ds(blk, bs)], sc_s, abar)
                 plgpu.barrier_wait(abar)
@@ -252,7 +233,7 @@ def indexer_scores_kernel(q, w, k_cache, k_scale, positions, offsets, n: int,
         scratch.append(plgpu.Barrier(num_arrivals=1))
     kernel = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((T, n), F32),
+        out_type=jax.ShapeDtypeStruct((T, n_out), F32),
         scratch_types=scratch,
         grid=(grid,), grid_names=("c",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
@@ -271,57 +252,108 @@ def indexer_scores_kernel(q, w, k_cache, k_scale, positions, offsets, n: int,
 
 
 def indexer_scores(q, w, k_cache, k_scale, positions, *, start=0, rows=None, pos_offset=0,
-                   config: IndexerConfig | None = None):
+                   config: IndexerConfig | None = None, layer=None):
     """Drop-in for `jtilert.layers.indexer_scores` (scores [T, S] fp32, -inf past each token's
     position), plus a range: with `start`/`rows` only cache rows [start, start + rows) are scored
     and the result is [T, rows] (positions are split across GPUs this way). `rows` is static (None:
     to the end of the cache, for a static start); `start` and `pos_offset` (global position of
-    cache row 0) may be traced."""
-    T, S = q.shape[0], k_cache.shape[0]
-    whole = isinstance(start, int) and start == 0 and rows in (None, S)
-    if T > MAX_TOKENS and whole and pos_offset == 0:
-        # prefill chunks: one scalar loop per token in the kernel does not scale; use the reference
-        from jtilert.layers import indexer_scores as reference
-        return reference(q, w, k_cache, k_scale, positions)
-    return _call(q, w, k_cache, k_scale, positions, start, rows, pos_offset, config or IndexerConfig())
+    cache row 0) may be traced. With `layer` (an int32 scalar, may be traced) the caches are a
+    layer group's stack [L, S, D] / [L, S] and the layer's rows are scored."""
+    _check_layer(k_cache, layer)
+    whole = isinstance(start, int) and start == 0 and rows in (None, k_cache.shape[-2])
+    if (q.shape[0] > MAX_TOKENS and whole and isinstance(pos_offset, int) and pos_offset == 0
+            or not _kernel_applies(k_cache)):
+        # prefill chunks (one scalar loop per token in the kernel does not scale) and tiny caches
+        return _reference_scores(q, w, k_cache, k_scale, positions, start, rows, pos_offset, layer)
+    return _call(q, w, k_cache, k_scale, positions, start, rows, pos_offset, layer, config or IndexerConfig())
 
 
 def append_and_score(q, w, k_new, k_cache, k_scale, positions, *, start=0, rows=None, pos_offset=0,
-                     config: IndexerConfig | None = None):
+                     config: IndexerConfig | None = None, layer=None):
     """`indexer_scores` after writing the new tokens' keys into the cache rows `positions -
-    pos_offset` that fall in the range, in the same kernel: k_new [T, D] is the key before
-    quantisation (fp32, Hadamard-rotated, when the cache is fp8: quantised in the kernel exactly
-    as `jtilert.quant.act_quant`; else already in the cache dtype). → (scores, k_cache, k_scale),
-    the caches updated in place."""
-    return _call(q, w, k_cache, k_scale, positions, start, rows, pos_offset, config or IndexerConfig(), k_new)
+    pos_offset` (of `layer`) that fall in the range, in the same kernel: k_new [T, D] is the key
+    before quantisation (fp32, Hadamard-rotated, when the cache is fp8: quantised in the kernel
+    exactly as `jtilert.quant.act_quant`; else already in the cache dtype). → (scores, k_cache,
+    k_scale), the whole caches updated in place."""
+    _check_layer(k_cache, layer)
+    return _call(q, w, k_cache, k_scale, positions, start, rows, pos_offset, layer,
+                 config or IndexerConfig(), k_new)
 
 
-def indexer_append_scores(cfg, q, w, k, k_cache, k_scale, positions, start, first_row=None, num_rows=None):
-    """Drop-in for `jtilert.layers.indexer_append_scores` (the model's op): decode steps run
-    `append_and_score`, prefill chunks the reference. With num_rows (the indexer split over GPUs)
-    the kernel scores rows [first_row, first_row + num_rows) and XLA appends the key, so every
-    rank's cache stays whole for the steps that score all rows (prefill, MTP's two tokens)."""
+def indexer_append_scores(cfg, q, w, k, k_cache, k_scale, positions, start, first_row=None, num_rows=None,
+                          *, layer=None):
+    """Drop-in for `jtilert.layers.indexer_append_scores` (the model's op), plus `layer`: the caches
+    are then a layer group's stack [L, S, D] / [L, S], the key goes to [layer, start] and the
+    layer's rows are scored; → (scores, k_cache, k_scale) with the whole stacks returned. Decode
+    steps run `append_and_score`. With num_rows (the indexer split over GPUs) the kernel scores rows
+    [first_row, first_row + num_rows) and XLA appends the key (in place), so every rank's cache stays
+    whole for the steps that score all rows (prefill, MTP's two tokens); so do caches whose rows are
+    too short for the kernel's row copy (tiny test models). Prefill chunks run the reference."""
     from jtilert import layers
-    if q.shape[0] > MAX_TOKENS:
-        return layers.indexer_append_scores(cfg, q, w, k, k_cache, k_scale, positions, start,
-                                            first_row=first_row, num_rows=num_rows)
-    if num_rows is not None or not _row_copyable(k_cache):   # (tiny test models: rows shorter than a TMA)
-        score = (indexer_scores if num_rows is None else
-                 lambda *a: indexer_scores(*a, start=first_row, rows=num_rows))
-        return layers.indexer_append_scores(cfg, q, w, k, k_cache, k_scale, positions, start, score)
-    k_new = layers.indexer_key_rotated(cfg, k)
-    k_new = k_new.astype(F32 if k_scale is not None else k_cache.dtype)
-    return append_and_score(q, w, k_new, k_cache, k_scale, positions)
+    _check_layer(k_cache, layer)
+    decode = q.shape[0] <= MAX_TOKENS and _kernel_applies(k_cache)
+    if decode and num_rows is None and _row_copyable(k_cache):
+        k_new = layers.indexer_key_rotated(cfg, k)
+        k_new = k_new.astype(F32 if k_scale is not None else k_cache.dtype)
+        return append_and_score(q, w, k_new, k_cache, k_scale, positions, layer=layer)
+    k_cache, k_scale = _xla_append(cfg, k, k_cache, k_scale, start, layer)
+    first = 0 if num_rows is None else first_row
+    if decode:
+        scores = _call(q, w, k_cache, k_scale, positions, first, num_rows, 0, layer, IndexerConfig())
+    else:
+        scores = _reference_scores(q, w, k_cache, k_scale, positions, first, num_rows, 0, layer)
+    return scores, k_cache, k_scale
+
+
+def _check_layer(k_cache, layer):
+    if (layer is None) != (k_cache.ndim == 2):
+        raise ValueError(f"k_cache {k_cache.shape}: [S, D] without layer, [L, S, D] with one")
+
+
+def _kernel_applies(k_cache) -> bool:
+    """Caches the kernel reads: a multiple of 8 rows (the TMA's 8-row tiles; a cache shorter than a
+    block is read with zero fill), rows of 32-byte multiples (swizzle)."""
+    S, D = k_cache.shape[-2:]
+    return S % 8 == 0 and (D * k_cache.dtype.itemsize) % 32 == 0
 
 
 def _row_copyable(k_cache) -> bool:
     """Whether one cache row is a whole number of 128-byte TMA transfers (the append's row copy)."""
-    return (k_cache.shape[1] * k_cache.dtype.itemsize) % 128 == 0
+    return (k_cache.shape[-1] * k_cache.dtype.itemsize) % 128 == 0
 
 
-def _call(q, w, k_cache, k_scale, positions, start, rows, pos_offset, config, k_new=None):
+def _xla_append(cfg, k, k_cache, k_scale, start, layer):
+    """The reference's key write, into row `start` (of `layer`): a dynamic_update_slice, in place."""
+    from jtilert import layers
+    k, ks = layers.indexer_key(cfg, k)
+    k = k.astype(k_cache.dtype)
+    if layer is None:
+        k_cache = lax.dynamic_update_slice(k_cache, k, (start, 0))
+        if ks is not None:
+            k_scale = lax.dynamic_update_slice(k_scale, ks, (start,))
+    else:
+        k_cache = lax.dynamic_update_slice(k_cache, k[None], (layer, start, 0))
+        if ks is not None:
+            k_scale = lax.dynamic_update_slice(k_scale, ks[None], (layer, start))
+    return k_cache, k_scale
+
+
+def _reference_scores(q, w, k_cache, k_scale, positions, start, rows, pos_offset, layer):
+    """`jtilert.layers.indexer_scores` on the range (prefill chunks, tiny caches; with a layer
+    stack this reads a copy of the layer: off the decode path)."""
+    from jtilert import layers
+    if layer is not None:
+        k_cache = k_cache[layer]
+        k_scale = None if k_scale is None else k_scale[layer]
+    scores = layers.indexer_scores(q, w, k_cache, k_scale, positions - pos_offset)
+    if rows is None:
+        return scores[:, start:]
+    return lax.dynamic_slice_in_dim(scores, start, rows, axis=1)
+
+
+def _call(q, w, k_cache, k_scale, positions, start, rows, pos_offset, layer, config, k_new=None):
     T, H, D = q.shape
-    S = k_cache.shape[0]
+    S = k_cache.shape[-2]
     if k_new is not None and not _row_copyable(k_cache):
         raise ValueError(f"the append copies whole rows: {D} × {k_cache.dtype} is not a multiple of 128 bytes")
     if T > MAX_TOKENS:
@@ -332,35 +364,22 @@ def _call(q, w, k_cache, k_scale, positions, start, rows, pos_offset, config, k_
         rows = S - start
     if not isinstance(rows, int):
         raise ValueError(f"the row count must be a static int, got {rows!r}")
-    n = rows
+    if isinstance(start, int) and not 0 <= start <= S - rows:
+        raise ValueError(f"rows [{start}, {start + rows}) are not in the cache ({S} rows)")
     q = q.astype(FP8 if k_cache.dtype == FP8 else k_cache.dtype)
     if H % 32:   # the weights' TMA moves a multiple of 128 bytes: pad the heads (zero weight)
         hp = _cdiv(H, 32) * 32
         q = jnp.pad(q, ((0, 0), (0, hp - H), (0, 0)))
         w = jnp.pad(w, ((0, 0), (0, hp - H)))
-    bs = config.block_s
-    n_pad = _cdiv(n, bs) * bs
-    grow = start + n_pad - S if isinstance(start, int) else 0
-    if n_pad != n and grow > 0:
-        # the last block would read past the cache: pad the cache (only for odd cache sizes; with
-        # an append the caches are then copied, not updated in place)
-        k_cache = jnp.pad(k_cache, ((0, grow), (0, 0)))
-        if k_scale is not None:
-            k_scale = jnp.pad(k_scale, (0, grow), constant_values=1.0)
-    if isinstance(start, int) and isinstance(pos_offset, int):
-        offsets = (start, pos_offset)      # baked into the kernel: no extra XLA op
-    else:
-        offsets = jnp.stack([jnp.asarray(start, jnp.int32), jnp.asarray(pos_offset, jnp.int32)])
-    out = indexer_scores_kernel(q, w, k_cache, k_scale, positions, offsets, n_pad, config, k_new)
+    layer = 0 if layer is None else layer
+    offsets = (start, pos_offset, layer)
+    if not all(isinstance(x, int) for x in offsets):   # Python ints are baked into the kernel
+        offsets = jnp.stack([jnp.asarray(x, jnp.int32) for x in offsets])
+    out = indexer_scores_kernel(q, w, k_cache, k_scale, positions, offsets, rows, config, k_new)
     if k_new is None:
-        return out[:, :n] if n_pad != n else out
+        return out[:, :rows] if out.shape[1] != rows else out
     scores, k_cache, k_scale = out
-    if n_pad != n:
-        scores = scores[:, :n]
-    if grow > 0 and n_pad != n:
-        k_cache = k_cache[:S]
-        k_scale = None if k_scale is None else k_scale[:S]
-    return scores, k_cache, k_scale
+    return (scores[:, :rows] if scores.shape[1] != rows else scores), k_cache, k_scale
 
 
 def byte_floor(n: int, dim: int = 128, fp8: bool = True) -> int:

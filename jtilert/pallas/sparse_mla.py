@@ -1,70 +1,23 @@
-"""Absorbed sparse MLA decode on Hopper (Pallas Mosaic-GPU): attention of the new tokens' latent
-queries over the `index_topk` cache rows the indexer selected, flash-decoding style.
+"""Absorbed sparse MLA decode on Hopper (Pallas Mosaic-GPU): the new tokens' latent queries attend
+over the `index_topk` cache rows the indexer selected, flash-decoding style. Contract of
+`jtilert.layers.sparse_mla` (rows with valid=False or idx < 0 masked; fp32 latent output [T, H, L]).
+The caches may be one layer ([S, L] + [S, R], or FlashMLA's packed fp8 rows [S, W]) or a layer
+group's stack ([L', S, ...]) with a traced `layer`, addressed in the row copies' TMA coordinates.
 
-o_lat[t, h] = Σ_j softmax_j(s[t,h,j]) · kv[idx[t,j]],
-s[t,h,j] = (q_lat[t,h] · kv[idx[t,j]] + q_pe[t,h] · pe[idx[t,j]]) · scale,
-with rows whose `valid` flag is False (or whose index is negative) masked out. Same contract as
-`jtilert.layers.sparse_mla`; the result is the fp32 latent output [T, H, L], ready for `W_uv`.
-
-How it works. The K selected rows of a token are split over CTAs, `block_k` (64) rows each; grid =
-(tokens, head groups of 64, K / block_k). A CTA
-
-1. loads its slice of the indices (TMA) and the token's queries: q_lat / q_pe rows go to SMEM in
-   wgmma's tiled, 128-byte-swizzled layout; the heads sit on wgmma's M side, which must be 64, so
-   with 16 heads per GPU rows 16..63 of the query tile are never loaded and the rows of the result
-   they produce are never stored (each output row depends only on its own query row);
-2. gathers its `block_k` latent rows (L bf16) and rope rows (R bf16) with one TMA per row each
-   (Hopper has no TMA gather; the latent row travels as one [L/256, 256] box, TMA boxes being at
-   most 256 wide) into a plain row-major staging buffer. Issuing the row copies is the serial part
-   of the kernel, so all four warpgroups of the CTA issue a quarter of them, each on its own
-   barrier; the row indices and `valid` flags are read as scalars straight from GMEM;
-3. warpgroup 0 (which does the rest) re-lays the staged rows out into the swizzled tiles wgmma reads
-   (registers in the conflict-free SMEM↔GMEM copy layout, then SMEM);
-4. S = Q_lat·KVᵀ + Q_pe·PEᵀ on the tensor cores (fp32 accumulator [64, block_k]); masks; the block's
-   row max m and P = exp(S − m), l = Σ P in fp32;
-5. O = P·KV (P rounded to bf16, as FlashMLA does) in 128-column chunks, each written through SMEM
-   to the fp32 partial output; m and l next to it.
-
-The combine step (flash-decoding's second pass: o = Σ_s e^{m_s−M} O_s / Σ_s e^{m_s−M} l_s) is a
-second small Mosaic kernel (`combine_kernel`; XLA needs three fusions for it), or the XLA version
-(`combine`) for shapes the kernel does not cover (fewer than 16 heads per CTA).
-
-A row index < 0 (the top-k kernel's "no position") or valid=False masks the row; masked rows still
-load cache row 0 so nothing NaN-prone enters the tensor cores. A token with no valid row gets zeros
-(the reference gives NaN there; it never happens in the model: a token always sees itself).
-
-Status (H200, bench/RESULTS.md): 11.9 µs for 2048 rows × 16 heads (gather kernel 8.5 µs + combine
-kernel 3.3 µs) against 14.4 µs for the XLA reference and a 0.56 µs byte floor: correct, but far from
-the issue's 2× floor + 3 µs. Issuing the row copies from four warpgroups instead of one saved only
-0.6 µs, so the time sits in the serial chain after the gather; not yet placed stage by stage.
-
-FlashMLA's fp8 cache (`layers.quantize_kv_fp8`: per position 512 e4m3 + 4 fp32 scales + 64 bf16 rope,
-656 bytes, held as 164 uint32 words): pass it as kv_cache with pe_cache=None. A row travels as two
-TMA copies (the latent words, then the last 64 words: scales + rope); warpgroup 0 splits the words
-into byte planes with integer ops, decodes e4m3, multiplies by the group's scale (exact in bf16) and
-stores one 32-column plane per tile; the queries are permuted to the plane order and the output
-permuted back (`_plane_order`), the math after the tiles is the bf16 path's.
-
-Options (`SparseMLAConfig`), each timed by the bench so the default can follow the GPU: `block_k` 32
-gives 64 CTAs instead of 32 (bf16 cache); `spread` moves the re-layout (dequantisation) and P·V + store
-of latent chunk c to warpgroup c % 4, leaving QKᵀ and the softmax on warpgroup 0 (checked on the GPU
-only: in the interpreter four warpgroups blocked in barrier waits at once can starve XLA:CPU's thread
-pool on a 2-core machine). For placing the time (bench/
-attention.py --only sparse_mla): `stop` cuts the kernel after a stage, and `profile_dir` makes Mosaic
-write a per-warpgroup trace of the named stages (index_loads, row_copies_issue, rows_wait, relayout,
-qk, softmax, pv_store, ml_store_drain) on the kernel's first call.
-
-Shapes: L a multiple of 64, R a multiple of 64 (smaller R is zero-padded by the wrapper), H ≤ 64 or a
-multiple of 64; any K (padded to `block_k` with masked rows); any T. fp8 cache: L = 512-like (a
-multiple of 128 with the row a multiple of 16 bytes), R = 64, block_k = 64; other widths fall back to
-the reference.
+Grid (tokens, head groups of 64, K / block_k), 4 warpgroups per CTA. Each warpgroup issues one TMA
+per selected row for a quarter of the CTA's `block_k` rows (latent and rope; fp8: the packed row as
+two copies) into a row-major staging buffer; warpgroup 0 re-lays them into wgmma's swizzled tiles
+(fp8: splits the words into byte planes, decodes e4m3, applies the group scale), computes
+S = Q_lat·KVᵀ + Q_pe·PEᵀ (heads on wgmma's M), masks, m and P = exp(S − m) (P in bf16, as FlashMLA),
+l, and O = P·KV in 128-column chunks to the fp32 partials. `combine_kernel` (or `combine` in XLA)
+merges the splits. Masked rows load row 0; a token with no valid row gets zeros. Any S (rows are
+gathered one by one); fp8 queries and output are permuted to the byte-plane order (`_plane_order`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.experimental.pallas as pl
@@ -84,31 +37,17 @@ GATHER_WARPGROUPS = 4   # warpgroups issuing the row-gather TMAs
 MAX_TOKENS = 4          # decode / MTP verify; longer chunks (prefill) use the reference
 
 
-STOPS = ("index", "gather", "qk", "softmax", "full")
-PROFILE_EVENTS = 10   # profiler events per warpgroup: 8 named stages (bk64 bf16 has < 1 KB of SMEM to spare)
-
-
 @dataclasses.dataclass(frozen=True)
 class SparseMLAConfig:
     block_k: int = 64           # selected rows per CTA, 32 or 64: K / block_k CTAs per token (bf16 cache; fp8: 64)
     combine: str = "kernel"     # "kernel": the Mosaic combine kernel where it applies; "xla": one XLA fusion chain
-    # Timing only (bench/attention.py): the CTA stops after this stage and leaves the rest of its outputs
-    # unwritten — "index" (row indices read), "gather" (rows in SMEM, re-laid for wgmma), "qk" (scores;
-    # m written), "softmax" (m and l written), "full".
-    stop: str = "full"
-    # Timing only: a directory where Mosaic writes a per-warpgroup trace (Perfetto JSON) of the
-    # kernel's named stages on its first call; "" = no profiling.
-    profile_dir: str = ""
-    # Spread the serial tail over the 4 warpgroups: warpgroup c % 4 re-lays (dequantises) latent chunk
-    # c and computes its P·V + store; warpgroup 0 keeps QKᵀ and the softmax. Off: warpgroup 0 does all.
-    spread: bool = False
 
     def __post_init__(self):
         # 16 rows: no bank-conflict-free relayout of the staged rows; 128: over the SMEM budget
         if self.block_k not in (32, 64):
             raise ValueError(f"block_k={self.block_k} must be 32 or 64")
-        if self.stop not in STOPS:
-            raise ValueError(f"stop={self.stop!r}: expected one of {STOPS}")
+        if self.combine not in ("kernel", "xla"):
+            raise ValueError(f"combine={self.combine!r}: expected 'kernel' or 'xla'")
 
 
 def _swizzle(width: int, itemsize: int) -> int:
@@ -158,27 +97,34 @@ def _e4m3_to_f32(b):
 
 
 def sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: float,
-                        config: SparseMLAConfig = SparseMLAConfig()):
+                        config: SparseMLAConfig = SparseMLAConfig(), layer=None):
     """The kernel: per-split partial results (o [T, G, n_split, Hc, L] fp32, m [T, G, n_split, Hc],
     l [T, G, n_split, Hc]) for `combine`. q_lat [T, Hq, L] with Hq a multiple of 8 (the caller pads),
     idx [T, K] int32 with K a multiple of block_k; rows with idx < 0 or valid == False are masked
     (valid may be None). pe_cache None: kv_cache is the packed fp8 cache [S, W] uint32 and q_lat /
-    q_pe / o are in plane order (see `_plane_order`)."""
+    q_pe / o are in plane order (see `_plane_order`). With `layer` (int32 scalar, may be traced) the
+    caches are stacks [L', S, ...] and the layer's rows are read."""
     T, Hq, L = q_lat.shape
     R = q_pe.shape[-1]
     K = idx.shape[1]
     bk = config.block_k
     fp8 = pe_cache is None
+    stacked = layer is not None
+    if kv_cache.ndim != 2 + stacked or (not fp8 and pe_cache.ndim != 2 + stacked):
+        raise ValueError(f"caches {kv_cache.shape}: [S, ...] without layer, [L, S, ...] with one")
     if K % bk:
         raise ValueError(f"K={K} must be a multiple of block_k={bk}")
     if L % 64 or (L > TMA_MAX and L % TMA_MAX):
         raise ValueError(f"kv_lora_rank={L} must be a multiple of 64 (of {TMA_MAX} above {TMA_MAX})")
     if (R * 2) % 128:
-        raise ValueError(f"rope dim {R}: a row must be a multiple of 128 bytes (pad it)")
+        raise ValueError(f"rope dim {R}: a query row must be a multiple of 128 bytes (pad it)")
+    rc = R if fp8 else pe_cache.shape[-1]   # rope width of the cache, ≤ R (a narrower row is read
+    if rc > R or (rc * 2) % 16:             # as an R-wide box: TMA fills the columns past rc with zeros)
+        raise ValueError(f"rope cache width {rc}: at most {R}, a multiple of 16 bytes")
     if Hq % 8 or (Hq > HP and Hq % HP):
         raise ValueError(f"heads={Hq} must be a multiple of 8, and of {HP} when above {HP}")
     if fp8:
-        W = kv_cache.shape[1]
+        W = kv_cache.shape[-1]
         if (W != layers.kv_fp8_words(L, R) or W > TMA_MAX or W % 4 or L % 128 or R != 2 * PLANE
                 or bk % 64):
             raise ValueError(f"fp8 cache: unsupported L={L}, R={R}, {W} words per row, block_k={bk}")
@@ -207,9 +153,6 @@ def sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: floa
     nwg = GATHER_WARPGROUPS
     rows_per_wg = bk // nwg
     has_valid = valid is not None
-    stop = STOPS.index(config.stop)
-    spread = config.spread
-    hl = lc // 2                      # P·V columns per step when spread
 
     def body(*refs):
         it = iter(refs)
@@ -217,10 +160,14 @@ def sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: floa
         pe_ref = None if fp8 else next(it)
         idx_ref = next(it)
         valid_ref = next(it) if has_valid else None
-        o_ref, m_ref, l_ref, ql_s, qp_s, kv_s, pe_s, p_s, ml_s, midx_s, qbar, gbar, done, *spread_bars = it
-        relaid, pready = spread_bars if spread else (None, None)
+        if stacked:   # the layer's rows: one more TMA coordinate, no copy of the layer
+            lay = next(it)[0]
+            kv_ref = kv_ref.at[lay]
+            pe_ref = None if fp8 else pe_ref.at[lay]
+        o_ref, m_ref, l_ref, ql_s, qp_s, kv_s, pe_s, p_s, ml_s, midx_s, qbar, gbar, done = it
         t, g, s = lax.axis_index("t"), lax.axis_index("g"), lax.axis_index("s")
         wg = lax.axis_index("wg")
+        zero = t * 0   # a traced 0: a box that overhangs the cache's rope columns is then allowed
         row0 = t * Hq + g * HP
         base = s * bk
 
@@ -231,61 +178,46 @@ def sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: floa
                                         ql_s.at[c, pl.ds(0, hc)], qbar)
             plgpu.copy_gmem_to_smem(qp_ref.at[pl.ds(row0, hc)], qp_s.at[pl.ds(0, hc)], qbar)
 
-        def gather_and_compute(*stage):
+        def gather(*stage):
             # every warpgroup issues the row copies of its share of the block (TMA issue is the
-            # bottleneck of a one-thread gather)
-            rows = range(rows_per_wg)
-            js = [wg * rows_per_wg + jj for jj in rows]
-            # all scalar loads first (independent, so they overlap: one memory latency, not 16),
-            # then the copies (each copy ends in a warpgroup barrier, which would serialise them)
-            with jax.named_scope("index_loads"):
-                rs = [idx_ref[t, base + j] for j in js]
-                if has_valid:
-                    vs = [valid_ref[t, base + j] for j in js]
-                    rs = [jnp.where(v, r, -1) for r, v in zip(rs, vs)]
-                for j, r in zip(js, rs):
-                    midx_s[j] = r
-            if stop == STOPS.index("index"):
-                return
-            with jax.named_scope("row_copies_issue"):
-                for j, r in zip(js, rs):
-                    r = jnp.maximum(r, 0)
-                    if fp8:
-                        plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(r, 1), pl.ds(0, L // 4)],
-                                                stage[0].at[pl.ds(j, 1)], gbar.at[wg])
-                        plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(r, 1), pl.ds(W - TW, TW)],
-                                                stage[1].at[pl.ds(j, 1)], gbar.at[wg])
-                    else:
-                        plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(r, 1)], stage[0].at[pl.ds(j, 1)], gbar.at[wg])
-                        plgpu.copy_gmem_to_smem(pe_ref.at[pl.ds(r, 1)], stage[1].at[pl.ds(j, 1)], gbar.at[wg])
-                plgpu.barrier_arrive(done)
+            # bottleneck of a one-thread gather); all scalar loads first (independent, so they
+            # overlap), then the copies (each copy ends in a warpgroup barrier)
+            js = [wg * rows_per_wg + jj for jj in range(rows_per_wg)]
+            rs = [idx_ref[t, base + j] for j in js]
+            if has_valid:
+                vs = [valid_ref[t, base + j] for j in js]
+                rs = [jnp.where(v, r, -1) for r, v in zip(rs, vs)]
+            for j, r in zip(js, rs):
+                midx_s[j] = r
+            for j, r in zip(js, rs):
+                r = jnp.maximum(r, 0)
+                if fp8:
+                    plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(r, 1), pl.ds(0, L // 4)],
+                                            stage[0].at[pl.ds(j, 1)], gbar.at[wg])
+                    plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(r, 1), pl.ds(W - TW, TW)],
+                                            stage[1].at[pl.ds(j, 1)], gbar.at[wg])
+                else:
+                    plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(r, 1)], stage[0].at[pl.ds(j, 1)], gbar.at[wg])
+                    pe_row = pe_ref.at[pl.ds(r, 1)] if rc == R else pe_ref.at[pl.ds(r, 1), pl.ds(zero, R)]
+                    plgpu.copy_gmem_to_smem(pe_row, stage[1].at[pl.ds(j, 1)], gbar.at[wg])
+            plgpu.barrier_arrive(done)
 
-            def relayout(chunks, rope: bool):
-                with jax.named_scope("rows_wait"):
-                    plgpu.barrier_wait(done)
-                    for w in range(nwg):
-                        plgpu.barrier_wait(gbar.at[w])
-                with jax.named_scope("relayout"):
-                    for c in chunks:
-                        if fp8:
-                            dequantize_chunk(stage[0], stage[1], c)
-                        else:
-                            a, b = divmod(c * lc, lw)
-                            kv_s[c] = plgpu.load(stage[0].at[:, a, pl.ds(b, lc)], layout=kv_layout)
-                    if rope and fp8:
-                        dequantize_rope(stage[1])
-                    elif rope:
-                        pe_s[...] = plgpu.load(stage[1], layout=pe_layout)
-                    plgpu.commit_smem()
-
-            if spread:
+            @pl.when(wg == 0)
+            def _():   # re-lay the staged rows into wgmma's tiles
+                plgpu.barrier_wait(done)
                 for w in range(nwg):
-                    @pl.when(wg == w)
-                    def _():
-                        relayout(range(w, nlc, nwg), rope=w == 0)
-                        plgpu.barrier_arrive(relaid)
-            else:
-                pl.when(wg == 0)(lambda: relayout(range(nlc), rope=True))
+                    plgpu.barrier_wait(gbar.at[w])
+                for c in range(nlc):
+                    if fp8:
+                        dequantize_chunk(stage[0], stage[1], c)
+                    else:
+                        a, b = divmod(c * lc, lw)
+                        kv_s[c] = plgpu.load(stage[0].at[:, a, pl.ds(b, lc)], layout=kv_layout)
+                if fp8:
+                    dequantize_rope(stage[1])
+                else:
+                    pe_s[...] = plgpu.load(stage[1], layout=pe_layout)
+                plgpu.commit_smem()
 
         def dequantize_chunk(lat_words, tail_words, c):
             # packed rows → bf16 tiles, one byte plane (32 columns) per store; values × power-of-two
@@ -308,14 +240,12 @@ def sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: floa
             stage_types = (plgpu.SMEM((bk, L // 4), jnp.uint32), plgpu.SMEM((bk, TW), jnp.uint32))
         else:
             stage_types = (plgpu.SMEM((bk, nlw, lw), BF16), plgpu.SMEM((bk, R), BF16))
-        pl.run_scoped(gather_and_compute, *stage_types, collective_axes="wg")
+        pl.run_scoped(gather, *stage_types, collective_axes="wg")
 
-        def finish(o_s):
+        def attend(o_s):
             @pl.when(wg == 0)
             def _():
                 plgpu.barrier_wait(qbar)
-                if spread:
-                    plgpu.barrier_wait(relaid)
 
                 def qk(acc):
                     for c in range(nlc):
@@ -323,63 +253,32 @@ def sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: floa
                     plgpu.wgmma(acc, qp_s, pe_s.T)
                     return acc[...]
 
-                with jax.named_scope("qk"):
-                    sc = pl.run_scoped(qk, plgpu.ACC((HP, bk), F32))
-                with jax.named_scope("softmax"):
-                    rows = plgpu.load(midx_s, layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
-                    ok = lax.broadcast_in_dim(rows, (HP, bk), [1]) >= 0
-                    sc = jnp.where(ok, sc * scale, -jnp.inf)
-                    m = sc.max(axis=1)
-                    ml_s[0] = m
-                    if stop >= STOPS.index("softmax"):
-                        m_safe = jnp.where(m == -jnp.inf, 0.0, m)
-                        p = jnp.exp(sc - lax.broadcast_in_dim(m_safe, sc.shape, [0]))
-                        ml_s[1] = p.sum(axis=1)
-                        p_s[...] = p.astype(BF16)
-                    plgpu.commit_smem()
-                    if spread:
-                        plgpu.barrier_arrive(pready)
-                for c in range(nlc if stop == STOPS.index("full") and not spread else 0):
+                sc = pl.run_scoped(qk, plgpu.ACC((HP, bk), F32))
+                rows = plgpu.load(midx_s, layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+                ok = lax.broadcast_in_dim(rows, (HP, bk), [1]) >= 0
+                sc = jnp.where(ok, sc * scale, -jnp.inf)
+                m = sc.max(axis=1)
+                ml_s[0] = m
+                m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+                p = jnp.exp(sc - lax.broadcast_in_dim(m_safe, sc.shape, [0]))
+                ml_s[1] = p.sum(axis=1)
+                p_s[...] = p.astype(BF16)
+                plgpu.commit_smem()
+                for c in range(nlc):
                     def pv(acc):
                         plgpu.wgmma(acc, p_s, kv_s.at[c])
                         return acc[...]
-                    with jax.named_scope("pv_store"):
-                        o = pl.run_scoped(pv, plgpu.ACC((HP, lc), F32))
-                        if c >= 2:
-                            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                        o_s[c % 2] = o
-                        plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(o_s.at[c % 2, pl.ds(0, hc)],
-                                                o_ref.at[t, g, s, :, pl.ds(c * lc, lc)])
-                with jax.named_scope("ml_store_drain"):
-                    plgpu.copy_smem_to_gmem(ml_s.at[0, pl.ds(0, hc)], m_ref.at[t, g, s])
-                    if stop >= STOPS.index("softmax"):
-                        plgpu.copy_smem_to_gmem(ml_s.at[1, pl.ds(0, hc)], l_ref.at[t, g, s])
-                    plgpu.wait_smem_to_gmem(0)
+                    o = pl.run_scoped(pv, plgpu.ACC((HP, lc), F32))
+                    if c >= 2:
+                        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                    o_s[c % 2] = o
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(o_s.at[c % 2, pl.ds(0, hc)], o_ref.at[t, g, s, :, pl.ds(c * lc, lc)])
+                plgpu.copy_smem_to_gmem(ml_s.at[0, pl.ds(0, hc)], m_ref.at[t, g, s])
+                plgpu.copy_smem_to_gmem(ml_s.at[1, pl.ds(0, hc)], l_ref.at[t, g, s])
+                plgpu.wait_smem_to_gmem(0)
 
-            if spread and stop == STOPS.index("full"):
-                # chunk c on warpgroup c % nwg, in two halves (one [64, lc/2] fp32 buffer each)
-                plgpu.barrier_wait(pready)
-                for c in range(nlc):
-                    @pl.when(wg == c % nwg)
-                    def _():
-                        for h in range(2):
-                            def pv(acc):
-                                plgpu.wgmma(acc, p_s, kv_s.at[c, :, pl.ds(h * hl, hl)])
-                                return acc[...]
-                            with jax.named_scope("pv_store"):
-                                o = pl.run_scoped(pv, plgpu.ACC((HP, hl), F32))
-                                if h:
-                                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                                o_s[c % nwg] = o
-                                plgpu.commit_smem()
-                                plgpu.copy_smem_to_gmem(o_s.at[c % nwg, pl.ds(0, hc)],
-                                                        o_ref.at[t, g, s, :, pl.ds(c * lc + h * hl, hl)])
-                        plgpu.wait_smem_to_gmem(0)
-
-        if stop >= STOPS.index("qk"):
-            o_shape = (nwg, HP, hl) if spread else (2, HP, lc)
-            pl.run_scoped(finish, plgpu.SMEM(o_shape, F32, transforms=o_tf), collective_axes="wg")
+        pl.run_scoped(attend, plgpu.SMEM((2, HP, lc), F32, transforms=o_tf), collective_axes="wg")
 
     kernel = plgpu.kernel(
         body,
@@ -397,21 +296,31 @@ def sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: floa
             plgpu.Barrier(num_arrivals=nlc + 1),
             plgpu.Barrier(num_arrivals=2 * rows_per_wg, num_barriers=nwg),
             plgpu.Barrier(num_arrivals=nwg),
-            *([plgpu.Barrier(num_arrivals=nwg), plgpu.Barrier(num_arrivals=1)] if spread else []),
         ],
         grid=(T, groups, n_split), grid_names=("t", "g", "s"),
         num_threads=nwg, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
-                                             profile_space=PROFILE_EVENTS if config.profile_dir else 0,
-                                             profile_dir=config.profile_dir),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=_interp.params(),
     )
     args = [q_lat.reshape(T * Hq, L), q_pe.reshape(T * Hq, R)]
-    args += [kv_cache] if fp8 else [kv_cache.reshape(-1, nlw, lw), pe_cache]
+    if fp8:
+        args.append(kv_cache)
+    else:   # [.., S, L] → [.., S, L / lw, lw]: a bitcast, not a copy
+        args += [kv_cache.reshape(*kv_cache.shape[:-1], nlw, lw), pe_cache]
     args.append(idx)
     if has_valid:
         args.append(valid)
+    if stacked:
+        args.append(_layer_operand(layer))
     return kernel(*args)
+
+
+def _layer_operand(layer):
+    """The layer index as the kernel's int32 [1] input, read on the device."""
+    layer = jnp.asarray(layer)
+    if layer.shape != () or not jnp.issubdtype(layer.dtype, jnp.integer):
+        raise ValueError(f"layer must be an integer scalar, got {layer.dtype}{list(layer.shape)}")
+    return layer.astype(jnp.int32).reshape(1)
 
 
 def combine(o, m, l):
@@ -491,22 +400,28 @@ def combine_kernel(o, m, l, *, cols: int | None = None):
     return kernel(o, m, l)
 
 
-def _fp8_kernel_applies(L: int, R: int, W: int) -> bool:
+def fp8_kernel_applies(L: int, R: int, W: int) -> bool:
+    """Whether the kernel reads a packed fp8 cache of W words per row (latent L, rope R)."""
     return W == layers.kv_fp8_words(L, R) and R == 2 * PLANE and W % 4 == 0 and W <= TMA_MAX
 
 
 def sparse_mla(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: float, *,
-               config: SparseMLAConfig | None = None):
+               config: SparseMLAConfig | None = None, layer=None):
     """Drop-in for `jtilert.layers.sparse_mla`: q_lat [T, H, L], q_pe [T, H, R], kv_cache [S, L] with
     pe_cache [S, R], or the packed fp8 cache [S, W] uint32 with pe_cache None; idx/valid [T, K] (valid
-    may be None when masked rows carry idx < 0) → o_lat [T, H, L] fp32."""
+    may be None when masked rows carry idx < 0) → o_lat [T, H, L] fp32. With `layer` (an int32
+    scalar, may be traced) the caches are a layer group's stacks [L', S, ...] and the layer's rows
+    are read."""
     config = config or SparseMLAConfig()
     T, H, L = q_lat.shape
     R = q_pe.shape[-1]
     fp8 = pe_cache is None
-    if T > MAX_TOKENS or (fp8 and not _fp8_kernel_applies(L, R, kv_cache.shape[1])):
-        # prefill chunks (this kernel is for decode / MTP verify) and fp8 caches of other widths
-        return layers.sparse_mla(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale)
+    if kv_cache.ndim != 2 + (layer is not None):
+        raise ValueError(f"kv_cache {kv_cache.shape}: [S, ...] without layer, [L, S, ...] with one")
+    if (T > MAX_TOKENS or (fp8 and not fp8_kernel_applies(L, R, kv_cache.shape[-1]))
+            or (not fp8 and R % 8)):
+        # prefill chunks (this kernel is for decode / MTP verify), caches of other widths
+        return _reference(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale, layer)
     idx = idx.astype(jnp.int32)
     K = idx.shape[1]
     kp = _round_up(max(K, 1), config.block_k)
@@ -518,21 +433,33 @@ def sparse_mla(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: float, *,
     q_lat, q_pe = q_lat.astype(BF16), q_pe.astype(BF16)
     if fp8:
         q_lat, q_pe = _plane_order(q_lat, 128, 4), _plane_order(q_pe, R, 2)
-    else:
+    else:   # (no-ops for the model's bf16 caches)
         kv_cache, pe_cache = kv_cache.astype(BF16), pe_cache.astype(BF16)
-        rp = _round_up(R, 64)   # a TMA row copy must move a multiple of 128 bytes (small test models only)
-        if rp != R:
+        rp = _round_up(R, 64)   # rope rows of 128-byte multiples: the queries are zero-padded, the
+        if rp != R:             # kernel reads the cache's narrower rows with zero fill (tiny models)
             q_pe = jnp.pad(q_pe, ((0, 0), (0, 0), (0, rp - R)))
-            pe_cache = jnp.pad(pe_cache, ((0, 0), (0, rp - R)))
     if hq != H:
         q_lat = jnp.pad(q_lat, ((0, 0), (0, hq - H), (0, 0)))
         q_pe = jnp.pad(q_pe, ((0, 0), (0, hq - H), (0, 0)))
-    o, m, l = sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, valid, float(scale), config)
+    o, m, l = sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, valid, float(scale), config, layer)
     if config.combine == "kernel" and _combine_cols(*o.shape[2:]) is not None:
         out = combine_kernel(o, m, l)[:, :H]
     else:
         out = combine(o, m, l)[:, :H]
     return _value_order(out, 128, 4) if fp8 else out
+
+
+def _reference(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale, layer):
+    """`jtilert.layers.sparse_mla`; from a layer stack it gathers the selected rows only."""
+    if valid is None:
+        valid = idx >= 0
+    if layer is None:
+        return layers.sparse_mla(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale)
+    T, K = idx.shape
+    kv = kv_cache[layer, idx].reshape(T * K, kv_cache.shape[-1])
+    pe = None if pe_cache is None else pe_cache[layer, idx].reshape(T * K, pe_cache.shape[-1])
+    rows = jnp.arange(T * K, dtype=jnp.int32).reshape(T, K)
+    return layers.sparse_mla(q_lat, q_pe, kv, pe, rows, valid, scale)
 
 
 def byte_floor(heads: int, k: int, lat: int, rope: int) -> int:
