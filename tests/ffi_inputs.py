@@ -50,6 +50,23 @@ def expert_down_case(rng, fp8, *, world, e, n, k, i_loc, is_loc):
   return h, wts, ids, down, ds, hs, sd, ss
 
 
+def stack_layers(cases):
+  """One stacked case from per-layer cases of the same shapes: every weight / scale array gets a
+  leading layer axis (None stays None); the activations of the first case are kept. For
+  expert_down cases (h, wts, ids, down, ds, hs, sd, ss) the stacked entries are down, ds, sd, ss;
+  for GEMV cases (x, w, s), w and s."""
+  first = cases[0]
+  stacked = (3, 4, 6, 7) if len(first) == 8 else (1, 2)
+  return tuple((None if a is None else jnp.stack([c[i] for c in cases])) if i in stacked else a
+               for i, a in enumerate(first))
+
+
+# in_specs of the stacked expert-down case: the layer axis of down, ds, sd, ss is not sharded
+STACKED_EXPERT_DOWN_SPECS = (P(None, "tp"), P(), P(), P(None, None, None, "tp"),
+                             P(None, None, None, "tp"), P("tp"), P(None, None, "tp"),
+                             P(None, None, "tp"))
+
+
 def np_expert_down(h, wts, ids, down, ds, hs, sd, ss):
   """fp64 Σ_j w_j · Down[ids_j] · h_j + SharedDown · h_s."""
   y = np_gemv(hs, sd, ss)

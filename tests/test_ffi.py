@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import warnings
@@ -26,7 +27,8 @@ from jtilert import layers
 from jtilert.ffi import ops as ffi_ops
 from jtilert.ffi import plan as ffi_plan
 
-from ffi_inputs import EXPERT_DOWN_SPECS, expert_down_case, fp8_weights, np_expert_down, np_gemv
+from ffi_inputs import (EXPERT_DOWN_SPECS, STACKED_EXPERT_DOWN_SPECS, expert_down_case, fp8_weights,
+                        np_expert_down, np_gemv, stack_layers)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -63,7 +65,8 @@ def test_cuda_sources_compile_warnings_as_errors(tmp_path):
   if nm:
     syms = subprocess.run([nm, "-D", "--defined-only", str(lib)], capture_output=True, text=True).stdout
     for s in ("JtAllReduce", "JtGemvAllReduce", "JtMergeTopk", "JtExpertDownAllReduce", "jt_group_create",
-              "jt_all_reduce", "jt_expert_down_all_reduce"):
+              "jt_all_reduce", "jt_expert_down_all_reduce", "JtGemvAllReduceStacked",
+              "JtExpertDownAllReduceStacked", "jt_gemv_all_reduce_layer", "jt_expert_down_all_reduce_layer"):
       assert f" {s}\n" in syms, s
     assert " cudaMalloc\n" not in syms
 
@@ -157,16 +160,13 @@ def test_fallback_warns_exactly_once():
 
 
 def test_model_all_reduce_with_engine_flag_equals_psum():
-  """Through the model's single all-reduce (jtilert.sharding.all_reduce) with the engine on."""
+  """Through the model's single all-reduce (jtilert.ops.Ops.all_reduce) with the engine on."""
+  from jtilert.ops import DecodeConfig, Ops
   mesh = _mesh()
-  sharding = pytest.importorskip("jtilert.sharding")
-  if not hasattr(sharding, "tensor_parallel"):
-    pytest.skip("jtilert.sharding has no tensor_parallel context")
   x = jnp.asarray(np.random.default_rng(1).standard_normal((8 * 3, 7168)), jnp.float32)
 
   def step(v, engine):
-    with sharding.tensor_parallel("tp", engine=engine):
-      return sharding.all_reduce(v)
+    return Ops(DecodeConfig(engine_all_reduce=engine), "tp").all_reduce(v)
 
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -232,10 +232,140 @@ def test_expert_down_all_reduce_fallback_equals_the_unfused_path(fp8):
   assert np.linalg.norm(np.asarray(y, np.float64) - ref) / np.linalg.norm(ref) < 5e-3
 
 
+# ------------------------------------------------------------------ stacked layers (layer=)
+
+LAYERS = 3
+
+
+def _stacked_gemv_case(rng, fp8, n=300, k=8 * 256):
+  """x [k] and every layer's w [L, n, k] (+ scales [L, ...] for fp8); different weights per layer."""
+  x = jnp.asarray(rng.standard_normal(k), jnp.bfloat16)
+  if fp8:
+    per = [(x,) + fp8_weights(rng, n, k) for _ in range(LAYERS)]
+  else:
+    per = [(x, jnp.asarray(rng.standard_normal((n, k)) * 0.05, jnp.bfloat16), None) for _ in range(LAYERS)]
+  return stack_layers(per)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gemv_stacked_fallback_equals_reference(fp8):
+  """layer= with stacked [L, N, K] weights and a traced layer (the loop index of lax.map inside the
+  jitted shard_map): every layer's result equals the fp64 reference of that layer's weights and the
+  unstacked op on w[l] bit for bit; a negative layer counts from the end like w[layer]."""
+  mesh = _mesh()
+  x, w, s = _stacked_gemv_case(np.random.default_rng(8), fp8)
+  specs = (P("tp"), P(None, None, "tp")) + ((P(None, None, "tp"),) if fp8 else ())
+
+  def stacked(x, w, *s):
+    return lax.map(lambda l: jf.gemv_all_reduce(x, w, s[0] if s else None, "tp", layer=l),
+                   jnp.arange(-1, LAYERS, dtype=jnp.int32))
+
+  def per_layer(x, w, *s):
+    return jnp.stack([jf.gemv_all_reduce(x, w[l], s[0][l] if s else None, "tp") for l in range(LAYERS)])
+
+  a = (x, w) + ((s,) if fp8 else ())
+  ys = np.asarray(_smap(mesh, stacked, specs, P())(*a), np.float32)
+  np.testing.assert_array_equal(ys[1:], np.asarray(_smap(mesh, per_layer, specs, P())(*a), np.float32))
+  np.testing.assert_array_equal(ys[0], ys[LAYERS])  # layer -1: the last one
+  for l in range(LAYERS):
+    ref = np_gemv(x, w[l], None if s is None else s[l])
+    assert np.linalg.norm(ys[l + 1] - ref) / np.linalg.norm(ref) < 5e-3, l
+  assert len({ys[l + 1].tobytes() for l in range(LAYERS)}) == LAYERS  # the layers differ
+  # the local GEMV with a traced layer (jit argument)
+  k_loc = x.shape[0] // 8
+  s_loc = None if s is None else s[:, :, :k_loc // 128]
+  y1 = jax.jit(lambda x, w, s, l: jf.gemv(x, w, s, layer=l))(x[:k_loc], w[:, :, :k_loc], s_loc, jnp.int32(2))
+  ref1 = np_gemv(x[:k_loc], w[2, :, :k_loc], None if s is None else s_loc[2])
+  assert np.linalg.norm(np.asarray(y1, np.float64) - ref1) / np.linalg.norm(ref1) < 5e-3
+
+
+def _stacked_expert_down_cases(rng, fp8):
+  """LAYERS expert-down cases with the same activations (h, wts, ids, hs) and their own weights."""
+  first = _expert_down_case(rng, fp8)
+  cases = [first]
+  for _ in range(LAYERS - 1):
+    c = _expert_down_case(rng, fp8)
+    cases.append(first[:3] + c[3:5] + first[5:6] + c[6:])
+  return cases
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_expert_down_stacked_fallback_equals_reference(fp8):
+  """layer= with down [L, E, N, I], shared_down [L, N, Is] (and scales): under a lax.scan over the
+  layers (traced index), every layer's result equals the unstacked op on its slices bit for bit and
+  the fp64 reference of its weights."""
+  mesh = _mesh()
+  rng = np.random.default_rng(9)
+  cases = _stacked_expert_down_cases(rng, fp8)
+  first, st = cases[0], stack_layers(cases)
+  keep = [i for i, a in enumerate(st) if a is not None]
+  specs = tuple(STACKED_EXPERT_DOWN_SPECS[i] for i in keep)
+
+  def full(args):
+    out = [None] * 8
+    for i, a in zip(keep, args):
+      out[i] = a
+    return out
+
+  def stacked(*args):
+    h, wts, ids, down, ds, hs, sd, ss = full(args)
+    def body(c, l):
+      return c, jf.expert_down_all_reduce(h, wts, ids, down, ds, hs, sd, ss, "tp", layer=l)
+    return lax.scan(body, 0, jnp.arange(LAYERS, dtype=jnp.int32))[1]
+
+  def per_layer(*args):
+    h, wts, ids, down, ds, hs, sd, ss = full(args)
+    at = lambda a, l: None if a is None else a[l]  # noqa: E731
+    return jnp.stack([jf.expert_down_all_reduce(h, wts, ids, down[l], at(ds, l), hs, sd[l], at(ss, l), "tp")
+                      for l in range(LAYERS)])
+
+  a = [st[i] for i in keep]
+  ys = np.asarray(_smap(mesh, stacked, specs, P())(*a), np.float32)
+  assert ys.shape == (LAYERS, first[3].shape[1])
+  np.testing.assert_array_equal(ys, np.asarray(_smap(mesh, per_layer, specs, P())(*a), np.float32))
+  for l, case in enumerate(cases):
+    ref = np_expert_down(*case)
+    assert np.linalg.norm(ys[l] - ref) / np.linalg.norm(ref) < 5e-3, l
+  assert len({y.tobytes() for y in ys}) == LAYERS
+
+
+def test_stacked_argument_errors():
+  x = jnp.ones(256, jnp.bfloat16)
+  w = jnp.ones((300, 256), jnp.bfloat16)
+  with pytest.raises(ValueError, match="stacked"):
+    jf.gemv(x, w, layer=0)  # w not stacked
+  with pytest.raises(TypeError, match="integer scalar"):
+    jf.gemv(x, w[None], layer=0.5)
+  with pytest.raises(TypeError, match="integer scalar"):
+    jf.gemv(x, w[None], layer=jnp.zeros(2, jnp.int32))
+  w8, s8 = fp8_weights(np.random.default_rng(0), 300, 256)
+  with pytest.raises(ValueError, match="stacked"):
+    jf.gemv(x, jnp.stack([w8, w8]), s8[None], layer=1)  # 2 weight layers, 1 scale layer
+
+
+def _engine(model, mesh, **config):
+  from jtilert.generate import Engine
+  from jtilert.ops import DecodeConfig
+  return Engine(model, mesh=mesh, config=DecodeConfig(**config))
+
+
+def _lower_forward_for_cuda(eng, rows):
+  """The engine's one-token forward step, cross-lowered for CUDA (StableHLO text)."""
+  tok = eng.place(jnp.asarray([5], jnp.int32))
+  return eng.forward._jit.trace(eng.state, eng.new_cache(rows), tok, eng.place(jnp.int32(0))).lower(  # noqa: SLF001
+      lowering_platforms=("cuda",)).as_text()
+
+
+def _layer_loops(cfg):
+  """The layer ranges of the step's loops (one loop body each): the dense layers, the MoE layers."""
+  moe = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe(i)]
+  dense = [i for i in range(cfg.num_hidden_layers) if not cfg.is_moe(i)]
+  return [r for r in (dense, moe) if r]
+
+
 def _decode_logits(model, mesh, engine, ids):
   """Logits of one-token forward steps over `ids` (the decode regime, T = 1)."""
-  from jtilert.generate import Engine
-  eng = Engine(model, mesh=mesh, engine_all_reduce=engine)
+  eng = _engine(model, mesh, engine_all_reduce=engine)
   cache, out = eng.new_cache(len(ids) + 1), []
   for p, t in enumerate(ids):
     logits, _, cache = eng.forward(eng.state, cache, eng.place(jnp.asarray([t], jnp.int32)),
@@ -256,22 +386,24 @@ def tiny_bf16(tiny_random):
 
 @pytest.mark.parametrize("tp", [2, 8])
 def test_model_moe_through_the_fused_op_equals_psum(tiny_bf16, tp, monkeypatch):
-  """bf16 model at tp = 2 and 8, engine on: every MoE layer calls expert_down_all_reduce (here its
-  fallback), and the decode logits equal the psum path's bit for bit (the o_proj and the dense MLP
-  stay on their unfused path so that only the MoE differs; gemv_all_reduce's fallback rounds once
-  instead of per rank)."""
+  """bf16 model at tp = 2 and 8, engine on: the MoE layers' loop calls expert_down_all_reduce (here
+  its fallback) with the stacked weights and the layer index, and the decode logits equal the psum
+  path's bit for bit (the o_proj and the dense MLP stay on their unfused path so that only the MoE
+  differs; gemv_all_reduce's fallback rounds once instead of per rank)."""
   mesh = _mesh(tp)
   calls = []
   orig = jf.expert_down_all_reduce
-  monkeypatch.setattr(jf, "expert_down_all_reduce", lambda *a, **k: calls.append(1) or orig(*a, **k))
-  monkeypatch.setattr(jf, "gemv_all_reduce",
-                      lambda x, w, s, axis: lax.psum(layers.linear(x[None], w, s), axis)[0])
+  monkeypatch.setattr(jf, "expert_down_all_reduce",
+                      lambda *a, **k: calls.append(k.get("layer") is not None) or orig(*a, **k))
+  monkeypatch.setattr(jf, "gemv_all_reduce", lambda x, w, s, axis, layer=None: lax.psum(
+      layers.linear(x[None], w if layer is None else w[layer], s if s is None or layer is None else s[layer]),
+      axis)[0])
   ids = np.random.default_rng(7).integers(0, 256, 6)
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     ours = _decode_logits(tiny_bf16, mesh, True, ids)
-  moe_layers = sum(tiny_bf16.cfg.is_moe(i) for i in range(tiny_bf16.cfg.num_hidden_layers))
-  assert len(calls) == moe_layers, "the MoE did not take the fused path"
+  assert any(tiny_bf16.cfg.is_moe(i) for i in range(tiny_bf16.cfg.num_hidden_layers))
+  assert calls and all(calls), "the MoE did not take the fused path with stacked weights"
   np.testing.assert_array_equal(ours, _decode_logits(tiny_bf16, mesh, False, ids))
 
 
@@ -336,32 +468,95 @@ def test_cuda_lowering_emits_the_engine_custom_calls(monkeypatch):
   assert "custom_call @jtilert" not in txt_cpu
 
 
-def test_model_decode_step_lowers_to_the_fused_kernels(tiny_bf16, monkeypatch):
-  """The tp=2 decode step with the engine on, cross-lowered for CUDA: the o_proj, the dense MLP's
-  down projection and the MoE down + shared expert become the engine's fused custom calls."""
-  from jtilert.generate import Engine
+def _custom_call_types(txt, target):
+  """The operand types of every ``custom_call @target`` in the StableHLO text."""
+  pat = re.compile(r"custom_call @" + re.escape(target) + r"\(.*\} : \((.*)\) -> ")
+  return [m.group(1) for m in pat.finditer(txt)]
+
+
+def test_cuda_lowering_stacked_weights_go_straight_into_the_custom_calls(monkeypatch):
+  """A fori_loop over the layers with a traced index, cross-lowered for CUDA: the stacked weights
+  and scales (the whole [L, ...] arrays) and the int32 layer index are operands of the engine's
+  *_stacked custom calls, and nothing slices a layer out in XLA (no dynamic_slice anywhere). On
+  the CPU platform the same program takes the XLA path, which does slice."""
+  mesh = _mesh()
   monkeypatch.setattr(ffi_ops, "_TEST_FORCE_EMIT", True)
-  eng = Engine(tiny_bf16, mesh=_mesh(2), engine_all_reduce=True)
-  tok = eng.place(jnp.asarray([5], jnp.int32))
-  txt = eng.forward.trace(eng.state, eng.new_cache(8), tok, eng.place(jnp.int32(0))).lower(
-      lowering_platforms=("cuda",)).as_text()
-  moe_layers = sum(tiny_bf16.cfg.is_moe(i) for i in range(tiny_bf16.cfg.num_hidden_layers))
-  layers_ = tiny_bf16.cfg.num_hidden_layers
-  assert txt.count("custom_call @jtilert_expert_down_all_reduce") == moe_layers
-  assert txt.count("custom_call @jtilert_gemv_all_reduce") == layers_ + (layers_ - moe_layers)
+  rng = np.random.default_rng(10)
+  x, w, s = _stacked_gemv_case(rng, True, n=7168)
+  ed = stack_layers(_stacked_expert_down_cases(rng, True))
+
+  def f(x, w, s, *ed):
+    h, wts, ids, down, ds, hs, sd, ss = ed
+
+    def body(l, acc):
+      a = jf.gemv_all_reduce(x, w, s, "tp", layer=l)
+      b = jf.expert_down_all_reduce(h, wts, ids, down, ds, hs, sd, ss, "tp", layer=l)
+      return acc[0] + a.astype(jnp.float32), acc[1] + b.astype(jnp.float32)
+
+    return lax.fori_loop(0, LAYERS, body, (jnp.zeros(w.shape[1]), jnp.zeros(down.shape[2])))
+
+  g = _smap(mesh, f, (P("tp"), P(None, None, "tp"), P(None, None, "tp")) + STACKED_EXPERT_DOWN_SPECS,
+            (P(), P()))
+  args = (x, w, s) + ed
+  txt = g.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  gemv_types = _custom_call_types(txt, "jtilert_gemv_all_reduce_stacked")
+  ed_types = _custom_call_types(txt, "jtilert_expert_down_all_reduce_stacked")
+  assert len(gemv_types) == 1 and len(ed_types) == 1, (gemv_types, ed_types)
+  # per-rank shapes: K, I and Is split 8 ways, the layer axis whole
+  assert gemv_types[0].startswith("tensor<256xbf16>, tensor<3x7168x256xf8E4M3FN>, tensor<3x56x2xf32>, ")
+  assert gemv_types[0].endswith(", tensor<i32>"), gemv_types[0]
+  ed_ops = [t.strip() for t in ed_types[0].split(", tensor")]
+  assert ed_ops[3] == "<3x6x300x128xf8E4M3FN>" and ed_ops[4] == "<3x6x3x1xf32>", ed_ops
+  assert ed_ops[6] == "<3x300x128xf8E4M3FN>" and ed_ops[7] == "<3x3x1xf32>", ed_ops
+  assert ed_ops[-1] == "<i32>", ed_ops
+  assert "dynamic_slice" not in txt and "stablehlo.gather" not in txt
+  assert "custom_call @jtilert_gemv_all_reduce(" not in txt  # only the stacked form
+  # the local GEMV (no mesh axis) too
+  txt1 = jax.jit(lambda x, w, s, l: jf.gemv(x, w, s, layer=l)).trace(
+      x[:256], w[:, :, :256], s[:, :, :2], jnp.int32(1)).lower(lowering_platforms=("cuda",)).as_text()
+  assert len(_custom_call_types(txt1, "jtilert_gemv_all_reduce_stacked")) == 1
+  assert "dynamic_slice" not in txt1 and "world = 1 : i32" in txt1
+  # the CPU lowering of the same program is the XLA path, which slices the layer out
+  txt_cpu = g.trace(*args).lower(lowering_platforms=("cpu",)).as_text()
+  assert "custom_call @jtilert" not in txt_cpu and "dynamic_slice" in txt_cpu
+
+
+def _custom_call_operands(txt, target):
+  """The operand names of every ``custom_call @target`` in the StableHLO text."""
+  pat = re.compile(r"custom_call @" + re.escape(target) + r"\(([^)]*)\)")
+  return [[o.strip() for o in m.group(1).split(",")] for m in pat.finditer(txt)]
+
+
+def test_model_decode_step_lowers_to_the_fused_kernels(tiny_bf16, monkeypatch):
+  """The tp=2 decode step with the engine on, cross-lowered for CUDA: in each layer loop's body the
+  o_proj, the dense MLP's down projection and the MoE down + shared expert become the engine's
+  fused custom calls in their stacked form, the weights going in as the loop's own [L, ...]
+  operands (no slice of a layer in front of the call)."""
+  monkeypatch.setattr(ffi_ops, "_TEST_FORCE_EMIT", True)
+  txt = _lower_forward_for_cuda(_engine(tiny_bf16, _mesh(2), engine_all_reduce=True), 8)
+  cfg = tiny_bf16.cfg
+  loops = _layer_loops(cfg)
+  dense_loops = sum(not cfg.is_moe(r[0]) for r in loops)
+  moe_loops = len(loops) - dense_loops
+  gemv = _custom_call_operands(txt, "jtilert_gemv_all_reduce_stacked")
+  ed = _custom_call_operands(txt, "jtilert_expert_down_all_reduce_stacked")
+  assert len(ed) == moe_loops and moe_loops == 1
+  assert len(gemv) == 2 * dense_loops + moe_loops   # o_proj in every loop, the dense MLP's down
+  assert all(o[1].startswith("%iterArg") for o in gemv), gemv        # w: the loop-carried stack
+  assert all(o[3].startswith("%iterArg") and o[6].startswith("%iterArg") for o in ed), ed
+  assert "custom_call @jtilert_gemv_all_reduce(" not in txt
+  assert "custom_call @jtilert_expert_down_all_reduce(" not in txt
   assert "custom_call @jtilert_all_reduce" not in txt
 
 
 def test_split_indexer_lowers_to_the_engine_merge(tiny_bf16, monkeypatch):
-  """split_indexer=True at tp=2, cross-lowered for CUDA: every indexer's per-rank top-k lists go
-  through the engine's peer-memory merge."""
-  from jtilert.generate import Engine
+  """split_indexer=True at tp=2, cross-lowered for CUDA: the per-rank top-k lists of the indexer in
+  every layer loop's body go through the engine's peer-memory merge."""
   monkeypatch.setattr(ffi_ops, "_TEST_FORCE_EMIT", True)
-  eng = Engine(tiny_bf16, mesh=_mesh(2), split_indexer=True)
-  tok = eng.place(jnp.asarray([5], jnp.int32))
-  txt = eng.forward.trace(eng.state, eng.new_cache(64), tok, eng.place(jnp.int32(0))).lower(
-      lowering_platforms=("cuda",)).as_text()
-  assert txt.count("custom_call @jtilert_merge_topk") == tiny_bf16.cfg.indexer_types.count("full")
+  txt = _lower_forward_for_cuda(_engine(tiny_bf16, _mesh(2), split_indexer=True), 64)
+  cfg = tiny_bf16.cfg
+  full_loops = sum(any(cfg.indexer_types[i] == "full" for i in r) for r in _layer_loops(cfg))
+  assert full_loops >= 1 and txt.count("custom_call @jtilert_merge_topk") == full_loops
 
 
 def test_two_axis_mesh_groups(monkeypatch):

@@ -468,22 +468,21 @@ def test_cuda_lowering_emits_the_custom_call(monkeypatch):
       lowering_platforms=("cpu",)).as_text().split("custom_call @")[-1].split("(")[0]
 
 
-def test_pallas_dispatch_uses_the_engine_when_asked_and_loadable(monkeypatch):
+def test_pallas_ops_use_the_engine_topk_when_asked_and_loadable(monkeypatch):
   from jtilert.ffi import _lib
-  from jtilert.pallas import dispatch
+  from jtilert.ops import DecodeConfig, Ops
   x = jnp.zeros((2, 4096), jnp.float32)
 
-  def lowered():
-    f = jax.jit(lambda s: dispatch.ops().topk_positions(s, 2048))
+  def lowered(**config):
+    ops = Ops(DecodeConfig(backend="pallas", **config))
+    f = jax.jit(lambda s: ops("topk_positions", s, 2048))
     return f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
 
   monkeypatch.setattr(ffi_ops, "_TEST_FORCE_EMIT", True)
-  monkeypatch.delenv("JTILERT_FFI_TOPK", raising=False)
   assert "jtilert_topk_select" not in lowered()        # no engine here (no GPU): the fallback
   monkeypatch.setattr(_lib, "load", lambda: (object(), ""))
   assert "custom_call @jtilert_topk_select" in lowered()   # on by default where the engine loads
-  monkeypatch.setenv("JTILERT_FFI_TOPK", "0")
-  assert "jtilert_topk_select" not in lowered()
+  assert "jtilert_topk_select" not in lowered(engine_topk=False)
 
 
 def test_split_topk_fallback_is_the_global_topk():

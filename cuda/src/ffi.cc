@@ -20,6 +20,9 @@ JT_EXPORT XLA_FFI_Error* JtGemvAllReduce(XLA_FFI_CallFrame* call_frame);
 JT_EXPORT XLA_FFI_Error* JtMergeTopk(XLA_FFI_CallFrame* call_frame);
 JT_EXPORT XLA_FFI_Error* JtTopkSelect(XLA_FFI_CallFrame* call_frame);
 JT_EXPORT XLA_FFI_Error* JtExpertDownAllReduce(XLA_FFI_CallFrame* call_frame);
+JT_EXPORT XLA_FFI_Error* JtGemvAllReduceStacked(XLA_FFI_CallFrame* call_frame);
+JT_EXPORT XLA_FFI_Error* JtExpertDownAllReduceStacked(
+    XLA_FFI_CallFrame* call_frame);
 
 namespace {
 
@@ -101,13 +104,29 @@ ffi::Error AllReduceImpl(cudaStream_t stream, int32_t dev, ffi::AnyBuffer x,
   return ffi::Error::Success();
 }
 
-ffi::Error GemvAllReduceImpl(cudaStream_t stream, int32_t dev,
-                             ffi::AnyBuffer x, ffi::AnyBuffer w,
-                             ffi::AnyBuffer scale, ffi::AnyBuffer table,
-                             ffi::Result<ffi::AnyBuffer> y,
-                             ffi::Span<const int32_t> groups, int32_t world,
-                             int32_t nwc, int32_t rpw, int32_t num_ctas,
-                             int32_t max_tasks, int32_t has_scale) {
+// The stacked form's layer operand: one int32 in device memory (the kernel
+// reads it; the handler only passes its address on).
+ffi::Error layer_operand(const ffi::AnyBuffer& layer, const char* op,
+                         const int32_t** ptr) {
+  if (layer.element_type() != ffi::DataType::S32 ||
+      layer.element_count() != 1)
+    return ffi::Error::InvalidArgument(std::string("jtilert ") + op +
+                                       ": layer must be one int32");
+  *ptr = static_cast<const int32_t*>(layer.untyped_data());
+  return ffi::Error::Success();
+}
+
+int64_t blocks128(int64_t n) { return (n + 127) / 128; }
+
+// GEMV + all-reduce; `layer` null: w [N, K], else w [L, N, K] (scales
+// likewise) and `layer` the device address of the layer index.
+ffi::Error GemvCommon(cudaStream_t stream, int32_t dev, ffi::AnyBuffer x,
+                      ffi::AnyBuffer w, ffi::AnyBuffer scale,
+                      ffi::AnyBuffer table, const int32_t* layer,
+                      ffi::Result<ffi::AnyBuffer> y,
+                      ffi::Span<const int32_t> groups, int32_t world,
+                      int32_t nwc, int32_t rpw, int32_t num_ctas,
+                      int32_t max_tasks, int32_t has_scale) {
   if (x.element_type() != ffi::DataType::BF16 ||
       y->element_type() != ffi::DataType::BF16)
     return ffi::Error::InvalidArgument("jtilert gemv: x and y must be bf16");
@@ -115,38 +134,80 @@ ffi::Error GemvAllReduceImpl(cudaStream_t stream, int32_t dev,
   if (wdt != JT_BF16 && wdt != JT_F8E4M3)
     return ffi::Error::InvalidArgument("jtilert gemv: w must be bf16 or fp8");
   auto wd = w.dimensions();
-  if (wd.size() != 2)
-    return ffi::Error::InvalidArgument("jtilert gemv: w must be 2-D");
-  const int N = (int)wd[0];
-  const int K = (int)wd[1];
+  const size_t lead = layer != nullptr ? 1 : 0;  // the layer axis
+  if (wd.size() != 2 + lead)
+    return ffi::Error::InvalidArgument(
+        layer != nullptr ? "jtilert gemv: stacked w must be 3-D [L, N, K]"
+                         : "jtilert gemv: w must be 2-D");
+  const int L = lead ? (int)wd[0] : 1;
+  const int N = (int)wd[lead];
+  const int K = (int)wd[lead + 1];
   if ((int64_t)x.element_count() != K || (int64_t)y->element_count() != N)
     return ffi::Error::InvalidArgument("jtilert gemv: shape mismatch");
   if (table.element_type() != ffi::DataType::S32)
     return ffi::Error::InvalidArgument("jtilert gemv: table must be int32");
   if (has_scale && scale.element_type() != ffi::DataType::F32)
     return ffi::Error::InvalidArgument("jtilert gemv: scale must be f32");
+  if (has_scale && layer != nullptr &&
+      (int64_t)scale.element_count() != L * blocks128(N) * blocks128(K))
+    return ffi::Error::InvalidArgument(
+        "jtilert gemv: stacked scale must be [L, ceil(N/128), ceil(K/128)]");
   if (wdt == JT_F8E4M3 && !has_scale)
     return ffi::Error::InvalidArgument("jtilert gemv: fp8 needs scales");
   int gid, rank;
   ffi::Error err = gemv_rank(groups, world, dev, &gid, &rank);
   if (!err.success()) return err;
-  cudaError_t e = jt_gemv_all_reduce(
-      gid, rank, stream, x.untyped_data(), w.untyped_data(),
-      has_scale ? static_cast<const float*>(scale.untyped_data()) : nullptr,
-      static_cast<const int32_t*>(table.untyped_data()), y->untyped_data(), N,
-      K, wdt, nwc, rpw, num_ctas, max_tasks);
+  const float* s =
+      has_scale ? static_cast<const float*>(scale.untyped_data()) : nullptr;
+  const int32_t* t = static_cast<const int32_t*>(table.untyped_data());
+  cudaError_t e =
+      layer != nullptr
+          ? jt_gemv_all_reduce_layer(gid, rank, stream, x.untyped_data(),
+                                     w.untyped_data(), s, layer, L, t,
+                                     y->untyped_data(), N, K, wdt, nwc, rpw,
+                                     num_ctas, max_tasks)
+          : jt_gemv_all_reduce(gid, rank, stream, x.untyped_data(),
+                               w.untyped_data(), s, t, y->untyped_data(), N,
+                               K, wdt, nwc, rpw, num_ctas, max_tasks);
   if (e != cudaSuccess) return cuda_error(e, "gemv launch");
   return ffi::Error::Success();
 }
 
+ffi::Error GemvAllReduceImpl(cudaStream_t stream, int32_t dev,
+                             ffi::AnyBuffer x, ffi::AnyBuffer w,
+                             ffi::AnyBuffer scale, ffi::AnyBuffer table,
+                             ffi::Result<ffi::AnyBuffer> y,
+                             ffi::Span<const int32_t> groups, int32_t world,
+                             int32_t nwc, int32_t rpw, int32_t num_ctas,
+                             int32_t max_tasks, int32_t has_scale) {
+  return GemvCommon(stream, dev, x, w, scale, table, nullptr, y, groups, world,
+                    nwc, rpw, num_ctas, max_tasks, has_scale);
+}
+
+// Stacked weights: w [L, N, K] and the layer index as the last operand.
+ffi::Error GemvAllReduceStackedImpl(
+    cudaStream_t stream, int32_t dev, ffi::AnyBuffer x, ffi::AnyBuffer w,
+    ffi::AnyBuffer scale, ffi::AnyBuffer table, ffi::AnyBuffer layer,
+    ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int32_t> groups,
+    int32_t world, int32_t nwc, int32_t rpw, int32_t num_ctas,
+    int32_t max_tasks, int32_t has_scale) {
+  const int32_t* l = nullptr;
+  ffi::Error err = layer_operand(layer, "gemv", &l);
+  if (!err.success()) return err;
+  return GemvCommon(stream, dev, x, w, scale, table, l, y, groups, world, nwc,
+                    rpw, num_ctas, max_tasks, has_scale);
+}
+
 // MoE down projection + shared expert + all-reduce (expert-down mode of the
 // GEMV kernel): h [nsel, I], weights [nsel] f32, ids [nsel] s32, down
-// [E, N, I], shared_h [Is], shared_down [N, Is] (+ scales when fp8).
-ffi::Error ExpertDownAllReduceImpl(
+// [E, N, I], shared_h [Is], shared_down [N, Is] (+ scales when fp8); with
+// `layer` (device address of the layer index), down [L, E, N, I] and
+// shared_down [L, N, Is], their scales likewise.
+ffi::Error ExpertDownCommon(
     cudaStream_t stream, int32_t dev, ffi::AnyBuffer h, ffi::AnyBuffer weights,
     ffi::AnyBuffer ids, ffi::AnyBuffer down, ffi::AnyBuffer down_scale,
     ffi::AnyBuffer shared_h, ffi::AnyBuffer shared_down,
-    ffi::AnyBuffer shared_scale, ffi::AnyBuffer table,
+    ffi::AnyBuffer shared_scale, ffi::AnyBuffer table, const int32_t* layer,
     ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int32_t> groups,
     int32_t world, int32_t nwc, int32_t rpw, int32_t num_ctas,
     int32_t max_tasks, int32_t has_scale) {
@@ -172,16 +233,31 @@ ffi::Error ExpertDownAllReduceImpl(
     return ffi::Error::InvalidArgument("jtilert expert_down: scales must be f32");
   auto dd = down.dimensions();
   auto sd = shared_down.dimensions();
-  if (dd.size() != 3 || sd.size() != 2 || sd[0] != dd[1])
+  const size_t lead = layer != nullptr ? 1 : 0;  // the layer axis
+  if (dd.size() != 3 + lead || sd.size() != 2 + lead ||
+      sd[lead] != dd[lead + 1] || (lead && sd[0] != dd[0]))
     return ffi::Error::InvalidArgument(
-        "jtilert expert_down: down [E, N, I], shared_down [N, Is]");
-  const int E = (int)dd[0], N = (int)dd[1], I = (int)dd[2], Is = (int)sd[1];
+        layer != nullptr ? "jtilert expert_down: down [L, E, N, I], "
+                           "shared_down [L, N, Is]"
+                         : "jtilert expert_down: down [E, N, I], "
+                           "shared_down [N, Is]");
+  const int L = lead ? (int)dd[0] : 1;
+  const int E = (int)dd[lead], N = (int)dd[lead + 1], I = (int)dd[lead + 2],
+            Is = (int)sd[lead + 1];
   const int64_t nsel = (int64_t)ids.element_count();
   if ((int64_t)weights.element_count() != nsel ||
       (int64_t)h.element_count() != nsel * I ||
       (int64_t)shared_h.element_count() != Is ||
       (int64_t)y->element_count() != N)
     return ffi::Error::InvalidArgument("jtilert expert_down: shape mismatch");
+  if (has_scale && layer != nullptr &&
+      ((int64_t)down_scale.element_count() !=
+           (int64_t)L * E * blocks128(N) * blocks128(I) ||
+       (int64_t)shared_scale.element_count() !=
+           L * blocks128(N) * blocks128(Is)))
+    return ffi::Error::InvalidArgument(
+        "jtilert expert_down: stacked scales must be [L, E, ceil(N/128), "
+        "ceil(I/128)] and [L, ceil(N/128), ceil(Is/128)]");
   int gid, rank;
   ffi::Error err = gemv_rank(groups, world, dev, &gid, &rank);
   if (!err.success()) return err;
@@ -190,15 +266,56 @@ ffi::Error ExpertDownAllReduceImpl(
   const float* ss = has_scale
                         ? static_cast<const float*>(shared_scale.untyped_data())
                         : nullptr;
-  cudaError_t e = jt_expert_down_all_reduce(
-      gid, rank, stream, h.untyped_data(),
-      static_cast<const float*>(weights.untyped_data()),
-      static_cast<const int32_t*>(ids.untyped_data()), down.untyped_data(), ds,
-      shared_h.untyped_data(), shared_down.untyped_data(), ss,
-      static_cast<const int32_t*>(table.untyped_data()), y->untyped_data(), N,
-      (int)nsel, I, E, Is, wdt, nwc, rpw, num_ctas, max_tasks);
+  const float* wts = static_cast<const float*>(weights.untyped_data());
+  const int32_t* id = static_cast<const int32_t*>(ids.untyped_data());
+  const int32_t* t = static_cast<const int32_t*>(table.untyped_data());
+  cudaError_t e =
+      layer != nullptr
+          ? jt_expert_down_all_reduce_layer(
+                gid, rank, stream, h.untyped_data(), wts, id,
+                down.untyped_data(), ds, shared_h.untyped_data(),
+                shared_down.untyped_data(), ss, layer, L, t, y->untyped_data(),
+                N, (int)nsel, I, E, Is, wdt, nwc, rpw, num_ctas, max_tasks)
+          : jt_expert_down_all_reduce(
+                gid, rank, stream, h.untyped_data(), wts, id,
+                down.untyped_data(), ds, shared_h.untyped_data(),
+                shared_down.untyped_data(), ss, t, y->untyped_data(), N,
+                (int)nsel, I, E, Is, wdt, nwc, rpw, num_ctas, max_tasks);
   if (e != cudaSuccess) return cuda_error(e, "expert_down launch");
   return ffi::Error::Success();
+}
+
+ffi::Error ExpertDownAllReduceImpl(
+    cudaStream_t stream, int32_t dev, ffi::AnyBuffer h, ffi::AnyBuffer weights,
+    ffi::AnyBuffer ids, ffi::AnyBuffer down, ffi::AnyBuffer down_scale,
+    ffi::AnyBuffer shared_h, ffi::AnyBuffer shared_down,
+    ffi::AnyBuffer shared_scale, ffi::AnyBuffer table,
+    ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int32_t> groups,
+    int32_t world, int32_t nwc, int32_t rpw, int32_t num_ctas,
+    int32_t max_tasks, int32_t has_scale) {
+  return ExpertDownCommon(stream, dev, h, weights, ids, down, down_scale,
+                          shared_h, shared_down, shared_scale, table, nullptr,
+                          y, groups, world, nwc, rpw, num_ctas, max_tasks,
+                          has_scale);
+}
+
+// Stacked weights (down [L, E, N, I], shared_down [L, N, Is], scales
+// likewise) and the layer index as the last operand.
+ffi::Error ExpertDownAllReduceStackedImpl(
+    cudaStream_t stream, int32_t dev, ffi::AnyBuffer h, ffi::AnyBuffer weights,
+    ffi::AnyBuffer ids, ffi::AnyBuffer down, ffi::AnyBuffer down_scale,
+    ffi::AnyBuffer shared_h, ffi::AnyBuffer shared_down,
+    ffi::AnyBuffer shared_scale, ffi::AnyBuffer table, ffi::AnyBuffer layer,
+    ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int32_t> groups,
+    int32_t world, int32_t nwc, int32_t rpw, int32_t num_ctas,
+    int32_t max_tasks, int32_t has_scale) {
+  const int32_t* l = nullptr;
+  ffi::Error err = layer_operand(layer, "expert_down", &l);
+  if (!err.success()) return err;
+  return ExpertDownCommon(stream, dev, h, weights, ids, down, down_scale,
+                          shared_h, shared_down, shared_scale, table, l, y,
+                          groups, world, nwc, rpw, num_ctas, max_tasks,
+                          has_scale);
 }
 
 ffi::Error MergeTopkImpl(cudaStream_t stream, int32_t dev,
@@ -324,6 +441,40 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JtExpertDownAllReduce, ExpertDownAllReduceImpl,
                                       .Arg<ffi::AnyBuffer>()  // shared_down
                                       .Arg<ffi::AnyBuffer>()  // shared_scale
                                       .Arg<ffi::AnyBuffer>()  // table
+                                      .Ret<ffi::AnyBuffer>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+// Stacked-layer forms: the same operands plus the layer index (int32 scalar)
+// after the task table.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JtGemvAllReduceStacked, GemvAllReduceStackedImpl,
+                              task_table_attrs(
+                                  ffi::Ffi::Bind()
+                                      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                      .Ctx<ffi::DeviceOrdinal>()
+                                      .Arg<ffi::AnyBuffer>()  // x
+                                      .Arg<ffi::AnyBuffer>()  // w [L, N, K]
+                                      .Arg<ffi::AnyBuffer>()  // scale
+                                      .Arg<ffi::AnyBuffer>()  // table
+                                      .Arg<ffi::AnyBuffer>()  // layer
+                                      .Ret<ffi::AnyBuffer>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JtExpertDownAllReduceStacked,
+                              ExpertDownAllReduceStackedImpl,
+                              task_table_attrs(
+                                  ffi::Ffi::Bind()
+                                      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                      .Ctx<ffi::DeviceOrdinal>()
+                                      .Arg<ffi::AnyBuffer>()  // h
+                                      .Arg<ffi::AnyBuffer>()  // weights
+                                      .Arg<ffi::AnyBuffer>()  // ids
+                                      .Arg<ffi::AnyBuffer>()  // down
+                                      .Arg<ffi::AnyBuffer>()  // down_scale
+                                      .Arg<ffi::AnyBuffer>()  // shared_h
+                                      .Arg<ffi::AnyBuffer>()  // shared_down
+                                      .Arg<ffi::AnyBuffer>()  // shared_scale
+                                      .Arg<ffi::AnyBuffer>()  // table
+                                      .Arg<ffi::AnyBuffer>()  // layer
                                       .Ret<ffi::AnyBuffer>()),
                               {ffi::Traits::kCmdBufferCompatible});
 

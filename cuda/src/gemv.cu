@@ -8,6 +8,13 @@
 // y = sum over ranks of (sum_e Down[ids[e]] (w_e h_e) + SharedDown h_s) is
 // one launch with one all-reduce.
 //
+// Stacked layers (the *_layer entry points): the weights and scales of every
+// layer sit in one [L, ...] array and the layer index is an int32 in device
+// memory. Each CTA reads it first and offsets its weight and scale pointers by
+// layer * (per-layer stride), so a traced layer loop passes the whole stack
+// with no copy of the layer's slice and no host read of the index; every
+// launch of a call site stays identical (command buffers).
+//
 // One CTA per task list of the host-built task table (jtilert/ffi/plan.py).
 // Warps 0..nwc-1 stream weight rows (16-byte non-caching loads, RPW rows x U
 // chunks in flight per lane) and write each tile's fp32 partial to shared
@@ -132,6 +139,10 @@ struct GemvArgs {
   const uint4* w;     // W[N, K]; expert mode: stacked experts [E, N, I]
   const float* scale;  // [ceil(N/128), KB]; expert mode: [E, ceil(N/128), ceil(I/128)]
   const int* table;
+  // stacked layers: the layer index in device memory (null: w, scale, ws and
+  // ss are one layer's; the layer count is L below); one layer of w is N x K
+  // (expert mode: E x N x I, of ws N x Is), scales likewise
+  const int* layer;
   uint16_t* y;  // bf16 bits
   int N, K, KB, nwc, max_tasks, comm;
   // expert-down mode only (K = nsel * I + Is)
@@ -141,7 +152,18 @@ struct GemvArgs {
   const uint4* ws;   // shared expert's W [N, Is]
   const float* ss;   // its scales [ceil(N/128), ceil(Is/128)]
   int nsel, I, E;
+  int L;  // stacked layers: the layer count
 };
+
+// The layer the kernel runs on: read from device memory in the stacked form,
+// negative counting from the end, then clamped into [0, L) like XLA's dynamic
+// slice, so the result is that of jnp's w[layer]; 0 otherwise.
+__device__ __forceinline__ int layer_index(const GemvArgs& g) {
+  if (g.layer == nullptr) return 0;
+  int v = __ldg(g.layer);
+  if (v < 0) v += g.L;
+  return min(max(v, 0), g.L - 1);
+}
 
 // Where 16-byte chunk ch of the K axis comes from in expert-down mode: row
 // `row` of its weight is at w + row * wstride, the fp8 scale at
@@ -168,20 +190,25 @@ __device__ void fill_chunk_sources(const GemvArgs& g, ChunkSrc* src, int KC) {
   const long long nb = (g.N + 127) / 128;
   const int ib = (g.I + 127) / 128;
   const int isb = (is * EPC + 127) / 128;
+  // stacked form: layer l's routed experts are experts l * E .. l * E + E - 1
+  // of the [L * E, N, I] stack, its shared expert layer l of [L, N, Is]
+  const int l = layer_index(g);
+  const long long e0 = (long long)l * g.E;
   for (int ch = threadIdx.x; ch < KC; ch += blockDim.x) {
     const int seg = ch / ic;
     ChunkSrc s;
     if (seg < g.nsel) {
-      const int id = min(max(__ldg(g.ids + seg), 0), g.E - 1);
+      const long long id = e0 + min(max(__ldg(g.ids + seg), 0), g.E - 1);
       const int local = ch - seg * ic;
-      s.w = g.w + (long long)id * g.N * ic + local;
+      s.w = g.w + id * g.N * ic + local;
       s.s = g.scale ? g.scale + id * nb * ib + ((local * EPC) >> 7) : nullptr;
       s.wstride = ic;
       s.sstride = ib;
     } else {
       const int local = ch - g.nsel * ic;
-      s.w = g.ws + local;
-      s.s = g.ss ? g.ss + ((local * EPC) >> 7) : nullptr;
+      s.w = g.ws + (long long)l * g.N * is + local;
+      s.s = g.ss ? g.ss + (long long)l * nb * isb + ((local * EPC) >> 7)
+                 : nullptr;
       s.wstride = is;
       s.sstride = isb;
     }
@@ -195,6 +222,19 @@ __global__ void __launch_bounds__(544, 1)
   constexpr int EPC = WTraits<WDT>::kElems;
   extern __shared__ __align__(16) unsigned char smem[];
 
+  // dense mode, stacked form: the layer's weights and scales (the layer index
+  // is read first: every weight address depends on it); expert mode resolves
+  // its weights in fill_chunk_sources
+  const uint4* w_l = g.w;
+  const float* s_l = g.scale;
+  if constexpr (!EXPERT) {
+    if (g.layer != nullptr) {
+      const long long l = layer_index(g);
+      w_l += l * g.N * (g.K / EPC);
+      if (s_l != nullptr)
+        s_l += l * ((g.N + 127) / 128) * ((g.K + 127) / 128);
+    }
+  }
   const int C = g.table[0];
   const int T = g.table[1];
   const int t0 = g.table[kTableHeader + blockIdx.x];
@@ -226,14 +266,14 @@ __global__ void __launch_bounds__(544, 1)
     if constexpr (EXPERT) {
       return src_s[ch].w + (long long)row * src_s[ch].wstride;
     } else {
-      return g.w + (long long)row * row_chunks + ch;
+      return w_l + (long long)row * row_chunks + ch;
     }
   };
   auto sptr = [&](int ch, int row) -> const float* {
     if constexpr (EXPERT) {
       return src_s[ch].s + (row >> 7) * src_s[ch].sstride;
     } else {
-      return g.scale + (long long)(row >> 7) * g.KB + ((ch * EPC) >> 7);
+      return s_l + (long long)(row >> 7) * g.KB + ((ch * EPC) >> 7);
     }
   };
   // load batch `bi` (tile bi / NB, chunk group bi % NB) of this warp's rows
@@ -435,6 +475,7 @@ cudaError_t launch(int gid, int rank, cudaStream_t stream, GemvArgs& g,
   const int epc = wdtype == JT_F8E4M3 ? 16 : 8;
   if (g.K % epc != 0) return cudaErrorInvalidValue;
   if (wdtype == JT_F8E4M3 && g.scale == nullptr) return cudaErrorInvalidValue;
+  if (g.layer != nullptr && g.L < 1) return cudaErrorInvalidValue;
   void* kern = select_kernel(wdtype, rpw, expert);
   if (kern == nullptr) return cudaErrorInvalidValue;
   const int T = g.nwc * rpw;
@@ -501,15 +542,70 @@ extern "C" int64_t jt_gemv_smem_bytes(int K, int tile_rows, int max_tasks) {
   return jt::smem_bytes(K, tile_rows, max_tasks, false);
 }
 
+namespace jt {
+namespace {
+
+cudaError_t gemv_call(int gid, int rank, cudaStream_t stream, const void* x,
+                      const void* w, const float* scale, const int32_t* layer,
+                      int L, const int32_t* table, void* y, int N, int K,
+                      int wdtype, int nwc, int rpw, int num_ctas,
+                      int max_tasks) {
+  GemvArgs g = dense_args(x, w, scale, table, y, N, K, nwc, max_tasks);
+  g.layer = layer;
+  g.L = L;
+  return launch(gid, rank, stream, g, wdtype, rpw, num_ctas, false);
+}
+
+cudaError_t expert_down_call(int gid, int rank, cudaStream_t stream,
+                             const void* h, const float* weights,
+                             const int32_t* ids, const void* w,
+                             const float* scale, const void* shared_h,
+                             const void* shared_w, const float* shared_scale,
+                             const int32_t* layer, int L, const int32_t* table,
+                             void* y, int N, int nsel, int I, int E, int Is,
+                             int wdtype, int nwc, int rpw, int num_ctas,
+                             int max_tasks) {
+  const int epc = wdtype == JT_F8E4M3 ? 16 : 8;
+  // every segment starts on a 16-byte chunk; fp8 needs both sets of scales
+  if (nsel < 1 || E < 1 || I < epc || I % epc != 0 || Is < epc ||
+      Is % epc != 0 || (wdtype == JT_F8E4M3 && shared_scale == nullptr))
+    return cudaErrorInvalidValue;
+  GemvArgs g =
+      dense_args(h, w, scale, table, y, N, nsel * I + Is, nwc, max_tasks);
+  g.rw = weights;
+  g.ids = ids;
+  g.xs = static_cast<const uint16_t*>(shared_h);
+  g.ws = static_cast<const uint4*>(shared_w);
+  g.ss = shared_scale;
+  g.nsel = nsel;
+  g.I = I;
+  g.E = E;
+  g.layer = layer;
+  g.L = L;
+  return launch(gid, rank, stream, g, wdtype, rpw, num_ctas, true);
+}
+
+}  // namespace
+}  // namespace jt
+
 extern "C" cudaError_t jt_gemv_all_reduce(int gid, int rank,
                                           cudaStream_t stream, const void* x,
                                           const void* w, const float* scale,
                                           const int32_t* table, void* y, int N,
                                           int K, int wdtype, int nwc, int rpw,
                                           int num_ctas, int max_tasks) {
-  jt::GemvArgs g =
-      jt::dense_args(x, w, scale, table, y, N, K, nwc, max_tasks);
-  return jt::launch(gid, rank, stream, g, wdtype, rpw, num_ctas, false);
+  return jt::gemv_call(gid, rank, stream, x, w, scale, nullptr, 1, table, y, N,
+                       K, wdtype, nwc, rpw, num_ctas, max_tasks);
+}
+
+extern "C" cudaError_t jt_gemv_all_reduce_layer(
+    int gid, int rank, cudaStream_t stream, const void* x, const void* w,
+    const float* scale, const int32_t* layer, int L, const int32_t* table,
+    void* y, int N, int K, int wdtype, int nwc, int rpw, int num_ctas,
+    int max_tasks) {
+  if (layer == nullptr) return cudaErrorInvalidValue;
+  return jt::gemv_call(gid, rank, stream, x, w, scale, layer, L, table, y, N,
+                       K, wdtype, nwc, rpw, num_ctas, max_tasks);
 }
 
 extern "C" cudaError_t jt_expert_down_all_reduce(
@@ -519,20 +615,22 @@ extern "C" cudaError_t jt_expert_down_all_reduce(
     const float* shared_scale, const int32_t* table, void* y, int N, int nsel,
     int I, int E, int Is, int wdtype, int nwc, int rpw, int num_ctas,
     int max_tasks) {
-  const int epc = wdtype == JT_F8E4M3 ? 16 : 8;
-  // every segment starts on a 16-byte chunk; fp8 needs both sets of scales
-  if (nsel < 1 || E < 1 || I < epc || I % epc != 0 || Is < epc ||
-      Is % epc != 0 || (wdtype == JT_F8E4M3 && shared_scale == nullptr))
-    return cudaErrorInvalidValue;
-  jt::GemvArgs g = jt::dense_args(h, w, scale, table, y, N, nsel * I + Is, nwc,
-                                  max_tasks);
-  g.rw = weights;
-  g.ids = ids;
-  g.xs = static_cast<const uint16_t*>(shared_h);
-  g.ws = static_cast<const uint4*>(shared_w);
-  g.ss = shared_scale;
-  g.nsel = nsel;
-  g.I = I;
-  g.E = E;
-  return jt::launch(gid, rank, stream, g, wdtype, rpw, num_ctas, true);
+  return jt::expert_down_call(gid, rank, stream, h, weights, ids, w, scale,
+                              shared_h, shared_w, shared_scale, nullptr, 1,
+                              table, y, N, nsel, I, E, Is, wdtype, nwc, rpw,
+                              num_ctas, max_tasks);
+}
+
+extern "C" cudaError_t jt_expert_down_all_reduce_layer(
+    int gid, int rank, cudaStream_t stream, const void* h,
+    const float* weights, const int32_t* ids, const void* w,
+    const float* scale, const void* shared_h, const void* shared_w,
+    const float* shared_scale, const int32_t* layer, int L,
+    const int32_t* table, void* y, int N, int nsel, int I, int E, int Is,
+    int wdtype, int nwc, int rpw, int num_ctas, int max_tasks) {
+  if (layer == nullptr) return cudaErrorInvalidValue;
+  return jt::expert_down_call(gid, rank, stream, h, weights, ids, w, scale,
+                              shared_h, shared_w, shared_scale, layer, L,
+                              table, y, N, nsel, I, E, Is, wdtype, nwc, rpw,
+                              num_ctas, max_tasks);
 }

@@ -6,7 +6,9 @@
 // all-reduce (one-shot, two-shot; bf16/f32; odd sizes), GEMV + all-reduce
 // (bf16 and fp8 with block scales), merge_topk; results bit-identical across
 // ranks; many consecutive calls alternating ops (epoch / parity reuse); the
-// one-GPU exact top-k (topk_select) against a sorted reference on device 0.
+// stacked-layer forms of GEMV and expert-down (one launch in a CUDA graph,
+// replayed with the layer index rewritten in device memory); the one-GPU
+// exact top-k (topk_select) against a sorted reference on device 0.
 // --small keeps sizes tiny for compute-sanitizer. --bench also times the ops
 // inside CUDA graphs and a NVLink ping-pong (the latency floor).
 #include <cuda_bf16.h>
@@ -462,6 +464,206 @@ void test_expert_down(int gid, int N, int nsel, int I, int E, int Is, bool fp8,
                 plan.num_ctas, plan.max_tasks, iters, gid,
                 clamp ? " id out of range" : "");
   check_output(out, ref, ref_ranks, buf);
+}
+
+// ---------------- stacked layers ----------------
+
+// Effective layer of index v for L layers: negative from the end, then
+// clamped into [0, L) (jnp's w[layer]).
+int layer_of(int v, int L) {
+  if (v < 0) v += L;
+  return std::min(std::max(v, 0), L - 1);
+}
+
+// Layer indices every stacked test runs: the last, the first, -1 (the last
+// again), L + 2 (clamped to the last), 1.
+std::vector<int> layer_values(int L) { return {L - 1, 0, -1, L + 2, 1 % L}; }
+
+// One launch per rank captured in a CUDA graph (as XLA's command buffers do),
+// replayed once per value of `layers` with the layer index rewritten in device
+// memory before each replay and y poisoned: out[i][r] is rank r's y for
+// layers[i]. The launch itself never changes, only the device value.
+std::vector<std::vector<std::vector<uint16_t>>> run_layer_graph(
+    int N, const std::vector<int>& layers,
+    const std::function<void(int, cudaStream_t, const int32_t*, uint16_t*)>&
+        launch) {
+  const size_t nl = layers.size();
+  std::vector<std::vector<std::vector<uint16_t>>> out(
+      nl, std::vector<std::vector<uint16_t>>(g_world));
+  run_ranks([&](int r) {
+    cudaStream_t st;
+    CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    int32_t* dl = nullptr;
+    int32_t* hl = nullptr;
+    uint16_t *dy = nullptr, *all = nullptr;
+    CK(cudaMalloc(&dl, 4));
+    CK(cudaMalloc(&dy, (size_t)N * 2));
+    CK(cudaMalloc(&all, nl * N * 2));
+    CK(cudaMallocHost(&hl, nl * 4));
+    for (size_t i = 0; i < nl; ++i) hl[i] = layers[i];
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+    launch(r, st, dl, dy);
+    CK(cudaStreamEndCapture(st, &graph));
+    CK(cudaGraphInstantiate(&exec, graph, 0));
+    for (size_t i = 0; i < nl; ++i) {
+      CK(cudaMemsetAsync(dy, 0xff, (size_t)N * 2, st));
+      CK(cudaMemcpyAsync(dl, hl + i, 4, cudaMemcpyHostToDevice, st));
+      CK(cudaGraphLaunch(exec, st));
+      CK(cudaMemcpyAsync(all + i * N, dy, (size_t)N * 2,
+                         cudaMemcpyDeviceToDevice, st));
+    }
+    CK(cudaStreamSynchronize(st));
+    const std::vector<uint16_t> h = host_copy(all, nl * N);
+    for (size_t i = 0; i < nl; ++i)
+      out[i][r].assign(h.begin() + i * N, h.begin() + (i + 1) * N);
+    CK(cudaGraphExecDestroy(exec));
+    CK(cudaGraphDestroy(graph));
+    CK(cudaFreeHost(hl));
+    CK(cudaFree(dl));
+    CK(cudaFree(dy));
+    CK(cudaFree(all));
+    CK(cudaStreamDestroy(st));
+  });
+  return out;
+}
+
+// jt_gemv_all_reduce_layer: w [L, N, K] (scales [L, ...]) per rank, every
+// layer different; each layer index of layer_values against the fp64
+// reference of its layer's weights.
+void test_gemv_layers(int gid, int N, int K, bool fp8, int nwc, int rpw, int L,
+                      unsigned seed) {
+  std::mt19937 rng(seed);
+  const int ref_ranks = gid < 0 ? 1 : g_world;
+  std::vector<std::vector<uint16_t>> xs(g_world);
+  std::vector<HostWeights> ws;
+  for (int r = 0; r < g_world; ++r) {
+    xs[r] = rand_bf16(rng, K);
+    ws.emplace_back(rng, L, N, K, fp8);
+  }
+  const std::vector<int> layers = layer_values(L);
+  std::vector<std::vector<double>> ref(L);
+  for (int v : layers) {
+    const int l = layer_of(v, L);
+    if (!ref[l].empty()) continue;
+    ref[l].assign(N, 0.0);
+    for (int r = 0; r < ref_ranks; ++r)
+      for (int n = 0; n < N; ++n) {
+        double acc = 0.0;
+        for (int k = 0; k < K; ++k) acc += ws[r].at(l, n, k) * bf2f(xs[r][k]);
+        ref[l][n] += acc;
+      }
+  }
+  int sms = 0;
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  Plan plan = make_plan(N, nwc * rpw, sms);
+  std::vector<DevBufs> bufs = rank_bufs();
+  std::vector<const void*> dx(g_world), dw(g_world);
+  std::vector<const float*> ds(g_world);
+  std::vector<const int32_t*> dt(g_world);
+  for (int r = 0; r < g_world; ++r) {
+    dx[r] = bufs[r].copy(xs[r]);
+    dw[r] = ws[r].upload_w(bufs[r]);
+    ds[r] = ws[r].upload_s(bufs[r]);
+    dt[r] = bufs[r].copy(plan.table);
+  }
+  auto out = run_layer_graph(
+      N, layers,
+      [&](int r, cudaStream_t st, const int32_t* dl, uint16_t* dy) {
+        CK(jt_gemv_all_reduce_layer(gid, r, st, dx[r], dw[r], ds[r], dl, L,
+                                    dt[r], dy, N, K, fp8 ? JT_F8E4M3 : JT_BF16,
+                                    nwc, rpw, plan.num_ctas, plan.max_tasks));
+      });
+  for (size_t i = 0; i < layers.size(); ++i) {
+    char buf[200];
+    std::snprintf(buf, sizeof(buf),
+                  "gemv_all_reduce_layer N=%d K=%d %s L=%d layer=%d (-> %d) "
+                  "nwc=%d rpw=%d graph (gid %d)",
+                  N, K, fp8 ? "fp8" : "bf16", L, layers[i],
+                  layer_of(layers[i], L), nwc, rpw, gid);
+    check_output(out[i], ref[layer_of(layers[i], L)], ref_ranks, buf);
+  }
+}
+
+// jt_expert_down_all_reduce_layer: down [L, E, N, I] and shared [L, N, Is]
+// (scales likewise) per rank, every layer different, the same hidden vectors,
+// routing weights and ids for every layer.
+void test_expert_down_layers(int gid, int N, int nsel, int I, int E, int Is,
+                             bool fp8, int nwc, int rpw, int L,
+                             unsigned seed) {
+  std::mt19937 rng(seed);
+  const int ref_ranks = gid < 0 ? 1 : g_world;
+  std::vector<int32_t> ids(nsel);
+  std::vector<float> wts(nsel);
+  for (int j = 0; j < nsel; ++j) {
+    ids[j] = (int32_t)((j * 5 + 1) % E);
+    wts[j] = 0.1f + 0.9f * (float)(rng() % 1000) / 1000.f;
+  }
+  std::vector<std::vector<uint16_t>> hs(g_world), hsh(g_world);
+  std::vector<HostWeights> down, shared;
+  for (int r = 0; r < g_world; ++r) {
+    hs[r] = rand_bf16(rng, (size_t)nsel * I);
+    hsh[r] = rand_bf16(rng, Is);
+    down.emplace_back(rng, L * E, N, I, fp8);  // [L * E, N, I] = [L, E, N, I]
+    shared.emplace_back(rng, L, N, Is, fp8);
+  }
+  const std::vector<int> layers = layer_values(L);
+  std::vector<std::vector<double>> ref(L);
+  for (int v : layers) {
+    const int l = layer_of(v, L);
+    if (!ref[l].empty()) continue;
+    ref[l].assign(N, 0.0);
+    for (int r = 0; r < ref_ranks; ++r)
+      for (int n = 0; n < N; ++n) {
+        double acc = 0.0;
+        for (int j = 0; j < nsel; ++j) {
+          double a = 0.0;
+          for (int i = 0; i < I; ++i)
+            a += down[r].at(l * E + ids[j], n, i) *
+                 bf2f(hs[r][(size_t)j * I + i]);
+          acc += (double)wts[j] * a;
+        }
+        for (int i = 0; i < Is; ++i)
+          acc += shared[r].at(l, n, i) * bf2f(hsh[r][i]);
+        ref[l][n] += acc;
+      }
+  }
+  int sms = 0;
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  Plan plan = make_plan(N, nwc * rpw, sms);
+  struct In {
+    const void *h, *hs, *w, *sw;
+    const float *wts, *s, *ss;
+    const int32_t *ids, *table;
+  };
+  std::vector<DevBufs> bufs = rank_bufs();
+  std::vector<In> in(g_world);
+  for (int r = 0; r < g_world; ++r) {
+    DevBufs& b = bufs[r];
+    in[r] = In{b.copy(hs[r]), b.copy(hsh[r]), down[r].upload_w(b),
+               shared[r].upload_w(b), b.copy(wts), down[r].upload_s(b),
+               shared[r].upload_s(b), b.copy(ids), b.copy(plan.table)};
+  }
+  auto out = run_layer_graph(
+      N, layers,
+      [&](int r, cudaStream_t st, const int32_t* dl, uint16_t* dy) {
+        const In& a = in[r];
+        CK(jt_expert_down_all_reduce_layer(
+            gid, r, st, a.h, a.wts, a.ids, a.w, a.s, a.hs, a.sw, a.ss, dl, L,
+            a.table, dy, N, nsel, I, E, Is, fp8 ? JT_F8E4M3 : JT_BF16, nwc,
+            rpw, plan.num_ctas, plan.max_tasks));
+      });
+  for (size_t i = 0; i < layers.size(); ++i) {
+    char buf[240];
+    std::snprintf(buf, sizeof(buf),
+                  "expert_down_all_reduce_layer N=%d %dx[%d] of E=%d + "
+                  "shared[%d] %s L=%d layer=%d (-> %d) nwc=%d rpw=%d graph "
+                  "(gid %d)",
+                  N, nsel, I, E, Is, fp8 ? "fp8" : "bf16", L, layers[i],
+                  layer_of(layers[i], L), nwc, rpw, gid);
+    check_output(out[i], ref[layer_of(layers[i], L)], ref_ranks, buf);
+  }
 }
 
 // ---------------- merge top-k ----------------
@@ -1287,6 +1489,11 @@ int main(int argc, char** argv) {
     test_expert_down(gid, 200, 3, 32, 5, 48, false, 4, 2, iters, 17);
     test_expert_down(gid, 130, 2, 32, 3, 48, true, 4, 2, iters, 18, true);
     test_expert_down(-1, 200, 2, 16, 4, 8, false, 4, 1, iters, 19);
+    test_gemv_layers(gid, 200, 256, false, 4, 2, 3, 41);
+    test_gemv_layers(gid, 130, 128, true, 4, 2, 3, 42);
+    test_gemv_layers(-1, 200, 256, false, 4, 1, 2, 43);
+    test_expert_down_layers(gid, 200, 3, 32, 5, 48, false, 4, 2, 3, 44);
+    test_expert_down_layers(gid, 130, 2, 32, 3, 48, true, 4, 2, 2, 45);
     test_merge(gid, 100, 100, 2, 64, iters, 21);
     test_merge(gid, 60, 60 * g_world - 7, 1, 64, iters, 23);
     test_interleaved(gid, 4);
@@ -1302,6 +1509,11 @@ int main(int argc, char** argv) {
     test_expert_down(gid, 7168, 8, 128, 12, 128, true, 16, 4, iters, 33, true);
     test_expert_down(gid, 1001, 3, 64, 5, 128, false, 8, 2, iters, 34);
     test_expert_down(-1, 7168, 8, 256, 16, 256, true, 16, 2, iters, 35);
+    test_gemv_layers(gid, 7168, 2048, true, 16, 2, 3, 51);
+    test_gemv_layers(gid, 1001, 512, false, 4, 4, 4, 52);
+    test_gemv_layers(-1, 7168, 2048, false, 16, 1, 2, 53);
+    test_expert_down_layers(gid, 7168, 8, 256, 8, 256, true, 16, 2, 2, 54);
+    test_expert_down_layers(gid, 1001, 3, 64, 5, 128, false, 8, 2, 3, 55);
     test_merge(gid, 2048, 2048, 4, 512, iters, 21);
     test_merge(gid, 777, 777, 3, 256, iters, 22);
     test_merge(gid, 1500, std::min(2048, 1500 * g_world), 4, 512, iters, 24);

@@ -1,30 +1,17 @@
-"""jtilert's CUDA engine behind XLA FFI custom calls (issue 6).
-
-Public functions (all usable inside ``jax.shard_map`` over a mesh axis):
+"""jtilert's CUDA engine behind XLA FFI custom calls (all ops usable inside ``jax.shard_map``).
 
 - ``all_reduce(x, axis_name)``: NVLink one-shot / two-shot all-reduce.
-- ``gemv_all_reduce(x, w, scale, axis_name)``: persistent GEMV (bf16 or fp8
-  block-scaled weights) fused with the all-reduce of its output.
-- ``gemv(x, w, scale=None)``: the same GEMV kernel without communication.
-- ``expert_down_all_reduce(h, weights, ids, down, down_scale, shared_h,
-  shared_down, shared_scale, axis_name)``: the MoE down projections of the
-  chosen experts (ids read on the device), their routing-weighted sum and the
-  shared expert, fused with the all-reduce (the same kernel, K in segments).
-- ``merge_topk(scores, indices, axis_name, k)``: global top-k of per-rank
-  candidate lists, bit-identical on every rank.
-- ``top_k(scores, k)`` / ``topk(scores, k)`` / ``split_topk(scores, k, axis_name)``: exact
-  top-k on one GPU in one launch (``lax.top_k``'s result; ``topk`` is the drop-in for
-  ``jtilert.layers.topk_positions``), and split over the ranks + ``merge_topk``
-  (``jtilert.ffi.select``).
-- ``available()``: whether the CUDA engine is usable in this process.
+- ``gemv_all_reduce(x, w, scale, axis_name)`` / ``gemv(x, w, scale)``: persistent GEMV (bf16, or
+  fp8 with block scales) with / without the all-reduce of its output fused in.
+- ``expert_down_all_reduce(h, weights, ids, down, ..., axis_name)``: the chosen MoE experts' down
+  projections (ids read on the device), their weighted sum and the shared expert, all-reduced.
+  These three take ``layer=`` (int32, may be traced) with stacked [L, ...] weights: the kernel
+  offsets its weight pointers by the layer it reads on the device (no XLA copy of ``w[layer]``).
+- ``merge_topk``, ``top_k`` / ``topk`` / ``split_topk``: exact top-k (``jtilert.ffi.select``).
 
-Without the built library (``python -m jtilert.ffi.build``; it is also built on
-first use on a GPU machine with nvcc and cmake) or without a GPU, every
-function falls back to the XLA path (``lax.psum``, ``jnp.dot``, all_gather +
-sort) with one warning. Environment: JTILERT_FFI_DISABLE=1 forces the
-fallback; JTILERT_FFI_LIB names a prebuilt library; JTILERT_FFI_AUTOBUILD=0
-stops the build on first use; JTILERT_FFI_MAX_BYTES (default 1 MiB) bounds one
-message; JTILERT_FFI_TIMEOUT_MS (default 30000) bounds every spin-wait.
+Without the library (``python -m jtilert.ffi.build``, or built on first use) or a GPU, every op
+falls back to the XLA path with one warning. Environment: JTILERT_FFI_DISABLE=1, JTILERT_FFI_LIB,
+JTILERT_FFI_AUTOBUILD=0, JTILERT_FFI_MAX_BYTES (1 MiB/message), JTILERT_FFI_TIMEOUT_MS (30000 ms).
 """
 
 from jtilert.ffi._lib import load as _load
@@ -36,15 +23,15 @@ from jtilert.ffi.select import split_topk, top_k, topk
 
 
 def available() -> bool:
-  """True if the CUDA engine is loaded (GPU present, library built/loadable)."""
-  lib, _ = _load()
-  return lib is not None
+    """True if the CUDA engine is loaded (GPU present, library built/loadable)."""
+    lib, _ = _load()
+    return lib is not None
 
 
 def unavailable_reason() -> str:
-  """Why ``available()`` is False ('' when it is True)."""
-  _, why = _load()
-  return why
+    """Why ``available()`` is False ('' when it is True)."""
+    _, why = _load()
+    return why
 
 
 __all__ = [

@@ -18,7 +18,8 @@ import warnings
 import numpy as np
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))  # tests/: ffi_inputs
-from ffi_inputs import EXPERT_DOWN_SPECS, expert_down_case, fp8_weights, np_expert_down, np_gemv  # noqa: E402
+from ffi_inputs import (EXPERT_DOWN_SPECS, STACKED_EXPERT_DOWN_SPECS, expert_down_case, fp8_weights,  # noqa: E402
+                        np_expert_down, np_gemv, stack_layers)
 
 
 def main() -> int:
@@ -195,11 +196,152 @@ def main() -> int:
            f"in one jitted fori_loop: mismatches moe={res[0].tolist()} gemv={res[1].tolist()} "
            f"({time.perf_counter() - t0:.1f} s incl. compile)")
 
+  # ---------------- stacked layers (layer=): whole [L, ...] weights + a traced layer index --------
+  def stacked_fn(f, specs, args, layers, n):
+    """smap of a fori_loop over the layer indices `layers` (the loop computes each one: a traced
+    value) stacking f(layer, *args) [n] per index; the None entries of args (bf16 scales) are
+    dropped with their specs and passed to f as None."""
+    keep = [i for i, a in enumerate(args) if a is not None]
+
+    def body_fn(*a):
+      full = [None] * len(args)
+      for i, v in zip(keep, a):
+        full[i] = v
+
+      def body(i, ys):
+        layer = sum(jnp.where(i == j, jnp.int32(v), jnp.int32(0)) for j, v in enumerate(layers))
+        return ys.at[i].set(f(layer, *full))
+      return lax.fori_loop(0, len(layers), body, jnp.zeros((len(layers), n), jnp.bfloat16))[None]
+
+    return smap(body_fn, tuple(specs[i] for i in keep), P("tp")), tuple(args[i] for i in keep)
+
+  def no_weight_slice(fn, args, dims):
+    """Whether neither the lowered nor the compiled program dynamic-slices the weight stack (one
+    layer's shape `dims`, per rank; the stack's and the slice's types end in it): the stacked
+    weights go to the kernel whole."""
+    stable = "x".join(map(str, dims)) + "x"
+    hlo = ",".join(map(str, dims)) + "]"
+    lowered = fn.lower(*args)
+    return (not any("dynamic_slice" in ln and stable in ln for ln in lowered.as_text().splitlines())
+            and not any("dynamic-slice(" in ln and hlo in ln for ln in lowered.compile().as_text().splitlines()))
+
+  L = 3
+  layer_vals = [0, 2, 1, -1, L + 4]   # -1: the last layer; L + 4 clamps to the last, like w[layer]
+
+  def eff(v):
+    return min(max(v + L if v < 0 else v, 0), L - 1)
+
+  for (n, k, fp8) in ((7168, 1024, True), (7168, 1024, False), (1001, 512, True)):
+    with checking(f"gemv_all_reduce layer= N={n} fp8={fp8}"):
+      kg = k * W
+      x = jnp.asarray(rng.standard_normal(kg), jnp.bfloat16)
+      if fp8:
+        per = [(x,) + fp8_weights(rng, n, kg) for _ in range(L)]
+      else:
+        per = [(x, jnp.asarray(rng.standard_normal((n, kg)) * 0.05, jnp.bfloat16), None) for _ in range(L)]
+      xs, ws, ss = stack_layers(per)
+      specs = (P("tp"), P(None, None, "tp"), P(None, None, "tp"))
+      fe, a = stacked_fn(lambda l, x, w, s: jf.gemv_all_reduce(x, w, s, "tp", layer=l), specs, (xs, ws, ss),
+                         layer_vals, n)
+      y = np.asarray(fe(*a).astype(jnp.float32))           # [W, len(layer_vals), n]
+      # the unstacked engine op on w[l]: the same kernel on the same bytes, so the same bits
+      fu = smap(per_rank(lambda x, w, *s: jf.gemv_all_reduce(x, w, s[0] if s else None, "tp")),
+                (P("tp"), P(None, "tp")) + ((P(None, "tp"),) if fp8 else ()), P("tp"))
+      ok, worst, same_all, eq_unstacked = True, 0.0, True, True
+      for j, v in enumerate(layer_vals):
+        _, w_l, s_l = per[eff(v)]
+        rel, same = rel_and_same(y[:, j], np_gemv(x, w_l, s_l))
+        yu = np.asarray(fu(*((x, w_l) + ((s_l,) if fp8 else ()))).astype(jnp.float32))
+        eq_unstacked &= np.array_equal(y[0, j], yu[0])
+        worst, same_all = max(worst, rel), same_all and same
+      custom = hlo_has(fe, a, "jtilert_gemv_all_reduce_stacked")
+      no_copy = no_weight_slice(fe, a, (n, k))
+      ok = custom and no_copy and same_all and eq_unstacked and worst < 8e-3
+      report(ok, f"gemv_all_reduce layer= L={L} N={n} K_local={k} {'fp8' if fp8 else 'bf16'}, layers "
+                 f"{layer_vals} in a jitted fori_loop: stacked custom_call={custom} "
+                 f"no-weight-slice={no_copy} bit-identical={same_all} "
+                 f"equals-unstacked-engine-bitwise={eq_unstacked} max rel-err={worst:.2e}")
+
+  with checking("gemv layer= local"):
+    x = jnp.asarray(rng.standard_normal(2048), jnp.bfloat16)
+    w3 = jnp.asarray(rng.standard_normal((L, 7168, 2048)) * 0.05, jnp.bfloat16)
+    fl = jax.jit(lambda x, w, l: jf.gemv(x, w, layer=l))
+    rels = []
+    for v in layer_vals:
+      y = np.asarray(fl(x, w3, jnp.int32(v)).astype(jnp.float32))
+      ref = np_gemv(x, w3[eff(v)], None)
+      rels.append(np.linalg.norm(y - ref) / np.linalg.norm(ref))
+    custom = hlo_has(fl, (x, w3, jnp.int32(0)), "jtilert_gemv_all_reduce_stacked")
+    report(custom and max(rels) < 8e-3, f"gemv (local) layer= L={L} 7168x2048 bf16: custom_call={custom} "
+                                         f"max rel-err={max(rels):.2e}")
+
+  for (n, kk, i_loc, e, is_loc, fp8) in ((7168, 8, 256, 16, 256, True), (7168, 8, 256, 16, 256, False),
+                                         (1001, 3, 64, 5, 128, False)):
+    with checking(f"expert_down_all_reduce layer= N={n} fp8={fp8}"):
+      first = ed_case(n, kk, i_loc, e, is_loc, fp8)
+      cases = [first]
+      for _ in range(L - 1):   # the same activations, every layer its own weights
+        c = ed_case(n, kk, i_loc, e, is_loc, fp8)
+        cases.append(first[:3] + c[3:5] + first[5:6] + c[6:])
+      st = stack_layers(cases)
+      fe, a = stacked_fn(lambda l, *c: jf.expert_down_all_reduce(*c, "tp", layer=l), STACKED_EXPERT_DOWN_SPECS,
+                         st, layer_vals, n)
+      y = np.asarray(fe(*a).astype(jnp.float32))
+      fu = expert_down_fn(lambda *c: jf.expert_down_all_reduce(*c, "tp"), fp8)
+      worst, same_all, eq_unstacked = 0.0, True, True
+      for j, v in enumerate(layer_vals):
+        case = cases[eff(v)]
+        rel, same = rel_and_same(y[:, j], np_expert_down(*case))
+        yu = np.asarray(fu(*(c for c in case if c is not None)).astype(jnp.float32))
+        eq_unstacked &= np.array_equal(y[0, j], yu[0])
+        worst, same_all = max(worst, rel), same_all and same
+      custom = hlo_has(fe, a, "jtilert_expert_down_all_reduce_stacked")
+      no_copy = no_weight_slice(fe, a, (e, n, i_loc)) and no_weight_slice(fe, a, (n, is_loc))
+      report(custom and no_copy and same_all and eq_unstacked and worst < 8e-3,
+             f"expert_down_all_reduce layer= L={L} N={n} {kk}x[{i_loc}] of E={e} + shared[{is_loc}] "
+             f"{'fp8' if fp8 else 'bf16'}, layers {layer_vals} in a jitted fori_loop: stacked "
+             f"custom_call={custom} no-weight-slice={no_copy} bit-identical={same_all} "
+             f"equals-unstacked-engine-bitwise={eq_unstacked} max rel-err={worst:.2e}")
+
+  # many layer steps in one jitted loop: the layer index changes on the device every iteration
+  with checking("stacked layers jitted loop"):
+    first = ed_case(7168, 8, 256, 16, 256, True)
+    cases = [first] + [first[:3] + c[3:5] + first[5:6] + c[6:]
+                       for c in (ed_case(7168, 8, 256, 16, 256, True) for _ in range(L - 1))]
+    st = stack_layers(cases)
+    w_o = jnp.asarray(rng.standard_normal((L, 7168, 1024 * W)) * 0.05, jnp.bfloat16)
+    x_o = jnp.asarray(rng.standard_normal(1024 * W), jnp.bfloat16)
+
+    def layer_loop(x, w, h, wts, ids, down, ds, hs, sd, ss):
+      def body(it, c):
+        bad_moe, bad_gemv = c
+        l = it % L
+        hi = h * (1 + it % 5).astype(h.dtype)
+        y = jf.expert_down_all_reduce(hi, wts, ids, down, ds, hs, sd, ss, "tp", layer=l).astype(jnp.float32)
+        yr = jf.expert_down_reference(hi, wts, ids, down, ds, hs, sd, ss, "tp", layer=l).astype(jnp.float32)
+        bad_moe += jnp.sum(jnp.abs(y - yr) > 0.02 * jnp.abs(yr) + 0.05 * jnp.abs(yr).max())
+        o = jf.gemv_all_reduce(x, w, None, "tp", layer=l).astype(jnp.float32)
+        orf = jf.gemv_reference(x, w, None, "tp", layer=l).astype(jnp.float32)
+        bad_gemv += jnp.sum(jnp.abs(o - orf) > 0.02 * jnp.abs(orf) + 0.05)
+        return bad_moe, bad_gemv
+
+      z = jnp.zeros((), jnp.int32)
+      return jax.tree.map(lambda o: o[None], lax.fori_loop(0, 999, body, (z, z)))
+
+    fl = smap(layer_loop, (P("tp"), P(None, None, "tp")) + STACKED_EXPERT_DOWN_SPECS, P("tp"))
+    t0 = time.perf_counter()
+    res = [np.asarray(a) for a in fl(x_o, w_o, *st)]
+    report(all(int(a.sum()) == 0 for a in res),
+           f"999 iterations of stacked expert_down_all_reduce + gemv_all_reduce (layer = it % {L} on the "
+           f"device) in one jitted fori_loop: mismatches moe={res[0].tolist()} gemv={res[1].tolist()} "
+           f"({time.perf_counter() - t0:.1f} s incl. compile)")
+
   # inside the model: the trained tiny model in bf16 at tp=2, engine on vs psum
   with checking("tiny model engine vs psum"):
     import jtilert
     from flax import nnx
     from jtilert.generate import Engine
+    from jtilert.ops import DecodeConfig
 
     graphdef, state = nnx.split(jtilert.load("tiny"))
     model = nnx.merge(graphdef, jax.tree.map(lambda v: v.astype(jnp.bfloat16), state))
@@ -208,7 +350,7 @@ def main() -> int:
     toks = rng.integers(32, 127, 24)
     logits, hlo = {}, ""
     for engine in (True, False):
-      eng = Engine(model, mesh=tmesh, engine_all_reduce=engine)
+      eng = Engine(model, mesh=tmesh, config=DecodeConfig(engine_all_reduce=engine))
       cache, out = eng.new_cache(len(toks) + 1), []
       for p_, t_ in enumerate(toks):
         args_ = (eng.state, cache, eng.place(jnp.asarray([t_], jnp.int32)), eng.place(jnp.int32(p_)))
@@ -217,7 +359,8 @@ def main() -> int:
         lg, _, cache = eng.forward(*args_)
         out.append(np.asarray(lg, np.float32))
       logits[engine] = np.concatenate(out)
-    custom = "jtilert_expert_down_all_reduce" in hlo and "jtilert_gemv_all_reduce" in hlo
+    # the layer loops pass the stacked weights and the layer index: the *_stacked targets
+    custom = "jtilert_expert_down_all_reduce_stacked" in hlo and "jtilert_gemv_all_reduce_stacked" in hlo
     agree = float(np.mean(logits[True].argmax(-1) == logits[False].argmax(-1)))
     rel = np.linalg.norm(logits[True] - logits[False]) / np.linalg.norm(logits[False])
     report(custom and agree >= 0.9,
@@ -250,7 +393,7 @@ def main() -> int:
 
   # ---------------- exact top-k on one GPU (jtilert.ffi.select) vs lax.top_k -------
   from jtilert import layers
-  from jtilert.pallas import dispatch
+  from jtilert.ops import DecodeConfig, Ops
 
   def score_rows(t, n, kind):
     x = rng.standard_normal((t, n))
@@ -282,7 +425,7 @@ def main() -> int:
       order = np.argsort(ri, axis=-1)
       by_index = (np.array_equal(ui, np.take_along_axis(ri, order, -1)) and
                   np.array_equal(uv.view(np.uint32), np.take_along_axis(rv, order, -1).view(np.uint32)))
-      fd = jax.jit(lambda s, k=k: dispatch.ops().topk_positions(s, k))
+      fd = jax.jit(lambda s, k=k: Ops(DecodeConfig(backend="pallas"))("topk_positions", s, k))
       di, dvalid = (np.asarray(a) for a in fd(x))
       li, lvalid = (np.asarray(a) for a in layers.topk_positions(x, k))
       do, lo = np.argsort(di, axis=-1), np.argsort(li, axis=-1)   # the same pairs, in position order
@@ -293,7 +436,7 @@ def main() -> int:
       custom = hlo_has(fe, (x,), "jtilert_topk_select")
       report(exact and by_index and drop_in and custom,
              f"top_k T={t} N={n} k={k} {kind}: custom_call={custom} equals-lax.top_k={exact} "
-             f"by-index-mode={by_index} pallas-dispatch-equals-layers={drop_in} "
+             f"by-index-mode={by_index} pallas-ops-equals-layers={drop_in} "
              f"(mismatching indices: {int((ei != ri).sum())})")
 
   # many calls in one jitted loop (command buffers): the kernel's scratch stays clean

@@ -119,6 +119,29 @@ cudaError_t jt_expert_down_all_reduce(
     int I, int E, int Is, int wdtype, int nwc, int rpw, int num_ctas,
     int max_tasks);
 
+// Stacked-layer forms of the two calls above: w (and scale, shared_w,
+// shared_scale) hold L layers, [L, N, K] / [L, E, N, I] / [L, N, Is] and
+// scales [L, ...] likewise; `layer` points to one int32 in device memory, the
+// layer index. The kernel reads it and offsets its weight and scale pointers
+// by layer * (one layer's size): the result is the call on layer `layer`
+// (negative counts from the end, then clamped into [0, L), like jnp's
+// w[layer]). Nothing is read on the host: the launch is the same for every
+// layer, so a traced layer loop needs no copy of the layer's weights and no
+// synchronisation, and the launch can be captured in a CUDA graph.
+cudaError_t jt_gemv_all_reduce_layer(int gid, int rank, cudaStream_t stream,
+                                     const void* x, const void* w,
+                                     const float* scale, const int32_t* layer,
+                                     int L, const int32_t* table, void* y,
+                                     int N, int K, int wdtype, int nwc,
+                                     int rpw, int num_ctas, int max_tasks);
+cudaError_t jt_expert_down_all_reduce_layer(
+    int gid, int rank, cudaStream_t stream, const void* h,
+    const float* weights, const int32_t* ids, const void* w,
+    const float* scale, const void* shared_h, const void* shared_w,
+    const float* shared_scale, const int32_t* layer, int L,
+    const int32_t* table, void* y, int N, int nsel, int I, int E, int Is,
+    int wdtype, int nwc, int rpw, int num_ctas, int max_tasks);
+
 // Global top-k (k <= W*m) of the union of every rank's list of m (score,
 // index) pairs, each list sorted by score desc then index asc; output in that
 // order, bit-identical on all ranks.
