@@ -112,8 +112,9 @@ def _sparse_mla_unsupported(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale) 
 
 
 def _indexer_unsupported(cfg, q, w, k, k_cache, k_scale, positions, start) -> str | None:
-    if (k_cache.shape[-1] * k_cache.dtype.itemsize) % 128:
-        return f"index keys of {k_cache.shape[-1]} × {k_cache.dtype} are not a whole 128-byte TMA row"
+    rows, width = k_cache.shape[-2:]
+    if rows % 8 or (width * k_cache.dtype.itemsize) % 32:
+        return f"{rows} cache rows (a multiple of 8 reads as TMA tiles) of {width} × {k_cache.dtype} (32-byte multiples)"
     return None
 
 
@@ -138,6 +139,8 @@ OPS: dict[str, Op] = {
     "expert_hidden": Op(layers.expert_hidden, "pallas.moe:expert_gate_up", (2, 3, 4, 5),
                         lambda x, ids, g, gs, u, us: _experts_unsupported(x, g, gs, u)),
     # its reference path is in Ops.indexer_topk (an in-place write into the stack, then the scores)
+    # the kernel's own choice: one launch that appends and scores, or (split indexer, key rows shorter
+    # than a 128-byte TMA) XLA's in-place append and the scoring kernel
     "indexer_append_scores": Op(layers.indexer_append_scores, "pallas.indexer:indexer_append_scores", (4, 5),
                                 _indexer_unsupported),
     "sparse_mla": Op(layers.sparse_mla, "pallas.sparse_mla:sparse_mla", (2, 3), _sparse_mla_unsupported),
@@ -264,28 +267,23 @@ class Ops:
 
     def indexer_topk(self, cfg, q, w, k, k_cache, k_scale, positions, start, layer):
         """Append the new index keys at row `start` of layer `layer` of the stacked key cache and select
-        the top-k cached positions: ((indices [T, k], valid [T, k]), k_cache, k_scale)."""
+        the top-k cached positions: ((indices [T, k], valid [T, k]), k_cache, k_scale). Under a split
+        indexer each rank scores its share of the rows and the ranks' top-k lists are merged."""
         first, num = self.indexer_rows(k_cache.shape[1], q.shape[0])
         op = OPS["indexer_append_scores"]
         args = (cfg, q, w, k, k_cache, k_scale, positions, start)
-        if num is None and self._use_kernel("indexer_append_scores", op, _per_layer(op, args)):
-            scores, k_cache, k_scale = _kernel(op.kernel)(*args, layer=layer)
-            return self("topk_positions", scores, cfg.index_topk), k_cache, k_scale
-        # XLA appends the key (on every rank under a split indexer, so caches stay whole for the steps
-        # that score every row: prefill, MTP's two tokens), then the rows are scored
-        k8, ks = layers.indexer_key(cfg, k)
-        k_cache = jax.lax.dynamic_update_slice(k_cache, k8[None].astype(k_cache.dtype), (layer, start, 0))
-        if ks is not None:
-            k_scale = jax.lax.dynamic_update_slice(k_scale, ks[None], (layer, start))
+        if self._use_kernel("indexer_append_scores", op, _per_layer(op, args)):
+            scores, k_cache, k_scale = _kernel(op.kernel)(*args, first, num, layer=layer)
+        else:   # XLA appends the key in place, then the reference scores the layer's rows
+            k8, ks = layers.indexer_key(cfg, k)
+            k_cache = jax.lax.dynamic_update_slice(k_cache, k8[None].astype(k_cache.dtype), (layer, start, 0))
+            if ks is not None:
+                k_scale = jax.lax.dynamic_update_slice(k_scale, ks[None], (layer, start))
+            scores = layers.indexer_scores(q, w, k_cache[layer], _take(k_scale, layer), positions)
+            if num is not None:
+                scores = jax.lax.dynamic_slice_in_dim(scores, first, num, axis=1)
         if num is None:
-            scores = layers.indexer_scores(q, w, k_cache[layer], _take(k_scale, layer), positions)
             return self("topk_positions", scores, cfg.index_topk), k_cache, k_scale
-        if self._kernels:
-            from jtilert.pallas import indexer
-            scores = indexer.indexer_scores(q, w, k_cache, k_scale, positions, start=first, rows=num, layer=layer)
-        else:
-            scores = layers.indexer_scores(q, w, k_cache[layer], _take(k_scale, layer), positions)
-            scores = jax.lax.dynamic_slice_in_dim(scores, first, num, axis=1)
         from jtilert import ffi
         vals, idx = ffi.split_topk(scores[0], cfg.index_topk, self.axis)
         return (idx[None], vals[None] > -jnp.inf), k_cache, k_scale
