@@ -53,7 +53,7 @@ for part in "$@"; do
     kernels) OUT=$WORK/kernels step kernels 300 python3 bench/kernels.py --quick ;;
     sweep) OUT=$WORK/sweep step sweep 540 python3 bench/kernels.py --sweep --quick ;;
     attention) OUT=$WORK/attention step attention 200 python3 bench/attention.py ;;
-    decode) step decode 430 $DEC --layers 61 --backend "$B" --kernels \
+    decode) step decode 480 $DEC --layers 61 --backend "$B" --kernels --samples 10 \
               --out "$WORK/decode.json" --plot "$WORK/decode.png" ;;
     breakdown) step breakdown 200 $DEC --layers 8 --backend "$B" --breakdown --samples 10 \
                  --out "$WORK/breakdown.json" ;;
@@ -80,7 +80,7 @@ for part in "$@"; do
       done ;;
     kvfp8) step kvfp8 200 $DEC --layers 8 --backend pallas,reference --set kv_cache_quant=fp8 --samples 10 \
              --out "$WORK/kvfp8.json" ;;
-    check) step check 300 python3 tests/gpu/decode_check.py --out "$WORK/check.json" ;;
+    check) step check 150 python3 tests/gpu/decode_check.py --out "$WORK/check.json" ;;
     recompile) step recompile 300 $DEC --layers 61 --backend pallas --steps 5 --samples 4 \
                  --out "$WORK/recompile.json" ;;
     callcost)  # does XLA update its command buffers on every call? the same loop under each update mode
