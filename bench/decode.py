@@ -197,9 +197,10 @@ def breakdown(model, backend, context, steps, samples, mesh, engine) -> dict:
 
 
 def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samples: int, mesh=None,
-                  engine: bool = False, host: bool = True, kernels: bool = False, split_indexer: bool = False) -> dict:
+                  engine: bool = False, host: bool = True, kernels: bool = False, split_indexer: bool = False,
+                  layer_loop: str = "loop") -> dict:
     eng = Engine(model, mesh=mesh, config=DecodeConfig(backend=backend, engine_all_reduce=engine,
-                                                       split_indexer=split_indexer))
+                                                       split_indexer=split_indexer, layer_loop=layer_loop))
     host_steps = steps * samples
     rows = context + 2 * (steps + host_steps) + 16
     cache = random_cache(eng, rows)
@@ -232,7 +233,7 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
     if engine:  # an "engine" run whose library did not load ran psum: say which one ran
         from jtilert import ffi
         engine = ffi.available()
-    result = {"backend": backend, "mtp": mtp, "tp": eng.tp, "all_reduce": "engine" if engine else "psum",
+    result = {"backend": backend, "layer_loop": layer_loop, "mtp": mtp, "tp": eng.tp, "all_reduce": "engine" if engine else "psum",
               "split_indexer": split_indexer,
               "step_ms_median": device_s * 1e3, "step_ms_p90": float(np.percentile(per_step, 90)) * 1e3,
               "tok_s": 1.0 / device_s, "compile_s": compile_s, "steps_timed": 3 * steps * samples,
@@ -298,6 +299,7 @@ def main(argv=None) -> dict:
     p.add_argument("--mtp", action="store_true", help="also time the MTP speculative step (verify 2 + draft)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (the config is split over tp devices)")
     p.add_argument("--all-reduce", default="psum", help="comma-separated: psum,engine (the CUDA engine)")
+    p.add_argument("--layer-loop", default="loop", help="comma-separated: loop,unrolled (DecodeConfig.layer_loop)")
     p.add_argument("--split-indexer", action="store_true",
                    help="with --tp: each rank scores 1/tp of the cached positions, top-k lists merged")
     p.add_argument("--steps", type=int, default=10, help="steps per timed sample")
@@ -334,11 +336,11 @@ def main(argv=None) -> dict:
                 json.dump(result, f, indent=1)
 
     ars = a.all_reduce.split(",")
-    for backend in a.backend.split(","):
+    for backend, loop in ((b, lp) for lp in a.layer_loop.split(",") for b in a.backend.split(",")):
         for ar in ars:
             for mtp in (False, True) if a.mtp else (False,):
                 r = bench_backend(model, backend, a.context, mtp, a.steps, a.samples, mesh, ar == "engine",
-                                  kernels=a.kernels and not mtp, split_indexer=a.split_indexer)
+                                  kernels=a.kernels and not mtp, split_indexer=a.split_indexer, layer_loop=loop)
                 r["step_over_floor"] = r["step_ms_median"] / floor_ms
                 result["runs"].append(r)
                 print(json.dumps({k: v for k, v in r.items() if k != "kernel_profile"}), flush=True)
@@ -347,23 +349,23 @@ def main(argv=None) -> dict:
             result.setdefault("breakdown", {})[backend] = breakdown(model, backend, a.context, a.steps, a.samples,
                                                                     mesh, ars[0] == "engine")
             save()
-    ref = next((r for r in result["runs"] if r["backend"] == "reference" and r["all_reduce"] == "psum"
-                and not r["mtp"]), None)
-    for r in result["runs"]:
+    for r in result["runs"]:   # against the reference with the same layer loop
+        ref = next((q for q in result["runs"] if q["backend"] == "reference" and q["all_reduce"] == "psum"
+                    and not q["mtp"] and q["layer_loop"] == r["layer_loop"]), None)
         r["speedup_vs_reference"] = ref["step_ms_median"] / r["step_ms_median"] if ref else None
 
     print(f"{result['device']}  {result['preset']}  layers={cfg.num_hidden_layers} context={a.context}  "
           f"bytes/step={nbytes['total'] / 1e6:.1f} MB  copy={bw / 1e9:.0f} GB/s  floor={floor_ms:.3f} ms")
-    print(f"{'backend':10} {'a-r':6} {'mtp':4} {'step ms':>8} {'p90':>8} {'tok/s':>8} {'x floor':>8} {'x ref':>6} "
+    print(f"{'backend':10} {'loop':8} {'a-r':6} {'mtp':4} {'step ms':>8} {'p90':>8} {'tok/s':>8} {'x floor':>8} {'x ref':>6} "
           f"{'host %':>7} {'compile s':>9}")
     for r in result["runs"]:
-        print(f"{r['backend']:10} {r['all_reduce']:6} {str(r['mtp']):4} {r['step_ms_median']:8.3f} {r['step_ms_p90']:8.3f} "
+        print(f"{r['backend']:10} {r['layer_loop']:8} {r['all_reduce']:6} {str(r['mtp']):4} {r['step_ms_median']:8.3f} {r['step_ms_p90']:8.3f} "
               f"{r['tok_s']:8.1f} {r['step_over_floor']:8.2f} {r['speedup_vs_reference'] or 0:6.2f} "
               f"{100 * r['host_overhead_frac']:7.1f} {r['compile_s']:9.1f}")
     for r in result["runs"]:
         prof = r.get("kernel_profile")
         if prof:
-            print(f"{r['backend']}: {prof['kernels']:.0f} kernels per step, {prof['busy_ms']:.3f} ms busy, "
+            print(f"{r['backend']}/{r['layer_loop']}: {prof['kernels']:.0f} kernels per step, {prof['busy_ms']:.3f} ms busy, "
                   f"{prof['gaps_ms']:.3f} ms between kernels; by group:")
             for g in prof["groups"][:12]:
                 print(f"    {g['group']:48} {g['count']:7.1f} {g['ms']:9.3f} ms")

@@ -32,7 +32,7 @@ from jtilert import hf, sharding
 from jtilert.config import PRESETS, ModelConfig
 from jtilert.converter import StoredTensor
 from jtilert.folder import LAYOUT_VERSION, META, move_into_place, np_dtype, read_meta  # noqa: F401
-from jtilert.model import Transformer, abstract_model, flat_params, layer_names, layer_params  # noqa: F401
+from jtilert.model import Transformer, abstract_model, flat_params, layer_arrays, layer_names, layer_params  # noqa: F401
 
 ASSETS = Path(__file__).parent / "assets"
 EMBEDDED = {"tiny": ASSETS / "tiny"}

@@ -333,6 +333,16 @@ def layer_params(model: Transformer) -> dict[str, jax.ShapeDtypeStruct]:
     return out
 
 
+def layer_arrays(model: "Transformer") -> dict[str, jax.Array]:
+    """The parameters under their per-layer names (`layers.3.self_attn.q_b_proj.weight`), each one
+    layer of its stack (a view for inspection: slicing copies on the device)."""
+    out = {}
+    for name, x in flat_params(model).items():
+        names = layer_names(model.cfg, name)
+        out.update({n: x[i] for i, n in enumerate(names)} if names else {name: x})
+    return out
+
+
 def _stack(modules: list) -> nnx.Module | None:
     """One module whose every array is the modules' arrays stacked on a new leading axis."""
     if not modules:
@@ -388,14 +398,16 @@ class Transformer(nnx.Module):
         return h + out, cache, topk
 
     def _layers(self, ops, lo: int, hi: int, ffn: str, carry, cos, sin, positions, start):
-        """Layers lo..hi-1 as one loop (one compiled body)."""
-        if hi <= lo:
-            return carry
-
+        """Layers lo..hi-1: one loop (one compiled body), or unrolled (`DecodeConfig.layer_loop`)."""
         def body(i, c):
             x, cache, topk = c
             return self._layer(ops, i, ffn, x, cos, sin, positions, start, cache, topk)
-        return jax.lax.fori_loop(lo, hi, body, carry)
+
+        if ops.config.layer_loop == "unrolled":
+            for i in range(lo, hi):
+                carry = body(jnp.int32(i), carry)
+            return carry
+        return jax.lax.fori_loop(lo, hi, body, carry) if hi > lo else carry
 
     # --- the model -------------------------------------------------------------------------------
     def logits(self, ops: Ops, h, norm: RMSNorm):

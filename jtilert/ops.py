@@ -30,6 +30,7 @@ import numpy as np
 from jtilert import layers
 
 BACKENDS = ("reference", "pallas")
+LAYER_LOOPS = ("loop", "unrolled")
 MAX_DECODE_TOKENS = 8
 BF16, FP8, F32 = jnp.bfloat16, jnp.float8_e4m3fn, jnp.float32
 KGRAIN = 64   # the GEMV kernels' K granularity (TMA / swizzle)
@@ -48,16 +49,22 @@ class DecodeConfig:
         are merged (decode steps of one token).
     engine_topk: backend "pallas" on a GPU: the indexer's top-k through the CUDA engine's one-launch
         select instead of `lax.top_k`.
+    layer_loop: how a step runs the layers of a stack. "loop": one `lax.fori_loop` per stack (one
+        compiled body: fast to compile); "unrolled": one copy of the layer per layer, the layer index
+        a constant (no loop between the layers' kernels). Both read the same stacked arrays.
     """
 
     backend: str = "reference"
     engine_all_reduce: bool = False
     split_indexer: bool = False
     engine_topk: bool = True
+    layer_loop: str = "loop"
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise ValueError(f"unknown backend {self.backend!r}; expected one of {BACKENDS}")
+        if self.layer_loop not in LAYER_LOOPS:
+            raise ValueError(f"unknown layer_loop {self.layer_loop!r}; expected one of {LAYER_LOOPS}")
 
 
 # ---- the op table -------------------------------------------------------------------------------

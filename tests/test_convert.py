@@ -75,7 +75,7 @@ def test_glm_folders_convert(tmp_path, name):
     if name == "glm52":  # shared-indexer layers ship no indexer weights
         assert m.cfg.indexer_types[1] == "shared"
         assert "layers.1.self_attn.indexer.wq_b.weight" not in checkpoint.layer_params(m)
-        assert m.indexers.wq_b.weight[...].shape[0] == m.cfg.indexer_types.count("full") + 1   # + MTP's
+        assert m.indexers.wq_b.weight[...].shape[0] == m.cfg.indexer_types.count("full") + m.cfg.num_nextn_predict_layers
 
 
 def test_pack_layout_is_recorded_and_checked(tmp_path, monkeypatch):
@@ -184,7 +184,7 @@ def test_layer_subset_and_no_mtp(fp8_src, tmp_path):
     dst = jtilert.convert(src, tmp_path / "s", layers="1:3")
     m, ref = jtilert.load(dst), checkpoint.load_hf(src)
     assert m.cfg.num_hidden_layers == 2 and m.cfg.first_k_dense_replace == 0
-    a, b = flat(m), flat(ref)
+    a, b = checkpoint.layer_arrays(m), checkpoint.layer_arrays(ref)
     for k in a:
         parts = k.split(".")
         if parts[0] == "layers":
@@ -261,7 +261,7 @@ def test_random_checkpoint_layout(fp8_src):
 
 def test_source_name_inverts_target_name():
     cfg = jtilert.preset("glm-5").replace(num_hidden_layers=4)
-    for name in checkpoint.flat_params(checkpoint.abstract_model(cfg, "fp8")):
+    for name in checkpoint.layer_params(checkpoint.abstract_model(cfg, "fp8")):
         key = hf.source_name(name, 4).format(e=5)
         assert hf.target_name(key, 4)[0] == name, (name, key)
 

@@ -20,8 +20,11 @@ def test_lm_head_topk(t, v, k):
     kx, kw = jax.random.split(jax.random.key(3000 + t + v))
     x = jax.random.normal(kx, (t, h), F32).astype(BF16)
     w = (jax.random.normal(kw, (v, h), F32) * h ** -0.5).astype(BF16)
-    # An exact tie for first place between vocab 7 and v - 3 (the lower id must win).
-    w = w.at[7].set(w[0] * 0 + x[0] * 4).at[v - 3].set(x[0] * 4)
+    # An exact tie for first place between vocab 7 and v - 3 (the lower id must win). Token 0 is ±1
+    # and the two rows 4·token 0, so every partial sum is a small integer: the logits are exact (512)
+    # whatever order the kernel sums in, and the tie is a tie in any arithmetic.
+    x = x.at[0].set(jnp.where(x[0] >= 0, 1.0, -1.0).astype(BF16))
+    w = w.at[7].set(x[0] * 4).at[v - 3].set(x[0] * 4)
     with interp.interpret(detect_races=True):
         vals, ids = jax.tree.map(np.asarray, lm_head.lm_head_topk(x, w, k=k))
         assert not interp.races_found()

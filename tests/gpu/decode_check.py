@@ -7,29 +7,69 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import numpy as np
 
 import jtilert
+from jtilert import ops
+
+
+def stacked_gemv_errors() -> dict:
+    """The GEMV kernel on a stack of 3 fp8 weights at dsv32-tp8-shard shapes, each layer against the
+    reference on that layer: max |error| / max |reference|."""
+    import jax
+    import jax.numpy as jnp
+
+    from jtilert import layers
+    from jtilert.pallas import gemv
+    from jtilert.quant import quantize_weight
+    out = {}
+    for n, k in ((1536, 7168), (3072, 1536), (576, 7168), (7168, 2048)):
+        w, s = quantize_weight(jax.random.normal(jax.random.key(n + k), (3, n, k)) * k**-0.5)
+        x = jax.random.normal(jax.random.key(1), (1, k)).astype(jnp.bfloat16)
+        f = jax.jit(lambda x, w, s, i: gemv.linear(x, w, s, layer=i))
+        errs = []
+        for i in range(3):
+            got = np.asarray(f(x, w, s, jnp.int32(i)), np.float32)
+            want = np.asarray(layers.linear(x, w[i], s[i]), np.float32)
+            errs.append(float(np.abs(got - want).max() / np.abs(want).max()))
+        out[f"{n}x{k}"] = errs
+    return out
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--per-op", action="store_true", help="also each kernel alone (the others on the reference)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     cfg = jtilert.preset("dsv32-tp8-shard", num_hidden_layers=a.layers)
     model = jtilert.random_model(cfg, fmt="fp8", seed=3)
     ids = np.random.RandomState(0).randint(0, cfg.vocab_size, 4 + a.steps)
     ref = jtilert.score(model, ids, prefill=4)
-    pal = jtilert.score(model, ids, prefill=4, backend="pallas")
     dec = slice(4, None)
-    err = np.abs(pal[dec] - ref[dec]).max() / np.abs(ref[dec]).max()
-    same = float(np.mean(pal[dec].argmax(-1) == ref[dec].argmax(-1)))
-    result = {"layers": a.layers, "steps": a.steps, "max_abs_err_over_max": float(err), "argmax_agree": same,
-              "ok": bool(err < 3e-2 and same >= 0.9)}
+
+    def compare():
+        pal = jtilert.score(model, ids, prefill=4, backend="pallas")
+        err = np.abs(pal[dec] - ref[dec]).max() / np.abs(ref[dec]).max()
+        return {"max_abs_err_over_max": float(err),
+                "argmax_agree": float(np.mean(pal[dec].argmax(-1) == ref[dec].argmax(-1)))}
+
+    result = {"layers": a.layers, "steps": a.steps, **compare(), "stacked_gemv": stacked_gemv_errors()}
+    print("stacked GEMV kernel vs reference, per layer:", result["stacked_gemv"], flush=True)
+    result["ok"] = bool(result["max_abs_err_over_max"] < 3e-2 and result["argmax_agree"] >= 0.9)
+    if a.per_op:
+        table = dict(ops.OPS)
+        for name, op in table.items():
+            if op.kernel is None:
+                continue
+            ops.OPS.update({k: v if k == name else dataclasses.replace(v, kernel=None) for k, v in table.items()})
+            result[f"only_{name}"] = compare()
+            print(name, result[f"only_{name}"], flush=True)
+        ops.OPS.update(table)
     print(json.dumps(result))
     if a.out:
         with open(a.out, "w") as f:
