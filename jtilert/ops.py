@@ -168,8 +168,30 @@ def _take(a, layer):
 
 @functools.cache
 def _kernel(path: str) -> Callable:
+    """The kernel function behind `jax.jit`, its non-array arguments static: JAX lowers a jitted
+    callee once per signature and reuses it, so a kernel called from several places of a step (the
+    dense and MoE loop bodies, every layer of an unrolled step) is lowered once (lowering a Mosaic
+    kernel takes seconds). The interpret parameters key the cache: kernels traced for the GPU and
+    for the interpreter are different programs."""
     mod, fn = path.split(":")
-    return getattr(importlib.import_module(f"jtilert.{mod}"), fn)
+    fn = getattr(importlib.import_module(f"jtilert.{mod}"), fn)
+
+    def call(*args, **kwargs):
+        from jtilert.pallas import interpret
+        static = tuple(i for i, a in enumerate(args) if not _is_array(a))
+        names = tuple(k for k, v in kwargs.items() if not _is_array(v))
+        return _jitted(fn, static, names, interpret.params())(*args, **kwargs)
+    return call
+
+
+def _is_array(x) -> bool:
+    return x is None or isinstance(x, (jax.Array, np.ndarray)) or (
+        isinstance(x, (tuple, list)) and all(map(_is_array, x)))
+
+
+@functools.cache
+def _jitted(fn, static, static_names, mode):
+    return jax.jit(fn, static_argnums=static, static_argnames=static_names)
 
 
 _warned: set = set()
