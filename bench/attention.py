@@ -35,7 +35,6 @@ from jtilert import layers
 from jtilert.config import preset
 from jtilert.pallas import indexer as ix
 from jtilert.pallas import sparse_mla as smla
-from jtilert.pallas import topk as tk
 from jtilert.quant import act_quant
 
 OUT = os.environ.get("OUT", "/tmp/bench_attention")
@@ -131,7 +130,7 @@ def bench_context(ctx, cfg, bw, key):
     bcfg = best[0] if best else ix.IndexerConfig()
 
     def ours(q8, w, k8, ks, pos):
-        return tk.topk_positions(ix.indexer_scores(q8, w, k8, ks, pos, config=bcfg), topk_k)
+        return layers.topk_positions(ix.indexer_scores(q8, w, k8, ks, pos, config=bcfg), topk_k)
 
     def theirs(q8, w, k8, ks, pos):
         return layers.topk_positions(layers.indexer_scores(q8, w, k8, ks, pos), topk_k)

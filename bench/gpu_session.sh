@@ -92,7 +92,7 @@ for part in "$@"; do
       done ;;
     build) step build 240 python3 -m jtilert.ffi.build --selftest ;;
     select) step select 90 "$(dirname "$(tail -1 "$WORK/build.log")")/jtilert_selftest" --select-only --iters 3 --bench ;;
-    tp2) JTILERT_FFI_TOPK=0 step tp2 200 $DEC --layers 4 --tp 2 --backend "$B" --all-reduce psum,engine \
+    tp2) step tp2 200 $DEC --layers 4 --tp 2 --backend "$B" --all-reduce psum,engine \
            --samples 10 --out "$WORK/tp2.json" ;;
     engine) OUT=$WORK/engine step engine 900 tests/gpu/run_engine_gpu.sh ;;
     *) echo "unknown part $part"; exit 2 ;;

@@ -80,7 +80,6 @@ def test_sparse_mla_negative_indices_mask():
 # ---- indexer scoring -------------------------------------------------------------------------
 
 from jtilert.pallas import indexer as ix  # noqa: E402
-from jtilert.pallas import topk as tk  # noqa: E402
 from jtilert.quant import act_quant  # noqa: E402
 
 SMALL = ix.IndexerConfig(num_ctas=3, stages=2)   # several blocks per CTA, slot reuse
@@ -138,48 +137,6 @@ def test_indexer_traced_start_and_offset():
     fin = np.isfinite(full)
     np.testing.assert_array_equal(np.isfinite(out), fin)
     assert np.abs(out[fin] - full[fin]).max() <= 1e-5 * np.abs(full[fin]).max()
-
-
-# ---- top-k -----------------------------------------------------------------------------------
-
-def _same_set(idx, ridx):
-    return all(np.array_equal(np.sort(a), np.sort(b)) for a, b in zip(np.asarray(idx), np.asarray(ridx)))
-
-
-@pytest.mark.parametrize("N,k,n_finite", [
-    (3000, 256, 3000),      # more positions than k
-    (256, 256, 256),        # exactly k
-    (200, 256, 200),        # fewer positions than k: k clipped to N
-    (3000, 256, 100),       # fewer finite scores than k: the lowest -inf positions fill up
-])
-def test_topk_same_set_as_reference(N, k, n_finite):
-    rng = np.random.default_rng(np.random.randint(1 << 30))
-    s = rng.standard_normal((2, N)).astype(np.float32)
-    s[:, n_finite:] = -np.inf
-    s[1] = np.round(s[1] * 2) / 2                 # many exact ties: lower position wins
-    s = jnp.asarray(s)
-    idx, valid = jax.jit(tk.topk_positions, static_argnums=1)(s, k)
-    ridx, rvalid = layers.topk_positions(s, k)
-    assert idx.shape == ridx.shape
-    assert _same_set(idx, ridx)
-    if valid is not None:
-        assert int(valid.sum()) == int(rvalid.sum())
-
-
-def test_topk_scores_and_merge():
-    """Per-GPU candidate lists (each the top-k of its own range, with scores) merge to the global top-k."""
-    rng = np.random.default_rng(np.random.randint(1 << 30))
-    s = jnp.asarray(np.round(rng.standard_normal((1, 4096)) * 8) / 8, jnp.float32)
-    k = 300
-    parts = []
-    for a in range(0, 4096, 1024):                 # four "GPUs", 1024 positions each
-        i, v = tk.topk(s[:, a:a + 1024], k)
-        np.testing.assert_array_equal(np.asarray(v), np.asarray(jnp.take_along_axis(s[:, a:a + 1024], i, -1)))
-        parts.append((i + a, v))
-    idx, val = tk.merge_topk(jnp.concatenate([p[0] for p in parts], -1),
-                             jnp.concatenate([p[1] for p in parts], -1), k)
-    ridx, _ = layers.topk_positions(s, k)
-    assert _same_set(idx, ridx)
 
 
 # ---- key append inside the indexer kernel ----------------------------------------------------

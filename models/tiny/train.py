@@ -3,6 +3,10 @@
     python -m models.tiny.train            # trains, writes jtilert/assets/tiny/, then checks decoding
     python -m models.tiny.train --check    # only the decoding checks, on the committed checkpoint
 
+Training is written against the per-layer model (one nnx module per layer, ops swapped through
+`jtilert.backend`) that the layer stacks replaced: to retrain, check out commit ba89fb0, whose
+checkpoint (layout 1) today's jtilert loads. `--check` runs on today's model.
+
 Byte-level tokens (vocab 256) from models/tiny/data/python_reference.txt. One optimizer step trains,
 from the same forward pass over a batch of windows:
   * the main model: next-token cross-entropy;
@@ -43,7 +47,7 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import jtilert  # noqa: E402
-from jtilert import backend, checkpoint, layers  # noqa: E402
+from jtilert import checkpoint, layers  # noqa: E402
 from jtilert.model import Indexer, Transformer, init_cache  # noqa: E402
 
 F32 = jnp.float32
@@ -74,6 +78,7 @@ def _recording_route(cfg, x, gate, bias):
 def record_routes():
     """Collect the expert ids chosen by every MoE layer traced inside the block (for the bias update)."""
     global _ROUTES
+    from jtilert import backend   # the per-layer model's op switch (commit ba89fb0)
     saved, _ROUTES = backend.REFERENCE.route, []
     backend.REFERENCE.route = _recording_route
     try:
@@ -96,6 +101,7 @@ def _masked_dense_mla(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale):
 
 @contextlib.contextmanager
 def dense_attention():
+    from jtilert import backend   # the per-layer model's op switch (commit ba89fb0)
     saved, backend.REFERENCE.sparse_mla = backend.REFERENCE.sparse_mla, _masked_dense_mla
     try:
         yield
@@ -358,9 +364,8 @@ def main(argv=None):
     if args.check:
         model = checkpoint.load(args.out, dtype=args.check_dtype)
     else:
-        model = export(train(args), args.fmt)
-        checkpoint.save(model, args.out, overwrite=True, tokenizer="bytes")
-        print(f"saved {args.out} ({sum(f.stat().st_size for f in args.out.rglob('*') if f.is_file()) / 1e6:.1f} MB)")
+        sys.exit("training needs the per-layer model of commit ba89fb0 (see the module docstring); "
+                 "--check runs on this one")
     results = check(model, args.prompt_at, args.prompt_len, args.new_tokens)
     if not all(r["identical"] for r in results):
         sys.exit("MTP speculative decoding changed the greedy output")
