@@ -26,4 +26,4 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/jtilert generate --model tiny --mtp --max-new-tokens $(NEW) --prompt '$(PROMPT)'
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -p no:cacheprovider
