@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jtilert import compile_cache, sharding
+from jtilert import sharding
 from jtilert.model import Layout, Transformer, init_cache, split_cache
 from jtilert.ops import DecodeConfig, Ops
 from jtilert.sampling import Sampling, sample, verify
@@ -59,7 +59,6 @@ class Engine:
     """The compiled steps of one model on one mesh under one DecodeConfig."""
 
     def __init__(self, model: Transformer, mesh: Mesh | None = None, config: DecodeConfig = DecodeConfig()):
-        compile_cache.enable()
         self.cfg, self.dtype, self.config = model.cfg, model.dtype, config
         if config.backend == "pallas":
             from jtilert import pallas
@@ -161,9 +160,9 @@ class Engine:
             cache, token, draft, pos, key, em, cnt = Engine._speculate(model, ops, cache, token, draft, pos, key,
                                                                        params)
             out = jax.lax.dynamic_update_slice(out, em, (n,))
-            stop = jnp.any(stops == em[0]) | ((cnt == 2) & jnp.any(stops == em[1]))
-            # a stop token as the first of two ends the output there
-            cnt = jnp.where(jnp.any(stops == em[0]), 1, cnt)
+            first_stops = jnp.any(stops == em[0])
+            stop = first_stops | ((cnt == 2) & jnp.any(stops == em[1]))
+            cnt = jnp.where(first_stops, 1, cnt)   # a stop token as the first of two ends the output there
             return cache, token, draft, pos, key, out, n + cnt, steps + 1, acc + (cnt - 1), stop
 
         out = jnp.zeros(2 * GENERATE_STEPS + 2, jnp.int32)
@@ -280,19 +279,16 @@ class Generator:
         cache = dict(template)
         for i, got in given:
             name = "mtp" if i == main else f"layer {i}"
-            slot = lay.indexer_slot[i]
-            want = {k: (k, i) for k in ("kv", "pe") if k in template}
-            if slot >= 0:
-                want.update({k: (k, slot) for k in ("index_k", "index_scale") if k in template})
+            want = lay.cache_index(i, template)
             if set(got) != set(want):
                 raise ValueError(f"inject_cache: {name} has arrays {sorted(got)}, expected {sorted(want)}")
-            for k, (stack, j) in want.items():
+            for k, j in want.items():
                 arr = jnp.asarray(got[k])
-                row_shape = template[stack].shape[2:]
+                row_shape = template[k].shape[2:]
                 if arr.shape[1:] != row_shape or arr.shape[0] < length:
                     raise ValueError(f"inject_cache: {name}.{k} has shape {tuple(arr.shape)}, expected "
                                      f"(>={length}, {', '.join(map(str, row_shape))})")
-                cache[stack] = cache[stack].at[j, :length].set(arr[:length].astype(cache[stack].dtype))
+                cache[k] = cache[k].at[j, :length].set(arr[:length].astype(cache[k].dtype))
         self._cache = self.engine.place(cache)
         self._injected = length
 
@@ -339,7 +335,7 @@ class Generator:
         return eng.first_draft(logits, eng.place(np.int32((n - 1) % c))), cache
 
     def _start(self, prompt_ids, max_new_tokens, sampling):
-        """Prefill and the first token: (ids, first token id, device state for the steps)."""
+        """Prefill and the first token: (first token id, device state for the steps)."""
         ids = self._check_prompt(prompt_ids, max_new_tokens)
         sampling = sampling or self.sampling
         eng = self.engine
@@ -354,7 +350,7 @@ class Generator:
         state = {"cache": cache, "token": token, "pos": eng.place(np.int32(ids.size)), "key": key, "params": params}
         if self.mtp:
             state["draft"], state["cache"] = self._prefill_draft(ids, start, first, hidden, cache)
-        return ids, first, state
+        return first, state
 
     # --- generation -------------------------------------------------------------------------
     def stream(self, prompt_ids, max_new_tokens: int, sampling: Sampling | None = None,
@@ -365,7 +361,7 @@ class Generator:
         if max_new_tokens == 0:
             self._check_prompt(prompt_ids, 0)
             return
-        _, first, s = self._start(prompt_ids, max_new_tokens, sampling)
+        first, s = self._start(prompt_ids, max_new_tokens, sampling)
         t1 = time.perf_counter()
         done = 1
         self.stats["generated"] = 1
@@ -421,7 +417,7 @@ class Generator:
         if max_new_tokens == 0:
             self._check_prompt(prompt_ids, 0)
             return []
-        _, first, s = self._start(prompt_ids, max_new_tokens, sampling)
+        first, s = self._start(prompt_ids, max_new_tokens, sampling)
         out = [first]
         t1 = time.perf_counter()
         eng = self.engine

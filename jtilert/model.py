@@ -263,6 +263,13 @@ class Layout:
         self.num_indexers = sum(full)
         self.all_full = all(full)
 
+    def cache_index(self, i: int, cache) -> dict[str, int]:
+        """Where layer i's rows sit in the stacked caches: {array name: index in its stack} for the
+        arrays of `cache` the layer has (`index_k` / `index_scale` only with its own indexer)."""
+        slot = self.indexer_slot[i]
+        index = {"kv": i, "pe": i, "index_k": slot, "index_scale": slot}
+        return {k: j for k, j in index.items() if k in cache and j >= 0}
+
     def place(self, i: int) -> tuple[str, int]:
         """(FFN stack, index in it) of layer i."""
         return ("dense", i) if i < self.num_dense else ("moe", i - self.num_dense)
@@ -496,14 +503,7 @@ def split_cache(cfg: ModelConfig, cache: dict) -> tuple[list[dict], dict | None]
     their own indexer) and the MTP layer's dict (None without MTP)."""
     lay = Layout.of(cfg)
 
-    def one(i):
-        c = {k: cache[k][i] for k in ("kv", "pe") if k in cache}
-        s = lay.indexer_slot[i]
-        if s >= 0:
-            c.update({k: cache[k][s] for k in ("index_k", "index_scale") if k in cache})
-        return c
-
-    per = [one(i) for i in range(lay.num_layers)]
+    per = [{k: cache[k][j] for k, j in lay.cache_index(i, cache).items()} for i in range(lay.num_layers)]
     return (per[:-1], per[-1]) if lay.mtp_layer is not None else (per, None)
 
 

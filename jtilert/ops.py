@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-import warnings
 from collections.abc import Callable
 
 import jax
@@ -28,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jtilert import layers
+from jtilert.ffi import _lib
 
 BACKENDS = ("reference", "pallas")
 LAYER_LOOPS = ("loop", "unrolled")
@@ -194,17 +194,6 @@ def _jitted(fn, static, static_names, mode):
     return jax.jit(fn, static_argnums=static, static_argnames=static_names)
 
 
-_warned: set = set()
-
-
-def _warn_once(name: str, shapes: str, why: str) -> None:
-    key = (name, shapes)
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(f"jtilert: backend='pallas' but the {name} kernel does not apply to {shapes} ({why}); "
-                      f"running the reference", stacklevel=4)
-
-
 def _shapes(args) -> str:
     return ", ".join(f"{a.dtype}{list(a.shape)}" for a in args if hasattr(a, "shape"))
 
@@ -240,7 +229,9 @@ class Ops:
             return False
         why = op.unsupported(*args)
         if why is not None:
-            _warn_once(name, _shapes(args), why)
+            shapes = _shapes(args)
+            _lib.warn_once(f"ops:{name}:{shapes}", f"jtilert: backend='pallas' but the {name} kernel does not apply "
+                           f"to {shapes} ({why}); running the reference", UserWarning, stacklevel=4)
         return why is None
 
     # the ops with more than one kernel, and the tensor-parallel collectives ---------------------
@@ -338,7 +329,6 @@ class Ops:
 def _engine_loads() -> bool:
     """Whether the CUDA engine's top-k can run here (a GPU where the engine builds and loads); warns
     once on a GPU where it does not."""
-    from jtilert.ffi import _lib
     lib, why = _lib.load()
     if lib is None and why != _lib.NO_GPU:
         _lib.warn_once("ops-topk", f"jtilert: the CUDA engine did not load ({why}); the indexer's top-k runs "

@@ -33,13 +33,13 @@ _state: dict = {}
 _warned: set[str] = set()
 
 
-def warn_once(key: str, msg: str) -> None:
+def warn_once(key: str, msg: str, category: type[Warning] = RuntimeWarning, stacklevel: int = 3) -> None:
     """One warning per reason for the whole process."""
     with _lock:
         if key in _warned:
             return
         _warned.add(key)
-    warnings.warn(msg, RuntimeWarning, stacklevel=3)
+    warnings.warn(msg, category, stacklevel=stacklevel)
 
 
 def payload_cap() -> int:
