@@ -31,11 +31,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.decode import copy_bandwidth
-from jtilert import layers
-from jtilert.config import preset
+from jtilert.ops import reference
+from jtilert.model.presets import preset
 from jtilert.pallas import indexer as ix
 from jtilert.pallas import sparse_mla as smla
-from jtilert.quant import act_quant
+from jtilert.ops.quant import act_quant
 
 OUT = os.environ.get("OUT", "/tmp/bench_attention")
 os.makedirs(OUT, exist_ok=True)
@@ -89,7 +89,7 @@ def bench_context(ctx, cfg, bw, key):
     floor_idx = ctx * (D + 4) / bw * 1e6
 
     # ---- indexer scores
-    ref_scores = jax.jit(layers.indexer_scores)
+    ref_scores = jax.jit(reference.indexer_scores)
     s_ref, t_ref, n_ref = measure(ref_scores, q8, w, k8, ks, pos)
     variants = {"default": ix.IndexerConfig(),
                 "1 CTA/SM": ix.IndexerConfig(num_ctas=ix.NUM_SMS),
@@ -122,7 +122,7 @@ def bench_context(ctx, cfg, bw, key):
         row("indexer pallas, 160K-row cache", ctx, tb, floor_idx, tbr, len(nb), f"same scores {ok}")
 
     # ---- top-k (on the reference scores): lax.top_k, what the pallas path runs without the CUDA engine
-    ref_topk = jax.jit(functools.partial(layers.topk_positions, k=topk_k))
+    ref_topk = jax.jit(functools.partial(reference.topk_positions, k=topk_k))
     _, t_rtk, n_rtk = measure(ref_topk, s_ref)
     row("topk lax.top_k", ctx, t_rtk, floor_idx, t_rtk, len(n_rtk), "")
 
@@ -130,10 +130,10 @@ def bench_context(ctx, cfg, bw, key):
     bcfg = best[0] if best else ix.IndexerConfig()
 
     def ours(q8, w, k8, ks, pos):
-        return layers.topk_positions(ix.indexer_scores(q8, w, k8, ks, pos, config=bcfg), topk_k)
+        return reference.topk_positions(ix.indexer_scores(q8, w, k8, ks, pos, config=bcfg), topk_k)
 
     def theirs(q8, w, k8, ks, pos):
-        return layers.topk_positions(layers.indexer_scores(q8, w, k8, ks, pos), topk_k)
+        return reference.topk_positions(reference.indexer_scores(q8, w, k8, ks, pos), topk_k)
 
     (i1, _), t1, n1 = measure(jax.jit(theirs), q8, w, k8, ks, pos)
     (i2, _), t2, n2 = measure(jax.jit(ours), q8, w, k8, ks, pos)
@@ -154,7 +154,7 @@ def bench_sparse_mla(ctx, cfg, bw, key):
     qp = jax.random.normal(keys[1], (1, Hm, R), jnp.bfloat16)
     kv = jax.random.normal(keys[2], (ctx, L), jnp.bfloat16)
     pe = jax.random.normal(keys[3], (ctx, R), jnp.bfloat16)
-    packed = layers.quantize_kv_fp8(kv, pe)
+    packed = reference.quantize_kv_fp8(kv, pe)
     caches = {"bf16": (kv, pe), "fp8": (packed, None)}
     sidx = jax.random.permutation(keys[4], ctx)[:K].astype(jnp.int32)[None]
     valid = jnp.ones_like(sidx, bool)
@@ -168,7 +168,7 @@ def bench_sparse_mla(ctx, cfg, bw, key):
 
     refs = {}
     for cache in ("bf16", "fp8"):
-        refs[cache] = run(functools.partial(layers.sparse_mla, scale=scale), cache)
+        refs[cache] = run(functools.partial(reference.sparse_mla, scale=scale), cache)
         row(f"SPARSE MLA XLA reference, {cache} cache", ctx, refs[cache][1], floors[cache], refs[cache][1],
             len(refs[cache][2]), "")
     for cache, bk in (("bf16", 64), ("bf16", 32), ("fp8", 64)):
@@ -221,7 +221,7 @@ def bench_append(ctx, cfg, bw, key):
         return jax.jit(f)
 
     def separate(cfg, q, w, k, kc, ks, pos, start):   # the previous decode path: XLA append, then score
-        k8, s8 = layers.indexer_key(cfg, k)
+        k8, s8 = reference.indexer_key(cfg, k)
         kc = jax.lax.dynamic_update_slice(kc, k8, (start, 0))
         ks = jax.lax.dynamic_update_slice(ks, s8, (start,))
         return ix.indexer_scores(q, w, kc, ks, pos), kc, ks

@@ -18,7 +18,7 @@ from pathlib import Path
 
 CHILD = """
 import json, resource, sys, time
-from jtilert import converter
+from jtilert.store import converter
 
 def status(key):
     for line in open("/proc/self/status"):

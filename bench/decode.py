@@ -29,10 +29,11 @@ import numpy as np
 from flax import nnx
 
 import jtilert
-from jtilert import checkpoint, sharding
-from jtilert.generate import Engine
-from jtilert.model import Layout, _no_topk, init_cache
-from jtilert.ops import DecodeConfig
+from jtilert.store import checkpoint
+from jtilert.parallel import sharding
+from jtilert.runtime.generate import Engine
+from jtilert.model.transformer import Layout, _no_topk, init_cache
+from jtilert.ops.table import DecodeConfig
 
 
 def copy_bandwidth() -> float:

@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 bench/kernels.py [--only gemv,moe,lmhead] [--sweep] [--quick]
 
-1. Every kernel against its plain-JAX reference (jtilert.layers) on fresh random inputs, outputs
+1. Every kernel against its plain-JAX reference (jtilert.ops.reference) on fresh random inputs, outputs
    poisoned first (the kernels write fresh arrays; a wrong or unwritten element shows in the
    relative error and the NaN count).
 2. Times at the dsv32-tp8-shard shapes: device time from CUPTI (sum of the kernels of one op call,
@@ -29,8 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench import decode
-from jtilert import layers
-from jtilert.quant import dequantize, quantize_weight
+from jtilert.ops import reference
+from jtilert.ops.quant import dequantize, quantize_weight
 
 F32, BF16, FP8 = jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn
 OUT = os.environ.get("OUT", "out")
@@ -118,16 +118,16 @@ def weight_bytes(w, s):
 # ---- XLA formulations ---------------------------------------------------------------------------
 
 def xla_linear_ref(x, w, s):
-    return layers.linear(x, w, s)
+    return reference.linear(x, w, s)
 
 
 def xla_linear_blocks(x, w, s):
     """fp8: per-128-block dots on the upcast weight, scales applied to the fp32 block partials."""
     if s is None:
-        return layers.linear(x, w, s)
+        return reference.linear(x, w, s)
     n, k = w.shape
     if n % 128 or k % 128:
-        return layers.linear(x, w, s)
+        return reference.linear(x, w, s)
     t = x.shape[0]
     xb = x.reshape(t, k // 128, 128)
     wb = w.astype(BF16).reshape(n // 128, 128, k // 128, 128)
@@ -165,7 +165,7 @@ def gemv_fns(sh: Shape, cfg=None):
     eps = 1e-6
     if sh.kind == "norm":
         return (lambda x, w, s, nw: gemv.rmsnorm_linear(x, nw, eps, w, s, config=cfg),
-                lambda x, w, s, nw: min_xla(lambda f: f(layers.rms_norm(x, nw, eps), w, s)))
+                lambda x, w, s, nw: min_xla(lambda f: f(reference.rms_norm(x, nw, eps), w, s)))
     if sh.kind == "residual":
         return (lambda x, w, s, r: gemv.linear_residual(x, w, s, r, config=cfg),
                 lambda x, w, s, r: min_xla(lambda f: r + f(x, w, s)))
@@ -325,7 +325,7 @@ def moe_args(key, t=1, e=256, width=256, hidden=7168, k=8):
 
 def run_moe(copy_tbs, sweep, quick):
     from jtilert.pallas import moe
-    from jtilert.config import DSV32_TP8_SHARD as cfg
+    from jtilert.model.presets import DSV32_TP8_SHARD as cfg
     key = jax.random.key(7)
     # Expert weight sets are big (256 experts × 3 × 1.8 MB = 1.4 GB): build 2 and vary the ids.
     base = moe_args(key)
@@ -333,7 +333,7 @@ def run_moe(copy_tbs, sweep, quick):
         a = moe_args(jax.random.fold_in(key, t), t=t)
         x, w, ids = a[:3]
         try:
-            check(f"moe experts T={t}", jax.jit(moe.moe_experts)(*a), layers.moe_experts(*a), 2e-2)
+            check(f"moe experts T={t}", jax.jit(moe.moe_experts)(*a), reference.moe_experts(*a), 2e-2)
             h = jax.jit(moe.expert_gate_up)(x, ids, *a[3:7])
             dense_h = jax.nn.silu(jnp.einsum("th,tkih->tki", x.astype(F32), dequantize(a[3][ids], a[4][ids], F32)))
             dense_h = (dense_h * jnp.einsum("th,tkih->tki", x.astype(F32), dequantize(a[5][ids], a[6][ids], F32)))
@@ -364,7 +364,7 @@ def run_moe(copy_tbs, sweep, quick):
          [("gather+dot", lambda x, w, ids, h: xla_moe_down(h, w, ids, d, ds))]),
         ("moe experts (both kernels)", gu_bytes + dn_bytes,
          lambda x, w, ids, h: moe.moe_experts(x, w, ids, g, gs, u, us, d, ds),
-         [("reference", lambda x, w, ids, h: layers.moe_experts(x, w, ids, g, gs, u, us, d, ds))]),
+         [("reference", lambda x, w, ids, h: reference.moe_experts(x, w, ids, g, gs, u, us, d, ds))]),
     ]
     for name, nbytes, kfn, xfns in rows:
         try:
@@ -382,7 +382,7 @@ def run_moe(copy_tbs, sweep, quick):
     try:
         xr = jax.random.normal(key, (1, 7168), F32).astype(BF16)
         wk, ik = jax.jit(lambda x: moe.route(cfg, x, gate, bias))(xr)
-        wr, ir = layers.route(cfg, xr, gate, bias)
+        wr, ir = reference.route(cfg, xr, gate, bias)
         ok = bool((ik == ir).all())
         RESULTS["checks"].append(dict(name="router ids", ok=ok, rel_err=0.0, nans=0))
         log(f"check router ids equal: {ok}")

@@ -1,15 +1,16 @@
 """jtilert: lowest-latency batch-1 decoding of MLA + sparse-attention + MoE models in JAX."""
 
-from jtilert import compile_cache
-from jtilert.checkpoint import load, save
-from jtilert.config import PRESETS, ModelConfig, preset
-from jtilert.converter import convert, verify
-from jtilert.generate import Generator, score
-from jtilert.model import Transformer, init_cache, random_model
-from jtilert.ops import DecodeConfig
-from jtilert.sampling import Sampling
-from jtilert.sharding import make_mesh
-from jtilert.synthetic import random_checkpoint
+from jtilert.runtime import compile_cache
+from jtilert.store.checkpoint import load, save
+from jtilert.model.config import ModelConfig
+from jtilert.model.presets import PRESETS, preset
+from jtilert.store.converter import convert, verify
+from jtilert.runtime.generate import Generator, score
+from jtilert.model.transformer import Transformer, init_cache, random_model
+from jtilert.ops.table import DecodeConfig
+from jtilert.runtime.sampling import Sampling
+from jtilert.parallel.sharding import make_mesh
+from jtilert.store.synthetic import random_checkpoint
 
 compile_cache.enable()
 

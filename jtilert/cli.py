@@ -10,8 +10,8 @@ import time
 
 def _generate(args) -> None:
     import jtilert
-    from jtilert import checkpoint
-    from jtilert.tokenizer import load_tokenizer
+    from jtilert.store import checkpoint
+    from jtilert.runtime.tokenizer import load_tokenizer
 
     sampling = jtilert.Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     path = checkpoint.resolve(args.model)
@@ -42,18 +42,18 @@ def _generate(args) -> None:
 
 
 def _info(args) -> None:
-    from jtilert import checkpoint
+    from jtilert.store import checkpoint
     print(json.dumps(checkpoint.info(args.path), indent=1))
 
 
 def _convert(args) -> None:
-    from jtilert import converter
+    from jtilert.store import converter
     converter.convert(args.src, args.dst, tp=args.tp, dtype=args.dtype, layers=args.layers, mtp=not args.no_mtp,
                     overwrite=args.overwrite, progress=not args.quiet, chunk_bytes=args.chunk_mb << 20)
 
 
 def _verify(args) -> None:
-    from jtilert import converter
+    from jtilert.store import converter
     print(json.dumps(converter.verify(args.dst, against=args.against, samples=args.samples, progress=not args.quiet),
                      indent=1))
 

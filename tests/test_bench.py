@@ -30,7 +30,7 @@ def test_step_bytes_counts_only_chosen_experts(tiny_random):
     b = decode.step_bytes(model, context=100)
     cfg = model.cfg
     experts = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4  # one expert, fp32
-    all_params = sum(int(np.prod(x.shape)) * 4 for n, x in jtilert.checkpoint.layer_params(model).items()
+    all_params = sum(int(np.prod(x.shape)) * 4 for n, x in jtilert.store.checkpoint.layer_params(model).items()
                      if not n.startswith("mtp."))
     moe_layers = cfg.num_hidden_layers - cfg.first_k_dense_replace
     skipped = (moe_layers * (cfg.n_routed_experts - cfg.num_experts_per_tok) * experts

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import jtilert
-from jtilert import checkpoint
-from jtilert.hf import SafetensorsFile
+from jtilert.store import checkpoint
+from jtilert.store.hf import SafetensorsFile
 
 IDS = np.random.RandomState(3).randint(0, 256, 36)
 
@@ -46,9 +46,9 @@ def test_load_on_another_machine_topology(tiny_random, saved, tmp_path):
     shardings: the embedded checkpoint, written on a CPU, failed to load on a GPU)."""
     path = tmp_path / "from8"
     jtilert.save(jtilert.load(saved, mesh=jtilert.make_mesh(8)), path)
-    code = ("import jax, numpy as np, jtilert; from jtilert import checkpoint\n"
+    code = ("import jax, numpy as np, jtilert; from jtilert.model.transformer import flat_params\n"
             f"m = jtilert.load({str(path)!r})\n"
-            "w = checkpoint.flat_params(m)['moe.experts.gate.weight']\n"
+            "w = flat_params(m)['moe.experts.gate.weight']\n"
             "print(len(jax.devices()), np.asarray(w, np.float32).sum())")
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
@@ -137,7 +137,7 @@ def test_hf_fp8_folder_loads(tmp_path):
     """An fp8 HF folder (weight + weight_scale_inv) dequantises to the same model as its source."""
     from safetensors.numpy import save_file
 
-    from jtilert.quant import dequantize, quantize_weight
+    from jtilert.ops.quant import dequantize, quantize_weight
     src = "tests/golden/dsv32"
     f = SafetensorsFile(f"{src}/model.safetensors")
     out = {}

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from jtilert import ModelConfig, preset
-from jtilert.config import PRESETS
+from jtilert.model.presets import PRESETS
 
 
 def test_presets_have_documented_shapes():

@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 
 import jtilert
-from jtilert import checkpoint, converter, hf
-from jtilert.quant import dequantize, quantize_weight
+from jtilert.store import checkpoint
+from jtilert.store import converter
+from jtilert.store import hf
+from jtilert.ops.quant import dequantize, quantize_weight
 
 IDS = np.random.RandomState(5).randint(0, 128, 14)
 

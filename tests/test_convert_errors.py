@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 import jtilert
-from jtilert import converter, hf
-from jtilert.synthetic import HF_DTYPE
+from jtilert.store import converter
+from jtilert.store import hf
+from jtilert.store.synthetic import HF_DTYPE
 
 NAMES = {np.dtype(v): k for k, v in hf.DTYPES.items()}
 QB = "model.layers.1.self_attn.q_b_proj"

@@ -23,7 +23,7 @@ CFG = jtilert.preset("tiny").replace(
 
 CHILD = """
 import json, sys
-from jtilert import converter
+from jtilert.store import converter
 
 def status(key):
     for line in open("/proc/self/status"):

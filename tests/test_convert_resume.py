@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import jtilert
-from jtilert import converter
+from jtilert.store import converter
 
 CFG = jtilert.preset("tiny").replace(
     hidden_size=256, intermediate_size=1024, moe_intermediate_size=1024, num_attention_heads=16, q_lora_rank=128,
@@ -76,7 +76,7 @@ def test_interrupt_damage_resume(src, reference, tmp_path):
 
 KILLED = """
 import sys, time
-from jtilert import converter
+from jtilert.store import converter
 def slow(name, done, total):
     time.sleep(0.002)
 converter.convert(sys.argv[1], sys.argv[2], tp=2, chunk_bytes=int(sys.argv[3]), callback=slow)

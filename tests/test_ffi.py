@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jtilert.ffi as jf
-from jtilert import layers
+from jtilert.ops import reference
 from jtilert.ffi import ops as ffi_ops
 from jtilert.ffi import plan as ffi_plan
 
@@ -160,8 +160,8 @@ def test_fallback_warns_exactly_once():
 
 
 def test_model_all_reduce_with_engine_flag_equals_psum():
-  """Through the model's single all-reduce (jtilert.ops.Ops.all_reduce) with the engine on."""
-  from jtilert.ops import DecodeConfig, Ops
+  """Through the model's single all-reduce (jtilert.ops.table.Ops.all_reduce) with the engine on."""
+  from jtilert.ops.table import DecodeConfig, Ops
   mesh = _mesh()
   x = jnp.asarray(np.random.default_rng(1).standard_normal((8 * 3, 7168)), jnp.float32)
 
@@ -207,7 +207,7 @@ def _expert_down_case(rng, fp8):
 @pytest.mark.parametrize("fp8", [False, True])
 def test_expert_down_all_reduce_fallback_equals_the_unfused_path(fp8):
   """The fallback is psum(routed experts' weighted down projections + the shared expert's), rounded
-  like jtilert.layers (moe_experts' second half + swiglu's down), and matches the fp64 math."""
+  like jtilert.ops.reference (moe_experts' second half + swiglu's down), and matches the fp64 math."""
   mesh = _mesh()
   args = _expert_down_case(np.random.default_rng(6), fp8)
   h, wts, ids, down, ds, hs, sd, ss = args
@@ -216,8 +216,8 @@ def test_expert_down_all_reduce_fallback_equals_the_unfused_path(fp8):
     return jf.expert_down_all_reduce(h, wts, ids, down, ds, hs, sd, ss, "tp")
 
   def unfused(h, wts, ids, down, ds, hs, sd, ss):
-    routed = layers.expert_down(h, wts[None], ids[None], down, ds)
-    return lax.psum(routed + layers.linear(hs[None], sd, ss), "tp")[0]
+    routed = reference.expert_down(h, wts[None], ids[None], down, ds)
+    return lax.psum(routed + reference.linear(hs[None], sd, ss), "tp")[0]
 
   if not fp8:  # no scales: drop them from the argument lists
     f_ = lambda h, w, i, d, hs, sd: fused(h, w, i, d, None, hs, sd, None)  # noqa: E731
@@ -344,8 +344,8 @@ def test_stacked_argument_errors():
 
 
 def _engine(model, mesh, **config):
-  from jtilert.generate import Engine
-  from jtilert.ops import DecodeConfig
+  from jtilert.runtime.generate import Engine
+  from jtilert.ops.table import DecodeConfig
   return Engine(model, mesh=mesh, config=DecodeConfig(**config))
 
 
@@ -396,7 +396,7 @@ def test_model_moe_through_the_fused_op_equals_psum(tiny_bf16, tp, monkeypatch):
   monkeypatch.setattr(jf, "expert_down_all_reduce",
                       lambda *a, **k: calls.append(k.get("layer") is not None) or orig(*a, **k))
   monkeypatch.setattr(jf, "gemv_all_reduce", lambda x, w, s, axis, layer=None: lax.psum(
-      layers.linear(x[None], w if layer is None else w[layer], s if s is None or layer is None else s[layer]),
+      reference.linear(x[None], w if layer is None else w[layer], s if s is None or layer is None else s[layer]),
       axis)[0])
   ids = np.random.default_rng(7).integers(0, 256, 6)
   with warnings.catch_warnings():

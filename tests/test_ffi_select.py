@@ -25,7 +25,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jtilert.ffi as jf
-from jtilert import layers
+from jtilert.ops import reference
 from jtilert.ffi import ops as ffi_ops
 from jtilert.ffi import select as sel
 
@@ -431,7 +431,7 @@ def test_fallback_equals_reference(t, n, k):
     vals, idx2 = jf.top_k(x, k)
     vu, iu = jf.top_k(x, k, sorted=False)
     one_v, one_i = jf.top_k(x[0], k)
-  ridx, rvalid = layers.topk_positions(x, k)
+  ridx, rvalid = reference.topk_positions(x, k)
   by_position = np.argsort(np.asarray(ridx), -1)   # topk: the reference's pairs in position order
   np.testing.assert_array_equal(np.asarray(idx), np.take_along_axis(np.asarray(ridx), by_position, -1))
   np.testing.assert_array_equal(np.asarray(valid), np.take_along_axis(np.asarray(rvalid), by_position, -1))
@@ -470,7 +470,7 @@ def test_cuda_lowering_emits_the_custom_call(monkeypatch):
 
 def test_pallas_ops_use_the_engine_topk_when_asked_and_loadable(monkeypatch):
   from jtilert.ffi import _lib
-  from jtilert.ops import DecodeConfig, Ops
+  from jtilert.ops.table import DecodeConfig, Ops
   x = jnp.zeros((2, 4096), jnp.float32)
 
   def lowered(**config):

@@ -61,7 +61,7 @@ def test_sampling_is_seeded_and_filters(gen):
 def test_filtered_logprobs():
     import jax.numpy as jnp
 
-    from jtilert.sampling import filtered_logprobs
+    from jtilert.runtime.sampling import filtered_logprobs
     logits = jnp.array([0.0, 3.0, 1.0, 2.0, -1.0])
     p = np.exp(np.asarray(filtered_logprobs(logits, Sampling(temperature=1.0, top_k=2).arrays())))
     assert np.count_nonzero(p) == 2 and p[1] > p[3] > 0 and p.sum() == pytest.approx(1)
@@ -138,8 +138,8 @@ def test_next_token_from_head_candidates(tiny_random):
     full logits, top-k draws only from the full logits' top k; other settings sample the full row."""
     import jax
     import jax.numpy as jnp
-    from jtilert.model import HEAD_CANDIDATES, init_cache
-    from jtilert.ops import Ops
+    from jtilert.model.transformer import HEAD_CANDIDATES, init_cache
+    from jtilert.ops.table import Ops
     m, ops = tiny_random, Ops()
     h, _ = m.hidden(ops, jnp.asarray(PROMPT[:12], jnp.int32), 0, init_cache(m.cfg, 16, m.dtype))
     h = h[-1:]

@@ -5,8 +5,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jtilert import layers, preset
-from jtilert.quant import act_quant, dequantize, hadamard, quantize_weight
+from jtilert import preset
+from jtilert.ops import reference
+from jtilert.ops.quant import act_quant, dequantize, hadamard, quantize_weight
 
 RNG = np.random.default_rng(0)
 
@@ -30,7 +31,7 @@ def official_act_quant(x):
 def test_fp8_indexer_quantisation_is_bit_exact_with_official():
     cfg = preset("deepseek-v3.2")
     k = (RNG.standard_normal((37, 128)) * RNG.uniform(0.01, 30, (37, 1))).astype(np.float32)
-    q8, s = layers.indexer_key(cfg, jnp.asarray(k))
+    q8, s = reference.indexer_key(cfg, jnp.asarray(k))
     ref_q, ref_s = official_act_quant(k @ hadamard(128))
     np.testing.assert_array_equal(np.asarray(s), ref_s[:, 0])
     np.testing.assert_array_equal(np.asarray(q8).view(np.uint8), ref_q.view(np.uint8))
@@ -44,8 +45,8 @@ def test_fp8_scores_track_unquantised_scores():
     k = jnp.asarray(RNG.standard_normal((s, 128)), jnp.float32)
     w = jnp.asarray(RNG.standard_normal((t, h)) * 0.1, jnp.float32)
     pos = jnp.array([s - 2, s - 1])
-    exact = layers.indexer_scores(*layers.indexer_query(plain, q, w), *layers.indexer_key(plain, k), pos)
-    approx = layers.indexer_scores(*layers.indexer_query(fp8, q, w), *layers.indexer_key(fp8, k), pos)
+    exact = reference.indexer_scores(*reference.indexer_query(plain, q, w), *reference.indexer_key(plain, k), pos)
+    approx = reference.indexer_scores(*reference.indexer_query(fp8, q, w), *reference.indexer_key(fp8, k), pos)
     visible = np.isfinite(np.asarray(exact))
     assert np.array_equal(visible, np.isfinite(np.asarray(approx))) and not visible[0, -1]
     err = np.abs(np.asarray(approx) - np.asarray(exact))[visible]
@@ -62,9 +63,9 @@ def test_weight_quantisation_round_trip():
 
 def test_topk_ties_go_to_the_lower_position_and_mask_the_future():
     scores = jnp.array([[1.0, 3.0, 3.0, 2.0, 3.0, -jnp.inf]])
-    idx, valid = layers.topk_positions(scores, 4)
+    idx, valid = reference.topk_positions(scores, 4)
     assert idx.tolist() == [[1, 2, 4, 3]] and valid.all()
-    idx, valid = layers.topk_positions(jnp.array([[5.0, -jnp.inf, -jnp.inf]]), 2)
+    idx, valid = reference.topk_positions(jnp.array([[5.0, -jnp.inf, -jnp.inf]]), 2)
     assert valid.tolist() == [[True, False]]
 
 
@@ -75,7 +76,7 @@ def test_sparse_mla_equals_dense_masked_attention():
     idx = np.stack([RNG.choice(s, k, replace=False) for _ in range(t)])
     valid = RNG.random((t, k)) < 0.8
     valid[:, 0] = True
-    out = layers.sparse_mla(*map(jnp.asarray, (q_lat, q_pe, kv, pe, idx, valid)), 0.3)
+    out = reference.sparse_mla(*map(jnp.asarray, (q_lat, q_pe, kv, pe, idx, valid)), 0.3)
     for i in range(t):
         keep = idx[i][valid[i]]
         sc = (q_lat[i] @ kv[keep].T + q_pe[i] @ pe[keep].T) * 0.3
@@ -90,8 +91,8 @@ def test_moe_gather_and_dense_paths_agree():
     g, u = (jnp.asarray(RNG.standard_normal((e, inter, hid)) * 0.1, jnp.float32) for _ in range(2))
     d = jnp.asarray(RNG.standard_normal((e, hid, inter)) * 0.1, jnp.float32)
     x = jnp.asarray(RNG.standard_normal((8, hid)), jnp.float32)
-    wts, ids = layers.route(cfg, x, jnp.asarray(RNG.standard_normal((e, hid)), jnp.float32), jnp.zeros(e))
-    dense = layers.moe_experts(x, wts, ids, g, None, u, None, d, None)  # 8 tokens x 4 >= 16 experts
-    gathered = jnp.concatenate([layers.moe_experts(x[i:i + 1], wts[i:i + 1], ids[i:i + 1], g, None, u, None, d, None)
+    wts, ids = reference.route(cfg, x, jnp.asarray(RNG.standard_normal((e, hid)), jnp.float32), jnp.zeros(e))
+    dense = reference.moe_experts(x, wts, ids, g, None, u, None, d, None)  # 8 tokens x 4 >= 16 experts
+    gathered = jnp.concatenate([reference.moe_experts(x[i:i + 1], wts[i:i + 1], ids[i:i + 1], g, None, u, None, d, None)
                                 for i in range(8)])
     np.testing.assert_allclose(np.asarray(dense), np.asarray(gathered), rtol=1e-5, atol=1e-5)

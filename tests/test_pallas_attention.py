@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jtilert import layers
+from jtilert.ops import reference
 from jtilert.pallas import interpret as interp
 from jtilert.pallas import sparse_mla as smla
 
@@ -55,7 +55,7 @@ def test_sparse_mla(T, H, L, R, S, K, frac_valid):
     valid = valid.at[:, 0].set(True)
     f = functools.partial(smla.sparse_mla, scale=0.1)
     out = _run(f, ql, qp, kv, pe, idx, valid)
-    ref = layers.sparse_mla(ql, qp, kv, pe, idx, valid, 0.1)
+    ref = reference.sparse_mla(ql, qp, kv, pe, idx, valid, 0.1)
     assert out.shape == ref.shape and out.dtype == np.float32
     assert np.isfinite(out).all()
     assert _rel(out, ref) < 4e-3   # P is rounded to bf16 before P·V (as FlashMLA does)
@@ -73,14 +73,14 @@ def test_sparse_mla_negative_indices_mask():
     valid = jnp.arange(K)[None] < 37
     f = functools.partial(smla.sparse_mla, valid=None, scale=0.2)
     out = _run(lambda *a: f(*a), ql, qp, kv, pe, jnp.where(valid, idx, -1))
-    ref = layers.sparse_mla(ql, qp, kv, pe, idx, valid, 0.2)
+    ref = reference.sparse_mla(ql, qp, kv, pe, idx, valid, 0.2)
     assert _rel(out, ref) < 4e-3
 
 
 # ---- indexer scoring -------------------------------------------------------------------------
 
 from jtilert.pallas import indexer as ix  # noqa: E402
-from jtilert.quant import act_quant  # noqa: E402
+from jtilert.ops.quant import act_quant  # noqa: E402
 
 SMALL = ix.IndexerConfig(num_ctas=3, stages=2)   # several blocks per CTA, slot reuse
 
@@ -114,7 +114,7 @@ def test_indexer_scores(T, H, S, pos, start, end, fp8):
     pos = jnp.array(pos, jnp.int32)
     f = functools.partial(ix.indexer_scores, start=start, rows=None if end is None else end - start, config=SMALL)
     out = _run(f, q, w, k, ks, pos)
-    ref = np.asarray(layers.indexer_scores(q, w, k, ks, pos))[:, start:end]
+    ref = np.asarray(reference.indexer_scores(q, w, k, ks, pos))[:, start:end]
     assert out.shape == ref.shape
     fin = np.isfinite(ref)
     np.testing.assert_array_equal(np.isfinite(out), fin)
@@ -133,7 +133,7 @@ def test_indexer_traced_start_and_offset():
 
     out = _run(f, q, w, k, ks, pos, jnp.int32(128), jnp.int32(700))
     # rows 128..383 of this shard hold global positions 828..1083: rows past 1000 are -inf
-    full = np.asarray(layers.indexer_scores(q, w, k, ks, pos - 700))[:, 128:384]
+    full = np.asarray(reference.indexer_scores(q, w, k, ks, pos - 700))[:, 128:384]
     fin = np.isfinite(full)
     np.testing.assert_array_equal(np.isfinite(out), fin)
     assert np.abs(out[fin] - full[fin]).max() <= 1e-5 * np.abs(full[fin]).max()
@@ -142,7 +142,7 @@ def test_indexer_traced_start_and_offset():
 # ---- key append inside the indexer kernel ----------------------------------------------------
 
 def _append_case(T, H, D, S, fp8, seed):
-    from jtilert.config import preset
+    from jtilert.model.presets import preset
     cfg = preset("tiny").replace(index_quant="fp8" if fp8 else "none", index_head_dim=D, index_n_heads=H)
     q, w, kc, ks = _index_inputs(T, H, D, S, fp8, seed)
     k = jax.random.normal(jax.random.key(seed + 1), (T, D)) * 3
@@ -160,7 +160,7 @@ def _append_case(T, H, D, S, fp8, seed):
     (1, 8, 256, [40], 0, None, False),          # 8 heads (padded); the rows of 64 bytes are
 ])                                              # appended by XLA (too short for one TMA)
 def test_indexer_append_scores(T, H, S, pos, start, end, fp8):
-    """The kernel appends the new keys (fp8 quantised bit for bit as jtilert.quant, or bf16) at
+    """The kernel appends the new keys (fp8 quantised bit for bit as jtilert.ops.quant, or bf16) at
     their rows of the range, in place, and scores them from the fresh keys as the reference does."""
     D = 128 if H != 8 else 32
     cfg, q, w, k, kc, ks = _append_case(T, H, D, S, fp8, np.random.randint(1 << 30))
@@ -169,12 +169,12 @@ def test_indexer_append_scores(T, H, S, pos, start, end, fp8):
     def f(q, w, k, kc, ks, pos):
         if H == 8:
             return ix.indexer_append_scores(cfg, q, w, k, kc, ks, pos, pos[0])
-        k_new = layers.indexer_key_rotated(cfg, k)
+        k_new = reference.indexer_key_rotated(cfg, k)
         return ix.append_and_score(q, w, k_new, kc, ks, pos, start=start, rows=None if end is None else end - start,
                                    config=SMALL)
 
     scores, kc_out, ks_out = _run(f, q, w, k, kc, ks, pos)
-    ref, rkc, rks = layers.indexer_append_scores(cfg, q, w, k, kc, ks, pos, pos[0])
+    ref, rkc, rks = reference.indexer_append_scores(cfg, q, w, k, kc, ks, pos, pos[0])
     lo, hi = start, end or S
     in_range = [(lo <= int(p) < hi) for p in pos]
     want_kc = np.asarray(rkc if all(in_range) else kc)    # rows outside the range are left alone
@@ -198,7 +198,7 @@ def test_indexer_append_scores_one_gpus_share():
         return ix.indexer_append_scores(cfg, q, w, k, kc, ks, pos, pos[0], first_row=first, num_rows=256)
 
     scores, kc_out, ks_out = _run(f, q, w, k, kc, ks, pos, jnp.int32(512))
-    ref, rkc, rks = layers.indexer_append_scores(cfg, q, w, k, kc, ks, pos, pos[0], first_row=512, num_rows=256)
+    ref, rkc, rks = reference.indexer_append_scores(cfg, q, w, k, kc, ks, pos, pos[0], first_row=512, num_rows=256)
     np.testing.assert_array_equal(kc_out.view(np.uint8), np.asarray(rkc).view(np.uint8))
     np.testing.assert_array_equal(ks_out, np.asarray(rks))
     ref = np.asarray(ref)
@@ -223,7 +223,7 @@ def test_indexer_append_under_shard_map():
 
     with interp.interpret():
         out = jax.tree.map(np.asarray, f(q, w, k, kc, ks, pos))
-    ref = layers.indexer_append_scores(cfg, q, w, k, kc, ks, pos, pos[0])
+    ref = reference.indexer_append_scores(cfg, q, w, k, kc, ks, pos, pos[0])
     np.testing.assert_array_equal(out[1].view(np.uint8), np.asarray(ref[1]).view(np.uint8))
     np.testing.assert_array_equal(out[2], np.asarray(ref[2]))
     fin = np.isfinite(np.asarray(ref[0]))
@@ -260,7 +260,7 @@ def test_indexer_append_scores_stacked(S, layer, pos, fp8, share):
                                         layer=layer)
 
     scores, kc_out, ks_out = _run(jax.jit(f), q, w, k, kc, ks, pos, jnp.int32(layer), jnp.int32(first or 0))
-    ref, rkc, rks = layers.indexer_append_scores(cfg, q, w, k, kc[layer], None if ks is None else ks[layer],
+    ref, rkc, rks = reference.indexer_append_scores(cfg, q, w, k, kc[layer], None if ks is None else ks[layer],
                                                  pos, pos[0], first_row=first, num_rows=num)
     np.testing.assert_array_equal(kc_out[layer].view(np.uint8), np.asarray(rkc).view(np.uint8))
     others = [i for i in range(NL) if i != layer]
@@ -283,7 +283,7 @@ def test_indexer_stacked_prefill_falls_back_to_reference():
     pos = jnp.arange(40, 46, dtype=jnp.int32)
     scores, kc_out, ks_out = jax.jit(lambda *a: ix.indexer_append_scores(cfg, *a, pos[0], layer=jnp.int32(layer)))(
         q, w, k, kc, ks, pos)
-    ref, rkc, rks = layers.indexer_append_scores(cfg, q, w, k, kc[layer], ks[layer], pos, pos[0])
+    ref, rkc, rks = reference.indexer_append_scores(cfg, q, w, k, kc[layer], ks[layer], pos, pos[0])
     np.testing.assert_array_equal(np.asarray(scores), np.asarray(ref))
     np.testing.assert_array_equal(np.asarray(kc_out[layer]).view(np.uint8), np.asarray(rkc).view(np.uint8))
     np.testing.assert_array_equal(np.asarray(ks_out[layer]), np.asarray(rks))

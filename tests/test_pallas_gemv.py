@@ -1,4 +1,4 @@
-"""GEMV kernels (issue 4) against jtilert.layers, in GPU interpret mode on the CPU.
+"""GEMV kernels (issue 4) against jtilert.ops.reference, in GPU interpret mode on the CPU.
 
 Every case draws fresh random inputs, runs the Mosaic-GPU kernel in the interpreter with race
 detection (its buffers start as NaN, so an unwritten output element fails the comparison), and
@@ -17,11 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jtilert import layers
+from jtilert.ops import reference
 from jtilert.pallas import gemv
 from jtilert.pallas import interpret as interp
 
-from jtilert.quant import quantize_weight
+from jtilert.ops.quant import quantize_weight
 
 F32, BF16, FP8 = jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn
 _seed = itertools.count(1000)
@@ -81,7 +81,7 @@ def test_linear(t, n, k, fmt, split, engine):
         return
     got = _run(functools.partial(gemv.linear, config=cfg), x, w, s)
     assert got.shape == (t, n)
-    assert _rel(got, layers.linear(x, w, s)) < TOL
+    assert _rel(got, reference.linear(x, w, s)) < TOL
 
 
 def test_linear_fp8_scaling_is_robust():
@@ -90,7 +90,7 @@ def test_linear_fp8_scaling_is_robust():
         x = _x(2, 256, xs)
         w, s = _weight((64, 256), "fp8", pow2=False)
         got = _run(functools.partial(gemv.linear, config=gemv.GemvConfig(split_k=1)), x, w, s)
-        assert _rel(got, layers.linear(x, w, s)) < TOL
+        assert _rel(got, reference.linear(x, w, s)) < TOL
 
 
 def test_linear_many_tokens_chunks():
@@ -99,7 +99,7 @@ def test_linear_many_tokens_chunks():
     w, s = _weight((64, 128), "fp8")
     got = _run(functools.partial(gemv.linear, config=gemv.GemvConfig(split_k=1)), x, w, s)
     assert got.shape == (2, 5, 64)
-    assert _rel(got, layers.linear(x, w, s)) < TOL
+    assert _rel(got, reference.linear(x, w, s)) < TOL
 
 
 @pytest.mark.parametrize("t,n,k,split", [(2, 96, 256, 1), (1, 64, 512, 2)])
@@ -109,7 +109,7 @@ def test_rmsnorm_linear(t, n, k, split):
     w, s = _weight((n, k), "fp8")
     got = _run(lambda x, nw, w, s: gemv.rmsnorm_linear(x, nw, 1e-6, w, s,
                                                        config=gemv.GemvConfig(split_k=split)), x, nw, w, s)
-    ref = layers.linear(layers.rms_norm(x, nw, 1e-6), w, s)
+    ref = reference.linear(reference.rms_norm(x, nw, 1e-6), w, s)
     assert _rel(got, ref) < TOL
 
 
@@ -119,7 +119,7 @@ def test_linear_residual(t, n, split, fmt):
     x, r = _x(t, k), _x(t, n)
     w, s = _weight((n, k), fmt)
     got = _run(functools.partial(gemv.linear_residual, config=gemv.GemvConfig(split_k=split)), x, w, s, r)
-    assert _rel(got, r + layers.linear(x, w, s)) < TOL
+    assert _rel(got, r + reference.linear(x, w, s)) < TOL
 
 
 @pytest.mark.parametrize("t,split,fmt", [(1, 2, "fp8"), (2, 1, "bf16")])
@@ -131,7 +131,7 @@ def test_swiglu(t, split, fmt):
     d, ds = _weight((h, width), fmt)
     cfg = gemv.GemvConfig(split_k=split)
     got = _run(functools.partial(gemv.swiglu, config=cfg), x, g, gs, u, us, d, ds)
-    assert _rel(got, layers.swiglu(x, g, gs, u, us, d, ds)) < TOL
+    assert _rel(got, reference.swiglu(x, g, gs, u, us, d, ds)) < TOL
 
 
 def test_refuses_bad_shapes():
@@ -146,7 +146,7 @@ def test_refuses_bad_shapes():
 def test_op_table_runs_the_reference_for_prefill_and_warns_where_a_kernel_does_not_apply(monkeypatch):
     import warnings
 
-    from jtilert import ops as ops_mod
+    from jtilert.ops import table as ops_mod
     ops = ops_mod.Ops(ops_mod.DecodeConfig(backend="pallas"))
     calls = []
     real = gemv._projection
@@ -155,7 +155,7 @@ def test_op_table_runs_the_reference_for_prefill_and_warns_where_a_kernel_does_n
     x = _x(16, 128)   # a prefill chunk: XLA's matmul (the reference), silently
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        np.testing.assert_array_equal(np.asarray(ops.linear(x, w, s), F32), np.asarray(layers.linear(x, w, s), F32))
+        np.testing.assert_array_equal(np.asarray(ops.linear(x, w, s), F32), np.asarray(reference.linear(x, w, s), F32))
     assert calls == []
     ops.linear(_x(1, 128), w, s)   # decode: the kernel
     assert calls == [1]

@@ -1,5 +1,5 @@
 """backend="pallas" end to end: decode logits of the tiny fp8 model (bf16 activations) within bf16
-tolerance of the reference backend's, and the same greedy tokens where the choice is clear, with every kernel of `jtilert.ops.OPS` (projections, SwiGLU, router,
+tolerance of the reference backend's, and the same greedy tokens where the choice is clear, with every kernel of `jtilert.ops.table.OPS` (projections, SwiGLU, router,
 indexer append + scoring, sparse MLA, the lm head's top candidates) running in GPU interpret mode. The prompt is longer than
 tiny's index_topk (32), so the indexer really selects."""
 

@@ -1,4 +1,4 @@
-"""MoE kernels (issue 4) against jtilert.layers, in GPU interpret mode on the CPU (race detection
+"""MoE kernels (issue 4) against jtilert.ops.reference, in GPU interpret mode on the CPU (race detection
 on, buffers start as NaN): the selected experts' gate/up + down with the routing-weighted sum, the
 shared expert packed as one more expert, and the router on inputs built to produce ties and
 all-in-one-group selections."""
@@ -12,11 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jtilert import layers
-from jtilert.config import TINY
+from jtilert.ops import reference
+from jtilert.model.presets import TINY
 from jtilert.pallas import interpret as interp
 from jtilert.pallas import moe
-from jtilert.quant import quantize_weight
+from jtilert.ops.quant import quantize_weight
 
 F32, BF16, FP8 = jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn
 _seed = itertools.count(2000)
@@ -62,7 +62,7 @@ def test_moe_experts(t, fmt):
     w = jax.random.uniform(_key(), (t, k), minval=0.2, maxval=1.5)
     got = _run(moe.moe_experts, x, w, ids, g, gs, u, us, d, ds)
     assert got.shape == (t, hidden)
-    assert _rel(got, layers.moe_experts(x, w, ids, g, gs, u, us, d, ds)) < 1e-2
+    assert _rel(got, reference.moe_experts(x, w, ids, g, gs, u, us, d, ds)) < 1e-2
 
 
 def test_moe_with_shared_expert():
@@ -75,13 +75,13 @@ def test_moe_with_shared_expert():
     ids = jnp.array([[4, 1]], jnp.int32)
     w = jnp.array([[0.7, 1.3]], F32)
     got = _run(lambda x, w, i: moe.moe_with_shared(x, w, i, packed), x, w, ids)
-    ref = layers.moe_experts(x, w, ids, *routed).astype(F32) + layers.swiglu(x, *shared).astype(F32)
+    ref = reference.moe_experts(x, w, ids, *routed).astype(F32) + reference.swiglu(x, *shared).astype(F32)
     assert _rel(got, ref) < 1e-2
 
 
 def _route_check(cfg, x, gate, bias):
     w_k, i_k = _run(lambda x, g, b: moe.route(cfg, x, g, b), x, gate, bias)
-    w_r, i_r = layers.route(cfg, x, gate, bias)
+    w_r, i_r = reference.route(cfg, x, gate, bias)
     np.testing.assert_array_equal(i_k, np.asarray(i_r))
     np.testing.assert_allclose(w_k, np.asarray(w_r), rtol=1e-5, atol=1e-6)
     return i_k

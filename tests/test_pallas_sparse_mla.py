@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jtilert import layers
+from jtilert.ops import reference
 from jtilert.pallas import interpret as interp
 from jtilert.pallas import sparse_mla as smla
 
@@ -55,10 +55,10 @@ def _inputs(T, H, L, R, S, K, frac_valid):
 def test_sparse_mla_matches_reference(fp8, block_k, T, K, frac_valid):
     ql, qp, kv, pe, idx, valid = _inputs(T, 16, 512, 64, 300, K, frac_valid)
     if fp8:
-        kv, pe = layers.quantize_kv_fp8(kv, pe), None
+        kv, pe = reference.quantize_kv_fp8(kv, pe), None
     cfg = smla.SparseMLAConfig(block_k=block_k)
     out = _run(lambda *a: smla.sparse_mla(*a[:3], pe, *a[3:], 0.07, config=cfg), ql, qp, kv, idx, valid)
-    ref = layers.sparse_mla(ql, qp, kv, pe, idx, valid, 0.07)
+    ref = reference.sparse_mla(ql, qp, kv, pe, idx, valid, 0.07)
     assert out.shape == ref.shape and out.dtype == np.float32 and np.isfinite(out).all()
     assert _rel(out, ref) < 4e-3   # P is rounded to bf16 before P·V (as FlashMLA does)
 
@@ -69,7 +69,7 @@ def test_fp8_cache_layout_is_flashmla():
     rng = np.random.default_rng(np.random.randint(1 << 30))
     lat = (rng.standard_normal((5, 512)) * rng.choice([1e-6, 1e-2, 1, 300], (5, 1))).astype(np.float32)
     rope = rng.standard_normal((5, 64)).astype(np.float32)
-    words = layers.quantize_kv_fp8(jnp.asarray(lat), jnp.asarray(rope))
+    words = reference.quantize_kv_fp8(jnp.asarray(lat), jnp.asarray(rope))
     assert words.shape == (5, 164) and words.dtype == jnp.uint32
     b = np.asarray(words).view(np.uint8).reshape(5, 656)
     scale = b[:, 512:528].copy().view(np.float32)
@@ -78,7 +78,7 @@ def test_fp8_cache_layout_is_flashmla():
     q = b[:, :512].copy().view(jnp.float8_e4m3fn)
     np.testing.assert_array_equal(q, (lat.reshape(5, 4, 128) / scale[..., None]).reshape(5, 512).astype(jnp.float8_e4m3fn))
     np.testing.assert_array_equal(b[:, 528:].copy().view(BF16), rope.astype(BF16))
-    kv, pe = layers.dequantize_kv_fp8(words, 512)
+    kv, pe = reference.dequantize_kv_fp8(words, 512)
     np.testing.assert_array_equal(np.asarray(kv, np.float32),
                                   q.astype(np.float32) * np.repeat(scale, 128, axis=1))
     assert np.all(np.abs(np.asarray(kv, np.float32) - lat) <= np.repeat(scale, 128, axis=1) * 16 + 1e-30)
@@ -92,8 +92,8 @@ def test_fp8_cache_in_model_pallas_equals_reference(monkeypatch):
     the GPU interpreter can deadlock on a 2-core machine when a kernel runs inside a large jit (its
     simulated warpgroups wait on XLA:CPU's thread pool)."""
     import jtilert
-    from jtilert.model import init_cache
-    from jtilert.ops import DecodeConfig, Ops
+    from jtilert.model.transformer import init_cache
+    from jtilert.ops.table import DecodeConfig, Ops
 
     cfg = jtilert.preset("tiny", num_hidden_layers=1, kv_lora_rank=512, qk_rope_head_dim=64,
                          index_head_dim=64, num_nextn_predict_layers=0, kv_cache_quant="fp8")
@@ -105,18 +105,18 @@ def test_fp8_cache_in_model_pallas_equals_reference(monkeypatch):
 
     def step(ops, x, start, cache):
         pos = start + jnp.arange(x.shape[0], dtype=jnp.int32)
-        cos, sin = layers.rope_cos_sin(cfg, pos)
+        cos, sin = reference.rope_cos_sin(cfg, pos)
 
         def indexer(qa, c):
             return model.indexers(ops, layer, x, qa, cos, sin, pos, jnp.int32(start), c)
 
         return model.layers.self_attn(ops, layer, x, cos, sin, pos, jnp.int32(start), cache, indexer)
 
-    reference = Ops(DecodeConfig(backend="reference"))
-    _, cache, _ = jax.jit(lambda x, c: step(reference, x, 0, c))(
+    plain = Ops(DecodeConfig(backend="reference"))
+    _, cache, _ = jax.jit(lambda x, c: step(plain, x, 0, c))(
         jax.random.normal(keys[0], (40, cfg.hidden_size), BF16), cache)
     x = jax.random.normal(keys[1], (1, cfg.hidden_size), BF16)
-    ref, ref_cache, _ = step(reference, x, 40, cache)   # eager like the kernel's step: the same rounding
+    ref, ref_cache, _ = step(plain, x, 40, cache)   # eager like the kernel's step: the same rounding
     kernels = Ops(DecodeConfig(backend="pallas", engine_topk=False))
     use = kernels._use_kernel
     monkeypatch.setattr(kernels, "_use_kernel", lambda name, *a: name == "sparse_mla" and use(name, *a))
@@ -148,7 +148,7 @@ def _stacked_inputs(cache, S, seed):
     idx = jnp.concatenate([idx, jnp.array([S - 1], jnp.int32)])[None]
     valid = (jax.random.uniform(keys[5], idx.shape) < 0.8).at[:, -1].set(True)
     if cache == "fp8":
-        kv, pe = layers.quantize_kv_fp8(kv, pe), None
+        kv, pe = reference.quantize_kv_fp8(kv, pe), None
     return ql, qp, kv, pe, idx, valid
 
 
@@ -159,7 +159,7 @@ def test_sparse_mla_stacked_layer(cache, S, layer):
     ql, qp, kv, pe, idx, valid = _stacked_inputs(cache, S, np.random.randint(1 << 30))
     f = jax.jit(lambda ql, qp, kv, idx, valid, layer: smla.sparse_mla(ql, qp, kv, pe, idx, valid, 0.07, layer=layer))
     out = _run(f, ql, qp, kv, idx, valid, jnp.int32(layer))
-    ref = layers.sparse_mla(ql, qp, kv[layer], None if pe is None else pe[layer], idx, valid, 0.07)
+    ref = reference.sparse_mla(ql, qp, kv[layer], None if pe is None else pe[layer], idx, valid, 0.07)
     assert out.shape == ref.shape and np.isfinite(out).all()
     assert _rel(out, ref) < 4e-3
 
@@ -171,7 +171,7 @@ def test_sparse_mla_stacked_prefill_falls_back_to_reference():
     ql, qp = jnp.tile(ql, (T, 1, 1)), jnp.tile(qp, (T, 1, 1))
     idx, valid = jnp.tile(idx, (T, 1)), jnp.tile(valid, (T, 1))
     out = jax.jit(lambda *a: smla.sparse_mla(*a, 0.07, layer=jnp.int32(1)))(ql, qp, kv, pe, idx, valid)
-    ref = layers.sparse_mla(ql, qp, kv[1], pe[1], idx, valid, 0.07)
+    ref = reference.sparse_mla(ql, qp, kv[1], pe[1], idx, valid, 0.07)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-6, atol=1e-6)
 
 

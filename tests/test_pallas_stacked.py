@@ -13,11 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jtilert import layers
-from jtilert.config import TINY
+from jtilert.ops import reference
+from jtilert.model.presets import TINY
 from jtilert.pallas import gemv, moe
 from jtilert.pallas import interpret as interp
-from jtilert.quant import quantize_weight
+from jtilert.ops.quant import quantize_weight
 
 F32, BF16, FP8, I32 = jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn, jnp.int32
 L = 3
@@ -80,7 +80,7 @@ def test_linear_stacked(t, n, k, fmt, cfg):
     x = _x(t, k)
     w, s = _stack((n, k), fmt)
     _per_layer(lambda x, w, s, l: gemv.linear(x, w, s, layer=l, config=cfg),
-               lambda l: layers.linear(x, w[l], _at(s, l)), (x, w, s), _close)
+               lambda l: reference.linear(x, w[l], _at(s, l)), (x, w, s), _close)
 
 
 def test_linear_residual_stacked():
@@ -88,7 +88,7 @@ def test_linear_residual_stacked():
     x, r = _x(t, k), _x(t, n)
     w, s = _stack((n, k), "fp8")
     _per_layer(lambda x, w, s, r, l: gemv.linear_residual(x, w, s, r, layer=l),
-               lambda l: r + layers.linear(x, w[l], s[l]), (x, w, s, r), _close)
+               lambda l: r + reference.linear(x, w[l], s[l]), (x, w, s, r), _close)
 
 
 @pytest.mark.parametrize("split", [1, 2])
@@ -99,7 +99,7 @@ def test_rmsnorm_linear_stacked(split):
     w, s = _stack((n, k), "fp8")
     cfg = gemv.GemvConfig(split_k=split)
     _per_layer(lambda x, nw, w, s, l: gemv.rmsnorm_linear(x, nw, 1e-6, w, s, layer=l, config=cfg),
-               lambda l: layers.linear(layers.rms_norm(x, nw[l], 1e-6), w[l], s[l]), (x, nw, w, s), _close)
+               lambda l: reference.linear(reference.rms_norm(x, nw[l], 1e-6), w[l], s[l]), (x, nw, w, s), _close)
 
 
 def test_swiglu_pair_stacked():
@@ -108,7 +108,7 @@ def test_swiglu_pair_stacked():
     g, gs = _stack((width, h), "bf16")
     u, us = _stack((width, h), "bf16")
     _per_layer(lambda x, g, u, l: gemv.swiglu_pair(x, g, None, u, None, layer=l),
-               lambda l: layers.swiglu_hidden(x, g[l], None, u[l], None), (x, g, u), _close)
+               lambda l: reference.swiglu_hidden(x, g[l], None, u[l], None), (x, g, u), _close)
 
 
 def test_swiglu_stacked():
@@ -118,7 +118,7 @@ def test_swiglu_stacked():
     u, us = _stack((width, h), "fp8")
     d, ds = _stack((h, width), "fp8")
     _per_layer(lambda x, g, gs, u, us, d, ds, l: gemv.swiglu(x, g, gs, u, us, d, ds, layer=l),
-               lambda l: layers.swiglu(x, g[l], gs[l], u[l], us[l], d[l], ds[l]), (x, g, gs, u, us, d, ds), _close)
+               lambda l: reference.swiglu(x, g[l], gs[l], u[l], us[l], d[l], ds[l]), (x, g, gs, u, us, d, ds), _close)
 
 
 # ---- MoE and router -----------------------------------------------------------------------------
@@ -142,7 +142,7 @@ def test_moe_experts_stacked(t, fmt):
     x = _x(t, hidden)
     ids, w = _routing(t, k, e)
     _per_layer(lambda x, w, ids, ex, l: moe.moe_experts_op(x, w, ids, *ex, layer=l),
-               lambda l: layers.moe_experts(x, w, ids, *(_at(a, l) for a in ex)), (x, w, ids, ex), _close)
+               lambda l: reference.moe_experts(x, w, ids, *(_at(a, l) for a in ex)), (x, w, ids, ex), _close)
 
 
 def test_expert_gate_up_and_down_stacked():
@@ -152,9 +152,9 @@ def test_expert_gate_up_and_down_stacked():
     ids, w = _routing(t, k, e)
     hs = _x(t * k, width)
     _per_layer(lambda x, ids, g, gs, u, us, l: moe.expert_hidden_op(x, ids, g, gs, u, us, layer=l),
-               lambda l: layers.expert_hidden(x, ids, g[l], gs[l], u[l], us[l]), (x, ids, g, gs, u, us), _close)
+               lambda l: reference.expert_hidden(x, ids, g[l], gs[l], u[l], us[l]), (x, ids, g, gs, u, us), _close)
     _per_layer(lambda hs, w, ids, d, ds, l: moe.expert_down(hs, w, ids, d, ds, layer=l),
-               lambda l: layers.expert_down(hs, w, ids, d[l], ds[l]), (hs, w, ids, d, ds), _close)
+               lambda l: reference.expert_down(hs, w, ids, d[l], ds[l]), (hs, w, ids, d, ds), _close)
 
 
 def test_route_stacked():
@@ -169,7 +169,7 @@ def test_route_stacked():
         np.testing.assert_allclose(got[0], np.asarray(ref[0]), rtol=1e-5, atol=1e-6)
 
     _per_layer(lambda x, g, b, l: moe.route_op(cfg, x, g, b, layer=l),
-               lambda l: layers.route(cfg, x, gate[l], bias[l]), (x, gate, bias), check)
+               lambda l: reference.route(cfg, x, gate[l], bias[l]), (x, gate, bias), check)
 
 
 # ---- lowering: the stacks reach the kernels untouched ------------------------------------------

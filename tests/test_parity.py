@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import jtilert
-from jtilert import checkpoint
+from jtilert.store import checkpoint
 
 MODELS = ["dsv32", "glm5", "glm52"]
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import jtilert
-from jtilert import sharding
+from jtilert.parallel import sharding
 
 
 def test_mesh_shape():
@@ -65,7 +65,7 @@ def test_engine_flag_falls_back_to_the_same_tokens(tiny_random):
 def test_head_candidates_merge_over_ranks_with_ties():
     """Each rank's top-k of its vocab slice, merged: the top-k of the whole row, ties to the lower id."""
     from jax.sharding import PartitionSpec as P
-    from jtilert import layers
+    from jtilert.ops import reference
     rng = np.random.RandomState(3)
     x = rng.randn(1, 64).astype(np.float32)
     w = rng.randn(8 * 16, 64).astype(np.float32)
@@ -73,13 +73,13 @@ def test_head_candidates_merge_over_ranks_with_ties():
     w[7] = w[18] = 2 * x[0]    # the next two, tied across ranks 0 and 1
     mesh = jtilert.make_mesh(8)
 
-    from jtilert.ops import Ops
+    from jtilert.ops.table import Ops
 
     def merged(x, w):
-        return Ops(axis=sharding.AXIS).top_candidates(*layers.lm_head_topk(x, w, 4), w.shape[0])
+        return Ops(axis=sharding.AXIS).top_candidates(*reference.lm_head_topk(x, w, 4), w.shape[0])
     vals, ids = jax.jit(jax.shard_map(merged, mesh=mesh, in_specs=(P(), P("tp", None)), out_specs=P(),
                                       check_vma=False))(x, w)
-    want_vals, want_ids = layers.lm_head_topk(x, w, 4)
+    want_vals, want_ids = reference.lm_head_topk(x, w, 4)
     np.testing.assert_array_equal(ids, want_ids)
     np.testing.assert_array_equal(vals, want_vals)
     assert list(np.asarray(ids[0, :4])) == [3, 5, 7, 18]

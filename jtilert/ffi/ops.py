@@ -21,6 +21,7 @@ from jax.interpreters import mlir
 
 from jtilert.ffi import _lib
 from jtilert.ffi import plan as _plan
+from jtilert.ops import reference
 
 # Tests set this to emit the custom call (with CPU device ids) without a GPU,
 # to check the lowering itself; never set it for running.
@@ -413,15 +414,14 @@ def gemv(x, w, scale=None, *, layer=None, nwc=None, rpw=None):
 def expert_down_reference(h, weights, ids, down, down_scale, shared_h, shared_down, shared_scale,
                           axis_name, *, layer=None):
     """The XLA path, which is the model's unfused one: psum over ``axis_name`` of the routed
-    experts' weighted down projections (``jtilert.layers.expert_down``: fp32, rounded to h.dtype)
-    plus the shared expert's (``layers.linear``: rounded to h.dtype), added in h.dtype. With
+    experts' weighted down projections (``jtilert.ops.reference.expert_down``: fp32, rounded to h.dtype)
+    plus the shared expert's (``reference.linear``: rounded to h.dtype), added in h.dtype. With
     ``layer``: of the weights and scales at ``[layer]``."""
-    from jtilert import layers  # noqa: PLC0415 - the model's reference ops
 
     down, down_scale, shared_down, shared_scale = (
         _at_layer(a, layer) for a in (down, down_scale, shared_down, shared_scale))
-    routed = layers.expert_down(h, weights[None], ids[None], down, down_scale)[0]
-    y = routed + layers.linear(shared_h, shared_down, shared_scale)
+    routed = reference.expert_down(h, weights[None], ids[None], down, down_scale)[0]
+    y = routed + reference.linear(shared_h, shared_down, shared_scale)
     return y if axis_name is None else lax.psum(y, axis_name)
 
 

@@ -3,7 +3,7 @@
 - ``top_k(scores, k)``: (values, indices) [T, min(k, N)] exactly as ``lax.top_k`` returns them (total
   order of the bits, ties toward the lower position); ``sorted=False``: the same pairs in position
   order; ``canonical_zero=True``: -0.0 counts as (and is returned as) +0.0, ``merge_topk``'s order.
-- ``topk(scores, k)``: drop-in for ``jtilert.layers.topk_positions`` (indices, valid), position order.
+- ``topk(scores, k)``: drop-in for ``jtilert.ops.reference.topk_positions`` (indices, valid), position order.
 - ``split_topk(scores, k, axis_name)``: in ``shard_map``, rank r holds positions [r * n, (r + 1) * n);
   local top-k, then ``merge_topk``: the global top-k, bit-identical on every rank (-0.0 = +0.0).
 
@@ -131,7 +131,7 @@ def top_k(scores, k, *, sorted=True, canonical_zero=False, ctas=0):  # noqa: A00
 
 
 def topk(scores, k):
-    """Drop-in for `jtilert.layers.topk_positions`: (indices [T, k'] int32, valid [T, k'] bool), the
+    """Drop-in for `jtilert.ops.reference.topk_positions`: (indices [T, k'] int32, valid [T, k'] bool), the
     same pairs in position order."""
     vals, idx = top_k(scores, k, sorted=False)
     return idx, vals > -jnp.inf

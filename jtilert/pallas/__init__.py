@@ -10,7 +10,7 @@ Projection / MoE / lm-head kernels (issue 4):
 
 Attention kernels: `indexer` (key append + lightning-indexer scores) and `sparse_mla` (absorbed
 attention over the selected latent rows). Every kernel takes the model's stacked [L, ...] weights
-or caches with a traced `layer=` index. Which op runs which kernel: `jtilert.ops.OPS`. Without a
+or caches with a traced `layer=` index. Which op runs which kernel: `jtilert.ops.table.OPS`. Without a
 GPU every kernel runs in GPU interpret mode (see `interpret`).
 """
 

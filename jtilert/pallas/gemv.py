@@ -25,6 +25,8 @@ import jax.numpy as jnp
 from jax import lax
 
 import jtilert.pallas.interpret as _interp
+from jtilert.ops import reference
+from jtilert.ops.quant import quantize_weight
 from jtilert.pallas import _hopper as hw
 from jtilert.pallas._hopper import (BF16, F16, F32, FP8, KGRAIN, MAX_TOKENS, QBLOCK,  # noqa: F401
                                     SMEM_BYTES, X_LAYOUT, X_TRANSFORMS)
@@ -428,14 +430,14 @@ def _prep_weight(w, scale, layer=None):
     return w.astype(BF16), None
 
 
-# ---- public wrappers (same signatures as jtilert.layers, plus layer=) ---------------------------
+# ---- public wrappers (same signatures as jtilert.ops.reference, plus layer=) ---------------------------
 #
 # layer=None: W [N, K] (scales [N/128, K/128]). layer = an int32 scalar (may be traced): every
 # weight, scale and norm-weight argument is a stack with a leading layer axis, and the result is
 # the unstacked op on layer `layer`, read in place by the kernel.
 
 def linear(x, w, scale=None, *, layer=None, config: GemvConfig | None = None):
-    """jtilert.layers.linear: y = x · Wᵀ, x [..., K] bf16, W [N, K] bf16 or fp8 (+ scale)."""
+    """jtilert.ops.reference.linear: y = x · Wᵀ, x [..., K] bf16, W [N, K] bf16 or fp8 (+ scale)."""
     w, scale = _prep_weight(w, scale, layer)
     return hw.token_chunks(x, lambda xc, _: _projection(xc, (w,), (scale,), layer=layer, config=config))
 
@@ -470,20 +472,18 @@ def swiglu_pair(x, gate, gate_scale, up, up_scale, *, layer=None, config: GemvCo
 
 def swiglu(x, gate, gate_scale, up, up_scale, down, down_scale, *, layer=None,
            config: GemvConfig | None = None, down_config: GemvConfig | None = None):
-    """jtilert.layers.swiglu: down(silu(gate(x)) · up(x)) as two kernels (pair, then down)."""
+    """jtilert.ops.reference.swiglu: down(silu(gate(x)) · up(x)) as two kernels (pair, then down)."""
     h = swiglu_pair(x, gate, gate_scale, up, up_scale, layer=layer, config=config)
     return linear(h, down, down_scale, layer=layer, config=down_config)
 
 
 def reference_rmsnorm_linear(x, norm_weight, eps, w, scale=None):
-    from jtilert import layers
-    return layers.linear(layers.rms_norm(x, norm_weight, eps), w, scale)
+    return reference.linear(reference.rms_norm(x, norm_weight, eps), w, scale)
 
 
 # ---- benchmark entry ----------------------------------------------------------------------------
 
 def _bench():  # pragma: no cover - GPU only
-    from jtilert.quant import quantize_weight
     import numpy as np
     from jax.experimental.mosaic.gpu import profiler
     key = jax.random.key(0)

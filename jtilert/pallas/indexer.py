@@ -1,7 +1,7 @@
 """DSA lightning-indexer scoring on Hopper (Pallas Mosaic-GPU), with the key append fused in.
 
 I(t, s) = Σ_h w[t,h] · ReLU(q[t,h] · k[s]) · k_scale[s] over cache rows [start, start + n), -inf
-past each token's position; contract of `jtilert.layers.indexer_scores` / `indexer_append_scores`.
+past each token's position; contract of `jtilert.ops.reference.indexer_scores` / `indexer_append_scores`.
 The caches may be one layer ([S, D], [S]) or a layer group's stack ([L, S, D], [L, S]) with a traced
 `layer`: the kernel addresses the layer in its TMA coordinates, so no slice of the cache is copied.
 A grid of `num_ctas` CTAs deals the range's blocks of `block_s` rows round-robin. Blocks holding a
@@ -9,7 +9,7 @@ position ≤ max(positions) stream through a `stages`-deep TMA pipeline (keys [b
 per block and token: K · qᵀ on the tensor cores, ReLU, · w, Σ heads, · k_scale, causal mask, TMA
 store; later blocks get -inf without reading keys. A partial last block is read past the range or
 the cache (TMA zero-fills rows past S) and its store is clipped to the output: no padded copy.
-Append: the CTA owning a new row's block quantises the key (as `jtilert.quant.act_quant`), writes it
+Append: the CTA owning a new row's block quantises the key (as `jtilert.ops.quant.act_quant`), writes it
 and patches the block's scales (read, patch, write back) before streaming, into the caches passed
 as mutable refs (aliased, updated in place).
 """
@@ -26,7 +26,8 @@ import numpy as np
 from jax import lax
 
 import jtilert.pallas.interpret as _interp
-from jtilert.quant import pow2_scale
+from jtilert.ops import reference
+from jtilert.ops.quant import act_quant, pow2_scale
 
 F32, BF16, FP8 = jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn
 
@@ -198,7 +199,7 @@ def indexer_scores_kernel(q, w, k_cache, k_scale, positions, offsets, n: int,
                     plgpu.copy_smem_to_gmem(kn_s.at[pl.ds(t, 1)], k_ref.at[pl.ds(row, 1)])
                     plgpu.wait_smem_to_gmem(0)
                     return
-                # jtilert.quant.act_quant: one 128-wide block, a power-of-two scale
+                # jtilert.ops.quant.act_quant: one 128-wide block, a power-of-two scale
                 v = plgpu.load(kn_s.at[t], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
                 scale = pow2_scale(jnp.max(jnp.abs(v)))
                 k8_s[t] = (v / scale).astype(FP8)
@@ -253,7 +254,7 @@ def indexer_scores_kernel(q, w, k_cache, k_scale, positions, offsets, n: int,
 
 def indexer_scores(q, w, k_cache, k_scale, positions, *, start=0, rows=None, pos_offset=0,
                    config: IndexerConfig | None = None, layer=None):
-    """Drop-in for `jtilert.layers.indexer_scores` (scores [T, S] fp32, -inf past each token's
+    """Drop-in for `jtilert.ops.reference.indexer_scores` (scores [T, S] fp32, -inf past each token's
     position), plus a range: with `start`/`rows` only cache rows [start, start + rows) are scored
     and the result is [T, rows] (positions are split across GPUs this way). `rows` is static (None:
     to the end of the cache, for a static start); `start` and `pos_offset` (global position of
@@ -273,7 +274,7 @@ def append_and_score(q, w, k_new, k_cache, k_scale, positions, *, start=0, rows=
     """`indexer_scores` after writing the new tokens' keys into the cache rows `positions -
     pos_offset` (of `layer`) that fall in the range, in the same kernel: k_new [T, D] is the key
     before quantisation (fp32, Hadamard-rotated, when the cache is fp8: quantised in the kernel
-    exactly as `jtilert.quant.act_quant`; else already in the cache dtype). → (scores, k_cache,
+    exactly as `jtilert.ops.quant.act_quant`; else already in the cache dtype). → (scores, k_cache,
     k_scale), the whole caches updated in place."""
     _check_layer(k_cache, layer)
     return _call(q, w, k_cache, k_scale, positions, start, rows, pos_offset, layer,
@@ -282,18 +283,17 @@ def append_and_score(q, w, k_new, k_cache, k_scale, positions, *, start=0, rows=
 
 def indexer_append_scores(cfg, q, w, k, k_cache, k_scale, positions, start, first_row=None, num_rows=None,
                           *, layer=None):
-    """Drop-in for `jtilert.layers.indexer_append_scores` (the model's op), plus `layer`: the caches
+    """Drop-in for `jtilert.ops.reference.indexer_append_scores` (the model's op), plus `layer`: the caches
     are then a layer group's stack [L, S, D] / [L, S], the key goes to [layer, start] and the
     layer's rows are scored; → (scores, k_cache, k_scale) with the whole stacks returned. Decode
     steps run `append_and_score`. With num_rows (the indexer split over GPUs) the kernel scores rows
     [first_row, first_row + num_rows) and XLA appends the key (in place), so every rank's cache stays
     whole for the steps that score all rows (prefill, MTP's two tokens); so do caches whose rows are
     too short for the kernel's row copy (tiny test models). Prefill chunks run the reference."""
-    from jtilert import layers
     _check_layer(k_cache, layer)
     decode = q.shape[0] <= MAX_TOKENS and _kernel_applies(k_cache)
     if decode and num_rows is None and _row_copyable(k_cache):
-        k_new = layers.indexer_key_rotated(cfg, k)
+        k_new = reference.indexer_key_rotated(cfg, k)
         k_new = k_new.astype(F32 if k_scale is not None else k_cache.dtype)
         return append_and_score(q, w, k_new, k_cache, k_scale, positions, layer=layer)
     k_cache, k_scale = _xla_append(cfg, k, k_cache, k_scale, start, layer)
@@ -324,8 +324,7 @@ def _row_copyable(k_cache) -> bool:
 
 def _xla_append(cfg, k, k_cache, k_scale, start, layer):
     """The reference's key write, into row `start` (of `layer`): a dynamic_update_slice, in place."""
-    from jtilert import layers
-    k, ks = layers.indexer_key(cfg, k)
+    k, ks = reference.indexer_key(cfg, k)
     k = k.astype(k_cache.dtype)
     if layer is None:
         k_cache = lax.dynamic_update_slice(k_cache, k, (start, 0))
@@ -339,13 +338,12 @@ def _xla_append(cfg, k, k_cache, k_scale, start, layer):
 
 
 def _reference_scores(q, w, k_cache, k_scale, positions, start, rows, pos_offset, layer):
-    """`jtilert.layers.indexer_scores` on the range (prefill chunks, tiny caches; with a layer
+    """`jtilert.ops.reference.indexer_scores` on the range (prefill chunks, tiny caches; with a layer
     stack this reads a copy of the layer: off the decode path)."""
-    from jtilert import layers
     if layer is not None:
         k_cache = k_cache[layer]
         k_scale = None if k_scale is None else k_scale[layer]
-    scores = layers.indexer_scores(q, w, k_cache, k_scale, positions - pos_offset)
+    scores = reference.indexer_scores(q, w, k_cache, k_scale, positions - pos_offset)
     if rows is None:
         return scores[:, start:]
     return lax.dynamic_slice_in_dim(scores, start, rows, axis=1)
@@ -389,8 +387,6 @@ def byte_floor(n: int, dim: int = 128, fp8: bool = True) -> int:
 
 if __name__ == "__main__":
     # python -m jtilert.pallas.indexer : check against the reference and time one shape.
-    from jtilert.layers import indexer_scores as reference
-    from jtilert.quant import act_quant
     T, H, D, S = 1, 64, 128, 32768
     keys = jax.random.split(jax.random.key(0), 4)
     q8, qs = act_quant(jax.random.normal(keys[0], (T, H, D)))
@@ -400,7 +396,7 @@ if __name__ == "__main__":
     pos = jnp.array([S - 1], jnp.int32)
     f = jax.jit(indexer_scores)
     out = f(q8, w, k8, ks, pos)
-    ref = reference(q8, w, k8, ks, pos)
+    ref = reference.indexer_scores(q8, w, k8, ks, pos)
     print("max abs err", float(jnp.max(jnp.abs(out - ref))))
     if _interp.on_gpu():
         from jax.experimental.mosaic.gpu import profiler

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import jtilert.pallas.interpret as _interp
-from jtilert import layers
+from jtilert.ops import reference
 from jtilert.pallas import _hopper as hw
 from jtilert.pallas import gemv
 from jtilert.pallas._hopper import BF16, F16, F32, FP8, KGRAIN, MAX_TOKENS, QBLOCK, X_LAYOUT, X_TRANSFORMS
@@ -205,7 +205,7 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
 
 def moe_experts(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale, *, layer=None,
                 gate_up_config: GemvConfig | None = None, down_config: GemvConfig | None = None):
-    """jtilert.layers.moe_experts for decode (T ≤ 8): two kernels, only the selected experts read."""
+    """jtilert.ops.reference.moe_experts for decode (T ≤ 8): two kernels, only the selected experts read."""
     t = x.shape[0]
     if t > MAX_TOKENS:
         raise ValueError(f"moe_experts kernel: at most {MAX_TOKENS} tokens, got {t}")
@@ -235,9 +235,9 @@ def moe_with_shared(x, weights, ids, packed, *, layer=None):
 
 def reference_moe_with_shared(x, weights, ids, packed, shared_raw):
     g, gs, u, us, d, ds = packed
-    routed = layers.moe_experts(x, weights, ids, g[:-1], None if gs is None else gs[:-1], u[:-1],
+    routed = reference.moe_experts(x, weights, ids, g[:-1], None if gs is None else gs[:-1], u[:-1],
                                 None if us is None else us[:-1], d[:-1], None if ds is None else ds[:-1])
-    return routed + layers.swiglu(x, *shared_raw)
+    return routed + reference.swiglu(x, *shared_raw)
 
 
 # ---- router -------------------------------------------------------------------------------------
@@ -264,10 +264,10 @@ def _at(a, layer):
 
 
 def route(cfg, x, gate, bias, *, layer=None):
-    """jtilert.layers.route with the logits GEMV in Pallas (gate [L, E, H], bias [L, E] with layer=)."""
+    """jtilert.ops.reference.route with the logits GEMV in Pallas (gate [L, E, H], bias [L, E] with layer=)."""
     if x.dtype != BF16:
-        return layers.route(cfg, x, _at(gate, layer), _at(bias, layer))
-    return layers.select_experts(cfg, router_logits(x, gate, layer=layer), _at(bias, layer))
+        return reference.route(cfg, x, _at(gate, layer), _at(bias, layer))
+    return reference.select_experts(cfg, router_logits(x, gate, layer=layer), _at(bias, layer))
 
 
 # ---- backend="pallas" entry points (fall back to the reference outside the decode regime) --------
@@ -284,7 +284,7 @@ def route_op(cfg, x, gate, bias, *, layer=None):
     if (x.ndim == 2 and x.shape[0] <= MAX_TOKENS and x.shape[-1] % KGRAIN == 0
             and (layer is None or gate.dtype in (F32, BF16))):
         return route(cfg, x, gate, bias, layer=layer)
-    return layers.route(cfg, x, _at(gate, layer), _at(bias, layer))
+    return reference.route(cfg, x, _at(gate, layer), _at(bias, layer))
 
 
 def _gate_up_ok(x, gate, gate_scale, up):
@@ -294,11 +294,11 @@ def _gate_up_ok(x, gate, gate_scale, up):
 def moe_experts_op(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale, *, layer=None):
     if _gate_up_ok(x, gate, gate_scale, up) and _decode_ok(x, down) and (down.dtype == FP8) == (down_scale is not None):
         return moe_experts(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale, layer=layer)
-    return layers.moe_experts(x, weights, ids, *(_at(a, layer) for a in (gate, gate_scale, up, up_scale,
+    return reference.moe_experts(x, weights, ids, *(_at(a, layer) for a in (gate, gate_scale, up, up_scale,
                                                                          down, down_scale)))
 
 
 def expert_hidden_op(x, ids, gate, gate_scale, up, up_scale, *, layer=None):
     if _gate_up_ok(x, gate, gate_scale, up):
         return expert_gate_up(x, ids, gate, gate_scale, up, up_scale, layer=layer)
-    return layers.expert_hidden(x, ids, *(_at(a, layer) for a in (gate, gate_scale, up, up_scale)))
+    return reference.expert_hidden(x, ids, *(_at(a, layer) for a in (gate, gate_scale, up, up_scale)))

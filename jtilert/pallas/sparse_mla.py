@@ -1,6 +1,6 @@
 """Absorbed sparse MLA decode on Hopper (Pallas Mosaic-GPU): the new tokens' latent queries attend
 over the `index_topk` cache rows the indexer selected, flash-decoding style. Contract of
-`jtilert.layers.sparse_mla` (rows with valid=False or idx < 0 masked; fp32 latent output [T, H, L]).
+`jtilert.ops.reference.sparse_mla` (rows with valid=False or idx < 0 masked; fp32 latent output [T, H, L]).
 The caches may be one layer ([S, L] + [S, R], or FlashMLA's packed fp8 rows [S, W]) or a layer
 group's stack ([L', S, ...]) with a traced `layer`, addressed in the row copies' TMA coordinates.
 
@@ -27,7 +27,7 @@ import numpy as np
 from jax import lax
 
 import jtilert.pallas.interpret as _interp
-from jtilert import layers
+from jtilert.ops import reference
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 HP = 64            # wgmma M: query rows (heads) per CTA
@@ -125,7 +125,7 @@ def sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: floa
         raise ValueError(f"heads={Hq} must be a multiple of 8, and of {HP} when above {HP}")
     if fp8:
         W = kv_cache.shape[-1]
-        if (W != layers.kv_fp8_words(L, R) or W > TMA_MAX or W % 4 or L % 128 or R != 2 * PLANE
+        if (W != reference.kv_fp8_words(L, R) or W > TMA_MAX or W % 4 or L % 128 or R != 2 * PLANE
                 or bk % 64):
             raise ValueError(f"fp8 cache: unsupported L={L}, R={R}, {W} words per row, block_k={bk}")
         # a row travels as two TMA copies of whole 128-byte multiples (Mosaic's limit): the latent
@@ -402,12 +402,12 @@ def combine_kernel(o, m, l, *, cols: int | None = None):
 
 def fp8_kernel_applies(L: int, R: int, W: int) -> bool:
     """Whether the kernel reads a packed fp8 cache of W words per row (latent L, rope R)."""
-    return W == layers.kv_fp8_words(L, R) and R == 2 * PLANE and W % 4 == 0 and W <= TMA_MAX
+    return W == reference.kv_fp8_words(L, R) and R == 2 * PLANE and W % 4 == 0 and W <= TMA_MAX
 
 
 def sparse_mla(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: float, *,
                config: SparseMLAConfig | None = None, layer=None):
-    """Drop-in for `jtilert.layers.sparse_mla`: q_lat [T, H, L], q_pe [T, H, R], kv_cache [S, L] with
+    """Drop-in for `jtilert.ops.reference.sparse_mla`: q_lat [T, H, L], q_pe [T, H, R], kv_cache [S, L] with
     pe_cache [S, R], or the packed fp8 cache [S, W] uint32 with pe_cache None; idx/valid [T, K] (valid
     may be None when masked rows carry idx < 0) → o_lat [T, H, L] fp32. With `layer` (an int32
     scalar, may be traced) the caches are a layer group's stacks [L', S, ...] and the layer's rows
@@ -450,16 +450,16 @@ def sparse_mla(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: float, *,
 
 
 def _reference(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale, layer):
-    """`jtilert.layers.sparse_mla`; from a layer stack it gathers the selected rows only."""
+    """`jtilert.ops.reference.sparse_mla`; from a layer stack it gathers the selected rows only."""
     if valid is None:
         valid = idx >= 0
     if layer is None:
-        return layers.sparse_mla(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale)
+        return reference.sparse_mla(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale)
     T, K = idx.shape
     kv = kv_cache[layer, idx].reshape(T * K, kv_cache.shape[-1])
     pe = None if pe_cache is None else pe_cache[layer, idx].reshape(T * K, pe_cache.shape[-1])
     rows = jnp.arange(T * K, dtype=jnp.int32).reshape(T, K)
-    return layers.sparse_mla(q_lat, q_pe, kv, pe, rows, valid, scale)
+    return reference.sparse_mla(q_lat, q_pe, kv, pe, rows, valid, scale)
 
 
 def byte_floor(heads: int, k: int, lat: int, rope: int) -> int:
@@ -470,7 +470,7 @@ def byte_floor(heads: int, k: int, lat: int, rope: int) -> int:
 
 if __name__ == "__main__":
     # python -m jtilert.pallas.sparse_mla : check against the reference and time one shape.
-    reference = layers.sparse_mla
+    reference = reference.sparse_mla
     T, H, L, R, S, K = 1, 16, 512, 64, 32768, 2048
     keys = jax.random.split(jax.random.key(0), 5)
     ql = jax.random.normal(keys[0], (T, H, L), BF16)

@@ -47,8 +47,9 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import jtilert  # noqa: E402
-from jtilert import checkpoint, layers  # noqa: E402
-from jtilert.model import Indexer, Transformer, init_cache  # noqa: E402
+from jtilert.store import checkpoint  # noqa: E402
+from jtilert.ops import reference  # noqa: E402
+from jtilert.model.transformer import Indexer, Transformer, init_cache  # noqa: E402
 
 F32 = jnp.float32
 DATA = Path(__file__).resolve().parent / "data" / "python_reference.txt"
@@ -68,7 +69,7 @@ _ROUTES: list | None = None
 
 
 def _recording_route(cfg, x, gate, bias):
-    weights, ids = layers.route(cfg, x, gate, bias)
+    weights, ids = reference.route(cfg, x, gate, bias)
     if _ROUTES is not None:
         _ROUTES.append(ids)
     return weights, ids
@@ -88,7 +89,7 @@ def record_routes():
 
 
 def _masked_dense_mla(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale):
-    """`layers.sparse_mla` computed as dense attention under the top-k mask: the same result, and
+    """`reference.sparse_mla` computed as dense attention under the top-k mask: the same result, and
     cheaper than gathering rows when the top-k is the whole window (the dense warm-up)."""
     t, s = idx.shape[0], kv_cache.shape[0]
     mask = jnp.zeros((t, s), bool).at[jnp.arange(t)[:, None], idx].max(valid)
@@ -181,7 +182,7 @@ def loss_terms(graphdef, params, window, cfg, topk, kl_stride=1):
         logq = jax.nn.log_softmax(scores, axis=-1)
         kl = jnp.where(visible & (p > 0), p * (jnp.log(jnp.where(p > 0, p, 1.0)) - logq), 0.0).sum(-1)
         kls.append(kl.mean())
-        idx, valid = layers.topk_positions(scores, topk)
+        idx, valid = reference.topk_positions(scores, topk)
         kept = jnp.where(valid, jnp.take_along_axis(p, idx, axis=-1), 0.0).sum(-1)
         recalls.append(jnp.sum(jnp.where(rows >= topk, kept, 0.0)) / jnp.sum(rows >= topk))
     losses = {"main": xent(logits, y1), "mtp": xent(mtp_logits, y2), "kl": jnp.stack(kls),

@@ -13,7 +13,7 @@ import json
 import numpy as np
 
 import jtilert
-from jtilert import ops
+from jtilert.ops import table as ops
 
 
 def stacked_gemv_errors() -> dict:
@@ -22,9 +22,9 @@ def stacked_gemv_errors() -> dict:
     import jax
     import jax.numpy as jnp
 
-    from jtilert import layers
+    from jtilert.ops import reference
     from jtilert.pallas import gemv
-    from jtilert.quant import quantize_weight
+    from jtilert.ops.quant import quantize_weight
     out = {}
     for n, k in ((1536, 7168), (3072, 1536), (576, 7168), (7168, 2048)):
         w, s = quantize_weight(jax.random.normal(jax.random.key(n + k), (3, n, k)) * k**-0.5)
@@ -33,7 +33,7 @@ def stacked_gemv_errors() -> dict:
         errs = []
         for i in range(3):
             got = np.asarray(f(x, w, s, jnp.int32(i)), np.float32)
-            want = np.asarray(layers.linear(x, w[i], s[i]), np.float32)
+            want = np.asarray(reference.linear(x, w[i], s[i]), np.float32)
             errs.append(float(np.abs(got - want).max() / np.abs(want).max()))
         out[f"{n}x{k}"] = errs
     return out

@@ -340,8 +340,8 @@ def main() -> int:
   with checking("tiny model engine vs psum"):
     import jtilert
     from flax import nnx
-    from jtilert.generate import Engine
-    from jtilert.ops import DecodeConfig
+    from jtilert.runtime.generate import Engine
+    from jtilert.ops.table import DecodeConfig
 
     graphdef, state = nnx.split(jtilert.load("tiny"))
     model = nnx.merge(graphdef, jax.tree.map(lambda v: v.astype(jnp.bfloat16), state))
@@ -392,8 +392,8 @@ def main() -> int:
              f"merge_topk m={m} k={k}: custom_call={custom} bit-identical={same} exact={exact}")
 
   # ---------------- exact top-k on one GPU (jtilert.ffi.select) vs lax.top_k -------
-  from jtilert import layers
-  from jtilert.ops import DecodeConfig, Ops
+  from jtilert.ops import reference
+  from jtilert.ops.table import DecodeConfig, Ops
 
   def score_rows(t, n, kind):
     x = rng.standard_normal((t, n))
@@ -427,7 +427,7 @@ def main() -> int:
                   np.array_equal(uv.view(np.uint32), np.take_along_axis(rv, order, -1).view(np.uint32)))
       fd = jax.jit(lambda s, k=k: Ops(DecodeConfig(backend="pallas"))("topk_positions", s, k))
       di, dvalid = (np.asarray(a) for a in fd(x))
-      li, lvalid = (np.asarray(a) for a in layers.topk_positions(x, k))
+      li, lvalid = (np.asarray(a) for a in reference.topk_positions(x, k))
       do, lo = np.argsort(di, axis=-1), np.argsort(li, axis=-1)   # the same pairs, in position order
       drop_in = (np.array_equal(di, np.take_along_axis(li, lo, -1))
                  and np.array_equal(dvalid, np.take_along_axis(lvalid, lo, -1))

@@ -19,8 +19,11 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from jtilert import checkpoint, hf
-from jtilert.config import ModelConfig, preset
+from jtilert.store import checkpoint
+from jtilert.store import hf
+from jtilert.model.config import ModelConfig
+from jtilert.model.presets import preset
+from jtilert.model.transformer import abstract_model, layer_params
 
 HF_DTYPE = {"float8_e4m3fn": "F8_E4M3", "float32": "F32", "bfloat16": "BF16"}
 CHUNK_BYTES = 64 << 20
@@ -37,7 +40,6 @@ def _config(config, num_layers: int | None) -> ModelConfig:
 def hf_tensors(cfg: ModelConfig, fmt: str = "fp8", mtp_copies: bool = True) -> list[tuple[str, tuple, str]]:
     """(HF key, shape, dtype name) of every tensor of an HF checkpoint of `cfg`, in the official order
     (embedding, layer by layer with experts one by one, the MTP layer, final norm, head)."""
-    from jtilert.checkpoint import abstract_model, layer_params
     params = {k: (tuple(v.shape), np.dtype(v.dtype).name) for k, v in layer_params(abstract_model(cfg, fmt)).items()}
     n = cfg.num_hidden_layers
     dense = "float32" if fmt == "fp32" else "bfloat16"

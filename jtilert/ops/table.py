@@ -1,5 +1,5 @@
 """What the decode step runs: one `DecodeConfig`, and the one table that maps each op to its
-plain-JAX reference (`jtilert.layers`) and its kernel.
+plain-JAX reference (`jtilert.ops.reference`) and its kernel.
 
 `Ops(config, axis)` is handed to the model's modules; every op a module calls goes through it, so
 `Generator` → `Engine` → `Transformer.hidden(ops, ...)` → `ops.linear(...)` → `OPS["linear"]` →
@@ -26,8 +26,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jtilert import layers
+from jtilert import ffi
 from jtilert.ffi import _lib
+from jtilert.ops import reference
+from jtilert.pallas import interpret, sparse_mla
 
 BACKENDS = ("reference", "pallas")
 LAYER_LOOPS = ("loop", "unrolled")
@@ -112,7 +114,6 @@ def _lm_head_unsupported(x, w, k) -> str | None:
 
 
 def _sparse_mla_unsupported(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale) -> str | None:
-    from jtilert.pallas import sparse_mla
     if pe_cache is None and not sparse_mla.fp8_kernel_applies(q_lat.shape[-1], q_pe.shape[-1], kv_cache.shape[-1]):
         return f"fp8 cache rows of {kv_cache.shape[-1]} words"
     return None
@@ -137,22 +138,22 @@ class Op:
 
 
 OPS: dict[str, Op] = {
-    "linear": Op(layers.linear, "pallas.gemv:linear", (1, 2), _gemv_unsupported),
-    "swiglu_hidden": Op(layers.swiglu_hidden, "pallas.gemv:swiglu_pair", (1, 2, 3, 4), _swiglu_unsupported),
-    "route": Op(layers.route, "pallas.moe:route", (2, 3),
+    "linear": Op(reference.linear, "pallas.gemv:linear", (1, 2), _gemv_unsupported),
+    "swiglu_hidden": Op(reference.swiglu_hidden, "pallas.gemv:swiglu_pair", (1, 2, 3, 4), _swiglu_unsupported),
+    "route": Op(reference.route, "pallas.moe:route", (2, 3),
                 lambda cfg, x, gate, bias: None if x.dtype == BF16 and x.shape[-1] % KGRAIN == 0
                 else f"activations {x.dtype}, K={x.shape[-1]}"),
-    "moe_experts": Op(layers.moe_experts, "pallas.moe:moe_experts", (3, 4, 5, 6, 7, 8), _moe_unsupported),
-    "expert_hidden": Op(layers.expert_hidden, "pallas.moe:expert_gate_up", (2, 3, 4, 5),
+    "moe_experts": Op(reference.moe_experts, "pallas.moe:moe_experts", (3, 4, 5, 6, 7, 8), _moe_unsupported),
+    "expert_hidden": Op(reference.expert_hidden, "pallas.moe:expert_gate_up", (2, 3, 4, 5),
                         lambda x, ids, g, gs, u, us: _experts_unsupported(x, g, gs, u)),
     # its reference path is in Ops.indexer_topk (an in-place write into the stack, then the scores)
     # the kernel's own choice: one launch that appends and scores, or (split indexer, key rows shorter
     # than a 128-byte TMA) XLA's in-place append and the scoring kernel
-    "indexer_append_scores": Op(layers.indexer_append_scores, "pallas.indexer:indexer_append_scores", (4, 5),
+    "indexer_append_scores": Op(reference.indexer_append_scores, "pallas.indexer:indexer_append_scores", (4, 5),
                                 _indexer_unsupported),
-    "sparse_mla": Op(layers.sparse_mla, "pallas.sparse_mla:sparse_mla", (2, 3), _sparse_mla_unsupported),
-    "lm_head_topk": Op(layers.lm_head_topk, "pallas.lm_head:lm_head_topk", (), _lm_head_unsupported),
-    "topk_positions": Op(layers.topk_positions, "ffi.select:topk", ()),
+    "sparse_mla": Op(reference.sparse_mla, "pallas.sparse_mla:sparse_mla", (2, 3), _sparse_mla_unsupported),
+    "lm_head_topk": Op(reference.lm_head_topk, "pallas.lm_head:lm_head_topk", (), _lm_head_unsupported),
+    "topk_positions": Op(reference.topk_positions, "ffi.select:topk", ()),
 }
 
 
@@ -177,7 +178,6 @@ def _kernel(path: str) -> Callable:
     fn = getattr(importlib.import_module(f"jtilert.{mod}"), fn)
 
     def call(*args, **kwargs):
-        from jtilert.pallas import interpret
         static = tuple(i for i, a in enumerate(args) if not _is_array(a))
         names = tuple(k for k, v in kwargs.items() if not _is_array(v))
         return _jitted(fn, static, names, interpret.params())(*args, **kwargs)
@@ -244,7 +244,6 @@ class Ops:
         if self.axis is None:
             return x
         if self.config.engine_all_reduce:
-            from jtilert import ffi
             return ffi.all_reduce(x, self.axis)
         return jax.lax.psum(x, self.axis)
 
@@ -252,7 +251,6 @@ class Ops:
         """all_reduce(x · Wᵀ) for a row-split projection. With the engine, one decode token goes
         through the fused kernel that streams W and exchanges finished output tiles while it streams."""
         if self.axis is not None and self.config.engine_all_reduce and x.shape[0] == 1:
-            from jtilert import ffi
             return ffi.gemv_all_reduce(x[0], w, scale, self.axis, layer=layer)[None]
         return self.all_reduce(self.linear(x, w, scale, layer))
 
@@ -268,7 +266,6 @@ class Ops:
         g, gs, u, us, d, ds = experts
         sg, sgs, su, sus, sd, sds = shared
         if self.axis is not None and self.config.engine_all_reduce and x.shape[0] == 1:
-            from jtilert import ffi
             h = self("expert_hidden", x, ids, g, gs, u, us, layer=layer)
             hs = self("swiglu_hidden", x, sg, sgs, su, sus, layer=layer)
             return ffi.expert_down_all_reduce(h, weights[0], ids[0], d, ds, hs[0], sd, sds, self.axis,
@@ -295,16 +292,15 @@ class Ops:
         if self._use_kernel("indexer_append_scores", op, _per_layer(op, args)):
             scores, k_cache, k_scale = _kernel(op.kernel)(*args, first, num, layer=layer)
         else:   # XLA appends the key in place, then the reference scores the layer's rows
-            k8, ks = layers.indexer_key(cfg, k)
+            k8, ks = reference.indexer_key(cfg, k)
             k_cache = jax.lax.dynamic_update_slice(k_cache, k8[None].astype(k_cache.dtype), (layer, start, 0))
             if ks is not None:
                 k_scale = jax.lax.dynamic_update_slice(k_scale, ks[None], (layer, start))
-            scores = layers.indexer_scores(q, w, k_cache[layer], _take(k_scale, layer), positions)
+            scores = reference.indexer_scores(q, w, k_cache[layer], _take(k_scale, layer), positions)
             if num is not None:
                 scores = jax.lax.dynamic_slice_in_dim(scores, first, num, axis=1)
         if num is None:
             return self("topk_positions", scores, cfg.index_topk), k_cache, k_scale
-        from jtilert import ffi
         vals, idx = ffi.split_topk(scores[0], cfg.index_topk, self.axis)
         return (idx[None], vals[None] > -jnp.inf), k_cache, k_scale
 

@@ -60,11 +60,13 @@ from typing import Callable
 import ml_dtypes
 import numpy as np
 
-from jtilert import hf, sharding
-from jtilert.folder import META, move_into_place, np_dtype, read_meta
-from jtilert.model import abstract_model, layer_params
-from jtilert.config import ModelConfig
-from jtilert.quant import BLOCK, FP8_MAX, scale_shape
+from jtilert.store import hf
+from jtilert.parallel import sharding
+from jtilert.store.folder import META, move_into_place, np_dtype, read_meta
+from jtilert.model.transformer import abstract_model, layer_params
+from jtilert.model.config import ModelConfig
+from jtilert.ops.quant import BLOCK, FP8_MAX, scale_shape
+from jtilert.model.transformer import compute_dtype
 
 LAYOUT_VERSION = 2  # per-shard raw files (layout 1 is jtilert.save's orbax checkpoint)
 CHUNK_BYTES = 32 << 20
@@ -645,7 +647,7 @@ def _row_step(cols: int, chunk_bytes: int, blocks: bool) -> int:
 
 
 def _dequant(x: np.ndarray, s: np.ndarray, a: int, dtype) -> np.ndarray:
-    """Rows a.. of an fp8 matrix times their 128×128 block scales, as jtilert.quant.dequantize does
+    """Rows a.. of an fp8 matrix times their 128×128 block scales, as jtilert.ops.quant.dequantize does
     (an fp32 product, then a cast)."""
     y = x.astype(F32)
     srows = s[(a + np.arange(x.shape[0])) // BLOCK].astype(F32)  # [rows, kb]
@@ -655,7 +657,7 @@ def _dequant(x: np.ndarray, s: np.ndarray, a: int, dtype) -> np.ndarray:
 
 
 def _pow2_scale(amax: np.ndarray) -> np.ndarray:
-    """The smallest power of two s with amax / s <= 448 (jtilert.quant.pow2_scale), computed exactly."""
+    """The smallest power of two s with amax / s <= 448 (jtilert.ops.quant.pow2_scale), computed exactly."""
     v = np.maximum(amax.astype(F32), np.float32(1e-4)) / np.float32(FP8_MAX)
     m, e = np.frexp(v)  # v = m·2^e, m in [0.5, 1)
     return np.ldexp(np.float32(1), np.where(m == 0.5, e - 1, e)).astype(F32)
@@ -1210,7 +1212,6 @@ def _fsync(path: Path) -> None:
 
 
 def _meta(p: Plan, done: dict) -> dict:
-    from jtilert.model import compute_dtype
     tensors = {}
     for item in sorted(p.items, key=lambda i: i.name):
         tensors[item.name] = dict(item.meta(), crc32=done[item.name]["crc32"])

@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jtilert.config import ModelConfig
-from jtilert.quant import FP8_MAX, act_quant, dequantize, hadamard, pow2_scale
+from jtilert.model.config import ModelConfig
+from jtilert.ops.quant import FP8_MAX, act_quant, dequantize, hadamard, pow2_scale
 
 F32 = jnp.float32
 

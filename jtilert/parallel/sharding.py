@@ -4,7 +4,7 @@ Weights are split the way TileRT splits them: attention by heads (q_b, kv_b rows
 dense MLP and every expert by their intermediate dimension, the lm head by vocab; the small
 projections (q_a, kv_a, the indexer, the router) and the embedding are replicated. Inside the step
 (run under `shard_map`) each rank computes a partial sum of every row-split projection, and
-`jtilert.ops.Ops.all_reduce` adds them.
+`jtilert.ops.table.Ops.all_reduce` adds them.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jtilert.quant import BLOCK, FP8
+from jtilert.ops.quant import BLOCK, FP8
 
 AXIS = "tp"
 
@@ -34,7 +34,7 @@ _SPLIT = {
 _EXPERT_SPLIT = {"gate": 1, "up": 1, "down": 2}
 
 
-_STACKS = ("layers", "indexers", "dense", "moe")   # jtilert.model.STACKS: a leading layer axis
+_STACKS = ("layers", "indexers", "dense", "moe")   # jtilert.model.transformer.STACKS: a leading layer axis
 
 
 def split_axis(path: tuple) -> int | None:

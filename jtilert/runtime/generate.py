@@ -23,10 +23,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jtilert import sharding
-from jtilert.model import Layout, Transformer, init_cache, split_cache
-from jtilert.ops import DecodeConfig, Ops
-from jtilert.sampling import Sampling, sample, verify
+from jtilert import pallas
+from jtilert.model.transformer import Layout, Transformer, init_cache, split_cache
+from jtilert.ops.table import DecodeConfig, Ops
+from jtilert.parallel import sharding
+from jtilert.runtime.sampling import Sampling, sample, verify
 
 GENERATE_STEPS = 64   # decode steps per call of `generate` (the loop on the device exits early at a stop)
 MAX_STOPS = 8         # stop tokens `generate` checks on the device
@@ -61,7 +62,6 @@ class Engine:
     def __init__(self, model: Transformer, mesh: Mesh | None = None, config: DecodeConfig = DecodeConfig()):
         self.cfg, self.dtype, self.config = model.cfg, model.dtype, config
         if config.backend == "pallas":
-            from jtilert import pallas
             if not pallas.available():
                 raise RuntimeError("backend='pallas': jax.experimental.pallas.mosaic_gpu does not import here")
         self.graphdef, state = nnx.split(model)

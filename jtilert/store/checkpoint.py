@@ -3,7 +3,7 @@
 A jtilert checkpoint is a folder with `jtilert.json` (config, weight format, layout version, every
 parameter's shape and dtype) and `params/`, in one of three layouts:
   3. written by `save`: an orbax checkpoint of the model's parameter tree, layers stacked ([L, ...]
-     per weight kind, as the runtime holds them: `jtilert.model`);
+     per weight kind, as the runtime holds them: `jtilert.model.transformer`);
   1. written by `save` before the layer stacks: an orbax checkpoint with one entry per layer
      (`layers.3.self_attn.q_b_proj.weight`); still read, stacked at load;
   2. written by `jtilert.convert` (see jtilert/converter.py): raw per-device shard files of the per-layer
@@ -28,13 +28,15 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from jtilert import hf, sharding
-from jtilert.config import PRESETS, ModelConfig
-from jtilert.converter import StoredTensor
-from jtilert.folder import LAYOUT_VERSION, META, move_into_place, np_dtype, read_meta  # noqa: F401
-from jtilert.model import Transformer, abstract_model, flat_params, layer_arrays, layer_names, layer_params  # noqa: F401
+from jtilert.store import hf
+from jtilert.parallel import sharding
+from jtilert.model.config import ModelConfig
+from jtilert.model.presets import PRESETS
+from jtilert.store.converter import StoredTensor
+from jtilert.store.folder import LAYOUT_VERSION, META, move_into_place, np_dtype, read_meta  # noqa: F401
+from jtilert.model.transformer import Transformer, abstract_model, flat_params, layer_arrays, layer_names, layer_params  # noqa: F401
 
-ASSETS = Path(__file__).parent / "assets"
+ASSETS = Path(__file__).parent.parent / "assets"
 EMBEDDED = {"tiny": ASSETS / "tiny"}
 
 

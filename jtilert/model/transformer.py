@@ -29,11 +29,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jtilert import layers, sharding
-from jtilert.config import ModelConfig
-from jtilert.ops import Ops
-from jtilert.quant import dequantize, quantize_weight
-from jtilert.sampling import sample
+from jtilert.ops import reference
+from jtilert.parallel import sharding
+from jtilert.model.config import ModelConfig
+from jtilert.model.presets import preset
+from jtilert.ops.table import Ops
+from jtilert.ops.quant import dequantize, quantize_weight
+from jtilert.runtime.sampling import sample
 
 F32 = jnp.float32
 WEIGHT_FORMATS = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp8": jnp.bfloat16}
@@ -81,7 +83,7 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x, layer=None):
-        return layers.rms_norm(x, _at(self.weight[...], layer), self.eps)
+        return reference.rms_norm(x, _at(self.weight[...], layer), self.eps)
 
 
 class LayerNorm(nnx.Module):
@@ -90,7 +92,7 @@ class LayerNorm(nnx.Module):
         self.bias = nnx.Param((0.1 * jax.random.normal(rngs.params(), (dim,), F32)).astype(dtype))
 
     def __call__(self, x, layer=None):
-        return layers.layer_norm(x, _at(self.weight[...], layer), _at(self.bias[...], layer), SUBLAYER_EPS)
+        return reference.layer_norm(x, _at(self.weight[...], layer), _at(self.bias[...], layer), SUBLAYER_EPS)
 
 
 def _swiglu_arrays(gate: Linear, up: Linear, down: Linear) -> tuple:
@@ -164,11 +166,11 @@ class Indexer(nnx.Module):
         q = self.wq_b(ops, qa, slot).reshape(t, cfg.index_n_heads, cfg.index_head_dim)
         k = self.k_norm(self.wk(ops, x, slot), slot)
         rot = cfg.indexer_rope_interleaved
-        q = jnp.concatenate([layers.apply_rope(q[..., :r], cos, sin, rot), q[..., r:]], axis=-1)
-        k = jnp.concatenate([layers.apply_rope(k[..., :r], cos, sin, rot), k[..., r:]], axis=-1)
-        w = layers.linear(x.astype(F32), self.weights_proj.weight[...][slot].astype(F32))
+        q = jnp.concatenate([reference.apply_rope(q[..., :r], cos, sin, rot), q[..., r:]], axis=-1)
+        k = jnp.concatenate([reference.apply_rope(k[..., :r], cos, sin, rot), k[..., r:]], axis=-1)
+        w = reference.linear(x.astype(F32), self.weights_proj.weight[...][slot].astype(F32))
         w = w * (cfg.index_n_heads**-0.5 * cfg.index_head_dim**-0.5)
-        q, w = layers.indexer_query(cfg, q, w)
+        q, w = reference.indexer_query(cfg, q, w)
         topk, k_cache, k_scale = ops.indexer_topk(cfg, q, w, k, cache["index_k"], cache.get("index_scale"),
                                                   positions, start, slot)
         cache = dict(cache, index_k=k_cache)
@@ -201,20 +203,20 @@ class Attention(nnx.Module):
         q = self.q_b_proj(ops, qa, i)
         heads = q.shape[-1] // cfg.qk_head_dim  # local heads under tp
         q = q.reshape(t, heads, cfg.qk_head_dim)
-        q_nope, q_pe = q[..., :nope], layers.apply_rope(q[..., nope:], cos, sin, True)
+        q_nope, q_pe = q[..., :nope], reference.apply_rope(q[..., nope:], cos, sin, True)
         kva = self.kv_a_proj_with_mqa(ops, x, i)
         latent = self.kv_a_layernorm(kva[:, :lat], i)
-        k_pe = layers.apply_rope(kva[:, lat:], cos, sin, True)
+        k_pe = reference.apply_rope(kva[:, lat:], cos, sin, True)
         if cfg.kv_cache_quant == "fp8":
-            cache = dict(cache, kv=_write(cache["kv"], layers.quantize_kv_fp8(latent, k_pe), i, start))
+            cache = dict(cache, kv=_write(cache["kv"], reference.quantize_kv_fp8(latent, k_pe), i, start))
         else:
             cache = dict(cache, kv=_write(cache["kv"], latent, i, start), pe=_write(cache["pe"], k_pe, i, start))
         topk, cache = indexer(qa, cache)
         wkv = dequantize(self.kv_b_proj.weight[...][i], None if self.kv_b_proj.scale is None
                          else self.kv_b_proj.scale[...][i], x.dtype).reshape(heads, nope + cfg.v_head_dim, lat)
-        q_lat = layers.dot("thn,hnl->thl", q_nope, wkv[:, :nope]).astype(x.dtype)
+        q_lat = reference.dot("thn,hnl->thl", q_nope, wkv[:, :nope]).astype(x.dtype)
         o_lat = ops("sparse_mla", q_lat, q_pe, cache["kv"], cache.get("pe"), *topk, cfg.softmax_scale, layer=i)
-        o = layers.dot("thl,hvl->thv", o_lat.astype(x.dtype), wkv[:, nope:])
+        o = reference.dot("thl,hvl->thv", o_lat.astype(x.dtype), wkv[:, nope:])
         o = o.reshape(t, heads * cfg.v_head_dim).astype(x.dtype)
         return ops.linear_all_reduce(o, *self.o_proj.arrays(), i), cache, topk
 
@@ -382,7 +384,7 @@ class Transformer(nnx.Module):
         return Layout.of(self.cfg)
 
     def _rope(self, positions):
-        return layers.rope_cos_sin(self.cfg, positions)
+        return reference.rope_cos_sin(self.cfg, positions)
 
     # --- one decoder layer -----------------------------------------------------------------------
     def _layer(self, ops: Ops, i, ffn: str, x, cos, sin, positions, start, cache, topk):
@@ -419,7 +421,7 @@ class Transformer(nnx.Module):
     # --- the model -------------------------------------------------------------------------------
     def logits(self, ops: Ops, h, norm: RMSNorm):
         """Full-vocab fp32 logits [T, V] (gathered over tp ranks from the vocab-split head)."""
-        local = layers.dot("th,vh->tv", norm(h), self.lm_head.weight[...].astype(h.dtype))
+        local = reference.dot("th,vh->tv", norm(h), self.lm_head.weight[...].astype(h.dtype))
         return ops.all_gather_last(local)
 
     def next_token(self, ops: Ops, h: jax.Array, params: dict, key: jax.Array) -> jax.Array:
@@ -488,7 +490,7 @@ def init_cache(cfg: ModelConfig, rows: int, dtype) -> dict:
     lay = Layout.of(cfg)
     n, lat, r = lay.num_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     if cfg.kv_cache_quant == "fp8":
-        cache = {"kv": jnp.zeros((n, rows, layers.kv_fp8_words(lat, r)), jnp.uint32)}
+        cache = {"kv": jnp.zeros((n, rows, reference.kv_fp8_words(lat, r)), jnp.uint32)}
     else:
         cache = {"kv": jnp.zeros((n, rows, lat), dtype), "pe": jnp.zeros((n, rows, r), dtype)}
     fp8 = cfg.index_quant == "fp8"
@@ -512,7 +514,6 @@ def random_model(cfg: ModelConfig | str, fmt: str = "bf16", seed: int = 0, dtype
     (a stack's layers one after another inside it) straight into its tensor-parallel sharding, so even
     a full-size model never passes through one device or the host."""
     if isinstance(cfg, str):
-        from jtilert.config import preset
         cfg = preset(cfg)
     norm_dtype = WEIGHT_FORMATS[fmt]
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), fmt=fmt, dtype=dtype)))

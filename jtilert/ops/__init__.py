@@ -1,0 +1,2 @@
+"""What the modules compute: the plain-JAX reference ops (`reference`), fp8 quantisation (`quant`) and
+the op table that picks a reference or a kernel for each call (`table`)."""
