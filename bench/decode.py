@@ -20,6 +20,7 @@ import argparse
 import datetime
 import functools
 import json
+import re
 import statistics
 import time
 
@@ -93,8 +94,15 @@ def kernel_profile(call, steps: int) -> dict:
         g[0] += 1
         g[1] += sec
     top = sorted(groups.items(), key=lambda kv: -kv[1][1])
+    names: dict = {}   # kernel names without XLA's numbering: which kinds of kernel a step launches
+    for name, sec in kernels:
+        n = names.setdefault(re.sub(r"([._]\d+)+$", "", name.split("(")[0])[:80], [0, 0.0])
+        n[0] += 1
+        n[1] += sec
+    top_names = sorted(names.items(), key=lambda kv: -kv[1][0])[:60]
     return {"kernels": len(kernels) / steps, "busy_ms": busy * 1e3,
-            "groups": [{"group": k, "count": c / steps, "ms": t * 1e3} for k, (c, t) in top]}
+            "groups": [{"group": k, "count": c / steps, "ms": t * 1e3} for k, (c, t) in top],
+            "names": [{"name": k, "count": c / steps, "ms": t * 1e3} for k, (c, t) in top_names]}
 
 
 def step_bytes(model, context: int, tp: int = 1) -> dict:

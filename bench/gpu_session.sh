@@ -20,6 +20,9 @@
 #   tp2split     tp=2, 4 layers, 32K context: the indexer split over the GPUs vs not (after build)
 #   kvfp8        the 8-layer step with FlashMLA's fp8 latent cache (656 B per position)
 #   check        tests/gpu/decode_check.py: pallas vs reference logits, 4 layers, 32 decode steps
+#   unrolled     bench.decode 61 layers, pallas, the unrolled layer loop, CUPTI profile with kernel names
+#   scale8       bench.decode 8 layers, pallas, layer loop, CUPTI profile: enqueue and kernels vs layers
+#   mtp          bench.decode 61 layers, pallas, plain and MTP speculative step (verify 2 + draft)
 #   recompile    bench.decode 61 layers, pallas, in a new process: the step from the persistent cache
 #   callcost     the 61-layer stream loop (one step per call) with XLA's command-buffer update modes
 #   build        the CUDA engine library and self-test (python -m jtilert.ffi.build --selftest)
@@ -80,7 +83,11 @@ for part in "$@"; do
       done ;;
     kvfp8) step kvfp8 200 $DEC --layers 8 --backend pallas,reference --set kv_cache_quant=fp8 --samples 10 \
              --out "$WORK/kvfp8.json" ;;
-    check) step check 150 python3 tests/gpu/decode_check.py --out "$WORK/check.json" ;;
+    unrolled) step unrolled 300 $DEC --layers 61 --backend pallas --layer-loop unrolled --kernels --samples 6 \
+                --out "$WORK/unrolled.json" ;;
+    scale8) step scale8 150 $DEC --layers 8 --backend pallas --kernels --samples 10 --out "$WORK/scale8.json" ;;
+    mtp) step mtp 400 $DEC --layers 61 --backend pallas --mtp --kernels --samples 8 --out "$WORK/mtp.json" ;;
+    check) step check 240 python3 tests/gpu/decode_check.py --per-op --out "$WORK/check.json" ;;
     recompile) step recompile 300 $DEC --layers 61 --backend pallas --steps 5 --samples 4 \
                  --out "$WORK/recompile.json" ;;
     callcost)  # does XLA update its command buffers on every call? the same loop under each update mode

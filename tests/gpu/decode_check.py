@@ -1,5 +1,7 @@
 """On a GPU: the pallas decode path against the reference on one GPU's share of DeepSeek-V3.2
 (dsv32-tp8-shard, random fp8 weights): logits of 32 one-token steps after a 4-token prefill.
+Both paths compute in bf16; the same model computed in fp32 tells how far bf16 rounding alone moves
+the logits (`bf16_reference_vs_fp32`), the yardstick for the pallas path's error.
 
     PYTHONPATH=. python3 tests/gpu/decode_check.py [--layers 4] [--out check.json]
 """
@@ -50,15 +52,20 @@ def main(argv=None) -> int:
     model = jtilert.random_model(cfg, fmt="fp8", seed=3)
     ids = np.random.RandomState(0).randint(0, cfg.vocab_size, 4 + a.steps)
     ref = jtilert.score(model, ids, prefill=4)
+    ref32 = jtilert.score(jtilert.random_model(cfg, fmt="fp8", seed=3, dtype=np.float32), ids, prefill=4)
     dec = slice(4, None)
+
+    def error(got, want):
+        return {"max_abs_err_over_max": float(np.abs(got[dec] - want[dec]).max() / np.abs(want[dec]).max()),
+                "argmax_agree": float(np.mean(got[dec].argmax(-1) == want[dec].argmax(-1)))}
 
     def compare():
         pal = jtilert.score(model, ids, prefill=4, backend="pallas")
-        err = np.abs(pal[dec] - ref[dec]).max() / np.abs(ref[dec]).max()
-        return {"max_abs_err_over_max": float(err),
-                "argmax_agree": float(np.mean(pal[dec].argmax(-1) == ref[dec].argmax(-1)))}
+        return {**error(pal, ref), "vs_fp32": error(pal, ref32)}
 
-    result = {"layers": a.layers, "steps": a.steps, **compare(), "stacked_gemv": stacked_gemv_errors()}
+    result = {"layers": a.layers, "steps": a.steps, **compare(), "bf16_reference_vs_fp32": error(ref, ref32),
+              "stacked_gemv": stacked_gemv_errors()}
+    print("bf16 reference vs fp32:", result["bf16_reference_vs_fp32"], flush=True)
     print("stacked GEMV kernel vs reference, per layer:", result["stacked_gemv"], flush=True)
     result["ok"] = bool(result["max_abs_err_over_max"] < 3e-2 and result["argmax_agree"] >= 0.9)
     if a.per_op:
