@@ -67,7 +67,12 @@ def main(argv=None) -> int:
               "stacked_gemv": stacked_gemv_errors()}
     print("bf16 reference vs fp32:", result["bf16_reference_vs_fp32"], flush=True)
     print("stacked GEMV kernel vs reference, per layer:", result["stacked_gemv"], flush=True)
-    result["ok"] = bool(result["max_abs_err_over_max"] < 3e-2 and result["argmax_agree"] >= 0.9)
+    # bf16 rounding alone moves a random model's logits by ~10-20 % of their range over a few layers
+    # (bf16_reference_vs_fp32), so the bound is relative: the pallas path must be about as close to
+    # the fp32 computation as the bf16 reference is, and pick the same tokens about as often.
+    ref_err = result["bf16_reference_vs_fp32"]
+    result["ok"] = bool(result["vs_fp32"]["max_abs_err_over_max"] <= 1.25 * ref_err["max_abs_err_over_max"]
+                        and result["vs_fp32"]["argmax_agree"] >= ref_err["argmax_agree"] - 1.5 / a.steps)
     if a.per_op:
         table = dict(ops.OPS)
         for name, op in table.items():
