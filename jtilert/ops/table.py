@@ -72,7 +72,9 @@ class DecodeConfig:
 # ---- the op table -------------------------------------------------------------------------------
 
 def _tokens(x) -> int:
-    return int(np.prod(x.shape[:-1]))
+    """Tokens of a call: the leading axis of its first array (activations [T, K], queries [T, H, D],
+    scores [T, S]): the other axes are features or heads, whatever their number."""
+    return int(x.shape[0])
 
 
 def _gemv_unsupported(x, w, scale) -> str | None:

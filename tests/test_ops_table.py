@@ -1,0 +1,65 @@
+"""Which path each op of a full-width decode step takes under backend="pallas": every op that has a
+kernel runs it at decode shapes (T = 1..4, the MTP verification included), for the presets the
+benchmarks use. Traced abstractly (no weights, no kernel runs), the kernels traced for the GPU."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from jtilert.model.presets import preset
+from jtilert.model.transformer import abstract_model, init_cache
+from jtilert.ops.table import OPS, DecodeConfig, Ops
+from jtilert.pallas import interpret as interp
+
+
+class Recording(Ops):
+    """Ops that records, per op, whether the kernel was chosen."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self._engine_topk = config.engine_topk   # the engine library is not built on a CPU machine
+        self.chosen: dict[str, set[bool]] = {}
+
+    def _use_kernel(self, name, op, args):
+        use = super()._use_kernel(name, op, args)
+        self.chosen.setdefault(name, set()).add(use)
+        return use
+
+
+def _decisions(name: str, layers: int, tokens: int, mtp: bool) -> dict[str, set[bool]]:
+    cfg = preset(name, num_hidden_layers=layers)
+    graphdef, state = nnx.split(abstract_model(cfg, "fp8", jnp.bfloat16))
+    cache = jax.eval_shape(lambda: init_cache(cfg, 256, jnp.bfloat16))
+    ops = Recording(DecodeConfig(backend="pallas"))
+
+    def step(state, cache):
+        model = nnx.merge(graphdef, state)
+        toks = jnp.zeros((tokens,), jnp.int32)
+        h, cache = model.hidden(ops, toks, jnp.int32(100), cache)
+        if mtp:
+            _, cache = model.draft(ops, h, toks, jnp.int32(100), cache)
+        return h, cache
+
+    with interp.compile_for_gpu(), warnings.catch_warnings():
+        warnings.filterwarnings("error", message="jtilert: backend='pallas'")   # a kernel that does not apply
+        jax.eval_shape(step, state, cache)
+    return ops.chosen
+
+
+@pytest.mark.parametrize("name, tokens, mtp", [("dsv32-tp8-shard", 1, False), ("glm5-tp8-shard", 1, False)])
+def test_every_kernel_runs_at_decode_shapes(name, tokens, mtp):
+    chosen = _decisions(name, 4, tokens, mtp)
+    # the head's top-k runs in next_token, expert_hidden only with the engine's all-reduce (tp > 1)
+    expected = {op for op, o in OPS.items() if o.kernel is not None and op not in ("lm_head_topk", "expert_hidden")}
+    assert expected <= set(chosen), expected - set(chosen)
+    assert all(chosen[op] == {True} for op in expected), {op: chosen[op] for op in expected}
+
+
+def test_prefill_runs_the_reference():
+    chosen = _decisions("dsv32-tp8-shard", 4, 16, False)
+    assert all(c == {False} for c in chosen.values()), chosen
