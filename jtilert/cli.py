@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 
 
 def _generate(args) -> None:
@@ -25,20 +24,23 @@ def _generate(args) -> None:
     gen._check_prompt(ids, args.max_new_tokens)  # bad input fails before any device work
     decode = tok.decoder()
     print(args.prompt, end="", flush=True)
-    t0 = time.perf_counter()
     n = 0
     for t in gen.stream(ids, args.max_new_tokens):
         n += 1
         print(decode([t]), end="", flush=True)
-    total = time.perf_counter() - t0
-    s = gen.stats
-    decode_s = s.get("decode_s", 0.0)
-    rate = (n - 1) / decode_s if n > 1 and decode_s > 0 else float("nan")
-    line = f"\n[{n} tokens in {total:.2f} s: prefill {s.get('prefill_s', 0):.2f} s, decode {rate:.1f} tokens/s"
-    if args.mtp:
-        acc = gen.acceptance
-        line += f", MTP acceptance {acc:.2f}" if acc is not None else ", MTP acceptance n/a"
-    print(line + "]")
+    print("\n" + _summary(n, gen.stats))
+
+
+def _summary(n: int, s: dict) -> str:
+    """One line of what this generation measured: compilation, time to the first token, then the
+    steady decode rate of the tokens after it."""
+    line = (f"[{n} tokens: compile {s['compile_s']:.2f} s, first token {s['ttft_s']:.2f} s "
+            f"({s['prompt_tokens']} prompt tokens)")
+    if s.get("ms_per_token") is not None:
+        line += f", then {s['ms_per_token']:.1f} ms/token ({s['tokens_per_s']:.1f} tokens/s)"
+    if s.get("acceptance") is not None:
+        line += f", MTP acceptance {s['acceptance']:.2f}"
+    return line + "]"
 
 
 def _info(args) -> None:

@@ -20,6 +20,27 @@ def test_mtp_greedy_equals_plain_greedy(tiny_random, gen):
     assert gen.acceptance is None
 
 
+def test_stats_measure_compile_first_token_and_decode_apart(tiny_random):
+    """Compilation is timed on its own (all of it before the clock of the first token starts), the
+    first token's wait is the prefill's, and the decode rate counts only the tokens after it."""
+    import time
+    gen = jtilert.Generator(tiny_random, max_seq_len=256, mtp=True)
+    t0 = time.perf_counter()
+    out = list(gen.stream(PROMPT, 30, stop_tokens=[]))
+    wall = time.perf_counter() - t0
+    s = gen.stats
+    assert len(out) == s["generated"] == 30 and s["prompt_tokens"] == PROMPT.size
+    assert s["compile_s"] > 0 and gen.compiles == 5   # prefill chunk, first token, MTP prefill, first draft, step
+    assert s["compile_s"] + s["ttft_s"] + s["decode_s"] <= wall
+    assert s["ttft_s"] < s["compile_s"]   # no compilation inside the first token's time
+    assert s["ms_per_token"] == pytest.approx(s["decode_s"] / 29 * 1e3)
+    assert s["tokens_per_s"] == pytest.approx(29 / s["decode_s"]) and 0 <= s["acceptance"] <= 1
+    gen.generate(PROMPT, 30, stop_tokens=[])            # the device loop: its step compiles now
+    assert gen.stats["compile_s"] > 0 and gen.compiles == 6
+    list(gen.stream(PROMPT[:10], 5, stop_tokens=[]))    # everything compiled: nothing to wait for
+    assert gen.stats["compile_s"] == 0 and gen.compiles == 6
+
+
 def test_nothing_compiles_after_the_first_call(tiny_random):
     """The steps compile on the first call of a Generator (once each: the prefill chunk, the first-token
     sampler, the decode loop, the streaming step), and never again: not for new sampling settings, not

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from jtilert import pallas
 from jtilert.model.transformer import Layout, Transformer, init_cache, split_cache
@@ -34,23 +34,32 @@ MAX_STOPS = 8         # stop tokens `generate` checks on the device
 
 
 class Compiled:
-    """`jax.jit(fn, donate_argnums)` compiled ahead of time (`lower(...).compile()`) on the first call
-    and reused for every later call with the same shapes; `compiles` counts the compilations."""
+    """`jax.jit(fn, donate_argnums)` compiled ahead of time (`lower(...).compile()`) once per argument
+    shapes and reused for every later call with them; `compiles` counts the compilations and
+    `compile_s` adds up their time."""
 
     def __init__(self, fn, donate: tuple[int, ...] = ()):
         self._jit = jax.jit(fn, donate_argnums=donate)
         self._done: dict = {}
         self.compiles = 0
+        self.compile_s = 0.0
 
-    def __call__(self, *args):
+    def executable(self, *args):
+        """The executable for these arguments' shapes (arrays or `jax.ShapeDtypeStruct`s with their
+        shardings), compiled on first use. Its `out_info` gives the outputs' shapes and shardings."""
         sig = jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), args)
         key = jax.tree_util.tree_flatten(sig)
         key = (tuple(key[0]), key[1])
         exe = self._done.get(key)
         if exe is None:
+            t0 = time.perf_counter()
             exe = self._done[key] = self._jit.lower(*args).compile()
+            self.compile_s += time.perf_counter() - t0
             self.compiles += 1
-        return exe(*args)
+        return exe
+
+    def __call__(self, *args):
+        return self.executable(*args)(*args)
 
     def lower(self, *args):
         return self._jit.lower(*args)
@@ -174,11 +183,26 @@ class Engine:
     def new_cache(self, rows: int) -> dict:
         return self.place(init_cache(self.cfg, rows, self.dtype))
 
+    @property
+    def sharding(self):
+        """Where `place` puts arrays: the first device, or replicated over the mesh."""
+        return SingleDeviceSharding(jax.devices()[0]) if self.mesh is None else NamedSharding(self.mesh, P())
+
     def place(self, x):
         """x on this engine's device(s), committed (replicated over the mesh)."""
-        if self.mesh is None:
-            return jax.device_put(x, jax.devices()[0])
-        return jax.device_put(x, NamedSharding(self.mesh, P()))
+        return jax.device_put(x, self.sharding)
+
+    def aval(self, shape, dtype) -> jax.ShapeDtypeStruct:
+        """The abstract value of an array `place` would make."""
+        return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype), sharding=self.sharding)
+
+    def compile_s(self) -> float:
+        """Seconds spent compiling this engine's steps so far."""
+        return sum(c.compile_s for c in self.steps())
+
+    def steps(self) -> tuple[Compiled, ...]:
+        return (self.forward, self.draft, self.decode, self.speculate, self.decode_loop, self.speculate_loop,
+                self.first_token, self.first_draft)
 
     @property
     def num_arguments(self) -> int:
@@ -236,9 +260,7 @@ class Generator:
     @property
     def compiles(self) -> int:
         """Compilations of this Generator's steps so far."""
-        e = self.engine
-        return sum(c.compiles for c in (e.forward, e.draft, e.decode, e.speculate, e.decode_loop,
-                                        e.speculate_loop, e.first_token, e.first_draft))
+        return sum(c.compiles for c in self.engine.steps())
 
     # --- validation -------------------------------------------------------------------------
     def _check_prompt(self, prompt_ids, max_new_tokens: int) -> np.ndarray:
@@ -334,23 +356,60 @@ class Generator:
                                       eng.place(np.int32(start + j * c)))
         return eng.first_draft(logits, eng.place(np.int32((n - 1) % c))), cache
 
-    def _start(self, prompt_ids, max_new_tokens, sampling):
-        """Prefill and the first token: (first token id, device state for the steps)."""
+    def _prepare(self, sampling: Sampling, loop: bool) -> None:
+        """Compile, before the clock starts, every step the coming generation runs: the prefill chunk,
+        the first token (and the MTP block's prefill and first draft), then one decode step per call
+        (`stream`) or the device loop (`generate`). Shapes are known without running anything; each
+        step compiles once per Generator."""
+        eng, c, i32 = self.engine, self.chunk, jnp.int32
+        cache = jax.tree_util.tree_map(lambda x: eng.aval(x.shape, x.dtype),
+                                       jax.eval_shape(lambda: init_cache(self.cfg, self.rows, eng.dtype)))
+        params = jax.tree_util.tree_map(lambda x: eng.aval(np.shape(x), np.asarray(x).dtype), sampling.arrays())
+        scalar = eng.aval((), i32)
+        logits, hidden, _ = eng.forward.executable(eng.state, cache, eng.aval((c,), i32), scalar).out_info
+        token, key = eng.first_token.executable(logits, scalar, eng.aval((2,), jnp.uint32), params).out_info
+        stops = (eng.aval((MAX_STOPS,), i32), scalar) if loop else ()
+        if self.mtp:
+            draft_logits, _ = eng.draft.executable(eng.state, cache, hidden, eng.aval((c,), i32), scalar).out_info
+            draft = eng.first_draft.executable(draft_logits, scalar).out_info
+            step = eng.speculate_loop if loop else eng.speculate
+            step.executable(eng.state, cache, token, draft, scalar, key, params, *stops)
+        else:
+            step = eng.decode_loop if loop else eng.decode
+            step.executable(eng.state, cache, token, scalar, key, params, *stops)
+
+    def _start(self, prompt_ids, max_new_tokens, sampling, loop: bool):
+        """Compile what is missing, prefill and make the first token: (first token id, device state for
+        the steps). Starts `stats`: compile_s (compiling in this call), ttft_s (from the end of
+        compilation to the first token, the MTP block's prefill included)."""
         ids = self._check_prompt(prompt_ids, max_new_tokens)
         sampling = sampling or self.sampling
         eng = self.engine
+        compiled = eng.compile_s()
+        self._prepare(sampling, loop)
+        self.stats = {"prompt_tokens": int(ids.size), "generated": 0, "steps": 0, "drafted": 0, "accepted": 0,
+                      "compile_s": eng.compile_s() - compiled}
+        t0 = time.perf_counter()
         params = eng.place(sampling.arrays())
         cache, start = self._take_cache()
-        self.stats = {"prompt_tokens": int(ids.size), "generated": 0, "steps": 0, "drafted": 0, "accepted": 0}
-        t0 = time.perf_counter()
         logits, last, hidden, cache = self._prefill(ids, start, cache)
         token, key = eng.first_token(logits, eng.place(np.int32(last)), eng.place(_seed_key(sampling.seed)), params)
         first = int(token[0])
-        self.stats["prefill_s"] = time.perf_counter() - t0
         state = {"cache": cache, "token": token, "pos": eng.place(np.int32(ids.size)), "key": key, "params": params}
         if self.mtp:
             state["draft"], state["cache"] = self._prefill_draft(ids, start, first, hidden, cache)
+        self.stats["ttft_s"] = time.perf_counter() - t0
         return first, state
+
+    def _finish_stats(self, t1: float) -> None:
+        """Decode figures of the tokens after the first, measured from the first token on: decode_s,
+        ms_per_token and tokens_per_s (wall clock, as the caller received them)."""
+        s = self.stats
+        s["decode_s"] = time.perf_counter() - t1
+        after_first = s["generated"] - 1
+        s["ms_per_token"] = s["decode_s"] / after_first * 1e3 if after_first > 0 else None
+        s["tokens_per_s"] = after_first / s["decode_s"] if after_first > 0 and s["decode_s"] > 0 else None
+        s["acceptance"] = self.acceptance
 
     # --- generation -------------------------------------------------------------------------
     def stream(self, prompt_ids, max_new_tokens: int, sampling: Sampling | None = None,
@@ -361,12 +420,13 @@ class Generator:
         if max_new_tokens == 0:
             self._check_prompt(prompt_ids, 0)
             return
-        first, s = self._start(prompt_ids, max_new_tokens, sampling)
+        first, s = self._start(prompt_ids, max_new_tokens, sampling, loop=False)
         t1 = time.perf_counter()
         done = 1
         self.stats["generated"] = 1
         yield first
         if first in stops or done >= max_new_tokens:
+            self._finish_stats(t1)
             return
         steps = self._speculative_steps(s) if self.mtp else self._plain_steps(s)
         try:
@@ -379,7 +439,7 @@ class Generator:
                         return
         finally:
             steps.close()
-            self.stats["decode_s"] = time.perf_counter() - t1
+            self._finish_stats(t1)
 
     def _plain_steps(self, s):
         """One step per call, pipelined: dispatch step i+1, then read step i's token."""
@@ -417,7 +477,7 @@ class Generator:
         if max_new_tokens == 0:
             self._check_prompt(prompt_ids, 0)
             return []
-        first, s = self._start(prompt_ids, max_new_tokens, sampling)
+        first, s = self._start(prompt_ids, max_new_tokens, sampling, loop=True)
         out = [first]
         t1 = time.perf_counter()
         eng = self.engine
@@ -442,7 +502,7 @@ class Generator:
                 if t in stops or len(out) >= max_new_tokens:
                     break
         self.stats["generated"] = len(out)
-        self.stats["decode_s"] = time.perf_counter() - t1
+        self._finish_stats(t1)
         return out
 
     @property
