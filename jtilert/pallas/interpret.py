@@ -12,18 +12,23 @@ Interpret mode differs from the GPU in one place the kernels care about: its `wg
 from shared memory, so `a_in_registers()` is False there and the dequantised weight tile takes a
 trip through SMEM instead of feeding the tensor core from registers.
 
-Kernels inside `shard_map` (the tp > 1 decode step). jax's GPU interpreter treats a kernel traced
-under named mesh axes as ONE multi-device kernel: every device's program must enter it together,
-and all of them share one process-wide simulated memory. Our kernels are per-device, and XLA:CPU
-runs the devices' programs concurrently, so (jax 0.11.2, 2 to 8 host devices) a device that
-finishes first trips the interpreter's global "no barrier left allocated" check while another
-device's barriers are still live. `_serialise_under_named_axes` (installed by `params()`)
-therefore interprets such a kernel as a one-device kernel (the mesh axes hidden from the
-interpreter) between two ordered callbacks that take and give back a process-wide semaphore: one
-interpreted kernel at a time. Kernels outside `shard_map` are interpreted as before. Checked: the
-tiny model at tp=2 and tp=4 decodes the reference's tokens with backend="pallas"; at tp=8 the step
-still hangs (the 4-warpgroup sparse-MLA kernel's per-warpgroup computations, which the interpreter
-runs as nested XLA executions, never start while the other 7 device programs wait; not solved).
+Threads. The interpreter runs a kernel of K > 1 CPU threads (warpgroups) as K nested XLA
+executions started from a host callback, whose barriers wait in host callbacks. XLA:CPU runs the
+callbacks on the threads of one pool, max(PJRT_NPROC or the CPUs, host devices) threads, sized
+when the CPU backend starts, so the waiting callbacks hold pool threads: the kernel needs about
+K + 1 of them, and with fewer (2 on a 2-core box with one device) the nested executions that have
+not started never get one and the step hangs at 0 % CPU. `import jtilert` therefore sets
+PJRT_NPROC to the host devices + 16 when the default would be smaller and the backend has not
+started; `_check_threads` raises, instead of hanging, where the pool is still too small.
+
+Kernels inside `shard_map` (tp > 1). jax's interpreter treats a kernel traced under named mesh
+axes as ONE multi-device kernel with one process-wide simulated memory; ours are per-device, and
+XLA:CPU runs the devices' programs concurrently, so a device that finishes first trips the
+interpreter's global "no barrier left allocated" check. Such a kernel is therefore interpreted as
+a one-device kernel (the mesh axes hidden) between two ordered callbacks that take and give back
+a process-wide semaphore: one interpreted kernel at a time. The other devices' programs wait in
+the take callback, one pool thread each, so a kernel needs devices + K pool threads. Checked: the
+tiny model decodes the reference's tokens with backend="pallas" on one device and at tp=2, 4, 8.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import math
 import threading
 
 import jax
@@ -60,7 +66,7 @@ def params() -> InterpretGPUParams | None:
     forced = _forced()
     if forced is None and (_compile_for_gpu.get() or on_gpu()):
         return None
-    _serialise_under_named_axes()
+    _wrap_interpreter()
     return forced if forced is not None else InterpretGPUParams()
 
 
@@ -71,13 +77,16 @@ _WAIT_S = 900   # a kernel that failed on another device never gives it back: fa
 
 
 @functools.cache
-def _serialise_under_named_axes():
-    """Make kernels traced under named axes (shard_map) one-device kernels (see the docstring)."""
+def _wrap_interpreter():
+    """Check the CPU threads of every interpreted kernel, and make kernels traced under named axes
+    (shard_map) one-device kernels, one at a time (see the docstring)."""
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc
     upstream = ipc.interpret_pallas_call
 
     def interpret_pallas_call(*args, **params):
-        if not _jax_core.get_axis_env().axis_sizes:
+        devices = math.prod(_jax_core.get_axis_env().axis_sizes.values())
+        _check_threads(devices, params["grid_mapping"], params["mesh"])
+        if devices == 1:
             return upstream(*args, **params)
         # ordered callbacks: XLA keeps them in program order with the interpreter's own
         # (ordered) first and last callbacks, so the whole kernel runs between take and give
@@ -91,6 +100,23 @@ def _serialise_under_named_axes():
         return io_callback(_give, [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs], *outs, ordered=True)
 
     ipc.interpret_pallas_call = interpret_pallas_call
+
+
+def _check_threads(devices: int, grid_mapping, mesh):
+    """Fail, instead of hanging, where XLA:CPU's pool is too small for this kernel: the devices'
+    programs (all but one waiting for their turn) and the kernel's CPU threads each hold a pool thread."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc
+    _, cluster, threads = ipc._get_grid_and_cluster_dims_and_num_threads(grid_mapping, mesh)
+    threads *= math.prod(cluster)
+    if threads == 1 or jax.default_backend() != "cpu":
+        return
+    import jtilert
+    pool = jtilert._cpu_pool_threads(jax.device_count())
+    if pool < devices + threads:
+        raise RuntimeError(
+            f"GPU interpret mode: a kernel of {threads} CPU threads on {devices} device(s) needs XLA:CPU's "
+            f"thread pool to have {devices + threads} threads, it has {pool}, and would hang. Set "
+            f"PJRT_NPROC={devices + 16} before jax starts its backend (importing jtilert before that does it).")
 
 
 def _take(*xs):
