@@ -1,34 +1,27 @@
 """Where the Mosaic-GPU kernels run: on the GPU, or in GPU interpret mode on a machine without one.
 
-`params()` is what every kernel passes as `plgpu.kernel(..., interpret=...)`:
-
-* inside `plgpu.force_gpu_interpret_mode(...)` (what the tests use, with `detect_races=True`) it
-  returns that context's parameters, so the kernels are simulated on the CPU;
-* on a machine whose default JAX backend is not a GPU it returns default `InterpretGPUParams`
-  (`backend="pallas"` on a CPU box runs the real kernel code, slowly);
-* on a GPU it returns None and the kernels are compiled by Mosaic.
-
-Interpret mode differs from the GPU in one place the kernels care about: its `wgmma` reads A only
-from shared memory, so `a_in_registers()` is False there and the dequantised weight tile takes a
-trip through SMEM instead of feeding the tensor core from registers.
+`params()`, what every kernel passes as `plgpu.kernel(..., interpret=...)`, returns the parameters of
+an enclosing `plgpu.force_gpu_interpret_mode(...)` (the tests, with `detect_races=True`), default
+`InterpretGPUParams` where the default backend is not a GPU (`backend="pallas"` on a CPU box runs
+the real kernel code, slowly), and None on a GPU (Mosaic compiles the kernels). Interpret mode's
+`wgmma` reads A only from SMEM, so there `a_in_registers()` is False.
 
 Threads. The interpreter runs a kernel of K > 1 CPU threads (warpgroups) as K nested XLA
-executions started from a host callback, whose barriers wait in host callbacks. XLA:CPU runs the
-callbacks on the threads of one pool, max(PJRT_NPROC or the CPUs, host devices) threads, sized
-when the CPU backend starts, so the waiting callbacks hold pool threads: the kernel needs about
-K + 1 of them, and with fewer (2 on a 2-core box with one device) the nested executions that have
-not started never get one and the step hangs at 0 % CPU. `import jtilert` therefore sets
-PJRT_NPROC to the host devices + 16 when the default would be smaller and the backend has not
-started; `_check_threads` raises, instead of hanging, where the pool is still too small.
+executions started from a host callback, and its barriers wait in host callbacks. XLA:CPU runs
+callbacks on its one pool of max(PJRT_NPROC or the CPUs, host devices) threads, sized when the CPU
+backend starts, and a waiting callback holds its thread: with fewer than K + 1 (2 on a 2-core box
+with one device) the nested executions not yet started never get a thread and the step hangs at
+0 % CPU. `import jtilert` therefore sets PJRT_NPROC to host devices + 16 where the default is
+smaller and the backend has not started; `_check_threads` raises where the pool is still too small.
 
-Kernels inside `shard_map` (tp > 1). jax's interpreter treats a kernel traced under named mesh
-axes as ONE multi-device kernel with one process-wide simulated memory; ours are per-device, and
-XLA:CPU runs the devices' programs concurrently, so a device that finishes first trips the
-interpreter's global "no barrier left allocated" check. Such a kernel is therefore interpreted as
-a one-device kernel (the mesh axes hidden) between two ordered callbacks that take and give back
-a process-wide semaphore: one interpreted kernel at a time. The other devices' programs wait in
-the take callback, one pool thread each, so a kernel needs devices + K pool threads. Checked: the
-tiny model decodes the reference's tokens with backend="pallas" on one device and at tp=2, 4, 8.
+Kernels inside `shard_map` (tp > 1). jax's interpreter treats a kernel traced under named axes as
+ONE multi-device kernel over one process-wide simulated memory; ours are per-device and XLA:CPU runs
+the devices' programs concurrently, so a device that finishes first trips the interpreter's global
+"no barrier left allocated" check. Such a kernel is interpreted as a one-device kernel (axes hidden)
+between two ordered callbacks that take and give back a process-wide semaphore: one interpreted
+kernel at a time, the other devices' programs waiting in the take callback, a pool thread each (so
+a kernel needs devices + K threads). Checked: the tiny model decodes the reference's tokens with
+backend="pallas" on one CPU device and at tp=2, 4, 8.
 """
 
 from __future__ import annotations
@@ -116,7 +109,7 @@ def _check_threads(devices: int, grid_mapping, mesh):
         raise RuntimeError(
             f"GPU interpret mode: a kernel of {threads} CPU threads on {devices} device(s) needs XLA:CPU's "
             f"thread pool to have {devices + threads} threads, it has {pool}, and would hang. Set "
-            f"PJRT_NPROC={devices + 16} before jax starts its backend (importing jtilert before that does it).")
+            f"PJRT_NPROC={jax.device_count() + 16} before jax starts its backend (importing jtilert before that does it).")
 
 
 def _take(*xs):
