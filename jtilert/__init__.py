@@ -1,6 +1,10 @@
 """jtilert: lowest-latency batch-1 decoding of MLA + sparse-attention + MoE models in JAX."""
 
-from jtilert.runtime import compile_cache
+from jtilert.pallas import interpret as _interpret
+
+_interpret.reserve_interpreter_threads()   # before anything starts jax's CPU backend
+
+from jtilert.runtime import compile_cache  # noqa: E402
 from jtilert.store.checkpoint import load, save
 from jtilert.model.config import ModelConfig
 from jtilert.model.presets import PRESETS, preset

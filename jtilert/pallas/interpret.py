@@ -1,29 +1,27 @@
 """Where the Mosaic-GPU kernels run: on the GPU, or in GPU interpret mode on a machine without one.
 
-`params()` is what every kernel passes as `plgpu.kernel(..., interpret=...)`:
+`params()`, what every kernel passes as `plgpu.kernel(..., interpret=...)`, returns the parameters of
+an enclosing `plgpu.force_gpu_interpret_mode(...)` (the tests, with `detect_races=True`), default
+`InterpretGPUParams` where the default backend is not a GPU (`backend="pallas"` on a CPU box runs
+the real kernel code, slowly), and None on a GPU (Mosaic compiles the kernels). Interpret mode's
+`wgmma` reads A only from SMEM, so there `a_in_registers()` is False.
 
-* inside `plgpu.force_gpu_interpret_mode(...)` (what the tests use, with `detect_races=True`) it
-  returns that context's parameters, so the kernels are simulated on the CPU;
-* on a machine whose default JAX backend is not a GPU it returns default `InterpretGPUParams`
-  (`backend="pallas"` on a CPU box runs the real kernel code, slowly);
-* on a GPU it returns None and the kernels are compiled by Mosaic.
+Threads. The interpreter runs a kernel of K > 1 CPU threads (warpgroups) as K nested XLA
+executions started from a host callback, and its barriers wait in host callbacks. XLA:CPU runs
+callbacks on its one pool of max(PJRT_NPROC or the CPUs, host devices) threads, sized when the CPU
+backend starts, and a waiting callback holds its thread: with fewer than K + 1 (2 on a 2-core box
+with one device) the nested executions not yet started never get a thread and the step hangs at
+0 % CPU. `import jtilert` therefore sets PJRT_NPROC to host devices + 16 where the default is
+smaller and the backend has not started; `_check_threads` raises where the pool is still too small.
 
-Interpret mode differs from the GPU in one place the kernels care about: its `wgmma` reads A only
-from shared memory, so `a_in_registers()` is False there and the dequantised weight tile takes a
-trip through SMEM instead of feeding the tensor core from registers.
-
-Kernels inside `shard_map` (the tp > 1 decode step). jax's GPU interpreter treats a kernel traced
-under named mesh axes as ONE multi-device kernel: every device's program must enter it together,
-and all of them share one process-wide simulated memory. Our kernels are per-device, and XLA:CPU
-runs the devices' programs concurrently, so (jax 0.11.2, 2 to 8 host devices) a device that
-finishes first trips the interpreter's global "no barrier left allocated" check while another
-device's barriers are still live. `_serialise_under_named_axes` (installed by `params()`)
-therefore interprets such a kernel as a one-device kernel (the mesh axes hidden from the
-interpreter) between two ordered callbacks that take and give back a process-wide semaphore: one
-interpreted kernel at a time. Kernels outside `shard_map` are interpreted as before. Checked: the
-tiny model at tp=2 and tp=4 decodes the reference's tokens with backend="pallas"; at tp=8 the step
-still hangs (the 4-warpgroup sparse-MLA kernel's per-warpgroup computations, which the interpreter
-runs as nested XLA executions, never start while the other 7 device programs wait; not solved).
+Kernels inside `shard_map` (tp > 1). jax's interpreter treats a kernel traced under named axes as
+ONE multi-device kernel over one process-wide simulated memory; ours are per-device and XLA:CPU runs
+the devices' programs concurrently, so a device that finishes first trips the interpreter's global
+"no barrier left allocated" check. Such a kernel is interpreted as a one-device kernel (axes hidden)
+between two ordered callbacks that take and give back a process-wide semaphore: one interpreted
+kernel at a time, the other devices' programs waiting in the take callback, a pool thread each (so
+a kernel needs devices + K threads). Checked: the tiny model decodes the reference's tokens with
+backend="pallas" on one CPU device and at tp=2, 4, 8.
 """
 
 from __future__ import annotations
@@ -31,6 +29,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import math
+import os
+import re
 import threading
 
 import jax
@@ -38,9 +39,34 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from jax.experimental import io_callback
 from jax._src import config as _jax_config
 from jax._src import core as _jax_core
+from jax._src import xla_bridge
 
 InterpretGPUParams = plgpu.InterpretGPUParams
 _compile_for_gpu: contextvars.ContextVar[bool] = contextvars.ContextVar("jtilert_compile_for_gpu", default=False)
+
+
+def cpu_pool_threads(devices: int = 1) -> int:
+    """The threads of XLA:CPU's pool, as the CPU backend sizes it when it starts: PJRT_NPROC, else
+    NPROC, else the CPUs this process may run on, and at least one per host device."""
+    for name in ("PJRT_NPROC", "NPROC"):
+        try:
+            return max(int(os.environ[name]), devices)
+        except (KeyError, ValueError):
+            pass
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(cpus, devices)
+
+
+def reserve_interpreter_threads() -> None:
+    """Before jax starts its CPU backend, give XLA:CPU's pool room for GPU interpret mode, which blocks
+    pool threads in host callbacks (see `jtilert.pallas.interpret`): one per host device and 16 more.
+    An explicit PJRT_NPROC wins; once the backend has started it is too late (the kernels check)."""
+    if "PJRT_NPROC" in os.environ or xla_bridge.backends_are_initialized():
+        return
+    flag = re.search(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
+    devices = max(int(flag.group(1)) if flag else 1, jax.config.jax_num_cpu_devices)
+    if cpu_pool_threads(devices) < devices + 16:
+        os.environ["PJRT_NPROC"] = str(devices + 16)
 
 
 def _forced():
@@ -60,7 +86,7 @@ def params() -> InterpretGPUParams | None:
     forced = _forced()
     if forced is None and (_compile_for_gpu.get() or on_gpu()):
         return None
-    _serialise_under_named_axes()
+    _wrap_interpreter()
     return forced if forced is not None else InterpretGPUParams()
 
 
@@ -71,13 +97,16 @@ _WAIT_S = 900   # a kernel that failed on another device never gives it back: fa
 
 
 @functools.cache
-def _serialise_under_named_axes():
-    """Make kernels traced under named axes (shard_map) one-device kernels (see the docstring)."""
+def _wrap_interpreter():
+    """Check the CPU threads of every interpreted kernel, and make kernels traced under named axes
+    (shard_map) one-device kernels, one at a time (see the docstring)."""
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc
     upstream = ipc.interpret_pallas_call
 
     def interpret_pallas_call(*args, **params):
-        if not _jax_core.get_axis_env().axis_sizes:
+        devices = math.prod(_jax_core.get_axis_env().axis_sizes.values())
+        _check_threads(devices, params["grid_mapping"], params["mesh"])
+        if devices == 1:
             return upstream(*args, **params)
         # ordered callbacks: XLA keeps them in program order with the interpreter's own
         # (ordered) first and last callbacks, so the whole kernel runs between take and give
@@ -91,6 +120,22 @@ def _serialise_under_named_axes():
         return io_callback(_give, [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs], *outs, ordered=True)
 
     ipc.interpret_pallas_call = interpret_pallas_call
+
+
+def _check_threads(devices: int, grid_mapping, mesh):
+    """Fail, instead of hanging, where XLA:CPU's pool is too small for this kernel: the devices'
+    programs (all but one waiting for their turn) and the kernel's CPU threads each hold a pool thread."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc
+    _, cluster, threads = ipc._get_grid_and_cluster_dims_and_num_threads(grid_mapping, mesh)
+    threads *= math.prod(cluster)
+    if threads == 1 or jax.default_backend() != "cpu":
+        return
+    pool = cpu_pool_threads(jax.device_count())
+    if pool < devices + threads:
+        raise RuntimeError(
+            f"GPU interpret mode: a kernel of {threads} CPU threads on {devices} device(s) needs XLA:CPU's "
+            f"thread pool to have {devices + threads} threads, it has {pool}, and would hang. Set "
+            f"PJRT_NPROC={jax.device_count() + 16} before jax starts its backend (importing jtilert before that does it).")
 
 
 def _take(*xs):
