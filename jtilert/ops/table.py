@@ -196,6 +196,12 @@ def _jitted(fn, static, static_names, mode):
     return jax.jit(fn, static_argnums=static, static_argnames=static_names)
 
 
+def _refused(name: str, args, e: ValueError) -> None:
+    shapes = _shapes(args)
+    _lib.warn_once(f"ops:{name}:{shapes}", f"jtilert: backend='pallas' but the {name} kernel does not apply to "
+                   f"{shapes} ({e}); running the reference", UserWarning, stacklevel=5)
+
+
 def _shapes(args) -> str:
     return ", ".join(f"{a.dtype}{list(a.shape)}" for a in args if hasattr(a, "shape"))
 
@@ -216,7 +222,10 @@ class Ops:
         op = OPS[name]
         if self._use_kernel(name, op, args if layer is None else _per_layer(op, args)):
             kw = {} if layer is None or not op.stacked else {"layer": layer}
-            return _kernel(op.kernel)(*args, **kw)
+            try:
+                return _kernel(op.kernel)(*args, **kw)
+            except ValueError as e:   # the kernel's own checks refuse these shapes (a model too small
+                _refused(name, args, e)   # for its tiles, say): the reference, with a warning
         if layer is not None:
             args = tuple(_take(a, layer) if i in op.stacked else a for i, a in enumerate(args))
         return op.reference(*args)
@@ -231,9 +240,7 @@ class Ops:
             return False
         why = op.unsupported(*args)
         if why is not None:
-            shapes = _shapes(args)
-            _lib.warn_once(f"ops:{name}:{shapes}", f"jtilert: backend='pallas' but the {name} kernel does not apply "
-                           f"to {shapes} ({why}); running the reference", UserWarning, stacklevel=4)
+            _refused(name, args, ValueError(why))
         return why is None
 
     # the ops with more than one kernel, and the tensor-parallel collectives ---------------------
