@@ -134,6 +134,22 @@ def test_swiglu(t, split, fmt):
     assert _rel(got, reference.swiglu(x, g, gs, u, us, d, ds)) < TOL
 
 
+def test_linear_k14336_resolved_to_fit_smem():
+    """The MTP block's eh_proj shape (K = 2·7168, fp8, 2 tokens) with N scaled down to 6 row blocks:
+    the occupancy rule keeps one K slice, whose [8, 14336] token tiles do not fit in SMEM, so the
+    resolved config splits K in 4 (as eh_proj's does on the H200); the result is the reference's."""
+    n, k, t = 384, 14336, 2
+    from jtilert.pallas import _hopper as hw
+    with interp.interpret():
+        cfg = gemv.GemvConfig().resolved(n, k, t, 1, 1, hw.num_sms())
+        assert -(-n // 64) >= 0.7 * hw.num_sms()       # no split for occupancy
+    assert (cfg.split_k, cfg.block_k, cfg.stages) == (4, 256, 4)
+    x = _x(t, k)
+    w, s = _weight((n, k), "fp8")
+    got = _run(gemv.linear, x, w, s)
+    assert _rel(got, reference.linear(x, w, s)) < TOL
+
+
 def test_refuses_bad_shapes():
     with pytest.raises(ValueError, match="multiple of 64"):
         gemv.linear(_x(1, 100), *_weight((64, 100), "bf16"))

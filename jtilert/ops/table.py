@@ -29,7 +29,7 @@ import numpy as np
 from jtilert import ffi
 from jtilert.ffi import _lib
 from jtilert.ops import reference
-from jtilert.pallas import interpret, sparse_mla
+from jtilert.pallas import indexer, interpret, sparse_mla
 
 BACKENDS = ("reference", "pallas")
 LAYER_LOOPS = ("loop", "unrolled")
@@ -116,16 +116,12 @@ def _lm_head_unsupported(x, w, k) -> str | None:
 
 
 def _sparse_mla_unsupported(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale) -> str | None:
-    if pe_cache is None and not sparse_mla.fp8_kernel_applies(q_lat.shape[-1], q_pe.shape[-1], kv_cache.shape[-1]):
-        return f"fp8 cache rows of {kv_cache.shape[-1]} words"
-    return None
+    return sparse_mla.unsupported(q_lat.shape[-2], q_lat.shape[-1], q_pe.shape[-1],
+                                  kv_cache.shape[-1] if pe_cache is None else None)
 
 
 def _indexer_unsupported(cfg, q, w, k, k_cache, k_scale, positions, start) -> str | None:
-    rows, width = k_cache.shape[-2:]
-    if rows % 8 or (width * k_cache.dtype.itemsize) % 32:
-        return f"{rows} cache rows (a multiple of 8 reads as TMA tiles) of {width} × {k_cache.dtype} (32-byte multiples)"
-    return None
+    return indexer.unsupported(q.shape[0], q.shape[1], k_cache, k_scale)
 
 
 @dataclasses.dataclass(frozen=True)

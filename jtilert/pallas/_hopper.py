@@ -1,9 +1,13 @@
 """Hopper (Mosaic-GPU) building blocks shared by the projection kernels (`gemv`, `moe`, `lm_head`):
 dtypes and granularities, the token tile's SMEM transforms and register layouts, the weight tiles'
 swizzle, the SM count, token chunking, the layer-index operand of stacked weights, the
-power-of-two rescale that puts the f16 B operand in range, and the fp8 wgmma step."""
+power-of-two rescale that puts the f16 B operand in range, and the fp8 wgmma step; and the shared
+memory accounting every kernel checks its configuration with (`Scope`, `smem_bytes`, `check_smem`)."""
 
 from __future__ import annotations
+
+import dataclasses
+import math
 
 import jax
 import jax.experimental.pallas as pl
@@ -17,7 +21,7 @@ F32, BF16, F16, FP8 = jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn
 QBLOCK = 128          # fp8 block-scale granularity (both dims)
 KGRAIN = 64           # K granularity: one 128-byte swizzle row of bf16
 MAX_TOKENS = 8        # wgmma N: tokens per kernel call
-SMEM_BYTES = 227 * 1024
+SMEM_BYTES = 227 * 1024   # shared memory per block on the H200 (and Mosaic's bound without a GPU)
 
 # Register layout for the [8, 64·m] token tile in SMEM (tiling (8, 64), 128-byte swizzle): each
 # warp owns two rows, each lane four consecutive bf16 of a row, so one wavefront covers one
@@ -70,6 +74,60 @@ def w_layout(cols: int, itemsize: int):
     rows = 32 // chunks
     return plgpu.Layout.TILED(plgpu.Tiling(((64, cols), (16, cols), (rows, cols), (vec,))),
                               warp_dims=(-7,), lane_dims=(-3, -2), vector_dim=-1)
+
+
+# ---- shared memory, counted as Mosaic-GPU counts it ---------------------------------------------
+#
+# Mosaic (jax 0.11.2) places every SMEM buffer on a 1 KiB boundary; buffers of one allocation
+# (the kernel's scratch_types, one `pl.run_scoped`, one `emit_pipeline`'s stage buffers) add up,
+# allocations opened one after another inside it take the largest's room, a scope with a
+# cross-lane reduction (jnp.sum / jnp.max of a register array) reserves
+# `CompilerParams.reduction_scratch_bytes` for it, and every barrier takes 8 bytes after the
+# buffers. A kernel whose total exceeds SMEM_BYTES fails to lower ("exceeds available shared
+# memory"), so the kernels check their configuration with this count before they are built.
+
+SMEM_ALIGN = 1024
+REDUCTION_SMEM = 128 * 4 * 4    # plgpu.CompilerParams().reduction_scratch_bytes
+BARRIER_BYTES = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Scope:
+    """One SMEM allocation of a kernel: `buffers` (plgpu.SMEM / plgpu.Barrier types, as passed to
+    plgpu.kernel or pl.run_scoped), `inner`: the allocations opened one after another inside it,
+    `reduces`: whether a cross-lane reduction runs in it (outside the inner ones)."""
+
+    buffers: tuple = ()
+    inner: tuple = ()
+    reduces: bool = False
+
+
+def _count(scope: Scope) -> tuple[int, int]:
+    data = barriers = 0
+    for b in scope.buffers:
+        if isinstance(b, plgpu.Barrier):
+            barriers += math.prod(b.num_barriers)
+        else:
+            data += -(-math.prod(b.shape) * jnp.dtype(b.dtype).itemsize // SMEM_ALIGN) * SMEM_ALIGN
+    inner = [_count(s) for s in scope.inner]
+    data += max([REDUCTION_SMEM if scope.reduces else 0] + [d for d, _ in inner])
+    # sibling scopes may share a barrier of the same kind in Mosaic: counting them all is an upper bound
+    return data, barriers + sum(b for _, b in inner)
+
+
+def smem_bytes(scope: Scope) -> int:
+    """Shared memory (bytes) a kernel allocating `scope` needs."""
+    data, barriers = _count(scope)
+    return -(-data // SMEM_ALIGN) * SMEM_ALIGN + BARRIER_BYTES * barriers
+
+
+def check_smem(kernel: str, scope: Scope, what) -> int:
+    """smem_bytes(scope), or a ValueError naming `kernel` and `what` (its configuration) if it does
+    not fit: the kernel would fail to lower."""
+    need = smem_bytes(scope)
+    if need > SMEM_BYTES:
+        raise ValueError(f"{kernel}: {what} needs {need} B of shared memory (> {SMEM_BYTES})")
+    return need
 
 
 def num_sms() -> int:

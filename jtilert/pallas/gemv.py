@@ -17,6 +17,7 @@ K must be a multiple of 64; any N; larger T is chunked by 8.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.experimental.pallas as pl
@@ -35,13 +36,28 @@ from jtilert.pallas._hopper import (BF16, F16, F32, FP8, KGRAIN, MAX_TOKENS, QBL
 @dataclasses.dataclass(frozen=True)
 class GemvConfig:
     block_n: int = 64        # output rows per CTA (one warpgroup)
-    block_k: int = 256       # K per pipeline step (multiple of 128 for fp8, 64 for bf16)
+    block_k: int = 256       # K per pipeline step, at most (multiple of 128 for fp8, 64 for bf16)
     split_k: int = 0         # CTAs sharing one row block; 0 = pick from the shape
-    stages: int = 4          # TMA pipeline depth (steps in flight)
+    stages: int = 4          # TMA pipeline depth (steps in flight), at most
     engine: str = "auto"     # "fma": CUDA-core FMAs; "wgmma": tensor cores; "auto": fma for fp32 weights
     a_in_registers: bool | None = None   # wgmma engine, fp8: A from registers (None: GPU yes, interpret no)
 
-    def resolved(self, n: int, k: int, t: int, n_weights: int, w_itemsize: int, sms: int) -> "GemvConfig":
+    def resolved(self, n: int, k: int, t: int, n_weights: int, w_itemsize: int, sms: int, *,
+                 layout=None, slice_unit: int | None = None, divides: int | None = None,
+                 occupancy: bool = True) -> "GemvConfig":
+        """The configuration a kernel runs for N output rows (for the grid), K, T tokens and P
+        weights of `w_itemsize` bytes on `sms` SMs, its shared memory within SMEM_BYTES.
+        `layout(cfg)`: the kernel's SMEM (`hw.Scope`) under a candidate configuration (default:
+        `_projection`'s, linear epilogue); `slice_unit`: the K slices must be multiples of it
+        (default: whole 128-column scale blocks for fp8 with split-K, else 64); `divides`: block_k
+        must divide it too; `occupancy`: with split_k = 0, grow split-K until the grid about fills
+        the machine (else only as far as shared memory needs).
+
+        split_k = 0: the occupancy rule's split, or the next larger split that cuts K into valid
+        slices, the first whose SMEM fits at the full pipeline depth (the token slice [8, K / split]
+        is held whole, so large K needs a larger split); only if none does, fewer stages, then a
+        narrower block_k. An explicit split_k is kept (stages, then block_k shrink to fit).
+        ValueError if nothing fits."""
         if k % KGRAIN:
             raise ValueError(f"GEMV kernel: K={k} must be a multiple of {KGRAIN}")
         if self.block_n != 64:
@@ -51,52 +67,112 @@ class GemvConfig:
             engine = "fma" if w_itemsize == 4 else "wgmma"
         if engine not in ("fma", "wgmma"):
             raise ValueError(f"GEMV kernel: unknown engine {engine!r}")
+        layout = layout or functools.partial(projection_smem, k=k, p=n_weights, itemsize=w_itemsize, tb=t)
         kgrains = k // KGRAIN
-        row_blocks = -(-n // self.block_n)
-        split = self.split_k
-        if split <= 0:
+
+        def unit(split):
+            if slice_unit is not None:
+                return slice_unit
+            return QBLOCK if (w_itemsize == 1 and split > 1) else KGRAIN
+
+        def valid(split):
+            return kgrains % split == 0 and (k // split) % unit(split) == 0
+
+        a_regs = _interp.a_in_registers() if self.a_in_registers is None else self.a_in_registers
+        base = dataclasses.replace(self, engine=engine, a_in_registers=a_regs)
+        if self.split_k > 0:
+            if kgrains % self.split_k:
+                raise ValueError(f"GEMV kernel: split_k={self.split_k} must divide K/{KGRAIN}={kgrains}")
+            if not valid(self.split_k):
+                raise ValueError(f"GEMV kernel: K slices must be multiples of {unit(self.split_k)} "
+                                 f"(whole 128-column scale blocks for fp8; K={k}, split_k={self.split_k})")
+            splits = [self.split_k]
+        else:
+            row_blocks = -(-n // self.block_n)
             split = 1
             # Grow split-K until the grid about fills the machine, keeping K slices ≥ 512.
-            while (row_blocks * split < 0.7 * sms and split < 16 and kgrains % (2 * split) == 0
-                   and k // (2 * split) >= 512 and (w_itemsize != 1 or (k // (2 * split)) % QBLOCK == 0)):
+            while (occupancy and row_blocks * split < 0.7 * sms and split < 16 and valid(2 * split)
+                   and k // (2 * split) >= 512):
                 split *= 2
-        if kgrains % split:
-            raise ValueError(f"GEMV kernel: split_k={split} must divide K/{KGRAIN}={kgrains}")
-        kc = k // split
-        if w_itemsize == 1 and kc % QBLOCK and split > 1:
-            raise ValueError(f"GEMV kernel: fp8 K slices must be whole 128-column scale blocks "
-                             f"(K={k}, split_k={split})")
-        grain = QBLOCK if (w_itemsize == 1 and kc % QBLOCK == 0) else KGRAIN
-        cap = 16384 // (self.block_n * w_itemsize)     # ≤ 16 KB of weights per step and weight
-        bk = max(grain, min(self.block_k, kc, cap) // grain * grain)
-        while kc % bk:
-            bk -= grain
-        stages = max(1, min(self.stages, kc // bk))
-        a_regs = _interp.a_in_registers() if self.a_in_registers is None else self.a_in_registers
-        cfg = dataclasses.replace(self, block_k=bk, split_k=split, stages=stages, engine=engine,
-                                  a_in_registers=a_regs)
-        smem = cfg.smem_bytes(n_weights, w_itemsize, k)
-        if (smem > SMEM_BYTES and self.split_k <= 0 and kgrains % (2 * split) == 0
-                and (w_itemsize != 1 or (k // (2 * split)) % QBLOCK == 0)):
-            return dataclasses.replace(self, split_k=2 * split).resolved(n, k, t, n_weights, w_itemsize, sms)
-        while smem > SMEM_BYTES and cfg.stages > 2:
-            cfg = dataclasses.replace(cfg, stages=cfg.stages - 1)
-            smem = cfg.smem_bytes(n_weights, w_itemsize, k)
-        if smem > SMEM_BYTES:
-            raise ValueError(f"GEMV kernel: config {cfg} needs {smem} B of shared memory (> {SMEM_BYTES})")
-        return cfg
+            splits = [s for s in range(split, kgrains + 1) if valid(s)]
+        cands = [base._shaped(s, k, w_itemsize, divides) for s in splits]
+        cands = [c for c in cands if c is not None]
+        if not cands:
+            raise ValueError(f"GEMV kernel: no block_k divides the K slices of {self} (K={k}, divides={divides})")
+        # the full pipeline depth with the smallest split that fits, then shallower pipelines and
+        # narrower blocks (an explicit split, or K that no split brings into SMEM)
+        for cfg in cands + [c for c0 in cands for c in c0._smaller(k, w_itemsize, divides)]:
+            if hw.smem_bytes(layout(cfg)) <= SMEM_BYTES:
+                return cfg
+        need = hw.smem_bytes(layout(cands[0]))
+        raise ValueError(f"GEMV kernel: config {cands[0]} needs {need} B of shared memory (> {SMEM_BYTES}) "
+                         "and no smaller configuration fits")
 
-    def smem_bytes(self, n_weights: int, w_itemsize: int, k: int) -> int:
-        kc = k // self.split_k
-        if self.engine == "fma":
-            x = 2 * kc * 4
-        else:  # B operand(s) + the bf16 staging buffer (scoped to the prologue, counted in full)
-            x = (n_weights if w_itemsize == 1 else 1) * MAX_TOKENS * kc * 2 + MAX_TOKENS * kc * 2
-        pipe = self.stages * n_weights * self.block_n * self.block_k * w_itemsize
-        abuf = (0 if self.engine == "fma" or self.a_in_registers or w_itemsize == 2
-                else n_weights * 2 * self.block_n * min(self.block_k, QBLOCK) * 2)
-        out = 2 * n_weights * MAX_TOKENS * self.block_n * 4
-        return x + pipe + abuf + out
+    def _shaped(self, split: int, k: int, w_itemsize: int, divides: int | None) -> "GemvConfig | None":
+        """This config at split-K `split`: the widest block_k ≤ block_k (≤ 16 KB of weights per step
+        and weight) that divides the K slice (and `divides`), stages ≤ the slice's steps."""
+        kc = k // split
+        grain = QBLOCK if (w_itemsize == 1 and kc % QBLOCK == 0) else KGRAIN
+        cap = 16384 // (self.block_n * w_itemsize)
+        bk = min(self.block_k, kc, cap) // grain * grain
+        while bk >= grain and (kc % bk or (divides is not None and divides % bk)):
+            bk -= grain
+        if bk < grain:
+            return None
+        return dataclasses.replace(self, block_k=bk, split_k=split, stages=max(1, min(self.stages, kc // bk)))
+
+    def _smaller(self, k: int, w_itemsize: int, divides: int | None):
+        """Configurations with less SMEM than this one, most preferred first: fewer stages, then
+        half the block_k (at two stages)."""
+        for stages in range(self.stages - 1, 0, -1):
+            yield dataclasses.replace(self, stages=stages)
+        if self.block_k // 2 >= KGRAIN:
+            half = dataclasses.replace(self, block_k=self.block_k // 2, stages=2)._shaped(
+                self.split_k, k, w_itemsize, divides)
+            if half is not None and half.block_k < self.block_k:
+                yield half
+                yield from half._smaller(k, w_itemsize, divides)
+
+
+def projection_scratch(cfg: GemvConfig, *, k: int, p: int, itemsize: int, tb: int, out_dtype=BF16,
+                       residual_dtype=None) -> list:
+    """The scratch buffers of `_projection` (in the kernel's order) under a resolved config: the
+    token slice (FMA: fp32 rows; wgmma: the B operand(s) and the bf16 staging tile, [8, K / split]
+    each), the fp8 range factors, the output tile, two barriers, the A double buffer (fp8 with A
+    from SMEM) and the residual tile (residual epilogue without split-K)."""
+    kc = k // cfg.split_k
+    fp8 = itemsize == 1
+    in_kernel = cfg.split_k == 1
+    if cfg.engine == "fma":
+        scratch = [plgpu.SMEM((tb, kc), F32)]
+    else:
+        scratch = [plgpu.SMEM((p if fp8 else 1, MAX_TOKENS, kc), F16 if fp8 else BF16, transforms=X_TRANSFORMS),
+                   plgpu.SMEM((MAX_TOKENS, kc), BF16, transforms=X_TRANSFORMS),
+                   plgpu.SMEM((p,), F32)]
+    scratch += [plgpu.SMEM((1 if in_kernel else p, MAX_TOKENS, cfg.block_n), out_dtype if in_kernel else F32),
+                plgpu.Barrier(num_barriers=2)]
+    if fp8 and cfg.engine != "fma" and not cfg.a_in_registers:
+        _, sub = hw.weight_transforms(cfg.block_k, itemsize)
+        scratch.append(plgpu.SMEM((p, 2, cfg.block_n, sub), F16, transforms=X_TRANSFORMS))
+    if residual_dtype is not None and in_kernel:
+        scratch.append(plgpu.SMEM((MAX_TOKENS, cfg.block_n), residual_dtype))
+    return scratch
+
+
+def _weight_dtype(itemsize: int):
+    return {1: FP8, 2: BF16, 4: F32}[itemsize]
+
+
+def projection_smem(cfg: GemvConfig, *, k: int, p: int, itemsize: int, tb: int, out_dtype=BF16,
+                    residual_dtype=None) -> hw.Scope:
+    """`_projection`'s shared memory: its scratch, and inside, the weight pipeline's `stages` tiles
+    per weight (the fp8 B build at step 0 reduces in there); the epilogue reduces outside."""
+    pipe = hw.Scope(tuple(plgpu.SMEM((cfg.stages, cfg.block_n, cfg.block_k), _weight_dtype(itemsize))
+                          for _ in range(p)) + (plgpu.Barrier(num_barriers=cfg.stages),),
+                    reduces=itemsize == 1 and cfg.engine == "wgmma")
+    scratch = projection_scratch(cfg, k=k, p=p, itemsize=itemsize, tb=tb, out_dtype=out_dtype,
+                                 residual_dtype=residual_dtype)
+    return hw.Scope(tuple(scratch), (pipe,), reduces=True)
 
 
 # ---- the epilogue, shared by the kernel (split_k = 1) and the XLA finish (split_k > 1) ----------
@@ -177,7 +253,12 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
                 raise ValueError(f"GEMV kernel: fp8 weight {w.shape} needs scales {want}, got "
                                  f"{None if s is None else s.shape}")
     itemsize = ws[0].dtype.itemsize
-    cfg = (config or GemvConfig()).resolved(n * (nsel if ids is not None else 1), k, t, p, itemsize, hw.num_sms())
+    res_dtype = residual.dtype if residual is not None else None
+    layout = functools.partial(projection_smem, k=k, p=p, itemsize=itemsize, tb=tb, out_dtype=out_dtype,
+                               residual_dtype=res_dtype)
+    cfg = (config or GemvConfig()).resolved(n * (nsel if ids is not None else 1), k, t, p, itemsize, hw.num_sms(),
+                                            layout=layout)
+    hw.check_smem("GEMV kernel", layout(cfg), cfg)
     if itemsize == 4 and cfg.engine != "fma":
         raise ValueError("GEMV kernel: fp32 weights need the FMA engine")
     bn, bk, split, stages = cfg.block_n, cfg.block_k, cfg.split_k, cfg.stages
@@ -377,17 +458,8 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
             plgpu.copy_smem_to_gmem(o_smem.at[j, pl.ds(0, tb)], dst)
         plgpu.wait_smem_to_gmem(0)
 
-    if fma:
-        scratch = [plgpu.SMEM((tb, kc), F32)]
-    else:
-        scratch = [plgpu.SMEM((p if fp8 else 1, MAX_TOKENS, kc), F16 if fp8 else BF16, transforms=X_TRANSFORMS),
-                   plgpu.SMEM((MAX_TOKENS, kc), BF16, transforms=X_TRANSFORMS),
-                   plgpu.SMEM((p,), F32)]
-    scratch += [plgpu.SMEM((out_rows, MAX_TOKENS, bn), o_dtype), plgpu.Barrier(num_barriers=2)]
-    if fp8 and not fma and not a_regs:
-        scratch.append(plgpu.SMEM((p, 2, bn, sub), F16, transforms=X_TRANSFORMS))
-    if residual is not None and in_kernel_epilogue:
-        scratch.append(plgpu.SMEM((MAX_TOKENS, bn), residual.dtype))
+    scratch = projection_scratch(cfg, k=k, p=p, itemsize=itemsize, tb=tb, out_dtype=out_dtype,
+                                 residual_dtype=res_dtype)
     out_type = (jax.ShapeDtypeStruct((nsel, n), o_dtype) if in_kernel_epilogue
                 else jax.ShapeDtypeStruct((split, p, nsel, n), F32))
     grid, names = (row_blocks, split), ("n", "s")

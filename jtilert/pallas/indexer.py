@@ -28,6 +28,7 @@ from jax import lax
 import jtilert.pallas.interpret as _interp
 from jtilert.ops import reference
 from jtilert.ops.quant import act_quant, pow2_scale
+from jtilert.pallas import _hopper as hw
 
 F32, BF16, FP8 = jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn
 
@@ -72,16 +73,20 @@ def indexer_scores_kernel(q, w, k_cache, k_scale, positions, offsets, n: int,
     T, H, D = q.shape
     stacked = k_cache.ndim == 3
     S = k_cache.shape[-2]
-    bs, ns = config.block_s, config.stages
     if H % 32 or H > 256:
         raise ValueError(f"index heads={H} must be a multiple of 32, at most 256")
     if q.dtype != k_cache.dtype:
         raise ValueError(f"q {q.dtype} and k_cache {k_cache.dtype} must have the same dtype")
+    new_dtype = None if k_new is None else k_new.dtype
+    fitted = resolve(config, T, H, D, k_cache.dtype, k_scale is not None, new_dtype)
+    if fitted is None:
+        raise ValueError(f"indexer kernel: {T} tokens × {H} heads × {D} do not fit the shared memory at one stage")
+    config = fitted
+    bs, ns = config.block_s, config.stages
     nblk = _cdiv(n, bs)
     n_out = _cdiv(n, 4) * 4   # TMA: rows of 16-byte multiples
     grid = max(1, min(config.num_ctas, nblk))
     has_scale = k_scale is not None
-    k_tf = _tiled(D, jnp.dtype(k_cache.dtype).itemsize)
 
     static_offsets = isinstance(offsets, tuple)
     append = k_new is not None
@@ -215,23 +220,8 @@ def indexer_scores_kernel(q, w, k_cache, k_scale, positions, offsets, n: int,
                 plgpu.copy_smem_to_gmem(k8_s.at[pl.ds(t, 1)], k_ref.at[pl.ds(row, 1)])
                 plgpu.wait_smem_to_gmem(0)
 
-    scratch = [
-        plgpu.SMEM((T, H, D), k_cache.dtype, transforms=k_tf),
-        plgpu.SMEM((T, H), F32),
-        plgpu.SMEM((ns, bs, D), k_cache.dtype, transforms=k_tf),
-    ]
-    if has_scale:
-        scratch.append(plgpu.SMEM((ns, bs), F32))
-    scratch += [
-        plgpu.SMEM((T, bs), F32),
-        plgpu.SMEM((bs,), F32),
-        plgpu.Barrier(num_arrivals=2),
-        plgpu.Barrier(num_arrivals=2 if has_scale else 1, num_barriers=ns),
-    ]
-    if append:
-        scratch = [plgpu.SMEM((T, D), k_new.dtype)] + (
-            [plgpu.SMEM((T, D), FP8), plgpu.SMEM((bs,), F32)] if has_scale else []) + scratch
-        scratch.append(plgpu.Barrier(num_arrivals=1))
+    scratch = indexer_scratch(T, H, D, k_cache.dtype, config, has_scale, new_dtype)
+    hw.check_smem("indexer kernel", hw.Scope(tuple(scratch), reduces=True), config)
     kernel = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((T, n_out), F32),
@@ -250,6 +240,61 @@ def indexer_scores_kernel(q, w, k_cache, k_scale, positions, offsets, n: int,
     if not append:
         return scores
     return (scores, caches[0][...]) + ((caches[1][...],) if has_scale else (None,))
+
+
+def indexer_scratch(T: int, H: int, D: int, dtype, config: IndexerConfig, has_scale: bool, new_dtype=None) -> list:
+    """The kernel's scratch (its shared memory; scores reduce in it): with an append (`new_dtype`
+    given) the new keys (and their fp8 form and a block of scales), the queries and weights,
+    `stages` key blocks (and scales), the score rows, the -inf block and the barriers."""
+    bs, ns = config.block_s, config.stages
+    k_tf = _tiled(D, jnp.dtype(dtype).itemsize)
+    scratch = [
+        plgpu.SMEM((T, H, D), dtype, transforms=k_tf),
+        plgpu.SMEM((T, H), F32),
+        plgpu.SMEM((ns, bs, D), dtype, transforms=k_tf),
+    ]
+    if has_scale:
+        scratch.append(plgpu.SMEM((ns, bs), F32))
+    scratch += [
+        plgpu.SMEM((T, bs), F32),
+        plgpu.SMEM((bs,), F32),
+        plgpu.Barrier(num_arrivals=2),
+        plgpu.Barrier(num_arrivals=2 if has_scale else 1, num_barriers=ns),
+    ]
+    if new_dtype is not None:
+        scratch = [plgpu.SMEM((T, D), new_dtype)] + (
+            [plgpu.SMEM((T, D), FP8), plgpu.SMEM((bs,), F32)] if has_scale else []) + scratch
+        scratch.append(plgpu.Barrier(num_arrivals=1))
+    return scratch
+
+
+def resolve(config: IndexerConfig, T: int, H: int, D: int, dtype, has_scale: bool,
+            new_dtype=None) -> IndexerConfig | None:
+    """`config` with the deepest pipeline (≤ its stages) whose shared memory fits (the queries and
+    key blocks grow with tokens, heads and key width); None if one stage does not fit."""
+    for stages in range(config.stages, 0, -1):
+        cfg = dataclasses.replace(config, stages=stages)
+        scratch = indexer_scratch(T, H, D, dtype, cfg, has_scale, new_dtype)
+        if hw.smem_bytes(hw.Scope(tuple(scratch), reduces=True)) <= hw.SMEM_BYTES:
+            return cfg
+    return None
+
+
+def unsupported(tokens: int, heads: int, k_cache, k_scale) -> str | None:
+    """Why `indexer_append_scores` cannot run its kernels for queries of `heads` heads on this
+    layer's key cache [S, D] (None: it can); more than MAX_TOKENS tokens run the reference."""
+    rows, width = k_cache.shape[-2:]
+    if not _kernel_applies(k_cache):
+        return (f"{rows} cache rows (a multiple of 8 reads as TMA tiles) of {width} × {k_cache.dtype} "
+                "(32-byte multiples)")
+    hp = _cdiv(heads, 32) * 32
+    if hp > 256:
+        return f"{heads} index heads (at most 256)"
+    new_dtype = (F32 if k_scale is not None else k_cache.dtype) if _appends_in_kernel(k_cache, k_scale) else None
+    if resolve(IndexerConfig(), min(tokens, MAX_TOKENS), hp, width, k_cache.dtype, k_scale is not None,
+               new_dtype) is None:
+        return f"{heads} heads × {width}: no pipeline depth fits the shared memory"
+    return None
 
 
 def indexer_scores(q, w, k_cache, k_scale, positions, *, start=0, rows=None, pos_offset=0,
@@ -292,7 +337,7 @@ def indexer_append_scores(cfg, q, w, k, k_cache, k_scale, positions, start, firs
     too short for the kernel's row copy (tiny test models). Prefill chunks run the reference."""
     _check_layer(k_cache, layer)
     decode = q.shape[0] <= MAX_TOKENS and _kernel_applies(k_cache)
-    if decode and num_rows is None and _row_copyable(k_cache):
+    if decode and num_rows is None and _appends_in_kernel(k_cache, k_scale):
         k_new = reference.indexer_key_rotated(cfg, k)
         k_new = k_new.astype(F32 if k_scale is not None else k_cache.dtype)
         return append_and_score(q, w, k_new, k_cache, k_scale, positions, layer=layer)
@@ -315,6 +360,12 @@ def _kernel_applies(k_cache) -> bool:
     block is read with zero fill), rows of 32-byte multiples (swizzle)."""
     S, D = k_cache.shape[-2:]
     return S % 8 == 0 and (D * k_cache.dtype.itemsize) % 32 == 0
+
+
+def _appends_in_kernel(k_cache, k_scale) -> bool:
+    """Whether the kernel can append the new keys itself: whole-row copies, and in fp8 one
+    128-wide quantisation block per key."""
+    return _row_copyable(k_cache) and (k_scale is None or k_cache.shape[-1] == 128)
 
 
 def _row_copyable(k_cache) -> bool:

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import jtilert.pallas.interpret as _interp
+from jtilert.pallas import _hopper as hw
 from jtilert.pallas._hopper import BF16, F32, KGRAIN, MAX_TOKENS, X_TRANSFORMS
 
 NEG = float("-inf")
@@ -87,14 +88,29 @@ def lm_head_candidates(x, w, *, k: int = 8, block_k: int = 128, stages: int = 4)
         plgpu.wait_smem_to_gmem(0)
 
     kp = -(-k // 4) * 4   # TMA rows of ≥ 16 bytes
+    scratch = lm_head_scratch(kp)
+    hw.check_smem("lm_head kernel", lm_head_smem(kp, bk, stages), f"block_k={bk}, stages={stages}")
     call = plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct((t, nblk, kp), F32), jax.ShapeDtypeStruct((t, nblk, kp), jnp.int32)),
         grid=(nblk,), grid_names=("n",),
-        scratch_types=[plgpu.SMEM((MAX_TOKENS, kp), F32), plgpu.SMEM((MAX_TOKENS, kp), jnp.int32)],
+        scratch_types=scratch,
         interpret=_interp.params(), kernel_name="jtilert_lm_head_topk")
     vals, ids = call(x, w)
     return vals[..., :k], ids[..., :k]
+
+
+def lm_head_scratch(kp: int) -> list:
+    """The kernel's scratch: the candidates' values and ids, [8, kp] each."""
+    return [plgpu.SMEM((MAX_TOKENS, kp), F32), plgpu.SMEM((MAX_TOKENS, kp), jnp.int32)]
+
+
+def lm_head_smem(kp: int, block_k: int, stages: int) -> hw.Scope:
+    """The kernel's shared memory: its scratch, and inside, the pipeline's weight [64, block_k] and
+    token [8, block_k] tiles per stage; the top-k selection reduces outside."""
+    pipe = hw.Scope((plgpu.SMEM((stages, 64, block_k), BF16), plgpu.SMEM((stages, MAX_TOKENS, block_k), BF16),
+                     plgpu.Barrier(num_barriers=stages)))
+    return hw.Scope(tuple(lm_head_scratch(kp)), (pipe,), reduces=True)
 
 
 def lm_head_topk(x, w, k: int = 8):

@@ -16,6 +16,8 @@ reshape); the kernels read the layer on the device and add layer·E to the exper
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -79,9 +81,15 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
     bk = QBLOCK
     while bk * 2 <= bk_cap and i_dim % (bk * 2) == 0:
         bk *= 2
-    cfg = GemvConfig(block_n=base.block_n, block_k=bk, split_k=base.split_k or 1, stages=base.stages,
+    cfg = GemvConfig(block_n=base.block_n, block_k=bk, split_k=base.split_k, stages=base.stages,
                      engine="wgmma", a_in_registers=base.a_in_registers)
-    cfg = cfg.resolved(n, ktot, t, 1, down.dtype.itemsize, hw.num_sms())
+    # K slices of whole 128-column blocks (B is built per block); a pipeline step inside one
+    # expert (block_k divides the expert width). One slice per row block unless the token slice
+    # [8, K / split] does not fit in SMEM (K = T·k·I grows with the tokens and experts).
+    layout = functools.partial(expert_down_smem, k=ktot, itemsize=down.dtype.itemsize, out_dtype=out_dtype)
+    cfg = cfg.resolved(n, ktot, t, 1, down.dtype.itemsize, hw.num_sms(), slice_unit=QBLOCK,
+                       divides=i_dim, occupancy=False, layout=layout)
+    hw.check_smem("MoE down kernel", layout(cfg), cfg)
     bn, split, stages, a_regs = cfg.block_n, cfg.split_k, cfg.stages, cfg.a_in_registers
     bk = cfg.block_k
     if i_dim % bk:
@@ -185,10 +193,7 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
         plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, t)], dst)
         plgpu.wait_smem_to_gmem(0)
 
-    scratch = [plgpu.SMEM((MAX_TOKENS, kc), F16 if fp8 else BF16, transforms=X_TRANSFORMS),
-               plgpu.SMEM((1,), F32), plgpu.SMEM((MAX_TOKENS, bn), o_dtype)]
-    if fp8 and not a_regs:
-        scratch.append(plgpu.SMEM((2, bn, sub), F16, transforms=X_TRANSFORMS))
+    scratch = expert_down_scratch(cfg, k=ktot, itemsize=down.dtype.itemsize, out_dtype=out_dtype)
     out_type = (jax.ShapeDtypeStruct((t, n), o_dtype) if in_kernel
                 else jax.ShapeDtypeStruct((split, t, n), F32))
     call = plgpu.kernel(kernel, out_type=out_type, grid=(row_blocks, split), grid_names=("n", "s"),
@@ -199,6 +204,28 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
         args.append(down_scale.astype(F32))
     out = call(*args)
     return out if in_kernel else out.sum(0).astype(out_dtype)
+
+
+def expert_down_scratch(cfg: GemvConfig, *, k: int, itemsize: int, out_dtype=BF16) -> list:
+    """`expert_down`'s scratch buffers under a resolved config: the B operand [8, K / split], the
+    fp8 range factor, the output tile, and the A double buffer (fp8 with A from SMEM)."""
+    fp8 = itemsize == 1
+    scratch = [plgpu.SMEM((MAX_TOKENS, k // cfg.split_k), F16 if fp8 else BF16, transforms=X_TRANSFORMS),
+               plgpu.SMEM((1,), F32),
+               plgpu.SMEM((MAX_TOKENS, cfg.block_n), out_dtype if cfg.split_k == 1 else F32)]
+    if fp8 and not cfg.a_in_registers:
+        _, sub = hw.weight_transforms(cfg.block_k, itemsize)
+        scratch.append(plgpu.SMEM((2, cfg.block_n, sub), F16, transforms=X_TRANSFORMS))
+    return scratch
+
+
+def expert_down_smem(cfg: GemvConfig, *, k: int, itemsize: int, out_dtype=BF16) -> hw.Scope:
+    """`expert_down`'s shared memory: its scratch, and inside, the weight pipeline (B is built,
+    and for fp8 range-scaled, at step 0 in there); the epilogue reduces outside."""
+    pipe = hw.Scope((plgpu.SMEM((cfg.stages, cfg.block_n, cfg.block_k), FP8 if itemsize == 1 else BF16),
+                     plgpu.Barrier(num_barriers=cfg.stages)), reduces=itemsize == 1)
+    return hw.Scope(tuple(expert_down_scratch(cfg, k=k, itemsize=itemsize, out_dtype=out_dtype)), (pipe,),
+                    reduces=True)
 
 
 # ---- public wrappers ----------------------------------------------------------------------------

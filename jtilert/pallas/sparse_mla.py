@@ -28,6 +28,7 @@ from jax import lax
 
 import jtilert.pallas.interpret as _interp
 from jtilert.ops import reference
+from jtilert.pallas import _hopper as hw
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 HP = 64            # wgmma M: query rows (heads) per CTA
@@ -96,6 +97,84 @@ def _e4m3_to_f32(b):
     return jnp.where((b & 0x80) != 0, -mag, mag)
 
 
+def _tile_transforms(R: int, bk: int, fp8: bool):
+    """(latent / query / P tiles, rope tiles) SMEM transforms. P·V needs P's swizzle (set by block_k)
+    on the latent tiles, QKᵀ the latent tiles' on the queries; an fp8 cache fills the latent tiles
+    one 32-column byte plane at a time (64-byte swizzle)."""
+    sw = 64 if fp8 else _swizzle(bk, 2)
+    q_tf = (plgpu.TilingTransform((8, sw // 2)), plgpu.SwizzleTransform(sw))
+    return q_tf, (q_tf if fp8 else _tiled(R, 2)[0])
+
+
+def _fp8_tail_words(L: int, W: int) -> int:
+    """Words of an fp8 row's second copy: scales + rope, a 128-byte multiple overlapping the latent."""
+    return _round_up(W - L // 4, 32)
+
+
+def partials_buffers(L: int, R: int, bk: int, fp8: bool, W: int | None = None):
+    """The kernel's SMEM: (scratch, row-gather staging buffers, output double buffer). Scratch: the
+    queries, the latent and rope tiles, P, m / l, the row ids and the barriers; the staging buffers
+    and the output buffer are scoped one after the other."""
+    lc, lw = min(L, LCHUNK), min(L, TMA_MAX)
+    nlc, nlw = L // lc, L // lw
+    q_tf, qp_tf = _tile_transforms(R, bk, fp8)
+    rows_per_wg = bk // GATHER_WARPGROUPS
+    scratch = [
+        plgpu.SMEM((nlc, HP, lc), BF16, transforms=q_tf),
+        plgpu.SMEM((HP, R), BF16, transforms=qp_tf),
+        plgpu.SMEM((nlc, bk, lc), BF16, transforms=q_tf),
+        plgpu.SMEM((bk, R), BF16, transforms=qp_tf),
+        plgpu.SMEM((HP, bk), BF16, transforms=q_tf),
+        plgpu.SMEM((2, HP), F32),
+        plgpu.SMEM((bk,), jnp.int32),
+        plgpu.Barrier(num_arrivals=nlc + 1),
+        plgpu.Barrier(num_arrivals=2 * rows_per_wg, num_barriers=GATHER_WARPGROUPS),
+        plgpu.Barrier(num_arrivals=GATHER_WARPGROUPS),
+    ]
+    if fp8:
+        stage = (plgpu.SMEM((bk, L // 4), jnp.uint32), plgpu.SMEM((bk, _fp8_tail_words(L, W)), jnp.uint32))
+    else:
+        stage = (plgpu.SMEM((bk, nlw, lw), BF16), plgpu.SMEM((bk, R), BF16))
+    out = (plgpu.SMEM((2, HP, lc), F32, transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))),)
+    return scratch, stage, out
+
+
+def partials_smem(L: int, R: int, bk: int, fp8: bool, W: int | None = None) -> hw.Scope:
+    """The kernel's shared memory (the softmax reduces in the output buffer's scope)."""
+    scratch, stage, out = partials_buffers(L, R, bk, fp8, W)
+    return hw.Scope(tuple(scratch), (hw.Scope(stage), hw.Scope(out, reduces=True)))
+
+
+def resolve(config: SparseMLAConfig, L: int, R: int, fp8: bool, W: int | None = None) -> SparseMLAConfig | None:
+    """`config`, or with block_k 32 (bf16 cache) when its SMEM does not fit: None if neither fits
+    (the latent tiles grow with kv_lora_rank)."""
+    for bk in (config.block_k, 32):
+        if (bk <= config.block_k and not (fp8 and bk % 64)
+                and hw.smem_bytes(partials_smem(L, R, bk, fp8, W)) <= hw.SMEM_BYTES):
+            return dataclasses.replace(config, block_k=bk)
+    return None
+
+
+def unsupported(heads: int, L: int, R: int, W: int | None = None,
+                config: SparseMLAConfig | None = None) -> str | None:
+    """Why `sparse_mla` cannot run the kernel on these queries and caches (None: it can). W: the
+    words of a packed fp8 cache row (None: bf16 latent + rope caches of width L and R)."""
+    fp8 = W is not None
+    if fp8 and not fp8_kernel_applies(L, R, W):
+        return f"fp8 cache rows of {W} words"
+    if not fp8 and R % 8:
+        return f"rope dim {R} is not a multiple of 8"
+    if L % 64 or (L > TMA_MAX and L % TMA_MAX):
+        return f"kv_lora_rank={L} is not a multiple of 64 (of {TMA_MAX} above {TMA_MAX})"
+    hq = _round_up(heads, 8)
+    if hq > HP and hq % HP:
+        return f"{heads} heads: above {HP}, a multiple of {HP}"
+    rp = R if fp8 else _round_up(R, 64)
+    if resolve(config or SparseMLAConfig(), L, rp, fp8, W) is None:
+        return f"kv_lora_rank={L}: no block_k fits the shared memory"
+    return None
+
+
 def sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: float,
                         config: SparseMLAConfig = SparseMLAConfig(), layer=None):
     """The kernel: per-split partial results (o [T, G, n_split, Hc, L] fp32, m [T, G, n_split, Hc],
@@ -109,6 +188,7 @@ def sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: floa
     K = idx.shape[1]
     bk = config.block_k
     fp8 = pe_cache is None
+    W = kv_cache.shape[-1] if fp8 else None
     stacked = layer is not None
     if kv_cache.ndim != 2 + stacked or (not fp8 and pe_cache.ndim != 2 + stacked):
         raise ValueError(f"caches {kv_cache.shape}: [S, ...] without layer, [L, S, ...] with one")
@@ -124,14 +204,13 @@ def sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: floa
     if Hq % 8 or (Hq > HP and Hq % HP):
         raise ValueError(f"heads={Hq} must be a multiple of 8, and of {HP} when above {HP}")
     if fp8:
-        W = kv_cache.shape[-1]
         if (W != reference.kv_fp8_words(L, R) or W > TMA_MAX or W % 4 or L % 128 or R != 2 * PLANE
                 or bk % 64):
             raise ValueError(f"fp8 cache: unsupported L={L}, R={R}, {W} words per row, block_k={bk}")
         # a row travels as two TMA copies of whole 128-byte multiples (Mosaic's limit): the latent
         # words, and the last TW words (scales + rope, overlapping the latent's end: those bytes come
         # from L2, DRAM traffic stays one row)
-        TW = _round_up(W - L // 4, 32)
+        TW = _fp8_tail_words(L, W)
     n_split = K // bk
     groups = max(1, Hq // HP)
     hc = min(Hq, HP)                  # real query rows per CTA
@@ -139,17 +218,9 @@ def sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: floa
     nlc = L // lc
     lw = min(L, TMA_MAX)              # a bf16 latent row travels as one [L / lw, lw] TMA box
     nlw = L // lw
-    # P·V needs P's swizzle (set by block_k) on the latent tiles, QKᵀ the latent tiles' on the queries;
-    # an fp8 cache fills the latent tiles one 32-column byte plane at a time (64-byte swizzle)
-    sw = 64 if fp8 else _swizzle(bk, 2)
-    q_tf = p_tf = (plgpu.TilingTransform((8, sw // 2)), plgpu.SwizzleTransform(sw))
-    if fp8:
-        qp_tf = q_tf
-    else:
-        qp_tf, _ = _tiled(R, 2)
-        kv_layout = plgpu.Layout.SMEM_GMEM_COPY((bk, lc), BF16, sw)
+    if not fp8:
+        kv_layout = plgpu.Layout.SMEM_GMEM_COPY((bk, lc), BF16, _swizzle(bk, 2))
         pe_layout = plgpu.Layout.SMEM_GMEM_COPY((bk, R), BF16, _swizzle(R, 2))
-    o_tf = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
     nwg = GATHER_WARPGROUPS
     rows_per_wg = bk // nwg
     has_valid = valid is not None
@@ -236,10 +307,6 @@ def sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: floa
             pe_s[:, pl.ds(0, PLANE)] = lax.bitcast_convert_type(w << 16, F32).astype(BF16)
             pe_s[:, pl.ds(PLANE, PLANE)] = lax.bitcast_convert_type((w >> 16) << 16, F32).astype(BF16)
 
-        if fp8:
-            stage_types = (plgpu.SMEM((bk, L // 4), jnp.uint32), plgpu.SMEM((bk, TW), jnp.uint32))
-        else:
-            stage_types = (plgpu.SMEM((bk, nlw, lw), BF16), plgpu.SMEM((bk, R), BF16))
         pl.run_scoped(gather, *stage_types, collective_axes="wg")
 
         def attend(o_s):
@@ -278,25 +345,16 @@ def sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: floa
                 plgpu.copy_smem_to_gmem(ml_s.at[1, pl.ds(0, hc)], l_ref.at[t, g, s])
                 plgpu.wait_smem_to_gmem(0)
 
-        pl.run_scoped(attend, plgpu.SMEM((2, HP, lc), F32, transforms=o_tf), collective_axes="wg")
+        pl.run_scoped(attend, *attend_types, collective_axes="wg")
 
+    scratch, stage_types, attend_types = partials_buffers(L, R, bk, fp8, W)
+    hw.check_smem("sparse MLA kernel", partials_smem(L, R, bk, fp8, W), config)
     kernel = plgpu.kernel(
         body,
         out_type=(jax.ShapeDtypeStruct((T, groups, n_split, hc, L), F32),
                   jax.ShapeDtypeStruct((T, groups, n_split, hc), F32),
                   jax.ShapeDtypeStruct((T, groups, n_split, hc), F32)),
-        scratch_types=[
-            plgpu.SMEM((nlc, HP, lc), BF16, transforms=q_tf),
-            plgpu.SMEM((HP, R), BF16, transforms=qp_tf),
-            plgpu.SMEM((nlc, bk, lc), BF16, transforms=q_tf),
-            plgpu.SMEM((bk, R), BF16, transforms=qp_tf),
-            plgpu.SMEM((HP, bk), BF16, transforms=p_tf),
-            plgpu.SMEM((2, HP), F32),
-            plgpu.SMEM((bk,), jnp.int32),
-            plgpu.Barrier(num_arrivals=nlc + 1),
-            plgpu.Barrier(num_arrivals=2 * rows_per_wg, num_barriers=nwg),
-            plgpu.Barrier(num_arrivals=nwg),
-        ],
+        scratch_types=scratch,
         grid=(T, groups, n_split), grid_names=("t", "g", "s"),
         num_threads=nwg, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
@@ -385,14 +443,16 @@ def combine_kernel(o, m, l, *, cols: int | None = None):
             acc = x if acc is None else acc + x
         out_ref.at[t, pl.ds(g * hc, hc), pl.ds(c * cols, cols)][...] = acc
 
+    scratch = [
+        plgpu.SMEM((HP, hc), F32), plgpu.SMEM((HP, hc), F32), plgpu.SMEM((HP, hc), F32),
+        plgpu.SMEM((n, hc, cols), F32),
+        plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=1),
+    ]
+    hw.check_smem("sparse MLA combine kernel", hw.Scope(tuple(scratch), reduces=True), f"{cols} columns per CTA")
     kernel = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((T, G * hc, L), F32),
-        scratch_types=[
-            plgpu.SMEM((HP, hc), F32), plgpu.SMEM((HP, hc), F32), plgpu.SMEM((HP, hc), F32),
-            plgpu.SMEM((n, hc, cols), F32),
-            plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=1),
-        ],
+        scratch_types=scratch,
         grid=(T, G, L // cols), grid_names=("t", "g", "c"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=_interp.params(),
@@ -418,10 +478,11 @@ def sparse_mla(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: float, *,
     fp8 = pe_cache is None
     if kv_cache.ndim != 2 + (layer is not None):
         raise ValueError(f"kv_cache {kv_cache.shape}: [S, ...] without layer, [L, S, ...] with one")
-    if (T > MAX_TOKENS or (fp8 and not fp8_kernel_applies(L, R, kv_cache.shape[-1]))
-            or (not fp8 and R % 8)):
-        # prefill chunks (this kernel is for decode / MTP verify), caches of other widths
+    W = kv_cache.shape[-1] if fp8 else None
+    if T > MAX_TOKENS or unsupported(H, L, R, W, config):
+        # prefill chunks (this kernel is for decode / MTP verify), shapes the kernel does not take
         return _reference(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale, layer)
+    config = resolve(config, L, R if fp8 else _round_up(R, 64), fp8, W)
     idx = idx.astype(jnp.int32)
     K = idx.shape[1]
     kp = _round_up(max(K, 1), config.block_k)
