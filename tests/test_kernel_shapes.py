@@ -265,6 +265,7 @@ def _lowered_smem(monkeypatch, f, *specs) -> tuple[hw.Scope, int]:
     """(the Scope the kernel in f checked, Mosaic's shared memory for it): lowered for CUDA with
     Mosaic's bound set to 0, whose error states the kernel's bytes."""
     from jax.experimental.mosaic.gpu import core as mosaic_core
+    jax.clear_caches()   # an earlier test may have traced this kernel: trace it again here
     seen = []
     real = hw.check_smem
     monkeypatch.setattr(hw, "check_smem", lambda kernel, scope, what: seen.append(scope) or real(kernel, scope, what))

@@ -51,7 +51,8 @@ def _decisions(name: str, layers: int, tokens: int, mtp: bool) -> dict[str, set[
     return ops.chosen
 
 
-@pytest.mark.parametrize("name, tokens, mtp", [("dsv32-tp8-shard", 1, False), ("glm5-tp8-shard", 1, False)])
+@pytest.mark.parametrize("name, tokens, mtp", [("dsv32-tp8-shard", 1, False), ("dsv32-tp8-shard", 2, True),
+                                               ("glm5-tp8-shard", 1, True), ("deepseek-v3.2", 4, False)])
 def test_every_kernel_runs_at_decode_shapes(name, tokens, mtp):
     chosen = _decisions(name, 4, tokens, mtp)
     # the head's top-k runs in next_token, expert_hidden only with the engine's all-reduce (tp > 1)
