@@ -21,6 +21,7 @@ Parameter names follow the HF checkpoint keys within a layer (`layer_name` maps 
 from __future__ import annotations
 
 import functools
+import numbers
 import re
 import zlib
 
@@ -41,6 +42,11 @@ F32 = jnp.float32
 WEIGHT_FORMATS = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp8": jnp.bfloat16}
 HEAD_CANDIDATES = 8  # top logits the head hands to decode sampling (greedy, or top_k ≤ 8)
 SUBLAYER_EPS = 1e-6  # q_a / kv_a layernorms and the indexer's k_norm use a fixed eps in both model families
+
+
+def check_format(fmt: str) -> None:
+    if fmt not in WEIGHT_FORMATS:
+        raise ValueError(f"fmt {fmt!r}: expected one of {', '.join(WEIGHT_FORMATS)}")
 
 
 def compute_dtype(fmt: str):
@@ -326,6 +332,7 @@ def flat_params(model: Transformer) -> dict[str, jax.Array]:
 
 
 def abstract_model(cfg: ModelConfig, fmt: str, dtype=None) -> Transformer:
+    check_format(fmt)
     return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), fmt=fmt, dtype=dtype))
 
 
@@ -515,6 +522,9 @@ def random_model(cfg: ModelConfig | str, fmt: str = "bf16", seed: int = 0, dtype
     a full-size model never passes through one device or the host."""
     if isinstance(cfg, str):
         cfg = preset(cfg)
+    check_format(fmt)
+    if not isinstance(seed, numbers.Integral) or not 0 <= seed < 2**32:
+        raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
     norm_dtype = WEIGHT_FORMATS[fmt]
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), fmt=fmt, dtype=dtype)))
     lay = Layout.of(cfg)
