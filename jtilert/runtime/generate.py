@@ -67,7 +67,8 @@ class Engine:
                 raise RuntimeError("backend='pallas': jax.experimental.pallas.mosaic_gpu does not import here")
         self.graphdef, state = nnx.split(model)
         self.mesh = mesh
-        self.tp = tp = 1 if mesh is None else mesh.shape[sharding.AXIS]
+        self.tp = tp = sharding.mesh_tp(mesh)
+        sharding.check_tp(self.cfg, tp)
         if tp > 1:
             specs = sharding.param_specs(state)
             self._state_specs = jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, P))
@@ -229,6 +230,9 @@ class Generator:
         # Room for the padded last prefill chunk, and for the steps a call runs past the last token
         # kept (the step in flight when a stop token is read, up to 2 rows per MTP step).
         self.rows = -(-(max_seq_len + 4) // prefill_chunk) * prefill_chunk
+        cache = jax.eval_shape(lambda: init_cache(cfg, self.rows, model.dtype))   # replicated on each device
+        sharding.check_memory(sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(cache)), mesh,
+                              f"the cache of Generator(max_seq_len={max_seq_len}) ({self.rows} positions)")
         self.engine = Engine(model, mesh, config)
         self._cache = None
         self._injected_ids: np.ndarray | None = None   # the token ids an injected cache holds
