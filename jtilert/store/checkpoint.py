@@ -244,13 +244,16 @@ def check_files(path: Path, meta: dict) -> int:
 
 class _ShardCheck:
     """The CRC-32 of each shard file of a converted checkpoint, checked once: over the bytes of a whole
-    shard as it is read for a device (no extra read), or by reading the file where a device takes part
-    of a shard (resharding, packed layouts)."""
+    shard as it is read for a device (no extra read; in threads, overlapping the next reads: `finish`
+    waits for them and raises the first mismatch), or by reading the file where a device takes part of
+    a shard (resharding, packed layouts)."""
 
     def __init__(self, path: Path, meta: dict):
         self.path, self.meta = path, meta
         self.done: set = set()
         self.lock = threading.Lock()
+        self.pool = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="jtilert-crc")
+        self.pending: list = []
 
     def _want(self, t: StoredTensor, d: int) -> int:
         rec = self.meta["tensors"][t.name]
@@ -270,12 +273,21 @@ class _ShardCheck:
 
     def bytes(self, t: StoredTensor, d: int, x: np.ndarray) -> None:
         if (t.name, d) not in self.done:
-            self._compare(t, d, zlib.crc32(np.ascontiguousarray(x).reshape(-1).view(np.uint8)))
+            self._want(t, d)
+            self.pending.append(self.pool.submit(
+                lambda: self._compare(t, d, zlib.crc32(np.ascontiguousarray(x).reshape(-1).view(np.uint8)))))
 
     def files(self, t: StoredTensor) -> None:
         for d in range(t.shards):
             if (t.name, d) not in self.done:
                 self._compare(t, d, _file_crc(t.paths[d])[1])
+
+    def finish(self) -> None:
+        for f in self.pending:
+            f.result()
+
+    def close(self) -> None:
+        self.pool.shutdown(cancel_futures=True)
 
 
 # ---- load ----------------------------------------------------------------------------------
@@ -442,9 +454,14 @@ def _load_sharded(path: Path, meta: dict, mesh: Mesh | None, dtype, reshard: boo
         return jax.make_array_from_callback(like.shape, _sharding_of(name, like.ndim, mesh), read)
 
     try:
-        return _fill(model, get_stacked)
+        model = _fill(model, get_stacked)
+        if checker:
+            checker.finish()
+        return model
     finally:
         reader.shutdown()
+        if checker:
+            checker.close()
 
 
 def load_hf(path: str | os.PathLike, mesh: Mesh | None = None, dtype=None, **config_overrides) -> Transformer:
