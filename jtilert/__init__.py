@@ -1,10 +1,10 @@
 """jtilert: lowest-latency batch-1 decoding of MLA + sparse-attention + MoE models in JAX."""
 
 from jtilert.runtime import compile_cache
-from jtilert.store.checkpoint import load, save
+from jtilert.store.checkpoint import load, save, verify
 from jtilert.model.config import ModelConfig
 from jtilert.model.presets import PRESETS, preset
-from jtilert.store.converter import convert, verify
+from jtilert.store.converter import convert
 from jtilert.runtime.generate import Generator, score
 from jtilert.model.transformer import Transformer, init_cache, random_model
 from jtilert.ops.table import DecodeConfig

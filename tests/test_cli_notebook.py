@@ -91,7 +91,7 @@ def test_verify_against_another_model_is_one_line(tmp_path):
     assert cli("convert", "tests/golden/dsv32", str(dst), "--quiet").returncode == 0
     r = cli("verify", str(dst), "--against", "tests/golden/glm5", "--quiet")
     assert r.returncode == 2
-    assert one_line(r.stderr) == (f"jtilert: error: --against tests/golden/glm5 is another model than {dst}: "
+    assert one_line(r.stderr) == (f"jtilert: error: tests/golden/glm5 is another model than {dst}: "
                                   f"model_type glm_moe_dsa there, deepseek_v32 here")
 
 

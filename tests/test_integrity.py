@@ -93,6 +93,20 @@ def test_checkpoint_without_checksums_loads_with_a_warning(copy, tiny_random):
     assert all(np.array_equal(np.asarray(a[k]), np.asarray(b[k])) for k in a)
 
 
+def test_verify_checks_saved_and_converted_checkpoints(copy, converted):
+    assert jtilert.verify(copy)["bytes"] == checkpoint.check_files(copy, checkpoint.read_meta(copy))
+    with pytest.raises(ValueError, match="was written by jtilert.save: `against` compares a converted"):
+        jtilert.verify(copy, against="tests/golden/dsv32")
+    # a source of other shapes is named before the spot check (it failed on a reshape of an empty array)
+    with pytest.raises(ValueError, match=rf"tests/golden/dsv32 is another model than {re.escape(str(converted))}: "
+                                         r"vocab_size \d+ there, 256 here; hidden_size"):
+        jtilert.verify(converted, against="tests/golden/dsv32")
+    assert jtilert.verify(converted)["tp"] == 2
+    flip(biggest(copy))
+    with pytest.raises(ValueError, match="checksum mismatch"):
+        jtilert.verify(copy)
+
+
 def test_embedded_checkpoint_has_checksums():
     path = checkpoint.resolve("tiny")
     assert checkpoint.check_files(path, checkpoint.read_meta(path)) > 3_000_000

@@ -48,6 +48,7 @@ from jtilert.store import hf
 from jtilert.parallel import sharding
 from jtilert.model.config import ModelConfig
 from jtilert.model.presets import PRESETS
+from jtilert.store import converter
 from jtilert.store.converter import StoredTensor
 from jtilert.store.folder import LAYOUT_VERSION, META, move_into_place, np_dtype, read_meta  # noqa: F401
 from jtilert.model.transformer import Transformer, abstract_model, check_fits, flat_params, layer_arrays, layer_names, layer_params  # noqa: F401
@@ -520,6 +521,35 @@ def load_hf(path: str | os.PathLike, mesh: Mesh | None = None, dtype=None, **con
         return np.asarray(x).astype(like.dtype)
 
     return _place(_stacked(model, get), mesh)
+
+
+# What a converted checkpoint and its HF source must agree on (the layers kept may differ: --layers).
+SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+                "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                "v_head_dim", "n_routed_experts", "n_shared_experts", "index_n_heads", "index_head_dim")
+
+
+def verify(dst: str | os.PathLike, against: str | os.PathLike | None = None, **kwargs) -> dict:
+    """Check a checkpoint's files against its checksums and return a summary: a saved one (jtilert.save)
+    against the sizes and CRC-32s `save` recorded; a converted one through `converter.verify` (every
+    tensor's shape and shard CRC-32; with `against`, its HF source, sampled rows compared, once the
+    source is known to have the same shapes: `kwargs` go to converter.verify). Raises ValueError."""
+    path = resolve(dst)
+    if (path / META).exists():
+        meta = read_meta(path)
+        if meta["layout_version"] != 2:
+            if against is not None:
+                raise ValueError(f"{path} was written by jtilert.save: `against` compares a converted checkpoint "
+                                 f"with its HF source")
+            n = check_files(path, meta)
+            return {"path": str(path), "files": len(meta["checksums"]["files"]), "bytes": n}
+        if against is not None:   # the spot check compares rows by position: other shapes fail deep inside it
+            ours, theirs = ModelConfig.from_json_dict(meta["config"]), ModelConfig.from_hf(against)
+            differ = [f"{f} {getattr(theirs, f)} there, {getattr(ours, f)} here" for f in SHAPE_FIELDS
+                      if getattr(theirs, f) != getattr(ours, f)]
+            if differ:
+                raise ValueError(f"{against} is another model than {path}: {'; '.join(differ)}")
+    return converter.verify(path, against=against, **kwargs)
 
 
 def config(source: str | os.PathLike) -> ModelConfig:
