@@ -5,10 +5,10 @@ from jtilert.pallas import interpret as _interpret
 _interpret.reserve_interpreter_threads()   # before anything starts jax's CPU backend
 
 from jtilert.runtime import compile_cache  # noqa: E402
-from jtilert.store.checkpoint import load, save
+from jtilert.store.checkpoint import load, save, verify
 from jtilert.model.config import ModelConfig
 from jtilert.model.presets import PRESETS, preset
-from jtilert.store.converter import convert, verify
+from jtilert.store.converter import convert
 from jtilert.runtime.generate import Generator, score
 from jtilert.model.transformer import Transformer, init_cache, random_model
 from jtilert.ops.table import DecodeConfig

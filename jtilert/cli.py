@@ -9,18 +9,31 @@ import sys
 
 def _generate(args) -> None:
     import jtilert
+    from jtilert.parallel import sharding
     from jtilert.store import checkpoint
     from jtilert.runtime.tokenizer import load_tokenizer
 
+    for flag, value, least in (("--tp", args.tp, 1), ("--max-new-tokens", args.max_new_tokens, 0),
+                               ("--max-seq-len", args.max_seq_len, 0)):
+        if value < least:
+            raise ValueError(f"{flag} must be >= {least}, got {value}")
     sampling = jtilert.Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     path = checkpoint.resolve(args.model)
+    cfg = checkpoint.config(path)
+    sharding.check_tp(cfg, args.tp)
     tok = load_tokenizer(path)
     ids = tok.encode(args.prompt)
+    # the cache holds the prompt and the new tokens: say so in the user's terms before loading anything
+    need = len(ids) + args.max_new_tokens
+    limit, what = ((args.max_seq_len, "--max-seq-len") if args.max_seq_len else
+                   (cfg.max_position_embeddings, "the model's max_position_embeddings"))
+    if need > limit:
+        raise ValueError(f"the prompt ({len(ids)} tokens) and --max-new-tokens {args.max_new_tokens} need {need} "
+                         f"positions, more than {what} ({limit})")
     mesh = jtilert.make_mesh(args.tp) if args.tp > 1 else None
-    model = jtilert.load(path, mesh=mesh)
-    max_seq_len = args.max_seq_len or len(ids) + args.max_new_tokens
-    gen = jtilert.Generator(model, max_seq_len=max_seq_len, sampling=sampling, mtp=args.mtp, backend=args.backend,
-                            mesh=mesh)
+    model = jtilert.load(path, mesh=mesh, check=not args.no_check)
+    gen = jtilert.Generator(model, max_seq_len=args.max_seq_len or need, sampling=sampling, mtp=args.mtp,
+                            backend=args.backend, mesh=mesh)
     gen._check_prompt(ids, args.max_new_tokens)  # bad input fails before any device work
     decode = tok.decoder()
     print(args.prompt, end="", flush=True)
@@ -55,9 +68,16 @@ def _convert(args) -> None:
 
 
 def _verify(args) -> None:
-    from jtilert.store import converter
-    print(json.dumps(converter.verify(args.dst, against=args.against, samples=args.samples, progress=not args.quiet),
-                     indent=1))
+    from jtilert.store import checkpoint
+    print(json.dumps(checkpoint.verify(args.dst, against=args.against, samples=args.samples,
+                                       progress=not args.quiet), indent=1))
+
+
+def _message(e: BaseException) -> str:
+    """One line for an error: an OSError as "file: reason" (its str is "[Errno 30] ...: 'file'")."""
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.filename}: {e.strerror}" if e.filename else e.strerror
+    return str(e)
 
 
 def main(argv=None) -> int:
@@ -76,6 +96,8 @@ def main(argv=None) -> int:
     g.add_argument("--backend", default="reference", choices=["reference", "pallas"])
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (devices)")
     g.add_argument("--max-seq-len", type=int, default=0, help="cache size (default: prompt + new tokens)")
+    g.add_argument("--no-check", action="store_true",
+                   help="load without comparing the checkpoint's files with their checksums")
     g.set_defaults(run=_generate)
 
     i = sub.add_parser("info", help="describe a checkpoint")
@@ -96,7 +118,7 @@ def main(argv=None) -> int:
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.set_defaults(run=_convert)
 
-    v = sub.add_parser("verify", help="check a converted checkpoint's tensors and checksums")
+    v = sub.add_parser("verify", help="check a checkpoint's tensors and checksums")
     v.add_argument("dst")
     v.add_argument("--against", default=None, metavar="SRC", help="also spot-check values against the HF source")
     v.add_argument("--samples", type=int, default=2, help="rows spot-checked per matrix")
@@ -106,8 +128,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         args.run(args)
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
-        print(f"jtilert: error: {e}", file=sys.stderr)
+    except (ValueError, OSError, MemoryError) as e:
+        print(f"jtilert: error: {_message(e)}", file=sys.stderr)
         return 2
     return 0
 

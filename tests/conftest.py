@@ -23,3 +23,46 @@ def tiny_fp8():
     """The tiny architecture with fp8 block-scaled weights."""
     from jtilert import random_model
     return random_model("tiny", fmt="fp8", seed=1)
+
+
+def _mount_tmpfs(path, options: str) -> bool:
+    import subprocess
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+def _umount(path) -> None:
+    import subprocess
+    subprocess.run(["umount", str(path)], capture_output=True)
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A folder nothing can be written into: mode 555, or for root (whom modes do not stop) a read-only
+    tmpfs; skipped where neither works."""
+    d = tmp_path / "read-only"
+    d.mkdir()
+    d.chmod(0o555)
+    try:
+        (d / "probe").touch()
+    except OSError:
+        yield d
+        d.chmod(0o755)
+        return
+    (d / "probe").unlink()
+    d.chmod(0o755)
+    if not _mount_tmpfs(d, "ro,size=64k"):
+        pytest.skip("no way to make a read-only folder here (root without mount)")
+    yield d
+    _umount(d)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 256 KiB tmpfs (mounting needs root; skipped elsewhere)."""
+    d = tmp_path / "small-disk"
+    d.mkdir()
+    if not _mount_tmpfs(d, "size=256k"):
+        pytest.skip("cannot mount a tmpfs here")
+    yield d
+    _umount(d)

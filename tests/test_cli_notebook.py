@@ -1,6 +1,8 @@
 """The user-facing entry points: the CLI (in a subprocess, as a user runs it) and the notebook."""
 
 import os
+import re
+import shutil
 import subprocess
 import sys
 
@@ -29,11 +31,68 @@ def test_generate_streams_text_and_reports_speed():
     (["generate", "--prompt", "x", "--top-p", "0"], "top_p"),
     (["generate", "--prompt", "", "--max-new-tokens", "4"], "non-empty"),
     (["info", "/nonexistent/ckpt"], "no checkpoint"),
+    (["generate", "--prompt", "x", "--tp", "3"], "tp=3 does not divide the model's num_attention_heads=8"),
+    (["generate", "--prompt", "x", "--tp", "0"], "--tp must be >= 1, got 0"),
+    (["generate", "--prompt", "x", "--seed", "99999999999999999999999"], "seed must be an integer in [0, 2**32)"),
+    (["generate", "--prompt", "x", "--max-new-tokens", "-1"], "--max-new-tokens must be >= 0, got -1"),
+    (["generate", "--prompt", "a" * 5000, "--max-new-tokens", "5"],
+     "the prompt (5000 tokens) and --max-new-tokens 5 need 5005 positions, more than the model's "
+     "max_position_embeddings (4096)"),
+    (["generate", "--prompt", "abc", "--max-new-tokens", "8", "--max-seq-len", "6"],
+     "the prompt (3 tokens) and --max-new-tokens 8 need 11 positions, more than --max-seq-len (6)"),
 ])
 def test_bad_input_is_one_line_without_traceback(args, message):
     r = cli(*args)
     assert r.returncode == 2
-    assert message in r.stderr and "Traceback" not in r.stderr
+    assert message in one_line(r.stderr)
+
+
+def one_line(stderr: str) -> str:
+    """The error, checked to be all of stderr (the README promises one line, no traceback)."""
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("jtilert: error: "), stderr[-3000:]
+    return lines[0]
+
+
+def biggest(folder):
+    return max((p for p in (folder / "params").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def test_damaged_checkpoints_are_one_line(tmp_path):
+    """A flipped byte is refused by generate and verify (naming the file); a truncated file with
+    --no-check is orbax's error, in one line."""
+    ckpt = shutil.copytree("jtilert/assets/tiny", tmp_path / "tiny")
+    f = biggest(ckpt)
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+    for args in (["generate", "--model", str(ckpt), "--prompt", "x", "--max-new-tokens", "2"], ["verify", str(ckpt)]):
+        r = cli(*args)
+        assert r.returncode == 2 and f"{f}: checksum mismatch" in one_line(r.stderr)
+    f.write_bytes(bytes(data[:len(data) // 2]))
+    r = cli("generate", "--model", str(ckpt), "--prompt", "x", "--max-new-tokens", "2", "--no-check")
+    assert r.returncode == 2 and "cannot read the parameters: OUT_OF_RANGE" in one_line(r.stderr)
+
+
+def test_verify_of_a_saved_checkpoint_uses_its_checksums():
+    r = cli("verify", "tiny")
+    assert r.returncode == 0, r.stderr
+    assert '"files": 16' in r.stdout
+
+
+def test_convert_into_a_read_only_folder_is_one_line(read_only_dir):
+    r = cli("convert", "tests/golden/dsv32", str(read_only_dir / "dst"), "--quiet")
+    assert r.returncode == 2
+    assert re.search(r"(Read-only file system|Permission denied)$", one_line(r.stderr))
+
+
+def test_verify_against_another_model_is_one_line(tmp_path):
+    dst = tmp_path / "dsv32"
+    assert cli("convert", "tests/golden/dsv32", str(dst), "--quiet").returncode == 0
+    r = cli("verify", str(dst), "--against", "tests/golden/glm5", "--quiet")
+    assert r.returncode == 2
+    assert one_line(r.stderr) == (f"jtilert: error: tests/golden/glm5 is another model than {dst}: "
+                                  f"model_type glm_moe_dsa there, deepseek_v32 here")
 
 
 def test_info_describes_the_tiny_checkpoint():

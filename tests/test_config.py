@@ -79,3 +79,17 @@ def test_bad_config_files(tmp_path):
         ModelConfig.from_hf(tmp_path / "nowhere")
     with pytest.raises(ValueError, match="unknown preset 'nope'"):
         preset("nope")
+
+
+@pytest.mark.parametrize("field", ["hidden_size", "num_hidden_layers", "n_routed_experts"])
+def test_missing_required_field_is_named(tmp_path, field):
+    """A config.json without a shape field is an error naming it (it used to fall back to DeepSeek-V3.2's
+    value and fail later on a shape); n_routed_experts may come as num_experts."""
+    raw = json.load(open("tests/golden/dsv32/config.json"))
+    del raw[field]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=f"config.json: missing required field {field}$"):
+        ModelConfig.from_hf(tmp_path)
+    raw["num_experts"] = 16
+    if field == "n_routed_experts":
+        assert ModelConfig.from_hf(raw).n_routed_experts == 16

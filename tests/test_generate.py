@@ -118,13 +118,30 @@ def test_inject_cache_continues_like_plain_prefill(tiny_random, gen):
     expected = gen.generate(ids, 10, stop_tokens=[])
     caches = gen.prefill(ids[:30])
     other = jtilert.Generator(tiny_random, max_seq_len=256)
-    other.inject_cache(caches, 30)
+    other.inject_cache(caches, ids[:30])
     assert other.generate(ids, 10, stop_tokens=[]) == expected
     bad = [dict(c, kv=c["kv"][:, :3]) for c in caches]
     with pytest.raises(ValueError, match=r"layer 0\.kv has shape"):
-        other.inject_cache(bad, 30)
+        other.inject_cache(bad, ids[:30])
     with pytest.raises(ValueError, match="layer caches"):
-        other.inject_cache(caches[:2], 30)
+        other.inject_cache(caches[:2], ids[:30])
+    with pytest.raises(TypeError, match="not a length"):
+        other.inject_cache(caches, 30)
+
+
+def test_injected_cache_refuses_a_prompt_that_does_not_extend_its_tokens(tiny_random, gen):
+    """A prompt must start with the injected token ids (decoding it from the cache of other tokens
+    would be silently wrong); a refused prompt leaves the cache injected for the right one."""
+    ids = PROMPT[:36]
+    other = jtilert.Generator(tiny_random, max_seq_len=256)
+    other.inject_cache(gen.prefill(ids[:30]), ids[:30])
+    changed = ids.copy()
+    changed[7] = (changed[7] + 1) % 256
+    with pytest.raises(ValueError, match=f"position 7 is {changed[7]} in the prompt, {ids[7]} in the cache"):
+        other.generate(changed, 4, stop_tokens=[])
+    with pytest.raises(ValueError, match="holds 30 tokens: the prompt must extend them"):
+        other.generate(ids[:30], 4, stop_tokens=[])
+    assert other.generate(ids, 4, stop_tokens=[]) == gen.generate(ids, 4, stop_tokens=[])
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -133,6 +150,8 @@ def test_inject_cache_continues_like_plain_prefill(tiny_random, gen):
     (dict(prompt_ids=[1, -1], max_new_tokens=4), "outside the vocab"),
     (dict(prompt_ids=list(range(200)), max_new_tokens=100), "exceeds max_seq_len"),
     (dict(prompt_ids=[1.5, 2.0], max_new_tokens=4), "integers"),
+    (dict(prompt_ids=[1, 2], max_new_tokens=2.5), r"max_new_tokens must be an integer >= 0, got 2\.5"),
+    (dict(prompt_ids=[1, 2], max_new_tokens=-1), "max_new_tokens must be an integer >= 0, got -1"),
 ])
 def test_bad_prompts_raise_before_device_work(gen, kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -141,7 +160,9 @@ def test_bad_prompts_raise_before_device_work(gen, kwargs, match):
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
-    (dict(top_k=-1), "top_k")])
+    (dict(top_k=-1), "top_k"), (dict(top_k=2.5), r"top_k must be an integer >= 0, got 2\.5"),
+    (dict(seed=99999999999999999999999), r"seed must be an integer in \[0, 2\*\*32\), got 9999"),
+    (dict(seed=-1), "seed must be"), (dict(seed=1.0), "seed must be")])
 def test_bad_sampling(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Sampling(**kwargs)
@@ -152,6 +173,24 @@ def test_bad_generator_settings(tiny_random):
         jtilert.Generator(tiny_random, backend="cuda-magic")
     with pytest.raises(ValueError, match="max_position_embeddings"):
         jtilert.Generator(tiny_random, max_seq_len=10**7)
+    with pytest.raises(ValueError, match="prefill_chunk must be an integer >= 1, got 0"):
+        jtilert.Generator(tiny_random, prefill_chunk=0)
+    with pytest.raises(ValueError, match="max_seq_len must be a positive integer, got 2.5"):
+        jtilert.Generator(tiny_random, max_seq_len=2.5)
+
+
+@pytest.mark.parametrize("prefill", [0, -3, 37, 2.5])
+def test_score_prefill_must_be_within_the_ids(tiny_random, prefill):
+    with pytest.raises(ValueError, match=r"prefill must be an integer in \[1, 36\] \(the number of token ids\), "
+                                         f"got {prefill}"):
+        jtilert.score(tiny_random, PROMPT[:36], prefill=prefill)
+
+
+def test_random_model_arguments_are_checked():
+    with pytest.raises(ValueError, match=r"fmt 'int4': expected one of fp32, bf16, fp8"):
+        jtilert.random_model("tiny", fmt="int4")
+    with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\*\*32\)"):
+        jtilert.random_model("tiny", seed=99999999999999999999999)
 
 
 def test_next_token_from_head_candidates(tiny_random):

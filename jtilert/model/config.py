@@ -9,6 +9,13 @@ from pathlib import Path
 from typing import Any
 
 MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
+# Fields an HF config.json must give: they set the parameters' shapes (or which layers are dense, or
+# how many experts a token uses), and a default from another model would only fail later on a shape.
+# `n_routed_experts` may be given as `num_experts`.
+REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+            "v_head_dim", "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "first_k_dense_replace",
+            "index_n_heads", "index_head_dim", "index_topk")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +175,11 @@ class ModelConfig:
         mt = d.get("model_type")
         if mt not in MODEL_TYPES:
             raise ValueError(f"{where}: unknown model_type {mt!r}; expected one of {MODEL_TYPES}")
+        given = set(d) | set(overrides) | ({"n_routed_experts"} if "num_experts" in d else set())
+        missing = [f for f in REQUIRED if f not in given]
+        if missing:
+            raise ValueError(f"{where}: missing required field{'s' if len(missing) > 1 else ''} "
+                             f"{', '.join(missing)}")
         rp = d.get("rope_parameters") or d.get("rope_scaling") or {}
         theta = rp.get("rope_theta", d.get("rope_theta", 10000.0 if mt == "deepseek_v32" else 1e6))
         rtype = rp.get("rope_type", rp.get("type", "default"))
@@ -176,7 +188,7 @@ class ModelConfig:
             original_max_position_embeddings=int(rp.get("original_max_position_embeddings") or 4096),
             beta_fast=float(rp.get("beta_fast") or 32), beta_slow=float(rp.get("beta_slow") or 1),
             mscale=float(rp.get("mscale") or 1.0), mscale_all_dim=float(rp.get("mscale_all_dim") or 0.0))
-        n_layers = d.get("num_hidden_layers", 61)
+        n_layers = overrides["num_hidden_layers"] if "num_hidden_layers" in overrides else d["num_hidden_layers"]
         indexer_types = d.get("indexer_types") or _indexer_pattern(d, n_layers)
         eos = d.get("eos_token_id", 1)
         quant = d.get("quantization_config") or {}

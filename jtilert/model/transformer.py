@@ -21,6 +21,7 @@ Parameter names follow the HF checkpoint keys within a layer (`layer_name` maps 
 from __future__ import annotations
 
 import functools
+import numbers
 import re
 import zlib
 
@@ -41,6 +42,11 @@ F32 = jnp.float32
 WEIGHT_FORMATS = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp8": jnp.bfloat16}
 HEAD_CANDIDATES = 8  # top logits the head hands to decode sampling (greedy, or top_k ≤ 8)
 SUBLAYER_EPS = 1e-6  # q_a / kv_a layernorms and the indexer's k_norm use a fixed eps in both model families
+
+
+def check_format(fmt: str) -> None:
+    if fmt not in WEIGHT_FORMATS:
+        raise ValueError(f"fmt {fmt!r}: expected one of {', '.join(WEIGHT_FORMATS)}")
 
 
 def compute_dtype(fmt: str):
@@ -325,7 +331,17 @@ def flat_params(model: Transformer) -> dict[str, jax.Array]:
     return {".".join(map(str, sharding.path_names(p))): x for p, x in jax.tree_util.tree_leaves_with_path(state)}
 
 
+def check_fits(model: Transformer, mesh, what: str) -> None:
+    """Before placing `model`'s parameters (it may be abstract) on `mesh` (None: the default device): a
+    ValueError when tp does not divide a split axis, a MemoryError when the weights do not fit in what
+    the devices have free (where the runtime says: GPUs)."""
+    params = flat_params(model)
+    sharding.check_params(model.cfg, params, mesh)
+    sharding.check_memory(sharding.bytes_per_device(params, mesh), mesh, f"the weights of {what}")
+
+
 def abstract_model(cfg: ModelConfig, fmt: str, dtype=None) -> Transformer:
+    check_format(fmt)
     return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), fmt=fmt, dtype=dtype))
 
 
@@ -513,10 +529,16 @@ def random_model(cfg: ModelConfig | str, fmt: str = "bf16", seed: int = 0, dtype
     """A model with random weights, made on the devices: each part is built by a compiled function
     (a stack's layers one after another inside it) straight into its tensor-parallel sharding, so even
     a full-size model never passes through one device or the host."""
+    what = f"random_model({cfg!r}, fmt={fmt!r})" if isinstance(cfg, str) else f"random_model(fmt={fmt!r})"
     if isinstance(cfg, str):
         cfg = preset(cfg)
+    check_format(fmt)
+    if not isinstance(seed, numbers.Integral) or not 0 <= seed < 2**32:
+        raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
     norm_dtype = WEIGHT_FORMATS[fmt]
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), fmt=fmt, dtype=dtype)))
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), fmt=fmt, dtype=dtype))
+    check_fits(abstract, mesh, what)
+    graphdef, state = nnx.split(abstract)
     lay = Layout.of(cfg)
 
     def key_of(name):

@@ -14,6 +14,7 @@ token budget (`GENERATE_STEPS` steps per call at most).
 
 from __future__ import annotations
 
+import numbers
 import time
 from collections.abc import Iterator, Sequence
 
@@ -27,7 +28,7 @@ from jtilert import pallas
 from jtilert.model.transformer import Layout, Transformer, init_cache, split_cache
 from jtilert.ops.table import DecodeConfig, Ops
 from jtilert.parallel import sharding
-from jtilert.runtime.sampling import Sampling, sample, verify
+from jtilert.runtime.sampling import Sampling, is_int, sample, verify
 
 GENERATE_STEPS = 64   # decode steps per call of `generate` (the loop on the device exits early at a stop)
 MAX_STOPS = 8         # stop tokens `generate` checks on the device
@@ -75,7 +76,8 @@ class Engine:
                 raise RuntimeError("backend='pallas': jax.experimental.pallas.mosaic_gpu does not import here")
         self.graphdef, state = nnx.split(model)
         self.mesh = mesh
-        self.tp = tp = 1 if mesh is None else mesh.shape[sharding.AXIS]
+        self.tp = tp = sharding.mesh_tp(mesh)
+        sharding.check_tp(self.cfg, tp)
         if tp > 1:
             specs = sharding.param_specs(state)
             self._state_specs = jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, P))
@@ -235,15 +237,15 @@ class Generator:
                  prefill_chunk: int = 64, engine_all_reduce: bool = False, split_indexer: bool = False,
                  config: DecodeConfig | None = None):
         cfg = model.cfg
-        if max_seq_len <= 0:
-            raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
+        if not is_int(max_seq_len) or max_seq_len <= 0:
+            raise ValueError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
         if max_seq_len > cfg.max_position_embeddings:
             raise ValueError(f"max_seq_len={max_seq_len} exceeds the model's max_position_embeddings="
                              f"{cfg.max_position_embeddings}")
         if mtp and model.mtp is None:
             raise ValueError("mtp=True but the model has no MTP block (num_nextn_predict_layers=0)")
-        if prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        if not is_int(prefill_chunk) or prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
         config = config or DecodeConfig(backend=backend, engine_all_reduce=engine_all_reduce,
                                         split_indexer=split_indexer)
         self.cfg, self.max_seq_len, self.mtp = cfg, max_seq_len, mtp
@@ -252,9 +254,12 @@ class Generator:
         # Room for the padded last prefill chunk, and for the steps a call runs past the last token
         # kept (the step in flight when a stop token is read, up to 2 rows per MTP step).
         self.rows = -(-(max_seq_len + 4) // prefill_chunk) * prefill_chunk
+        cache = jax.eval_shape(lambda: init_cache(cfg, self.rows, model.dtype))   # replicated on each device
+        sharding.check_memory(sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(cache)), mesh,
+                              f"the cache of Generator(max_seq_len={max_seq_len}) ({self.rows} positions)")
         self.engine = Engine(model, mesh, config)
         self._cache = None
-        self._injected = 0
+        self._injected_ids: np.ndarray | None = None   # the token ids an injected cache holds
         self.stats: dict = {}
 
     @property
@@ -263,7 +268,9 @@ class Generator:
         return sum(c.compiles for c in self.engine.steps())
 
     # --- validation -------------------------------------------------------------------------
-    def _check_prompt(self, prompt_ids, max_new_tokens: int) -> np.ndarray:
+    def _check_prompt(self, prompt_ids, max_new_tokens: int, injected: bool = True) -> np.ndarray:
+        """prompt_ids as int32, or a ValueError saying what is wrong with them (with `injected`, also
+        when they do not extend the ids of an injected cache the next call would continue)."""
         ids = np.asarray(prompt_ids)
         if ids.ndim != 1 or ids.size == 0:
             raise ValueError(f"prompt must be a non-empty 1-D sequence of token ids, got shape {ids.shape}")
@@ -272,29 +279,46 @@ class Generator:
         bad = ids[(ids < 0) | (ids >= self.cfg.vocab_size)]
         if bad.size:
             raise ValueError(f"token id {int(bad[0])} outside the vocab [0, {self.cfg.vocab_size})")
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if not is_int(max_new_tokens) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
         if ids.size + max_new_tokens > self.max_seq_len:
             raise ValueError(f"prompt ({ids.size} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
                              f"max_seq_len={self.max_seq_len}")
-        if ids.size <= self._injected:
-            raise ValueError(f"the injected cache holds {self._injected} positions: the prompt must be longer "
-                             f"than that (got {ids.size})")
+        held = self._injected_ids if injected else None
+        if held is not None:
+            if ids.size <= held.size:
+                raise ValueError(f"the injected cache holds {held.size} tokens: the prompt must extend them "
+                                 f"(got {ids.size} tokens)")
+            diff = np.flatnonzero(ids[:held.size] != held)
+            if diff.size:
+                i = int(diff[0])
+                raise ValueError(f"the prompt does not start with the {held.size} token ids the injected cache "
+                                 f"holds: position {i} is {int(ids[i])} in the prompt, {int(held[i])} in the cache")
         return ids.astype(np.int32)
 
     # --- caches -----------------------------------------------------------------------------
-    def inject_cache(self, caches: Sequence[dict], length: int, mtp_cache: dict | None = None) -> None:
-        """Use externally computed caches (prefill/decode disaggregation) holding positions [0, length).
-        `caches[i]` has layer i's arrays (`kv` [S, kv_lora], `pe` [S, rope], and `index_k` /
-        `index_scale` for layers with their own indexer), as `prefill` returns them, S >= length; rows
-        past `length` are ignored. The next `generate` prefills only the prompt tokens after `length`."""
+    def inject_cache(self, caches: Sequence[dict], token_ids, mtp_cache: dict | None = None) -> None:
+        """Use externally computed caches (prefill/decode disaggregation) of the tokens `token_ids`
+        (positions [0, length), length = len(token_ids)). `caches[i]` has layer i's arrays (`kv`
+        [S, kv_lora], `pe` [S, rope], and `index_k` / `index_scale` for layers with their own indexer),
+        as `prefill(token_ids)` returns them, S >= length; rows past `length` are ignored. The next
+        `generate` / `stream` needs a prompt that starts with `token_ids` and is longer (anything else is
+        a ValueError, and the cache stays injected); it prefills only the tokens after them."""
+        if isinstance(token_ids, numbers.Integral):
+            raise TypeError(f"inject_cache: pass the token ids the caches hold (their count is the length), "
+                            f"not a length ({token_ids})")
+        ids = np.asarray(token_ids)
+        length = ids.size
         lay = Layout.of(self.cfg)
         template = init_cache(self.cfg, self.rows, self.engine.dtype)
         main = self.cfg.num_hidden_layers
         if len(caches) != main:
             raise ValueError(f"inject_cache: got {len(caches)} layer caches, the model has {main}")
-        if not 0 < length < self.max_seq_len:
-            raise ValueError(f"inject_cache: length must be in (0, max_seq_len={self.max_seq_len}), got {length}")
+        if ids.ndim != 1 or not 0 < length < self.max_seq_len:
+            raise ValueError(f"inject_cache: token_ids must be a 1-D sequence of 1 to max_seq_len-1="
+                             f"{self.max_seq_len - 1} ids, got shape {ids.shape}")
+        if not np.issubdtype(ids.dtype, np.integer) or ((ids < 0) | (ids >= self.cfg.vocab_size)).any():
+            raise ValueError(f"inject_cache: token_ids must be integers in [0, {self.cfg.vocab_size})")
         if mtp_cache is None and self.mtp:
             raise ValueError("inject_cache: mtp=True needs the MTP layer's cache too (mtp_cache=...)")
         given = list(enumerate(caches)) + ([(main, mtp_cache)] if mtp_cache is not None else [])
@@ -312,19 +336,19 @@ class Generator:
                                      f"(>={length}, {', '.join(map(str, row_shape))})")
                 cache[k] = cache[k].at[j, :length].set(arr[:length].astype(cache[k].dtype))
         self._cache = self.engine.place(cache)
-        self._injected = length
+        self._injected_ids = ids.astype(np.int32)
 
     def prefill(self, prompt_ids) -> list[dict]:
         """The per-layer caches of prompt_ids, as `inject_cache` takes them (for disaggregation:
         one Generator prefills, another decodes)."""
-        ids = self._check_prompt(prompt_ids, 0)
+        ids = self._check_prompt(prompt_ids, 0, injected=False)
         *_, cache = self._prefill(ids, 0, self.engine.new_cache(self.rows))
         return split_cache(self.cfg, cache)[0]
 
     def _take_cache(self) -> tuple[dict, int]:
         if self._cache is not None:
-            cache, start = self._cache, self._injected
-            self._cache, self._injected = None, 0
+            cache, start = self._cache, self._injected_ids.size
+            self._cache, self._injected_ids = None, None
             return cache, start
         return self.engine.new_cache(self.rows), 0
 
@@ -513,9 +537,9 @@ class Generator:
 
 
 def _seed_key(seed: int) -> np.ndarray:
-    """`jax.random.PRNGKey(seed)` made on the host (threefry, 32-bit seeds: [0, seed mod 2^32]), so a
+    """`jax.random.PRNGKey(seed)` made on the host (threefry; `Sampling` keeps seeds in [0, 2**32)), so a
     new seed compiles nothing."""
-    return np.array([0, seed & 0xFFFFFFFF], np.uint32)
+    return np.array([0, seed], np.uint32)
 
 
 class _HostCopy:
@@ -533,13 +557,14 @@ def score(model: Transformer, token_ids, prefill: int | None = None, mesh: Mesh 
           backend: str = "reference", prefill_chunk: int = 16, config: DecodeConfig | None = None) -> np.ndarray:
     """Next-token logits [T, vocab] at every position of token_ids, through the real path: the first
     `prefill` tokens (default: half) go through chunked prefill, the rest through one-token decode steps."""
-    ids = np.asarray(token_ids, np.int32)
+    ids = np.asarray(token_ids)
     gen = Generator(model, max_seq_len=ids.size + 1, mesh=mesh, backend=backend, prefill_chunk=prefill_chunk,
                     config=config)
-    gen._check_prompt(ids, 0)
-    n = max(1, ids.size // 2 if prefill is None else prefill)
-    if n > ids.size:
-        raise ValueError(f"score: prefill={n} is more than the {ids.size} token ids")
+    ids = gen._check_prompt(ids, 0)
+    if prefill is not None and (not is_int(prefill) or not 1 <= prefill <= ids.size):
+        raise ValueError(f"score: prefill must be an integer in [1, {ids.size}] (the number of token ids), "
+                         f"got {prefill!r}")
+    n = max(1, ids.size // 2) if prefill is None else int(prefill)
     eng, c = gen.engine, gen.chunk
     cache = eng.new_cache(gen.rows)
     out = []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,8 @@ import jax.numpy as jnp
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-    """temperature 0 is greedy; top_k 0 and top_p 1.0 disable those filters."""
+    """temperature 0 is greedy; top_k 0 and top_p 1.0 disable those filters; seed is in [0, 2**32)
+    (the sampler's key is 32 bits: a larger seed would silently repeat a smaller one's draws)."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -22,12 +24,18 @@ class Sampling:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not is_int(self.seed) or not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
 
     def arrays(self) -> dict:
         return {"temperature": jnp.float32(self.temperature), "top_k": jnp.int32(self.top_k),
                 "top_p": jnp.float32(self.top_p)}
+
+
+def is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def filtered_logprobs(logits: jax.Array, params: dict) -> jax.Array:

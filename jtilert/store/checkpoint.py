@@ -10,14 +10,30 @@ parameter's shape and dtype) and `params/`, in one of three layouts:
      parameters, laid out for a given tensor-parallel degree, loaded shard by shard onto each device
      and stacked there.
 Writes go to a temporary sibling folder that is renamed into place only when complete.
+
+Integrity: `save` records the size and CRC-32 of every file it writes under params/ in jtilert.json
+(`checksums`), and the converter records one per shard file; `load` checks them by default (a
+damaged file is a ValueError naming it, not wrong weights), `load(..., check=False)` skips that.
+A converted shard's checksum is computed over the bytes as they are read for the device, an orbax
+checkpoint's over its files before orbax reads them. Checkpoints written before checksums existed
+load with a warning; HF folders (safetensors) carry none.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import errno
+import gc
 import json
+import logging
 import os
+import re
 import shutil
+import sys
+import threading
+import warnings
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -32,9 +48,10 @@ from jtilert.store import hf
 from jtilert.parallel import sharding
 from jtilert.model.config import ModelConfig
 from jtilert.model.presets import PRESETS
+from jtilert.store import converter
 from jtilert.store.converter import StoredTensor
 from jtilert.store.folder import LAYOUT_VERSION, META, move_into_place, np_dtype, read_meta  # noqa: F401
-from jtilert.model.transformer import Transformer, abstract_model, flat_params, layer_arrays, layer_names, layer_params  # noqa: F401
+from jtilert.model.transformer import Transformer, abstract_model, check_fits, flat_params, layer_arrays, layer_names, layer_params  # noqa: F401
 
 ASSETS = Path(__file__).parent.parent / "assets"
 EMBEDDED = {"tiny": ASSETS / "tiny"}
@@ -103,22 +120,35 @@ def _flatten(nested: dict, prefix: str = "") -> dict:
 
 def save(model: Transformer, path: str | os.PathLike, overwrite: bool = False,
          tokenizer: str | os.PathLike | None = None) -> Path:
-    """Write `model` to `path` atomically (temporary folder, then rename). `tokenizer` is "bytes"
-    (UTF-8 byte ids) or the path of an HF tokenizer.json to store beside the weights."""
+    """Write `model` to `path` atomically (temporary folder, then rename), with the size and CRC-32 of
+    every file in jtilert.json. `tokenizer` is "bytes" (UTF-8 byte ids) or the path of an HF
+    tokenizer.json to store beside the weights. A destination that cannot be written, or a disk without
+    room for the parameters, is an OSError before anything is written; nothing is left on failure."""
     path = Path(path).absolute()
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} exists (pass overwrite=True to replace it)")
     params = flat_params(model)
+    jax.block_until_ready(list(params.values()))  # a failure computing them is theirs, not the save's
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     try:
-        with ocp.StandardCheckpointer() as ckpt:
-            ckpt.save(tmp / "params", _nest(params))
-            ckpt.wait_until_finished()
+        tmp.mkdir(parents=True)
+    except OSError as e:
+        raise OSError(e.errno, f"cannot save to {path}: {e.strerror} ({e.filename})") from None
+    try:
+        need = sum(int(np.prod(v.shape)) * jnp.dtype(v.dtype).itemsize for v in params.values())
+        free = shutil.disk_usage(tmp).free
+        if need > free:  # the old checkpoint stays until the new one is complete: the whole size must fit
+            raise OSError(errno.ENOSPC, f"cannot save to {path}: the parameters need {need:,} bytes, "
+                                        f"{path.parent} has {free:,} free")
+        with _orbax_errors(f"cannot save to {path}", OSError):
+            with ocp.StandardCheckpointer() as ckpt:
+                ckpt.save(tmp / "params", _nest(params))
+                ckpt.wait_until_finished()
         meta = {"layout_version": LAYOUT_VERSION, "weight_format": weight_format(params),
                 "dtype": jnp.dtype(model.dtype).name, "config": model.cfg.to_hf(),
-                "params": {k: [list(v.shape), jnp.dtype(v.dtype).name] for k, v in params.items()}}
+                "params": {k: [list(v.shape), jnp.dtype(v.dtype).name] for k, v in params.items()},
+                "checksums": file_checksums(tmp)}
         if tokenizer == "bytes":
             meta["tokenizer"] = "bytes"
         elif tokenizer is not None:
@@ -128,6 +158,137 @@ def save(model: Transformer, path: str | os.PathLike, overwrite: bool = False,
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+@contextlib.contextmanager
+def _orbax_errors(what: str, kind=ValueError):
+    """Turn a failure inside orbax into one `kind` error, "what: <the TensorStore error>", without the
+    pages orbax prints on the way (its threads' ERROR logs, and a traceback per abandoned read or write
+    coroutine as they are collected)."""
+    absl = logging.getLogger("absl")
+    level, hook = absl.level, sys.unraisablehook
+    absl.setLevel(logging.CRITICAL)
+    sys.unraisablehook = lambda unraisable: None
+    try:
+        yield
+    except Exception as e:  # orbax wraps TensorStore's error (the one that names the file) in a bare Exception
+        root = e
+        while root.__cause__ is not None:
+            root = root.__cause__
+        msg = str(root).splitlines()[0] if str(root) else type(root).__name__
+        if kind is OSError:   # TensorStore names the OS error: "... No space left on device [os_error_code='28']"
+            code = re.search(r"os_error_code='(\d+)'", msg)
+            raise OSError(int(code.group(1)) if code else errno.EIO, f"{what}: {msg}") from None
+        raise kind(f"{what}: {msg}") from None
+    finally:
+        gc.collect()   # the abandoned coroutines are reported when collected: now, while the hook drops them
+        absl.setLevel(level)
+        sys.unraisablehook = hook
+
+
+# ---- checksums -------------------------------------------------------------------------------
+# zlib's CRC-32, as the converter records per shard file: zlib is part of Python (no crc32c module is
+# installed), checksums about 5 GB/s per core (a 2-core CPU machine: 5.0-6.5 GB/s, against 2.0-3.1 GB/s
+# reading the same files from its disk with O_DIRECT), and releases the GIL, so reader threads check in
+# parallel.
+
+CHECK_THREADS = min(8, os.cpu_count() or 1)
+
+
+def _file_crc(path: Path, block: int = 16 << 20) -> tuple[int, int]:
+    """(size, CRC-32) of a file, read in blocks."""
+    crc, size = 0, 0
+    buf = memoryview(bytearray(block))
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            crc, size = zlib.crc32(buf[:n], crc), size + n
+    return size, crc
+
+
+def file_checksums(folder: Path) -> dict:
+    """{"algorithm": "crc32", "files": {relative path: [size, crc]}} of every file under folder/params."""
+    files = sorted(p for p in (folder / "params").rglob("*") if p.is_file())
+    with ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="jtilert-crc") as pool:
+        sums = list(pool.map(_file_crc, files))
+    return {"algorithm": "crc32", "files": {p.relative_to(folder).as_posix(): list(c) for p, c in zip(files, sums)}}
+
+
+def check_files(path: Path, meta: dict) -> int:
+    """Check the files of a saved checkpoint against the sizes and CRC-32s `save` recorded: a ValueError
+    naming the first damaged file (and how many are), else the number of bytes checked."""
+    sums = meta.get("checksums")
+    if sums is None:
+        raise ValueError(f"{path}: written without checksums (by a jtilert before they existed); "
+                         f"`jtilert.save` it again to add them")
+    if sums.get("algorithm") != "crc32":
+        raise ValueError(f"{path}: checksums of algorithm {sums.get('algorithm')!r}; this jtilert checks crc32")
+
+    def one(item):
+        rel, (size, crc) = item
+        f = path / rel
+        if not f.is_file():
+            return f"{f} is missing"
+        got_size, got = _file_crc(f)
+        if got_size != size:
+            return f"{f} has {got_size:,} bytes, {size:,} were saved (truncated or replaced)"
+        if got != crc:
+            return f"{f}: checksum mismatch (CRC-32 {got:08x}, {crc:08x} was saved)"
+        return None
+
+    with ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="jtilert-crc") as pool:
+        problems = [p for p in pool.map(one, sums["files"].items()) if p]
+    if problems:
+        more = f" (and {len(problems) - 1} more damaged files)" if len(problems) > 1 else ""
+        raise ValueError(f"{path} is damaged: {problems[0]}{more}")
+    return sum(size for size, _ in sums["files"].values())
+
+
+class _ShardCheck:
+    """The CRC-32 of each shard file of a converted checkpoint, checked once: over the bytes of a whole
+    shard as it is read for a device (no extra read; in threads, overlapping the next reads: `finish`
+    waits for them and raises the first mismatch), or by reading the file where a device takes part of
+    a shard (resharding, packed layouts)."""
+
+    def __init__(self, path: Path, meta: dict):
+        self.path, self.meta = path, meta
+        self.done: set = set()
+        self.lock = threading.Lock()
+        self.pool = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="jtilert-crc")
+        self.pending: list = []
+
+    def _want(self, t: StoredTensor, d: int) -> int:
+        rec = self.meta["tensors"][t.name]
+        if "crc32" not in rec:
+            raise ValueError(f"{self.path}: parameter {t.name} has no CRC-32 checksum (its record has "
+                             f"{sorted(rec)}); load(..., check=False) loads it unchecked")
+        return rec["crc32"][d]
+
+    def _compare(self, t: StoredTensor, d: int, got: int) -> None:
+        want = self._want(t, d)
+        if got != want:
+            raise ValueError(f"{t.paths[d]}: checksum mismatch (parameter {t.name}: CRC-32 {got:08x}, the "
+                             f"converter wrote {want:08x}); the file is damaged (`jtilert verify "
+                             f"{self.path}` checks them all)")
+        with self.lock:
+            self.done.add((t.name, d))
+
+    def bytes(self, t: StoredTensor, d: int, x: np.ndarray) -> None:
+        if (t.name, d) not in self.done:
+            self._want(t, d)
+            self.pending.append(self.pool.submit(
+                lambda: self._compare(t, d, zlib.crc32(np.ascontiguousarray(x).reshape(-1).view(np.uint8)))))
+
+    def files(self, t: StoredTensor) -> None:
+        for d in range(t.shards):
+            if (t.name, d) not in self.done:
+                self._compare(t, d, _file_crc(t.paths[d])[1])
+
+    def finish(self) -> None:
+        for f in self.pending:
+            f.result()
+
+    def close(self) -> None:
+        self.pool.shutdown(cancel_futures=True)
 
 
 # ---- load ----------------------------------------------------------------------------------
@@ -149,18 +310,22 @@ def resolve(source: str | os.PathLike) -> Path:
                             f"(presets: {', '.join(PRESETS)})")
 
 
-def load(source: str | os.PathLike, mesh: Mesh | None = None, dtype=None, reshard: bool = False) -> Transformer:
+def load(source: str | os.PathLike, mesh: Mesh | None = None, dtype=None, reshard: bool = False,
+         check: bool = True) -> Transformer:
     """Load a jtilert checkpoint, an HF model folder (config.json + safetensors) or an embedded
     preset ("tiny"). With a mesh, every parameter lands directly in its tensor-parallel sharding.
     `dtype` sets the compute dtype (default: the checkpoint's); fp8 weights stay fp8.
     A converted checkpoint is laid out for one tensor-parallel degree: loading it onto a mesh of another
-    size (or without a mesh when it is split) needs `reshard=True`."""
+    size (or without a mesh when it is split) needs `reshard=True`.
+    `check` (default) compares every file with the CRC-32 recorded when it was written; a damaged one
+    is a ValueError naming it. A tp that does not divide the model, or weights that do not fit in the
+    devices' free memory, fail before anything is read."""
     path = resolve(source)
     if (path / META).exists():
         meta = read_meta(path)
         if meta["layout_version"] == 2:
-            return _load_sharded(path, meta, mesh, dtype, reshard)
-        return _load_jtilert(path, mesh, dtype)
+            return _load_sharded(path, meta, mesh, dtype, reshard, check)
+        return _load_jtilert(path, mesh, dtype, check)
     if (path / "config.json").exists():
         return load_hf(path, mesh, dtype)
     raise FileNotFoundError(f"{path} is neither a jtilert checkpoint ({META}) nor an HF folder (config.json)")
@@ -184,14 +349,20 @@ def _check_params(path: Path, meta: dict, model: Transformer) -> dict:
     return expected
 
 
-def _load_jtilert(path: Path, mesh, dtype) -> Transformer:
+def _load_jtilert(path: Path, mesh, dtype, check: bool) -> Transformer:
     meta = read_meta(path)
     cfg = ModelConfig.from_json_dict(meta["config"])
     model = abstract_model(cfg, meta["weight_format"], dtype or meta["dtype"])
     expected = _check_params(path, meta, model)
+    check_fits(model, mesh, str(path))
+    if check and "checksums" in meta:
+        check_files(path, meta)
+    elif check:
+        warnings.warn(f"{path} was written without checksums: its files are not checked (`jtilert.save` it "
+                      f"again to add them)", stacklevel=3)
     target = _nest({k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_sharding_of(k, x.ndim, mesh))
                     for k, x in expected.items()})
-    with ocp.StandardCheckpointer() as ckpt:
+    with _orbax_errors(f"{path}: cannot read the parameters"), ocp.StandardCheckpointer() as ckpt:
         restored = _flatten(ckpt.restore(path / "params", target))
     if meta["layout_version"] == 3:
         return _fill(model, lambda name, _: restored[name])
@@ -203,48 +374,71 @@ def _place(model: Transformer, mesh) -> Transformer:
     return _fill(model, lambda name, x: jax.device_put(x, _sharding_of(name, x.ndim, mesh)))
 
 
-def _load_sharded(path: Path, meta: dict, mesh: Mesh | None, dtype, reshard: bool) -> Transformer:
+def _whole_shard(t: StoredTensor, idx: tuple) -> int | None:
+    """The shard d when `idx` (slices over t's logical shape) is exactly stored shard d, else None."""
+    if not t.identity:
+        return None
+    idx = tuple(idx) + (slice(None),) * (len(t.shape) - len(idx))
+    spans = [s.indices(n) for s, n in zip(idx, t.shape)]
+    split = t.split if t.shards > 1 else None
+    if any((a, b, step) != (0, n, 1) for i, ((a, b, step), n) in enumerate(zip(spans, t.shape)) if i != split):
+        return None
+    if split is None:
+        return 0
+    local = t.shape[split] // t.shards
+    a, b, step = spans[split]
+    return a // local if step == 1 and a % local == 0 and b - a == local else None
+
+
+def _load_sharded(path: Path, meta: dict, mesh: Mesh | None, dtype, reshard: bool, check: bool) -> Transformer:
     """A converted checkpoint: each device reads its own shard file of every split parameter."""
     cfg = ModelConfig.from_json_dict(meta["config"])
     model = abstract_model(cfg, meta["weight_format"], dtype or meta["dtype"])
     expected = _check_params(path, meta, model)
     tp = meta["tp"]
-    have = 1 if mesh is None else mesh.shape[sharding.AXIS]
+    have = sharding.mesh_tp(mesh)
     if have != tp and not reshard:
         where = "without a mesh" if mesh is None else f"onto a mesh with tp={have}"
         raise ValueError(f"{path} is laid out for tp={tp}; loading it {where} needs reshard=True "
                          f"(or a mesh of {tp} devices, e.g. `jtilert generate --tp {tp}`; or convert it again "
                          f"with --tp {have})")
+    sharding.check_params(cfg, expected, mesh)   # the per-layer names: a reshard names the layer
+    check_fits(model, mesh, str(path))
     tensors = {name: StoredTensor(path, name, meta) for name in expected}
-    if have != tp:
-        for name, t in sorted(tensors.items(), key=lambda kv: kv[0].endswith(".scale")):  # weights first
-            ax = t.split
-            if ax is None:
-                continue
-            if t.shape[ax] % have:
-                raise ValueError(f"parameter {name} of shape {t.shape}: axis {ax} does not divide by tp={have}")
-            if have > 1 and t.dtype == np.dtype(jnp.float8_e4m3fn) and (t.shape[ax] // have) % 128:
-                raise ValueError(f"parameter {name} of shape {t.shape}: fp8 block scales need each of the tp={have} "
-                                 f"slices of axis {ax} to be a multiple of 128")
 
     reader = ThreadPoolExecutor(min(8, max(tp, 1)), thread_name_prefix="jtilert-load")
+    checker = _ShardCheck(path, meta) if check else None
+
+    def shard(t: StoredTensor, d: int) -> np.ndarray:
+        x = t.shard(d)
+        if checker:
+            checker.bytes(t, d, x)
+        return x
+
+    def block(t: StoredTensor, idx: tuple = ()) -> np.ndarray:
+        """t at idx: a whole stored shard where idx is one (checked as read), else through t.read."""
+        d = _whole_shard(t, idx)
+        if d is not None:
+            return shard(t, d)
+        if checker:
+            checker.files(t)
+        return t.read(idx)
 
     def get(name, like):
         t = tensors[name]
-        whole = t.identity and t.shards == 1
         if mesh is None:
-            return jnp.asarray(t.shard(0) if whole else t.read())
+            return jnp.asarray(block(t))
         sh = _sharding_of(name, len(t.shape), mesh)
         if t.split is None:
-            return jax.device_put(t.shard(0) if whole else t.read(), sh)
+            return jax.device_put(block(t), sh)
         if have != tp or not t.identity:
-            return jax.make_array_from_callback(t.shape, sh, t.read)
+            return jax.make_array_from_callback(t.shape, sh, lambda idx: block(t, idx))
         # each device's slice is exactly one stored shard: read the shards in parallel, each onto its devices
         local = t.shape[t.split] // tp
         owner = {dev: idx[t.split].indices(t.shape[t.split])[0] // local
                  for dev, idx in sh.addressable_devices_indices_map(t.shape).items()}
         needed = sorted(set(owner.values()))
-        shards = dict(zip(needed, reader.map(t.shard, needed)))
+        shards = dict(zip(needed, reader.map(lambda d: shard(t, d), needed)))
         arrays = [jax.device_put(shards[d], dev) for dev, d in owner.items()]
         return jax.make_array_from_single_device_arrays(t.shape, sh, arrays)
 
@@ -253,17 +447,22 @@ def _load_sharded(path: Path, meta: dict, mesh: Mesh | None, dtype, reshard: boo
         if not names:
             return get(name, like)
         if mesh is None:
-            return jnp.stack([jnp.asarray(tensors[n].read()) for n in names])
+            return jnp.stack([jnp.asarray(block(tensors[n])) for n in names])
 
         def read(idx):   # a device's block of the stack: its layers, each read from its own shard files
             layers_idx = range(len(names))[idx[0]]
-            return np.stack([tensors[names[i]].read(idx[1:]) for i in layers_idx])
+            return np.stack([block(tensors[names[i]], idx[1:]) for i in layers_idx])
         return jax.make_array_from_callback(like.shape, _sharding_of(name, like.ndim, mesh), read)
 
     try:
-        return _fill(model, get_stacked)
+        model = _fill(model, get_stacked)
+        if checker:
+            checker.finish()
+        return model
     finally:
         reader.shutdown()
+        if checker:
+            checker.close()
 
 
 def load_hf(path: str | os.PathLike, mesh: Mesh | None = None, dtype=None, **config_overrides) -> Transformer:
@@ -306,6 +505,7 @@ def load_hf(path: str | os.PathLike, mesh: Mesh | None = None, dtype=None, **con
         flat[name.replace("gate_up", "gate")], flat[name.replace("gate_up", "up")] = w[:, :half], w[:, half:]
 
     model = abstract_model(cfg, fmt, dtype)
+    check_fits(model, mesh, str(path))
     unexpected = set(flat) - set(layer_params(model))
     if unexpected:
         raise ValueError(f"{path}: tensors with no place in a {cfg.model_type} model: {sorted(unexpected)[:5]}")
@@ -321,6 +521,43 @@ def load_hf(path: str | os.PathLike, mesh: Mesh | None = None, dtype=None, **con
         return np.asarray(x).astype(like.dtype)
 
     return _place(_stacked(model, get), mesh)
+
+
+# What a converted checkpoint and its HF source must agree on (the layers kept may differ: --layers).
+SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+                "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                "v_head_dim", "n_routed_experts", "n_shared_experts", "index_n_heads", "index_head_dim")
+
+
+def verify(dst: str | os.PathLike, against: str | os.PathLike | None = None, **kwargs) -> dict:
+    """Check a checkpoint's files against its checksums and return a summary: a saved one (jtilert.save)
+    against the sizes and CRC-32s `save` recorded; a converted one through `converter.verify` (every
+    tensor's shape and shard CRC-32; with `against`, its HF source, sampled rows compared, once the
+    source is known to have the same shapes: `kwargs` go to converter.verify). Raises ValueError."""
+    path = resolve(dst)
+    if (path / META).exists():
+        meta = read_meta(path)
+        if meta["layout_version"] != 2:
+            if against is not None:
+                raise ValueError(f"{path} was written by jtilert.save: `against` compares a converted checkpoint "
+                                 f"with its HF source")
+            n = check_files(path, meta)
+            return {"path": str(path), "files": len(meta["checksums"]["files"]), "bytes": n}
+        if against is not None:   # the spot check compares rows by position: other shapes fail deep inside it
+            ours, theirs = ModelConfig.from_json_dict(meta["config"]), ModelConfig.from_hf(against)
+            differ = [f"{f} {getattr(theirs, f)} there, {getattr(ours, f)} here" for f in SHAPE_FIELDS
+                      if getattr(theirs, f) != getattr(ours, f)]
+            if differ:
+                raise ValueError(f"{against} is another model than {path}: {'; '.join(differ)}")
+    return converter.verify(path, against=against, **kwargs)
+
+
+def config(source: str | os.PathLike) -> ModelConfig:
+    """The model config of a checkpoint, HF folder or embedded preset, without reading weights."""
+    path = resolve(source)
+    if (path / META).exists():
+        return ModelConfig.from_json_dict(read_meta(path)["config"])
+    return ModelConfig.from_hf(path)
 
 
 def info(source: str | os.PathLike) -> dict:

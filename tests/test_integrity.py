@@ -1,0 +1,205 @@
+"""Damaged checkpoints, a tp or a model that does not fit, unwritable destinations: each is one clear
+error naming the file, field or bytes, raised before the work where it can be, with nothing left
+behind and none of the pages of orbax or XLA output they used to produce."""
+
+import errno
+import json
+import re
+import shutil
+from collections import namedtuple
+
+import numpy as np
+import pytest
+
+import jtilert
+from jtilert.parallel import sharding
+from jtilert.store import checkpoint
+
+Usage = namedtuple("Usage", "total used free")
+
+
+@pytest.fixture(scope="module")
+def saved(tiny_random, tmp_path_factory):
+    path = tmp_path_factory.mktemp("saved") / "tiny"
+    jtilert.save(tiny_random, path)
+    return path
+
+
+@pytest.fixture
+def copy(saved, tmp_path):
+    return shutil.copytree(saved, tmp_path / "copy")
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """The tiny architecture (bf16) converted for tp=2."""
+    d = tmp_path_factory.mktemp("converted")
+    src = jtilert.random_checkpoint("tiny", d / "src", fmt="bf16")
+    return jtilert.convert(src, d / "tp2", tp=2)
+
+
+def biggest(folder):
+    return max((p for p in (folder / "params").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def flip(path):
+    """Invert one byte in the middle of a file (what a bad disk or a broken copy does)."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+# ---- checksums ----------------------------------------------------------------------------------
+
+def test_save_records_every_file_and_check_files_reads_them(saved):
+    meta = checkpoint.read_meta(saved)
+    files = meta["checksums"]["files"]
+    on_disk = sorted(p.relative_to(saved).as_posix() for p in (saved / "params").rglob("*") if p.is_file())
+    assert meta["checksums"]["algorithm"] == "crc32" and sorted(files) == on_disk
+    assert checkpoint.check_files(saved, meta) == sum(size for size, _ in files.values())
+
+
+def test_flipped_byte_in_a_saved_checkpoint_is_refused(copy):
+    f = biggest(copy)
+    flip(f)
+    with pytest.raises(ValueError, match=rf"{re.escape(str(copy))} is damaged: {re.escape(str(f))}: checksum "
+                                         r"mismatch \(CRC-32 [0-9a-f]{8}, [0-9a-f]{8} was saved\)"):
+        jtilert.load(copy)
+
+
+def test_truncated_saved_file_is_named_checked_or_not(copy, capfd, caplog):
+    f = biggest(copy)
+    size = f.stat().st_size
+    with open(f, "r+b") as fh:
+        fh.truncate(size // 2)
+    with pytest.raises(ValueError, match=rf"{re.escape(str(f))} has {size // 2:,} bytes, {size:,} were saved "
+                                         r"\(truncated or replaced\)"):
+        jtilert.load(copy)
+    # unchecked, orbax meets it: its TensorStore error in one line, without the coroutine tracebacks
+    with pytest.raises(ValueError, match=r"cannot read the parameters: OUT_OF_RANGE: .*not valid for value of size"):
+        jtilert.load(copy, check=False)
+    err = capfd.readouterr().err
+    assert "Exception ignored" not in err and "Traceback" not in err
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
+def test_checkpoint_without_checksums_loads_with_a_warning(copy, tiny_random):
+    meta = json.loads((copy / "jtilert.json").read_text())
+    del meta["checksums"]
+    (copy / "jtilert.json").write_text(json.dumps(meta))
+    with pytest.warns(UserWarning, match="written without checksums: its files are not checked"):
+        m = jtilert.load(copy)
+    a, b = checkpoint.flat_params(m), checkpoint.flat_params(tiny_random)
+    assert all(np.array_equal(np.asarray(a[k]), np.asarray(b[k])) for k in a)
+
+
+def test_verify_checks_saved_and_converted_checkpoints(copy, converted):
+    assert jtilert.verify(copy)["bytes"] == checkpoint.check_files(copy, checkpoint.read_meta(copy))
+    with pytest.raises(ValueError, match="was written by jtilert.save: `against` compares a converted"):
+        jtilert.verify(copy, against="tests/golden/dsv32")
+    # a source of other shapes is named before the spot check (it failed on a reshape of an empty array)
+    with pytest.raises(ValueError, match=rf"tests/golden/dsv32 is another model than {re.escape(str(converted))}: "
+                                         r"vocab_size \d+ there, 256 here; hidden_size"):
+        jtilert.verify(converted, against="tests/golden/dsv32")
+    assert jtilert.verify(converted)["tp"] == 2
+    flip(biggest(copy))
+    with pytest.raises(ValueError, match="checksum mismatch"):
+        jtilert.verify(copy)
+
+
+def test_embedded_checkpoint_has_checksums():
+    path = checkpoint.resolve("tiny")
+    assert checkpoint.check_files(path, checkpoint.read_meta(path)) > 3_000_000
+
+
+@pytest.mark.parametrize("rel, name", [
+    ("params/tp1/layers.2.mlp.experts.gate.weight.bin", "layers.2.mlp.experts.gate.weight"),  # a stacked weight
+    ("params/tp0/lm_head.weight.bin", "lm_head.weight"),                                      # split, unstacked
+    ("params/replicated/embed_tokens.bin", "embed_tokens"),                                   # replicated
+])
+def test_flipped_byte_in_a_converted_shard_is_refused(converted, tmp_path, rel, name):
+    """Each shard is checked against the converter's CRC-32 as it is read: whole shards onto their devices
+    (no second read), and through a file check where a device takes a part of one (reshard)."""
+    d = shutil.copytree(converted, tmp_path / "c")
+    f = d / rel
+    assert f.exists(), sorted(p.name for p in f.parent.iterdir())
+    flip(f)
+    match = rf"{re.escape(str(f))}: checksum mismatch \(parameter {re.escape(name)}: CRC-32 [0-9a-f]{{8}}, the " \
+            r"converter wrote [0-9a-f]{8}\)"
+    with pytest.raises(ValueError, match=match):
+        jtilert.load(d, mesh=jtilert.make_mesh(2))
+    with pytest.raises(ValueError, match=match):
+        jtilert.load(d, reshard=True)
+    jtilert.load(d, mesh=jtilert.make_mesh(2), check=False)   # the opt-out reads it as it is
+
+
+def test_intact_converted_checkpoint_loads_checked(converted):
+    m = jtilert.load(converted, mesh=jtilert.make_mesh(2))
+    ref = jtilert.load(converted, mesh=jtilert.make_mesh(2), check=False)
+    a, b = checkpoint.flat_params(m), checkpoint.flat_params(ref)
+    assert all(np.array_equal(np.asarray(a[k]), np.asarray(b[k])) for k in a)
+
+
+# ---- tp and memory, before anything is read or made -------------------------------------------------
+
+def test_tp_that_does_not_divide_the_model_fails_before_reading(saved, capfd):
+    match = r"tp=3 does not divide the model's num_attention_heads=8, .* \(.*; tp can be 1, 2, 4, 8\)$"
+    with pytest.raises(ValueError, match=match):
+        jtilert.load(saved, mesh=jtilert.make_mesh(3))
+    with pytest.raises(ValueError, match=match):
+        jtilert.random_model("tiny", mesh=jtilert.make_mesh(3))
+    assert "Exception ignored" not in capfd.readouterr().err
+    with pytest.raises(ValueError, match="tp must be an integer >= 1, got 0"):
+        jtilert.make_mesh(0)
+
+
+def test_weights_and_cache_that_do_not_fit_name_the_bytes(saved, tiny_random, monkeypatch):
+    """Where the device says what is free (GPUs), a model or cache larger than that is a MemoryError
+    naming both, before anything is allocated (CPUs say nothing: the check is skipped there)."""
+    params = checkpoint.flat_params(tiny_random)
+    need = sum(x.nbytes for x in params.values())
+    mesh = jtilert.make_mesh(8)
+    per = sharding.bytes_per_device(params, mesh)
+    split = sum(x.nbytes for k, x in params.items() if sharding.split_axis(tuple(k.split("."))) is not None)
+    assert per == need - split + split // 8
+    monkeypatch.setattr(sharding, "free_bytes", lambda device: (1000, 2000))
+    free = r"more than the 0\.00 GiB \(1,000 bytes\) free on cpu:0 \(of 0\.00 GiB \(2,000 bytes\)\)"
+    with pytest.raises(MemoryError, match=rf"the weights of random_model\('tiny', fmt='fp32'\): \d+\.\d\d GiB "
+                                          rf"\({need:,} bytes\) per device, {free}"):
+        jtilert.random_model("tiny", fmt="fp32")
+    with pytest.raises(MemoryError, match=rf"the weights of {re.escape(str(saved))}: .*\({per:,} bytes\) per device"):
+        jtilert.load(saved, mesh=mesh)
+    with pytest.raises(MemoryError, match=r"the cache of Generator\(max_seq_len=2048\) \(2112 positions\): "):
+        jtilert.Generator(tiny_random)
+
+
+# ---- save --------------------------------------------------------------------------------------
+
+def test_save_refuses_a_disk_without_room(tiny_random, tmp_path, monkeypatch):
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: Usage(10**6, 10**6 - 5000, 5000))
+    need = sum(x.nbytes for x in checkpoint.flat_params(tiny_random).values())
+    with pytest.raises(OSError, match=rf"cannot save to {re.escape(str(tmp_path / 'x'))}: the parameters need "
+                                      rf"{need:,} bytes, {re.escape(str(tmp_path))} has 5,000 free") as e:
+        jtilert.save(tiny_random, tmp_path / "x")
+    assert e.value.errno == errno.ENOSPC and list(tmp_path.iterdir()) == []
+
+
+def test_save_onto_a_disk_that_fills_up(tiny_random, small_disk, monkeypatch, capfd, caplog):
+    """The disk fills while orbax writes (the free-space check passed: here it is told of room that is not
+    there): one OSError with TensorStore's reason, no orbax pages, nothing left on the disk."""
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: Usage(10**12, 0, 10**12))
+    with pytest.raises(OSError, match=r"cannot save to .*/x: RESOURCE_EXHAUSTED: .*No space left on device") as e:
+        jtilert.save(tiny_random, small_disk / "x")
+    assert e.value.errno == errno.ENOSPC
+    assert list(small_disk.iterdir()) == []
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Exception ignored" not in err
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
+def test_save_into_a_read_only_folder(tiny_random, read_only_dir):
+    dst = read_only_dir / "x"
+    with pytest.raises(OSError, match=rf"cannot save to {re.escape(str(dst))}: (Read-only file system|Permission "
+                                      r"denied) \("):
+        jtilert.save(tiny_random, dst)
+    assert list(read_only_dir.iterdir()) == []
