@@ -4,6 +4,7 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 PROMPT ?= The "if" statement is used for conditional execution:
+export PROMPT   # reaches the recipe through the environment: any quotes in it stay text
 NEW ?= 200
 
 define find_python
@@ -23,7 +24,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
-	$(VENV)/bin/jtilert generate --model tiny --mtp --max-new-tokens $(NEW) --prompt '$(PROMPT)'
+	$(VENV)/bin/jtilert generate --model tiny --mtp --max-new-tokens $(NEW) --prompt "$$PROMPT"
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -p no:cacheprovider

@@ -13,10 +13,11 @@ from jtilert.runtime.generate import Generator, score
 from jtilert.model.transformer import Transformer, init_cache, random_model
 from jtilert.ops.table import DecodeConfig
 from jtilert.runtime.sampling import Sampling
+from jtilert.runtime.tokenizer import tokenizer
 from jtilert.parallel.sharding import make_mesh
 from jtilert.store.synthetic import random_checkpoint
 
 compile_cache.enable()
 
 __all__ = ["DecodeConfig", "ModelConfig", "PRESETS", "preset", "Generator", "score", "Transformer", "init_cache", "random_model",
-           "Sampling", "make_mesh", "load", "save", "convert", "verify", "random_checkpoint"]
+           "Sampling", "tokenizer", "make_mesh", "load", "save", "convert", "verify", "random_checkpoint"]

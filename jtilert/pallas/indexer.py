@@ -228,7 +228,7 @@ def indexer_scores_kernel(q, w, k_cache, k_scale, positions, offsets, n: int,
         scratch_types=scratch,
         grid=(grid,), grid_names=("c",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-        interpret=_interp.params(),
+        interpret=_interp.params(), kernel_name="jtilert_indexer",
     )
     caches = [k_cache] + ([k_scale.astype(F32)] if has_scale else [])
     if append:   # mutable refs: the kernel writes the caches in place (aliased, no copy)

@@ -358,7 +358,7 @@ def sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: floa
         grid=(T, groups, n_split), grid_names=("t", "g", "s"),
         num_threads=nwg, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-        interpret=_interp.params(),
+        interpret=_interp.params(), kernel_name="jtilert_sparse_mla",
     )
     args = [q_lat.reshape(T * Hq, L), q_pe.reshape(T * Hq, R)]
     if fp8:
@@ -455,7 +455,7 @@ def combine_kernel(o, m, l, *, cols: int | None = None):
         scratch_types=scratch,
         grid=(T, G, L // cols), grid_names=("t", "g", "c"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-        interpret=_interp.params(),
+        interpret=_interp.params(), kernel_name="jtilert_sparse_mla_combine",
     )
     return kernel(o, m, l)
 

@@ -6,6 +6,8 @@ import codecs
 import json
 from pathlib import Path
 
+from jtilert.store.checkpoint import resolve
+
 
 class ByteTokenizer:
     """Token id = byte value (vocab 256)."""
@@ -56,3 +58,9 @@ def load_tokenizer(folder: str | Path):
     if meta.exists() and json.loads(meta.read_text()).get("tokenizer") == "bytes":
         return ByteTokenizer()
     raise FileNotFoundError(f"no tokenizer for {folder} (no tokenizer.json; jtilert.json does not say 'bytes')")
+
+
+def tokenizer(source: str | Path):
+    """The tokenizer of what `jtilert.load(source)` loads: an embedded preset ("tiny"), a jtilert
+    checkpoint or an HF folder."""
+    return load_tokenizer(resolve(source))
