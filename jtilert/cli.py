@@ -130,6 +130,9 @@ def main(argv=None) -> int:
         args.run(args)
     except (ValueError, OSError, MemoryError) as e:
         print(f"jtilert: error: {_message(e)}", file=sys.stderr)
+        # work abandoned by the failure (orbax's read coroutines) may still be collected on the way
+        # out, each printing "Exception ignored in ...": the error above is the whole report
+        sys.unraisablehook = lambda unraisable: None
         return 2
     return 0
 

@@ -96,3 +96,16 @@ def test_split_indexer_decodes_the_same_tokens(tiny_random):
         split = gen(mesh=jtilert.make_mesh(tp), split_indexer=True)
         assert split.engine.new_cache(split.rows)["index_k"].shape[1] == 64
         assert split.generate(IDS, 8, stop_tokens=[]) == one
+
+
+def test_pallas_tp2_with_the_engine_all_reduce_equals_tp1():
+    """backend="pallas" (GPU interpret mode here) at tp=2 with the engine's fused all-reduce (its XLA
+    fallback on a CPU) decodes the tokens of tp=1, in bf16 where the kernels apply."""
+    import jax.numpy as jnp
+    model = jtilert.load("tiny", dtype=jnp.bfloat16)
+    prompt = np.arange(40) % 200 + 30
+    one = jtilert.Generator(model, max_seq_len=64, backend="pallas").generate(prompt, 3, stop_tokens=[])
+    mesh = jtilert.make_mesh(2)
+    two = jtilert.Generator(jtilert.load("tiny", dtype=jnp.bfloat16, mesh=mesh), max_seq_len=64, mesh=mesh,
+                            backend="pallas", engine_all_reduce=True).generate(prompt, 3, stop_tokens=[])
+    assert two == one
