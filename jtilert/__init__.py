@@ -4,7 +4,7 @@ from jtilert.runtime import compile_cache
 from jtilert.store.checkpoint import load, save
 from jtilert.model.config import ModelConfig
 from jtilert.model.presets import PRESETS, preset
-from jtilert.store.converter import convert, verify
+from jtilert.store.convert import convert, verify
 from jtilert.runtime.generate import Generator, score
 from jtilert.model.transformer import Transformer, init_cache, random_model
 from jtilert.ops.table import DecodeConfig

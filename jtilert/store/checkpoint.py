@@ -1,15 +1,17 @@
 """Checkpoints: jtilert's formats (save / load onto a mesh) and HF model folders (load).
 
 A jtilert checkpoint is a folder with `jtilert.json` (config, weight format, layout version, every
-parameter's shape and dtype) and `params/`, in one of three layouts:
-  3. written by `save`: an orbax checkpoint of the model's parameter tree, layers stacked ([L, ...]
-     per weight kind, as the runtime holds them: `jtilert.model.transformer`);
-  1. written by `save` before the layer stacks: an orbax checkpoint with one entry per layer
-     (`layers.3.self_attn.q_b_proj.weight`); still read, stacked at load;
-  2. written by `jtilert.convert` (see jtilert/converter.py): raw per-device shard files of the per-layer
-     parameters, laid out for a given tensor-parallel degree, loaded shard by shard onto each device
-     and stacked there.
-Writes go to a temporary sibling folder that is renamed into place only when complete.
+parameter's shape and dtype) and `params/`, an orbax checkpoint of the model's parameter tree in one of these
+layouts:
+  4. written by `save` and by `jtilert.convert`: the layers stacked ([L, ...] per weight kind, as the runtime
+     holds them: `jtilert.model.transformer`), zarr3 arrays whose chunks carry a CRC-32C
+     (`jtilert.store.arrays`); a converted one is chunked so that each device of its tp degree reads only
+     its own chunks;
+  3. written by `save` before layout 4: the same tree in orbax's own storage (no chunk checksums);
+  1. written by `save` before the layer stacks: one entry per layer (`layers.3.self_attn.q_b_proj.weight`),
+     stacked at load.
+Layout 2 (`jtilert.convert`'s raw per-device shard files) is no longer read: loading one says how to convert
+its source again. Writes go to a temporary sibling folder that is renamed into place only when complete.
 """
 
 from __future__ import annotations
@@ -18,21 +20,18 @@ import collections
 import json
 import os
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from jtilert.store import hf
+from jtilert.store import arrays, hf
 from jtilert.parallel import sharding
 from jtilert.model.config import ModelConfig
 from jtilert.model.presets import PRESETS
-from jtilert.store.converter import StoredTensor
 from jtilert.store.folder import LAYOUT_VERSION, META, move_into_place, np_dtype, read_meta  # noqa: F401
 from jtilert.model.transformer import Transformer, abstract_model, flat_params, layer_arrays, layer_names, layer_params  # noqa: F401
 
@@ -102,9 +101,10 @@ def _flatten(nested: dict, prefix: str = "") -> dict:
 # ---- save ----------------------------------------------------------------------------------
 
 def save(model: Transformer, path: str | os.PathLike, overwrite: bool = False,
-         tokenizer: str | os.PathLike | None = None) -> Path:
-    """Write `model` to `path` atomically (temporary folder, then rename). `tokenizer` is "bytes"
-    (UTF-8 byte ids) or the path of an HF tokenizer.json to store beside the weights."""
+         tokenizer: str | os.PathLike | None = None, chunk_bytes: int = arrays.CHUNK_BYTES) -> Path:
+    """Write `model` to `path` atomically (temporary folder, then rename) in layout 4, each chunk of at most
+    about `chunk_bytes` with its CRC-32C.
+    `tokenizer` is "bytes" (UTF-8 byte ids) or the path of an HF tokenizer.json to store beside the weights."""
     path = Path(path).absolute()
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} exists (pass overwrite=True to replace it)")
@@ -113,9 +113,13 @@ def save(model: Transformer, path: str | os.PathLike, overwrite: bool = False,
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        with ocp.StandardCheckpointer() as ckpt:
-            ckpt.save(tmp / "params", _nest(params))
-            ckpt.wait_until_finished()
+        chunked = {}
+        for name, x in params.items():
+            split = sharding.split_axis(tuple(name.split(".")))
+            tp = 1 if split is None else x.shape[split] // x.sharding.shard_shape(x.shape)[split]
+            lead = 1 if layer_names(model.cfg, name) else 0
+            chunked[name] = (x, arrays.chunk_shape(x.shape, jnp.dtype(x.dtype).itemsize, split, tp, chunk_bytes, lead))
+        arrays.write_arrays(tmp / "params", chunked)
         meta = {"layout_version": LAYOUT_VERSION, "weight_format": weight_format(params),
                 "dtype": jnp.dtype(model.dtype).name, "config": model.cfg.to_hf(),
                 "params": {k: [list(v.shape), jnp.dtype(v.dtype).name] for k, v in params.items()}}
@@ -149,28 +153,30 @@ def resolve(source: str | os.PathLike) -> Path:
                             f"(presets: {', '.join(PRESETS)})")
 
 
-def load(source: str | os.PathLike, mesh: Mesh | None = None, dtype=None, reshard: bool = False) -> Transformer:
+def load(source: str | os.PathLike, mesh: Mesh | None = None, dtype=None) -> Transformer:
     """Load a jtilert checkpoint, an HF model folder (config.json + safetensors) or an embedded
-    preset ("tiny"). With a mesh, every parameter lands directly in its tensor-parallel sharding.
-    `dtype` sets the compute dtype (default: the checkpoint's); fp8 weights stay fp8.
-    A converted checkpoint is laid out for one tensor-parallel degree: loading it onto a mesh of another
-    size (or without a mesh when it is split) needs `reshard=True`."""
+    preset ("tiny"). With a mesh, every parameter lands directly in its tensor-parallel sharding, each
+    device reading its own part (a checkpoint converted for another tp degree too, reading whole chunks
+    around its part). `dtype` sets the compute dtype (default: the checkpoint's); fp8 weights stay fp8."""
     path = resolve(source)
     if (path / META).exists():
         meta = read_meta(path)
         if meta["layout_version"] == 2:
-            return _load_sharded(path, meta, mesh, dtype, reshard)
-        return _load_jtilert(path, mesh, dtype)
+            src = meta.get("source", {}).get("path", "SRC")
+            raise ValueError(f"{path} is a layout-2 converted checkpoint (raw per-device shard files), which this "
+                             f"jtilert no longer reads; convert its source again: jtilert convert {src} {path} "
+                             f"--tp {meta.get('tp', 1)} --overwrite")
+        return _load_jtilert(path, meta, mesh, dtype)
     if (path / "config.json").exists():
         return load_hf(path, mesh, dtype)
     raise FileNotFoundError(f"{path} is neither a jtilert checkpoint ({META}) nor an HF folder (config.json)")
 
 
 def _check_params(path: Path, meta: dict, model: Transformer) -> dict:
-    """The model's parameters as the checkpoint names them (stacked in layout 3, per layer before),
+    """The model's parameters as the checkpoint names them (stacked from layout 3 on, per layer before),
     checked against the shapes and dtypes the checkpoint records."""
     stored = meta["params"]
-    expected = dict(flat_params(model)) if meta["layout_version"] == 3 else layer_params(model)
+    expected = dict(flat_params(model)) if meta["layout_version"] >= 3 else layer_params(model)
     for name, x in expected.items():
         if name not in stored:
             raise ValueError(f"{path}: parameter {name} missing from the checkpoint")
@@ -184,16 +190,17 @@ def _check_params(path: Path, meta: dict, model: Transformer) -> dict:
     return expected
 
 
-def _load_jtilert(path: Path, mesh, dtype) -> Transformer:
-    meta = read_meta(path)
+def _load_jtilert(path: Path, meta: dict, mesh, dtype) -> Transformer:
     cfg = ModelConfig.from_json_dict(meta["config"])
     model = abstract_model(cfg, meta["weight_format"], dtype or meta["dtype"])
     expected = _check_params(path, meta, model)
+    if mesh is not None:
+        for k, x in sorted(expected.items(), key=lambda kv: kv[0].endswith(".scale")):  # weights first
+            sharding.check_split(k, x.shape, x.dtype, mesh.shape[sharding.AXIS])
     target = _nest({k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_sharding_of(k, x.ndim, mesh))
                     for k, x in expected.items()})
-    with ocp.StandardCheckpointer() as ckpt:
-        restored = _flatten(ckpt.restore(path / "params", target))
-    if meta["layout_version"] == 3:
+    restored = _flatten(arrays.restore(path / "params", target))
+    if meta["layout_version"] >= 3:
         return _fill(model, lambda name, _: restored[name])
     return _place(_stacked(model, lambda name, _: restored.pop(name)), mesh)
 
@@ -201,69 +208,6 @@ def _load_jtilert(path: Path, mesh, dtype) -> Transformer:
 def _place(model: Transformer, mesh) -> Transformer:
     """Every parameter in its sharding (stacks built from per-layer parts land where jnp.stack put them)."""
     return _fill(model, lambda name, x: jax.device_put(x, _sharding_of(name, x.ndim, mesh)))
-
-
-def _load_sharded(path: Path, meta: dict, mesh: Mesh | None, dtype, reshard: bool) -> Transformer:
-    """A converted checkpoint: each device reads its own shard file of every split parameter."""
-    cfg = ModelConfig.from_json_dict(meta["config"])
-    model = abstract_model(cfg, meta["weight_format"], dtype or meta["dtype"])
-    expected = _check_params(path, meta, model)
-    tp = meta["tp"]
-    have = 1 if mesh is None else mesh.shape[sharding.AXIS]
-    if have != tp and not reshard:
-        where = "without a mesh" if mesh is None else f"onto a mesh with tp={have}"
-        raise ValueError(f"{path} is laid out for tp={tp}; loading it {where} needs reshard=True "
-                         f"(or a mesh of {tp} devices, e.g. `jtilert generate --tp {tp}`; or convert it again "
-                         f"with --tp {have})")
-    tensors = {name: StoredTensor(path, name, meta) for name in expected}
-    if have != tp:
-        for name, t in sorted(tensors.items(), key=lambda kv: kv[0].endswith(".scale")):  # weights first
-            ax = t.split
-            if ax is None:
-                continue
-            if t.shape[ax] % have:
-                raise ValueError(f"parameter {name} of shape {t.shape}: axis {ax} does not divide by tp={have}")
-            if have > 1 and t.dtype == np.dtype(jnp.float8_e4m3fn) and (t.shape[ax] // have) % 128:
-                raise ValueError(f"parameter {name} of shape {t.shape}: fp8 block scales need each of the tp={have} "
-                                 f"slices of axis {ax} to be a multiple of 128")
-
-    reader = ThreadPoolExecutor(min(8, max(tp, 1)), thread_name_prefix="jtilert-load")
-
-    def get(name, like):
-        t = tensors[name]
-        whole = t.identity and t.shards == 1
-        if mesh is None:
-            return jnp.asarray(t.shard(0) if whole else t.read())
-        sh = _sharding_of(name, len(t.shape), mesh)
-        if t.split is None:
-            return jax.device_put(t.shard(0) if whole else t.read(), sh)
-        if have != tp or not t.identity:
-            return jax.make_array_from_callback(t.shape, sh, t.read)
-        # each device's slice is exactly one stored shard: read the shards in parallel, each onto its devices
-        local = t.shape[t.split] // tp
-        owner = {dev: idx[t.split].indices(t.shape[t.split])[0] // local
-                 for dev, idx in sh.addressable_devices_indices_map(t.shape).items()}
-        needed = sorted(set(owner.values()))
-        shards = dict(zip(needed, reader.map(t.shard, needed)))
-        arrays = [jax.device_put(shards[d], dev) for dev, d in owner.items()]
-        return jax.make_array_from_single_device_arrays(t.shape, sh, arrays)
-
-    def get_stacked(name, like):
-        names = layer_names(cfg, name)
-        if not names:
-            return get(name, like)
-        if mesh is None:
-            return jnp.stack([jnp.asarray(tensors[n].read()) for n in names])
-
-        def read(idx):   # a device's block of the stack: its layers, each read from its own shard files
-            layers_idx = range(len(names))[idx[0]]
-            return np.stack([tensors[names[i]].read(idx[1:]) for i in layers_idx])
-        return jax.make_array_from_callback(like.shape, _sharding_of(name, like.ndim, mesh), read)
-
-    try:
-        return _fill(model, get_stacked)
-    finally:
-        reader.shutdown()
 
 
 def load_hf(path: str | os.PathLike, mesh: Mesh | None = None, dtype=None, **config_overrides) -> Transformer:
@@ -332,8 +276,7 @@ def info(source: str | os.PathLike) -> dict:
         cfg = ModelConfig.from_json_dict(meta["config"])
         shapes = {k: (tuple(s), d) for k, (s, d) in meta["params"].items()}
         fmt, kind = meta["weight_format"], "jtilert"
-        if "tp" in meta:
-            extra = {"tp": meta["tp"], "layout_version": meta["layout_version"]}
+        extra = {"layout_version": meta["layout_version"], **({"tp": meta["tp"]} if "tp" in meta else {})}
     else:
         cfg = ModelConfig.from_hf(path)
         tensors = hf.open_folder(path)

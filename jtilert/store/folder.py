@@ -1,5 +1,5 @@
-"""A jtilert checkpoint folder's metadata file and its atomic placement (shared by `checkpoint`,
-which reads and writes checkpoints, and `converter`, which writes the per-device shard layout)."""
+"""A jtilert checkpoint folder's metadata file and its atomic placement (shared by `checkpoint`, which reads
+and writes checkpoints, and `convert`, which writes them from HF folders)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 
 META = "jtilert.json"
-LAYOUT_VERSION = 3  # what `save` writes; bump when the stored layout of any parameter changes
-LAYOUT_VERSIONS = (1, 2, 3)  # 1: per-layer orbax; 2: jtilert.convert's per-shard files; 3: stacked orbax
+LAYOUT_VERSION = 4  # what `save` and `convert` write; bump when the stored layout of any parameter changes
+# 1: per-layer orbax; 2: jtilert.convert's per-shard raw files (no longer read); 3: stacked orbax (orbax's
+# own arrays); 4: stacked orbax, zarr3 chunks with CRC-32C (jtilert.store.arrays)
+LAYOUT_VERSIONS = (1, 2, 3, 4)
+REQUEST = "request.json"  # a partial conversion's arguments and source files
+DONE_LOG = "done.jsonl"   # a partial conversion's finished parameters
 
 
 def move_into_place(tmp: Path, path: Path) -> None:
