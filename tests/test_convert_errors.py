@@ -1,5 +1,6 @@
 """Bad input to jtilert.convert: each is a clear error naming the file or tensor, and nothing at the
-destination (a partial conversion, if any, is a hidden folder without jtilert.json)."""
+destination (a partial conversion, if any, is a hidden folder without jtilert.json); --overwrite replaces
+only a jtilert checkpoint."""
 
 import errno
 import fcntl
@@ -178,6 +179,31 @@ def test_existing_destination_needs_overwrite(good, tmp_path):
     jtilert.convert(good, dst, dtype="bf16", overwrite=True)  # a jtilert checkpoint: replaced
     assert json.loads((dst / "jtilert.json").read_text())["weight_format"] == "bf16"
     assert not list(tmp_path.glob(".dst*"))
+
+
+def test_overwrite_refuses_what_is_not_a_checkpoint(good, tmp_path, capsys):
+    """--overwrite never deletes a folder that is not a jtilert checkpoint: the error says what is there."""
+    dst = tmp_path / "dst"
+    (dst / "notes").mkdir(parents=True)
+    (dst / "important.txt").write_text("x")
+    (dst / "notes" / "a.md").write_text("y")
+    with pytest.raises(FileExistsError, match=r"dst holds 2 files that are not a jtilert checkpoint "
+                                              r"\(important.txt, notes\); remove them or choose another folder"):
+        jtilert.convert(good, dst, overwrite=True)
+    assert (dst / "important.txt").read_text() == "x" and (dst / "notes" / "a.md").exists()
+    assert not list(tmp_path.glob(".dst*"))
+    from jtilert.cli import main
+    assert main(["convert", str(good), str(dst), "--overwrite", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds 2 files that are not a jtilert checkpoint" in err
+    with pytest.raises(FileExistsError, match=r"holds 2 files that are not a jtilert checkpoint"):
+        jtilert.save(jtilert.load(jtilert.convert(good, tmp_path / "ok")), dst, overwrite=True)
+    assert (dst / "important.txt").exists()
+    (tmp_path / "file").write_text("z")
+    with pytest.raises(FileExistsError, match=r"file is a file, not a jtilert checkpoint"):
+        jtilert.convert(good, tmp_path / "file", overwrite=True)
+    (tmp_path / "empty").mkdir()
+    jtilert.convert(good, tmp_path / "empty", overwrite=True)
 
 
 def test_not_enough_disk_space_is_refused_up_front(good, tmp_path, monkeypatch):

@@ -32,7 +32,7 @@ from jtilert.store import arrays, hf
 from jtilert.parallel import sharding
 from jtilert.model.config import ModelConfig
 from jtilert.model.presets import PRESETS
-from jtilert.store.folder import LAYOUT_VERSION, META, move_into_place, np_dtype, read_meta  # noqa: F401
+from jtilert.store.folder import LAYOUT_VERSION, META, move_into_place, np_dtype, read_meta, replaceable  # noqa: F401
 from jtilert.model.transformer import Transformer, abstract_model, flat_params, layer_arrays, layer_names, layer_params  # noqa: F401
 
 ASSETS = Path(__file__).parent.parent / "assets"
@@ -103,11 +103,13 @@ def _flatten(nested: dict, prefix: str = "") -> dict:
 def save(model: Transformer, path: str | os.PathLike, overwrite: bool = False,
          tokenizer: str | os.PathLike | None = None, chunk_bytes: int = arrays.CHUNK_BYTES) -> Path:
     """Write `model` to `path` atomically (temporary folder, then rename) in layout 4, each chunk of at most
-    about `chunk_bytes` with its CRC-32C.
+    about `chunk_bytes` with its CRC-32C; `overwrite` replaces a jtilert checkpoint (nothing else).
     `tokenizer` is "bytes" (UTF-8 byte ids) or the path of an HF tokenizer.json to store beside the weights."""
     path = Path(path).absolute()
-    if path.exists() and not overwrite:
-        raise FileExistsError(f"{path} exists (pass overwrite=True to replace it)")
+    if path.exists():
+        if not overwrite:
+            raise FileExistsError(f"{path} exists (pass overwrite=True to replace it)")
+        replaceable(path)
     params = flat_params(model)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -128,6 +130,8 @@ def save(model: Transformer, path: str | os.PathLike, overwrite: bool = False,
         elif tokenizer is not None:
             shutil.copy(tokenizer, tmp / "tokenizer.json")
         (tmp / META).write_text(json.dumps(meta, indent=1))
+        if path.exists():
+            replaceable(path)
         move_into_place(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

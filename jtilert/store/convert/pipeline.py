@@ -47,7 +47,7 @@ from jtilert.store import arrays
 from jtilert.store.arrays import ALIGN
 from jtilert.store.convert.plan import F32, FP8, ConvertError, Item, Plan, plan
 from jtilert.store.convert.source import Files, Lease, Pool, read_rows
-from jtilert.store.folder import DONE_LOG, LAYOUT_VERSION, META, REQUEST, move_into_place
+from jtilert.store.folder import DONE_LOG, LAYOUT_VERSION, META, REQUEST, move_into_place, replaceable
 
 CHUNK_BYTES = arrays.CHUNK_BYTES
 COPIED = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
@@ -448,15 +448,17 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, tp: int = 1, dtype: 
     dtype: "fp8" (fp8 weights with their block scales; quantises a bf16/fp32 source), "bf16" or "fp32"
     (dequantises an fp8 source); default: the source's format. layers: "a:b" keeps decoder layers a..b-1
     (renumbered from 0); mtp=False drops the MTP block. An interrupted conversion resumes when rerun with the
-    same arguments; `overwrite` replaces an existing `dst` (and discards a partial conversion made with
-    different arguments). progress: a bar on stderr with
+    same arguments; `overwrite` replaces an existing `dst` that is a jtilert checkpoint (anything else is
+    refused) and discards a partial conversion made with different arguments. progress: a bar on stderr with
     bytes and ETA; callback(tensor, bytes_done, bytes_total) is called as bytes are written (or re-checked).
     chunk_bytes bounds memory (peak RSS ≤ RSS after import + 5·chunk_bytes) and sets the chunk size.
     """
     t0 = time.perf_counter()
     dst = Path(dst).absolute()
-    if dst.exists() and not overwrite:
-        raise FileExistsError(f"{dst} exists (pass --overwrite / overwrite=True to replace it)")
+    if dst.exists():
+        if not overwrite:
+            raise FileExistsError(f"{dst} exists (pass --overwrite / overwrite=True to replace it)")
+        replaceable(dst)
     p = plan(src, tp, dtype, layers, mtp, chunk_bytes)
     tmp = partial_path(dst)
     request = p.request()
@@ -574,7 +576,9 @@ def _finish(p: Plan, tmp: Path, dst: Path, overwrite: bool) -> None:
         raise _write_error(e, tmp / META, "metadata", tmp) from None
     for f in (DONE_LOG, REQUEST, ".lock"):
         (tmp / f).unlink(missing_ok=True)
-    if dst.exists() and not overwrite:
-        raise FileExistsError(f"{dst} appeared during the conversion; the result is in {tmp}")
+    if dst.exists():
+        if not overwrite:
+            raise FileExistsError(f"{dst} appeared during the conversion; the result is in {tmp}")
+        replaceable(dst)
     move_into_place(tmp, dst)
     _fsync(dst.parent)
