@@ -16,7 +16,7 @@ import pytest
 
 import jtilert
 from jtilert.store import arrays, checkpoint, hf
-from jtilert.store.convert import plan
+from jtilert.store.convert.plan import plan
 from jtilert.ops.quant import dequantize, quantize_weight
 
 IDS = np.random.RandomState(5).randint(0, 128, 14)

@@ -14,7 +14,7 @@ import pytest
 
 import jtilert
 from jtilert.store import arrays
-from jtilert.store.convert import plan
+from jtilert.store.convert.plan import plan
 from jtilert.store.folder import DONE_LOG
 
 CFG = jtilert.preset("tiny").replace(

@@ -10,11 +10,11 @@ values against the source.
   plan      the HF folder checked against its config; every parameter to write and the arrays holding them
   source    reading row ranges of the source files
   pipeline  read → convert → chunk → write, progress, resumption (`convert`)
-  verify    checksums of every chunk, values against the source (`verify`)
+  check     every chunk's size and checksum, values against the source (`verify`)
 """
 
+from jtilert.store.convert.check import verify
 from jtilert.store.convert.pipeline import CHUNK_BYTES, convert
-from jtilert.store.convert.plan import ConvertError, plan
-from jtilert.store.convert.verify import verify
+from jtilert.store.convert.plan import ConvertError
 
-__all__ = ["CHUNK_BYTES", "ConvertError", "convert", "plan", "verify"]
+__all__ = ["CHUNK_BYTES", "ConvertError", "convert", "verify"]
