@@ -106,6 +106,9 @@ def main(argv=None) -> int:
         args.run(args)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"jtilert: error: {e}", file=sys.stderr)
+        # the error ends the command: the reads a failed orbax restore leaves unfinished would each print a
+        # traceback when collected at exit
+        sys.unraisablehook = lambda unraisable: None
         return 2
     return 0
 
