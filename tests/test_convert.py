@@ -181,6 +181,19 @@ def test_quantising_fp32_to_fp8_matches_quantize_weight(tmp_path):
     jtilert.verify(dst, against=src)
 
 
+def test_quantising_chunked_for_tp8_matches_tp1(tmp_path):
+    """bf16 → fp8 with the rows of each shard read in turn (expert by expert) and the width-split scales
+    filled together: the same arrays as one shard."""
+    src = jtilert.random_checkpoint(ALIGNED, tmp_path / "bf16", fmt="bf16")
+    a, b = (checkpoint.flat_params(jtilert.load(jtilert.convert(src, tmp_path / f"q{tp}", tp=tp, dtype="fp8")))
+            for tp in (8, 1))
+    for k in a:
+        assert np.array_equal(np.asarray(a[k]).view(np.uint8), np.asarray(b[k]).view(np.uint8)), k
+    q, s = quantize_weight(checkpoint.load_hf(src).moe.experts.down.weight[...])
+    assert np.array_equal(np.asarray(a["moe.experts.down.weight"]).view(np.uint8), np.asarray(q).view(np.uint8))
+    assert np.array_equal(np.asarray(a["moe.experts.down.scale"]), np.asarray(s))
+
+
 def test_layer_subset_and_no_mtp(fp8_src, tmp_path):
     src = "tests/golden/dsv32"  # layer 0 dense, 1-2 MoE
     dst = jtilert.convert(src, tmp_path / "s", layers="1:3")

@@ -451,7 +451,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, tp: int = 1, dtype: 
     same arguments; `overwrite` replaces an existing `dst` that is a jtilert checkpoint (anything else is
     refused) and discards a partial conversion made with different arguments. progress: a bar on stderr with
     bytes and ETA; callback(tensor, bytes_done, bytes_total) is called as bytes are written (or re-checked).
-    chunk_bytes bounds memory (peak RSS ≤ RSS after import + 5·chunk_bytes) and sets the chunk size.
+    chunk_bytes bounds memory (peak RSS ≤ RSS after import + 6·chunk_bytes) and sets the chunk size.
     """
     t0 = time.perf_counter()
     dst = Path(dst).absolute()
