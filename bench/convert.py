@@ -18,7 +18,7 @@ from pathlib import Path
 
 CHILD = """
 import json, resource, sys, time
-from jtilert.store import converter
+from jtilert.store import convert
 
 def status(key):
     for line in open("/proc/self/status"):
@@ -29,7 +29,7 @@ base = status("VmRSS")
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # reset the peak RSS
 t = time.perf_counter()
-converter.convert(sys.argv[1], sys.argv[2], tp=int(sys.argv[3]), progress=True, chunk_bytes=int(sys.argv[4]))
+convert.convert(sys.argv[1], sys.argv[2], tp=int(sys.argv[3]), progress=True, chunk_bytes=int(sys.argv[4]))
 dt = time.perf_counter() - t
 ru = resource.getrusage(resource.RUSAGE_SELF)
 print(json.dumps({"seconds": dt, "rss_after_import_mb": base, "user_s": ru.ru_utime, "sys_s": ru.ru_stime,
@@ -74,7 +74,7 @@ def main():
     out = subprocess.run([sys.executable, "-c", CHILD, str(src), str(dst), str(args.tp), str(args.chunk_mb << 20)],
                          check=True, stdout=subprocess.PIPE, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
     r = json.loads(out.stdout.strip().splitlines()[-1])
-    dst_bytes = sum(f.stat().st_size for f in dst.rglob("*.bin"))
+    dst_bytes = sum(f.stat().st_size for f in (dst / "params").rglob("*") if f.is_file())
     t = time.perf_counter()
     jtilert.verify(dst)
     vt = time.perf_counter() - t

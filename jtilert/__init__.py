@@ -8,7 +8,7 @@ from jtilert.runtime import compile_cache  # noqa: E402
 from jtilert.store.checkpoint import load, save, verify
 from jtilert.model.config import ModelConfig
 from jtilert.model.presets import PRESETS, preset
-from jtilert.store.converter import convert
+from jtilert.store.convert import convert
 from jtilert.runtime.generate import Generator, score
 from jtilert.model.transformer import Transformer, init_cache, random_model
 from jtilert.ops.table import DecodeConfig

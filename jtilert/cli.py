@@ -62,9 +62,9 @@ def _info(args) -> None:
 
 
 def _convert(args) -> None:
-    from jtilert.store import converter
-    converter.convert(args.src, args.dst, tp=args.tp, dtype=args.dtype, layers=args.layers, mtp=not args.no_mtp,
-                    overwrite=args.overwrite, progress=not args.quiet, chunk_bytes=args.chunk_mb << 20)
+    from jtilert.store import convert
+    convert.convert(args.src, args.dst, tp=args.tp, dtype=args.dtype, layers=args.layers, mtp=not args.no_mtp,
+                  overwrite=args.overwrite, progress=not args.quiet, chunk_bytes=args.chunk_mb << 20)
 
 
 def _verify(args) -> None:
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
     c.add_argument("--no-mtp", action="store_true", help="leave out the MTP block")
     c.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     c.add_argument("--chunk-mb", type=int, default=32,
-                   help="piece size C bounding host memory: peak RSS <= RSS after import + 5*C (MiB)")
+                   help="chunk size C bounding host memory: peak RSS <= RSS after import + 6*C (MiB)")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.set_defaults(run=_convert)
 

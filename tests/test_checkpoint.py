@@ -6,6 +6,7 @@ import sys
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 import jtilert
@@ -30,6 +31,82 @@ def test_round_trip_is_bit_exact(tiny_random, saved):
         assert a[k].dtype == b[k].dtype and np.array_equal(np.asarray(a[k]), np.asarray(b[k])), k
     assert sorted(p.name for p in saved.iterdir()) == ["jtilert.json", "params"]
     assert not list(saved.parent.glob(".tiny.tmp*"))
+
+
+def test_save_writes_chunk_checksums(tiny_random, saved, tmp_path):
+    """`save` writes layout 4: every chunk with its CRC-32C, which `verify` reads back (and a load checks)."""
+    assert checkpoint.read_meta(saved)["layout_version"] == 4
+    report = jtilert.verify(saved)
+    assert report["arrays"] == len(checkpoint.flat_params(tiny_random)) and report["chunks"] > report["arrays"]
+    assert report["tp"] is None
+    bad = tmp_path / "bad"
+    shutil.copytree(saved, bad)
+    f = next(f for f in (bad / "params/moe.experts.gate.weight/c").rglob("*") if f.is_file())
+    data = bytearray(f.read_bytes())
+    data[3] ^= 0x01
+    f.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"1 problem\(s\):\n  .*moe.experts.gate.weight/c/[0-9/]+: checksum mismatch"):
+        jtilert.verify(bad)
+    with pytest.raises(ValueError, match=r"jtilert.save wrote it\); --against compares a converted checkpoint"):
+        jtilert.verify(saved, against="tests/golden/dsv32")
+
+
+def test_a_damaged_chunk_is_one_cli_line(saved, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(saved, bad)
+    f = bad / "params/layers.self_attn.q_b_proj.weight/c/2/0/0"
+    data = bytearray(f.read_bytes())
+    data[-9] ^= 0x04
+    f.write_bytes(bytes(data))
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run([sys.executable, "-m", "jtilert.cli", "generate", "--model", str(bad), "--prompt", "x",
+                        "--max-new-tokens", "2"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 2
+    assert r.stderr == f"jtilert: error: {f}: checksum mismatch (CRC-32C) (run `jtilert verify` on the checkpoint " \
+                       f"to list every damaged chunk)\n"
+
+
+def test_zero_arrays_are_stored(tiny_random, tmp_path):
+    """A parameter of zeros has its chunk files too (TensorStore would skip chunks equal to the fill value)."""
+    model = jtilert.random_model("tiny", fmt="fp32")
+    norm = model.layers.input_layernorm.weight
+    norm[...] = jax.numpy.zeros_like(norm[...])
+    path = jtilert.save(model, tmp_path / "z")
+    assert list((path / "params/layers.input_layernorm.weight/c").rglob("*"))
+    assert not np.asarray(jtilert.load(path).layers.input_layernorm.weight[...]).any()
+    jtilert.verify(path)
+
+
+def test_orbax_storage_checkpoints_still_load(tiny_random, saved, tmp_path):
+    """Layout 3: the stacked tree in orbax's own storage (what `save` wrote before chunk checksums)."""
+    old = tmp_path / "old"
+    shutil.copytree(saved, old, ignore=shutil.ignore_patterns("params"))
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(old / "params", checkpoint._nest(checkpoint.flat_params(tiny_random)))
+    meta = json.loads((old / "jtilert.json").read_text())
+    del meta["checksums"]   # as written before file checksums
+    (old / "jtilert.json").write_text(json.dumps(dict(meta, layout_version=3)))
+    assert (old / "params/manifest.ocdbt").exists()
+    with pytest.warns(UserWarning, match="written without checksums"):
+        b = checkpoint.flat_params(jtilert.load(old, mesh=jtilert.make_mesh(2)))
+    a = checkpoint.flat_params(tiny_random)
+    for k in a:
+        assert np.array_equal(np.asarray(a[k]), np.asarray(b[k])), k
+    with pytest.raises(ValueError, match="written without checksums"):
+        jtilert.verify(old)
+
+
+def test_raw_shard_checkpoints_say_how_to_convert(saved, tmp_path):
+    """Layout 2 (the converter's raw per-device files) is no longer read: the error gives the command."""
+    old = tmp_path / "raw"
+    shutil.copytree(saved, old)
+    meta = json.loads((old / "jtilert.json").read_text())
+    (old / "jtilert.json").write_text(json.dumps(dict(meta, layout_version=2, tp=8, source={"path": "/hf/dsv32"})))
+    with pytest.raises(ValueError) as e:
+        jtilert.load(old)
+    assert str(e.value) == (f"{old} is a layout-2 converted checkpoint (raw per-device shard files), which this "
+                            f"jtilert no longer reads; convert its source again: jtilert convert /hf/dsv32 {old} "
+                            f"--tp 8 --overwrite")
 
 
 def test_load_onto_mesh_shards_directly(tiny_random, saved):

@@ -71,7 +71,7 @@ def test_damaged_checkpoints_are_one_line(tmp_path):
         assert r.returncode == 2 and f"{f}: checksum mismatch" in one_line(r.stderr)
     f.write_bytes(bytes(data[:len(data) // 2]))
     r = cli("generate", "--model", str(ckpt), "--prompt", "x", "--max-new-tokens", "2", "--no-check")
-    assert r.returncode == 2 and "cannot read the parameters: OUT_OF_RANGE" in one_line(r.stderr)
+    assert r.returncode == 2 and str(ckpt) in one_line(r.stderr) and "is not valid for value of size" in r.stderr
 
 
 def test_verify_of_a_saved_checkpoint_uses_its_checksums():

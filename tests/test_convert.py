@@ -1,18 +1,22 @@
 """HF → jtilert conversion (jtilert.convert): the converted checkpoint loads to exactly what loading the HF
-folder gives, at tp=1, 2 and 8; sharded loading and resharding; weight-format changes; layer subsets;
-verify; the synthetic generator; full-size plans."""
+folder gives, at tp=1, 2 and 8; plain orbax restores it; chunks within one device's shard, with TensorStore's
+encoding and a checked CRC-32C; loading onto another tp; weight-format changes; layer subsets; verify; the
+synthetic generator; full-size plans."""
 
+import hashlib
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import jax
 import numpy as np
 import pytest
 
 import jtilert
-from jtilert.store import checkpoint
-from jtilert.store import converter
-from jtilert.store import hf
+from jtilert.store import arrays, checkpoint, hf
+from jtilert.store.convert.plan import plan
 from jtilert.ops.quant import dequantize, quantize_weight
 
 IDS = np.random.RandomState(5).randint(0, 128, 14)
@@ -59,11 +63,11 @@ def test_golden_fp32_convert_load_score_is_bit_exact(tmp_path):
     assert_same_params(a, b)
     np.testing.assert_array_equal(jtilert.score(a, IDS, mesh=mesh), jtilert.score(b, IDS, mesh=mesh))
     meta = json.loads((dst / "jtilert.json").read_text())
-    assert meta["tp"] == 2 and meta["layout_version"] == 2 and meta["weight_format"] == "fp32"
-    assert set(meta["pack"].values()) == {"identity"}
+    assert meta["tp"] == 2 and meta["layout_version"] == 4 and meta["weight_format"] == "fp32"
     assert sorted(p.name for p in dst.iterdir()) == ["generation_config.json", "jtilert.json", "params"]
-    assert sorted(p.name for p in (dst / "params").iterdir()) == ["replicated", "tp0", "tp1"]
-    assert not list(tmp_path.glob(".c.*"))
+    assert sorted(p.name for p in (dst / "params").iterdir()) == sorted(["_METADATA", *meta["params"]])
+    assert meta["params"]["layers.self_attn.q_b_proj.weight"][0][0] == 3  # the 3 layers, stacked
+    assert not list(tmp_path.glob(".c.*")) and not list(dst.rglob("*.__lock"))
 
 
 @pytest.mark.parametrize("name", ["glm5", "glm52"])
@@ -80,28 +84,6 @@ def test_glm_folders_convert(tmp_path, name):
         assert m.indexers.wq_b.weight[...].shape[0] == m.cfg.indexer_types.count("full") + m.cfg.num_nextn_predict_layers
 
 
-def test_pack_layout_is_recorded_and_checked(tmp_path, monkeypatch):
-    """A registered packer (here: columns reversed, a stand-in for a kernel's swizzle) changes the stored
-    bytes, is named in the metadata, and a checkpoint packed differently from this process is refused."""
-    src = "tests/golden/dsv32"
-    plain = jtilert.convert(src, tmp_path / "plain", tp=2)
-    mesh = jtilert.make_mesh(2)
-    reference = jtilert.load(plain, mesh=mesh)
-    flip = converter.Packer("reverse-columns", lambda x: x[..., ::-1], lambda x: x[..., ::-1])
-    monkeypatch.setitem(converter.PACKERS, "linear_weight", flip)
-    packed = jtilert.convert(src, tmp_path / "packed", tp=2)
-    meta = json.loads((packed / "jtilert.json").read_text())
-    assert meta["pack"]["linear_weight"] == "reverse-columns" and meta["pack"]["expert_weight"] == "identity"
-    f = "params/tp1/layers.0.self_attn.o_proj.weight.bin"
-    assert (packed / f).read_bytes() != (plain / f).read_bytes()
-    assert_same_params(jtilert.load(packed, mesh=mesh), reference)  # unpacked to the logical layout
-    jtilert.verify(packed, against=src)
-    monkeypatch.undo()
-    with pytest.raises(ValueError, match=r"parameter \S+ is stored with layout 'reverse-columns', this jtilert packs "
-                                         r"linear_weight parameters as 'identity'; convert the checkpoint again"):
-        jtilert.load(packed, mesh=mesh)
-
-
 def test_fp8_tp_layouts_load_exactly_and_agree(fp8_src, converted):
     scores = {}
     for tp, dst in converted.items():
@@ -115,44 +97,62 @@ def test_fp8_tp_layouts_load_exactly_and_agree(fp8_src, converted):
     assert np.isfinite(scores[1]).all() and scores[1].std() > 0.1
     for tp in (2, 8):  # the same logits up to the order of the all-reduce sums
         np.testing.assert_allclose(scores[tp], scores[1], atol=2e-3, rtol=1e-3)
-    files = sorted(p.relative_to(converted[8]).as_posix() for p in converted[8].rglob("*.bin"))
-    assert "params/tp7/layers.1.mlp.experts.gate.weight.bin" in files
-    assert "params/replicated/layers.1.self_attn.q_a_proj.weight.bin" in files
-    assert "params/tp3/mtp.layer.self_attn.q_b_proj.scale.bin" in files
 
 
-def test_mesh_size_must_match_unless_resharding(converted):
-    with pytest.raises(ValueError, match=r"laid out for tp=8; loading it onto a mesh with tp=2 needs reshard=True"):
-        jtilert.load(converted[8], mesh=jtilert.make_mesh(2))
-    with pytest.raises(ValueError, match=r"laid out for tp=2; loading it without a mesh needs reshard=True"):
-        jtilert.load(converted[2])
+def test_chunks_lie_within_one_shard(converted):
+    """Every chunk of a converted checkpoint is one layer of a stack and lies within one device's shard."""
+    meta = json.loads((converted[8] / "jtilert.json").read_text())
+    cfg = jtilert.ModelConfig.from_json_dict(meta["config"])
+    for name, (shape, _) in meta["params"].items():
+        arr = arrays.open_array(converted[8] / "params", name)
+        chunk = tuple(arr.chunk_layout.read_chunk.shape)
+        assert tuple(arr.shape) == tuple(shape), name
+        if checkpoint.layer_names(cfg, name):
+            assert chunk[0] == 1, name
+        split = checkpoint.sharding.split_axis(tuple(name.split(".")))
+        if split is not None:
+            assert (shape[split] // 8) % chunk[split] == 0, (name, chunk)
+    gate = arrays.open_array(converted[8] / "params", "moe.experts.gate.weight")
+    assert tuple(gate.chunk_layout.read_chunk.shape) == (1, 8, 128, 256)  # [layer, experts, a shard's rows, in]
+
+
+def test_a_shard_reads_only_its_chunks(converted, tmp_path):
+    """With the chunk files of shards 1-7 of a split stack deleted, shard 0 still reads: its box touches its
+    own chunks only."""
+    dst = tmp_path / "c"
+    shutil.copytree(converted[8], dst)
+    name = "moe.experts.down.weight"  # [layer, expert, hidden, width], the width split
+    full = arrays.open_array(converted[8] / "params", name)
+    split, local = 3, full.shape[3] // 8
+    for f in (dst / "params" / name / "c").rglob("*"):
+        if f.is_file() and int(f.name) * full.chunk_layout.read_chunk.shape[split] >= local:
+            f.unlink()
+    arr = arrays.open_array(dst / "params", name)
+    np.testing.assert_array_equal(np.asarray(arr[..., :local].read().result()).view(np.uint8),
+                                  np.asarray(full[..., :local].read().result()).view(np.uint8))
+    with pytest.raises(ValueError, match="is missing"):
+        arr[..., local:2 * local].read().result()
+
+
+def test_any_mesh_loads_any_conversion(converted):
+    """A checkpoint converted for one tp degree loads onto a mesh of another (or none)."""
     mesh = jtilert.make_mesh(2)
-    assert_same_params(jtilert.load(converted[8], mesh=mesh, reshard=True), jtilert.load(converted[2], mesh=mesh))
-    assert_same_params(jtilert.load(converted[2], reshard=True), jtilert.load(converted[1]))
+    assert_same_params(jtilert.load(converted[8], mesh=mesh), jtilert.load(converted[2], mesh=mesh))
+    assert_same_params(jtilert.load(converted[2]), jtilert.load(converted[1]))
     mesh8 = jtilert.make_mesh(8)
-    assert_same_params(jtilert.load(converted[1], mesh=mesh8, reshard=True), jtilert.load(converted[8], mesh=mesh8))
+    assert_same_params(jtilert.load(converted[1], mesh=mesh8), jtilert.load(converted[8], mesh=mesh8))
 
 
-def test_reshard_checks_fp8_block_alignment(tmp_path):
+def test_loading_checks_fp8_block_alignment(tmp_path):
     src = jtilert.random_checkpoint("tiny", tmp_path / "tiny")  # fp8, widths not multiples of 128
     dst = jtilert.convert(src, tmp_path / "t", tp=1)
-    with pytest.raises(ValueError, match=r"parameter layers.0.self_attn.o_proj.weight of shape \(128, 128\): fp8 "
+    with pytest.raises(ValueError, match=r"parameter layers.self_attn.o_proj.weight of shape \(5, 128, 128\): fp8 "
                                          r"block scales need each of the tp=2 slices"):
-        jtilert.load(dst, mesh=jtilert.make_mesh(2), reshard=True)
+        jtilert.load(dst, mesh=jtilert.make_mesh(2))
     with pytest.raises(ValueError, match=r"parameter layers.0.self_attn.o_proj.weight of shape \(128, 128\): fp8 "
                                          r"block scales need each of the tp=2 slices of axis 1 \(128 / 2\)"):
         jtilert.convert(src, tmp_path / "t2", tp=2)
     assert not (tmp_path / "t2").exists() and not list(tmp_path.glob(".t2*"))
-
-
-def test_stored_tensor_reads_any_slice(converted):
-    meta = json.loads((converted[8] / "jtilert.json").read_text())
-    name = "layers.1.mlp.experts.down.weight"
-    t8 = checkpoint.StoredTensor(converted[8], name, meta)
-    full = checkpoint.StoredTensor(converted[1], name, json.loads((converted[1] / "jtilert.json").read_text())).read()
-    np.testing.assert_array_equal(t8.read(), full)
-    np.testing.assert_array_equal(t8.read((3, slice(10, 20), slice(100, 700))), full[3, 10:20, 100:700])
-    np.testing.assert_array_equal(t8.read((5, 7)), full[5, 7])
 
 
 def test_dequantising_to_bf16_matches_dequantize(fp8_src, tmp_path):
@@ -181,6 +181,19 @@ def test_quantising_fp32_to_fp8_matches_quantize_weight(tmp_path):
     jtilert.verify(dst, against=src)
 
 
+def test_quantising_chunked_for_tp8_matches_tp1(tmp_path):
+    """bf16 → fp8 with the rows of each shard read in turn (expert by expert) and the width-split scales
+    filled together: the same arrays as one shard."""
+    src = jtilert.random_checkpoint(ALIGNED, tmp_path / "bf16", fmt="bf16")
+    a, b = (checkpoint.flat_params(jtilert.load(jtilert.convert(src, tmp_path / f"q{tp}", tp=tp, dtype="fp8")))
+            for tp in (8, 1))
+    for k in a:
+        assert np.array_equal(np.asarray(a[k]).view(np.uint8), np.asarray(b[k]).view(np.uint8)), k
+    q, s = quantize_weight(checkpoint.load_hf(src).moe.experts.down.weight[...])
+    assert np.array_equal(np.asarray(a["moe.experts.down.weight"]).view(np.uint8), np.asarray(q).view(np.uint8))
+    assert np.array_equal(np.asarray(a["moe.experts.down.scale"]), np.asarray(s))
+
+
 def test_layer_subset_and_no_mtp(fp8_src, tmp_path):
     src = "tests/golden/dsv32"  # layer 0 dense, 1-2 MoE
     dst = jtilert.convert(src, tmp_path / "s", layers="1:3")
@@ -201,25 +214,124 @@ def test_layer_subset_and_no_mtp(fp8_src, tmp_path):
     assert not (tmp_path / "x").exists() and not list(tmp_path.glob(".x*"))
 
 
+# Restores a converted checkpoint onto an 8-device mesh with orbax alone (argv: the checkpoint, each array's
+# split axis); prints each array's SHA-256 and one device's shard shape.
+PLAIN_ORBAX = """
+import hashlib, json, sys
+import jax, numpy as np, orbax.checkpoint as ocp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+path, splits = sys.argv[1], json.loads(sys.argv[2])
+meta = json.load(open(path + "/jtilert.json"))
+mesh = Mesh(np.array(jax.devices()), ("tp",))
+target = {}
+for name, (shape, dtype) in meta["params"].items():
+    spec = [None] * len(shape)
+    if splits[name] is not None:
+        spec[splits[name]] = "tp"
+    *parents, leaf = name.split(".")
+    d = target
+    for k in parents:
+        d = d.setdefault(k, {})
+    d[leaf] = jax.ShapeDtypeStruct(tuple(shape), jax.numpy.dtype(dtype), sharding=NamedSharding(mesh, P(*spec)))
+restored = ocp.StandardCheckpointer().restore(path + "/params", target)
+out = {}
+for keys, x in jax.tree_util.tree_leaves_with_path(restored):
+    name = ".".join(k.key for k in keys)
+    out[name] = [hashlib.sha256(np.asarray(x).tobytes()).hexdigest(), list(x.addressable_shards[0].data.shape)]
+assert not any(m.startswith("jtilert") for m in sys.modules)
+print(json.dumps(out))
+"""
+
+
+def test_plain_orbax_restores_a_conversion_onto_a_mesh(converted):
+    dst = converted[8]
+    names = json.loads((dst / "jtilert.json").read_text())["params"]
+    splits = {n: checkpoint.sharding.split_axis(tuple(n.split("."))) for n in names}
+    env = {"PATH": os.environ["PATH"], "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    out = subprocess.run([sys.executable, "-c", PLAIN_ORBAX, str(dst), json.dumps(splits)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    model = jtilert.load(dst, mesh=jtilert.make_mesh(8))
+    want = {k: [hashlib.sha256(np.asarray(x).tobytes()).hexdigest(), list(x.addressable_shards[0].data.shape)]
+            for k, x in checkpoint.flat_params(model).items()}
+    assert got == want
+    assert got["moe.experts.gate.weight"][1] == [2, 8, 128, 256]  # each device a 1/8 of the rows
+
+
+# Loads a checkpoint onto a 2-device mesh and prints the error (in a child: the reads that orbax leaves
+# unfinished when one fails print tracebacks when they are collected, whichever test is running then).
+LOAD = """
+import sys, jtilert
+try:
+    jtilert.load(sys.argv[1], mesh=jtilert.make_mesh(2))
+except ValueError as e:
+    print(e)
+    sys.unraisablehook = lambda unraisable: None
+"""
+
+
+def test_a_damaged_chunk_fails_the_load_in_one_line(converted, tmp_path):
+    dst = tmp_path / "d"
+    shutil.copytree(converted[2], dst)
+    f = dst / "params/moe.experts.up.weight/c/1/0/1/0"
+    data = bytearray(f.read_bytes())
+    data[777] ^= 0x10
+    f.write_bytes(bytes(data))
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+
+    def load_error():
+        r = subprocess.run([sys.executable, "-c", LOAD, str(dst)], capture_output=True, text=True, env=env,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return r.stdout
+
+    assert load_error() == f"{f}: checksum mismatch (CRC-32C) (run `jtilert verify` on the checkpoint to list " \
+                           f"every damaged chunk)\n"
+    f.unlink()
+    assert load_error().startswith(f"{f}: missing")
+
+
+def test_chunk_files_are_tensorstores_own(converted, tmp_path):
+    """The converter writes each chunk file itself (O_DIRECT): byte for byte what TensorStore writes for the
+    same array and chunk shape, metadata included."""
+    src = converted[2] / "params"
+    for name in ("moe.experts.down.weight", "layers.self_attn.q_b_proj.scale", "embed_tokens"):
+        a = arrays.open_array(src, name)
+        x = np.asarray(a.read().result())
+        arrays.write_arrays(tmp_path, {name: (x, tuple(a.chunk_layout.read_chunk.shape))})
+        files = sorted(f.relative_to(src / name) for f in (src / name).rglob("*") if f.is_file())
+        assert files == sorted(f.relative_to(tmp_path / name) for f in (tmp_path / name).rglob("*") if f.is_file())
+        assert len(files) > 1
+        for f in files:
+            assert (src / name / f).read_bytes() == (tmp_path / name / f).read_bytes(), (name, f)
+
+
 def test_verify_finds_damage(fp8_src, converted, tmp_path):
     dst = tmp_path / "v"
     shutil.copytree(converted[2], dst)
     report = jtilert.verify(dst, against=fp8_src)
-    assert report["tensors"] > 0 and report["spot_checked"] > 0 and report["tp"] == 2
-    f = dst / "params/tp1/layers.1.mlp.experts.gate.weight.bin"
+    assert report["arrays"] > 0 and report["chunks"] > report["arrays"] and report["spot_checked"] > 0
+    assert report["tp"] == 2
+    f = dst / "params/moe.experts.gate.weight/c/0/0/1/0"  # layer 0, all experts, shard 1
     data = bytearray(f.read_bytes())
     data[12345] ^= 0x01
     f.write_bytes(bytes(data))
-    g = dst / "params/replicated/embed_tokens.bin"
+    g = dst / "params/embed_tokens/c/0/0"
     size = g.stat().st_size
     g.write_bytes(g.read_bytes()[:-2])
-    (dst / "params/tp0/lm_head.weight.bin").unlink()
-    with pytest.raises(ValueError, match="3 problem") as e:
+    (dst / "params/lm_head.weight/c/1/0").unlink()
+    h = dst / "params/norm.weight/c/0"
+    h.write_bytes(h.read_bytes() + b"\0")
+    with pytest.raises(ValueError, match="4 problem") as e:
         jtilert.verify(dst)
     msg = str(e.value)
-    assert "tp1/layers.1.mlp.experts.gate.weight.bin: checksum mismatch" in msg
-    assert f"embed_tokens.bin: {size - 2} bytes, parameter embed_tokens needs {size}" in msg
-    assert "tp0/lm_head.weight.bin: missing" in msg
+    assert "moe.experts.gate.weight/c/0/0/1/0: checksum mismatch (CRC-32C) (parameter moe.experts.gate.weight)" in msg
+    assert f"embed_tokens/c/0/0: {size - 2} bytes, the chunk needs {size}" in msg
+    assert "lm_head.weight/c/1/0: missing" in msg
+    assert f"norm.weight/c/0: {h.stat().st_size} bytes, the chunk needs {h.stat().st_size - 1}" in msg
 
 
 def test_verify_against_a_different_source_fails(fp8_src, converted, tmp_path):
@@ -272,11 +384,16 @@ def test_full_size_deepseek_plan_at_tp8(tmp_path):
     """The real DeepSeek-V3.2 shapes (61 layers + MTP, 686 GB of fp8) plan cleanly at tp=8 and 16, and a
     tp that splits fp8 blocks is refused by name (the data is sparse: headers only)."""
     src = jtilert.random_checkpoint("deepseek-v3.2", tmp_path / "dsv32", sparse=True)
-    p = converter.plan(src, tp=8)
+    p = plan(src, tp=8)
     assert len(p.files) == 161 and 680e9 < p.nbytes < 690e9
     experts = next(i for i in p.items if i.name == "layers.60.mlp.experts.gate.weight")
     assert experts.local_shape == (256, 256, 7168) and len(experts.mats) == 256
+    assert experts.array == "moe.experts.gate.weight" and experts.layer == 57
+    assert p.arrays["moe.experts.gate.weight"].chunk == (1, 16, 256, 7168)   # 29 MB within one shard
+    assert p.arrays["moe.experts.down.weight"].chunk == (1, 2, 7168, 256)    # 1/8 of the budget: width split
     assert next(i for i in p.items if i.name == "mtp.layer.self_attn.o_proj.weight").local_shape == (7168, 2048)
+    chunks = sum(int(np.prod([-(-n // c) for n, c in zip(a.shape, a.chunk)])) for a in p.arrays.values())
+    assert 50_000 < chunks < 100_000, chunks  # files: one per chunk
     with pytest.raises(ValueError, match=r"parameter layers.0.mlp.down_proj.weight of shape \(7168, 18432\): fp8 "
                                          r"block scales need each of the tp=32 slices of axis 1 \(18432 / 32\)"):
-        converter.plan(src, tp=32)
+        plan(src, tp=32)

@@ -1,5 +1,6 @@
 """Bad input to jtilert.convert: each is a clear error naming the file or tensor, and nothing at the
-destination (a partial conversion, if any, is a hidden folder without jtilert.json)."""
+destination (a partial conversion, if any, is a hidden folder without jtilert.json); --overwrite replaces
+only a jtilert checkpoint."""
 
 import errno
 import fcntl
@@ -14,8 +15,8 @@ import numpy as np
 import pytest
 
 import jtilert
-from jtilert.store import converter
-from jtilert.store import hf
+from jtilert.store import arrays, hf
+from jtilert.store.folder import DONE_LOG
 from jtilert.store.synthetic import HF_DTYPE
 
 NAMES = {np.dtype(v): k for k, v in hf.DTYPES.items()}
@@ -172,15 +173,37 @@ def test_not_an_hf_folder(tmp_path):
 
 
 def test_existing_destination_needs_overwrite(good, tmp_path):
-    dst = tmp_path / "dst"
-    dst.mkdir()
-    (dst / "keep").write_text("x")
+    dst = jtilert.convert(good, tmp_path / "dst")
     with pytest.raises(FileExistsError, match="exists"):
-        jtilert.convert(good, dst)
-    assert (dst / "keep").exists()
-    jtilert.convert(good, dst, overwrite=True)
-    assert not (dst / "keep").exists() and (dst / "jtilert.json").exists()
+        jtilert.convert(good, dst, dtype="bf16")
+    jtilert.convert(good, dst, dtype="bf16", overwrite=True)  # a jtilert checkpoint: replaced
+    assert json.loads((dst / "jtilert.json").read_text())["weight_format"] == "bf16"
     assert not list(tmp_path.glob(".dst*"))
+
+
+def test_overwrite_refuses_what_is_not_a_checkpoint(good, tmp_path, capsys):
+    """--overwrite never deletes a folder that is not a jtilert checkpoint: the error says what is there."""
+    dst = tmp_path / "dst"
+    (dst / "notes").mkdir(parents=True)
+    (dst / "important.txt").write_text("x")
+    (dst / "notes" / "a.md").write_text("y")
+    with pytest.raises(FileExistsError, match=r"dst holds 2 files that are not a jtilert checkpoint "
+                                              r"\(important.txt, notes\); remove them or choose another folder"):
+        jtilert.convert(good, dst, overwrite=True)
+    assert (dst / "important.txt").read_text() == "x" and (dst / "notes" / "a.md").exists()
+    assert not list(tmp_path.glob(".dst*"))
+    from jtilert.cli import main
+    assert main(["convert", str(good), str(dst), "--overwrite", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds 2 files that are not a jtilert checkpoint" in err
+    with pytest.raises(FileExistsError, match=r"holds 2 files that are not a jtilert checkpoint"):
+        jtilert.save(jtilert.load(jtilert.convert(good, tmp_path / "ok")), dst, overwrite=True)
+    assert (dst / "important.txt").exists()
+    (tmp_path / "file").write_text("z")
+    with pytest.raises(FileExistsError, match=r"file is a file, not a jtilert checkpoint"):
+        jtilert.convert(good, tmp_path / "file", overwrite=True)
+    (tmp_path / "empty").mkdir()
+    jtilert.convert(good, tmp_path / "empty", overwrite=True)
 
 
 def test_not_enough_disk_space_is_refused_up_front(good, tmp_path, monkeypatch):
@@ -192,20 +215,20 @@ def test_not_enough_disk_space_is_refused_up_front(good, tmp_path, monkeypatch):
 
 def test_disk_full_midway_keeps_a_resumable_partial(good, tmp_path, monkeypatch):
     calls = {"n": 0}
-    real = converter._Out._write
+    real = arrays.write_chunk
 
-    def write(self, n):
+    def write_chunk(path, x, digest):
         calls["n"] += 1
         if calls["n"] == 40:
-            raise converter._disk_error(OSError(errno.ENOSPC, "No space left on device"), self.path, self.name,
-                                        self.tmp)
-        return real(self, n)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, x, digest)
 
-    monkeypatch.setattr(converter._Out, "_write", write)
-    fails(good, tmp_path, ValueError, r"disk full writing parameter \S+ to .*\.bin; the partial conversion is kept "
-                                      r"in .*\.dst\.partial \(not a usable checkpoint\): free space and rerun")
+    monkeypatch.setattr(arrays, "write_chunk", write_chunk)
+    fails(good, tmp_path, ValueError, r"disk full writing parameter \S+ to .*/params/\S+/c/[0-9/]+; the partial "
+                                      r"conversion is kept in .*\.dst\.partial \(not a usable checkpoint\): free "
+                                      r"space and rerun")
     monkeypatch.undo()
-    assert (tmp_path / ".dst.partial" / converter.DONE_LOG).read_text().count("\n") > 5
+    assert (tmp_path / ".dst.partial" / DONE_LOG).read_text().count("\n") > 5
     jtilert.convert(good, tmp_path / "dst")
     jtilert.verify(tmp_path / "dst", against=good)
 

@@ -1,5 +1,6 @@
-"""Interrupted conversions resume to the same bytes: finished tensors are checked (size, CRC-32) and
-skipped, damaged or unfinished ones rewritten; nothing at the destination until the end."""
+"""Interrupted conversions resume to the same files, byte for byte (chunk files, zarr.json, orbax's and
+jtilert's metadata): finished parameters are read back (chunk sizes, CRC-32C) and skipped, damaged or
+unfinished ones rewritten; nothing at the destination until the end."""
 
 import json
 import os
@@ -12,7 +13,9 @@ from pathlib import Path
 import pytest
 
 import jtilert
-from jtilert.store import converter
+from jtilert.store import arrays
+from jtilert.store.convert.plan import plan
+from jtilert.store.folder import DONE_LOG
 
 CFG = jtilert.preset("tiny").replace(
     hidden_size=256, intermediate_size=1024, moe_intermediate_size=1024, num_attention_heads=16, q_lora_rank=128,
@@ -30,6 +33,16 @@ def src(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(src, tmp_path_factory):
     return jtilert.convert(src, tmp_path_factory.mktemp("ref") / "dst", tp=2, chunk_bytes=CHUNK)
+
+
+def chunk_files(partial: Path, src, name: str) -> list[Path]:
+    """The chunk files of per-layer parameter `name` in a conversion at tp=2."""
+    item = next(i for i in plan(src, tp=2, chunk_bytes=CHUNK).items if i.name == name)
+    folder = partial / "params" / item.array / "c"
+    files = sorted(f for f in (folder.joinpath(str(item.layer)) if item.layer is not None else folder).rglob("*")
+                   if f.is_file())
+    assert files
+    return files
 
 
 def same_bytes(a: Path, b: Path):
@@ -53,15 +66,15 @@ def test_interrupt_damage_resume(src, reference, tmp_path):
     with pytest.raises(KeyboardInterrupt):
         jtilert.convert(src, dst, tp=2, chunk_bytes=CHUNK, callback=stop)
     assert not dst.exists() and partial.is_dir() and not (partial / "jtilert.json").exists()
-    finished = [json.loads(line)["name"] for line in (partial / converter.DONE_LOG).read_text().splitlines()]
+    finished = [json.loads(line)["name"] for line in (partial / DONE_LOG).read_text().splitlines()]
     assert 10 < len(finished) < 100
-    # damage two finished tensors: a flipped byte, a truncated shard
+    # damage two finished parameters: a flipped byte in a chunk, a truncated chunk
     flipped, cut = finished[3], finished[-2]
-    f = next((partial / "params").rglob(f"{flipped}.bin"))
+    f = chunk_files(partial, src, flipped)[-1]
     data = bytearray(f.read_bytes())
     data[len(data) // 2] ^= 0x40
     f.write_bytes(bytes(data))
-    g = next((partial / "params").rglob(f"{cut}.bin"))
+    g = chunk_files(partial, src, cut)[0]
     g.write_bytes(g.read_bytes()[:-1])
 
     events = []
@@ -76,16 +89,16 @@ def test_interrupt_damage_resume(src, reference, tmp_path):
 
 KILLED = """
 import sys, time
-from jtilert.store import converter
+from jtilert.store import convert
 def slow(name, done, total):
     time.sleep(0.002)
-converter.convert(sys.argv[1], sys.argv[2], tp=2, chunk_bytes=int(sys.argv[3]), callback=slow)
+convert.convert(sys.argv[1], sys.argv[2], tp=2, chunk_bytes=int(sys.argv[3]), callback=slow)
 """
 
 
 def test_killed_conversion_resumes_to_the_same_bytes(src, reference, tmp_path):
     dst = tmp_path / "dst"
-    log = tmp_path / ".dst.partial" / converter.DONE_LOG
+    log = tmp_path / ".dst.partial" / DONE_LOG
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]), JAX_PLATFORMS="cpu")
     proc = subprocess.Popen([sys.executable, "-c", KILLED, str(src), str(dst), str(CHUNK)], env=env)
     try:
@@ -107,8 +120,8 @@ def test_killed_conversion_resumes_to_the_same_bytes(src, reference, tmp_path):
 
 
 def test_page_cache_path_writes_the_same_bytes(src, reference, tmp_path, monkeypatch):
-    """Where O_DIRECT is refused (tmpfs, some network filesystems) reads and writes go through the page
+    """Where O_DIRECT is refused (tmpfs, some network filesystems) the source is read through the page
     cache: same files."""
-    monkeypatch.setitem(converter._direct, "ok", False)
+    monkeypatch.setitem(arrays.DIRECT, "ok", False)
     dst = jtilert.convert(src, tmp_path / "dst", tp=2, chunk_bytes=CHUNK)
     same_bytes(dst, reference)

@@ -62,9 +62,8 @@ def test_save_records_every_file_and_check_files_reads_them(saved):
 def test_flipped_byte_in_a_saved_checkpoint_is_refused(copy):
     f = biggest(copy)
     flip(f)
-    with pytest.raises(ValueError, match=rf"{re.escape(str(copy))} is damaged: {re.escape(str(f))}: checksum "
-                                         r"mismatch \(CRC-32 [0-9a-f]{8}, [0-9a-f]{8} was saved\)"):
-        jtilert.load(copy)
+    with pytest.raises(ValueError, match=rf"{re.escape(str(f))}: checksum mismatch \(CRC-32C\)"):
+        jtilert.load(copy)   # the chunk's own checksum, as TensorStore reads it
 
 
 def test_truncated_saved_file_is_named_checked_or_not(copy, capfd, caplog):
@@ -76,27 +75,30 @@ def test_truncated_saved_file_is_named_checked_or_not(copy, capfd, caplog):
                                          r"\(truncated or replaced\)"):
         jtilert.load(copy)
     # unchecked, orbax meets it: its TensorStore error in one line, without the coroutine tracebacks
-    with pytest.raises(ValueError, match=r"cannot read the parameters: OUT_OF_RANGE: .*not valid for value of size"):
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(f))}: "):
         jtilert.load(copy, check=False)
     err = capfd.readouterr().err
     assert "Exception ignored" not in err and "Traceback" not in err
     assert not [r for r in caplog.records if r.levelname == "ERROR"]
 
 
-def test_checkpoint_without_checksums_loads_with_a_warning(copy, tiny_random):
-    meta = json.loads((copy / "jtilert.json").read_text())
+def test_checkpoint_without_checksums_loads_with_a_warning(tmp_path):
+    """An orbax-storage checkpoint (layouts 1 and 3: no chunk checksums) without file checksums."""
+    old = shutil.copytree("jtilert/assets/tiny", tmp_path / "old")
+    meta = json.loads((old / "jtilert.json").read_text())
+    assert meta["layout_version"] < 4
     del meta["checksums"]
-    (copy / "jtilert.json").write_text(json.dumps(meta))
+    (old / "jtilert.json").write_text(json.dumps(meta))
     with pytest.warns(UserWarning, match="written without checksums: its files are not checked"):
-        m = jtilert.load(copy)
-    a, b = checkpoint.flat_params(m), checkpoint.flat_params(tiny_random)
+        m = jtilert.load(old)
+    a, b = checkpoint.flat_params(m), checkpoint.flat_params(jtilert.load("tiny"))
     assert all(np.array_equal(np.asarray(a[k]), np.asarray(b[k])) for k in a)
 
 
 def test_verify_checks_saved_and_converted_checkpoints(copy, converted):
-    assert jtilert.verify(copy)["bytes"] == checkpoint.check_files(copy, checkpoint.read_meta(copy))
+    jtilert.verify(copy)   # every chunk's size and CRC-32C
     with pytest.raises(ValueError, match="was written by jtilert.save: `against` compares a converted"):
-        jtilert.verify(copy, against="tests/golden/dsv32")
+        jtilert.verify("tiny", against="tests/golden/dsv32")   # orbax storage: its recorded file checksums
     # a source of other shapes is named before the spot check (it failed on a reshape of an empty array)
     with pytest.raises(ValueError, match=rf"tests/golden/dsv32 is another model than {re.escape(str(converted))}: "
                                          r"vocab_size \d+ there, 256 here; hidden_size"):
@@ -111,36 +113,6 @@ def test_embedded_checkpoint_has_checksums():
     path = checkpoint.resolve("tiny")
     assert checkpoint.check_files(path, checkpoint.read_meta(path)) > 3_000_000
 
-
-@pytest.mark.parametrize("rel, name", [
-    ("params/tp1/layers.2.mlp.experts.gate.weight.bin", "layers.2.mlp.experts.gate.weight"),  # a stacked weight
-    ("params/tp0/lm_head.weight.bin", "lm_head.weight"),                                      # split, unstacked
-    ("params/replicated/embed_tokens.bin", "embed_tokens"),                                   # replicated
-])
-def test_flipped_byte_in_a_converted_shard_is_refused(converted, tmp_path, rel, name):
-    """Each shard is checked against the converter's CRC-32 as it is read: whole shards onto their devices
-    (no second read), and through a file check where a device takes a part of one (reshard)."""
-    d = shutil.copytree(converted, tmp_path / "c")
-    f = d / rel
-    assert f.exists(), sorted(p.name for p in f.parent.iterdir())
-    flip(f)
-    match = rf"{re.escape(str(f))}: checksum mismatch \(parameter {re.escape(name)}: CRC-32 [0-9a-f]{{8}}, the " \
-            r"converter wrote [0-9a-f]{8}\)"
-    with pytest.raises(ValueError, match=match):
-        jtilert.load(d, mesh=jtilert.make_mesh(2))
-    with pytest.raises(ValueError, match=match):
-        jtilert.load(d, reshard=True)
-    jtilert.load(d, mesh=jtilert.make_mesh(2), check=False)   # the opt-out reads it as it is
-
-
-def test_intact_converted_checkpoint_loads_checked(converted):
-    m = jtilert.load(converted, mesh=jtilert.make_mesh(2))
-    ref = jtilert.load(converted, mesh=jtilert.make_mesh(2), check=False)
-    a, b = checkpoint.flat_params(m), checkpoint.flat_params(ref)
-    assert all(np.array_equal(np.asarray(a[k]), np.asarray(b[k])) for k in a)
-
-
-# ---- tp and memory, before anything is read or made -------------------------------------------------
 
 def test_tp_that_does_not_divide_the_model_fails_before_reading(saved, capfd):
     match = r"tp=3 does not divide the model's num_attention_heads=8, .* \(.*; tp can be 1, 2, 4, 8\)$"

@@ -1,22 +1,23 @@
 """Checkpoints: jtilert's formats (save / load onto a mesh) and HF model folders (load).
 
 A jtilert checkpoint is a folder with `jtilert.json` (config, weight format, layout version, every
-parameter's shape and dtype) and `params/`, in one of three layouts:
-  3. written by `save`: an orbax checkpoint of the model's parameter tree, layers stacked ([L, ...]
-     per weight kind, as the runtime holds them: `jtilert.model.transformer`);
-  1. written by `save` before the layer stacks: an orbax checkpoint with one entry per layer
-     (`layers.3.self_attn.q_b_proj.weight`); still read, stacked at load;
-  2. written by `jtilert.convert` (see jtilert/converter.py): raw per-device shard files of the per-layer
-     parameters, laid out for a given tensor-parallel degree, loaded shard by shard onto each device
-     and stacked there.
-Writes go to a temporary sibling folder that is renamed into place only when complete.
+parameter's shape and dtype) and `params/`, an orbax checkpoint of the model's parameter tree in one of these
+layouts:
+  4. written by `save` and by `jtilert.convert`: the layers stacked ([L, ...] per weight kind, as the runtime
+     holds them: `jtilert.model.transformer`), zarr3 arrays whose chunks carry a CRC-32C
+     (`jtilert.store.arrays`); a converted one is chunked so that each device of its tp degree reads only
+     its own chunks;
+  3. written by `save` before layout 4: the same tree in orbax's own storage (no chunk checksums);
+  1. written by `save` before the layer stacks: one entry per layer (`layers.3.self_attn.q_b_proj.weight`),
+     stacked at load.
+Layout 2 (`jtilert.convert`'s raw per-device shard files) is no longer read: loading one says how to convert
+its source again. Writes go to a temporary sibling folder that is renamed into place only when complete.
 
-Integrity: `save` records the size and CRC-32 of every file it writes under params/ in jtilert.json
-(`checksums`), and the converter records one per shard file; `load` checks them by default (a
-damaged file is a ValueError naming it, not wrong weights), `load(..., check=False)` skips that.
-A converted shard's checksum is computed over the bytes as they are read for the device, an orbax
-checkpoint's over its files before orbax reads them. Checkpoints written before checksums existed
-load with a warning; HF folders (safetensors) carry none.
+Integrity: a layout-4 chunk's CRC-32C is checked by TensorStore on every read (a damaged chunk is a
+ValueError naming its file). `save` also records the size and CRC-32 of every file under params/ in
+jtilert.json (`checksums`): `verify` checks them, and `load` checks them before reading a layout-3
+checkpoint that has them (the embedded tiny model); `load(..., check=False)` skips that. Older
+checkpoints without checksums load with a warning; HF folders (safetensors) carry none.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ import os
 import re
 import shutil
 import sys
-import threading
 import warnings
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -40,17 +40,14 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from jtilert.store import hf
+from jtilert.store import arrays, convert, hf
 from jtilert.parallel import sharding
 from jtilert.model.config import ModelConfig
 from jtilert.model.presets import PRESETS
-from jtilert.store import converter
-from jtilert.store.converter import StoredTensor
-from jtilert.store.folder import LAYOUT_VERSION, META, move_into_place, np_dtype, read_meta  # noqa: F401
+from jtilert.store.folder import LAYOUT_VERSION, META, move_into_place, np_dtype, read_meta, replaceable  # noqa: F401
 from jtilert.model.transformer import Transformer, abstract_model, check_fits, flat_params, layer_arrays, layer_names, layer_params  # noqa: F401
 
 ASSETS = Path(__file__).parent.parent / "assets"
@@ -119,14 +116,18 @@ def _flatten(nested: dict, prefix: str = "") -> dict:
 # ---- save ----------------------------------------------------------------------------------
 
 def save(model: Transformer, path: str | os.PathLike, overwrite: bool = False,
-         tokenizer: str | os.PathLike | None = None) -> Path:
-    """Write `model` to `path` atomically (temporary folder, then rename), with the size and CRC-32 of
-    every file in jtilert.json. `tokenizer` is "bytes" (UTF-8 byte ids) or the path of an HF
-    tokenizer.json to store beside the weights. A destination that cannot be written, or a disk without
-    room for the parameters, is an OSError before anything is written; nothing is left on failure."""
+         tokenizer: str | os.PathLike | None = None, chunk_bytes: int = arrays.CHUNK_BYTES) -> Path:
+    """Write `model` to `path` atomically (temporary folder, then rename) in layout 4, each chunk of at most
+    about `chunk_bytes` with its CRC-32C, and the size and CRC-32 of every file in jtilert.json;
+    `overwrite` replaces a jtilert checkpoint (nothing else). `tokenizer` is "bytes" (UTF-8 byte ids) or
+    the path of an HF tokenizer.json to store beside the weights. A destination that cannot be written,
+    or a disk without room for the parameters, is an OSError before anything is written; nothing is
+    left on failure."""
     path = Path(path).absolute()
-    if path.exists() and not overwrite:
-        raise FileExistsError(f"{path} exists (pass overwrite=True to replace it)")
+    if path.exists():
+        if not overwrite:
+            raise FileExistsError(f"{path} exists (pass overwrite=True to replace it)")
+        replaceable(path)
     params = flat_params(model)
     jax.block_until_ready(list(params.values()))  # a failure computing them is theirs, not the save's
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
@@ -141,10 +142,14 @@ def save(model: Transformer, path: str | os.PathLike, overwrite: bool = False,
         if need > free:  # the old checkpoint stays until the new one is complete: the whole size must fit
             raise OSError(errno.ENOSPC, f"cannot save to {path}: the parameters need {need:,} bytes, "
                                         f"{path.parent} has {free:,} free")
-        with _orbax_errors(f"cannot save to {path}", OSError):
-            with ocp.StandardCheckpointer() as ckpt:
-                ckpt.save(tmp / "params", _nest(params))
-                ckpt.wait_until_finished()
+        chunked = {}
+        for name, x in params.items():
+            split = sharding.split_axis(tuple(name.split(".")))
+            tp = 1 if split is None else x.shape[split] // x.sharding.shard_shape(x.shape)[split]
+            lead = 1 if layer_names(model.cfg, name) else 0
+            chunked[name] = (x, arrays.chunk_shape(x.shape, jnp.dtype(x.dtype).itemsize, split, tp, chunk_bytes, lead))
+        with _orbax_errors(f"cannot save to {path}", OSError):   # TensorStore's write errors, one line
+            arrays.write_arrays(tmp / "params", chunked)
         meta = {"layout_version": LAYOUT_VERSION, "weight_format": weight_format(params),
                 "dtype": jnp.dtype(model.dtype).name, "config": model.cfg.to_hf(),
                 "params": {k: [list(v.shape), jnp.dtype(v.dtype).name] for k, v in params.items()},
@@ -154,6 +159,8 @@ def save(model: Transformer, path: str | os.PathLike, overwrite: bool = False,
         elif tokenizer is not None:
             shutil.copy(tokenizer, tmp / "tokenizer.json")
         (tmp / META).write_text(json.dumps(meta, indent=1))
+        if path.exists():
+            replaceable(path)
         move_into_place(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -171,6 +178,8 @@ def _orbax_errors(what: str, kind=ValueError):
     sys.unraisablehook = lambda unraisable: None
     try:
         yield
+    except arrays.DamagedChunk as e:   # already one line naming the file
+        raise e.with_traceback(None) from None   # (its traceback would keep the abandoned reads alive)
     except Exception as e:  # orbax wraps TensorStore's error (the one that names the file) in a bare Exception
         root = e
         while root.__cause__ is not None:
@@ -189,7 +198,7 @@ def _orbax_errors(what: str, kind=ValueError):
 
 
 # ---- checksums -------------------------------------------------------------------------------
-# zlib's CRC-32, as the converter records per shard file: zlib is part of Python (no crc32c module is
+# zlib's CRC-32 of whole files (`save`'s record, beside the chunks' CRC-32C): zlib is part of Python (no crc32c module is
 # installed), checksums about 5 GB/s per core (a 2-core CPU machine: 5.0-6.5 GB/s, against 2.0-3.1 GB/s
 # reading the same files from its disk with O_DIRECT), and releases the GIL, so reader threads check in
 # parallel.
@@ -215,9 +224,10 @@ def file_checksums(folder: Path) -> dict:
     return {"algorithm": "crc32", "files": {p.relative_to(folder).as_posix(): list(c) for p, c in zip(files, sums)}}
 
 
-def check_files(path: Path, meta: dict) -> int:
-    """Check the files of a saved checkpoint against the sizes and CRC-32s `save` recorded: a ValueError
-    naming the first damaged file (and how many are), else the number of bytes checked."""
+def check_files(path: Path, meta: dict, contents: bool = True) -> int:
+    """Check the files of a saved checkpoint against the sizes and CRC-32s `save` recorded (only the
+    sizes with contents=False: no read): a ValueError naming the first damaged file (and how many
+    are), else the number of bytes checked."""
     sums = meta.get("checksums")
     if sums is None:
         raise ValueError(f"{path}: written without checksums (by a jtilert before they existed); "
@@ -230,7 +240,7 @@ def check_files(path: Path, meta: dict) -> int:
         f = path / rel
         if not f.is_file():
             return f"{f} is missing"
-        got_size, got = _file_crc(f)
+        got_size, got = _file_crc(f) if contents else (f.stat().st_size, crc)
         if got_size != size:
             return f"{f} has {got_size:,} bytes, {size:,} were saved (truncated or replaced)"
         if got != crc:
@@ -243,54 +253,6 @@ def check_files(path: Path, meta: dict) -> int:
         more = f" (and {len(problems) - 1} more damaged files)" if len(problems) > 1 else ""
         raise ValueError(f"{path} is damaged: {problems[0]}{more}")
     return sum(size for size, _ in sums["files"].values())
-
-
-class _ShardCheck:
-    """The CRC-32 of each shard file of a converted checkpoint, checked once: over the bytes of a whole
-    shard as it is read for a device (no extra read; in threads, overlapping the next reads: `finish`
-    waits for them and raises the first mismatch), or by reading the file where a device takes part of
-    a shard (resharding, packed layouts)."""
-
-    def __init__(self, path: Path, meta: dict):
-        self.path, self.meta = path, meta
-        self.done: set = set()
-        self.lock = threading.Lock()
-        self.pool = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="jtilert-crc")
-        self.pending: list = []
-
-    def _want(self, t: StoredTensor, d: int) -> int:
-        rec = self.meta["tensors"][t.name]
-        if "crc32" not in rec:
-            raise ValueError(f"{self.path}: parameter {t.name} has no CRC-32 checksum (its record has "
-                             f"{sorted(rec)}); load(..., check=False) loads it unchecked")
-        return rec["crc32"][d]
-
-    def _compare(self, t: StoredTensor, d: int, got: int) -> None:
-        want = self._want(t, d)
-        if got != want:
-            raise ValueError(f"{t.paths[d]}: checksum mismatch (parameter {t.name}: CRC-32 {got:08x}, the "
-                             f"converter wrote {want:08x}); the file is damaged (`jtilert verify "
-                             f"{self.path}` checks them all)")
-        with self.lock:
-            self.done.add((t.name, d))
-
-    def bytes(self, t: StoredTensor, d: int, x: np.ndarray) -> None:
-        if (t.name, d) not in self.done:
-            self._want(t, d)
-            self.pending.append(self.pool.submit(
-                lambda: self._compare(t, d, zlib.crc32(np.ascontiguousarray(x).reshape(-1).view(np.uint8)))))
-
-    def files(self, t: StoredTensor) -> None:
-        for d in range(t.shards):
-            if (t.name, d) not in self.done:
-                self._compare(t, d, _file_crc(t.paths[d])[1])
-
-    def finish(self) -> None:
-        for f in self.pending:
-            f.result()
-
-    def close(self) -> None:
-        self.pool.shutdown(cancel_futures=True)
 
 
 # ---- load ----------------------------------------------------------------------------------
@@ -312,32 +274,34 @@ def resolve(source: str | os.PathLike) -> Path:
                             f"(presets: {', '.join(PRESETS)})")
 
 
-def load(source: str | os.PathLike, mesh: Mesh | None = None, dtype=None, reshard: bool = False,
-         check: bool = True) -> Transformer:
+def load(source: str | os.PathLike, mesh: Mesh | None = None, dtype=None, check: bool = True) -> Transformer:
     """Load a jtilert checkpoint, an HF model folder (config.json + safetensors) or an embedded
-    preset ("tiny"). With a mesh, every parameter lands directly in its tensor-parallel sharding.
-    `dtype` sets the compute dtype (default: the checkpoint's); fp8 weights stay fp8.
-    A converted checkpoint is laid out for one tensor-parallel degree: loading it onto a mesh of another
-    size (or without a mesh when it is split) needs `reshard=True`.
-    `check` (default) compares every file with the CRC-32 recorded when it was written; a damaged one
-    is a ValueError naming it. A tp that does not divide the model, or weights that do not fit in the
-    devices' free memory, fail before anything is read."""
+    preset ("tiny"). With a mesh, every parameter lands directly in its tensor-parallel sharding, each
+    device reading its own part (a checkpoint converted for another tp degree too, reading whole chunks
+    around its part). `dtype` sets the compute dtype (default: the checkpoint's); fp8 weights stay fp8.
+    Every chunk of a layout-4 checkpoint is checked against its CRC-32C as it is read; `check` (default)
+    also checks a layout-3 checkpoint's files against the CRC-32s recorded when it was saved. A tp that
+    does not divide the model, or weights that do not fit in the devices' free memory, fail before
+    anything is read."""
     path = resolve(source)
     if (path / META).exists():
         meta = read_meta(path)
         if meta["layout_version"] == 2:
-            return _load_sharded(path, meta, mesh, dtype, reshard, check)
-        return _load_jtilert(path, mesh, dtype, check)
+            src = meta.get("source", {}).get("path", "SRC")
+            raise ValueError(f"{path} is a layout-2 converted checkpoint (raw per-device shard files), which this "
+                             f"jtilert no longer reads; convert its source again: jtilert convert {src} {path} "
+                             f"--tp {meta.get('tp', 1)} --overwrite")
+        return _load_jtilert(path, meta, mesh, dtype, check)
     if (path / "config.json").exists():
         return load_hf(path, mesh, dtype)
     raise FileNotFoundError(f"{path} is neither a jtilert checkpoint ({META}) nor an HF folder (config.json)")
 
 
 def _check_params(path: Path, meta: dict, model: Transformer) -> dict:
-    """The model's parameters as the checkpoint names them (stacked in layout 3, per layer before),
+    """The model's parameters as the checkpoint names them (stacked from layout 3 on, per layer before),
     checked against the shapes and dtypes the checkpoint records."""
     stored = meta["params"]
-    expected = dict(flat_params(model)) if meta["layout_version"] == 3 else layer_params(model)
+    expected = dict(flat_params(model)) if meta["layout_version"] >= 3 else layer_params(model)
     for name, x in expected.items():
         if name not in stored:
             raise ValueError(f"{path}: parameter {name} missing from the checkpoint")
@@ -351,22 +315,25 @@ def _check_params(path: Path, meta: dict, model: Transformer) -> dict:
     return expected
 
 
-def _load_jtilert(path: Path, mesh, dtype, check: bool) -> Transformer:
-    meta = read_meta(path)
+def _load_jtilert(path: Path, meta: dict, mesh, dtype, check: bool) -> Transformer:
     cfg = ModelConfig.from_json_dict(meta["config"])
     model = abstract_model(cfg, meta["weight_format"], dtype or meta["dtype"])
     expected = _check_params(path, meta, model)
-    check_fits(model, mesh, str(path))
-    if check and "checksums" in meta:
-        check_files(path, meta)
-    elif check:
-        warnings.warn(f"{path} was written without checksums: its files are not checked (`jtilert.save` it "
-                      f"again to add them)", stacklevel=3)
+    check_fits(model, mesh, str(path))   # a tp that does not divide the model, weights that do not fit
+    if mesh is not None:   # then a split that would cut fp8 blocks
+        for k, x in sorted(expected.items(), key=lambda kv: kv[0].endswith(".scale")):  # weights first
+            sharding.check_split(k, x.shape, x.dtype, mesh.shape[sharding.AXIS])
+    if check:   # layout 4: TensorStore checks every chunk's CRC-32C as it reads it; here only the sizes
+        if "checksums" in meta:
+            check_files(path, meta, contents=meta["layout_version"] < 4)
+        elif meta["layout_version"] < 4:
+            warnings.warn(f"{path} was written without checksums: its files are not checked (`jtilert.save` it "
+                          f"again to add them)", stacklevel=3)
     target = _nest({k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_sharding_of(k, x.ndim, mesh))
                     for k, x in expected.items()})
-    with _orbax_errors(f"{path}: cannot read the parameters"), ocp.StandardCheckpointer() as ckpt:
-        restored = _flatten(ckpt.restore(path / "params", target))
-    if meta["layout_version"] == 3:
+    with _orbax_errors(f"{path}: cannot read the parameters"):
+        restored = _flatten(arrays.restore(path / "params", target))
+    if meta["layout_version"] >= 3:
         return _fill(model, lambda name, _: restored[name])
     return _place(_stacked(model, lambda name, _: restored.pop(name)), mesh)
 
@@ -374,97 +341,6 @@ def _load_jtilert(path: Path, mesh, dtype, check: bool) -> Transformer:
 def _place(model: Transformer, mesh) -> Transformer:
     """Every parameter in its sharding (stacks built from per-layer parts land where jnp.stack put them)."""
     return _fill(model, lambda name, x: jax.device_put(x, _sharding_of(name, x.ndim, mesh)))
-
-
-def _whole_shard(t: StoredTensor, idx: tuple) -> int | None:
-    """The shard d when `idx` (slices over t's logical shape) is exactly stored shard d, else None."""
-    if not t.identity:
-        return None
-    idx = tuple(idx) + (slice(None),) * (len(t.shape) - len(idx))
-    spans = [s.indices(n) for s, n in zip(idx, t.shape)]
-    split = t.split if t.shards > 1 else None
-    if any((a, b, step) != (0, n, 1) for i, ((a, b, step), n) in enumerate(zip(spans, t.shape)) if i != split):
-        return None
-    if split is None:
-        return 0
-    local = t.shape[split] // t.shards
-    a, b, step = spans[split]
-    return a // local if step == 1 and a % local == 0 and b - a == local else None
-
-
-def _load_sharded(path: Path, meta: dict, mesh: Mesh | None, dtype, reshard: bool, check: bool) -> Transformer:
-    """A converted checkpoint: each device reads its own shard file of every split parameter."""
-    cfg = ModelConfig.from_json_dict(meta["config"])
-    model = abstract_model(cfg, meta["weight_format"], dtype or meta["dtype"])
-    expected = _check_params(path, meta, model)
-    tp = meta["tp"]
-    have = sharding.mesh_tp(mesh)
-    if have != tp and not reshard:
-        where = "without a mesh" if mesh is None else f"onto a mesh with tp={have}"
-        raise ValueError(f"{path} is laid out for tp={tp}; loading it {where} needs reshard=True "
-                         f"(or a mesh of {tp} devices, e.g. `jtilert generate --tp {tp}`; or convert it again "
-                         f"with --tp {have})")
-    sharding.check_params(cfg, expected, mesh)   # the per-layer names: a reshard names the layer
-    check_fits(model, mesh, str(path))
-    tensors = {name: StoredTensor(path, name, meta) for name in expected}
-
-    reader = ThreadPoolExecutor(min(8, max(tp, 1)), thread_name_prefix="jtilert-load")
-    checker = _ShardCheck(path, meta) if check else None
-
-    def shard(t: StoredTensor, d: int) -> np.ndarray:
-        x = t.shard(d)
-        if checker:
-            checker.bytes(t, d, x)
-        return x
-
-    def block(t: StoredTensor, idx: tuple = ()) -> np.ndarray:
-        """t at idx: a whole stored shard where idx is one (checked as read), else through t.read."""
-        d = _whole_shard(t, idx)
-        if d is not None:
-            return shard(t, d)
-        if checker:
-            checker.files(t)
-        return t.read(idx)
-
-    def get(name, like):
-        t = tensors[name]
-        if mesh is None:
-            return jnp.asarray(block(t))
-        sh = _sharding_of(name, len(t.shape), mesh)
-        if t.split is None:
-            return jax.device_put(block(t), sh)
-        if have != tp or not t.identity:
-            return jax.make_array_from_callback(t.shape, sh, lambda idx: block(t, idx))
-        # each device's slice is exactly one stored shard: read the shards in parallel, each onto its devices
-        local = t.shape[t.split] // tp
-        owner = {dev: idx[t.split].indices(t.shape[t.split])[0] // local
-                 for dev, idx in sh.addressable_devices_indices_map(t.shape).items()}
-        needed = sorted(set(owner.values()))
-        shards = dict(zip(needed, reader.map(lambda d: shard(t, d), needed)))
-        arrays = [jax.device_put(shards[d], dev) for dev, d in owner.items()]
-        return jax.make_array_from_single_device_arrays(t.shape, sh, arrays)
-
-    def get_stacked(name, like):
-        names = layer_names(cfg, name)
-        if not names:
-            return get(name, like)
-        if mesh is None:
-            return jnp.stack([jnp.asarray(block(tensors[n])) for n in names])
-
-        def read(idx):   # a device's block of the stack: its layers, each read from its own shard files
-            layers_idx = range(len(names))[idx[0]]
-            return np.stack([block(tensors[names[i]], idx[1:]) for i in layers_idx])
-        return jax.make_array_from_callback(like.shape, _sharding_of(name, like.ndim, mesh), read)
-
-    try:
-        model = _fill(model, get_stacked)
-        if checker:
-            checker.finish()
-        return model
-    finally:
-        reader.shutdown()
-        if checker:
-            checker.close()
 
 
 def load_hf(path: str | os.PathLike, mesh: Mesh | None = None, dtype=None, **config_overrides) -> Transformer:
@@ -532,26 +408,25 @@ SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", 
 
 
 def verify(dst: str | os.PathLike, against: str | os.PathLike | None = None, **kwargs) -> dict:
-    """Check a checkpoint's files against its checksums and return a summary: a saved one (jtilert.save)
-    against the sizes and CRC-32s `save` recorded; a converted one through `converter.verify` (every
-    tensor's shape and shard CRC-32; with `against`, its HF source, sampled rows compared, once the
-    source is known to have the same shapes: `kwargs` go to converter.verify). Raises ValueError."""
+    """Check a checkpoint and return a summary. Layout 4 (saved or converted): every chunk file's size
+    and CRC-32C, and with `against` its HF source, sampled rows compared once the source is known to
+    have the same shapes (`kwargs` go to `jtilert.store.convert.verify`). Layout 3: its files against
+    the sizes and CRC-32s `save` recorded. Raises ValueError."""
     path = resolve(dst)
-    if (path / META).exists():
-        meta = read_meta(path)
-        if meta["layout_version"] != 2:
-            if against is not None:
-                raise ValueError(f"{path} was written by jtilert.save: `against` compares a converted checkpoint "
-                                 f"with its HF source")
-            n = check_files(path, meta)
-            return {"path": str(path), "files": len(meta["checksums"]["files"]), "bytes": n}
-        if against is not None:   # the spot check compares rows by position: other shapes fail deep inside it
-            ours, theirs = ModelConfig.from_json_dict(meta["config"]), ModelConfig.from_hf(against)
-            differ = [f"{f} {getattr(theirs, f)} there, {getattr(ours, f)} here" for f in SHAPE_FIELDS
-                      if getattr(theirs, f) != getattr(ours, f)]
-            if differ:
-                raise ValueError(f"{against} is another model than {path}: {'; '.join(differ)}")
-    return converter.verify(path, against=against, **kwargs)
+    meta = read_meta(path)
+    if meta["layout_version"] < 4:
+        if against is not None:
+            raise ValueError(f"{path} (layout {meta['layout_version']}) was written by jtilert.save: `against` "
+                             f"compares a converted checkpoint with its HF source")
+        n = check_files(path, meta)
+        return {"path": str(path), "files": len(meta["checksums"]["files"]), "bytes": n}
+    if against is not None and "source" in meta:   # a conversion: the spot check compares rows by position,
+        ours, theirs = ModelConfig.from_json_dict(meta["config"]), ModelConfig.from_hf(against)
+        differ = [f"{f} {getattr(theirs, f)} there, {getattr(ours, f)} here" for f in SHAPE_FIELDS
+                  if getattr(theirs, f) != getattr(ours, f)]
+        if differ:
+            raise ValueError(f"{against} is another model than {path}: {'; '.join(differ)}")
+    return convert.verify(path, against=against, **kwargs)
 
 
 def config(source: str | os.PathLike) -> ModelConfig:
@@ -571,8 +446,7 @@ def info(source: str | os.PathLike) -> dict:
         cfg = ModelConfig.from_json_dict(meta["config"])
         shapes = {k: (tuple(s), d) for k, (s, d) in meta["params"].items()}
         fmt, kind = meta["weight_format"], "jtilert"
-        if "tp" in meta:
-            extra = {"tp": meta["tp"], "layout_version": meta["layout_version"]}
+        extra = {"layout_version": meta["layout_version"], **({"tp": meta["tp"]} if "tp" in meta else {})}
     else:
         cfg = ModelConfig.from_hf(path)
         tensors = hf.open_folder(path)
