@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -137,5 +138,17 @@ def main(argv=None) -> int:
     return 0
 
 
+def run() -> None:
+    """The `jtilert` command: main(), then exit. After an error the process ends at once: work the
+    failure abandoned (orbax's reads of a damaged checkpoint) would otherwise report from its threads
+    on the way out, after the one-line error."""
+    code = main()
+    if code:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

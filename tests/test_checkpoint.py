@@ -243,3 +243,13 @@ def test_info(saved):
     info = checkpoint.info(saved)
     assert info["kind"] == "jtilert" and info["layers"] == 4 and info["parameters"] > 0
     assert checkpoint.info("tests/golden/glm5")["model_type"] == "glm_moe_dsa"
+
+
+def test_save_keeps_the_tokenizer_of_what_was_loaded(tmp_path):
+    """`jtilert generate --model saved/` works on a model saved after loading: its tokenizer goes along."""
+    from jtilert.runtime.tokenizer import ByteTokenizer, tokenizer
+    jtilert.save(jtilert.load("tiny"), tmp_path / "again")
+    assert isinstance(tokenizer(tmp_path / "again"), ByteTokenizer)
+    jtilert.save(jtilert.random_model("tiny"), tmp_path / "random")   # made, not loaded: no tokenizer
+    with pytest.raises(FileNotFoundError, match="no tokenizer"):
+        tokenizer(tmp_path / "random")

@@ -120,7 +120,8 @@ def save(model: Transformer, path: str | os.PathLike, overwrite: bool = False,
     """Write `model` to `path` atomically (temporary folder, then rename) in layout 4, each chunk of at most
     about `chunk_bytes` with its CRC-32C, and the size and CRC-32 of every file in jtilert.json;
     `overwrite` replaces a jtilert checkpoint (nothing else). `tokenizer` is "bytes" (UTF-8 byte ids) or
-    the path of an HF tokenizer.json to store beside the weights. A destination that cannot be written,
+    the path of an HF tokenizer.json to store beside the weights; by default, that of the checkpoint the
+    model was loaded from. A destination that cannot be written,
     or a disk without room for the parameters, is an OSError before anything is written; nothing is
     left on failure."""
     path = Path(path).absolute()
@@ -154,6 +155,8 @@ def save(model: Transformer, path: str | os.PathLike, overwrite: bool = False,
                 "dtype": jnp.dtype(model.dtype).name, "config": model.cfg.to_hf(),
                 "params": {k: [list(v.shape), jnp.dtype(v.dtype).name] for k, v in params.items()},
                 "checksums": file_checksums(tmp)}
+        if tokenizer is None:
+            tokenizer = _tokenizer_of(getattr(model, "source", None))
         if tokenizer == "bytes":
             meta["tokenizer"] = "bytes"
         elif tokenizer is not None:
@@ -291,10 +294,25 @@ def load(source: str | os.PathLike, mesh: Mesh | None = None, dtype=None, check:
             raise ValueError(f"{path} is a layout-2 converted checkpoint (raw per-device shard files), which this "
                              f"jtilert no longer reads; convert its source again: jtilert convert {src} {path} "
                              f"--tp {meta.get('tp', 1)} --overwrite")
-        return _load_jtilert(path, meta, mesh, dtype, check)
-    if (path / "config.json").exists():
-        return load_hf(path, mesh, dtype)
-    raise FileNotFoundError(f"{path} is neither a jtilert checkpoint ({META}) nor an HF folder (config.json)")
+        model = _load_jtilert(path, meta, mesh, dtype, check)
+    elif (path / "config.json").exists():
+        model = load_hf(path, mesh, dtype)
+    else:
+        raise FileNotFoundError(f"{path} is neither a jtilert checkpoint ({META}) nor an HF folder (config.json)")
+    model.source = str(path.absolute())   # where `save` finds the tokenizer to keep with the weights
+    return model
+
+
+def _tokenizer_of(source: str | None) -> str | Path | None:
+    """The tokenizer stored with the checkpoint a model was loaded from ("bytes", a tokenizer.json, or None)."""
+    if source is None:
+        return None
+    folder = Path(source)
+    if (folder / "tokenizer.json").exists():
+        return folder / "tokenizer.json"
+    if (folder / META).exists() and read_meta(folder).get("tokenizer") == "bytes":
+        return "bytes"
+    return None
 
 
 def _check_params(path: Path, meta: dict, model: Transformer) -> dict:
