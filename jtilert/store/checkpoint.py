@@ -181,15 +181,13 @@ def _orbax_errors(what: str, kind=ValueError):
     sys.unraisablehook = lambda unraisable: None
     try:
         yield
-    except arrays.DamagedChunk as e:   # already one line naming the file
-        raise e.with_traceback(None) from None   # (its traceback would keep the abandoned reads alive)
+    except arrays.DamagedChunk:   # already one line naming the file
+        raise
     except Exception as e:  # orbax wraps TensorStore's error (the one that names the file) in a bare Exception
         root = e
         while root.__cause__ is not None:
             root = root.__cause__
         msg = str(root).splitlines()[0] if str(root) else type(root).__name__
-        for x in (e, root):   # the tracebacks hold the abandoned coroutines: let the collection below free them
-            x.__traceback__ = None
         if kind is OSError:   # TensorStore names the OS error: "... No space left on device [os_error_code='28']"
             code = re.search(r"os_error_code='(\d+)'", msg)
             raise OSError(int(code.group(1)) if code else errno.EIO, f"{what}: {msg}") from None
