@@ -2,7 +2,9 @@
 # GPU benchmarks from the checkout, in one device-tool call; every log and JSON is kept.
 #
 #   WORK=/tmp/w bench/gpu_session.sh PART [PART ...]     logs and JSON in $WORK/<part>.*
-#   (the device tool returns ≤ 8 files from $OUT: tar $WORK into $OUT, as bench/gpu_report.sh does)
+#   (the device tool returns ≤ 8 files from $OUT: tar $WORK into $OUT, as bench/gpu_report.sh does;
+#   SAVE_TO=$OUT re-tars $WORK into $SAVE_TO/session.tgz after every part, so a call that runs out of
+#   time still brings back the parts that finished)
 #
 # BACKENDS (default pallas,reference) picks the decode backends. PARTs, each under a time limit:
 #   stream       bench/kernels.py --only stream: what the TMA pipeline streams with no arithmetic
@@ -47,6 +49,7 @@ step() {  # step NAME LIMIT_S COMMAND...
   local rc=$?
   echo "[$(date -u +%T) +$(( $(date +%s) - T0 ))s] $name rc=$rc" >> "$WORK/session.txt"
   grep -v "Warning\|^\s*$" "$WORK/$name.log" | tail -30
+  if [ -n "${SAVE_TO:-}" ]; then tar czf "$SAVE_TO/session.tgz" -C "$WORK" --exclude=xla_cache . 2>/dev/null; fi
   return $rc
 }
 DEC="python3 -m bench.decode --preset dsv32-tp8-shard --context 4096"
