@@ -31,11 +31,12 @@ class Recording(Ops):
         return use
 
 
-def _decisions(name: str, layers: int, tokens: int, mtp: bool) -> dict[str, set[bool]]:
+def _step(name: str, layers: int, ops: Ops, tokens: int = 1, mtp: bool = False):
+    """(step, abstract weights, abstract cache) of a decode step of preset `name` (`mtp`: then the
+    MTP draft), for `jax.eval_shape` / `jax.make_jaxpr`."""
     cfg = preset(name, num_hidden_layers=layers)
     graphdef, state = nnx.split(abstract_model(cfg, "fp8", jnp.bfloat16))
     cache = jax.eval_shape(lambda: init_cache(cfg, 256, jnp.bfloat16))
-    ops = Recording(DecodeConfig(backend="pallas"))
 
     def step(state, cache):
         model = nnx.merge(graphdef, state)
@@ -44,7 +45,12 @@ def _decisions(name: str, layers: int, tokens: int, mtp: bool) -> dict[str, set[
         if mtp:
             _, cache = model.draft(ops, h, toks, jnp.int32(100), cache)
         return h, cache
+    return step, state, cache
 
+
+def _decisions(name: str, layers: int, tokens: int, mtp: bool) -> dict[str, set[bool]]:
+    ops = Recording(DecodeConfig(backend="pallas"))
+    step, state, cache = _step(name, layers, ops, tokens, mtp)
     with interp.compile_for_gpu(), warnings.catch_warnings():
         warnings.filterwarnings("error", message="jtilert: backend='pallas'")   # a kernel that does not apply
         jax.eval_shape(step, state, cache)
@@ -92,14 +98,7 @@ def _count(jaxpr, counts):
 
 def _layer_bodies(name: str) -> list[dict]:
     """Per layer-loop body of the one-token pallas step (dense, then MoE): its counts."""
-    cfg = preset(name, num_hidden_layers=5)
-    graphdef, state = nnx.split(abstract_model(cfg, "fp8", jnp.bfloat16))
-    cache = jax.eval_shape(lambda: init_cache(cfg, 256, jnp.bfloat16))
-    ops = Ops(DecodeConfig(backend="pallas"))
-
-    def step(state, cache):
-        return nnx.merge(graphdef, state).hidden(ops, jnp.zeros((1,), jnp.int32), jnp.int32(100), cache)
-
+    step, state, cache = _step(name, 5, Ops(DecodeConfig(backend="pallas")))
     with interp.compile_for_gpu():
         jaxpr = jax.make_jaxpr(step)(state, cache).jaxpr
     bodies = []

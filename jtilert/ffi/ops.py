@@ -359,6 +359,17 @@ def _gemv_bind(x, w, scale, axis_name, nwc, rpw, layer=None):
                          **attrs)
 
 
+def _gemv_refused(x, w, scale, layer, one_axis: bool = True) -> str | None:
+    """Why the engine's GEMV cannot run this call (the engine is not loaded, more than one mesh axis,
+    the shapes), or None."""
+    ok, why = engine_status()
+    if not ok:
+        return why
+    if not one_axis:
+        return "only a single named axis is supported"
+    return _gemv_unsupported(x, w, scale, layer)
+
+
 def gemv_all_reduce(x, w, scale, axis_name, *, layer=None, nwc=None, rpw=None):
     """y[N] = all_reduce(x @ dequant(w).T) over ``axis_name``, in ``x.dtype``.
 
@@ -376,14 +387,8 @@ def gemv_all_reduce(x, w, scale, axis_name, *, layer=None, nwc=None, rpw=None):
     x, w = jnp.asarray(x), jnp.asarray(w)
     if layer is not None:
         layer = _layer_index(layer, w=(w, 3), scale=(scale, 3))
-    ok, why = engine_status()
-    if ok and not isinstance(axis_name, str):
-        ok, why = False, "only a single named axis is supported"
-    if ok:
-        bad = _gemv_unsupported(x, w, scale, layer)
-        if bad:
-            ok, why = False, bad
-    if not ok:
+    why = _gemv_refused(x, w, scale, layer, one_axis=isinstance(axis_name, str))
+    if why:
         _fallback_warning(why)
         return gemv_reference(x, w, scale, axis_name, layer=layer)
     if lax.axis_size(axis_name) == 1:
@@ -398,12 +403,8 @@ def gemv(x, w, scale=None, *, layer=None, nwc=None, rpw=None):
     x, w = jnp.asarray(x), jnp.asarray(w)
     if layer is not None:
         layer = _layer_index(layer, w=(w, 3), scale=(scale, 3))
-    ok, why = engine_status()
-    if ok:
-        bad = _gemv_unsupported(x, w, scale, layer)
-        if bad:
-            ok, why = False, bad
-    if not ok:
+    why = _gemv_refused(x, w, scale, layer)
+    if why:
         _fallback_warning(why)
         return gemv_reference(x, w, scale, None, layer=layer)
     return _gemv_bind(x, w, scale, None, nwc, rpw, layer)
