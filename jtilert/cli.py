@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 
@@ -131,23 +130,13 @@ def main(argv=None) -> int:
         args.run(args)
     except (ValueError, OSError, MemoryError) as e:
         print(f"jtilert: error: {_message(e)}", file=sys.stderr)
-        # work abandoned by the failure (orbax's read coroutines) may still be collected on the way
-        # out, each printing "Exception ignored in ...": the error above is the whole report
-        sys.unraisablehook = lambda unraisable: None
         return 2
     return 0
 
 
 def run() -> None:
-    """The `jtilert` command: main(), then exit. After an error the process ends at once: work the
-    failure abandoned (orbax's reads of a damaged checkpoint) would otherwise report from its threads
-    on the way out, after the one-line error."""
-    code = main()
-    if code:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)
+    """The `jtilert` command."""
+    sys.exit(main())
 
 
 if __name__ == "__main__":

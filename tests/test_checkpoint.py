@@ -77,12 +77,24 @@ def test_zero_arrays_are_stored(tiny_random, tmp_path):
     jtilert.verify(path)
 
 
+def nest(flat: dict) -> dict:
+    """{"a.b": x} as {"a": {"b": x}}: the tree orbax saves."""
+    out: dict = {}
+    for name, x in flat.items():
+        *parents, leaf = name.split(".")
+        d = out
+        for p in parents:
+            d = d.setdefault(p, {})
+        d[leaf] = x
+    return out
+
+
 def test_orbax_storage_checkpoints_still_load(tiny_random, saved, tmp_path):
     """Layout 3: the stacked tree in orbax's own storage (what `save` wrote before chunk checksums)."""
     old = tmp_path / "old"
     shutil.copytree(saved, old, ignore=shutil.ignore_patterns("params"))
     with ocp.StandardCheckpointer() as ckpt:
-        ckpt.save(old / "params", checkpoint._nest(checkpoint.flat_params(tiny_random)))
+        ckpt.save(old / "params", nest(checkpoint.flat_params(tiny_random)))
     meta = json.loads((old / "jtilert.json").read_text())
     del meta["checksums"]   # as written before file checksums
     (old / "jtilert.json").write_text(json.dumps(dict(meta, layout_version=3)))

@@ -3,11 +3,10 @@ error naming the file, field or bytes, raised before the work where it can be, w
 behind and none of the pages of orbax or XLA output they used to produce."""
 
 import errno
+import gc
 import json
 import re
 import shutil
-import subprocess
-import sys
 from collections import namedtuple
 
 import numpy as np
@@ -61,28 +60,18 @@ def test_save_records_every_file_and_check_files_reads_them(saved):
     assert checkpoint.check_files(saved, meta) == sum(size for size, _ in files.values())
 
 
-def failed_load(path, **kwargs) -> tuple[str, str]:
-    """(the ValueError's message, stderr) of `jtilert.load(path, **kwargs)` failing in a child process. A
-    load that fails inside orbax leaves its other reads running on TensorStore's threads, and their late
-    callbacks have crashed a later test of the same process: the child ends right after the error."""
-    code = ("import os, sys, jtilert\n"
-            f"try:\n    jtilert.load({str(path)!r}, **{kwargs!r})\n"
-            "except ValueError as e:\n    print('ERROR', e, flush=True)\n"
-            "sys.stderr.flush()\nos._exit(0)\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    errors = [line[len("ERROR "):] for line in r.stdout.splitlines() if line.startswith("ERROR ")]
-    assert len(errors) == 1, (r.stdout[-2000:], r.stderr[-2000:])
-    return errors[0], r.stderr
-
-
 def test_flipped_byte_in_a_saved_checkpoint_is_refused(copy):
     f = biggest(copy)
     flip(f)
-    msg, _ = failed_load(copy)   # the chunk's own checksum, as TensorStore reads it
-    assert re.search(rf"{re.escape(str(f))}: checksum mismatch \(CRC-32C\)", msg), msg
+    for _ in range(3):   # the reads a failure leaves are finished before it is raised: the process goes on
+        with pytest.raises(ValueError) as e:   # the chunk's own checksum, as TensorStore reads it
+            jtilert.load(copy)
+        assert re.search(rf"{re.escape(str(f))}: checksum mismatch \(CRC-32C\)", str(e.value)), e.value
+        gc.collect()
+    assert jtilert.load("tiny").cfg.num_hidden_layers == 4
 
 
-def test_truncated_saved_file_is_named_checked_or_not(copy):
+def test_truncated_saved_file_is_named_checked_or_not(copy, capfd):
     f = biggest(copy)
     size = f.stat().st_size
     with open(f, "r+b") as fh:
@@ -90,12 +79,14 @@ def test_truncated_saved_file_is_named_checked_or_not(copy):
     with pytest.raises(ValueError, match=rf"{re.escape(str(f))} has {size // 2:,} bytes, {size:,} were saved "
                                          r"\(truncated or replaced\)"):
         jtilert.load(copy)
-    # unchecked, orbax meets it: its TensorStore error in one line, without the coroutine tracebacks
-    # or orbax's ERROR logs (absl: "E1201 ...")
-    msg, err = failed_load(copy, check=False)
-    assert re.search(rf"^{re.escape(str(f))}: ", msg), msg
-    assert "Exception ignored" not in err and "Traceback" not in err
-    assert not re.search(r"^E\d{4} ", err, flags=re.M), err
+    # unchecked, TensorStore meets it as it reads: its error in one line, nothing printed on the way
+    capfd.readouterr()
+    with pytest.raises(ValueError) as e:
+        jtilert.load(copy, check=False)
+    assert re.search(rf"^{re.escape(str(f))}: ", str(e.value)), e.value
+    gc.collect()
+    err = capfd.readouterr().err
+    assert "Exception ignored" not in err and "Traceback" not in err and not re.search(r"^E\d{4} ", err, flags=re.M), err
 
 
 def test_checkpoint_without_checksums_loads_with_a_warning(tmp_path):

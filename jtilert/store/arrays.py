@@ -33,7 +33,6 @@ from pathlib import Path
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import tensorstore as ts
 
 CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
@@ -201,8 +200,14 @@ def write_arrays(root: Path, arrays: dict[str, tuple]) -> None:
             shards[name] = x.shape
         for index, data in parts:
             writes.append(arr[index].write(np.asarray(data)))
-    for w in writes:
-        w.result()
+    errors = []
+    for w in writes:   # every write finishes before an error is raised: none runs on behind it
+        try:
+            w.result()
+        except Exception as e:  # TensorStore's errors are ValueError, or others for I/O failures
+            errors.append(e)
+    if errors:
+        raise errors[0]
     write_tree_metadata(root, shards)
 
 
@@ -266,19 +271,91 @@ class DamagedChunk(ValueError):
     """A chunk file that cannot be read back (checksum mismatch, missing, short): its message names it."""
 
 
-def restore(root: Path, target: dict) -> dict:
-    """orbax's restore of the nested dict `target` (jax.ShapeDtypeStructs with shardings), with TensorStore's
-    errors (a damaged or missing chunk file) as one line naming the file."""
+READ_BYTES = 1 << 30   # bytes of reads in flight at once while restoring (the host memory they hold)
+
+
+def _read_spec(root: Path, name: str, tree: dict) -> dict:
+    """The TensorStore spec orbax reads array `name` with, from the tree metadata `tree` (`_METADATA`):
+    zarr3 in plain files (layout 4), or zarr / zarr3 inside an OCDBT database (orbax's default, layouts 1, 3)."""
+    if tree.get("use_ocdbt"):
+        kv = {"driver": "ocdbt", "base": f"file://{root}/", "path": f"{name}/"}
+    else:
+        kv = {"driver": "file", "path": f"{root / name}/"}
+    # a writer that skipped chunks equal to the fill value (orbax's default before layout 4) left them out
+    missing_is_zero = not tree.get("store_array_data_equal_to_fill_value", False)
+    return {"driver": "zarr3" if tree.get("use_zarr3") else "zarr", "kvstore": kv,
+            "fill_missing_data_reads": missing_is_zero}
+
+
+def _damaged(root: Path, name: str, e: Exception) -> DamagedChunk:
+    """TensorStore's error reading array `name` as one line naming the file (the chunk's, where it says)."""
+    m = re.search(r'local file "([^"]+)"', str(e))
+    where = Path(m.group(1)) if m else root / name
+    return DamagedChunk(f"{where}: {read_error(e)} (run `jtilert verify` on the checkpoint to list every "
+                        f"damaged chunk)")
+
+
+def restore(root: Path, target: dict, budget: int = READ_BYTES) -> dict:
+    """Read the arrays {dotted name: jax.ShapeDtypeStruct with its sharding} of an orbax checkpoint folder
+    into jax.Arrays, as orbax's restore would, with each device's shard read once per distinct index and
+    at most about `budget` bytes of reads in flight. TensorStore checks each zarr3 chunk's CRC-32C as it
+    reads it. A damaged chunk is a DamagedChunk naming its file, raised only after every read already
+    started has finished: no read is left running behind the error."""
+    root = Path(root).absolute()
     try:
-        with ocp.StandardCheckpointer() as ckpt:
-            return ckpt.restore(Path(root).absolute(), target)
-    except Exception as e:
-        cause = e
-        while cause.__cause__ is not None or cause.__context__ is not None:
-            cause = cause.__cause__ or cause.__context__
-        m = re.search(r'local file "([^"]+)"', str(cause))
-        if m is None:
-            raise
-        where = Path(m.group(1))
-        raise DamagedChunk(f"{where}: {read_error(cause)} (run `jtilert verify` on the checkpoint to list every "
-                           f"damaged chunk)") from None
+        tree = json.loads((root / TREE_METADATA).read_text())
+    except (OSError, ValueError) as e:
+        raise DamagedChunk(f"{root / TREE_METADATA}: {e.strerror if isinstance(e, OSError) else e}") from None
+    ctx = ts.Context()
+    opening = {name: ts.open(_read_spec(root, name, tree), read=True, context=ctx) for name in target}
+    stores, errors = {}, []
+    for name, f in opening.items():
+        try:
+            stores[name] = f.result()
+        except Exception as e:  # TensorStore's errors are ValueError, or others for I/O failures
+            errors.append(_damaged(root, name, e))
+    if errors:
+        raise errors[0]
+    for name, t in target.items():
+        if tuple(stores[name].shape) != tuple(t.shape):
+            raise DamagedChunk(f"{root / name}: shape {tuple(stores[name].shape)}, the checkpoint's "
+                               f"metadata says {tuple(t.shape)}")
+
+    reads = []   # (name, index, devices that hold that index)
+    for name, t in target.items():
+        groups: dict = {}
+        for device, index in t.sharding.addressable_devices_indices_map(t.shape).items():
+            key = tuple((s.start, s.stop, s.step) for s in index)
+            groups.setdefault(key, (index, []))[1].append(device)
+        reads += [(name, index, devices) for index, devices in groups.values()]
+
+    shards: dict = {name: [] for name in target}
+    pending, held = [], 0
+
+    def settle():
+        nonlocal held
+        name, devices, fut, nbytes = pending.pop(0)
+        held -= nbytes
+        try:
+            data = fut.result()
+        except Exception as e:
+            errors.append(_damaged(root, name, e))
+            return
+        data = data.astype(target[name].dtype, copy=False)
+        shards[name] += [jax.device_put(data, d) for d in devices]
+
+    for name, index, devices in reads:
+        if errors:
+            break   # no new reads; those in flight finish below
+        box = stores[name][index]
+        nbytes = int(np.prod(box.shape)) * box.dtype.numpy_dtype.itemsize
+        while pending and held + nbytes > budget:
+            settle()
+        pending.append((name, devices, box.read(), nbytes))
+        held += nbytes
+    while pending:
+        settle()
+    if errors:
+        raise errors[0]
+    return {name: jax.make_array_from_single_device_arrays(t.shape, t.sharding, shards[name])
+            for name, t in target.items()}

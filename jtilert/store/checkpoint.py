@@ -25,13 +25,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
-import gc
 import json
-import logging
 import os
 import re
 import shutil
-import sys
 import warnings
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -86,31 +83,9 @@ def _fill(model: Transformer, get) -> Transformer:
 
 
 def _sharding_of(name: str, ndim: int, mesh: Mesh | None):
-    if mesh is None:  # the default device; never the sharding saved with the checkpoint (the
-        # embedded one was written on a CPU, and orbax refuses another machine's topology)
+    if mesh is None:  # the default device, whatever machine wrote the checkpoint
         return jax.sharding.SingleDeviceSharding(jax.devices()[0])
     return NamedSharding(mesh, sharding.spec_for(tuple(name.split(".")), ndim))
-
-
-def _nest(flat: dict) -> dict:
-    out: dict = {}
-    for name, x in flat.items():
-        *parents, leaf = name.split(".")
-        d = out
-        for p in parents:
-            d = d.setdefault(p, {})
-        d[leaf] = x
-    return out
-
-
-def _flatten(nested: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in nested.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[prefix + k] = v
-    return out
 
 
 # ---- save ----------------------------------------------------------------------------------
@@ -149,7 +124,7 @@ def save(model: Transformer, path: str | os.PathLike, overwrite: bool = False,
             tp = 1 if split is None else x.shape[split] // x.sharding.shard_shape(x.shape)[split]
             lead = 1 if layer_names(model.cfg, name) else 0
             chunked[name] = (x, arrays.chunk_shape(x.shape, jnp.dtype(x.dtype).itemsize, split, tp, chunk_bytes, lead))
-        with _orbax_errors(f"cannot save to {path}", OSError):   # TensorStore's write errors, one line
+        with _write_errors(f"cannot save to {path}"):
             arrays.write_arrays(tmp / "params", chunked)
         meta = {"layout_version": LAYOUT_VERSION, "weight_format": weight_format(params),
                 "dtype": jnp.dtype(model.dtype).name, "config": model.cfg.to_hf(),
@@ -171,31 +146,15 @@ def save(model: Transformer, path: str | os.PathLike, overwrite: bool = False,
 
 
 @contextlib.contextmanager
-def _orbax_errors(what: str, kind=ValueError):
-    """Turn a failure inside orbax into one `kind` error, "what: <the TensorStore error>", without the
-    pages orbax prints on the way (its threads' ERROR logs, and a traceback per abandoned read or write
-    coroutine as they are collected)."""
-    absl = logging.getLogger("absl")
-    level, hook = absl.level, sys.unraisablehook
-    absl.setLevel(logging.CRITICAL)
-    sys.unraisablehook = lambda unraisable: None
+def _write_errors(what: str):
+    """TensorStore's write errors as one OSError, "what: <the error>", with its errno
+    ("... No space left on device [os_error_code='28']")."""
     try:
         yield
-    except arrays.DamagedChunk:   # already one line naming the file
-        raise
-    except Exception as e:  # orbax wraps TensorStore's error (the one that names the file) in a bare Exception
-        root = e
-        while root.__cause__ is not None:
-            root = root.__cause__
-        msg = str(root).splitlines()[0] if str(root) else type(root).__name__
-        if kind is OSError:   # TensorStore names the OS error: "... No space left on device [os_error_code='28']"
-            code = re.search(r"os_error_code='(\d+)'", msg)
-            raise OSError(int(code.group(1)) if code else errno.EIO, f"{what}: {msg}") from None
-        raise kind(f"{what}: {msg}") from None
-    finally:
-        gc.collect()   # the abandoned coroutines are reported when collected: now, while the hook drops them
-        absl.setLevel(level)
-        sys.unraisablehook = hook
+    except Exception as e:  # TensorStore's errors are ValueError, or others for I/O failures
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        code = re.search(r"os_error_code='(\d+)'", msg)
+        raise OSError(int(code.group(1)) if code else errno.EIO, f"{what}: {msg}") from None
 
 
 # ---- checksums -------------------------------------------------------------------------------
@@ -345,10 +304,8 @@ def _load_jtilert(path: Path, meta: dict, mesh, dtype, check: bool) -> Transform
         elif meta["layout_version"] < 4:
             warnings.warn(f"{path} was written without checksums: its files are not checked (`jtilert.save` it "
                           f"again to add them)", stacklevel=3)
-    target = _nest({k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_sharding_of(k, x.ndim, mesh))
-                    for k, x in expected.items()})
-    with _orbax_errors(f"{path}: cannot read the parameters"):
-        restored = _flatten(arrays.restore(path / "params", target))
+    restored = arrays.restore(path / "params", {k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_sharding_of(k, x.ndim, mesh))
+                                                for k, x in expected.items()})
     if meta["layout_version"] >= 3:
         return _fill(model, lambda name, _: restored[name])
     return _place(_stacked(model, lambda name, _: restored.pop(name)), mesh)
