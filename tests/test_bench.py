@@ -38,3 +38,16 @@ def test_step_bytes_counts_only_chosen_experts(tiny_random):
     assert b["weights"] == all_params - skipped
     assert b["mla_kv"] == cfg.num_hidden_layers * cfg.index_topk * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
     assert b["index_keys"] == cfg.num_hidden_layers * 101 * cfg.index_head_dim * 4
+
+
+def test_prefill_bench_writes_every_field(tmp_path):
+    from bench import prefill
+    out = tmp_path / "p.json"
+    prefill.main(["--preset", "tiny", "--layers", "2", "--lengths", "40", "--chunks", "16", "--moe", "grouped,dense",
+                  "--samples", "1", "--backend", "reference", "--out", str(out)])
+    r = json.loads(out.read_text())
+    assert r["weight_bytes"] > 0 and r["copy_bandwidth_GBs"] > 0 and r["device"]
+    assert [run["moe"] for run in r["runs"]] == ["grouped", "dense"]
+    for run in r["runs"]:
+        assert "error" not in run, run
+        assert run["chunks"] == 3 and run["prefill_s_median"] > 0 and run["ttft_s"] > 0 and run["over_floor"] > 0

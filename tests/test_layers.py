@@ -85,14 +85,53 @@ def test_sparse_mla_equals_dense_masked_attention():
         np.testing.assert_allclose(np.asarray(out[i]), p @ kv[keep], rtol=1e-5, atol=1e-5)
 
 
-def test_moe_gather_and_dense_paths_agree():
-    cfg = preset("tiny")
-    e, hid, inter = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
-    g, u = (jnp.asarray(RNG.standard_normal((e, inter, hid)) * 0.1, jnp.float32) for _ in range(2))
-    d = jnp.asarray(RNG.standard_normal((e, hid, inter)) * 0.1, jnp.float32)
-    x = jnp.asarray(RNG.standard_normal((8, hid)), jnp.float32)
-    wts, ids = reference.route(cfg, x, jnp.asarray(RNG.standard_normal((e, hid)), jnp.float32), jnp.zeros(e))
-    dense = reference.moe_experts(x, wts, ids, g, None, u, None, d, None)  # 8 tokens x 4 >= 16 experts
-    gathered = jnp.concatenate([reference.moe_experts(x[i:i + 1], wts[i:i + 1], ids[i:i + 1], g, None, u, None, d, None)
-                                for i in range(8)])
-    np.testing.assert_allclose(np.asarray(dense), np.asarray(gathered), rtol=1e-5, atol=1e-5)
+def test_grouping_by_expert_places_every_choice_once():
+    """Tiles hold one expert each, every (token, choice) exactly once, in token order within an expert,
+    whatever the load: experts chosen by every token, experts chosen by none."""
+    rng = np.random.default_rng(11)
+    e, k, rows = 16, 4, 4
+    for t in (4, 9, 33):
+        ids = np.stack([rng.choice(np.r_[0, 0, 0, 3, 5:e], k, replace=False) for _ in range(t)]).astype(np.int32)
+        ids[:, 0] = 7                                         # expert 7: one choice of every token
+        choice, tile_expert, place = map(np.asarray, reference.group_by_expert(jnp.asarray(ids), e, rows))
+        assert choice.shape == (t * k // rows + min(e, t * k), rows)
+        used = choice[choice < t * k]
+        assert sorted(used.tolist()) == list(range(t * k))
+        assert (choice.reshape(-1)[place] == np.arange(t * k)).all()
+        flat = ids.reshape(-1)
+        for tile, ex in zip(choice, tile_expert):
+            assert (flat[tile[tile < t * k]] == ex).all()
+        for ex in range(e):
+            order = [c for c in choice.reshape(-1) if c < t * k and flat[c] == ex]
+            assert order == sorted(order)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_moe_grouped_equals_the_gathered_path(fmt):
+    """Prefill's grouped experts against decode's per-choice gather (expert_hidden + expert_down) on
+    the same seeded inputs, several tokens choosing the same experts (more than a tile's rows)."""
+    rng = np.random.default_rng(12)
+    e, hid, inter, t = 16, 256, 128, 40
+    cfg = preset("tiny", n_routed_experts=e, hidden_size=hid)
+
+    def weight(n, kk):
+        w = rng.standard_normal((e, n, kk)) * kk**-0.5
+        if fmt == "bf16":
+            return jnp.asarray(w, jnp.bfloat16), None
+        return quantize_weight(w)
+
+    (g, gs), (u, us), (d, ds) = weight(inter, hid), weight(inter, hid), weight(hid, inter)
+    x = jnp.asarray(rng.standard_normal((t, hid)), jnp.bfloat16)
+    router = jnp.asarray(rng.standard_normal((e, hid)), jnp.float32)
+    bias = jnp.asarray(rng.standard_normal(e) * 0.5, jnp.float32).at[2].set(5.0)   # expert 2 for every token
+    wts, ids = reference.route(cfg, x, router, bias)
+    assert int((ids == 2).sum()) == t and t > reference.GROUP_ROWS // 2
+    grouped = reference.moe_grouped(x, wts, ids, g, gs, u, us, d, ds, rows=32)
+    gathered = reference.expert_down(reference.expert_hidden(x, ids, g, gs, u, us), wts, ids, d, ds)
+    assert float(jnp.abs(grouped.astype(jnp.float32)).mean()) > 0.1
+    # the same fp32 products summed in the same order: equal up to the GEMMs' own fp32 rounding
+    np.testing.assert_allclose(np.asarray(grouped, np.float32), np.asarray(gathered, np.float32),
+                               rtol=1e-2, atol=1e-2)
+    assert float(jnp.mean(grouped != gathered)) < 0.02
+    np.testing.assert_array_equal(np.asarray(reference.moe_experts(x, wts, ids, g, gs, u, us, d, ds)),
+                                  np.asarray(reference.moe_grouped(x, wts, ids, g, gs, u, us, d, ds)))

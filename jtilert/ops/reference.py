@@ -273,18 +273,58 @@ def select_experts(cfg: ModelConfig, logits: jax.Array, bias: jax.Array) -> tupl
 def moe_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, gate, gate_scale, up, up_scale,
                 down, down_scale) -> jax.Array:
     """Σ_k weights[t,k] · Expert_{ids[t,k]}(x[t]). Expert weights are stacked [E, out, in] (with
-    optional block scales [E, ., .]). Few tokens gather only the chosen experts' weights; many
-    tokens (prefill) run every expert once and mix with a dense [T, E] weight matrix."""
+    optional block scales [E, ., .]). Few tokens (T·k < E: decode) gather the chosen experts' weights
+    once per (token, choice); more (prefill) group the choices by expert (`moe_grouped`), so each
+    chosen expert's weights are read about once per call and no token runs an expert it did not choose."""
     t, k = ids.shape
-    n_experts = gate.shape[0]
-    if t * k < n_experts:
+    if t * k < gate.shape[0]:
         h = expert_hidden(x, ids, gate, gate_scale, up, up_scale)
         return expert_down(h, weights, ids, down, down_scale)
-    dense = jnp.zeros((t, n_experts), F32).at[jnp.arange(t)[:, None], ids].add(weights)
-    h = (jax.nn.silu(dot("th,eih->tei", x, dequantize(gate, gate_scale, x.dtype)))
-         * dot("th,eih->tei", x, dequantize(up, up_scale, x.dtype)))
-    h = (h * dense[:, :, None]).astype(x.dtype)
-    return dot("tei,ehi->th", h, dequantize(down, down_scale, x.dtype)).astype(x.dtype)
+    return moe_grouped(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale)
+
+
+GROUP_ROWS = 64   # rows of one expert's tile in `moe_grouped` (wgmma's M)
+
+
+def group_by_expert(ids: jax.Array, n_experts: int, rows: int = GROUP_ROWS) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The T·k choices ids [T, k] sorted by expert into tiles of `rows` rows, each tile holding choices
+    of one expert only: (the choice in each tile row [n_tiles, rows] int32: its flat index t·k + j, or
+    T·k for an empty row; the expert of each tile [n_tiles] int32; the tile row of each choice [T·k]).
+    Within an expert the choices keep their order. n_tiles = T·k // rows + min(E, T·k) is the static
+    bound (an expert's last tile may be partly empty); tiles past the used ones are empty."""
+    n = ids.size
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)   # choices sorted by expert
+    counts = jnp.bincount(flat, length=n_experts)
+    tiles = (counts + rows - 1) // rows
+    tile_end = jnp.cumsum(tiles)                       # one past each expert's last tile
+    first_choice = jnp.cumsum(counts) - counts         # each expert's first place in `order`
+    expert = flat[order]
+    row = (tile_end - tiles)[expert] * rows + jnp.arange(n, dtype=jnp.int32) - first_choice[expert]
+    n_tiles = n // rows + min(n_experts, n)
+    choice = jnp.full((n_tiles * rows,), n, jnp.int32).at[row].set(order)
+    place = jnp.zeros((n,), jnp.int32).at[order].set(row.astype(jnp.int32))
+    tile_expert = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(n_tiles), side="right"), n_experts - 1)
+    return choice.reshape(n_tiles, rows), tile_expert.astype(jnp.int32), place
+
+
+def moe_grouped(x: jax.Array, weights: jax.Array, ids: jax.Array, gate, gate_scale, up, up_scale,
+                down, down_scale, rows: int = GROUP_ROWS) -> jax.Array:
+    """`moe_experts` for many tokens: the choices grouped by expert into tiles (`group_by_expert`),
+    each tile one batched GEMM against its expert's weights (gate/up, SwiGLU, down), then each token's
+    k rows gathered back and weighted as `expert_down` sums them (fp32, in a fixed order: no
+    scatter-add, whose atomic order would make results vary run to run on a GPU)."""
+    t, k = ids.shape
+    choice, tile_expert, place = group_by_expert(ids, gate.shape[0], rows)
+    token = jnp.where(choice < t * k, choice // k, t)                        # empty rows read a zero row
+    xs = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])[token]   # [n_tiles, rows, H]
+    g, gs = _pick(gate, gate_scale, tile_expert)
+    u, us = _pick(up, up_scale, tile_expert)
+    h = (jax.nn.silu(dot("nrh,nih->nri", xs, dequantize(g, gs, x.dtype)))
+         * dot("nrh,nih->nri", xs, dequantize(u, us, x.dtype))).astype(x.dtype)
+    d, ds = _pick(down, down_scale, tile_expert)
+    y = dot("nri,nhi->nrh", h, dequantize(d, ds, x.dtype)).reshape(-1, x.shape[1])
+    return dot("tk,tkh->th", weights, y[place].reshape(t, k, -1)).astype(x.dtype)
 
 
 def _pick(w, s, sel):
