@@ -25,6 +25,11 @@
 #   unrolled     bench.decode 61 layers, pallas, the unrolled layer loop, CUPTI profile with kernel names
 #   scale8       bench.decode 8 layers, pallas, layer loop, CUPTI profile: enqueue and kernels vs layers
 #   mtp          bench.decode 61 layers, pallas, plain and MTP speculative step (verify 2 + draft)
+#   prefill      bench.prefill 61 layers: a 1K prompt, chunks 256 and 1024, grouped MoE vs the old dense one
+#   prefill32k   bench.prefill 61 layers: a 32K prompt, chunks 512 and 2048
+#   latency      bench.latency: mtp + prefill + prefill32k (and the tiny model's acceptance) → latency-61.json
+#   hlodump      XLA's optimized HLO of the 4-layer decode step (command buffers, streams), this checkout and,
+#                where the checkout carries it, the code before issue 13 in .baseline (git archive ba89fb0)
 #   recompile    bench.decode 61 layers, pallas, in a new process: the step from the persistent cache
 #   callcost     the 61-layer stream loop (one step per call) with XLA's command-buffer update modes
 #   build        the CUDA engine library and self-test (python -m jtilert.ffi.build --selftest)
@@ -90,6 +95,20 @@ for part in "$@"; do
                 --out "$WORK/unrolled.json" ;;
     scale8) step scale8 150 $DEC --layers 8 --backend pallas --kernels --samples 10 --out "$WORK/scale8.json" ;;
     mtp) step mtp 400 $DEC --layers 61 --backend pallas --mtp --kernels --samples 8 --out "$WORK/mtp.json" ;;
+    prefill) step prefill 540 python3 -m bench.prefill --layers 61 --lengths 1024 --chunks 256,1024 \
+               --moe grouped,dense --samples 3 --out "$WORK/prefill.json" ;;
+    prefill32k) step prefill32k 540 python3 -m bench.prefill --layers 61 --lengths 32768 --chunks 512,2048 \
+                  --samples 1 --out "$WORK/prefill32k.json" ;;
+    latency) step latency 120 python3 -m bench.latency --decode "$WORK/mtp.json" \
+               --prefill "$WORK/prefill.json" "$WORK/prefill32k.json" --out "$WORK/latency-61.json" ;;
+    hlodump)
+      DUMP="--xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*(decode|step|loop).*"
+      XLA_FLAGS="$XLA_FLAGS --xla_dump_to=$WORK/hlo $DUMP" step hlodump 240 $DEC --layers 4 --backend pallas \
+        --steps 2 --samples 2 --out "$WORK/hlodump.json"
+      if [ -d .baseline ]; then
+        (cd .baseline && XLA_FLAGS="$XLA_FLAGS --xla_dump_to=$WORK/hlo_base $DUMP" PYTHONPATH=$PWD \
+          step hlodump_base 240 $DEC --layers 4 --backend pallas --steps 2 --samples 2 --out "$WORK/hlodump_base.json")
+      fi ;;
     check) step check 240 python3 tests/gpu/decode_check.py --per-op --out "$WORK/check.json" ;;
     recompile) step recompile 300 $DEC --layers 61 --backend pallas --steps 5 --samples 4 \
                  --out "$WORK/recompile.json" ;;

@@ -51,3 +51,19 @@ def test_prefill_bench_writes_every_field(tmp_path):
     for run in r["runs"]:
         assert "error" not in run, run
         assert run["chunks"] == 3 and run["prefill_s_median"] > 0 and run["ttft_s"] > 0 and run["over_floor"] > 0
+
+
+def test_latency_combines_decode_mtp_and_prefill(tmp_path):
+    from bench import latency, prefill
+    d, p = tmp_path / "d.json", tmp_path / "p.json"
+    decode.main(["--preset", "tiny", "--layers", "2", "--context", "40", "--steps", "2", "--samples", "2", "--mtp",
+                 "--out", str(d)])
+    prefill.main(["--preset", "tiny", "--layers", "2", "--lengths", "1024", "--chunks", "512", "--samples", "1",
+                  "--backend", "reference", "--out", str(p)])
+    out = tmp_path / "latency.json"
+    r = latency.main(["--decode", str(d), "--prefill", str(p), "--backend", "reference", "--out", str(out)])
+    assert json.loads(out.read_text())["mtp_step_ms"] == r["mtp_step_ms"] > 0
+    assert r["plain_step_ms"] > 0 and r["prefill_tok_s_1k"] > 0 and r["ttft_s_1k"] > 0 and r["prefill_s_32k"] is None
+    assert 0 < r["mtp_acceptance_tiny"] <= 1
+    a = r["mtp_acceptance_tiny"]
+    assert r["tokens_per_s"][f"mtp@{round(a, 3)}"] == (1 + round(a, 3)) * 1e3 / r["mtp_step_ms"]
