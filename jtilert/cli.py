@@ -33,7 +33,7 @@ def _generate(args) -> None:
     mesh = jtilert.make_mesh(args.tp) if args.tp > 1 else None
     model = jtilert.load(path, mesh=mesh, check=not args.no_check)
     gen = jtilert.Generator(model, max_seq_len=args.max_seq_len or need, sampling=sampling, mtp=args.mtp,
-                            backend=args.backend, mesh=mesh)
+                            backend=args.backend, mesh=mesh, prefill_chunk=args.prefill_chunk)
     gen._check_prompt(ids, args.max_new_tokens)  # bad input fails before any device work
     decode = tok.decoder()
     print(args.prompt, end="", flush=True)
@@ -42,6 +42,14 @@ def _generate(args) -> None:
         n += 1
         print(decode([t]), end="", flush=True)
     print("\n" + _summary(n, gen.stats))
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    """"1024,64" → (1024, 64) (Generator checks the values)."""
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def _summary(n: int, s: dict) -> str:
@@ -96,6 +104,8 @@ def main(argv=None) -> int:
     g.add_argument("--backend", default="reference", choices=["reference", "pallas"])
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (devices)")
     g.add_argument("--max-seq-len", type=int, default=0, help="cache size (default: prompt + new tokens)")
+    g.add_argument("--prefill-chunk", type=_sizes, default=(64,), metavar="SIZES",
+                   help="prompt tokens per prefill step; several, e.g. 1024,64: large chunks, then small (default 64)")
     g.add_argument("--no-check", action="store_true",
                    help="load without comparing the checkpoint's files with their checksums")
     g.set_defaults(run=_generate)

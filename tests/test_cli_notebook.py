@@ -35,6 +35,7 @@ def test_generate_streams_text_and_reports_speed():
     (["generate", "--prompt", "x", "--tp", "0"], "--tp must be >= 1, got 0"),
     (["generate", "--prompt", "x", "--seed", "99999999999999999999999"], "seed must be an integer in [0, 2**32)"),
     (["generate", "--prompt", "x", "--max-new-tokens", "-1"], "--max-new-tokens must be >= 0, got -1"),
+    (["generate", "--prompt", "x", "--prefill-chunk", "64,0"], "prefill_chunk must be an integer >= 1"),
     (["generate", "--prompt", "a" * 5000, "--max-new-tokens", "5"],
      "the prompt (5000 tokens) and --max-new-tokens 5 need 5005 positions, more than the model's "
      "max_position_embeddings (4096)"),

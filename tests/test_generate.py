@@ -20,6 +20,35 @@ def test_mtp_greedy_equals_plain_greedy(tiny_random, gen):
     assert gen.acceptance is None
 
 
+def test_chunk_plan_runs_large_chunks_then_small_ones():
+    from jtilert.runtime.generate import chunk_plan, chunk_sizes
+    assert chunk_sizes(64) == (64,) and chunk_sizes([64, 1024, 64]) == (1024, 64)
+    assert chunk_plan(1000, (1024, 64)) == [64] * 16
+    assert chunk_plan(2100, (1024, 64)) == [1024, 1024, 64]
+    assert chunk_plan(2048, (1024, 64)) == [1024, 1024]
+    assert chunk_plan(130, (64, 16)) == [64, 64, 16]
+    for bad in (0, [], [16, 0], 2.5, "64"):
+        with pytest.raises(ValueError, match="prefill_chunk must be"):
+            chunk_sizes(bad)
+
+
+def test_prefill_in_chunks_of_several_sizes_is_the_same_computation(tiny_random):
+    """Large chunks then small: the same logits as one size, the same greedy tokens with MTP (which
+    walks the main model's hidden chunks), one compiled step per size and none after the first call."""
+    ids = np.random.RandomState(3).randint(0, 256, 45)   # 32 + 8 + 5 (padded to 8)
+    a = jtilert.score(tiny_random, ids, prefill=ids.size, prefill_chunk=8)
+    b = jtilert.score(tiny_random, ids, prefill=ids.size, prefill_chunk=(32, 8))
+    np.testing.assert_allclose(a, b, rtol=2e-3, atol=2e-3)
+    plain = jtilert.Generator(tiny_random, max_seq_len=128, prefill_chunk=8).generate(ids, 12, stop_tokens=[])
+    spec = jtilert.Generator(tiny_random, max_seq_len=128, mtp=True, prefill_chunk=(32, 8))
+    assert spec.generate(ids, 12, stop_tokens=[]) == plain
+    first = spec.compiles
+    assert first == 2 * 4 + 1   # per size: prefill chunk, first token, MTP prefill, first draft; the loop
+    spec.generate(ids[:20], 12, stop_tokens=[])   # small chunks only, then a prompt that is all large chunks
+    spec.generate(ids[:32], 12, stop_tokens=[])
+    assert spec.compiles == first
+
+
 def test_stats_measure_compile_first_token_and_decode_apart(tiny_random):
     """Compilation is timed on its own (all of it before the clock of the first token starts), the
     first token's wait is the prefill's, and the decode rate counts only the tokens after it."""
@@ -173,7 +202,7 @@ def test_bad_generator_settings(tiny_random):
         jtilert.Generator(tiny_random, backend="cuda-magic")
     with pytest.raises(ValueError, match="max_position_embeddings"):
         jtilert.Generator(tiny_random, max_seq_len=10**7)
-    with pytest.raises(ValueError, match="prefill_chunk must be an integer >= 1, got 0"):
+    with pytest.raises(ValueError, match="prefill_chunk must be an integer >= 1 or a sequence of them, got 0"):
         jtilert.Generator(tiny_random, prefill_chunk=0)
     with pytest.raises(ValueError, match="max_seq_len must be a positive integer, got 2.5"):
         jtilert.Generator(tiny_random, max_seq_len=2.5)

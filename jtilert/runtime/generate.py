@@ -225,16 +225,42 @@ def _first_draft(logits, last):
     return jnp.argmax(logits[last]).astype(jnp.int32)[None]
 
 
+def chunk_sizes(prefill_chunk) -> tuple[int, ...]:
+    """`prefill_chunk` (an int, or several) as distinct sizes, largest first; a ValueError otherwise."""
+    sizes = (prefill_chunk,) if is_int(prefill_chunk) else tuple(prefill_chunk) if isinstance(
+        prefill_chunk, (tuple, list)) else ()
+    if not sizes or not all(is_int(c) and c >= 1 for c in sizes):
+        raise ValueError(f"prefill_chunk must be an integer >= 1 or a sequence of them, got {prefill_chunk!r}")
+    return tuple(sorted({int(c) for c in sizes}, reverse=True))
+
+
+def chunk_plan(n: int, sizes: tuple[int, ...]) -> list[int]:
+    """The chunks a prefill of n tokens runs, in order: the largest size while that many tokens remain,
+    then the next, and the rest in one chunk of the smallest size (padded). A long prompt reads every
+    weight once per large chunk; a short one does not pay for a large chunk of padding."""
+    plan = []
+    for c in sizes:
+        while n >= c:
+            plan.append(c)
+            n -= c
+    if n:
+        plan.append(sizes[-1])
+    return plan
+
+
 class Generator:
     """Decode one sequence at a time.
 
     >>> gen = jtilert.Generator(jtilert.load("tiny"), max_seq_len=512)
     >>> gen.generate(prompt_ids, max_new_tokens=64)
+
+    `prefill_chunk`: the prompt's tokens per prefill step; several sizes, e.g. (1024, 64), run a long
+    prompt in the large chunks and its rest in small ones (`chunk_plan`), each size one compiled step.
     """
 
     def __init__(self, model: Transformer, max_seq_len: int = 2048, sampling: Sampling | None = None,
                  mtp: bool = False, backend: str = "reference", mesh: Mesh | None = None,
-                 prefill_chunk: int = 64, engine_all_reduce: bool = False, split_indexer: bool = False,
+                 prefill_chunk: int | Sequence[int] = 64, engine_all_reduce: bool = False, split_indexer: bool = False,
                  config: DecodeConfig | None = None):
         cfg = model.cfg
         if not is_int(max_seq_len) or max_seq_len <= 0:
@@ -244,16 +270,17 @@ class Generator:
                              f"{cfg.max_position_embeddings}")
         if mtp and model.mtp is None:
             raise ValueError("mtp=True but the model has no MTP block (num_nextn_predict_layers=0)")
-        if not is_int(prefill_chunk) or prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
+        sizes = chunk_sizes(prefill_chunk)
         config = config or DecodeConfig(backend=backend, engine_all_reduce=engine_all_reduce,
                                         split_indexer=split_indexer)
         self.cfg, self.max_seq_len, self.mtp = cfg, max_seq_len, mtp
         self.sampling = sampling or Sampling()
-        self.chunk = prefill_chunk
-        # Room for the padded last prefill chunk, and for the steps a call runs past the last token
-        # kept (the step in flight when a stop token is read, up to 2 rows per MTP step).
-        self.rows = -(-(max_seq_len + 4) // prefill_chunk) * prefill_chunk
+        # Chunk sizes no longer than the sequence can be (each compiles its own prefill step)
+        self.chunks = tuple(c for c in sizes if c <= max_seq_len) or sizes[-1:]
+        # Room for the padded last prefill chunk (of the smallest size), and for the steps a call runs past
+        # the last token kept (the step in flight when a stop token is read, up to 2 rows per MTP step).
+        c = self.chunks[-1]
+        self.rows = -(-(max_seq_len + 4) // c) * c
         cache = jax.eval_shape(lambda: init_cache(cfg, self.rows, model.dtype))   # replicated on each device
         sharding.check_memory(sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(cache)), mesh,
                               f"the cache of Generator(max_seq_len={max_seq_len}) ({self.rows} positions)")
@@ -354,48 +381,50 @@ class Generator:
 
     # --- prefill ----------------------------------------------------------------------------
     def _prefill(self, ids: np.ndarray, start: int, cache: dict):
-        """Run the main model over ids[start:] in fixed-size chunks: (the last chunk's logits, the row
-        of the prompt's last position in it, the chunks' hidden states, cache). Only compiled steps
-        run, so a new prompt length compiles nothing."""
-        eng, c = self.engine, self.chunk
-        tail = ids[start:]
-        padded = np.zeros(-(-tail.size // c) * c, np.int32)
-        padded[:tail.size] = tail
-        hidden, logits = [], None
-        for i in range(0, padded.size, c):
-            logits, h, cache = eng.forward(eng.state, cache, eng.place(padded[i:i + c]), eng.place(np.int32(start + i)))
+        """Run the main model over ids[start:] in the chunks of `chunk_plan`: (the last chunk's logits,
+        the row of the prompt's last position in it, the chunks' hidden states, cache). Only compiled
+        steps run, so a new prompt length compiles nothing."""
+        eng, tail = self.engine, ids[start:]
+        hidden, logits, off = [], None, 0
+        for c in chunk_plan(tail.size, self.chunks):
+            part = np.zeros(c, np.int32)
+            part[:min(c, tail.size - off)] = tail[off:off + c]
+            logits, h, cache = eng.forward(eng.state, cache, eng.place(part), eng.place(np.int32(start + off)))
             hidden.append(h)
-        return logits, (tail.size - 1) % c, hidden, cache
+            off += c
+        return logits, tail.size - 1 - (off - c), hidden, cache
 
     def _prefill_draft(self, ids, start, first: int, hidden: list, cache):
         """Fill the MTP layer's cache over the prompt (chunk by chunk, on the main model's hidden
         chunks) and return the first draft (for the position after `first`)."""
-        eng, c = self.engine, self.chunk
-        nxt = np.zeros(len(hidden) * c, np.int32)    # the token after each prompt position
-        n = ids.size - start
+        eng, n = self.engine, ids.size - start
+        nxt = np.zeros(sum(h.shape[0] for h in hidden), np.int32)    # the token after each prompt position
         nxt[:n - 1], nxt[n - 1] = ids[start + 1:], first
-        logits = None
-        for j, h in enumerate(hidden):
-            logits, cache = eng.draft(eng.state, cache, h, eng.place(nxt[j * c:(j + 1) * c]),
-                                      eng.place(np.int32(start + j * c)))
-        return eng.first_draft(logits, eng.place(np.int32((n - 1) % c))), cache
+        logits, off = None, 0
+        for h in hidden:
+            c = h.shape[0]
+            logits, cache = eng.draft(eng.state, cache, h, eng.place(nxt[off:off + c]), eng.place(np.int32(start + off)))
+            off += c
+        return eng.first_draft(logits, eng.place(np.int32(n - 1 - (off - c)))), cache
 
     def _prepare(self, sampling: Sampling, loop: bool) -> None:
         """Compile, before the clock starts, every step the coming generation runs: the prefill chunk,
         the first token (and the MTP block's prefill and first draft), then one decode step per call
         (`stream`) or the device loop (`generate`). Shapes are known without running anything; each
         step compiles once per Generator."""
-        eng, c, i32 = self.engine, self.chunk, jnp.int32
+        eng, i32 = self.engine, jnp.int32
         cache = jax.tree_util.tree_map(lambda x: eng.aval(x.shape, x.dtype),
                                        jax.eval_shape(lambda: init_cache(self.cfg, self.rows, eng.dtype)))
         params = jax.tree_util.tree_map(lambda x: eng.aval(np.shape(x), np.asarray(x).dtype), sampling.arrays())
         scalar = eng.aval((), i32)
-        logits, hidden, _ = eng.forward.executable(eng.state, cache, eng.aval((c,), i32), scalar).out_info
-        token, key = eng.first_token.executable(logits, scalar, eng.aval((2,), jnp.uint32), params).out_info
+        for c in self.chunks:   # any chunk size may be a prompt's last (the first token reads its logits)
+            logits, hidden, _ = eng.forward.executable(eng.state, cache, eng.aval((c,), i32), scalar).out_info
+            token, key = eng.first_token.executable(logits, scalar, eng.aval((2,), jnp.uint32), params).out_info
+            if self.mtp:
+                draft_logits, _ = eng.draft.executable(eng.state, cache, hidden, eng.aval((c,), i32), scalar).out_info
+                draft = eng.first_draft.executable(draft_logits, scalar).out_info
         stops = (eng.aval((MAX_STOPS,), i32), scalar) if loop else ()
         if self.mtp:
-            draft_logits, _ = eng.draft.executable(eng.state, cache, hidden, eng.aval((c,), i32), scalar).out_info
-            draft = eng.first_draft.executable(draft_logits, scalar).out_info
             step = eng.speculate_loop if loop else eng.speculate
             step.executable(eng.state, cache, token, draft, scalar, key, params, *stops)
         else:
@@ -554,7 +583,8 @@ class _HostCopy:
 
 
 def score(model: Transformer, token_ids, prefill: int | None = None, mesh: Mesh | None = None,
-          backend: str = "reference", prefill_chunk: int = 16, config: DecodeConfig | None = None) -> np.ndarray:
+          backend: str = "reference", prefill_chunk: int | Sequence[int] = 16,
+          config: DecodeConfig | None = None) -> np.ndarray:
     """Next-token logits [T, vocab] at every position of token_ids, through the real path: the first
     `prefill` tokens (default: half) go through chunked prefill, the rest through one-token decode steps."""
     ids = np.asarray(token_ids)
@@ -565,14 +595,15 @@ def score(model: Transformer, token_ids, prefill: int | None = None, mesh: Mesh 
         raise ValueError(f"score: prefill must be an integer in [1, {ids.size}] (the number of token ids), "
                          f"got {prefill!r}")
     n = max(1, ids.size // 2) if prefill is None else int(prefill)
-    eng, c = gen.engine, gen.chunk
+    eng = gen.engine
     cache = eng.new_cache(gen.rows)
-    out = []
-    padded = np.zeros(-(-n // c) * c, np.int32)
-    padded[:n] = ids[:n]
-    for i in range(0, padded.size, c):
-        logits, _, cache = eng.forward(eng.state, cache, eng.place(padded[i:i + c]), eng.place(np.int32(i)))
+    out, off = [], 0
+    for c in chunk_plan(n, gen.chunks):
+        part = np.zeros(c, np.int32)
+        part[:min(c, n - off)] = ids[off:min(off + c, n)]
+        logits, _, cache = eng.forward(eng.state, cache, eng.place(part), eng.place(np.int32(off)))
         out.append(np.asarray(logits))
+        off += c
     out = [np.concatenate(out)[:n]]
     for p in range(n, ids.size):
         logits, _, cache = eng.forward(eng.state, cache, eng.place(ids[p:p + 1]), eng.place(np.int32(p)))
