@@ -25,7 +25,8 @@
 #   unrolled     bench.decode 61 layers, pallas, the unrolled layer loop, CUPTI profile with kernel names
 #   scale8       bench.decode 8 layers, pallas, layer loop, CUPTI profile: enqueue and kernels vs layers
 #   mtp          bench.decode 61 layers, pallas, plain and MTP speculative step (verify 2 + draft)
-#   prefill      bench.prefill 61 layers: a 1K prompt, chunks 256 and 1024, grouped MoE vs the old dense one
+#   prefill      bench.prefill 61 layers: 1024 and 1100 prompt tokens, chunks 64, 256 and 1024+64, grouped MoE
+#                vs the old dense one
 #   prefill32k   bench.prefill 61 layers: a 32K prompt, chunks 512 and 2048
 #   latency      bench.latency: mtp + prefill + prefill32k (and the tiny model's acceptance) → latency-61.json
 #   hlodump      XLA's optimized HLO of the 4-layer decode step (command buffers, streams), this checkout and,
@@ -95,7 +96,7 @@ for part in "$@"; do
                 --out "$WORK/unrolled.json" ;;
     scale8) step scale8 150 $DEC --layers 8 --backend pallas --kernels --samples 10 --out "$WORK/scale8.json" ;;
     mtp) step mtp 400 $DEC --layers 61 --backend pallas --mtp --kernels --samples 8 --out "$WORK/mtp.json" ;;
-    prefill) step prefill 540 python3 -m bench.prefill --layers 61 --lengths 1024 --chunks 256,1024 \
+    prefill) step prefill 540 python3 -m bench.prefill --layers 61 --lengths 1024,1100 --chunks 64,256,1024+64 \
                --moe grouped,dense --samples 3 --out "$WORK/prefill.json" ;;
     prefill32k) step prefill32k 540 python3 -m bench.prefill --layers 61 --lengths 32768 --chunks 512,2048 \
                   --samples 1 --out "$WORK/prefill32k.json" ;;

@@ -2,7 +2,7 @@
 and chunk size, and the time to first token (issue 15).
 
     PYTHONPATH=. python3 -m bench.prefill --preset dsv32-tp8-shard --layers 61 --lengths 1024,32768 \
-        --chunks 256,1024,2048 [--moe grouped,dense] [--out results.json]
+        --chunks 256,1024,1024+64 [--moe grouped,dense] [--out results.json]
 
 Builds the model with random weights on the device (fp8 for fp8 presets), then for each chunk size and
 prompt length: compiles the prefill chunk (not timed), runs the whole prompt's prefill `samples` times
@@ -32,6 +32,7 @@ import jtilert
 from bench.decode import _field, copy_bandwidth
 from jtilert.ops import reference
 from jtilert.ops.quant import dequantize
+from jtilert.runtime.generate import chunk_plan
 from jtilert.store import checkpoint
 
 
@@ -87,7 +88,8 @@ def time_prefill(model, length: int, chunk: int, samples: int, backend: str, see
         del cache
     gen.generate(ids, max_new_tokens=1)
     s = statistics.median(times)
-    return {"length": length, "chunk": chunk, "chunks": -(-length // chunk), "prefill_s_median": s,
+    return {"length": length, "chunk": "+".join(map(str, chunk)), "chunks": len(chunk_plan(length, gen.chunks)),
+            "prefill_s_median": s,
             "prefill_s_min": min(times), "prompt_tok_s": length / s, "first_call_s": first_s,
             "ttft_s": gen.stats["ttft_s"], "samples": samples}
 
@@ -100,7 +102,8 @@ def main(argv=None) -> dict:
                    help="override a config field (repeatable)")
     p.add_argument("--fmt", default=None, help="weight format (default fp8 for fp8 presets)")
     p.add_argument("--lengths", default="1024", help="comma-separated prompt lengths")
-    p.add_argument("--chunks", default="64,256,1024", help="comma-separated prefill chunk sizes")
+    p.add_argument("--chunks", default="64,256,1024",
+                   help="comma-separated prefill chunk configs; 1024+64: large chunks, then small ones")
     p.add_argument("--moe", default="grouped", help="comma-separated: grouped,dense")
     p.add_argument("--backend", default="pallas", help="the Generator's backend (prefill chunks run XLA)")
     p.add_argument("--samples", type=int, default=3)
@@ -118,13 +121,13 @@ def main(argv=None) -> dict:
               "preset": a.preset, "overrides": a.set, "layers": cfg.num_hidden_layers, "backend": a.backend, "command": argv,
               "copy_bandwidth_GBs": bw / 1e9, "weight_bytes": weights, "runs": []}
     for moe in a.moe.split(","):
-        for chunk in map(int, a.chunks.split(",")):
+        for chunk in (tuple(int(c) for c in item.split("+")) for item in a.chunks.split(",")):
             for length in map(int, a.lengths.split(",")):
                 try:
                     with moe_variant(moe):
                         r = time_prefill(model, length, chunk, a.samples, a.backend)
                 except Exception as e:   # e.g. out of memory at a large chunk: recorded, the sweep goes on
-                    r = {"length": length, "chunk": chunk, "error": str(e).splitlines()[0][:300]}
+                    r = {"length": length, "chunk": "+".join(map(str, chunk)), "error": str(e).splitlines()[0][:300]}
                 r["moe"] = moe
                 if "prefill_s_median" in r:
                     r["floor_s"] = r["chunks"] * weights / bw

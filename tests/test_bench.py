@@ -43,14 +43,14 @@ def test_step_bytes_counts_only_chosen_experts(tiny_random):
 def test_prefill_bench_writes_every_field(tmp_path):
     from bench import prefill
     out = tmp_path / "p.json"
-    prefill.main(["--preset", "tiny", "--layers", "2", "--lengths", "40", "--chunks", "16", "--moe", "grouped,dense",
+    prefill.main(["--preset", "tiny", "--layers", "2", "--lengths", "40", "--chunks", "16,8+4", "--moe", "grouped,dense",
                   "--samples", "1", "--backend", "reference", "--out", str(out)])
     r = json.loads(out.read_text())
     assert r["weight_bytes"] > 0 and r["copy_bandwidth_GBs"] > 0 and r["device"]
-    assert [run["moe"] for run in r["runs"]] == ["grouped", "dense"]
+    assert [(run["moe"], run["chunk"]) for run in r["runs"]] == [("grouped", "16"), ("grouped", "8+4"), ("dense", "16"), ("dense", "8+4")]
     for run in r["runs"]:
         assert "error" not in run, run
-        assert run["chunks"] == 3 and run["prefill_s_median"] > 0 and run["ttft_s"] > 0 and run["over_floor"] > 0
+        assert run["chunks"] == {"16": 3, "8+4": 5}[run["chunk"]] and run["prefill_s_median"] > 0 and run["ttft_s"] > 0 and run["over_floor"] > 0
 
 
 def test_latency_combines_decode_mtp_and_prefill(tmp_path):
