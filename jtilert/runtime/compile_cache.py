@@ -75,13 +75,17 @@ def programs_folder() -> Path | None:
 def _fixed_key() -> str:
     """What every program's key shares: jtilert's own source files, the versions of Python and of
     the packages that trace and lower the steps (jax, jaxlib and its plugins, flax)."""
-    h = hashlib.sha256()
-    root = Path(__file__).resolve().parent.parent
-    for path in sorted(root.rglob("*.py")):
-        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
     names = sorted((d.metadata["Name"] or "").lower() for d in importlib.metadata.distributions())
     versions = [(n, importlib.metadata.version(n)) for n in names if n.startswith("jax") or n in ("flax", "numpy")]
-    return repr((h.hexdigest(), sys.version_info[:3], versions))
+    return repr((source_digest(Path(__file__).resolve().parent.parent), sys.version_info[:3], versions))
+
+
+def source_digest(root: Path) -> str:
+    """A hash of the Python files under root (names and contents)."""
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
 
 
 def _settings() -> tuple:
