@@ -11,6 +11,10 @@ decode step) on an abstract model (no weights) and times, per program:
 - warm: reading the entry and lowering a call of it (what a second process pays).
 Lowering for "cuda" works on a machine without a GPU (the kernels are lowered for the GPU, not
 interpreted); XLA's compile is not run (on a GPU it comes from JAX's persistent cache).
+
+With `--compile`, a random model is built instead and `Generator._prepare` runs for real here (trace,
+lower, XLA compile) through the caches `JTILERT_COMPILATION_CACHE` / `JTILERT_PROGRAM_CACHE` name:
+run it twice on one folder for cold and warm.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import jax.numpy as jnp
 
 from jtilert.ffi._lib import TARGETS
 from jtilert.model.presets import preset
-from jtilert.model.transformer import abstract_model
+from jtilert.model.transformer import abstract_model, random_model
 from jtilert.pallas import interpret
 from jtilert.runtime import compile_cache
 from jtilert.runtime.generate import Compiled, Generator
@@ -43,7 +47,17 @@ def main() -> None:
     ap.add_argument("--max-seq-len", type=int, default=4096)
     ap.add_argument("--platform", default="cuda")
     ap.add_argument("--cache", help="program cache folder (default: a new temporary one)")
+    ap.add_argument("--compile", action="store_true", help="prepare a random model for real (see above)")
     a = ap.parse_args()
+    cfg = preset(a.preset, num_hidden_layers=a.layers)
+    if a.compile:
+        gen = Generator(random_model(cfg, a.fmt), max_seq_len=a.max_seq_len, backend=a.backend, mtp=a.mtp)
+        t = time.perf_counter()
+        gen._prepare(Sampling(), loop=a.loop == "generate")
+        print(f"prepare {time.perf_counter() - t:.2f} s: {gen.compiles} programs, {gen.cached_programs} from the "
+              f"program cache  [{a.preset}, {a.layers} layers, {a.backend}, mtp={a.mtp}, {a.loop}, "
+              f"{jax.default_backend()}]")
+        return
     platforms = (a.platform,)
     folder = Path(a.cache or tempfile.mkdtemp(prefix="jtilert-programs-"))
     rows = []
@@ -80,7 +94,6 @@ def main() -> None:
         return lowered
 
     Compiled.executable = measure
-    cfg = preset(a.preset, num_hidden_layers=a.layers)
     model = abstract_model(cfg, a.fmt, jnp.bfloat16)
     with interpret.compile_for_gpu():
         gen = Generator(model, max_seq_len=a.max_seq_len, backend=a.backend, mtp=a.mtp)
