@@ -161,3 +161,18 @@ def test_engine_identity_names_model_and_config(tiny_random):
     assert all(o != base for o in other)
     # GPU interpret mode's host callbacks cannot be stored: no program cache for it
     assert jtilert.Generator(tiny_random, max_seq_len=64, backend="pallas").engine.program_identity("decode") is None
+
+
+def test_sharded_steps_come_back_from_the_cache(programs, tiny_random):
+    """Over a tp=2 mesh (shard_map, weights split across the devices): the second Generator reads
+    every program, its outputs sharded as before, and decodes the same tokens."""
+    mesh = jtilert.make_mesh(2)
+    first = jtilert.Generator(tiny_random, max_seq_len=64, mesh=mesh)
+    want = first.generate(np.arange(1, 20), 8, stop_tokens=[])
+    second = jtilert.Generator(tiny_random, max_seq_len=64, mesh=mesh)
+    assert second.generate(np.arange(1, 20), 8, stop_tokens=[]) == want
+    assert first.cached_programs == 0 and second.cached_programs == second.compiles == 3
+    eng = second.engine
+    cache = eng.new_cache(second.rows)
+    exe = eng.forward.executable(eng.state, cache, eng.place(np.zeros(second.chunk, np.int32)), eng.place(np.int32(0)))
+    assert all(o.sharding.is_equivalent_to(eng.sharding, len(o.shape)) for o in jax.tree_util.tree_leaves(exe.out_info))
