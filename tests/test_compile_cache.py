@@ -39,7 +39,7 @@ print(json.dumps({"tokens": out, "compiles": gen.compiles, "cached": gen.cached_
 
 def _child(cache: Path, **env) -> dict:
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT), "JTILERT_COMPILATION_CACHE": str(cache),
-           **env}
+           "JTILERT_PROGRAM_CACHE": "on", **env}
     out = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -57,8 +57,10 @@ def test_a_second_process_reads_the_programs_and_decodes_the_same_tokens(tmp_pat
 
 @pytest.fixture
 def programs(tmp_path, monkeypatch):
-    """A program cache of its own, and warnings not yet given in this process."""
+    """A program cache of its own (on: conftest turns it off for the other tests), and warnings not
+    yet given in this process."""
     monkeypatch.setenv("JTILERT_COMPILATION_CACHE", str(tmp_path))
+    monkeypatch.setenv("JTILERT_PROGRAM_CACHE", "on")
     monkeypatch.setattr(compile_cache, "_warned", set())
     return tmp_path / "programs"
 
@@ -111,7 +113,7 @@ def test_a_damaged_entry_is_rebuilt_with_one_warning(programs, damage):
 def test_off_switches(programs, monkeypatch):
     monkeypatch.setenv("JTILERT_PROGRAM_CACHE", "off")
     assert compile_cache.programs_folder() is None and not _compile()[1] and not programs.exists()
-    monkeypatch.delenv("JTILERT_PROGRAM_CACHE")
+    monkeypatch.setenv("JTILERT_PROGRAM_CACHE", "on")
     monkeypatch.setenv("JTILERT_COMPILATION_CACHE", "off")
     assert compile_cache.programs_folder() is None and not _compile()[1]
 
