@@ -73,7 +73,8 @@ def main() -> None:
         r["lower"] = time.perf_counter() - t
         text = lowered.as_text()
         r["mb"], r["kernels"] = len(text) / 1e6, text.count("mosaic_gpu_v2")
-        path = folder / f"{compile_cache.program_key(self._engine.program_identity(self._name), self._donate, args, platforms)}.jaxexport"
+        key = compile_cache.program_key(self._engine.program_identity(self._name), self._donate, args, platforms)
+        path = folder / f"{key}.jaxexport"
         t = time.perf_counter()
         exported = compile_cache.export(self._jit, args, platforms, tuple(TARGETS))
         r["export"] = time.perf_counter() - t

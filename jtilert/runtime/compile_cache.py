@@ -172,8 +172,8 @@ def export(jitted, args: tuple, platforms: tuple[str, ...] | None = None,
            custom_calls: tuple[str, ...] = ()) -> jax.export.Exported | None:
     """`jitted` traced and lowered for `args` and exported, or None where it cannot be exported
     (e.g. host callbacks, as GPU interpret mode makes: one warning; a tracing error raises again
-    when the caller lowers it plainly). `custom_calls`: the targets
-    without jax's compatibility guarantee it may call (ours; the cache is keyed on the versions)."""
+    when the caller lowers it plainly). `custom_calls`: targets without jax's compatibility
+    guarantee that the program may call (ours: an entry is only read by the same versions)."""
     checks = [jax.export.DisabledSafetyCheck.custom_call(name) for name in custom_calls]
     # The kernels as a plain lowering serialises them: the entry is only read by the same jax.
     with _jax_config.export_ignore_forward_compatibility(True):
