@@ -4,6 +4,9 @@ import os
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Tests patch traced code (op implementations, the engine's emit switch), which no program-cache key
+# sees: only tests/test_compile_cache.py turns the program cache on.
+os.environ["JTILERT_PROGRAM_CACHE"] = "off"
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

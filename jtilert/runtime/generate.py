@@ -14,6 +14,7 @@ token budget (`GENERATE_STEPS` steps per call at most).
 
 from __future__ import annotations
 
+import hashlib
 import numbers
 import time
 from collections.abc import Iterator, Sequence
@@ -25,9 +26,13 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from jtilert import pallas
+from jtilert.ffi import _lib
+from jtilert.ffi._lib import TARGETS
 from jtilert.model.transformer import Layout, Transformer, init_cache, split_cache
 from jtilert.ops.table import DecodeConfig, Ops
+from jtilert.pallas import interpret
 from jtilert.parallel import sharding
+from jtilert.runtime import compile_cache
 from jtilert.runtime.sampling import Sampling, is_int, sample, verify
 
 GENERATE_STEPS = 64   # decode steps per call of `generate` (the loop on the device exits early at a stop)
@@ -35,14 +40,18 @@ MAX_STOPS = 8         # stop tokens `generate` checks on the device
 
 
 class Compiled:
-    """`jax.jit(fn, donate_argnums)` compiled ahead of time (`lower(...).compile()`) once per argument
-    shapes and reused for every later call with them; `compiles` counts the compilations and
-    `compile_s` adds up their time."""
+    """`jax.jit(fn, donate_argnums)` compiled ahead of time once per argument shapes and reused for
+    every later call with them; `compiles` counts the compilations, `compile_s` adds up their time
+    and `cached` counts the programs read from the program cache (`compile_cache`): with `engine`,
+    the program is stored there under the engine's identity and `name`, and a later process skips
+    tracing and lowering it."""
 
-    def __init__(self, fn, donate: tuple[int, ...] = ()):
+    def __init__(self, fn, donate: tuple[int, ...] = (), name: str | None = None, engine: Engine | None = None):
         self._jit = jax.jit(fn, donate_argnums=donate)
+        self._donate, self._name, self._engine = donate, name, engine
         self._done: dict = {}
         self.compiles = 0
+        self.cached = 0
         self.compile_s = 0.0
 
     def executable(self, *args):
@@ -54,9 +63,14 @@ class Compiled:
         exe = self._done.get(key)
         if exe is None:
             t0 = time.perf_counter()
-            exe = self._done[key] = self._jit.lower(*args).compile()
+            eng = self._engine
+            identity = eng.program_identity(self._name) if eng is not None else None
+            exe, hit = compile_cache.compile_cached(self._jit, self._donate, args, identity,
+                                                   custom_calls=tuple(TARGETS), prepare=eng and eng.prepare)
+            self._done[key] = exe
             self.compile_s += time.perf_counter() - t0
             self.compiles += 1
+            self.cached += hit
         return exe
 
     def __call__(self, *args):
@@ -85,14 +99,51 @@ class Engine:
         # The steps take the weights as a flat list of arrays (an nnx.State argument costs host time
         # per array and call to flatten).
         self.state, self._treedef = jax.tree_util.tree_flatten(state)
-        self.forward = Compiled(self._wrap(self._forward), donate=(1,))
-        self.draft = Compiled(self._wrap(self._draft), donate=(1,))
-        self.decode = Compiled(self._wrap(self._decode), donate=(1, 2, 3, 4))
-        self.speculate = Compiled(self._wrap(self._speculate), donate=(1, 2, 3, 4, 5))
-        self.decode_loop = Compiled(self._wrap(self._decode_loop), donate=(1, 2, 3, 4))
-        self.speculate_loop = Compiled(self._wrap(self._speculate_loop), donate=(1, 2, 3, 4, 5))
-        self.first_token = Compiled(_first_token, donate=(2,))
-        self.first_draft = Compiled(_first_draft)
+        self._identity = self._program_identity()
+        self.forward = Compiled(self._wrap(self._forward), (1,), "forward", self)
+        self.draft = Compiled(self._wrap(self._draft), (1,), "draft", self)
+        self.decode = Compiled(self._wrap(self._decode), (1, 2, 3, 4), "decode", self)
+        self.speculate = Compiled(self._wrap(self._speculate), (1, 2, 3, 4, 5), "speculate", self)
+        self.decode_loop = Compiled(self._wrap(self._decode_loop), (1, 2, 3, 4), "decode_loop", self)
+        self.speculate_loop = Compiled(self._wrap(self._speculate_loop), (1, 2, 3, 4, 5), "speculate_loop", self)
+        self.first_token = Compiled(_first_token, (2,), "first_token", self)
+        self.first_draft = Compiled(_first_draft, (), "first_draft", self)
+
+    # --- the program cache -------------------------------------------------------------------
+    def _program_identity(self) -> tuple | None:
+        """What the steps close over, for their keys in the program cache (`compile_cache`): the
+        model (config, dtype, module graph), the DecodeConfig, the mesh, and whether the CUDA engine
+        loaded (its ops lower to plain XLA where it did not). None (not cached) where the kernels run
+        in GPU interpret mode: their host callbacks cannot be stored."""
+        if self.config.backend == "pallas" and interpret.params() is not None:
+            return None
+        mesh = None if self.mesh is None else (self.mesh.axis_names, self.mesh.devices.shape,
+                                              tuple(int(d.id) for d in self.mesh.devices.flat))
+        engine = (_lib.load()[1] or "loaded") if self._may_use_engine() else None
+        graph = hashlib.sha256(repr(self.graphdef).encode()).hexdigest()
+        return repr(self.cfg), jnp.dtype(self.dtype).name, repr(self.config), graph, mesh, engine
+
+    def _may_use_engine(self) -> bool:
+        """Whether tracing may call the CUDA engine (a GPU, and a config that uses it)."""
+        c = self.config
+        return interpret.on_gpu() and (c.backend == "pallas" or c.engine_all_reduce or c.split_indexer)
+
+    def program_identity(self, name: str) -> tuple | None:
+        return None if self._identity is None else (name, *self._identity)
+
+    def prepare(self, exported) -> bool:
+        """Before compiling a cached program: the set-up its tracing and lowering would have done.
+        A program that calls the CUDA engine needs the engine's FFI targets registered and, over a
+        mesh, its device groups created; False where the engine does not load here."""
+        if b"jtilert_" not in exported.mlir_module_serialized:
+            return True
+        lib, _ = _lib.load()
+        if lib is None:
+            return False
+        rows = _lib.groups_of(self.mesh, sharding.AXIS) if self.tp > 1 else None
+        for row in () if rows is None else rows:
+            lib.group(tuple(int(v) for v in row))
+        return True
 
     # --- tracing -----------------------------------------------------------------------------
     def _wrap(self, fn):
@@ -293,6 +344,11 @@ class Generator:
     def compiles(self) -> int:
         """Compilations of this Generator's steps so far."""
         return sum(c.compiles for c in self.engine.steps())
+
+    @property
+    def cached_programs(self) -> int:
+        """Of those, the programs read from the program cache (not traced nor lowered here)."""
+        return sum(c.cached for c in self.engine.steps())
 
     # --- validation -------------------------------------------------------------------------
     def _check_prompt(self, prompt_ids, max_new_tokens: int, injected: bool = True) -> np.ndarray:

@@ -1,0 +1,109 @@
+"""What a Generator's preparation costs per compiled program, and what the program cache saves (issue 13).
+
+    PYTHONPATH=. python3 -m bench.prepare --preset dsv32-tp8-shard --layers 61 --backend pallas --mtp \
+        [--loop generate|stream] [--platform cuda] [--cache DIR]
+
+Runs the programs `Generator._prepare` compiles (prefill chunk, first token, MTP prefill and first draft,
+decode step) on an abstract model (no weights) and times, per program:
+- plain: `trace` and `lower` (what every process pays without the program cache), the module's size
+  and its Mosaic-GPU kernels;
+- cold: `export` (trace + lower + jax.export's checks) and writing the cache entry;
+- warm: reading the entry and lowering a call of it (what a second process pays).
+Lowering for "cuda" works on a machine without a GPU (the kernels are lowered for the GPU, not
+interpreted); XLA's compile is not run (on a GPU it comes from JAX's persistent cache).
+
+With `--compile`, a random model is built instead and `Generator._prepare` runs for real here (trace,
+lower, XLA compile) through the caches `JTILERT_COMPILATION_CACHE` / `JTILERT_PROGRAM_CACHE` name:
+run it twice on one folder for cold and warm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from jtilert.ffi._lib import TARGETS
+from jtilert.model.presets import preset
+from jtilert.model.transformer import abstract_model, random_model
+from jtilert.pallas import interpret
+from jtilert.runtime import compile_cache
+from jtilert.runtime.generate import Compiled, Generator
+from jtilert.runtime.sampling import Sampling
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="dsv32-tp8-shard")
+    ap.add_argument("--layers", type=int, default=61)
+    ap.add_argument("--fmt", default="fp8")
+    ap.add_argument("--backend", default="pallas")
+    ap.add_argument("--mtp", action="store_true")
+    ap.add_argument("--loop", choices=("generate", "stream"), default="generate")
+    ap.add_argument("--max-seq-len", type=int, default=4096)
+    ap.add_argument("--platform", default="cuda")
+    ap.add_argument("--cache", help="program cache folder (default: a new temporary one)")
+    ap.add_argument("--compile", action="store_true", help="prepare a random model for real (see above)")
+    a = ap.parse_args()
+    cfg = preset(a.preset, num_hidden_layers=a.layers)
+    if a.compile:
+        gen = Generator(random_model(cfg, a.fmt), max_seq_len=a.max_seq_len, backend=a.backend, mtp=a.mtp)
+        t = time.perf_counter()
+        gen._prepare(Sampling(), loop=a.loop == "generate")
+        print(f"prepare {time.perf_counter() - t:.2f} s: {gen.compiles} programs, {gen.cached_programs} from the "
+              f"program cache  [{a.preset}, {a.layers} layers, {a.backend}, mtp={a.mtp}, {a.loop}, "
+              f"{jax.default_backend()}]")
+        return
+    platforms = (a.platform,)
+    folder = Path(a.cache or tempfile.mkdtemp(prefix="jtilert-programs-"))
+    rows = []
+
+    def measure(self: Compiled, *args):
+        """Stands in for `Compiled.executable`: times the three ways to a lowered program."""
+        r = {"program": self._name}
+        t = time.perf_counter()
+        traced = self._jit.trace(*args)
+        r["trace"] = time.perf_counter() - t
+        t = time.perf_counter()
+        lowered = traced.lower(lowering_platforms=platforms)
+        r["lower"] = time.perf_counter() - t
+        text = lowered.as_text()
+        r["mb"], r["kernels"] = len(text) / 1e6, text.count("mosaic_gpu_v2")
+        key = compile_cache.program_key(self._engine.program_identity(self._name), self._donate, args, platforms)
+        path = folder / f"{key}.jaxexport"
+        t = time.perf_counter()
+        exported = compile_cache.export(self._jit, args, platforms, tuple(TARGETS))
+        r["export"] = time.perf_counter() - t
+        t = time.perf_counter()
+        compile_cache._write(path, exported)
+        r["write"] = time.perf_counter() - t
+        t = time.perf_counter()
+        exported = compile_cache._read(path)
+        r["read"] = time.perf_counter() - t
+        t = time.perf_counter()
+        compile_cache.lower_exported(exported, self._donate, args, platforms)
+        r["lower_call"] = time.perf_counter() - t
+        r["entry_mb"] = path.stat().st_size / 1e6
+        rows.append(r)
+        print(f"{r['program']:>15}: trace {r['trace']:6.2f} s  lower {r['lower']:6.2f} s  ({r['kernels']} kernels, "
+              f"{r['mb']:.1f} MB)  | cold: export {r['export']:6.2f} s  write {r['write']:.2f} s  | warm: read "
+              f"{r['read']:.2f} s  lower call {r['lower_call']:.2f} s  (entry {r['entry_mb']:.1f} MB)", flush=True)
+        return lowered
+
+    Compiled.executable = measure
+    model = abstract_model(cfg, a.fmt, jnp.bfloat16)
+    with interpret.compile_for_gpu():
+        gen = Generator(model, max_seq_len=a.max_seq_len, backend=a.backend, mtp=a.mtp)
+        gen._prepare(Sampling(), loop=a.loop == "generate")
+    total = {k: sum(r[k] for r in rows) for k in ("trace", "lower", "export", "write", "read", "lower_call")}
+    print(f"{'total':>15}: plain trace + lower {total['trace'] + total['lower']:.2f} s | cold export + write "
+          f"{total['export'] + total['write']:.2f} s | warm read + lower call {total['read'] + total['lower_call']:.2f} s"
+          f"  [{a.preset}, {a.layers} layers, {a.backend}, mtp={a.mtp}, {a.loop}, jax {jax.__version__}]")
+
+
+if __name__ == "__main__":
+    main()
