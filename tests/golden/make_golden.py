@@ -7,6 +7,12 @@ reference implementations and writes, per model, ``tests/golden/<name>/``:
   ``save_pretrained`` (per-expert key layout, all tensors float32), and
 * ``golden.npz`` -- reference inputs/outputs (see README.md in this folder).
 
+Two more models, ``dsv32_kernel`` and ``glm5_kernel``, have the smallest shapes the
+Pallas decode kernels accept; ``kernel_models.py`` writes their bf16-exact checkpoints
+from the seed (shared with the tests, which rewrite them), transformers runs them in
+float32, and only ``golden.npz`` is written (with the weights' checksum and the margins).
+Their margins are set against jtilert's bf16 activations (``KERNEL_GAPS``).
+
 Models:
 
 * ``dsv32``: ``DeepseekV32ForCausalLM``, YaRN RoPE (factor 4, so the mscale^2
@@ -31,12 +37,13 @@ logits are reproduced, and measures the float32 noise floor against a float64 ru
 Environment (CPU only, no GPU needed)::
 
     /root/.pyenv/versions/3.11.7/bin/python3.11 -m venv /tmp/tfvenv
-    /tmp/tfvenv/bin/pip install torch==2.13.0 transformers safetensors
-    # (generated with torch 2.13.0+cpu, transformers 5.24.0)
+    /tmp/tfvenv/bin/pip install torch==2.13.0 transformers==5.24.0 numpy safetensors
+    # (generated with torch 2.13.0+cpu, transformers 5.24.0; the kernel models with
+    # numpy 2.4.6 and safetensors 0.8.0)
 
-Regenerate (from the repository root)::
+Regenerate (from the repository root; names pick models, none: all)::
 
-    /tmp/tfvenv/bin/python tests/golden/make_golden.py
+    /tmp/tfvenv/bin/python tests/golden/make_golden.py [dsv32 glm5 glm52 dsv32_kernel glm5_kernel]
 """
 
 from __future__ import annotations
