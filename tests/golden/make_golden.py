@@ -7,6 +7,12 @@ reference implementations and writes, per model, ``tests/golden/<name>/``:
   ``save_pretrained`` (per-expert key layout, all tensors float32), and
 * ``golden.npz`` -- reference inputs/outputs (see README.md in this folder).
 
+Two more models, ``dsv32_kernel`` and ``glm5_kernel``, have the smallest shapes the
+Pallas decode kernels accept; ``kernel_models.py`` writes their bf16-exact checkpoints
+from the seed (shared with the tests, which rewrite them), transformers runs them in
+float32, and only ``golden.npz`` is written (with the weights' checksum and the margins).
+Their margins are set against jtilert's bf16 activations (``KERNEL_GAPS``).
+
 Models:
 
 * ``dsv32``: ``DeepseekV32ForCausalLM``, YaRN RoPE (factor 4, so the mscale^2
@@ -31,12 +37,13 @@ logits are reproduced, and measures the float32 noise floor against a float64 ru
 Environment (CPU only, no GPU needed)::
 
     /root/.pyenv/versions/3.11.7/bin/python3.11 -m venv /tmp/tfvenv
-    /tmp/tfvenv/bin/pip install torch==2.13.0 transformers safetensors
-    # (generated with torch 2.13.0+cpu, transformers 5.24.0)
+    /tmp/tfvenv/bin/pip install torch==2.13.0 transformers==5.24.0 numpy safetensors
+    # (generated with torch 2.13.0+cpu, transformers 5.24.0; the kernel models with
+    # numpy 2.4.6 and safetensors 0.8.0)
 
-Regenerate (from the repository root)::
+Regenerate (from the repository root; names pick models, none: all)::
 
-    /tmp/tfvenv/bin/python tests/golden/make_golden.py
+    /tmp/tfvenv/bin/python tests/golden/make_golden.py [dsv32 glm5 glm52 dsv32_kernel glm5_kernel]
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 
 import numpy as np
 import torch
@@ -59,6 +67,8 @@ from transformers.models.deepseek_v32 import modeling_deepseek_v32 as ds_mod
 from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as glm_mod
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import kernel_models  # noqa: E402  (the kernel-sized models' weights, shared with the tests)
 
 T_PROMPT = 40  # > index_topk, so sparse selection really runs
 N_GREEDY = 8
@@ -151,6 +161,26 @@ MODELS = {
     ),
 }
 
+# Kernel-sized models (kernel_models.py: bf16-exact weights written from the seed, never committed;
+# only golden.npz is). The tests run them with jtilert's Pallas kernels, whose activations are bf16,
+# against these float32 outputs, so their margins are set against the bf16 error instead of float32
+# noise (measured, jtilert backend="pallas" vs transformers fp32 on seeds that flip nothing: logits
+# ≤ 0.10, indexer scores ≤ 0.026 of the row's largest |score|, sigmoid router scores ≤ 5e-3):
+# indexer gap > 0.03 of the row's largest |score|, router gap > 0.01, top-1/top-2 logit gap > 0.3 on
+# the greedy rows (the only rows whose argmax a test compares). Every such decision is a chance to flip,
+# so these models run few tokens: a prompt one token longer than index_topk and 3 greedy tokens.
+KERNEL_GAPS = dict(index=3e-2, index_row_relative=True, router=1e-2, logit=0.3, logit_greedy_only=True)
+MODELS.update({
+    "dsv32_kernel": dict(cls_model=DeepseekV32ForCausalLM, mod=ds_mod, base_seed=4000),
+    "glm5_kernel": dict(cls_model=GlmMoeDsaForCausalLM, mod=glm_mod, base_seed=5000),
+})
+for _name, _spec in MODELS.items():
+    _spec["kernel"] = _name in kernel_models.CONFIGS
+    _spec["gaps"] = KERNEL_GAPS if _spec["kernel"] else dict(
+        index=INDEX_REL_GAP, index_row_relative=False, router=ROUTER_GAP, logit=LOGIT_GAP, logit_greedy_only=False)
+    _spec["t_prompt"] = kernel_models.T_PROMPT if _spec["kernel"] else T_PROMPT
+    _spec["n_greedy"] = kernel_models.N_GREEDY if _spec["kernel"] else N_GREEDY
+
 
 # --------------------------------------------------------------------------- init
 
@@ -190,6 +220,8 @@ def randomize_(model: torch.nn.Module, gen: torch.Generator) -> None:
 
 def build(name: str, seed: int):
     spec = MODELS[name]
+    if spec["kernel"]:
+        return build_kernel(name, seed)
     cfg = spec["cls_cfg"](**spec["cfg"])
     torch.manual_seed(seed)
     model = spec["cls_model"](cfg).to(torch.float32).eval()
@@ -200,6 +232,19 @@ def build(name: str, seed: int):
     randomize_(model, gen)
     prompt = torch.randint(0, cfg.vocab_size, (T_PROMPT,), generator=gen)
     return model, prompt
+
+
+def build_kernel(name: str, seed: int):
+    """A kernel-sized model: its HF folder written by kernel_models from the seed, loaded (bf16 on
+    disk) as float32, which is exact."""
+    spec = MODELS[name]
+    with tempfile.TemporaryDirectory() as folder:
+        kernel_models.write_folder(name, seed, folder)
+        model, info = spec["cls_model"].from_pretrained(
+            folder, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager",
+            output_loading_info=True)
+    assert not any(info.values()), f"{name}: the folder does not match transformers' model: {info}"
+    return model.eval(), torch.from_numpy(kernel_models.prompt(name, seed)).long()
 
 
 # --------------------------------------------------------------------------- probes
@@ -270,15 +315,17 @@ class Probe:
         return idx
 
 
-def index_margin(idx: torch.Tensor, topk: int) -> float:
-    """Smallest relative gap between the k-th and (k+1)-th causal score over rows."""
+def index_margin(idx: torch.Tensor, topk: int, row_relative: bool = False) -> float:
+    """Smallest relative gap between the k-th and (k+1)-th causal score over rows: relative to the
+    two scores (row_relative False: float32 noise scales with them), or to the row's largest |score|
+    (True: bf16 activations put an error of that scale on every score of the row)."""
     worst = math.inf
     s = idx.shape[0]
     for r in range(topk, s):  # rows with r + 1 > topk causal keys
         v = idx[r, : r + 1].double().sort(descending=True).values
         hi, lo = v[topk - 1].item(), v[topk].item()
         rowmax = v.abs().max().item()
-        denom = max(abs(hi), abs(lo), 1e-2 * rowmax, 1e-30)
+        denom = max(rowmax if row_relative else max(abs(hi), abs(lo), 1e-2 * rowmax), 1e-30)
         worst = min(worst, (hi - lo) / denom)
     return worst
 
@@ -320,12 +367,13 @@ def forward_logits(model, ids: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def attempt(name: str, seed: int):
     spec = MODELS[name]
+    gaps = spec["gaps"]
     model, prompt = build(name, seed)
     logits = forward_logits(model, prompt)
 
     ids = prompt.clone()
     greedy, greedy_logits = [], []
-    for _ in range(N_GREEDY):
+    for _ in range(spec["n_greedy"]):
         row = forward_logits(model, ids)[-1]
         tok = int(row.argmax())
         greedy.append(tok)
@@ -342,16 +390,18 @@ def attempt(name: str, seed: int):
 
     topk = model.config.index_topk
     idx_scores = {i: probe.index_scores(i) for i in sorted(probe.index_inputs)}
+    t_prompt = spec["t_prompt"]
     stats = {
-        "index_rel_gap": min(index_margin(v, topk) for v in idx_scores.values()),
+        "index_rel_gap": min(index_margin(v, topk, gaps["index_row_relative"]) for v in idx_scores.values()),
         "router_gap": min(router_margin(m, h) for m, h in probe.router_inputs.values()),
-        "logit_gap": min(top2_gap(logits), top2_gap(greedy_logits), top2_gap(full_logits)),
-        "full_vs_prompt": (full_logits[:T_PROMPT] - logits).abs().max().item(),
+        "logit_gap": top2_gap(greedy_logits) if gaps["logit_greedy_only"]
+        else min(top2_gap(logits), top2_gap(greedy_logits), top2_gap(full_logits)),
+        "full_vs_prompt": (full_logits[:t_prompt] - logits).abs().max().item(),
     }
     ok = (
-        stats["index_rel_gap"] > INDEX_REL_GAP
-        and stats["router_gap"] > ROUTER_GAP
-        and stats["logit_gap"] > LOGIT_GAP
+        stats["index_rel_gap"] > gaps["index"]
+        and stats["router_gap"] > gaps["router"]
+        and stats["logit_gap"] > gaps["logit"]
     )
     return ok, stats, model, prompt, logits, greedy, greedy_logits, idx_scores
 
@@ -361,7 +411,7 @@ def float64_check(model, prompt, logits, greedy, greedy_logits):
     with torch.no_grad():
         l64 = m64(input_ids=prompt[None], use_cache=False).logits[0]
         ids = torch.cat([prompt, torch.tensor(greedy[:-1])])
-        g64 = m64(input_ids=ids[None], use_cache=False).logits[0, T_PROMPT - 1 :]
+        g64 = m64(input_ids=ids[None], use_cache=False).logits[0, prompt.numel() - 1 :]
     model.to(torch.float32)
     return {
         "fp64_logits_maxdiff": (l64 - logits.double()).abs().max().item(),
@@ -373,8 +423,10 @@ def float64_check(model, prompt, logits, greedy, greedy_logits):
 def main() -> None:
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
+    names = sys.argv[1:] or list(MODELS)  # e.g. `make_golden.py dsv32_kernel glm5_kernel`
     report = {}
-    for name, spec in MODELS.items():
+    for name in names:
+        spec = MODELS[name]
         for seed in range(spec["base_seed"], spec["base_seed"] + MAX_SEED_TRIES):
             ok, stats, model, prompt, logits, greedy, greedy_logits, idx_scores = attempt(name, seed)
             if ok:
@@ -385,31 +437,41 @@ def main() -> None:
 
         out = os.path.join(HERE, name)
         os.makedirs(out, exist_ok=True)
-        model.save_pretrained(out)
+        arrays = {}
+        if spec["kernel"]:
+            # no checkpoint is saved: the tests rewrite it from the seed, and check it is the same
+            arrays["weights_crc32"] = np.asarray(kernel_models.checksum(kernel_models.weights(name, seed)), np.int64)
+            stats.update(seed=seed)
+        else:
+            model.save_pretrained(out)
 
-        # Round trip: the saved checkpoint reproduces the golden logits.
-        cls = spec["cls_model"]
-        re = cls.from_pretrained(
-            out, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager"
-        ).eval()
-        re_logits = forward_logits(re, prompt)
-        rt = (re_logits - logits).abs().max().item()
-        assert rt < 1e-5, f"{name}: reload mismatch {rt}"
+            # Round trip: the saved checkpoint reproduces the golden logits.
+            cls = spec["cls_model"]
+            re = cls.from_pretrained(
+                out, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager"
+            ).eval()
+            re_logits = forward_logits(re, prompt)
+            rt = (re_logits - logits).abs().max().item()
+            assert rt < 1e-5, f"{name}: reload mismatch {rt}"
+            stats.update(seed=seed, reload_maxdiff=rt)
 
         stats.update(float64_check(model, prompt, logits, greedy, greedy_logits))
-        stats.update(seed=seed, reload_maxdiff=rt)
 
-        arrays = {
+        arrays.update({
             "input_ids": prompt.numpy().astype(np.int32),
             "logits": logits.numpy().astype(np.float32),
             "greedy": np.asarray(greedy, dtype=np.int32),
             "greedy_logits": greedy_logits.numpy().astype(np.float32),
             "seed": np.asarray(seed, dtype=np.int64),
-        }
+        })
+        if spec["kernel"]:  # the margins the seed passed (see KERNEL_GAPS)
+            for k in ("index_rel_gap", "router_gap", "logit_gap"):
+                arrays[k] = np.asarray(stats[k], np.float64)
         # Causal indexer scores on the prompt for every layer that runs an indexer
         # (-inf above the diagonal); debugging aid for the DSA indexer.
+        t = spec["t_prompt"]
         for i, v in idx_scores.items():
-            arrays[f"index_scores_l{i}"] = v[:T_PROMPT, :T_PROMPT].numpy().astype(np.float32)
+            arrays[f"index_scores_l{i}"] = v[:t, :t].numpy().astype(np.float32)
         np.savez_compressed(os.path.join(out, "golden.npz"), **arrays)
 
         stats["greedy"] = list(greedy)
