@@ -176,5 +176,5 @@ def test_sharded_steps_come_back_from_the_cache(programs, tiny_random):
     assert first.cached_programs == 0 and second.cached_programs == second.compiles == 3
     eng = second.engine
     cache = eng.new_cache(second.rows)
-    exe = eng.forward.executable(eng.state, cache, eng.place(np.zeros(second.chunk, np.int32)), eng.place(np.int32(0)))
+    exe = eng.forward.executable(eng.state, cache, eng.place(np.zeros(second.chunks[-1], np.int32)), eng.place(np.int32(0)))
     assert all(o.sharding.is_equivalent_to(eng.sharding, len(o.shape)) for o in jax.tree_util.tree_leaves(exe.out_info))
