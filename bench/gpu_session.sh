@@ -6,17 +6,24 @@
 #   SAVE_TO=$OUT re-tars $WORK into $SAVE_TO/session.tgz after every part, so a call that runs out of
 #   time still brings back the parts that finished)
 #
-# BACKENDS (default pallas,reference) picks the decode backends. PARTs, each under a time limit:
+# BACKENDS (default pallas,reference) picks the decode backends; VS_ARGS the vs parts' sizes (default
+# --context 1024 --new 64 --samples 10). PARTs, each under a time limit:
 #   stream       bench/kernels.py --only stream: what the TMA pipeline streams with no arithmetic
 #   kernels      bench/kernels.py --quick: projection / MoE / lm-head kernels vs XLA (issue 4; ~4 min)
 #   sweep        the same with the config sweeps (longer: the MoE sweep alone filled 5 minutes)
 #   attention    bench/attention.py (issue 5)
 #   decode       bench.decode: dsv32-tp8-shard, 61 layers, context 4096, CUPTI kernel profile (issue 7)
 #   breakdown    bench.decode at 8 layers with the attention / MLP timing variants (issue 7)
-#   checkpoint   a 4-layer bf16 dsv32-tp8-shard HF checkpoint at $CK (on the CPU), for:
-#   ours_4l      bench.decode on that checkpoint, context 1024, pallas and reference
-#   hf_eager     transformers' model on it (static cache), bench/transformers_decode.py
-#   hf_compile   the same with torch.compile (mode default: reduce-overhead's CUDA graphs fail there)
+#   checkpoint   a 4-layer bf16 dsv32-tp8-shard HF checkpoint at $CK (on the CPU), for the comparison with
+#                transformers, bench/vs_transformers.py (context 1024, 64 new tokens, greedy, batch 1; run it
+#                with nothing else on the GPU or the host: SAVE_TO=$OUT bench/gpu_session.sh checkpoint
+#                vs_jtilert vs_hf vs):
+#   vs_jtilert   jtilert's Generator.generate / stream wall clock per token and device time per step,
+#                the BACKENDS → vs_jtilert.json
+#   vs_hf        transformers' generate, eager (static cache), and its decode step's device time → vs_hf.json
+#   vs_hf_auto   the same as generate does it by default with a static cache (it compiles the step itself)
+#   vs_hf_compile  the same with model.forward under torch.compile (mode default)
+#   vs           the ratios: vs_jtilert.json against every vs_hf*.json there is → vs.json
 #   flags        the 8-layer step with XLA's PDL launches / RAFT top-k on and off
 #   cmdbuf       the 8-layer step with XLA command buffers off: is the 24 ms per-call dispatch their update?
 #   tp2split     tp=2, 4 layers, 32K context: the indexer split over the GPUs vs not (after build)
@@ -59,6 +66,7 @@ step() {  # step NAME LIMIT_S COMMAND...
   return $rc
 }
 DEC="python3 -m bench.decode --preset dsv32-tp8-shard --context 4096"
+VS="python3 -m bench.vs_transformers $CK ${VS_ARGS:---context 1024 --new 64 --samples 10}"
 for part in "$@"; do
   case $part in
     stream) OUT=$WORK/stream step stream 150 python3 bench/kernels.py --only stream ;;
@@ -71,12 +79,12 @@ for part in "$@"; do
                  --out "$WORK/breakdown.json" ;;
     checkpoint) JAX_PLATFORMS=cpu step checkpoint 200 python3 -c \
                   "import jtilert; jtilert.random_checkpoint('dsv32-tp8-shard', '$CK', fmt='bf16', num_layers=4, overwrite=True)" ;;
-    ours_4l) step ours_4l 200 python3 -m bench.decode --checkpoint "$CK" --context 1024 --backend pallas,reference --samples 10 \
-               --out "$WORK/ours_4l.json" ;;
-    hf_eager) step hf_eager 150 python3 -m bench.transformers_decode "$CK" --context 1024 --new 32 \
-                --out "$WORK/hf_eager.json" ;;
-    hf_compile) step hf_compile 200 python3 -m bench.transformers_decode "$CK" --context 1024 --new 32 --compile \
-                  --out "$WORK/hf_compile.json" ;;
+    vs_jtilert) step vs_jtilert 300 $VS --side jtilert --backend "$B" --out "$WORK/vs_jtilert.json" ;;
+    vs_hf) step vs_hf 150 $VS --side transformers --compile off --out "$WORK/vs_hf.json" ;;
+    vs_hf_auto) step vs_hf_auto 240 $VS --side transformers --compile auto --out "$WORK/vs_hf_auto.json" ;;
+    vs_hf_compile) step vs_hf_compile 240 $VS --side transformers --compile default --out "$WORK/vs_hf_compile.json" ;;
+    vs) step vs 60 python3 -m bench.vs_transformers --combine "$WORK/vs_jtilert.json" "$WORK"/vs_hf*.json \
+          --out "$WORK/vs.json" ;;
     flags)  # XLA options that may cut the per-kernel cost or the top-k, on the 8-layer step
       for f in "" --xla_gpu_enable_pdl=true --xla_gpu_experimental_enable_raft_for_stable_topk=true; do
         n=flags${f:+_$(echo "$f" | sed 's/--xla_gpu_//; s/=true//; s/experimental_enable_//; s/_for_stable_topk//')}
