@@ -39,6 +39,8 @@
 #   hlodump      XLA's optimized HLO of the 4-layer decode step (command buffers, streams), this checkout and,
 #                where the checkout carries it, the code before issue 13 in .baseline (git archive ba89fb0)
 #   recompile    bench.decode 61 layers, pallas, in a new process: the step from the persistent cache
+#   progcache    bench.prepare --compile, 61 layers, pallas, MTP: the Generator's preparation with the program
+#                cache cold, warm, then off (JAX's cache warm): what a second process pays (issue 13 item 4)
 #   callcost     the 61-layer stream loop (one step per call) with XLA's command-buffer update modes
 #   build        the CUDA engine library and self-test (python -m jtilert.ffi.build --selftest)
 #   select       the engine's top-k select: self-test + CUDA-graph timings (after build)
@@ -54,6 +56,8 @@ export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=FUSION,CUBLAS,C
 B=${BACKENDS:-pallas,reference}
 CK=${CK:-/tmp/jt_dsv32_4l}
 export JTILERT_COMPILATION_CACHE=${JTILERT_COMPILATION_CACHE:-$WORK/xla_cache}
+# the program cache (jax.export of each step) only in the part that measures it, until it is checked here
+export JTILERT_PROGRAM_CACHE=${JTILERT_PROGRAM_CACHE:-off}
 T0=$(date +%s)
 step() {  # step NAME LIMIT_S COMMAND...
   local name=$1 limit=$2; shift 2
@@ -119,6 +123,11 @@ for part in "$@"; do
           step hlodump_base 240 $DEC --layers 4 --backend pallas --steps 2 --samples 2 --out "$WORK/hlodump_base.json")
       fi ;;
     check) step check 240 python3 tests/gpu/decode_check.py --per-op --out "$WORK/check.json" ;;
+    progcache)
+      PREP="python3 -m bench.prepare --compile --preset dsv32-tp8-shard --layers 61 --backend pallas --mtp"
+      JTILERT_PROGRAM_CACHE=on step progcache_cold 300 $PREP
+      JTILERT_PROGRAM_CACHE=on step progcache_warm 300 $PREP
+      JTILERT_PROGRAM_CACHE=off step progcache_off 300 $PREP ;;
     recompile) step recompile 300 $DEC --layers 61 --backend pallas --steps 5 --samples 4 \
                  --out "$WORK/recompile.json" ;;
     callcost)  # does XLA update its command buffers on every call? the same loop under each update mode
