@@ -111,11 +111,9 @@ def _layer_bodies(name: str) -> list[dict]:
 
 
 # Today's counts, the ceiling: a change that adds a launch or glue to a layer fails here. The fused
-# layer's target is at most 4 launches and no glue; lower these as the fused kernels land. Glue is
-# counted in ops, not launches: the MoE router's selection by ranks counts about 20 (comparisons and
-# sums, which XLA fuses into a few reductions) where three lax.top_k kernels and a scatter counted 8.
-BUDGET = {"dsv32-tp8-shard": [{"kernels": 11, "glue": 143}, {"kernels": 14, "glue": 189}],
-          "glm5-tp8-shard": [{"kernels": 10, "glue": 157}, {"kernels": 13, "glue": 184}]}
+# layer's target is at most 4 launches and no glue; lower these as the fused kernels land.
+BUDGET = {"dsv32-tp8-shard": [{"kernels": 11, "glue": 143}, {"kernels": 14, "glue": 172}],
+          "glm5-tp8-shard": [{"kernels": 10, "glue": 157}, {"kernels": 13, "glue": 177}]}
 
 
 @pytest.mark.parametrize("name", sorted(BUDGET))
