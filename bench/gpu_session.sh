@@ -39,6 +39,8 @@
 #   hlodump      XLA's optimized HLO of the 4-layer decode step (command buffers, streams), this checkout and,
 #                where the checkout carries it, the code before issue 13 in .baseline (git archive ba89fb0)
 #   recompile    bench.decode 61 layers, pallas, in a new process: the step from the persistent cache
+#   pdl          bench/pdl_probe.py: chains of tiny Mosaic kernels (with and without PDL) and XLA fusions, per kernel,
+#                with command buffers on, off, and on without XLA's own PDL (issue 14; ~2 min)
 #   progcache    bench.prepare --compile, 61 layers, pallas, MTP: the Generator's preparation with the program
 #                cache cold, warm, then off (JAX's cache warm): what a second process pays (issue 13 item 4)
 #   callcost     the 61-layer stream loop (one step per call) with XLA's command-buffer update modes
@@ -123,6 +125,12 @@ for part in "$@"; do
           step hlodump_base 240 $DEC --layers 4 --backend pallas --steps 2 --samples 2 --out "$WORK/hlodump_base.json")
       fi ;;
     check) step check 240 python3 tests/gpu/decode_check.py --per-op --out "$WORK/check.json" ;;
+    pdl)
+      XLA_FLAGS="$XLA_FLAGS" step pdl_cmdbuf 120 python3 -m bench.pdl_probe --out "$WORK/pdl_cmdbuf.json"
+      XLA_FLAGS="$XLA_FLAGS --xla_gpu_enable_command_buffer=" step pdl_stream 120 python3 -m bench.pdl_probe \
+        --out "$WORK/pdl_stream.json"
+      XLA_FLAGS="$XLA_FLAGS --xla_gpu_enable_pdl=false" step pdl_xla_off 120 python3 -m bench.pdl_probe \
+        --out "$WORK/pdl_xla_off.json" ;;
     progcache)
       PREP="python3 -m bench.prepare --compile --preset dsv32-tp8-shard --layers 61 --backend pallas --mtp"
       JTILERT_PROGRAM_CACHE=on step progcache_cold 300 $PREP

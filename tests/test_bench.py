@@ -67,3 +67,20 @@ def test_latency_combines_decode_mtp_and_prefill(tmp_path):
     assert 0 < r["mtp_acceptance_tiny"] <= 1
     a = r["mtp_acceptance_tiny"]
     assert r["tokens_per_s"][f"mtp@{round(a, 3)}"] == (1 + round(a, 3)) * 1e3 / r["mtp_step_ms"]
+
+
+def test_pdl_probe_lowers_both_mosaic_chains_and_runs_the_fusions():
+    """The probe's Mosaic chains lower for the GPU (the PDL one marked for a PDL launch); on the CPU
+    the fusion chain runs and the Mosaic ones are recorded as errors, not raised."""
+    import jax
+    import jax.numpy as jnp
+    from bench import pdl_probe
+    from jtilert.pallas import interpret as interp
+    x = jax.ShapeDtypeStruct((pdl_probe.SIZE,), jnp.float32)
+    with interp.compile_for_gpu():
+        texts = [pdl_probe.chain(pdl_probe.mosaic_step(pdl), 3).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+                 for pdl in (False, True)]
+    assert all(t.count("custom_call @mosaic_gpu") == 1 for t in texts)   # lowered once, called 3 times
+    assert texts[0] != texts[1]
+    r = pdl_probe.main(["--n", "3", "--calls", "2"])
+    assert r["us_per_kernel"]["fusion"] > 0 and str(r["us_per_kernel"]["mosaic"]).startswith("error")
