@@ -117,7 +117,7 @@ for part in "$@"; do
     latency) step latency 120 python3 -m bench.latency --decode "$WORK/mtp.json" \
                --prefill "$WORK/prefill.json" "$WORK/prefill32k.json" --out "$WORK/latency-61.json" ;;
     hlodump)
-      DUMP="--xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*(decode|step|loop).*"
+      DUMP="--xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*(run|decode|step|loop).*"   # jit_run: the steps and bench loops
       XLA_FLAGS="$XLA_FLAGS --xla_dump_to=$WORK/hlo $DUMP" step hlodump 240 $DEC --layers 4 --backend pallas \
         --steps 2 --samples 2 --out "$WORK/hlodump.json"
       if [ -d .baseline ]; then
