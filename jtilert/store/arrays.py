@@ -298,7 +298,7 @@ def _damaged(root: Path, name: str, e: Exception) -> DamagedChunk:
 def restore(root: Path, target: dict, budget: int = READ_BYTES) -> dict:
     """Read the arrays {dotted name: jax.ShapeDtypeStruct with its sharding} of an orbax checkpoint folder
     into jax.Arrays, as orbax's restore would, with each device's shard read once per distinct index and
-    at most about `budget` bytes of reads in flight. TensorStore checks each zarr3 chunk's CRC-32C as it
+    at most about `budget` bytes of reads in flight (a shard larger than that is read alone). TensorStore checks each zarr3 chunk's CRC-32C as it
     reads it. A damaged chunk is a DamagedChunk naming its file, raised only after every read already
     started has finished: no read is left running behind the error."""
     root = Path(root).absolute()
