@@ -72,9 +72,12 @@ def main(argv=None) -> dict:
     with open(a.decode) as f:
         decode = json.load(f)
     prefill = {"runs": []}
-    for path in a.prefill:
-        with open(path) as f:
-            prefill["runs"] += json.load(f)["runs"]
+    for path in a.prefill:   # a prefill part that did not run leaves its figures empty (null)
+        try:
+            with open(path) as f:
+                prefill["runs"] += json.load(f)["runs"]
+        except FileNotFoundError:
+            print(f"bench.latency: no {path}", flush=True)
     out = combine(decode, prefill, tiny_acceptance(), a.backend)
     out["jax"] = jax.__version__
     print(json.dumps({k: v for k, v in out.items() if k != "prefill_runs"}, indent=1))
