@@ -109,7 +109,7 @@ for part in "$@"; do
     unrolled) step unrolled 300 $DEC --layers 61 --backend pallas --layer-loop unrolled --kernels --samples 6 \
                 --out "$WORK/unrolled.json" ;;
     scale8) step scale8 150 $DEC --layers 8 --backend pallas --kernels --samples 10 --out "$WORK/scale8.json" ;;
-    mtp) step mtp 400 $DEC --layers 61 --backend pallas --mtp --kernels --samples 8 --out "$WORK/mtp.json" ;;
+    mtp) step mtp 540 $DEC --layers 61 --backend pallas --mtp --samples 6 --out "$WORK/mtp.json" ;;
     prefill) step prefill 540 python3 -m bench.prefill --layers 61 --lengths 1024,1100 --chunks 64,256,1024+64 \
                --moe grouped,dense --samples 3 --out "$WORK/prefill.json" ;;
     prefill32k) step prefill32k 540 python3 -m bench.prefill --layers 61 --lengths 32768 --chunks 512,2048 \
