@@ -33,7 +33,7 @@ import jtilert
 from jtilert.store import checkpoint
 from jtilert.parallel import sharding
 from jtilert.runtime.generate import Engine
-from jtilert.model.transformer import Layout, _no_topk, init_cache
+from jtilert.model.transformer import Layout, _no_topk, decode_weights, init_cache
 from jtilert.ops.table import DecodeConfig
 
 
@@ -111,7 +111,7 @@ def step_bytes(model, context: int, tp: int = 1) -> dict:
     cfg = model.cfg
     lay = Layout.of(cfg)
     weights = 0
-    for name, x in checkpoint.flat_params(model).items():
+    for name, x in checkpoint.flat_params(decode_weights(model)).items():   # what the steps read
         n = x.size * jnp.dtype(x.dtype).itemsize
         if sharding.split_axis(tuple(name.split("."))) is not None:
             n //= tp

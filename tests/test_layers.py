@@ -135,3 +135,22 @@ def test_moe_grouped_equals_the_gathered_path(fmt):
     assert float(jnp.mean(grouped != gathered)) < 0.02
     np.testing.assert_array_equal(np.asarray(reference.moe_experts(x, wts, ids, g, gs, u, us, d, ds)),
                                   np.asarray(reference.moe_grouped(x, wts, ids, g, gs, u, us, d, ds)))
+
+
+def test_decode_weights_dequantise_kv_b_once_and_share_the_rest(tiny_fp8):
+    """The Engine's model: kv_b in the compute dtype with the values the step used to dequantise every
+    step, every other weight the same array; the logits unchanged."""
+    import jtilert
+    from jtilert.model.transformer import decode_weights
+    from jtilert.store import checkpoint
+    d = decode_weights(tiny_fp8)
+    kv_b = tiny_fp8.layers.self_attn.kv_b_proj
+    assert d.layers.self_attn.kv_b_proj.scale is None and kv_b.scale is not None   # the user's model is untouched
+    np.testing.assert_array_equal(np.asarray(d.layers.self_attn.kv_b_proj.weight[...]),
+                                  np.asarray(dequantize(kv_b.weight[...], kv_b.scale[...], tiny_fp8.dtype)))
+    a, b = checkpoint.flat_params(tiny_fp8), checkpoint.flat_params(d)
+    assert set(a) - set(b) == {"layers.self_attn.kv_b_proj.scale"}
+    assert all(a[k] is b[k] for k in b if "kv_b" not in k)
+    ids = np.random.default_rng(5).integers(0, 256, 20)
+    np.testing.assert_array_equal(jtilert.score(tiny_fp8, ids, prefill=10),
+                                  jtilert.score(d, ids, prefill=10))

@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from jtilert.model.presets import preset
-from jtilert.model.transformer import abstract_model, init_cache
+from jtilert.model.transformer import abstract_model, decode_weights, init_cache
 from jtilert.ops.table import OPS, DecodeConfig, Ops
 from jtilert.pallas import interpret as interp
 
@@ -35,7 +35,7 @@ def _step(name: str, layers: int, ops: Ops, tokens: int = 1, mtp: bool = False):
     """(step, abstract weights, abstract cache) of a decode step of preset `name` (`mtp`: then the
     MTP draft), for `jax.eval_shape` / `jax.make_jaxpr`."""
     cfg = preset(name, num_hidden_layers=layers)
-    graphdef, state = nnx.split(abstract_model(cfg, "fp8", jnp.bfloat16))
+    graphdef, state = nnx.split(decode_weights(abstract_model(cfg, "fp8", jnp.bfloat16)))   # as Engine holds it
     cache = jax.eval_shape(lambda: init_cache(cfg, 256, jnp.bfloat16))
 
     def step(state, cache):
@@ -112,8 +112,8 @@ def _layer_bodies(name: str) -> list[dict]:
 
 # Today's counts, the ceiling: a change that adds a launch or glue to a layer fails here. The fused
 # layer's target is at most 4 launches and no glue; lower these as the fused kernels land.
-BUDGET = {"dsv32-tp8-shard": [{"kernels": 11, "glue": 143}, {"kernels": 14, "glue": 172}],
-          "glm5-tp8-shard": [{"kernels": 10, "glue": 157}, {"kernels": 13, "glue": 177}]}
+BUDGET = {"dsv32-tp8-shard": [{"kernels": 11, "glue": 139}, {"kernels": 14, "glue": 168}],
+          "glm5-tp8-shard": [{"kernels": 10, "glue": 153}, {"kernels": 13, "glue": 173}]}
 
 
 @pytest.mark.parametrize("name", sorted(BUDGET))

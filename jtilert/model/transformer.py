@@ -331,6 +331,24 @@ def flat_params(model: Transformer) -> dict[str, jax.Array]:
     return {".".join(map(str, sharding.path_names(p))): x for p, x in jax.tree_util.tree_leaves_with_path(state)}
 
 
+def decode_weights(model: Transformer) -> Transformer:
+    """The model as the compiled steps read it: kv_b (absorbed into two einsums per layer and step,
+    never a kernel's GEMV) dequantised once to the compute dtype instead of in every step. The same
+    values the step would compute; the other weights are shared with `model`, not copied."""
+    kv_b = model.layers.self_attn.kv_b_proj
+    if kv_b.scale is None:
+        return model
+    w, s = kv_b.weight.get_value(), kv_b.scale.get_value()   # arrays, or shapes in an abstract model
+    if isinstance(w, jax.ShapeDtypeStruct):   # an abstract model (`abstract_model`)
+        wd = jax.ShapeDtypeStruct(w.shape, model.dtype, sharding=w.sharding)
+    else:
+        wd = jax.jit(lambda w, s: dequantize(w, s, model.dtype), out_shardings=w.sharding)(w, s)
+    out = nnx.clone(model)
+    out.layers.self_attn.kv_b_proj.weight = nnx.Param(wd)
+    out.layers.self_attn.kv_b_proj.scale = None
+    return out
+
+
 def check_fits(model: Transformer, mesh, what: str) -> None:
     """Before placing `model`'s parameters (it may be abstract) on `mesh` (None: the default device): a
     ValueError when tp does not divide a split axis, a MemoryError when the weights do not fit in what

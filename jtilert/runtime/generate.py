@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSh
 from jtilert import pallas
 from jtilert.ffi import _lib
 from jtilert.ffi._lib import TARGETS
-from jtilert.model.transformer import Layout, Transformer, init_cache, split_cache
+from jtilert.model.transformer import Layout, Transformer, decode_weights, init_cache, split_cache
 from jtilert.ops.table import DecodeConfig, Ops
 from jtilert.pallas import interpret
 from jtilert.parallel import sharding
@@ -88,7 +88,7 @@ class Engine:
         if config.backend == "pallas":
             if not pallas.available():
                 raise RuntimeError("backend='pallas': jax.experimental.pallas.mosaic_gpu does not import here")
-        self.graphdef, state = nnx.split(model)
+        self.graphdef, state = nnx.split(decode_weights(model))
         self.mesh = mesh
         self.tp = tp = sharding.mesh_tp(mesh)
         sharding.check_tp(self.cfg, tp)
