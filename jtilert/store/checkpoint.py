@@ -324,23 +324,11 @@ def load_hf(path: str | os.PathLike, mesh: Mesh | None = None, dtype=None, **con
     n = raw.get("num_hidden_layers", 61)
     has_mtp = any(k.startswith(f"model.layers.{n}.") for k in tensors)
     cfg = ModelConfig.from_hf(path, num_nextn_predict_layers=int(has_mtp), **config_overrides)
-    if any(k.endswith("weight_scale_inv") for k in tensors):
-        fmt = "fp8"
-    elif "model.embed_tokens.weight" in tensors:
-        fmt = "fp32" if tensors["model.embed_tokens.weight"].meta("model.embed_tokens.weight")[1] == np.float32 else "bf16"
-    else:
-        raise ValueError(f"{path}: no model.embed_tokens.weight tensor")
+    fmt = hf.weight_format(tensors, path)
 
     flat: dict[str, np.ndarray] = {}
     experts: dict[str, dict[int, np.ndarray]] = collections.defaultdict(dict)
-    for key, f in tensors.items():
-        try:
-            t = hf.target_name(key, n)
-        except ValueError as e:
-            raise ValueError(f"{f.path}: {e}") from None
-        if t is None:
-            continue
-        name, e = t
+    for key, f, name, e in hf.targets(tensors, n):
         if e is None:
             flat[name] = f.get(key)
         else:

@@ -192,6 +192,29 @@ def target_name(key: str, num_layers: int) -> tuple[str, int | None] | None:
     return prefix + rest, None
 
 
+def weight_format(tensors: dict, folder: Path, error=ValueError) -> str:
+    """The HF folder's weight format: "fp8" (with `weight_scale_inv` block scales), else the embedding's
+    "fp32" or "bf16"; `error` (naming the folder) without an embedding."""
+    if any(k.endswith("weight_scale_inv") for k in tensors):
+        return "fp8"
+    key = "model.embed_tokens.weight"
+    if key not in tensors:
+        raise error(f"{folder}: no {key} tensor")
+    return "fp32" if tensors[key].meta(key)[1] == np.float32 else "bf16"
+
+
+def targets(tensors: dict, num_layers: int, error=ValueError):
+    """(key, file, parameter name, expert index or None) of every tensor `target_name` maps; an unexpected
+    key is `error` naming its file."""
+    for key, f in tensors.items():
+        try:
+            t = target_name(key, num_layers)
+        except ValueError as e:
+            raise error(f"{f.path}: {e}") from None
+        if t is not None:
+            yield key, f, *t
+
+
 _MTP_ONLY_INV = {v: k for k, v in _MTP_ONLY.items()}
 
 

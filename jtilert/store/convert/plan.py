@@ -127,15 +127,6 @@ class Plan:
                 "mtp": self.cfg.num_nextn_predict_layers, "chunk_bytes": self.chunk_bytes}
 
 
-def _source_format(tensors: dict, src: Path) -> str:
-    if any(k.endswith("weight_scale_inv") for k in tensors):
-        return "fp8"
-    key = "model.embed_tokens.weight"
-    if key not in tensors:
-        raise ConvertError(f"{src}: no {key} tensor")
-    return "fp32" if tensors[key].meta(key)[1] == F32 else "bf16"
-
-
 def parse_layers(layers, n: int) -> tuple[int, int]:
     """`a:b` (either end optional) or (a, b): decoder layers a..b-1 of n."""
     if layers is None:
@@ -195,7 +186,7 @@ def plan(src: str | os.PathLike, tp: int = 1, dtype: str | None = None, layers=N
     cfg = ModelConfig.from_hf(src, num_nextn_predict_layers=int(has_mtp and mtp))
     a, b = parse_layers(layers, n)
     cfg = subset_config(cfg, a, b)
-    source_format = _source_format(tensors, src)
+    source_format = hf.weight_format(tensors, src, ConvertError)
     fmt = dtype or source_format
     model = abstract_model(cfg, fmt)
     expected = {k: (tuple(v.shape), np.dtype(v.dtype)) for k, v in layer_params(model).items()}
@@ -205,14 +196,7 @@ def plan(src: str | os.PathLike, tp: int = 1, dtype: str | None = None, layers=N
     experts: dict[str, dict[int, tuple]] = {}
     fused: dict[str, tuple] = {}   # transformers' [E, 2I, H] gate_up / [E, H, I] down: name -> (file, key, part)
     origin: dict[str, str] = {}    # parameter -> a source key (for messages)
-    for key, f in tensors.items():
-        try:
-            t = hf.target_name(key, n)
-        except ValueError as e:
-            raise ConvertError(f"{f.path}: {e}") from None
-        if t is None:
-            continue
-        name, e = t
+    for key, f, name, e in hf.targets(tensors, n, ConvertError):
         name = _renumber(name, a, b)
         if name is None or (name.startswith("mtp.") and not cfg.num_nextn_predict_layers):
             continue
