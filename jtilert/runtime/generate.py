@@ -299,6 +299,16 @@ def chunk_plan(n: int, sizes: tuple[int, ...]) -> list[int]:
     return plan
 
 
+def chunks_of(ids: np.ndarray, sizes: tuple[int, ...]):
+    """(offset, chunk) of the chunks `chunk_plan` cuts ids into, the last padded with zeros."""
+    off = 0
+    for c in chunk_plan(ids.size, sizes):
+        part = np.zeros(c, np.int32)
+        part[:min(c, ids.size - off)] = ids[off:off + c]
+        yield off, part
+        off += c
+
+
 class Generator:
     """Decode one sequence at a time.
 
@@ -441,14 +451,11 @@ class Generator:
         the row of the prompt's last position in it, the chunks' hidden states, cache). Only compiled
         steps run, so a new prompt length compiles nothing."""
         eng, tail = self.engine, ids[start:]
-        hidden, logits, off = [], None, 0
-        for c in chunk_plan(tail.size, self.chunks):
-            part = np.zeros(c, np.int32)
-            part[:min(c, tail.size - off)] = tail[off:off + c]
+        hidden, logits = [], None
+        for off, part in chunks_of(tail, self.chunks):
             logits, h, cache = eng.forward(eng.state, cache, eng.place(part), eng.place(np.int32(start + off)))
             hidden.append(h)
-            off += c
-        return logits, tail.size - 1 - (off - c), hidden, cache
+        return logits, tail.size - 1 - off, hidden, cache
 
     def _prefill_draft(self, ids, start, first: int, hidden: list, cache):
         """Fill the MTP layer's cache over the prompt (chunk by chunk, on the main model's hidden
@@ -653,13 +660,10 @@ def score(model: Transformer, token_ids, prefill: int | None = None, mesh: Mesh 
     n = max(1, ids.size // 2) if prefill is None else int(prefill)
     eng = gen.engine
     cache = eng.new_cache(gen.rows)
-    out, off = [], 0
-    for c in chunk_plan(n, gen.chunks):
-        part = np.zeros(c, np.int32)
-        part[:min(c, n - off)] = ids[off:min(off + c, n)]
+    out = []
+    for off, part in chunks_of(ids[:n], gen.chunks):
         logits, _, cache = eng.forward(eng.state, cache, eng.place(part), eng.place(np.int32(off)))
         out.append(np.asarray(logits))
-        off += c
     out = [np.concatenate(out)[:n]]
     for p in range(n, ids.size):
         logits, _, cache = eng.forward(eng.state, cache, eng.place(ids[p:p + 1]), eng.place(np.int32(p)))

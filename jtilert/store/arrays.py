@@ -280,7 +280,7 @@ def _read_spec(root: Path, name: str, tree: dict) -> dict:
     if tree.get("use_ocdbt"):
         kv = {"driver": "ocdbt", "base": f"file://{root}/", "path": f"{name}/"}
     else:
-        kv = {"driver": "file", "path": f"{root / name}/"}
+        kv = spec(root, name)["kvstore"]
     # a writer that skipped chunks equal to the fill value (orbax's default before layout 4) left them out
     missing_is_zero = not tree.get("store_array_data_equal_to_fill_value", False)
     return {"driver": "zarr3" if tree.get("use_zarr3") else "zarr", "kvstore": kv,
