@@ -135,6 +135,13 @@ def step_bytes(model, context: int, tp: int = 1) -> dict:
     return {"weights": weights, "mla_kv": mla, "index_keys": indexer, "total": weights + mla + indexer}
 
 
+def cache_rows(context: int, steps: int) -> int:
+    """Cache rows for `steps` steps (MTP steps write 2 rows) after `context` positions, rounded up to 64
+    as the Generator rounds its cache: the indexer kernel reads the index cache in TMA tiles of 8 rows
+    and does not apply (a warning, then the reference) to other row counts."""
+    return -(-(context + 2 * steps + 16) // 64) * 64
+
+
 def random_cache(eng: Engine, rows: int, seed: int = 0) -> dict:
     """Caches with random entries in every row (rows past the position are masked anyway). One small
     jit per distinct leaf shape: a single jit over all layers' leaves took 3.5 min to compile."""
@@ -212,7 +219,7 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
     eng = Engine(model, mesh=mesh, config=DecodeConfig(backend=backend, engine_all_reduce=engine,
                                                        split_indexer=split_indexer, layer_loop=layer_loop))
     host_steps = steps * samples
-    rows = context + 2 * (steps + host_steps) + 16
+    rows = cache_rows(context, steps + host_steps)
     cache = random_cache(eng, rows)
     token, draft = eng.place(jnp.array([1], jnp.int32)), eng.place(jnp.array([2], jnp.int32))
     pos = eng.place(jnp.int32(context))
@@ -332,7 +339,7 @@ def main(argv=None) -> dict:
         fmt = a.fmt or ("fp8" if cfg.index_quant == "fp8" else "bf16")
         model = jtilert.random_model(cfg, fmt=fmt, mesh=mesh)
     cfg = model.cfg
-    if a.context + 2 * a.steps * (a.samples + 1) + 16 > cfg.max_position_embeddings:
+    if cache_rows(a.context, a.steps * (a.samples + 1)) > cfg.max_position_embeddings:
         raise SystemExit(f"--context {a.context} too large for this model")
     nbytes = step_bytes(model, a.context, a.tp)
     bw = copy_bandwidth()

@@ -93,3 +93,18 @@ def test_pdl_probe_lowers_both_mosaic_chains_and_runs_the_fusions():
     assert texts[0] != texts[1]
     r = pdl_probe.main(["--n", "3", "--calls", "2"])
     assert r["us_per_kernel"]["fusion"] > 0 and str(r["us_per_kernel"]["mosaic"]).startswith("error")
+
+
+def test_decode_bench_cache_lets_the_indexer_kernel_apply():
+    """The bench's cache rows at the 61-layer runs' sizes are ones the indexer kernel takes (a row count
+    it refuses sends the pallas path to the reference with a warning, and the timing measures XLA)."""
+    import jax
+    import jax.numpy as jnp
+    from jtilert.pallas import indexer
+    for context, steps, samples in ((4096, 10, 6), (4096, 10, 10), (32768, 10, 8), (40, 2, 2)):
+        rows = decode.cache_rows(context, steps * (samples + 1))
+        assert rows % 64 == 0 and rows >= context + 2 * steps * (samples + 1)
+        k = jax.ShapeDtypeStruct((rows, 128), jnp.float8_e4m3fn)
+        assert indexer.unsupported(1, 64, k, jax.ShapeDtypeStruct((rows,), jnp.float32)) is None
+    k = jax.ShapeDtypeStruct((4252, 128), jnp.float8_e4m3fn)   # the unrounded row count of a GPU run
+    assert indexer.unsupported(1, 64, k, jax.ShapeDtypeStruct((4252,), jnp.float32)) is not None
