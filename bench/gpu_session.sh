@@ -31,7 +31,10 @@
 #   check        tests/gpu/decode_check.py: pallas vs reference logits, 4 layers, 32 decode steps
 #   unrolled     bench.decode 61 layers, pallas, the unrolled layer loop, CUPTI profile with kernel names
 #   scale8       bench.decode 8 layers, pallas, layer loop, CUPTI profile: enqueue and kernels vs layers
+#   before_after bench.decode 61 layers with kernel profiles: the code before issue 13 (.baseline, carried:
+#                git archive ba89fb0 | tar -x -C .baseline) then this checkout, pallas and reference (~10 min)
 #   mtp          bench.decode 61 layers, pallas, plain and MTP speculative step (verify 2 + draft)
+#   mtp_glm5     the same for glm5-tp8-shard (all its layers)
 #   prefill      bench.prefill 61 layers: 1024 and 1100 prompt tokens, chunks 64, 256 and 1024+64, grouped MoE
 #                vs the old dense one
 #   prefill32k   bench.prefill 61 layers: a 32K prompt, chunks 512 and 2048
@@ -68,7 +71,9 @@ step() {  # step NAME LIMIT_S COMMAND...
   local rc=$?
   echo "[$(date -u +%T) +$(( $(date +%s) - T0 ))s] $name rc=$rc" >> "$WORK/session.txt"
   grep -v "Warning\|^\s*$" "$WORK/$name.log" | tail -30
-  if [ -n "${SAVE_TO:-}" ]; then tar czf "$SAVE_TO/session.tgz" -C "$WORK" --exclude=xla_cache . 2>/dev/null; fi
+  if [ -n "${SAVE_TO:-}" ]; then   # the raw HLO dumps stay out (hundreds of MB): part hlodump packs what is kept
+    tar czf "$SAVE_TO/session.tgz" -C "$WORK" --exclude=xla_cache --exclude=./hlo --exclude=./hlo_base . 2>/dev/null
+  fi
   return $rc
 }
 DEC="python3 -m bench.decode --preset dsv32-tp8-shard --context 4096"
@@ -109,6 +114,12 @@ for part in "$@"; do
     unrolled) step unrolled 300 $DEC --layers 61 --backend pallas --layer-loop unrolled --kernels --samples 6 \
                 --out "$WORK/unrolled.json" ;;
     scale8) step scale8 150 $DEC --layers 8 --backend pallas --kernels --samples 10 --out "$WORK/scale8.json" ;;
+    before_after)  # the code before issue 13 (.baseline, ba89fb0) and this checkout, 61 layers, one machine
+      (cd .baseline && JTILERT_COMPILATION_CACHE=off PYTHONPATH=$PWD step baseline 330 $DEC --layers 61 \
+        --backend pallas --kernels --samples 8 --out "$WORK/baseline.json")
+      step current 270 $DEC --layers 61 --backend pallas,reference --kernels --samples 8 --out "$WORK/current.json" ;;
+    mtp_glm5) step mtp_glm5 540 python3 -m bench.decode --preset glm5-tp8-shard --context 4096 --backend pallas \
+                --mtp --samples 6 --out "$WORK/mtp_glm5.json" ;;
     mtp) step mtp 540 $DEC --layers 61 --backend pallas --mtp --samples 6 --out "$WORK/mtp.json" ;;
     prefill) step prefill 540 python3 -m bench.prefill --layers 61 --lengths 1024,1100 --chunks 64,256,1024+64 \
                --moe grouped,dense --samples 3 --out "$WORK/prefill.json" ;;
@@ -123,7 +134,11 @@ for part in "$@"; do
       if [ -d .baseline ]; then
         (cd .baseline && XLA_FLAGS="$XLA_FLAGS --xla_dump_to=$WORK/hlo_base $DUMP" PYTHONPATH=$PWD \
           step hlodump_base 240 $DEC --layers 4 --backend pallas --steps 2 --samples 2 --out "$WORK/hlodump_base.json")
-      fi ;;
+      fi
+      for d in hlo hlo_base; do   # the optimized module of the bench loop only (the largest such file)
+        [ -d "$WORK/$d" ] && tar czf "$WORK/$d.tgz" -C "$WORK/$d" \
+          "$(ls -S "$WORK/$d" | grep 'after_optimizations.txt$' | head -1)"
+      done ;;
     check) step check 240 python3 tests/gpu/decode_check.py --per-op --out "$WORK/check.json" ;;
     pdl)
       XLA_FLAGS="$XLA_FLAGS" step pdl_cmdbuf 120 python3 -m bench.pdl_probe --out "$WORK/pdl_cmdbuf.json"
