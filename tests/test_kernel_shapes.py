@@ -190,7 +190,10 @@ def test_every_kernel_launch_of_a_preset_fits(name, fmt, stand_in_kernels):
                     assert launch.scratch_bytes <= hw.SMEM_BYTES, (where, launch)
                 declined = [str(w.message) for w in caught if "kernel does not apply" in str(w.message)]
                 assert not any("B of shared memory" in m for m in declined), (where, declined)
-                assert not (all_kernels and declined), (where, declined)
+                # the attention kernels take at most 4 tokens: a chunk of more declines them, by name
+                over = [m for m in declined if f"tokens (at most {indexer.MAX_TOKENS}" in m]
+                assert bool(over) <= (t > indexer.MAX_TOKENS), (where, over)
+                assert not (all_kernels and set(declined) - set(over)), (where, declined)
                 cases += 1
     assert cases >= len(TOKENS)
     assert bool(plans) == (max(tps) > 1)   # the engine's GEMV tables were built and checked (tp > 1)
@@ -201,7 +204,7 @@ def test_every_kernel_launch_of_a_preset_fits(name, fmt, stand_in_kernels):
 def test_attention_shapes_no_config_fits_are_declined_by_the_op_table(stand_in_kernels):
     """Sparse MLA with a 1024-wide latent (no block_k fits the SMEM) or 96 local heads (not whole
     64-head CTAs), the indexer with 512 heads: the op table's conditions decline them (so Ops
-    warns once and runs the reference), and so do the kernels' wrappers; the models' shapes pass.
+    warns once and runs the reference), and the kernels refuse them with a ValueError; the models' shapes pass.
     fp8 index keys 256 wide: the kernel cannot append them (one 128-wide quantisation block per
     key), so XLA appends and the kernel scores."""
     t, rows = 2, 4160
@@ -216,9 +219,9 @@ def test_attention_shapes_no_config_fits_are_declined_by_the_op_table(stand_in_k
     assert "heads" in unsupported(*mla(96, 512))
     launches, _ = stand_in_kernels
     with interp.compile_for_gpu():
-        for heads, lat in [(16, 1024), (96, 512)]:
-            out = jax.eval_shape(lambda *a: sparse_mla.sparse_mla(*a[:6], 0.1), *mla(heads, lat)[:6])
-            assert out.shape == (t, heads, lat)
+        for heads, lat in [(16, 1024), (96, 512)]:   # the kernel refuses them by name, launching nothing
+            with pytest.raises(ValueError, match="sparse_mla kernel: .*(block_k|heads)"):
+                jax.eval_shape(lambda *a: sparse_mla.sparse_mla(*a[:6], 0.1), *mla(heads, lat)[:6])
         assert not launches
 
     def index(heads, width):

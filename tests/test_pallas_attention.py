@@ -276,15 +276,23 @@ def test_indexer_append_scores_stacked(S, layer, pos, fp8, share):
     assert np.abs(scores[fin] - ref[fin]).max() <= 1e-5 * np.abs(ref[fin]).max()
 
 
-def test_indexer_stacked_prefill_falls_back_to_reference():
-    """Prefill chunks (more tokens than the kernel takes) run the reference on the layer."""
+def test_indexer_refuses_prefill_chunks_and_the_op_table_runs_the_reference():
+    """More tokens than the kernel takes: the kernel raises, naming them; the op table warns and runs
+    the reference on the layer (the same scores, the key appended in place in the stack)."""
+    from jtilert.ops import table
     S, layer = 128, 1
     cfg, q, w, k, kc, ks = _stacked_case(6, S, True, np.random.randint(1 << 30))
     pos = jnp.arange(40, 46, dtype=jnp.int32)
-    scores, kc_out, ks_out = jax.jit(lambda *a: ix.indexer_append_scores(cfg, *a, pos[0], layer=jnp.int32(layer)))(
-        q, w, k, kc, ks, pos)
-    ref, rkc, rks = reference.indexer_append_scores(cfg, q, w, k, kc[layer], ks[layer], pos, pos[0])
-    np.testing.assert_array_equal(np.asarray(scores), np.asarray(ref))
+    with pytest.raises(ValueError, match="indexer kernel: 6 tokens"):
+        ix.indexer_append_scores(cfg, q, w, k, kc, ks, pos, pos[0], layer=jnp.int32(layer))
+    ops = table.Ops(table.DecodeConfig(backend="pallas", engine_topk=False))
+    with pytest.warns(UserWarning, match="indexer_append_scores kernel does not apply .*6 tokens"):
+        (idx, valid), kc_out, ks_out = jax.jit(lambda *a: ops.indexer_topk(cfg, *a, pos[0], jnp.int32(layer)))(
+            q, w, k, kc, ks, pos)
+    scores, rkc, rks = reference.indexer_append_scores(cfg, q, w, k, kc[layer], ks[layer], pos, pos[0])
+    ridx, rvalid = reference.topk_positions(scores, cfg.index_topk)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(ridx))
+    np.testing.assert_array_equal(np.asarray(valid), np.asarray(rvalid))
     np.testing.assert_array_equal(np.asarray(kc_out[layer]).view(np.uint8), np.asarray(rkc).view(np.uint8))
     np.testing.assert_array_equal(np.asarray(ks_out[layer]), np.asarray(rks))
     np.testing.assert_array_equal(np.asarray(kc_out[0]).view(np.uint8), np.asarray(kc[0]).view(np.uint8))

@@ -164,13 +164,19 @@ def test_sparse_mla_stacked_layer(cache, S, layer):
     assert _rel(out, ref) < 4e-3
 
 
-def test_sparse_mla_stacked_prefill_falls_back_to_reference():
-    """Prefill chunks run the reference on the selected rows of the layer (gathered from the stack)."""
+def test_sparse_mla_refuses_prefill_chunks_and_the_op_table_runs_the_reference():
+    """More tokens than the kernel takes: the kernel raises, naming them; the op table warns and runs
+    the reference on the layer."""
+    from jtilert.ops import table
     ql, qp, kv, pe, idx, valid = _stacked_inputs("bf16", 128, np.random.randint(1 << 30))
     T = smla.MAX_TOKENS + 1
     ql, qp = jnp.tile(ql, (T, 1, 1)), jnp.tile(qp, (T, 1, 1))
     idx, valid = jnp.tile(idx, (T, 1)), jnp.tile(valid, (T, 1))
-    out = jax.jit(lambda *a: smla.sparse_mla(*a, 0.07, layer=jnp.int32(1)))(ql, qp, kv, pe, idx, valid)
+    with pytest.raises(ValueError, match=f"sparse_mla kernel: {T} tokens"):
+        smla.sparse_mla(ql, qp, kv, pe, idx, valid, 0.07, layer=jnp.int32(1))
+    ops = table.Ops(table.DecodeConfig(backend="pallas"))
+    with pytest.warns(UserWarning, match=f"sparse_mla kernel does not apply .*{T} tokens"):
+        out = jax.jit(lambda *a: ops("sparse_mla", *a, 0.07, layer=jnp.int32(1)))(ql, qp, kv, pe, idx, valid)
     ref = reference.sparse_mla(ql, qp, kv[1], pe[1], idx, valid, 0.07)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-6, atol=1e-6)
 

@@ -141,7 +141,7 @@ def test_moe_experts_stacked(t, fmt):
     ex = _experts(e, width, hidden, fmt)
     x = _x(t, hidden)
     ids, w = _routing(t, k, e)
-    _per_layer(lambda x, w, ids, ex, l: moe.moe_experts_op(x, w, ids, *ex, layer=l),
+    _per_layer(lambda x, w, ids, ex, l: moe.moe_experts(x, w, ids, *ex, layer=l),
                lambda l: reference.moe_experts(x, w, ids, *(_at(a, l) for a in ex)), (x, w, ids, ex), _close)
 
 
@@ -151,7 +151,7 @@ def test_expert_gate_up_and_down_stacked():
     x = _x(t, hidden)
     ids, w = _routing(t, k, e)
     hs = _x(t * k, width)
-    _per_layer(lambda x, ids, g, gs, u, us, l: moe.expert_hidden_op(x, ids, g, gs, u, us, layer=l),
+    _per_layer(lambda x, ids, g, gs, u, us, l: moe.expert_gate_up(x, ids, g, gs, u, us, layer=l),
                lambda l: reference.expert_hidden(x, ids, g[l], gs[l], u[l], us[l]), (x, ids, g, gs, u, us), _close)
     _per_layer(lambda hs, w, ids, d, ds, l: moe.expert_down(hs, w, ids, d, ds, layer=l),
                lambda l: reference.expert_down(hs, w, ids, d[l], ds[l]), (hs, w, ids, d, ds), _close)
@@ -168,7 +168,7 @@ def test_route_stacked():
         np.testing.assert_array_equal(got[1], np.asarray(ref[1]))
         np.testing.assert_allclose(got[0], np.asarray(ref[0]), rtol=1e-5, atol=1e-6)
 
-    _per_layer(lambda x, g, b, l: moe.route_op(cfg, x, g, b, layer=l),
+    _per_layer(lambda x, g, b, l: moe.route(cfg, x, g, b, layer=l),
                lambda l: reference.route(cfg, x, gate[l], bias[l]), (x, gate, bias), check)
 
 
@@ -216,11 +216,11 @@ def test_lowering_reads_stacks_in_place():
         (lambda x, g, gs, u, us, l: gemv.swiglu_pair(x, g, gs, u, us, layer=l), x, *_q(2304, hid), *_q(2304, hid)),
         (lambda x, g, gs, u, us, d, ds, l: gemv.swiglu(x, g, gs, u, us, d, ds, layer=l), x, *_q(256, hid),
          *_q(256, hid), *_q(hid, 256)),
-        (lambda x, g, b, l: moe.route_op(TINY, x, g, b, layer=l), S((1, TINY.hidden_size), BF16),
+        (lambda x, g, b, l: moe.route(TINY, x, g, b, layer=l), S((1, TINY.hidden_size), BF16),
          S((L, TINY.n_routed_experts, TINY.hidden_size), F32), S((L, TINY.n_routed_experts), F32)),
-        (lambda x, w, i, g, gs, u, us, d, ds, l: moe.moe_experts_op(x, w, i, g, gs, u, us, d, ds, layer=l),
+        (lambda x, w, i, g, gs, u, us, d, ds, l: moe.moe_experts(x, w, i, g, gs, u, us, d, ds, layer=l),
          x, S((1, 9), F32), S((1, 9), I32), *_q(257, 256, hid), *_q(257, 256, hid), *_q(257, hid, 256)),
-        (lambda x, i, g, gs, u, us, l: moe.expert_hidden_op(x, i, g, gs, u, us, layer=l),
+        (lambda x, i, g, gs, u, us, l: moe.expert_gate_up(x, i, g, gs, u, us, layer=l),
          S((2, hid), BF16), S((2, 8), I32), *_q(256, 256, hid), *_q(256, 256, hid)),
     ]
     for f, *specs in cases:

@@ -33,7 +33,7 @@ from jtilert.pallas import _hopper as hw
 F32, BF16, FP8 = jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn
 
 NUM_SMS = 132
-MAX_TOKENS = 4      # decode, MTP verify; longer chunks (prefill) use the reference
+MAX_TOKENS = 4      # decode, MTP verify (the op table runs the reference for prefill chunks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,8 +282,10 @@ def resolve(config: IndexerConfig, T: int, H: int, D: int, dtype, has_scale: boo
 
 def unsupported(tokens: int, heads: int, k_cache, k_scale) -> str | None:
     """Why `indexer_append_scores` cannot run its kernels for queries of `heads` heads on this
-    layer's key cache [S, D] (None: it can); more than MAX_TOKENS tokens run the reference."""
+    layer's key cache [S, D] (None: it can)."""
     rows, width = k_cache.shape[-2:]
+    if tokens > MAX_TOKENS:
+        return f"{tokens} tokens (at most {MAX_TOKENS})"
     if not _kernel_applies(k_cache):
         return (f"{rows} cache rows (a multiple of 8 reads as TMA tiles) of {width} × {k_cache.dtype} "
                 "(32-byte multiples)")
@@ -291,7 +293,7 @@ def unsupported(tokens: int, heads: int, k_cache, k_scale) -> str | None:
     if hp > 256:
         return f"{heads} index heads (at most 256)"
     new_dtype = (F32 if k_scale is not None else k_cache.dtype) if _appends_in_kernel(k_cache, k_scale) else None
-    if resolve(IndexerConfig(), min(tokens, MAX_TOKENS), hp, width, k_cache.dtype, k_scale is not None,
+    if resolve(IndexerConfig(), tokens, hp, width, k_cache.dtype, k_scale is not None,
                new_dtype) is None:
         return f"{heads} heads × {width}: no pipeline depth fits the shared memory"
     return None
@@ -304,13 +306,10 @@ def indexer_scores(q, w, k_cache, k_scale, positions, *, start=0, rows=None, pos
     and the result is [T, rows] (positions are split across GPUs this way). `rows` is static (None:
     to the end of the cache, for a static start); `start` and `pos_offset` (global position of
     cache row 0) may be traced. With `layer` (an int32 scalar, may be traced) the caches are a
-    layer group's stack [L, S, D] / [L, S] and the layer's rows are scored."""
+    layer group's stack [L, S, D] / [L, S] and the layer's rows are scored. Caches the kernel does
+    not read (`unsupported`) raise ValueError."""
     _check_layer(k_cache, layer)
-    whole = isinstance(start, int) and start == 0 and rows in (None, k_cache.shape[-2])
-    if (q.shape[0] > MAX_TOKENS and whole and isinstance(pos_offset, int) and pos_offset == 0
-            or not _kernel_applies(k_cache)):
-        # prefill chunks (one scalar loop per token in the kernel does not scale) and tiny caches
-        return _reference_scores(q, w, k_cache, k_scale, positions, start, rows, pos_offset, layer)
+    _check_cache(k_cache)
     return _call(q, w, k_cache, k_scale, positions, start, rows, pos_offset, layer, config or IndexerConfig())
 
 
@@ -333,26 +332,34 @@ def indexer_append_scores(cfg, q, w, k, k_cache, k_scale, positions, start, firs
     layer's rows are scored; → (scores, k_cache, k_scale) with the whole stacks returned. Decode
     steps run `append_and_score`. With num_rows (the indexer split over GPUs) the kernel scores rows
     [first_row, first_row + num_rows) and XLA appends the key (in place), so every rank's cache stays
-    whole for the steps that score all rows (prefill, MTP's two tokens); so do caches whose rows are
-    too short for the kernel's row copy (tiny test models). Prefill chunks run the reference."""
+    whole for the steps that score all rows (MTP's two tokens); so do caches whose rows are too short
+    for the kernel's row copy (tiny test models). More than MAX_TOKENS tokens (prefill chunks: the op
+    table runs the reference for them) and caches the kernel does not read raise ValueError."""
     _check_layer(k_cache, layer)
-    decode = q.shape[0] <= MAX_TOKENS and _kernel_applies(k_cache)
-    if decode and num_rows is None and _appends_in_kernel(k_cache, k_scale):
+    _check_cache(k_cache)
+    if q.shape[0] > MAX_TOKENS:
+        raise ValueError(f"indexer kernel: {q.shape[0]} tokens (at most {MAX_TOKENS}: the kernel is for decode "
+                         "and MTP verification)")
+    if num_rows is None and _appends_in_kernel(k_cache, k_scale):
         k_new = reference.indexer_key_rotated(cfg, k)
         k_new = k_new.astype(F32 if k_scale is not None else k_cache.dtype)
         return append_and_score(q, w, k_new, k_cache, k_scale, positions, layer=layer)
     k_cache, k_scale = _xla_append(cfg, k, k_cache, k_scale, start, layer)
     first = 0 if num_rows is None else first_row
-    if decode:
-        scores = _call(q, w, k_cache, k_scale, positions, first, num_rows, 0, layer, IndexerConfig())
-    else:
-        scores = _reference_scores(q, w, k_cache, k_scale, positions, first, num_rows, 0, layer)
+    scores = _call(q, w, k_cache, k_scale, positions, first, num_rows, 0, layer, IndexerConfig())
     return scores, k_cache, k_scale
 
 
 def _check_layer(k_cache, layer):
     if (layer is None) != (k_cache.ndim == 2):
         raise ValueError(f"k_cache {k_cache.shape}: [S, D] without layer, [L, S, D] with one")
+
+
+def _check_cache(k_cache):
+    if not _kernel_applies(k_cache):
+        rows, width = k_cache.shape[-2:]
+        raise ValueError(f"indexer kernel: {rows} cache rows (a multiple of 8 reads as TMA tiles) of {width} × "
+                         f"{k_cache.dtype} (32-byte multiples)")
 
 
 def _kernel_applies(k_cache) -> bool:
@@ -386,18 +393,6 @@ def _xla_append(cfg, k, k_cache, k_scale, start, layer):
         if ks is not None:
             k_scale = lax.dynamic_update_slice(k_scale, ks[None], (layer, start))
     return k_cache, k_scale
-
-
-def _reference_scores(q, w, k_cache, k_scale, positions, start, rows, pos_offset, layer):
-    """`jtilert.ops.reference.indexer_scores` on the range (prefill chunks, tiny caches; with a layer
-    stack this reads a copy of the layer: off the decode path)."""
-    if layer is not None:
-        k_cache = k_cache[layer]
-        k_scale = None if k_scale is None else k_scale[layer]
-    scores = reference.indexer_scores(q, w, k_cache, k_scale, positions - pos_offset)
-    if rows is None:
-        return scores[:, start:]
-    return lax.dynamic_slice_in_dim(scores, start, rows, axis=1)
 
 
 def _call(q, w, k_cache, k_scale, positions, start, rows, pos_offset, layer, config, k_new=None):

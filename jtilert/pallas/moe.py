@@ -284,7 +284,7 @@ def router_logits(x, gate, *, layer=None):
 
 
 def _at(a, layer):
-    """Layer `layer` of a stack (an XLA slice: for the small router bias and the reference fallbacks)."""
+    """Layer `layer` of a stack (an XLA slice: for the small router bias)."""
     if a is None or layer is None:
         return a
     return lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)
@@ -293,39 +293,5 @@ def _at(a, layer):
 def route(cfg, x, gate, bias, *, layer=None):
     """jtilert.ops.reference.route with the logits GEMV in Pallas (gate [L, E, H], bias [L, E] with layer=)."""
     if x.dtype != BF16:
-        return reference.route(cfg, x, _at(gate, layer), _at(bias, layer))
+        raise ValueError(f"route kernel: activations {x.dtype} {list(x.shape)} (bf16 only)")
     return reference.select_experts(cfg, router_logits(x, gate, layer=layer), _at(bias, layer))
-
-
-# ---- backend="pallas" entry points (fall back to the reference outside the decode regime) --------
-#
-# With layer= the weights are stacks with a leading layer axis; the kernels read layer `layer` in
-# place, the fallbacks slice it in XLA.
-
-def _decode_ok(x, *ws):
-    return (x.ndim == 2 and x.shape[0] <= MAX_TOKENS and x.dtype == BF16
-            and x.shape[-1] % KGRAIN == 0 and all(w.dtype in (FP8, BF16) for w in ws))
-
-
-def route_op(cfg, x, gate, bias, *, layer=None):
-    if (x.ndim == 2 and x.shape[0] <= MAX_TOKENS and x.shape[-1] % KGRAIN == 0
-            and (layer is None or gate.dtype in (F32, BF16))):
-        return route(cfg, x, gate, bias, layer=layer)
-    return reference.route(cfg, x, _at(gate, layer), _at(bias, layer))
-
-
-def _gate_up_ok(x, gate, gate_scale, up):
-    return _decode_ok(x, gate, up) and gate.shape[-2] % QBLOCK == 0 and (gate.dtype == FP8) == (gate_scale is not None)
-
-
-def moe_experts_op(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale, *, layer=None):
-    if _gate_up_ok(x, gate, gate_scale, up) and _decode_ok(x, down) and (down.dtype == FP8) == (down_scale is not None):
-        return moe_experts(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale, layer=layer)
-    return reference.moe_experts(x, weights, ids, *(_at(a, layer) for a in (gate, gate_scale, up, up_scale,
-                                                                         down, down_scale)))
-
-
-def expert_hidden_op(x, ids, gate, gate_scale, up, up_scale, *, layer=None):
-    if _gate_up_ok(x, gate, gate_scale, up):
-        return expert_gate_up(x, ids, gate, gate_scale, up, up_scale, layer=layer)
-    return reference.expert_hidden(x, ids, *(_at(a, layer) for a in (gate, gate_scale, up, up_scale)))

@@ -471,7 +471,8 @@ def sparse_mla(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: float, *,
     pe_cache [S, R], or the packed fp8 cache [S, W] uint32 with pe_cache None; idx/valid [T, K] (valid
     may be None when masked rows carry idx < 0) → o_lat [T, H, L] fp32. With `layer` (an int32
     scalar, may be traced) the caches are a layer group's stacks [L', S, ...] and the layer's rows
-    are read."""
+    are read. More than MAX_TOKENS tokens, or shapes `unsupported` names, raise ValueError (the op
+    table then runs the reference, with a warning)."""
     config = config or SparseMLAConfig()
     T, H, L = q_lat.shape
     R = q_pe.shape[-1]
@@ -479,9 +480,10 @@ def sparse_mla(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: float, *,
     if kv_cache.ndim != 2 + (layer is not None):
         raise ValueError(f"kv_cache {kv_cache.shape}: [S, ...] without layer, [L, S, ...] with one")
     W = kv_cache.shape[-1] if fp8 else None
-    if T > MAX_TOKENS or unsupported(H, L, R, W, config):
-        # prefill chunks (this kernel is for decode / MTP verify), shapes the kernel does not take
-        return _reference(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale, layer)
+    why = (f"{T} tokens (at most {MAX_TOKENS}: the kernel is for decode and MTP verification)"
+           if T > MAX_TOKENS else unsupported(H, L, R, W, config))
+    if why:
+        raise ValueError(f"sparse_mla kernel: {why}")
     config = resolve(config, L, R if fp8 else _round_up(R, 64), fp8, W)
     idx = idx.astype(jnp.int32)
     K = idx.shape[1]
@@ -508,19 +510,6 @@ def sparse_mla(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: float, *,
     else:
         out = combine(o, m, l)[:, :H]
     return _value_order(out, 128, 4) if fp8 else out
-
-
-def _reference(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale, layer):
-    """`jtilert.ops.reference.sparse_mla`; from a layer stack it gathers the selected rows only."""
-    if valid is None:
-        valid = idx >= 0
-    if layer is None:
-        return reference.sparse_mla(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale)
-    T, K = idx.shape
-    kv = kv_cache[layer, idx].reshape(T * K, kv_cache.shape[-1])
-    pe = None if pe_cache is None else pe_cache[layer, idx].reshape(T * K, pe_cache.shape[-1])
-    rows = jnp.arange(T * K, dtype=jnp.int32).reshape(T, K)
-    return reference.sparse_mla(q_lat, q_pe, kv, pe, rows, valid, scale)
 
 
 def byte_floor(heads: int, k: int, lat: int, rope: int) -> int:
