@@ -247,6 +247,19 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
     if device_s <= 0:  # timer noise larger than n steps (tiny models on a busy CPU): an upper bound
         per_step = [t / steps for t in short]
         device_s, timing = statistics.median(per_step), "n-step loop with its dispatch (upper bound)"
+
+    def _loop_call():
+        nonlocal cache, token, draft, key
+        cache, token, draft, key = loop(eng.state, cache, token, draft, pos, params, key, n1)
+        return cache, token, draft, key
+
+    loop_profile = None
+    if kernels and jax.default_backend() == "gpu":
+        # The same program as the step time: busy time per step of one n-step loop call. The one-step
+        # profile below is another program (Engine.decode), so its busy time against this step time
+        # does not show whether kernels overlap; this one does (busy > step: they ran concurrently).
+        loop_profile = kernel_profile(_loop_call, steps)
+        loop_profile["gaps_ms"] = device_s * 1e3 - loop_profile["busy_ms"]
     if engine:  # an "engine" run whose library did not load ran psum: say which one ran
         from jtilert import ffi
         engine = ffi.available()
@@ -271,6 +284,8 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
             return holder[0]
         result["kernel_profile"] = kernel_profile(one_step, 1)
         result["kernel_profile"]["gaps_ms"] = device_s * 1e3 - result["kernel_profile"]["busy_ms"]
+    if loop_profile is not None:
+        result["loop_kernel_profile"] = {k: loop_profile[k] for k in ("kernels", "busy_ms", "gaps_ms", "groups")}
     stats = jax.devices()[0].memory_stats() or {}
     result["peak_device_bytes"] = int(stats.get("peak_bytes_in_use", 0))
     return result
@@ -386,6 +401,10 @@ def main(argv=None) -> dict:
                   f"{prof['gaps_ms']:.3f} ms between kernels; by group:")
             for g in prof["groups"][:12]:
                 print(f"    {g['group']:48} {g['count']:7.1f} {g['ms']:9.3f} ms")
+        lp = r.get("loop_kernel_profile")
+        if lp:
+            print(f"{r['backend']}/{r['layer_loop']} in the timed loop: {lp['kernels']:.0f} kernels per step, "
+                  f"{lp['busy_ms']:.3f} ms busy, {lp['gaps_ms']:.3f} ms between kernels (< 0: they overlap)")
     full = {r["backend"]: r["step_ms_median"] for r in result["runs"] if not r["mtp"]}
     for backend, parts in result.get("breakdown", {}).items():
         f, rest = full[backend], parts["embedding + head only"]
