@@ -173,7 +173,7 @@ def device_loop(eng: Engine, mtp: bool):
             return cache, token, draft, key
         return jax.lax.fori_loop(0, steps, body, (cache, token, draft, key))
 
-    return jax.jit(run, donate_argnums=(1,))
+    return jax.jit(run, donate_argnums=(1,), compiler_options=eng.step_options)
 
 
 class _Skipped(nnx.Module):
@@ -215,9 +215,10 @@ def breakdown(model, backend, context, steps, samples, mesh, engine) -> dict:
 
 def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samples: int, mesh=None,
                   engine: bool = False, host: bool = True, kernels: bool = False, split_indexer: bool = False,
-                  layer_loop: str = "loop") -> dict:
+                  layer_loop: str = "loop", xla_options: tuple = ()) -> dict:
     eng = Engine(model, mesh=mesh, config=DecodeConfig(backend=backend, engine_all_reduce=engine,
-                                                       split_indexer=split_indexer, layer_loop=layer_loop))
+                                                       split_indexer=split_indexer, layer_loop=layer_loop,
+                                                       xla_options=xla_options))
     host_steps = steps * samples
     rows = cache_rows(context, steps + host_steps)
     cache = random_cache(eng, rows)
@@ -263,7 +264,7 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
     if engine:  # an "engine" run whose library did not load ran psum: say which one ran
         from jtilert import ffi
         engine = ffi.available()
-    result = {"backend": backend, "layer_loop": layer_loop, "mtp": mtp, "tp": eng.tp, "all_reduce": "engine" if engine else "psum",
+    result = {"backend": backend, "layer_loop": layer_loop, "xla_options": dict(eng.config.xla_options), "mtp": mtp, "tp": eng.tp, "all_reduce": "engine" if engine else "psum",
               "split_indexer": split_indexer,
               "step_ms_median": device_s * 1e3, "step_ms_p90": float(np.percentile(per_step, 90)) * 1e3,
               "tok_s": 1.0 / device_s, "compile_s": compile_s, "steps_timed": 3 * steps * samples,
@@ -332,6 +333,8 @@ def main(argv=None) -> dict:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (the config is split over tp devices)")
     p.add_argument("--all-reduce", default="psum", help="comma-separated: psum,engine (the CUDA engine)")
     p.add_argument("--layer-loop", default="loop", help="comma-separated: loop,unrolled (DecodeConfig.layer_loop)")
+    p.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
+                   help="an XLA compile option of the decode steps only (DecodeConfig.xla_options), repeatable")
     p.add_argument("--split-indexer", action="store_true",
                    help="with --tp: each rank scores 1/tp of the cached positions, top-k lists merged")
     p.add_argument("--steps", type=int, default=10, help="steps per timed sample")
@@ -372,7 +375,8 @@ def main(argv=None) -> dict:
         for ar in ars:
             for mtp in (False, True) if a.mtp else (False,):
                 r = bench_backend(model, backend, a.context, mtp, a.steps, a.samples, mesh, ar == "engine",
-                                  kernels=a.kernels and not mtp, split_indexer=a.split_indexer, layer_loop=loop)
+                                  kernels=a.kernels and not mtp, split_indexer=a.split_indexer, layer_loop=loop,
+                                  xla_options=tuple(tuple(kv.split("=", 1)) for kv in a.xla_option))
                 r["step_over_floor"] = r["step_ms_median"] / floor_ms
                 result["runs"].append(r)
                 print(json.dumps({k: v for k, v in r.items() if k != "kernel_profile"}), flush=True)

@@ -113,14 +113,11 @@ for part in "$@"; do
               --backend "$B" --samples 10 --out "$WORK/cmdbuf_off.json" ;;
     graphs)  # one machine, back to back: the default first, so every variant has its same-run baseline
       for v in ${GRAPHS:-default unroll concurrent concurrent_unroll}; do
-        case $v in
-          default) f="" ;;
-          unroll) f="--xla_gpu_command_buffer_unroll_loops=true" ;;
-          concurrent) f="--xla_gpu_command_buffer_scheduling_mode=CONCURRENT" ;;
-          concurrent_unroll) f="--xla_gpu_command_buffer_scheduling_mode=CONCURRENT --xla_gpu_command_buffer_unroll_loops=true" ;;
-        esac
-        XLA_FLAGS="$XLA_FLAGS $f" step "graphs_$v" 150 $DEC --layers 61 --backend pallas --kernels --samples 6 \
-          --out "$WORK/graphs_$v.json"
+        u="--xla-option xla_gpu_command_buffer_unroll_loops=true"
+        c="--xla-option xla_gpu_command_buffer_scheduling_mode=CONCURRENT"
+        case $v in default) f="" ;; unroll) f=$u ;; concurrent) f=$c ;; concurrent_unroll) f="$c $u" ;; esac
+        # the options as DecodeConfig.xla_options: compile options of the decode steps, as they would ship
+        step "graphs_$v" 150 $DEC --layers 61 --backend pallas --kernels --samples 6 $f --out "$WORK/graphs_$v.json"
       done ;;
     tp2split)  # the indexer split over the 2 GPUs against every GPU scoring all rows, at 32K context
       for split in "" --split-indexer; do
