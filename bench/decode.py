@@ -173,7 +173,7 @@ def device_loop(eng: Engine, mtp: bool):
             return cache, token, draft, key
         return jax.lax.fori_loop(0, steps, body, (cache, token, draft, key))
 
-    return jax.jit(run, donate_argnums=(1,))
+    return jax.jit(run, donate_argnums=(1,), compiler_options=eng.step_options)
 
 
 class _Skipped(nnx.Module):
@@ -215,9 +215,10 @@ def breakdown(model, backend, context, steps, samples, mesh, engine) -> dict:
 
 def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samples: int, mesh=None,
                   engine: bool = False, host: bool = True, kernels: bool = False, split_indexer: bool = False,
-                  layer_loop: str = "loop") -> dict:
+                  layer_loop: str = "loop", xla_options: tuple = ()) -> dict:
     eng = Engine(model, mesh=mesh, config=DecodeConfig(backend=backend, engine_all_reduce=engine,
-                                                       split_indexer=split_indexer, layer_loop=layer_loop))
+                                                       split_indexer=split_indexer, layer_loop=layer_loop,
+                                                       xla_options=xla_options))
     host_steps = steps * samples
     rows = cache_rows(context, steps + host_steps)
     cache = random_cache(eng, rows)
@@ -247,10 +248,23 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
     if device_s <= 0:  # timer noise larger than n steps (tiny models on a busy CPU): an upper bound
         per_step = [t / steps for t in short]
         device_s, timing = statistics.median(per_step), "n-step loop with its dispatch (upper bound)"
+
+    def _loop_call():
+        nonlocal cache, token, draft, key
+        cache, token, draft, key = loop(eng.state, cache, token, draft, pos, params, key, n1)
+        return cache, token, draft, key
+
+    loop_profile = None
+    if kernels and jax.default_backend() == "gpu":
+        # The same program as the step time: busy time per step of one n-step loop call. The one-step
+        # profile below is another program (Engine.decode), so its busy time against this step time
+        # does not show whether kernels overlap; this one does (busy > step: they ran concurrently).
+        loop_profile = kernel_profile(_loop_call, steps)
+        loop_profile["gaps_ms"] = device_s * 1e3 - loop_profile["busy_ms"]
     if engine:  # an "engine" run whose library did not load ran psum: say which one ran
         from jtilert import ffi
         engine = ffi.available()
-    result = {"backend": backend, "layer_loop": layer_loop, "mtp": mtp, "tp": eng.tp, "all_reduce": "engine" if engine else "psum",
+    result = {"backend": backend, "layer_loop": layer_loop, "xla_options": dict(eng.config.xla_options), "mtp": mtp, "tp": eng.tp, "all_reduce": "engine" if engine else "psum",
               "split_indexer": split_indexer,
               "step_ms_median": device_s * 1e3, "step_ms_p90": float(np.percentile(per_step, 90)) * 1e3,
               "tok_s": 1.0 / device_s, "compile_s": compile_s, "steps_timed": 3 * steps * samples,
@@ -271,6 +285,8 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
             return holder[0]
         result["kernel_profile"] = kernel_profile(one_step, 1)
         result["kernel_profile"]["gaps_ms"] = device_s * 1e3 - result["kernel_profile"]["busy_ms"]
+    if loop_profile is not None:
+        result["loop_kernel_profile"] = {k: loop_profile[k] for k in ("kernels", "busy_ms", "gaps_ms", "groups")}
     stats = jax.devices()[0].memory_stats() or {}
     result["peak_device_bytes"] = int(stats.get("peak_bytes_in_use", 0))
     return result
@@ -317,6 +333,8 @@ def main(argv=None) -> dict:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (the config is split over tp devices)")
     p.add_argument("--all-reduce", default="psum", help="comma-separated: psum,engine (the CUDA engine)")
     p.add_argument("--layer-loop", default="loop", help="comma-separated: loop,unrolled (DecodeConfig.layer_loop)")
+    p.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
+                   help="an XLA compile option of the decode steps only (DecodeConfig.xla_options), repeatable")
     p.add_argument("--split-indexer", action="store_true",
                    help="with --tp: each rank scores 1/tp of the cached positions, top-k lists merged")
     p.add_argument("--steps", type=int, default=10, help="steps per timed sample")
@@ -357,7 +375,8 @@ def main(argv=None) -> dict:
         for ar in ars:
             for mtp in (False, True) if a.mtp else (False,):
                 r = bench_backend(model, backend, a.context, mtp, a.steps, a.samples, mesh, ar == "engine",
-                                  kernels=a.kernels and not mtp, split_indexer=a.split_indexer, layer_loop=loop)
+                                  kernels=a.kernels and not mtp, split_indexer=a.split_indexer, layer_loop=loop,
+                                  xla_options=tuple(tuple(kv.split("=", 1)) for kv in a.xla_option))
                 r["step_over_floor"] = r["step_ms_median"] / floor_ms
                 result["runs"].append(r)
                 print(json.dumps({k: v for k, v in r.items() if k != "kernel_profile"}), flush=True)
@@ -386,6 +405,10 @@ def main(argv=None) -> dict:
                   f"{prof['gaps_ms']:.3f} ms between kernels; by group:")
             for g in prof["groups"][:12]:
                 print(f"    {g['group']:48} {g['count']:7.1f} {g['ms']:9.3f} ms")
+        lp = r.get("loop_kernel_profile")
+        if lp:
+            print(f"{r['backend']}/{r['layer_loop']} in the timed loop: {lp['kernels']:.0f} kernels per step, "
+                  f"{lp['busy_ms']:.3f} ms busy, {lp['gaps_ms']:.3f} ms between kernels (< 0: they overlap)")
     full = {r["backend"]: r["step_ms_median"] for r in result["runs"] if not r["mtp"]}
     for backend, parts in result.get("breakdown", {}).items():
         f, rest = full[backend], parts["embedding + head only"]

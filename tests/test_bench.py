@@ -10,6 +10,7 @@ from bench import decode
 def test_decode_bench_writes_every_field(tmp_path):
     out = tmp_path / "r.json"
     decode.main(["--preset", "tiny", "--layers", "2", "--context", "40", "--steps", "2", "--samples", "2",
+                 "--xla-option", "xla_gpu_command_buffer_unroll_loops=true",
                  "--out", str(out), "--plot", str(tmp_path / "c.png")])
     r = json.loads(out.read_text())
     for k in ("date", "device", "preset", "layers", "context", "bytes_per_step", "copy_bandwidth_GBs", "floor_ms"):
@@ -21,6 +22,7 @@ def test_decode_bench_writes_every_field(tmp_path):
         assert k in run
     assert run["step_ms_p90"] >= run["step_ms_median"] > 0 and run["steps_timed"] == 12
     assert "call_overhead_ms" in run and run["timing"]
+    assert run["xla_options"] == {"xla_gpu_command_buffer_unroll_loops": True}
     assert (tmp_path / "c.png").stat().st_size > 1000
 
 

@@ -242,3 +242,19 @@ def test_next_token_from_head_candidates(tiny_random):
     wide = {int(m.next_token(ops, h, Sampling(temperature=50.0).arrays(), jax.random.fold_in(key, i))[0])
             for i in range(40)}
     assert len(wide) > HEAD_CANDIDATES  # the full-row path: tokens beyond the candidates
+
+
+def test_xla_options_reach_the_decode_steps_only(tiny_random, gen):
+    """DecodeConfig.xla_options (e.g. XLA's command-buffer scheduling) are compile options of the
+    decode-shaped steps; prefill chunks keep XLA's defaults; the tokens do not change."""
+    cfg = jtilert.DecodeConfig(xla_options={"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT",
+                                            "xla_gpu_command_buffer_unroll_loops": True})
+    assert cfg.xla_options == (("xla_gpu_command_buffer_scheduling_mode", "CONCURRENT"),
+                               ("xla_gpu_command_buffer_unroll_loops", True))
+    g = jtilert.Generator(tiny_random, max_seq_len=256, config=cfg)
+    assert g.generate(PROMPT, 12, stop_tokens=[]) == gen.generate(PROMPT, 12, stop_tokens=[])
+    assert g.engine.forward._options is None and g.engine.decode_loop._options == dict(cfg.xla_options)
+    bad = jtilert.Generator(tiny_random, max_seq_len=256, config=jtilert.DecodeConfig(
+        xla_options=(("xla_gpu_command_buffer_scheduling_mode", "BOGUS"),)))
+    with pytest.raises(Exception, match="not a valid enum value"):   # XLA read it: it reached the compile
+        bad.generate(PROMPT, 2, stop_tokens=[])

@@ -122,3 +122,66 @@ def test_layer_glue_stays_within_budget(name):
     assert len(bodies) == 2, bodies   # one loop body per FFN stack
     for got, budget in zip(bodies, BUDGET[name]):
         assert got["kernels"] <= budget["kernels"] and got["glue"] <= budget["glue"], (got, budget)
+
+
+# ---- the layer index the kernels get: no index arithmetic inside the layer loop ----------------
+# A Mosaic or FFI call cannot fuse its operands, so every scalar the loop body computes from the
+# layer index and hands to a kernel is one more XLA kernel per layer and step on the GPU (in the
+# 2026-12-02 HLO dump of the dense loop body: `loop_maximum_fusion`, max(i, 0), fed to the indexer's
+# two GEMVs). Each distinct computed index counts once, whatever the number of kernels that read it.
+
+def _index_origin(jaxpr, env, computed: set, counts: dict):
+    from jax.extend import core as jcore
+
+    def org(v):
+        return ("const",) if isinstance(v, jcore.Literal) else env.get(v, ("other",))
+    for e in jaxpr.eqns:
+        ins = [org(v) for v in e.invars]
+        if e.primitive.name in _LAUNCHES:
+            for v, o in zip(e.invars, ins):
+                if getattr(v.aval, "size", 2) == 1 and jnp.issubdtype(v.aval.dtype, jnp.integer):
+                    counts[o[0]] = counts.get(o[0], 0) + 1
+                    if o[0] == "computed":
+                        computed.add(o[1])
+            continue
+        sub = e.params.get("jaxpr") if e.primitive.name in ("pjit", "jit", "closed_call") else None
+        if sub is not None:
+            inner = getattr(sub, "jaxpr", sub)
+            _index_origin(inner, dict(zip(inner.invars, ins)), computed, counts)
+            continue
+        scalar = all(getattr(o.aval, "size", 2) == 1 for o in e.outvars)
+        if e.primitive.name in ("reshape", "convert_element_type", "broadcast_in_dim", "squeeze", "expand_dims"):
+            out = ins[0]
+        elif scalar and any(o[0] in ("index", "computed") for o in ins):
+            out = ("computed", id(e))
+        else:
+            out = ("const",) if scalar and all(o[0] == "const" for o in ins) else ("other",)
+        for v in e.outvars:
+            env[v] = out
+
+
+def _computed_indices(name: str) -> list[int]:
+    """Per layer-loop body (dense, MoE) of the one-token pallas step: how many distinct scalars computed
+    from the layer index reach a kernel launch."""
+    from jax.extend import core as jcore
+    step, state, cache = _step(name, 5, Ops(DecodeConfig(backend="pallas")))
+    with interp.compile_for_gpu():
+        jaxpr = jax.make_jaxpr(step)(state, cache).jaxpr
+    out = []
+    for e in jaxpr.eqns:
+        if e.primitive.name == "scan":
+            body = e.params["jaxpr"].jaxpr
+            counter = [q.invars[0] for q in body.eqns if q.primitive.name == "add" and q.invars[0] in body.invars
+                       and isinstance(q.invars[1], jcore.Literal) and q.invars[1].val == 1]
+            assert len(counter) == 1, counter   # fori_loop's i + 1
+            computed, counts = set(), {}
+            _index_origin(body, {counter[0]: ("index",)}, computed, counts)
+            assert counts.get("index", 0) > 0, counts   # the kernels do get the loop's index
+            out.append(len(computed))
+    return out
+
+
+def test_kernels_get_the_layer_index_itself():
+    # DeepSeek-V3.2 (every layer has its indexer): the dense body computes no index; the MoE body one,
+    # its place in the MoE stacks (i - first_k_dense_replace)
+    assert _computed_indices("dsv32-tp8-shard") == [0, 1]

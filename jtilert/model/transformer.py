@@ -427,10 +427,11 @@ class Transformer(nnx.Module):
         slot = i if lay.all_full else jnp.asarray(lay.indexer_slot, jnp.int32)[i]
 
         def indexer(qa, c):
+            if lay.all_full:   # slot is the layer index itself: no index arithmetic (in a layer loop
+                return self.indexers(ops, slot, x_in, qa, cos, sin, positions, start, c)   # it is a kernel)
+
             def run(c):
                 return self.indexers(ops, jnp.maximum(slot, 0), x_in, qa, cos, sin, positions, start, c)
-            if lay.all_full:
-                return run(c)
             return jax.lax.cond(slot >= 0, run, lambda c: (topk, c), c)
 
         x_in = blk.input_layernorm(x, i)

@@ -54,6 +54,11 @@ class DecodeConfig:
     layer_loop: how a step runs the layers of a stack. "loop": one `lax.fori_loop` per stack (one
         compiled body: fast to compile); "unrolled": one copy of the layer per layer, the layer index
         a constant (no loop between the layers' kernels). Both read the same stacked arrays.
+    xla_options: XLA compile options of the decode-shaped steps only (decode, MTP verify and draft, their
+        device loops; prefill chunks keep XLA's defaults), as (name, value) pairs or a dict, e.g.
+        {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}: the step's graph ordered by its
+        buffers instead of serialized, so independent kernels of a layer overlap (bench/gpu_session.sh
+        part graphs measures it). XLA checks the names and values when it compiles.
     """
 
     backend: str = "reference"
@@ -61,12 +66,26 @@ class DecodeConfig:
     split_indexer: bool = False
     engine_topk: bool = True
     layer_loop: str = "loop"
+    xla_options: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self):
+        opts = self.xla_options.items() if isinstance(self.xla_options, dict) else self.xla_options
+        object.__setattr__(self, "xla_options", tuple(sorted((str(k), _option_value(v)) for k, v in opts)))
         if self.backend not in BACKENDS:
             raise ValueError(f"unknown backend {self.backend!r}; expected one of {BACKENDS}")
         if self.layer_loop not in LAYER_LOOPS:
             raise ValueError(f"unknown layer_loop {self.layer_loop!r}; expected one of {LAYER_LOOPS}")
+
+
+def _option_value(v):
+    """An XLA option's value as XLA takes it: a bool or an int as such ("true" / "8" from a command line
+    too), anything else as a string."""
+    if isinstance(v, (bool, int)):
+        return v
+    v = str(v)
+    if v.lower() in ("true", "false"):
+        return v.lower() == "true"
+    return int(v) if v.lstrip("-").isdigit() else v
 
 
 # ---- the op table -------------------------------------------------------------------------------

@@ -194,23 +194,25 @@ def lower_exported(exported: jax.export.Exported, donate: tuple[int, ...], args:
 
 
 def compile_cached(jitted, donate: tuple[int, ...], args: tuple, identity: tuple | None,
-                   custom_calls: tuple[str, ...] = (), prepare=None):
+                   custom_calls: tuple[str, ...] = (), prepare=None, options: dict | None = None):
     """`jitted` (made with `donate_argnums=donate`) compiled for `args`: (executable, whether the
     program came from the program cache). `identity`: see `program_key`; None: not cached.
     `prepare(exported)`: run before a cached program is compiled (set-up its tracing would have
-    done); False makes it a miss."""
+    done); False makes it a miss. `options`: XLA compile options (they do not change the lowered
+    program, so not its key; JAX's own cache keys them)."""
+    options = options or None
     base = programs_folder()
     if identity is None or base is None:
-        return jitted.lower(*args).compile(), False
+        return jitted.lower(*args).compile(options), False
     path = base / f"{program_key(identity, donate, args)}.jaxexport"
     exported = _read(path)
     if exported is not None and (prepare is None or prepare(exported)):
         try:
-            return lower_exported(exported, donate, args).compile(), True
+            return lower_exported(exported, donate, args).compile(options), True
         except Exception as e:  # noqa: BLE001 - a damaged program: rebuild it (a real error raises again below)
             _drop(path, e)
     exported = export(jitted, args, custom_calls=custom_calls)
     if exported is None:
-        return jitted.lower(*args).compile(), False
+        return jitted.lower(*args).compile(options), False
     _write(path, exported)
-    return lower_exported(exported, donate, args).compile(), False
+    return lower_exported(exported, donate, args).compile(options), False

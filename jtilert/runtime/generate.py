@@ -46,9 +46,10 @@ class Compiled:
     the program is stored there under the engine's identity and `name`, and a later process skips
     tracing and lowering it."""
 
-    def __init__(self, fn, donate: tuple[int, ...] = (), name: str | None = None, engine: Engine | None = None):
+    def __init__(self, fn, donate: tuple[int, ...] = (), name: str | None = None, engine: Engine | None = None,
+                 options: dict | None = None):
         self._jit = jax.jit(fn, donate_argnums=donate)
-        self._donate, self._name, self._engine = donate, name, engine
+        self._donate, self._name, self._engine, self._options = donate, name, engine, options
         self._done: dict = {}
         self.compiles = 0
         self.cached = 0
@@ -66,7 +67,8 @@ class Compiled:
             eng = self._engine
             identity = eng.program_identity(self._name) if eng is not None else None
             exe, hit = compile_cache.compile_cached(self._jit, self._donate, args, identity,
-                                                   custom_calls=tuple(TARGETS), prepare=eng and eng.prepare)
+                                                   custom_calls=tuple(TARGETS), prepare=eng and eng.prepare,
+                                                   options=self._options)
             self._done[key] = exe
             self.compile_s += time.perf_counter() - t0
             self.compiles += 1
@@ -101,11 +103,13 @@ class Engine:
         self.state, self._treedef = jax.tree_util.tree_flatten(state)
         self._identity = self._program_identity()
         self.forward = Compiled(self._wrap(self._forward), (1,), "forward", self)
-        self.draft = Compiled(self._wrap(self._draft), (1,), "draft", self)
-        self.decode = Compiled(self._wrap(self._decode), (1, 2, 3, 4), "decode", self)
-        self.speculate = Compiled(self._wrap(self._speculate), (1, 2, 3, 4, 5), "speculate", self)
-        self.decode_loop = Compiled(self._wrap(self._decode_loop), (1, 2, 3, 4), "decode_loop", self)
-        self.speculate_loop = Compiled(self._wrap(self._speculate_loop), (1, 2, 3, 4, 5), "speculate_loop", self)
+        self.draft = Compiled(self._wrap(self._draft), (1,), "draft", self)   # MTP prefill: chunk-shaped
+        opts = self.step_options   # the decode-shaped steps: DecodeConfig.xla_options
+        self.decode = Compiled(self._wrap(self._decode), (1, 2, 3, 4), "decode", self, opts)
+        self.speculate = Compiled(self._wrap(self._speculate), (1, 2, 3, 4, 5), "speculate", self, opts)
+        self.decode_loop = Compiled(self._wrap(self._decode_loop), (1, 2, 3, 4), "decode_loop", self, opts)
+        self.speculate_loop = Compiled(self._wrap(self._speculate_loop), (1, 2, 3, 4, 5), "speculate_loop", self,
+                                       opts)
         self.first_token = Compiled(_first_token, (2,), "first_token", self)
         self.first_draft = Compiled(_first_draft, (), "first_draft", self)
 
@@ -127,6 +131,11 @@ class Engine:
         """Whether tracing may call the CUDA engine (a GPU, and a config that uses it)."""
         c = self.config
         return interpret.on_gpu() and (c.backend == "pallas" or c.engine_all_reduce or c.split_indexer)
+
+    @property
+    def step_options(self) -> dict | None:
+        """XLA compile options of the decode-shaped steps (`DecodeConfig.xla_options`; None: XLA's own)."""
+        return dict(self.config.xla_options) or None
 
     def program_identity(self, name: str) -> tuple | None:
         return None if self._identity is None else (name, *self._identity)
