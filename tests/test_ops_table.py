@@ -96,17 +96,21 @@ def _count(jaxpr, counts):
             counts["glue"] += 1
 
 
-def _layer_bodies(name: str) -> list[dict]:
-    """Per layer-loop body of the one-token pallas step (dense, then MoE): its counts."""
+def _scan_bodies(name: str) -> list:
+    """The layer-loop bodies (dense, then MoE) of the one-token pallas step, as jaxprs."""
     step, state, cache = _step(name, 5, Ops(DecodeConfig(backend="pallas")))
     with interp.compile_for_gpu():
         jaxpr = jax.make_jaxpr(step)(state, cache).jaxpr
+    return [e.params["jaxpr"].jaxpr for e in jaxpr.eqns if e.primitive.name == "scan"]
+
+
+def _layer_bodies(name: str) -> list[dict]:
+    """Per layer-loop body of the one-token pallas step (dense, then MoE): its counts."""
     bodies = []
-    for e in jaxpr.eqns:
-        if e.primitive.name == "scan":
-            counts = {"kernels": 0, "glue": 0}
-            _count(e.params["jaxpr"].jaxpr, counts)
-            bodies.append(counts)
+    for body in _scan_bodies(name):
+        counts = {"kernels": 0, "glue": 0}
+        _count(body, counts)
+        bodies.append(counts)
     return bodies
 
 
@@ -164,20 +168,15 @@ def _computed_indices(name: str) -> list[int]:
     """Per layer-loop body (dense, MoE) of the one-token pallas step: how many distinct scalars computed
     from the layer index reach a kernel launch."""
     from jax.extend import core as jcore
-    step, state, cache = _step(name, 5, Ops(DecodeConfig(backend="pallas")))
-    with interp.compile_for_gpu():
-        jaxpr = jax.make_jaxpr(step)(state, cache).jaxpr
     out = []
-    for e in jaxpr.eqns:
-        if e.primitive.name == "scan":
-            body = e.params["jaxpr"].jaxpr
-            counter = [q.invars[0] for q in body.eqns if q.primitive.name == "add" and q.invars[0] in body.invars
-                       and isinstance(q.invars[1], jcore.Literal) and q.invars[1].val == 1]
-            assert len(counter) == 1, counter   # fori_loop's i + 1
-            computed, counts = set(), {}
-            _index_origin(body, {counter[0]: ("index",)}, computed, counts)
-            assert counts.get("index", 0) > 0, counts   # the kernels do get the loop's index
-            out.append(len(computed))
+    for body in _scan_bodies(name):
+        counter = [q.invars[0] for q in body.eqns if q.primitive.name == "add" and q.invars[0] in body.invars
+                   and isinstance(q.invars[1], jcore.Literal) and q.invars[1].val == 1]
+        assert len(counter) == 1, counter   # fori_loop's i + 1
+        computed, counts = set(), {}
+        _index_origin(body, {counter[0]: ("index",)}, computed, counts)
+        assert counts.get("index", 0) > 0, counts   # the kernels do get the loop's index
+        out.append(len(computed))
     return out
 
 
