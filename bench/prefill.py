@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import json
 import statistics
@@ -30,7 +31,7 @@ import numpy as np
 
 import jtilert
 from bench.decode import _field, copy_bandwidth
-from jtilert.ops import reference
+from jtilert.ops import reference, table
 from jtilert.ops.quant import dequantize
 from jtilert.runtime.generate import chunk_plan
 from jtilert.store import checkpoint
@@ -51,16 +52,21 @@ def dense_moe(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale)
 
 @contextlib.contextmanager
 def moe_variant(name: str):
-    """The MoE reference the prefill steps trace: "grouped" (the library's), or "dense"."""
-    if name == "grouped":
-        yield
-        return
-    saved = reference.moe_experts
-    reference.moe_experts = dense_moe
+    """The MoE reference the prefill steps trace: "grouped" (the library's), or "dense". The variant
+    goes into the op table (`OPS["moe_experts"]`), which the steps call: patching
+    `reference.moe_experts` would not reach them (the table holds the function it was built with). The
+    program cache keys on the table (`ops_identity`), so each variant is its own compiled program."""
+    if name not in MOE_VARIANTS:
+        raise ValueError(f"unknown --moe variant {name!r}; expected one of {tuple(MOE_VARIANTS)}")
+    op = table.OPS["moe_experts"]
+    table.OPS["moe_experts"] = dataclasses.replace(op, reference=MOE_VARIANTS[name])
     try:
         yield
     finally:
-        reference.moe_experts = saved
+        table.OPS["moe_experts"] = op
+
+
+MOE_VARIANTS = {"grouped": reference.moe_experts, "dense": dense_moe}
 
 
 def param_bytes(model) -> int:

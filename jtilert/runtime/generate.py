@@ -29,7 +29,7 @@ from jtilert import pallas
 from jtilert.ffi import _lib
 from jtilert.ffi._lib import TARGETS
 from jtilert.model.transformer import Layout, Transformer, decode_weights, init_cache, split_cache
-from jtilert.ops.table import DecodeConfig, Ops
+from jtilert.ops.table import DecodeConfig, Ops, ops_identity
 from jtilert.pallas import interpret
 from jtilert.parallel import sharding
 from jtilert.runtime import compile_cache
@@ -113,15 +113,16 @@ class Engine:
     def _program_identity(self) -> tuple | None:
         """What the steps close over, for their keys in the program cache (`compile_cache`): the
         model (config, dtype, module graph), the DecodeConfig, the mesh, and whether the CUDA engine
-        loaded (its ops lower to plain XLA where it did not). None (not cached) where the kernels run
-        in GPU interpret mode: their host callbacks cannot be stored."""
+        loaded (its ops lower to plain XLA where it did not), and what the op table runs (an op
+        replaced in `OPS`, as a benchmark's variant does, is another program). None (not cached) where
+        the kernels run in GPU interpret mode: their host callbacks cannot be stored."""
         if self.config.backend == "pallas" and interpret.params() is not None:
             return None
         mesh = None if self.mesh is None else (self.mesh.axis_names, self.mesh.devices.shape,
                                               tuple(int(d.id) for d in self.mesh.devices.flat))
         engine = (_lib.load()[1] or "loaded") if self._may_use_engine() else None
         graph = hashlib.sha256(repr(self.graphdef).encode()).hexdigest()
-        return repr(self.cfg), jnp.dtype(self.dtype).name, repr(self.config), graph, mesh, engine
+        return repr(self.cfg), jnp.dtype(self.dtype).name, repr(self.config), graph, mesh, engine, ops_identity()
 
     def _may_use_engine(self) -> bool:
         """Whether tracing may call the CUDA engine (a GPU, and a config that uses it)."""
