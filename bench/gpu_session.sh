@@ -32,9 +32,9 @@
 #   unrolled     bench.decode 61 layers, pallas, the unrolled layer loop, CUPTI profile with kernel names
 #   scale8       bench.decode 8 layers, pallas, layer loop, CUPTI profile: enqueue and kernels vs layers
 #   mtp          bench.decode 61 layers, pallas, plain and MTP speculative step (verify 2 + draft)
-#   prefill      bench.prefill 61 layers: 1024 and 1100 prompt tokens, chunks 64, 256 and 1024+64, grouped MoE
+#   prefill      bench.prefill 61 layers: 1024 and 1100 prompt tokens, chunks 256, 1024+64 and 1024+128, grouped MoE
 #                vs the old dense one
-#   prefill32k   bench.prefill 61 layers: a 32K prompt, chunks 512 and 2048
+#   prefill32k   bench.prefill 61 layers: a 32K prompt, chunks 1024+128 (the default) and 2048
 #   latency      bench.latency: mtp + prefill + prefill32k (and the tiny model's acceptance) → latency-61.json
 #   hlodump      XLA's optimized HLO of the 4-layer decode step (command buffers, streams), this checkout and,
 #                where the checkout carries it, the code before issue 13 in .baseline (git archive ba89fb0)
@@ -110,9 +110,9 @@ for part in "$@"; do
                 --out "$WORK/unrolled.json" ;;
     scale8) step scale8 150 $DEC --layers 8 --backend pallas --kernels --samples 10 --out "$WORK/scale8.json" ;;
     mtp) step mtp 540 $DEC --layers 61 --backend pallas --mtp --samples 6 --out "$WORK/mtp.json" ;;
-    prefill) step prefill 540 python3 -m bench.prefill --layers 61 --lengths 1024,1100 --chunks 64,256,1024+64 \
+    prefill) step prefill 540 python3 -m bench.prefill --layers 61 --lengths 1024,1100 --chunks 256,1024+64,1024+128 \
                --moe grouped,dense --samples 3 --out "$WORK/prefill.json" ;;
-    prefill32k) step prefill32k 540 python3 -m bench.prefill --layers 61 --lengths 32768 --chunks 512,2048 \
+    prefill32k) step prefill32k 540 python3 -m bench.prefill --layers 61 --lengths 32768 --chunks 1024+128,2048 \
                   --samples 1 --out "$WORK/prefill32k.json" ;;
     latency) step latency 120 python3 -m bench.latency --decode "$WORK/mtp.json" \
                --prefill "$WORK/prefill.json" "$WORK/prefill32k.json" --out "$WORK/latency-61.json" ;;

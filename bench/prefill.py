@@ -2,7 +2,7 @@
 and chunk size, and the time to first token (issue 15).
 
     PYTHONPATH=. python3 -m bench.prefill --preset dsv32-tp8-shard --layers 61 --lengths 1024,32768 \
-        --chunks 256,1024,1024+64 [--moe grouped,dense] [--out results.json]
+        --chunks 256,1024,1024+128 [--moe grouped,dense] [--out results.json]
 
 Builds the model with random weights on the device (fp8 for fp8 presets), then for each chunk size and
 prompt length: compiles the prefill chunk (not timed), runs the whole prompt's prefill `samples` times
@@ -94,7 +94,7 @@ def time_prefill(model, length: int, chunk: int, samples: int, backend: str, see
         del cache
     gen.generate(ids, max_new_tokens=1)
     s = statistics.median(times)
-    return {"length": length, "chunk": "+".join(map(str, chunk)), "chunks": len(chunk_plan(length, gen.chunks)),
+    return {"length": length, "chunk": "+".join(map(str, chunk)), "chunks": len(chunk_plan(length, gen.chunks, gen.rows)),
             "prefill_s_median": s,
             "prefill_s_min": min(times), "prompt_tok_s": length / s, "first_call_s": first_s,
             "ttft_s": gen.stats["ttft_s"], "samples": samples}
@@ -109,7 +109,8 @@ def main(argv=None) -> dict:
     p.add_argument("--fmt", default=None, help="weight format (default fp8 for fp8 presets)")
     p.add_argument("--lengths", default="1024", help="comma-separated prompt lengths")
     p.add_argument("--chunks", default="64,256,1024",
-                   help="comma-separated prefill chunk configs; 1024+64: large chunks, then small ones")
+                   help="comma-separated prefill chunk configs; 1024+128: both sizes, a prompt in the "
+                        "chunks of least estimated cost (chunk_plan)")
     p.add_argument("--moe", default="grouped", help="comma-separated: grouped,dense")
     p.add_argument("--backend", default="pallas", help="the Generator's backend (prefill chunks run XLA)")
     p.add_argument("--samples", type=int, default=3)
