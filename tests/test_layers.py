@@ -70,6 +70,7 @@ def test_indexer_scores_in_blocks_of_rows_are_the_one_shot_scores(quant):
     assert reference.indexer_key_block(t, h, s, budget) == 128
     assert reference.indexer_key_block(t, h, s) == s and reference.indexer_key_block(1, 64, 131072) == 131072
     assert reference.indexer_key_block(2048, 64, 131072) * 2048 * 64 * 4 <= 1 << 30
+    assert reference.indexer_key_block(1024, 64, 4224) == 1408   # 3 equal blocks of 512 MiB at most, no padding
     for pos in (jnp.arange(t) + 600, jnp.arange(t) + s - t, jnp.arange(t) * 40):   # middle, end, spread
         one = reference.indexer_scores(qq, ww, kk, ks, pos)
         blocked = reference.indexer_scores(qq, ww, kk, ks, pos, tile_bytes=budget)

@@ -163,15 +163,18 @@ INDEX_TILE_BYTES = 1 << 29   # the most bytes of fp32 logits [T, H, keys] `index
 
 def indexer_key_block(tokens: int, heads: int, rows: int, tile_bytes: int | None = None) -> int:
     """Cache rows `indexer_scores` scores per step: all of them where the fp32 logits of every row
-    [T, H, S] fit in `tile_bytes` (default INDEX_TILE_BYTES: decode steps and short contexts), else the
-    most rows (a multiple of 128, at least 128) whose logits fit. A prefill chunk of 2048 tokens
-    against 131072 rows with DeepSeek-V3.2's 64 index heads would hold 64 GiB at once; with
-    blocks of 1024 rows it holds 512 MiB."""
+    [T, H, S] fit in `tile_bytes` (default INDEX_TILE_BYTES: decode steps and short contexts), else
+    the fewest blocks whose logits fit, of equal size (a multiple of 128, at least 128; the last block
+    padded). A prefill chunk of 2048 tokens against 131072 rows with DeepSeek-V3.2's 64 index heads
+    would hold 64 GiB at once; in blocks of 1024 rows it holds 512 MiB."""
     budget = INDEX_TILE_BYTES if tile_bytes is None else tile_bytes
     per_row = tokens * heads * 4
     if per_row * rows <= budget:
         return rows
-    return max(128, budget // per_row // 128 * 128)
+    most = max(128, budget // per_row // 128 * 128)
+    blocks = -(-rows // most)
+    even = -(-rows // blocks)   # the rows spread over that many blocks
+    return -(-even // 128) * 128
 
 
 def indexer_scores(q: jax.Array, w: jax.Array, k_cache: jax.Array, k_scale: jax.Array | None,
