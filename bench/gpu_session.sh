@@ -42,9 +42,9 @@
 #                git archive ba89fb0 | tar -x -C .baseline) then this checkout, pallas and reference (~10 min)
 #   mtp          bench.decode 61 layers, pallas, plain and MTP speculative step (verify 2 + draft)
 #   mtp_glm5     the same for glm5-tp8-shard (all its layers)
-#   prefill      bench.prefill 61 layers: 1024 and 1100 prompt tokens, chunks 64, 256 and 1024+64, grouped MoE
+#   prefill      bench.prefill 61 layers: 1024 and 1100 prompt tokens, chunks 256, 1024+64 and 1024+128, grouped MoE
 #                vs the old dense one
-#   prefill32k   bench.prefill 61 layers: a 32K prompt, chunks 512 and 2048
+#   prefill32k   bench.prefill 61 layers: a 32K prompt, chunks 1024+128 (the default) and 2048
 #   latency      bench.latency: mtp + prefill + prefill32k (and the tiny model's acceptance) → latency-61.json
 #   hlodump      XLA's optimized HLO of the 4-layer decode step (command buffers, streams), this checkout and,
 #                where the checkout carries it, the code before issue 13 in .baseline (git archive ba89fb0)
@@ -136,9 +136,9 @@ for part in "$@"; do
     mtp_glm5) step mtp_glm5 540 python3 -m bench.decode --preset glm5-tp8-shard --context 4096 --backend pallas \
                 --mtp --samples 6 --out "$WORK/mtp_glm5.json" ;;
     mtp) step mtp 540 $DEC --layers 61 --backend pallas --mtp --samples 6 --out "$WORK/mtp.json" ;;
-    prefill) step prefill 540 python3 -m bench.prefill --layers 61 --lengths 1024,1100 --chunks 64,256,1024+64 \
+    prefill) step prefill 540 python3 -m bench.prefill --layers 61 --lengths 1024,1100 --chunks 256,1024+64,1024+128 \
                --moe grouped,dense --samples 3 --out "$WORK/prefill.json" ;;
-    prefill32k) step prefill32k 540 python3 -m bench.prefill --layers 61 --lengths 32768 --chunks 512,2048 \
+    prefill32k) step prefill32k 540 python3 -m bench.prefill --layers 61 --lengths 32768 --chunks 1024+128,2048 \
                   --samples 1 --out "$WORK/prefill32k.json" ;;
     latency) step latency 120 python3 -m bench.latency --decode "$WORK/mtp.json" \
                --prefill "$WORK/prefill.json" "$WORK/prefill32k.json" --out "$WORK/latency-61.json" ;;

@@ -2,7 +2,7 @@
 and chunk size, and the time to first token (issue 15).
 
     PYTHONPATH=. python3 -m bench.prefill --preset dsv32-tp8-shard --layers 61 --lengths 1024,32768 \
-        --chunks 256,1024,1024+64 [--moe grouped,dense] [--out results.json]
+        --chunks 256,1024,1024+128 [--moe grouped,dense] [--out results.json]
 
 Builds the model with random weights on the device (fp8 for fp8 presets), then for each chunk size and
 prompt length: compiles the prefill chunk (not timed), runs the whole prompt's prefill `samples` times
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import json
 import statistics
@@ -30,7 +31,7 @@ import numpy as np
 
 import jtilert
 from bench.decode import _field, copy_bandwidth
-from jtilert.ops import reference
+from jtilert.ops import reference, table
 from jtilert.ops.quant import dequantize
 from jtilert.runtime.generate import chunk_plan
 from jtilert.store import checkpoint
@@ -51,16 +52,21 @@ def dense_moe(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale)
 
 @contextlib.contextmanager
 def moe_variant(name: str):
-    """The MoE reference the prefill steps trace: "grouped" (the library's), or "dense"."""
-    if name == "grouped":
-        yield
-        return
-    saved = reference.moe_experts
-    reference.moe_experts = dense_moe
+    """The MoE reference the prefill steps trace: "grouped" (the library's), or "dense". The variant
+    goes into the op table (`OPS["moe_experts"]`), which the steps call: patching
+    `reference.moe_experts` would not reach them (the table holds the function it was built with). The
+    program cache keys on the table (`ops_identity`), so each variant is its own compiled program."""
+    if name not in MOE_VARIANTS:
+        raise ValueError(f"unknown --moe variant {name!r}; expected one of {tuple(MOE_VARIANTS)}")
+    op = table.OPS["moe_experts"]
+    table.OPS["moe_experts"] = dataclasses.replace(op, reference=MOE_VARIANTS[name])
     try:
         yield
     finally:
-        reference.moe_experts = saved
+        table.OPS["moe_experts"] = op
+
+
+MOE_VARIANTS = {"grouped": reference.moe_experts, "dense": dense_moe}
 
 
 def param_bytes(model) -> int:
@@ -88,7 +94,7 @@ def time_prefill(model, length: int, chunk: int, samples: int, backend: str, see
         del cache
     gen.generate(ids, max_new_tokens=1)
     s = statistics.median(times)
-    return {"length": length, "chunk": "+".join(map(str, chunk)), "chunks": len(chunk_plan(length, gen.chunks)),
+    return {"length": length, "chunk": "+".join(map(str, chunk)), "chunks": len(chunk_plan(length, gen.chunks, gen.rows)),
             "prefill_s_median": s,
             "prefill_s_min": min(times), "prompt_tok_s": length / s, "first_call_s": first_s,
             "ttft_s": gen.stats["ttft_s"], "samples": samples}
@@ -103,7 +109,8 @@ def main(argv=None) -> dict:
     p.add_argument("--fmt", default=None, help="weight format (default fp8 for fp8 presets)")
     p.add_argument("--lengths", default="1024", help="comma-separated prompt lengths")
     p.add_argument("--chunks", default="64,256,1024",
-                   help="comma-separated prefill chunk configs; 1024+64: large chunks, then small ones")
+                   help="comma-separated prefill chunk configs; 1024+128: both sizes, a prompt in the "
+                        "chunks of least estimated cost (chunk_plan)")
     p.add_argument("--moe", default="grouped", help="comma-separated: grouped,dense")
     p.add_argument("--backend", default="pallas", help="the Generator's backend (prefill chunks run XLA)")
     p.add_argument("--samples", type=int, default=3)

@@ -33,7 +33,8 @@ def _generate(args) -> None:
     mesh = jtilert.make_mesh(args.tp) if args.tp > 1 else None
     model = jtilert.load(path, mesh=mesh, check=not args.no_check)
     gen = jtilert.Generator(model, max_seq_len=args.max_seq_len or need, sampling=sampling, mtp=args.mtp,
-                            backend=args.backend, mesh=mesh, prefill_chunk=args.prefill_chunk)
+                            backend=args.backend, mesh=mesh,
+                            **({} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}))
     gen._check_prompt(ids, args.max_new_tokens)  # bad input fails before any device work
     decode = tok.decoder()
     print(args.prompt, end="", flush=True)
@@ -104,8 +105,9 @@ def main(argv=None) -> int:
     g.add_argument("--backend", default="reference", choices=["reference", "pallas"])
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (devices)")
     g.add_argument("--max-seq-len", type=int, default=0, help="cache size (default: prompt + new tokens)")
-    g.add_argument("--prefill-chunk", type=_sizes, default=(64,), metavar="SIZES",
-                   help="prompt tokens per prefill step; several, e.g. 1024,64: large chunks, then small (default 64)")
+    g.add_argument("--prefill-chunk", type=_sizes, default=None, metavar="SIZES",
+                   help="prompt tokens per prefill step, one size or several (each one compiled step); a prompt "
+                        "runs in the chunks of least estimated cost (default 1024,128)")
     g.add_argument("--no-check", action="store_true",
                    help="load without comparing the checkpoint's files with their checksums")
     g.set_defaults(run=_generate)

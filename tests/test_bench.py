@@ -55,6 +55,33 @@ def test_prefill_bench_writes_every_field(tmp_path):
         assert run["chunks"] == 5 and run["prefill_s_median"] > 0 and run["ttft_s"] > 0 and run["over_floor"] > 0
 
 
+def test_prefill_bench_moe_variants_trace_different_programs(tiny_random, monkeypatch):
+    """`--moe dense` runs the dense MoE: the prefill chunk's program differs from the grouped one
+    (lowered text and program-cache key), the dense function is what the step traces, the logits
+    agree, and the table is the library's again afterwards."""
+    import jtilert
+    from bench import prefill
+    from jtilert.ops import reference, table
+    calls = []
+    monkeypatch.setitem(prefill.MOE_VARIANTS, "dense",
+                        lambda *a: calls.append(a[2].shape) or prefill.dense_moe(*a))
+    ids = np.arange(3, 35, dtype=np.int32)   # 32 tokens x 4 choices >= 16 experts: the grouped path
+    text, key, logits = {}, {}, {}
+    for v in ("grouped", "dense"):
+        with prefill.moe_variant(v):
+            gen = jtilert.Generator(tiny_random, max_seq_len=40, prefill_chunk=32)
+            eng = gen.engine
+            cache = eng.new_cache(gen.rows)
+            args = (eng.state, cache, eng.place(ids), eng.place(np.int32(0)))
+            text[v] = eng.forward.lower(*args).as_text()
+            key[v] = eng.program_identity("forward")
+            logits[v] = np.asarray(eng.forward(*args)[0])
+    assert calls and all(shape == (32, 4) for shape in calls)   # traced through the dense variant only
+    assert text["grouped"] != text["dense"] and key["grouped"] != key["dense"]
+    np.testing.assert_allclose(logits["dense"], logits["grouped"], rtol=2e-4, atol=2e-4)
+    assert table.OPS["moe_experts"].reference is reference.moe_experts
+
+
 def test_latency_combines_decode_mtp_and_prefill():
     """latency-61.json's fields from the two benches' JSON (their layout, made up numbers), and the tiny
     model's MTP acceptance measured."""

@@ -20,21 +20,51 @@ def test_mtp_greedy_equals_plain_greedy(tiny_random, gen):
     assert gen.acceptance is None
 
 
-def test_chunk_plan_runs_large_chunks_then_small_ones():
-    from jtilert.runtime.generate import chunk_plan, chunk_sizes
+def test_chunk_plan_minimises_fixed_plus_size_per_chunk():
+    """A chunk costs CHUNK_FIXED_TOKENS (650) + its size: the plan covering the prompt at least cost."""
+    from jtilert.runtime.generate import CHUNK_FIXED_TOKENS, DEFAULT_PREFILL_CHUNK, chunk_plan, chunk_sizes
     assert chunk_sizes(64) == (64,) and chunk_sizes([64, 1024, 64]) == (1024, 64)
-    assert chunk_plan(1000, (1024, 64)) == [64] * 16
-    assert chunk_plan(2100, (1024, 64)) == [1024, 1024, 64]
-    assert chunk_plan(2048, (1024, 64)) == [1024, 1024]
-    assert chunk_plan(130, (64, 16)) == [64, 64, 16]
-    for bad in (0, [], [16, 0], 2.5, "64"):
+    assert CHUNK_FIXED_TOKENS == 650 and DEFAULT_PREFILL_CHUNK == (1024, 128)
+    sizes = (1024, 128)
+    assert chunk_plan(300, sizes) == [1024]         # 650 + 1024 = 1674 < 3 * 650 + 384 = 2334
+    assert chunk_plan(1100, sizes) == [1024, 128]   # 2 * 650 + 1152 = 2452 < 2 * 650 + 2048 = 3348
+    assert chunk_plan(200, sizes) == [128, 128]     # 2 * 650 + 256 = 1556 < 1674
+    assert chunk_plan(100, sizes) == [128] and chunk_plan(1024, sizes) == [1024]
+    assert chunk_plan(32768, sizes) == [1024] * 32 and chunk_plan(32769, sizes) == [1024] * 32 + [128]
+    assert chunk_plan(1100, (1024, 256, 64)) == [1024, 256]   # 2580 < 1024 + 64 + 64: 3 * 650 + 1152 = 3102
+    assert chunk_plan(300, (1024, 256, 64)) == [256, 64]      # 2 * 650 + 320 = 1620 < 1674
+    assert chunk_plan(1000, (1024, 64)) == [1024]             # 1674 < 16 * 650 + 1024
+    assert chunk_plan(2100, (1024, 64)) == [1024, 1024, 64] and chunk_plan(2048, (1024, 64)) == [1024, 1024]
+    # the cost model's fixed part decides between padding and more chunks
+    assert chunk_plan(45, (32, 8)) == [32, 32] and chunk_plan(45, (32, 8), fixed=4) == [32, 8, 8]
+    assert chunk_plan(130, (64, 16), fixed=0) == [64, 64, 16]
+    # within the cache's rows: 56 rows leave no room for a second 32
+    assert chunk_plan(45, (32, 8), room=56) == [32, 8, 8]
+    with pytest.raises(ValueError, match="no plan"):
+        chunk_plan(45, (32,), room=50)
+    for bad in (0, -1, [], [64, 0], "64", 2.5):
         with pytest.raises(ValueError, match="prefill_chunk must be"):
             chunk_sizes(bad)
 
 
-def test_prefill_in_chunks_of_several_sizes_is_the_same_computation(tiny_random):
+def test_generator_plans_within_its_cache_rows(tiny_random):
+    """The default chunks are (1024, 128), those longer than max_seq_len dropped; the cache has room for
+    a chunk of the smallest size after any start, and prefill pads within it."""
+    from jtilert.runtime.generate import chunk_plan
+    gen = jtilert.Generator(tiny_random, max_seq_len=200)
+    assert gen.chunks == (128,) and gen.rows == 384   # 200 + 4 + 127 rounded up to 128
+    assert jtilert.Generator(tiny_random, max_seq_len=2048).chunks == (1024, 128)
+    small = jtilert.Generator(tiny_random, max_seq_len=45, prefill_chunk=(32, 8))
+    assert small.rows == 56 and chunk_plan(45, small.chunks, small.rows) == [32, 8, 8]
+    assert chunk_plan(3, small.chunks, small.rows - 43) == [8]   # after an injected 43 tokens: rows 43..50
+
+
+def test_prefill_in_chunks_of_several_sizes_is_the_same_computation(tiny_random, monkeypatch):
     """Large chunks then small: the same logits as one size, the same greedy tokens with MTP (which
-    walks the main model's hidden chunks), one compiled step per size and none after the first call."""
+    walks the main model's hidden chunks), one compiled step per size and none after the first call.
+    A fixed cost of 4 tokens per chunk makes the plans mix the sizes (32 + 8 + 8 for 45 tokens)."""
+    from jtilert.runtime import generate
+    monkeypatch.setattr(generate, "CHUNK_FIXED_TOKENS", 4)
     ids = np.random.RandomState(3).randint(0, 256, 45)   # 32 + 8 + 5 (padded to 8)
     a = jtilert.score(tiny_random, ids, prefill=ids.size, prefill_chunk=8)
     b = jtilert.score(tiny_random, ids, prefill=ids.size, prefill_chunk=(32, 8))
@@ -47,6 +77,19 @@ def test_prefill_in_chunks_of_several_sizes_is_the_same_computation(tiny_random)
     spec.generate(ids[:20], 12, stop_tokens=[])   # small chunks only, then a prompt that is all large chunks
     spec.generate(ids[:32], 12, stop_tokens=[])
     assert spec.compiles == first
+
+
+def test_prefill_with_the_indexer_in_blocks_of_rows_is_the_same_computation(tiny_random, monkeypatch):
+    """The indexer scoring a block of 128 cache rows at a time (a tile budget below [T, H, S]: 176 rows,
+    the last block partial and skipped by the early chunks) gives the logits of the one-shot scores."""
+    from jtilert.ops import reference
+    ids = np.random.RandomState(5).randint(0, 256, 150)
+    whole = jtilert.score(tiny_random, ids, prefill=ids.size, prefill_chunk=16)
+    heads = tiny_random.cfg.index_n_heads
+    monkeypatch.setattr(reference, "INDEX_TILE_BYTES", 16 * heads * 4 * 128)
+    assert reference.indexer_key_block(16, heads, 176) == 128
+    blocked = jtilert.score(tiny_random, ids, prefill=ids.size, prefill_chunk=16)
+    np.testing.assert_allclose(blocked, whole, rtol=1e-4, atol=1e-4)
 
 
 def test_stats_measure_compile_first_token_and_decode_apart(tiny_random):

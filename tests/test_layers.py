@@ -53,6 +53,37 @@ def test_fp8_scores_track_unquantised_scores():
     assert err.max() < 0.1 * np.abs(np.asarray(exact)[visible]).max()
 
 
+@pytest.mark.parametrize("quant", ["fp8", "none"])
+def test_indexer_scores_in_blocks_of_rows_are_the_one_shot_scores(quant):
+    """A prefill chunk's scores, computed a block of cache rows at a time (a tile budget far below
+    [T, H, S]), are the scores of the one-shot computation, and so is the top-k (ties to the lower
+    position, the future masked); a chunk in the middle of the cache skips the blocks past it."""
+    cfg = preset("deepseek-v3.2").replace(index_quant=quant)
+    t, h, s = 24, 8, 1000    # 1000 rows: blocks of 128 leave a partial last block
+    q = jnp.asarray(RNG.standard_normal((t, h, 128)), jnp.float32)
+    k = jnp.asarray(RNG.standard_normal((s, 128)), jnp.float32)
+    k = k.at[500].set(k[300])    # two rows with equal scores: the top-k keeps the lower first
+    w = jnp.asarray(RNG.standard_normal((t, h)) * 0.1, jnp.float32)
+    qq, ww = reference.indexer_query(cfg, q, w)
+    kk, ks = reference.indexer_key(cfg, k)
+    budget = t * h * 4 * 128    # one block of 128 rows
+    assert reference.indexer_key_block(t, h, s, budget) == 128
+    assert reference.indexer_key_block(t, h, s) == s and reference.indexer_key_block(1, 64, 131072) == 131072
+    assert reference.indexer_key_block(2048, 64, 131072) * 2048 * 64 * 4 <= 1 << 30
+    assert reference.indexer_key_block(1024, 64, 4224) == 1408   # 3 equal blocks of 512 MiB at most, no padding
+    for pos in (jnp.arange(t) + 600, jnp.arange(t) + s - t, jnp.arange(t) * 40):   # middle, end, spread
+        one = reference.indexer_scores(qq, ww, kk, ks, pos)
+        blocked = reference.indexer_scores(qq, ww, kk, ks, pos, tile_bytes=budget)
+        np.testing.assert_array_equal(np.isfinite(blocked), np.isfinite(one))
+        np.testing.assert_allclose(np.asarray(blocked), np.asarray(one), rtol=1e-5, atol=1e-5)   # fp32 sums
+        a, b = reference.topk_positions(one, 64), reference.topk_positions(blocked, 64)
+        assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+    pos = jnp.arange(t) + 600
+    idx, _ = reference.topk_positions(reference.indexer_scores(qq, ww, kk, ks, pos, tile_bytes=budget), s)
+    order = np.asarray(idx).tolist()
+    assert all(r.index(300) < r.index(500) for r in order)   # the tie goes to the lower position
+
+
 def test_weight_quantisation_round_trip():
     w = RNG.standard_normal((300, 200)).astype(np.float32) * 0.05
     q, s = quantize_weight(w)

@@ -88,13 +88,14 @@ def test_head_candidates_merge_over_ranks_with_ties():
 def test_split_indexer_decodes_the_same_tokens(tiny_random):
     """split_indexer=True: each of 2 (or 8) ranks scores its share of the cached positions and the
     top-k lists are merged (XLA fallback of the engine's merge here); the prompt is longer than
-    index_topk, so the merged selection decides the attention. 64 cache rows: the 52 positions span
-    the shares of 2 ranks at tp=2 and of 7 at tp=8."""
+    index_topk, so the merged selection decides the attention. 80 cache rows (60 + 4, and room for a
+    chunk of 16 after any start: 60 + 4 + 15 rounded up to 16): the 52 positions span the shares of 2
+    ranks at tp=2 and of 6 at tp=8."""
     gen = lambda **kw: jtilert.Generator(tiny_random, max_seq_len=60, prefill_chunk=16, **kw)
     one = gen().generate(IDS, 8, stop_tokens=[])
     for tp in (2, 8):
         split = gen(mesh=jtilert.make_mesh(tp), split_indexer=True)
-        assert split.engine.new_cache(split.rows)["index_k"].shape[1] == 64
+        assert split.engine.new_cache(split.rows)["index_k"].shape[1] == 80
         assert split.generate(IDS, 8, stop_tokens=[]) == one
 
 

@@ -158,16 +158,65 @@ def indexer_append_scores(cfg: ModelConfig, q, w, k, k_cache, k_scale, positions
     return scores, k_cache, k_scale
 
 
+INDEX_TILE_BYTES = 1 << 29   # the most bytes of fp32 logits [T, H, keys] `indexer_scores` holds at once
+
+
+def indexer_key_block(tokens: int, heads: int, rows: int, tile_bytes: int | None = None) -> int:
+    """Cache rows `indexer_scores` scores per step: all of them where the fp32 logits of every row
+    [T, H, S] fit in `tile_bytes` (default INDEX_TILE_BYTES: decode steps and short contexts), else
+    the fewest blocks whose logits fit, of equal size (a multiple of 128, at least 128; the last block
+    padded). A prefill chunk of 2048 tokens against 131072 rows with DeepSeek-V3.2's 64 index heads
+    would hold 64 GiB at once; in blocks of 1024 rows it holds 512 MiB."""
+    budget = INDEX_TILE_BYTES if tile_bytes is None else tile_bytes
+    per_row = tokens * heads * 4
+    if per_row * rows <= budget:
+        return rows
+    most = max(128, budget // per_row // 128 * 128)
+    blocks = -(-rows // most)
+    even = -(-rows // blocks)   # the rows spread over that many blocks
+    return -(-even // 128) * 128
+
+
 def indexer_scores(q: jax.Array, w: jax.Array, k_cache: jax.Array, k_scale: jax.Array | None,
-                   positions: jax.Array) -> jax.Array:
+                   positions: jax.Array, tile_bytes: int | None = None) -> jax.Array:
     """I(t, s) = Σ_h w[t,h] · ReLU(q[t,h] · k[s]) (· k_scale[s]) for every cache row s, -inf where s > positions[t].
-    q [T, H, D], w [T, H] fp32, k_cache [S, D] (fp8 or float), k_scale [S] or None → [T, S] fp32."""
+    q [T, H, D], w [T, H] fp32, k_cache [S, D] (fp8 or float), k_scale [S] or None → [T, S] fp32.
+    The fp32 logits [T, H, ·] are held for at most `indexer_key_block` rows at a time (a loop over
+    blocks of rows, skipping the blocks past every token's position), so a long context's prefill
+    chunk never holds [T, H, S]; each score is the same computation either way."""
+    t, h, _ = q.shape
+    s = k_cache.shape[0]
+    block = indexer_key_block(t, h, s, tile_bytes)
+    if block >= s:
+        return _indexer_block_scores(q, w, k_cache, k_scale, positions, 0)
+    n = -(-s // block)
+    pad = n * block - s
+    k_cache = jnp.pad(k_cache, ((0, pad), (0, 0)))
+    k_scale = None if k_scale is None else jnp.pad(k_scale, (0, pad))
+    last = jnp.max(positions)
+
+    def body(i, out):
+        first = i * block
+
+        def score(out):
+            k = jax.lax.dynamic_slice_in_dim(k_cache, first, block)
+            ks = None if k_scale is None else jax.lax.dynamic_slice_in_dim(k_scale, first, block)
+            return jax.lax.dynamic_update_slice(out, _indexer_block_scores(q, w, k, ks, positions, first), (0, first))
+
+        return jax.lax.cond(first <= last, score, lambda out: out, out)   # blocks past every position stay -inf
+
+    out = jax.lax.fori_loop(0, n, body, jnp.full((t, n * block), -jnp.inf, F32))
+    return out[:, :s] if pad else out
+
+
+def _indexer_block_scores(q, w, k_cache, k_scale, positions, first):
+    """`indexer_scores` of the cache rows k_cache [B, D] (rows first.. of the cache) → [T, B] fp32."""
     kd = jnp.bfloat16 if k_cache.dtype == jnp.float8_e4m3fn else k_cache.dtype  # fp8 is exact in bf16
     logits = dot("thd,sd->ths", q.astype(kd), k_cache.astype(kd))
     scores = jnp.einsum("th,ths->ts", w, jax.nn.relu(logits))
     if k_scale is not None:
         scores = scores * k_scale[None, :]
-    visible = jnp.arange(k_cache.shape[0])[None, :] <= positions[:, None]
+    visible = first + jnp.arange(k_cache.shape[0])[None, :] <= positions[:, None]
     return jnp.where(visible, scores, -jnp.inf)
 
 

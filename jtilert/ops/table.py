@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import importlib
+import inspect
 from collections.abc import Callable
 
 import jax
@@ -172,6 +174,25 @@ OPS: dict[str, Op] = {
     "lm_head_topk": Op(reference.lm_head_topk, "pallas.lm_head:lm_head_topk", (), _lm_head_unsupported),
     "topk_positions": Op(reference.topk_positions, "ffi.select:topk", ()),
 }
+
+
+def ops_identity() -> tuple:
+    """What OPS runs now, for the program cache's keys: each op's reference and kernel by name. A
+    reference from outside jtilert (a benchmark's variant put into the table) also carries a hash of
+    its source, which jtilert's source digest does not see; with it, a program traced with a
+    replaced op is never read back for the library's own, nor the other way round."""
+    def name(fn) -> str:
+        mod = getattr(fn, "__module__", "") or ""
+        out = f"{mod}.{getattr(fn, '__qualname__', repr(fn))}"
+        if not mod.startswith("jtilert"):
+            try:
+                src = inspect.getsource(fn).encode()
+            except (OSError, TypeError):
+                code = getattr(fn, "__code__", None)
+                src = repr(fn).encode() if code is None else code.co_code + repr(code.co_consts).encode()
+            out += ":" + hashlib.sha256(src).hexdigest()[:16]
+        return out
+    return tuple((k, name(op.reference), op.kernel, op.stacked) for k, op in sorted(OPS.items()))
 
 
 def _per_layer(op: Op, args) -> tuple:

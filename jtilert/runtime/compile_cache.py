@@ -12,7 +12,9 @@
 The folder is `$JTILERT_COMPILATION_CACHE`, else `$XDG_CACHE_HOME/jtilert/xla` (`~/.cache/jtilert/xla`);
 `JTILERT_COMPILATION_CACHE=off` turns both caches off, `JTILERT_PROGRAM_CACHE=off` the program cache
 alone. A cache folder the user set through JAX (`jax_compilation_cache_dir`) is left as it is.
-The key cannot see code patched at run time (a monkeypatched op): turn the program cache off there.
+The key sees what the op table (`jtilert.ops.table.OPS`) runs, so an op replaced there is its own
+program; it cannot see other code patched at run time (a monkeypatched function the table does not
+name): turn the program cache off there.
 """
 
 from __future__ import annotations

@@ -14,7 +14,9 @@ token budget (`GENERATE_STEPS` steps per call at most).
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import math
 import numbers
 import time
 from collections.abc import Iterator, Sequence
@@ -29,7 +31,7 @@ from jtilert import pallas
 from jtilert.ffi import _lib
 from jtilert.ffi._lib import TARGETS
 from jtilert.model.transformer import Layout, Transformer, decode_weights, init_cache, split_cache
-from jtilert.ops.table import DecodeConfig, Ops
+from jtilert.ops.table import DecodeConfig, Ops, ops_identity
 from jtilert.pallas import interpret
 from jtilert.parallel import sharding
 from jtilert.runtime import compile_cache
@@ -117,15 +119,16 @@ class Engine:
     def _program_identity(self) -> tuple | None:
         """What the steps close over, for their keys in the program cache (`compile_cache`): the
         model (config, dtype, module graph), the DecodeConfig, the mesh, and whether the CUDA engine
-        loaded (its ops lower to plain XLA where it did not). None (not cached) where the kernels run
-        in GPU interpret mode: their host callbacks cannot be stored."""
+        loaded (its ops lower to plain XLA where it did not), and what the op table runs (an op
+        replaced in `OPS`, as a benchmark's variant does, is another program). None (not cached) where
+        the kernels run in GPU interpret mode: their host callbacks cannot be stored."""
         if self.config.backend == "pallas" and interpret.params() is not None:
             return None
         mesh = None if self.mesh is None else (self.mesh.axis_names, self.mesh.devices.shape,
                                               tuple(int(d.id) for d in self.mesh.devices.flat))
         engine = (_lib.load()[1] or "loaded") if self._may_use_engine() else None
         graph = hashlib.sha256(repr(self.graphdef).encode()).hexdigest()
-        return repr(self.cfg), jnp.dtype(self.dtype).name, repr(self.config), graph, mesh, engine
+        return repr(self.cfg), jnp.dtype(self.dtype).name, repr(self.config), graph, mesh, engine, ops_identity()
 
     def _may_use_engine(self) -> bool:
         """Whether tracing may call the CUDA engine (a GPU, and a config that uses it)."""
@@ -294,24 +297,66 @@ def chunk_sizes(prefill_chunk) -> tuple[int, ...]:
     return tuple(sorted({int(c) for c in sizes}, reverse=True))
 
 
-def chunk_plan(n: int, sizes: tuple[int, ...]) -> list[int]:
-    """The chunks a prefill of n tokens runs, in order: the largest size while that many tokens remain,
-    then the next, and the rest in one chunk of the smallest size (padded). A long prompt reads every
-    weight once per large chunk; a short one does not pay for a large chunk of padding."""
+# The fixed cost of one prefill chunk, in tokens (`chunk_plan`'s cost model: a chunk of c tokens costs
+# CHUNK_FIXED_TOKENS + c). On one H200 with DeepSeek-V3.2's one-GPU share (61 layers, fp8) at a 4096
+# context, a chunk takes about 140 ms plus 0.21 ms per token (a 1024-token prompt: 16 chunks of 64
+# 2.42 s, 4 of 256 0.81 s, one of 1024 0.358 s), and 140 / 0.21 ≈ 650: reading every weight once per
+# chunk dominates, so padding up to a larger chunk often beats several small ones. At a long context
+# each token costs more (the indexer scores every cached row), so this overstates the fixed part
+# there; the plan it picks then differs from the best one in its last chunk at most.
+CHUNK_FIXED_TOKENS = 650
+
+DEFAULT_PREFILL_CHUNK = (1024, 128)   # two compiled prefill steps; a prompt's tail pads to 128 or 1024
+
+
+def chunk_plan(n: int, sizes: tuple[int, ...], room: int | None = None, fixed: int | None = None) -> list[int]:
+    """The chunks a prefill of n tokens runs, in order: of the sequences of `sizes` covering n tokens
+    (the last chunk padded) within `room` cache rows (default: any), the one of least estimated
+    cost Σ (fixed + c) over its chunks c (`fixed` default CHUNK_FIXED_TOKENS), fewer chunks on a tie;
+    largest first. Cost = fixed · chunks + tokens covered, padding included. E.g. sizes (1024, 128):
+    300 tokens → [1024] (650 + 1024 = 1674 against 3 · 650 + 384 = 2334 for three 128s); 1100 →
+    [1024, 128] (2 · 650 + 1152 = 2452; [1024, 1024] is 3348); 200 → [128, 128] (1556 < 1674).
+    Only the last chunk holds padding (a plan whose padding covered a whole chunk of it would cost
+    more without that chunk)."""
+    return list(_plan(int(n), tuple(sizes), None if room is None else int(room),
+                      CHUNK_FIXED_TOKENS if fixed is None else int(fixed)))
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(n: int, sizes: tuple[int, ...], room: int | None, fixed: int) -> tuple[int, ...]:
+    if n <= 0:
+        return ()
+    g = math.gcd(*sizes)
+    units = sorted({c // g for c in sizes}, reverse=True)
+    top = -(-n // g) + units[0] - 1          # covering more than this pads a whole chunk
+    if room is not None:
+        top = min(top, room // g)
+    need = -(-n // g)
+    if top < need:
+        raise ValueError(f"no plan of chunks {sizes} covers {n} tokens within {room} cache rows")
+    # fewest chunks summing exactly to m units, and the last chunk of one such sum
+    never = top + 1
+    count, last = [0] + [never] * top, [0] * (top + 1)
+    for m in range(1, top + 1):
+        for u in units:
+            if u <= m and count[m - u] + 1 < count[m]:
+                count[m], last[m] = count[m - u] + 1, u
+    options = [(fixed * count[m] + m * g, count[m], m) for m in range(need, top + 1) if count[m] < never]
+    if not options:
+        raise ValueError(f"no plan of chunks {sizes} covers {n} tokens within {room} cache rows")
+    best = min(options)[2]
     plan = []
-    for c in sizes:
-        while n >= c:
-            plan.append(c)
-            n -= c
-    if n:
-        plan.append(sizes[-1])
-    return plan
+    while best:
+        plan.append(last[best] * g)
+        best -= last[best]
+    return tuple(sorted(plan, reverse=True))
 
 
-def chunks_of(ids: np.ndarray, sizes: tuple[int, ...]):
-    """(offset, chunk) of the chunks `chunk_plan` cuts ids into, the last padded with zeros."""
+def chunks_of(ids: np.ndarray, sizes: tuple[int, ...], room: int | None = None):
+    """(offset, chunk) of the chunks `chunk_plan` cuts ids into (within `room` cache rows), the last
+    padded with zeros."""
     off = 0
-    for c in chunk_plan(ids.size, sizes):
+    for c in chunk_plan(ids.size, sizes, room):
         part = np.zeros(c, np.int32)
         part[:min(c, ids.size - off)] = ids[off:off + c]
         yield off, part
@@ -324,13 +369,15 @@ class Generator:
     >>> gen = jtilert.Generator(jtilert.load("tiny"), max_seq_len=512)
     >>> gen.generate(prompt_ids, max_new_tokens=64)
 
-    `prefill_chunk`: the prompt's tokens per prefill step; several sizes, e.g. (1024, 64), run a long
-    prompt in the large chunks and its rest in small ones (`chunk_plan`), each size one compiled step.
+    `prefill_chunk`: the prompt's tokens per prefill step, one size or several (default (1024, 128)),
+    each size one compiled step: a prompt runs in the sequence of them that `chunk_plan` estimates
+    cheapest (a chunk's fixed cost is worth about 650 tokens, so a 300-token prompt runs as one
+    padded 1024 chunk, 1100 tokens as 1024 + 128).
     """
 
     def __init__(self, model: Transformer, max_seq_len: int = 2048, sampling: Sampling | None = None,
                  mtp: bool = False, backend: str = "reference", mesh: Mesh | None = None,
-                 prefill_chunk: int | Sequence[int] = 64, engine_all_reduce: bool = False, split_indexer: bool = False,
+                 prefill_chunk: int | Sequence[int] = DEFAULT_PREFILL_CHUNK, engine_all_reduce: bool = False, split_indexer: bool = False,
                  config: DecodeConfig | None = None):
         cfg = model.cfg
         if not is_int(max_seq_len) or max_seq_len <= 0:
@@ -347,10 +394,12 @@ class Generator:
         self.sampling = sampling or Sampling()
         # Chunk sizes no longer than the sequence can be (each compiles its own prefill step)
         self.chunks = tuple(c for c in sizes if c <= max_seq_len) or sizes[-1:]
-        # Room for the padded last prefill chunk (of the smallest size), and for the steps a call runs past
-        # the last token kept (the step in flight when a stop token is read, up to 2 rows per MTP step).
+        # Room for the steps a call runs past the last token kept (the step in flight when a stop token
+        # is read, up to 2 rows per MTP step), and for the padded last prefill chunk: a chunk of the
+        # smallest size fits after any start (an injected cache's length need not be a multiple of it);
+        # `chunk_plan` pads within these rows.
         c = self.chunks[-1]
-        self.rows = -(-(max_seq_len + 4) // c) * c
+        self.rows = -(-(max_seq_len + 4 + c - 1) // c) * c
         cache = jax.eval_shape(lambda: init_cache(cfg, self.rows, model.dtype))   # replicated on each device
         sharding.check_memory(sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(cache)), mesh,
                               f"the cache of Generator(max_seq_len={max_seq_len}) ({self.rows} positions)")
@@ -461,7 +510,7 @@ class Generator:
         steps run, so a new prompt length compiles nothing."""
         eng, tail = self.engine, ids[start:]
         hidden, logits = [], None
-        for off, part in chunks_of(tail, self.chunks):
+        for off, part in chunks_of(tail, self.chunks, self.rows - start):
             logits, h, cache = eng.forward(eng.state, cache, eng.place(part), eng.place(np.int32(start + off)))
             hidden.append(h)
         return logits, tail.size - 1 - off, hidden, cache
@@ -670,7 +719,7 @@ def score(model: Transformer, token_ids, prefill: int | None = None, mesh: Mesh 
     eng = gen.engine
     cache = eng.new_cache(gen.rows)
     out = []
-    for off, part in chunks_of(ids[:n], gen.chunks):
+    for off, part in chunks_of(ids[:n], gen.chunks, gen.rows):
         logits, _, cache = eng.forward(eng.state, cache, eng.place(part), eng.place(np.int32(off)))
         out.append(np.asarray(logits))
     out = [np.concatenate(out)[:n]]
