@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 
 import jtilert
-from jtilert.model import transformer
 from jtilert.model.transformer import decode_weights
 from jtilert.ops.quant import dequantize
 from jtilert.runtime import generate
