@@ -152,6 +152,11 @@ class Shape:
 
 GEMV_SHAPES = [
     Shape("q_a+kv_a (rmsnorm)", 1536 + 576, 7168, kind="norm"),
+    # the decode model's x_proj (q_a | wk | kv_a, one GEMV) against the three it replaces
+    Shape("x_proj = q_a+wk+kv_a", 1536 + 128 + 576, 7168),
+    Shape("q_a", 1536, 7168),
+    Shape("wk", 128, 7168),
+    Shape("kv_a", 576, 7168),
     Shape("q_b", 16 * 192, 1536),
     Shape("kv_b", 16 * 256, 512),
     Shape("o (+residual)", 7168, 2048, kind="residual"),

@@ -116,8 +116,10 @@ def _layer_bodies(name: str) -> list[dict]:
 
 # Today's counts, the ceiling: a change that adds a launch or glue to a layer fails here. The fused
 # layer's target is at most 4 launches and no glue; lower these as the fused kernels land.
-BUDGET = {"dsv32-tp8-shard": [{"kernels": 11, "glue": 139}, {"kernels": 14, "glue": 168}],
-          "glm5-tp8-shard": [{"kernels": 10, "glue": 153}, {"kernels": 13, "glue": 173}]}
+# The projections of a layer's normed input (q_a, wk, kv_a) run as one merged GEMV (`decode_weights`):
+# two launches and their two split-K finishes (4 glue ops) per layer fewer than apart (11 / 14, 10 / 13).
+BUDGET = {"dsv32-tp8-shard": [{"kernels": 9, "glue": 135}, {"kernels": 12, "glue": 164}],
+          "glm5-tp8-shard": [{"kernels": 8, "glue": 149}, {"kernels": 11, "glue": 169}]}
 
 
 @pytest.mark.parametrize("name", sorted(BUDGET))

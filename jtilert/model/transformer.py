@@ -35,7 +35,7 @@ from jtilert.parallel import sharding
 from jtilert.model.config import ModelConfig
 from jtilert.model.presets import preset
 from jtilert.ops.table import Ops
-from jtilert.ops.quant import dequantize, quantize_weight
+from jtilert.ops.quant import BLOCK, dequantize, quantize_weight
 from jtilert.runtime.sampling import sample
 
 F32 = jnp.float32
@@ -77,6 +77,21 @@ class Linear(nnx.Module):
 
     def __call__(self, ops: Ops, x: jax.Array, layer=None) -> jax.Array:
         return ops.linear(x, self.weight[...], self.scale_or_none, layer)
+
+
+class RowsLinear(Linear):
+    """Several projections of the same input as one Linear over their weights concatenated by rows
+    (`decode_weights` builds it once): `parts` are the (first row, rows) of each projection's output
+    in the result, every part of an fp8 weight but the last starting on a 128-row scale block, so each
+    block scale stays one projection's (the padding rows are zeros)."""
+
+    def __init__(self, weight, scale, parts: tuple[tuple[int, int], ...]):
+        self.weight = nnx.Param(weight)
+        self.scale = None if scale is None else nnx.Param(scale)
+        self.parts = tuple(parts)
+
+    def split(self, y: jax.Array) -> list[jax.Array]:
+        return [y[..., a:a + n] for a, n in self.parts]
 
 
 def _at(w: jax.Array, layer):
@@ -165,12 +180,13 @@ class Indexer(nnx.Module):
         self.k_norm = LayerNorm(cfg.index_head_dim, rngs=rngs, dtype=norm_dtype)
         self.weights_proj = Linear(cfg.hidden_size, cfg.index_n_heads, rngs=rngs, fmt="fp32", quantizable=False)
 
-    def __call__(self, ops: Ops, slot, x, qa, cos, sin, positions, start, cache):
-        """(top-k (indices [T, k], valid [T, k]), cache) for indexer `slot` of the stack."""
+    def __call__(self, ops: Ops, slot, x, qa, cos, sin, positions, start, cache, k=None):
+        """(top-k (indices [T, k], valid [T, k]), cache) for indexer `slot` of the stack. `k`: the key
+        projection wk(x), where the caller computed it (the decode model's merged GEMV)."""
         cfg = self.cfg
         t, r = x.shape[0], cfg.qk_rope_head_dim
         q = self.wq_b(ops, qa, slot).reshape(t, cfg.index_n_heads, cfg.index_head_dim)
-        k = self.k_norm(self.wk(ops, x, slot), slot)
+        k = self.k_norm(self.wk(ops, x, slot) if k is None else k, slot)
         rot = cfg.indexer_rope_interleaved
         q = jnp.concatenate([reference.apply_rope(q[..., :r], cos, sin, rot), q[..., r:]], axis=-1)
         k = jnp.concatenate([reference.apply_rope(k[..., :r], cos, sin, rot), k[..., r:]], axis=-1)
@@ -187,7 +203,13 @@ class Indexer(nnx.Module):
 
 class Attention(nnx.Module):
     """Multi-head latent attention, absorbed for decode: queries are moved into the latent space so
-    attention reads only the cached latent rows (kv_lora + rope key per position)."""
+    attention reads only the cached latent rows (kv_lora + rope key per position).
+
+    `x_proj`: in the decode model (`decode_weights`) the projections of the layer's normed input x
+    (q_a, then the indexer's wk where every layer has its own indexer, then kv_a) as one GEMV over
+    their concatenated weights; q_a_proj and kv_a_proj_with_mqa are then None."""
+
+    x_proj: RowsLinear | None = None
 
     def __init__(self, cfg: ModelConfig, *, rngs, fmt):
         self.cfg = cfg
@@ -202,22 +224,27 @@ class Attention(nnx.Module):
         self.o_proj = Linear(h * cfg.v_head_dim, cfg.hidden_size, rngs=rngs, fmt=fmt)
 
     def __call__(self, ops: Ops, i, x, cos, sin, positions, start, cache, indexer):
-        """Layer i's attention: (output, cache, top-k). `indexer(qa, cache)` gives (top-k, cache)."""
+        """Layer i's attention: (output, cache, top-k). `indexer(qa, k, cache)` gives (top-k, cache);
+        k is the indexer's key projection where the merged GEMV computed it, else None."""
         cfg = self.cfg
         t, lat, nope = x.shape[0], cfg.kv_lora_rank, cfg.qk_nope_head_dim
-        qa = self.q_a_layernorm(self.q_a_proj(ops, x, i), i)
+        if self.x_proj is not None:
+            qa, *index_key, kva = self.x_proj.split(self.x_proj(ops, x, i))
+            index_key = index_key[0] if index_key else None
+        else:
+            qa, kva, index_key = self.q_a_proj(ops, x, i), self.kv_a_proj_with_mqa(ops, x, i), None
+        qa = self.q_a_layernorm(qa, i)
         q = self.q_b_proj(ops, qa, i)
         heads = q.shape[-1] // cfg.qk_head_dim  # local heads under tp
         q = q.reshape(t, heads, cfg.qk_head_dim)
         q_nope, q_pe = q[..., :nope], reference.apply_rope(q[..., nope:], cos, sin, True)
-        kva = self.kv_a_proj_with_mqa(ops, x, i)
         latent = self.kv_a_layernorm(kva[:, :lat], i)
         k_pe = reference.apply_rope(kva[:, lat:], cos, sin, True)
         if cfg.kv_cache_quant == "fp8":
             cache = dict(cache, kv=_write(cache["kv"], reference.quantize_kv_fp8(latent, k_pe), i, start))
         else:
             cache = dict(cache, kv=_write(cache["kv"], latent, i, start), pe=_write(cache["pe"], k_pe, i, start))
-        topk, cache = indexer(qa, cache)
+        topk, cache = indexer(qa, index_key, cache)
         wkv = dequantize(self.kv_b_proj.weight[...][i], None if self.kv_b_proj.scale is None
                          else self.kv_b_proj.scale[...][i], x.dtype).reshape(heads, nope + cfg.v_head_dim, lat)
         q_lat = reference.dot("thn,hnl->thl", q_nope, wkv[:, :nope]).astype(x.dtype)
@@ -331,22 +358,75 @@ def flat_params(model: Transformer) -> dict[str, jax.Array]:
     return {".".join(map(str, sharding.path_names(p))): x for p, x in jax.tree_util.tree_leaves_with_path(state)}
 
 
-def decode_weights(model: Transformer) -> Transformer:
-    """The model as the compiled steps read it: kv_b (absorbed into two einsums per layer and step,
-    never a kernel's GEMV) dequantised once to the compute dtype instead of in every step. The same
-    values the step would compute; the other weights are shared with `model`, not copied."""
-    kv_b = model.layers.self_attn.kv_b_proj
-    if kv_b.scale is None:
+def decode_weights(model: Transformer, merge: bool = True) -> Transformer:
+    """The model as the compiled steps read it, built once (the Engine holds it):
+      - kv_b (absorbed into two einsums per layer and step, never a kernel's GEMV) dequantised to the
+        compute dtype instead of in every step;
+      - the projections of each layer's normed input x — q_a, kv_a and, where every layer runs its
+        own indexer (its stack then indexed like the layers), the indexer's wk — one `RowsLinear`
+        (`Attention.x_proj`) over their weights concatenated by rows: one GEMV launch (and one
+        split-K finish) per layer instead of two or three, the same rows multiplied by the same x.
+        The indexer's fp32 head-weights projection stays apart (an fp32 product, not a GEMV kernel).
+    The same values the step would compute; the other weights are shared with `model`, not copied,
+    and `model` is untouched. Idempotent. `merge=False`: without the merged GEMV (the separate
+    projections, for comparisons)."""
+    attn = model.layers.self_attn
+    kv_b = attn.kv_b_proj
+    dequant_kv_b = kv_b.scale is not None
+    merge = merge and attn.x_proj is None
+    if not (dequant_kv_b or merge):
         return model
-    w, s = kv_b.weight.get_value(), kv_b.scale.get_value()   # arrays, or shapes in an abstract model
-    if isinstance(w, jax.ShapeDtypeStruct):   # an abstract model (`abstract_model`)
-        wd = jax.ShapeDtypeStruct(w.shape, model.dtype, sharding=w.sharding)
-    else:
-        wd = jax.jit(lambda w, s: dequantize(w, s, model.dtype), out_shardings=w.sharding)(w, s)
     out = nnx.clone(model)
-    out.layers.self_attn.kv_b_proj.weight = nnx.Param(wd)
-    out.layers.self_attn.kv_b_proj.scale = None
+    if dequant_kv_b:
+        w, s = kv_b.weight.get_value(), kv_b.scale.get_value()   # arrays, or shapes in an abstract model
+        if isinstance(w, jax.ShapeDtypeStruct):   # an abstract model (`abstract_model`)
+            wd = jax.ShapeDtypeStruct(w.shape, model.dtype, sharding=w.sharding)
+        else:
+            wd = jax.jit(lambda w, s: dequantize(w, s, model.dtype), out_shardings=w.sharding)(w, s)
+        out.layers.self_attn.kv_b_proj.weight = nnx.Param(wd)
+        out.layers.self_attn.kv_b_proj.scale = None
+    if merge:
+        parts = [attn.q_a_proj]
+        wk = model.indexers.wk if model.indexers is not None and model.layout.all_full else None
+        if wk is not None and wk.weight.get_value().dtype == attn.q_a_proj.weight.get_value().dtype:
+            parts.append(wk)
+        parts.append(attn.kv_a_proj_with_mqa)
+        out.layers.self_attn.x_proj = _rows_linear(parts)
+        out.layers.self_attn.q_a_proj = None
+        out.layers.self_attn.kv_a_proj_with_mqa = None
+        if len(parts) == 3:
+            out.indexers.wk = None
     return out
+
+
+def _rows_linear(linears: list[Linear]) -> RowsLinear:
+    """One RowsLinear over stacked Linears [L, N_j, K] of one format: their weights concatenated by
+    rows, each fp8 one but the last padded with zero rows to a whole 128-row scale block (its block
+    scales then stay its own: the padding adds no scale rows)."""
+    ws = [m.weight.get_value() for m in linears]
+    ss = [m.scale.get_value() if m.scale is not None else None for m in linears]
+    fp8 = ss[0] is not None
+    if any((s is not None) != fp8 or w.dtype != ws[0].dtype or w.shape[::2] != ws[0].shape[::2]
+           for w, s in zip(ws, ss)):
+        raise ValueError(f"merged projections need one format and shape [L, N, K]: {[w.shape for w in ws]}")
+    grain = BLOCK if fp8 else 1
+    rows = [w.shape[1] for w in ws]
+    padded = [-(-n // grain) * grain for n in rows[:-1]] + rows[-1:]
+    starts = np.cumsum([0] + padded[:-1]).tolist()
+    parts = tuple((int(a), n) for a, n in zip(starts, rows))
+    shape = (ws[0].shape[0], sum(padded), ws[0].shape[2])
+    if isinstance(ws[0], jax.ShapeDtypeStruct):   # an abstract model
+        w = jax.ShapeDtypeStruct(shape, ws[0].dtype, sharding=ws[0].sharding)
+        s = None if not fp8 else jax.ShapeDtypeStruct((shape[0], sum(x.shape[1] for x in ss), ss[0].shape[2]),
+                                                      ss[0].dtype, sharding=ss[0].sharding)
+        return RowsLinear(w, s, parts)
+
+    def cat(xs, pad):
+        rows = [jnp.pad(x, ((0, 0), (0, p - x.shape[1]), (0, 0))) for x, p in zip(xs, pad)] if pad else xs
+        return jnp.concatenate(rows, axis=1)
+    w = jax.jit(cat, static_argnums=1, out_shardings=ws[0].sharding)(ws, tuple(padded))
+    s = jax.jit(cat, static_argnums=1, out_shardings=ss[0].sharding)(ss, None) if fp8 else None
+    return RowsLinear(w, s, parts)
 
 
 def check_fits(model: Transformer, mesh, what: str) -> None:
@@ -426,12 +506,12 @@ class Transformer(nnx.Module):
         lay, blk = self.layout, self.layers
         slot = i if lay.all_full else jnp.asarray(lay.indexer_slot, jnp.int32)[i]
 
-        def indexer(qa, c):
+        def indexer(qa, k, c):
             if lay.all_full:   # slot is the layer index itself: no index arithmetic (in a layer loop
-                return self.indexers(ops, slot, x_in, qa, cos, sin, positions, start, c)   # it is a kernel)
+                return self.indexers(ops, slot, x_in, qa, cos, sin, positions, start, c, k)   # it is a kernel)
 
             def run(c):
-                return self.indexers(ops, jnp.maximum(slot, 0), x_in, qa, cos, sin, positions, start, c)
+                return self.indexers(ops, jnp.maximum(slot, 0), x_in, qa, cos, sin, positions, start, c, k)
             return jax.lax.cond(slot >= 0, run, lambda c: (topk, c), c)
 
         x_in = blk.input_layernorm(x, i)
