@@ -148,7 +148,7 @@ def test_weights_and_cache_that_do_not_fit_name_the_bytes(saved, tiny_random, mo
         jtilert.random_model("tiny", fmt="fp32")
     with pytest.raises(MemoryError, match=rf"the weights of {re.escape(str(saved))}: .*\({per:,} bytes\) per device"):
         jtilert.load(saved, mesh=mesh)
-    with pytest.raises(MemoryError, match=r"the cache of Generator\(max_seq_len=2048\) \(2112 positions\): "):
+    with pytest.raises(MemoryError, match=r"the cache of Generator\(max_seq_len=2048\) \(2304 positions\): "):
         jtilert.Generator(tiny_random)
 
 

@@ -107,8 +107,8 @@ def test_fp8_cache_in_model_pallas_equals_reference(monkeypatch):
         pos = start + jnp.arange(x.shape[0], dtype=jnp.int32)
         cos, sin = reference.rope_cos_sin(cfg, pos)
 
-        def indexer(qa, c):
-            return model.indexers(ops, layer, x, qa, cos, sin, pos, jnp.int32(start), c)
+        def indexer(qa, k, c):
+            return model.indexers(ops, layer, x, qa, cos, sin, pos, jnp.int32(start), c, k)
 
         return model.layers.self_attn(ops, layer, x, cos, sin, pos, jnp.int32(start), cache, indexer)
 
