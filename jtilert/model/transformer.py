@@ -382,6 +382,8 @@ def decode_weights(model: Transformer, merge: bool = True) -> Transformer:
         if isinstance(w, jax.ShapeDtypeStruct):   # an abstract model (`abstract_model`)
             wd = jax.ShapeDtypeStruct(w.shape, model.dtype, sharding=w.sharding)
         else:
+            _check_room([jax.ShapeDtypeStruct(w.shape, model.dtype, sharding=w.sharding)],
+                        f"kv_b in {jnp.dtype(model.dtype).name} for the compiled steps")
             wd = jax.jit(lambda w, s: dequantize(w, s, model.dtype), out_shardings=w.sharding)(w, s)
         out.layers.self_attn.kv_b_proj.weight = nnx.Param(wd)
         out.layers.self_attn.kv_b_proj.scale = None
@@ -424,9 +426,21 @@ def _rows_linear(linears: list[Linear]) -> RowsLinear:
     def cat(xs, pad):
         rows = [jnp.pad(x, ((0, 0), (0, p - x.shape[1]), (0, 0))) for x, p in zip(xs, pad)] if pad else xs
         return jnp.concatenate(rows, axis=1)
+    scale_rows = sum(x.shape[1] for x in ss) if fp8 else 0
+    _check_room([jax.ShapeDtypeStruct(shape, ws[0].dtype, sharding=ws[0].sharding)]
+                + ([jax.ShapeDtypeStruct((shape[0], scale_rows, ss[0].shape[2]), ss[0].dtype, sharding=ss[0].sharding)]
+                   if fp8 else []), f"the merged projections {[n for _, n in parts]} for the compiled steps")
     w = jax.jit(cat, static_argnums=1, out_shardings=ws[0].sharding)(ws, tuple(padded))
     s = jax.jit(cat, static_argnums=1, out_shardings=ss[0].sharding)(ss, None) if fp8 else None
     return RowsLinear(w, s, parts)
+
+
+def _check_room(arrays: list[jax.ShapeDtypeStruct], what: str) -> None:
+    """MemoryError naming the bytes per device when the devices of these (sharded) arrays-to-be do not
+    have them free (where the runtime says: GPUs), before they are allocated."""
+    sh = arrays[0].sharding
+    need = sum(int(np.prod(a.sharding.shard_shape(a.shape), dtype=np.int64)) * a.dtype.itemsize for a in arrays)
+    sharding.check_memory(need, getattr(sh, "mesh", None), what)
 
 
 def check_fits(model: Transformer, mesh, what: str) -> None:
