@@ -48,6 +48,7 @@
 #   latency      bench.latency: mtp + prefill + prefill32k (and the tiny model's acceptance) → latency-61.json
 #   hlodump      XLA's optimized HLO of the 4-layer decode step (command buffers, streams), this checkout and,
 #                where the checkout carries it, the code before issue 13 in .baseline (git archive ba89fb0)
+#   hlodump_mtp  the same for the 4-layer MTP step (its call enqueues in 5.75 ms, the plain step's in 0.74)
 #   recompile    bench.decode 61 layers, pallas, in a new process: the step from the persistent cache
 #   pdl          bench/pdl_probe.py: chains of tiny Mosaic kernels (with and without PDL) and XLA fusions, per kernel,
 #                with command buffers on, off, and on without XLA's own PDL (issue 14; ~2 min)
@@ -79,7 +80,7 @@ step() {  # step NAME LIMIT_S COMMAND...
   echo "[$(date -u +%T) +$(( $(date +%s) - T0 ))s] $name rc=$rc" >> "$WORK/session.txt"
   grep -v "Warning\|^\s*$" "$WORK/$name.log" | tail -30
   if [ -n "${SAVE_TO:-}" ]; then   # the raw HLO dumps stay out (hundreds of MB): part hlodump packs what is kept
-    tar czf "$SAVE_TO/session.tgz" -C "$WORK" --exclude=xla_cache --exclude=./hlo --exclude=./hlo_base . 2>/dev/null
+    tar czf "$SAVE_TO/session.tgz" -C "$WORK" --exclude=xla_cache --exclude=./hlo --exclude=./hlo_base --exclude=./hlo_mtp . 2>/dev/null
   fi
   return $rc
 }
@@ -154,6 +155,11 @@ for part in "$@"; do
         [ -d "$WORK/$d" ] && tar czf "$WORK/$d.tgz" -C "$WORK/$d" \
           "$(ls -S "$WORK/$d" | grep 'after_optimizations.txt$' | head -1)"
       done ;;
+    hlodump_mtp)  # the MTP step's program: why its call takes 5.75 ms to enqueue against the plain step's 0.74
+      DUMP="--xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*(run|decode|step|loop).*"
+      XLA_FLAGS="$XLA_FLAGS --xla_dump_to=$WORK/hlo_mtp $DUMP" step hlodump_mtp 240 $DEC --layers 4 --backend pallas \
+        --mtp --steps 2 --samples 2 --out "$WORK/hlodump_mtp.json"
+      tar czf "$WORK/hlo_mtp.tgz" -C "$WORK/hlo_mtp" "$(ls -S "$WORK/hlo_mtp" | grep 'after_optimizations.txt$' | head -1)" ;;
     check) step check 240 python3 tests/gpu/decode_check.py --per-op --out "$WORK/check.json" ;;
     pdl)
       XLA_FLAGS="$XLA_FLAGS" step pdl_cmdbuf 120 python3 -m bench.pdl_probe --out "$WORK/pdl_cmdbuf.json"
