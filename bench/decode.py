@@ -249,17 +249,12 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
         per_step = [t / steps for t in short]
         device_s, timing = statistics.median(per_step), "n-step loop with its dispatch (upper bound)"
 
-    def _loop_call():
-        nonlocal cache, token, draft, key
-        cache, token, draft, key = loop(eng.state, cache, token, draft, pos, params, key, n1)
-        return cache, token, draft, key
-
     loop_profile = None
     if kernels and jax.default_backend() == "gpu":
         # The same program as the step time: busy time per step of one n-step loop call. The one-step
         # profile below is another program (Engine.decode), so its busy time against this step time
         # does not show whether kernels overlap; this one does (busy > step: they ran concurrently).
-        loop_profile = kernel_profile(_loop_call, steps)
+        loop_profile = kernel_profile(lambda: timed(n1), steps)
         loop_profile["gaps_ms"] = device_s * 1e3 - loop_profile["busy_ms"]
     if engine:  # an "engine" run whose library did not load ran psum: say which one ran
         from jtilert import ffi

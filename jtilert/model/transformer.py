@@ -379,11 +379,9 @@ def decode_weights(model: Transformer, merge: bool = True) -> Transformer:
     out = nnx.clone(model)
     if dequant_kv_b:
         w, s = kv_b.weight.get_value(), kv_b.scale.get_value()   # arrays, or shapes in an abstract model
-        if isinstance(w, jax.ShapeDtypeStruct):   # an abstract model (`abstract_model`)
-            wd = jax.ShapeDtypeStruct(w.shape, model.dtype, sharding=w.sharding)
-        else:
-            _check_room([jax.ShapeDtypeStruct(w.shape, model.dtype, sharding=w.sharding)],
-                        f"kv_b in {jnp.dtype(model.dtype).name} for the compiled steps")
+        wd = jax.ShapeDtypeStruct(w.shape, model.dtype, sharding=w.sharding)
+        if not isinstance(w, jax.ShapeDtypeStruct):   # arrays, not an abstract model (`abstract_model`)
+            _check_room([wd], f"kv_b in {jnp.dtype(model.dtype).name} for the compiled steps")
             wd = jax.jit(lambda w, s: dequantize(w, s, model.dtype), out_shardings=w.sharding)(w, s)
         out.layers.self_attn.kv_b_proj.weight = nnx.Param(wd)
         out.layers.self_attn.kv_b_proj.scale = None
@@ -416,20 +414,17 @@ def _rows_linear(linears: list[Linear]) -> RowsLinear:
     padded = [-(-n // grain) * grain for n in rows[:-1]] + rows[-1:]
     starts = np.cumsum([0] + padded[:-1]).tolist()
     parts = tuple((int(a), n) for a, n in zip(starts, rows))
-    shape = (ws[0].shape[0], sum(padded), ws[0].shape[2])
+    w = jax.ShapeDtypeStruct((ws[0].shape[0], sum(padded), ws[0].shape[2]), ws[0].dtype, sharding=ws[0].sharding)
+    s = None if not fp8 else jax.ShapeDtypeStruct((w.shape[0], sum(x.shape[1] for x in ss), ss[0].shape[2]),
+                                                  ss[0].dtype, sharding=ss[0].sharding)
     if isinstance(ws[0], jax.ShapeDtypeStruct):   # an abstract model
-        w = jax.ShapeDtypeStruct(shape, ws[0].dtype, sharding=ws[0].sharding)
-        s = None if not fp8 else jax.ShapeDtypeStruct((shape[0], sum(x.shape[1] for x in ss), ss[0].shape[2]),
-                                                      ss[0].dtype, sharding=ss[0].sharding)
         return RowsLinear(w, s, parts)
 
     def cat(xs, pad):
         rows = [jnp.pad(x, ((0, 0), (0, p - x.shape[1]), (0, 0))) for x, p in zip(xs, pad)] if pad else xs
         return jnp.concatenate(rows, axis=1)
-    scale_rows = sum(x.shape[1] for x in ss) if fp8 else 0
-    _check_room([jax.ShapeDtypeStruct(shape, ws[0].dtype, sharding=ws[0].sharding)]
-                + ([jax.ShapeDtypeStruct((shape[0], scale_rows, ss[0].shape[2]), ss[0].dtype, sharding=ss[0].sharding)]
-                   if fp8 else []), f"the merged projections {[n for _, n in parts]} for the compiled steps")
+    _check_room([w] + ([s] if fp8 else []),
+                f"the merged projections {[n for _, n in parts]} for the compiled steps")
     w = jax.jit(cat, static_argnums=1, out_shardings=ws[0].sharding)(ws, tuple(padded))
     s = jax.jit(cat, static_argnums=1, out_shardings=ss[0].sharding)(ss, None) if fp8 else None
     return RowsLinear(w, s, parts)

@@ -332,8 +332,6 @@ def _plan(n: int, sizes: tuple[int, ...], room: int | None, fixed: int) -> tuple
     if room is not None:
         top = min(top, room // g)
     need = -(-n // g)
-    if top < need:
-        raise ValueError(f"no plan of chunks {sizes} covers {n} tokens within {room} cache rows")
     # fewest chunks summing exactly to m units, and the last chunk of one such sum
     never = top + 1
     count, last = [0] + [never] * top, [0] * (top + 1)
