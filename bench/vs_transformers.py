@@ -53,24 +53,32 @@ def summary(values) -> dict:
     return {"median": float(np.median(v)), "p90": float(np.percentile(v, 90)), "samples": v}
 
 
-def provenance(card: str, versions: dict, argv: list[str]) -> dict:
+def _run(*cmd):
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def gpu_state():
+    """What nvidia-smi says the GPUs are doing (None without one): read before this process starts JAX or
+    torch, which take memory and start kernels of their own."""
+    return _run("nvidia-smi", "--query-gpu=index,name,utilization.gpu,memory.used", "--format=csv,noheader")
+
+
+def provenance(card: str, versions: dict, a) -> dict:
     """Where and how this JSON was made: card, UTC time, commit (+ "dirty" for local changes), the
-    command line, library versions, and on a GPU what nvidia-smi said it was doing just before."""
-    def run(*cmd):
-        try:
-            return subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout.strip() or None
-        except (OSError, subprocess.SubprocessError):
-            return None
+    command line, library versions, and on a GPU what nvidia-smi said it was doing before this process
+    started its library (`a.gpu_before`)."""
     here = os.path.dirname(os.path.abspath(__file__))
-    commit = run("git", "-C", here, "rev-parse", "HEAD")
-    if commit and run("git", "-C", here, "status", "--porcelain", "--untracked-files=no"):
+    commit = _run("git", "-C", here, "rev-parse", "HEAD")
+    if commit and _run("git", "-C", here, "status", "--porcelain", "--untracked-files=no"):
         commit += " dirty"
     return {"card": card, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "commit": commit, "command": " ".join(shlex.quote(x) for x in [os.path.basename(sys.executable), "-m",
-                                                                         "bench.vs_transformers", *argv]),
+                                                                         "bench.vs_transformers", *a.argv]),
             "host": platform.node(), "python": platform.python_version(), "versions": versions,
-            "gpu_before": run("nvidia-smi", "--query-gpu=index,name,utilization.gpu,memory.used",
-                              "--format=csv,noheader")}
+            "gpu_before": a.gpu_before}
 
 
 def write(result: dict, path: str | None) -> None:
@@ -90,7 +98,7 @@ def jtilert_side(a) -> dict:
     model = jtilert.load(a.folder)
     prompt = prompt_ids(a.folder, a.context, a.seed)
     result = {"side": "jtilert", **provenance(jax.devices()[0].device_kind,
-                                               {"jax": jax.__version__, "jaxlib": jaxlib.__version__}, a.argv),
+                                               {"jax": jax.__version__, "jaxlib": jaxlib.__version__}, a),
               "folder": a.folder, "context": a.context, "new": a.new, "seed": a.seed,
               "layers": model.cfg.num_hidden_layers,
               "runs": []}
@@ -138,7 +146,7 @@ def transformers_side(a) -> dict:
     card = torch.cuda.get_device_name() if cuda else platform.processor() or "cpu"
     result = {"side": "transformers", **provenance(card, {"torch": torch.__version__,
                                                           "transformers": transformers.__version__,
-                                                          "cuda": torch.version.cuda}, a.argv),
+                                                          "cuda": torch.version.cuda}, a),
               "folder": a.folder, "context": a.context, "new": a.new, "seed": a.seed,
               "layers": model.config.num_hidden_layers,
               "compile": a.compile, "attn_implementation": model.config._attn_implementation,
@@ -212,20 +220,45 @@ def transformers_side(a) -> dict:
 def replayable_step(model, inputs: dict):
     """The decode step generate ran last (its inputs as generate passed them), as a function that runs
     it again at the same position: the static cache (full: it holds no row past that step's) is rewound
-    by one row before each step (crop(-1), a tensor op, so a captured graph rewinds too). Runs the step
-    once; returns (the step, the cache row it writes, the token it chose)."""
+    by one row before each step with tensor ops, so a captured graph rewinds too (`rewind_one`). Runs the
+    step once; returns (the step, the cache row it writes, the token it chose)."""
     fwd = getattr(model, "_compiled_call", None) or model   # under "auto", what generate called
-    cache = next(v for v in inputs.values() if hasattr(v, "crop"))
+    cache = next(v for v in inputs.values() if hasattr(v, "get_seq_length"))
+    rewind = rewind_one(cache)
 
     def step():
-        cache.crop(-1)
+        rewind()
         return fwd(**inputs, return_dict=True).logits[:, -1].argmax(-1)
 
     row = int(cache.get_seq_length()) - 1
     token = int(step().flatten()[0])
     if int(cache.get_seq_length()) != row + 1:
-        raise RuntimeError("crop(-1) does not undo a step's cache write in this transformers version")
+        raise RuntimeError("the rewind does not undo a step's cache write in this transformers version")
     return step, row, token
+
+
+def rewind_one(cache):
+    """A function that moves `cache`'s write position back by one row: `crop(-1)` where every layer of
+    the cache can crop; else (static layers, e.g. transformers 5's DSA `StaticIndexedLayer`) each layer's
+    length counters, the tensor ones (which steer the writes, also inside a captured graph) in place and
+    the host-side int (which `get_seq_length` reports). The replayed step then writes the same row again."""
+    layers = getattr(cache, "layers", [])
+    if layers and all(hasattr(layer, "crop") for layer in layers):
+        return lambda: cache.crop(-1)
+    counters = [(layer, name) for layer in layers
+                for name in ("cumulative_length", "indexer_cumulative_length", "cumulative_length_int")
+                if hasattr(layer, name)]
+    if not counters:
+        raise RuntimeError(f"no way to rewind a {type(cache).__name__} by one row in this transformers version")
+
+    def rewind():
+        for layer, name in counters:
+            value = getattr(layer, name)
+            if isinstance(value, int):
+                setattr(layer, name, value - 1)
+            else:
+                value.sub_(1)
+    return rewind
 
 
 def device_time(step, a, torch) -> dict:
@@ -348,6 +381,7 @@ def main(argv=None) -> dict:
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     a.argv = sys.argv[1:] if argv is None else list(argv)   # for the JSON's command
+    a.gpu_before = gpu_state()
     if a.combine:
         if len(a.combine) < 2:
             p.error("--combine JTILERT_JSON TRANSFORMERS_JSON [...]")

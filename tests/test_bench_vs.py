@@ -96,3 +96,31 @@ def test_transformers_side_on_cpu(folder, jt_json, tmp_path):
     assert r["replay_position"] == json.loads(jt_json.read_text())["runs"][0]["device"]["position"]
     row, = vs_transformers.main(["--combine", str(jt_json), str(out)])["rows"]
     assert row["wall_ratio_vs_generate"] > 0
+
+
+class _Counter:
+    """A tensor-like length counter (in-place sub_, as torch's)."""
+
+    def __init__(self, v):
+        self.v = v
+
+    def sub_(self, n):
+        self.v -= n
+
+
+def test_rewind_steps_back_static_layers_that_cannot_crop():
+    """transformers' static DSA layers (5.17) have no crop: the rewind moves their counters back one row,
+    the tensor ones in place (a captured graph replays that) and the int get_seq_length reports."""
+    layer = type("StaticIndexedLayer", (), {})()
+    layer.cumulative_length, layer.indexer_cumulative_length = _Counter(7), _Counter(7)
+    layer.cumulative_length_int = 7
+    vs_transformers.rewind_one(type("StaticCache", (), {"layers": [layer, layer]})())()
+    assert (layer.cumulative_length.v, layer.indexer_cumulative_length.v, layer.cumulative_length_int) == (5, 5, 5)
+
+    cropped = []
+    croppable = type("StaticCache", (), {"layers": [type("L", (), {"crop": None})()],
+                                         "crop": lambda self, n: cropped.append(n)})()
+    vs_transformers.rewind_one(croppable)()
+    assert cropped == [-1]
+    with pytest.raises(RuntimeError, match="no way to rewind"):
+        vs_transformers.rewind_one(type("Other", (), {"layers": [object()]})())
