@@ -5,6 +5,7 @@ all-in-one-group selections."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import jax
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 from jtilert.ops import reference
-from jtilert.model.presets import TINY
+from jtilert.model.presets import DEEPSEEK_V32, GLM_5, TINY
 from jtilert.pallas import interpret as interp
 from jtilert.pallas import moe
 from jtilert.ops.quant import quantize_weight
@@ -100,6 +101,38 @@ def test_router_ties_and_one_group():
     bias = bias.at[8:12].set(10.0)
     ids = _route_check(cfg, x, gate, bias)
     assert set(np.asarray(ids).ravel()) <= {8, 9, 10, 11}
+
+
+def _select_by_top_k(cfg, logits, bias):
+    """The router's selection as DeepSeek's code writes it, with lax.top_k at each stage."""
+    s = jax.nn.sigmoid(logits)
+    biased = s + bias[None, :]
+    t, e = biased.shape
+    if cfg.n_group > 1:
+        grouped = biased.reshape(t, cfg.n_group, e // cfg.n_group)
+        _, keep = jax.lax.top_k(jax.lax.top_k(grouped, 2)[0].sum(-1), cfg.topk_group)
+        mask = jnp.zeros((t, cfg.n_group), bool).at[jnp.arange(t)[:, None], keep].set(True)
+        biased = jnp.where(jnp.repeat(mask, e // cfg.n_group, axis=1), biased, -jnp.inf)
+    _, ids = jax.lax.top_k(biased, cfg.num_experts_per_tok)
+    w = jnp.take_along_axis(s, ids, axis=1)
+    if cfg.norm_topk_prob:
+        w = w / (w.sum(-1, keepdims=True) + 1e-20)
+    return w * cfg.routed_scaling_factor, ids
+
+
+@pytest.mark.parametrize("cfg", [DEEPSEEK_V32, GLM_5], ids=["dsv32", "glm5"])
+def test_selection_by_ranks_is_top_k(cfg):
+    """select_experts ranks by pairwise comparison instead of sorting: the same experts, in the same
+    (descending) order, the same weights bit for bit, on ties too (to the lower index)."""
+    e = cfg.n_routed_experts
+    logits = jax.random.normal(_key(), (6, e), F32)
+    logits = logits.at[3:].set(jnp.round(logits[3:] * 2) / 2)        # rows with many exact ties
+    bias = jax.random.normal(_key(), (e,), F32) * 0.1
+    for b in (bias, jnp.zeros_like(bias)):
+        w, ids = jax.jit(functools.partial(reference.select_experts, cfg))(logits, b)
+        w_ref, ids_ref = jax.jit(functools.partial(_select_by_top_k, cfg))(logits, b)
+        np.testing.assert_array_equal(np.asarray(ids), np.asarray(ids_ref))
+        np.testing.assert_array_equal(np.asarray(w), np.asarray(w_ref))
 
 
 def test_cross_lowering_dsv32_moe():

@@ -301,22 +301,37 @@ def route(cfg: ModelConfig, x: jax.Array, gate: jax.Array, bias: jax.Array) -> t
 
 def select_experts(cfg: ModelConfig, logits: jax.Array, bias: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The router's selection from fp32 logits [T, E]: selection uses sigmoid score + bias (top-2 sum
-    per group, top groups, then top experts); weights are the unbiased scores of the chosen experts,
-    normalised, times routed_scaling_factor."""
+    per group, top groups, then top experts, in descending order, ties to the lower index); weights are
+    the unbiased scores of the chosen experts, normalised, times routed_scaling_factor.
+
+    Each stage ranks by comparing every pair of candidates (`_descending_ranks`): for the ≤ 256
+    experts of a router that is a few XLA fusions, where `lax.top_k` is a sort kernel (and a copy) per
+    stage on the GPU, and it picks exactly what top_k picks."""
     s = jax.nn.sigmoid(logits.astype(F32))
     biased = s + bias.astype(F32)[None, :]
     t, e = biased.shape
     if cfg.n_group > 1:
         grouped = biased.reshape(t, cfg.n_group, e // cfg.n_group)
-        group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)
-        _, keep = jax.lax.top_k(group_score, cfg.topk_group)
-        group_mask = jnp.zeros((t, cfg.n_group), bool).at[jnp.arange(t)[:, None], keep].set(True)
-        biased = jnp.where(jnp.repeat(group_mask, e // cfg.n_group, axis=1), biased, -jnp.inf)
-    _, ids = jax.lax.top_k(biased, cfg.num_experts_per_tok)
+        group_score = jnp.where(_descending_ranks(grouped) < 2, grouped, 0.0).sum(-1)   # its top 2
+        keep = _descending_ranks(group_score) < cfg.topk_group
+        biased = jnp.where(jnp.repeat(keep, e // cfg.n_group, axis=1), biased, -jnp.inf)
+    chosen = _descending_ranks(biased)[:, None, :] == jnp.arange(cfg.num_experts_per_tok)[:, None]   # [T, k, E]
+    ids = jnp.sum(jnp.where(chosen, jnp.arange(e, dtype=jnp.int32), 0), axis=-1)
     w = jnp.take_along_axis(s, ids, axis=1)
     if cfg.norm_topk_prob:
         w = w / (w.sum(-1, keepdims=True) + 1e-20)
-    return w * cfg.routed_scaling_factor, ids.astype(jnp.int32)
+    return w * cfg.routed_scaling_factor, ids
+
+
+def _descending_ranks(v: jax.Array) -> jax.Array:
+    """Each entry's place in v's descending order along the last axis (0 = the largest), ties to the
+    lower index: #{i : v_i > v_j} + #{i < j : v_i = v_j}, counted over every pair (the last axis is
+    small: experts or groups)."""
+    n = v.shape[-1]
+    vi, vj = v[..., :, None], v[..., None, :]
+    idx = jnp.arange(n)
+    ahead = (vi > vj) | ((vi == vj) & (idx[:, None] < idx[None, :]))
+    return jnp.sum(ahead, axis=-2, dtype=jnp.int32)
 
 
 def moe_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, gate, gate_scale, up, up_scale,
