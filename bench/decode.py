@@ -36,6 +36,8 @@ from jtilert.runtime.generate import Engine
 from jtilert.model.transformer import Layout, _no_topk, decode_weights, init_cache
 from jtilert.ops.table import DecodeConfig
 
+from bench import provenance
+
 
 def copy_bandwidth() -> float:
     """Bytes/s of an elementwise read+write pass (the practical HBM ceiling; every bench/ script's
@@ -358,6 +360,7 @@ def main(argv=None) -> dict:
     bw = copy_bandwidth()
     floor_ms = nbytes["total"] / bw * 1e3
     result = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind,
+              "commit": provenance.commit(), "command": provenance.command("bench.decode", argv),
               "preset": a.checkpoint or a.preset, "overrides": a.set, "layers": cfg.num_hidden_layers, "context": a.context, "tp": a.tp,
               "bytes_per_step": nbytes, "copy_bandwidth_GBs": bw / 1e9, "floor_ms": floor_ms, "runs": []}
     def save():

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU benchmarks from the checkout, in one device-tool call; every log and JSON is kept.
 #
-#   WORK=/tmp/w bench/gpu_session.sh PART [PART ...]     logs and JSON in $WORK/<part>.*
+#   JTILERT_COMMIT=<commit> WORK=/tmp/w bench/gpu_session.sh PART [PART ...]     logs and JSON in $WORK/<part>.*
 #   (the device tool returns ≤ 8 files from $OUT: tar $WORK into $OUT, as bench/gpu_report.sh does;
 #   SAVE_TO=$OUT re-tars $WORK into $SAVE_TO/session.tgz after every part, so a call that runs out of
 #   time still brings back the parts that finished)
@@ -69,6 +69,8 @@ export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=FUSION,CUBLAS,C
 B=${BACKENDS:-pallas,reference}
 CK=${CK:-/tmp/jt_dsv32_4l}
 export JTILERT_COMPILATION_CACHE=${JTILERT_COMPILATION_CACHE:-$WORK/xla_cache}
+# the device copy's git metadata may lag the working tree: the caller names the commit (bench/provenance.py)
+echo "commit ${JTILERT_COMMIT:-(not given: set JTILERT_COMMIT)}" >> "$WORK/session.txt"
 # the program cache (jax.export of each step) only in the part that measures it, until it is checked here
 export JTILERT_PROGRAM_CACHE=${JTILERT_PROGRAM_CACHE:-off}
 T0=$(date +%s)

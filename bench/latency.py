@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 
 import jax
 
 import jtilert
+
+from bench import provenance
 
 
 def tiny_acceptance(tokens: int = 200) -> float:
@@ -28,13 +29,6 @@ def tiny_acceptance(tokens: int = 200) -> float:
     gen = jtilert.Generator(model, max_seq_len=tokens + 64, mtp=True)
     gen.generate(tok.encode("The quick brown fox jumps over the lazy dog. "), max_new_tokens=tokens)
     return float(gen.stats["acceptance"])
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def combine(decode: dict, prefill: dict, acceptance: float, backend: str = "pallas") -> dict:
@@ -47,7 +41,7 @@ def combine(decode: dict, prefill: dict, acceptance: float, backend: str = "pall
         return min(runs, key=lambda r: r["prefill_s_median"]) if runs else None
 
     p1k, p32k = best(1024), best(32768)
-    out = {"device": decode["device"], "date": decode["date"], "commit": commit(), "preset": decode["preset"],
+    out = {"device": decode["device"], "date": decode["date"], "commit": provenance.commit(), "preset": decode["preset"],
            "layers": decode["layers"], "context": decode["context"], "backend": backend,
            "plain_step_ms": plain["step_ms_median"], "mtp_step_ms": mtp["step_ms_median"],
            "floor_ms": decode["floor_ms"],

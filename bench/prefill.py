@@ -34,6 +34,8 @@ from bench.decode import _field, copy_bandwidth
 from jtilert.ops import reference, table
 from jtilert.ops.quant import dequantize
 from jtilert.runtime.generate import chunk_plan
+
+from bench import provenance
 from jtilert.store import checkpoint
 
 
@@ -125,7 +127,8 @@ def main(argv=None) -> dict:
     bw = copy_bandwidth()
     weights = param_bytes(model)
     result = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind,
-              "preset": a.preset, "overrides": a.set, "layers": cfg.num_hidden_layers, "backend": a.backend, "command": argv,
+              "commit": provenance.commit(), "command": provenance.command("bench.prefill", argv),
+              "preset": a.preset, "overrides": a.set, "layers": cfg.num_hidden_layers, "backend": a.backend,
               "copy_bandwidth_GBs": bw / 1e9, "weight_bytes": weights, "runs": []}
     for moe in a.moe.split(","):
         for chunk in (tuple(int(c) for c in item.split("+")) for item in a.chunks.split(",")):

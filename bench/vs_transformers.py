@@ -31,12 +31,13 @@ import datetime
 import json
 import os
 import platform
-import shlex
 import subprocess
 import sys
 import time
 
 import numpy as np
+
+from bench import provenance
 
 
 # --- shared by both sides (numpy and the standard library only) -----------------------------------------
@@ -66,17 +67,11 @@ def gpu_state():
     return _run("nvidia-smi", "--query-gpu=index,name,utilization.gpu,memory.used", "--format=csv,noheader")
 
 
-def provenance(card: str, versions: dict, a) -> dict:
-    """Where and how this JSON was made: card, UTC time, commit (+ "dirty" for local changes), the
-    command line, library versions, and on a GPU what nvidia-smi said it was doing before this process
-    started its library (`a.gpu_before`)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    commit = _run("git", "-C", here, "rev-parse", "HEAD")
-    if commit and _run("git", "-C", here, "status", "--porcelain", "--untracked-files=no"):
-        commit += " dirty"
+def stamp(card: str, versions: dict, a) -> dict:
+    """Where and how this JSON was made: card, UTC time, commit (`bench.provenance`), the command line,
+    library versions, and on a GPU what nvidia-smi said before this process started its library."""
     return {"card": card, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "commit": commit, "command": " ".join(shlex.quote(x) for x in [os.path.basename(sys.executable), "-m",
-                                                                         "bench.vs_transformers", *a.argv]),
+            "commit": provenance.commit(), "command": provenance.command("bench.vs_transformers", a.argv),
             "host": platform.node(), "python": platform.python_version(), "versions": versions,
             "gpu_before": a.gpu_before}
 
@@ -97,7 +92,7 @@ def jtilert_side(a) -> dict:
 
     model = jtilert.load(a.folder)
     prompt = prompt_ids(a.folder, a.context, a.seed)
-    result = {"side": "jtilert", **provenance(jax.devices()[0].device_kind,
+    result = {"side": "jtilert", **stamp(jax.devices()[0].device_kind,
                                                {"jax": jax.__version__, "jaxlib": jaxlib.__version__}, a),
               "folder": a.folder, "context": a.context, "new": a.new, "seed": a.seed,
               "layers": model.cfg.num_hidden_layers,
@@ -144,7 +139,7 @@ def transformers_side(a) -> dict:
         model.forward = torch.compile(model.forward, mode=a.compile)
     ids = torch.from_numpy(prompt_ids(a.folder, a.context, a.seed))[None].to(a.device)
     card = torch.cuda.get_device_name() if cuda else platform.processor() or "cpu"
-    result = {"side": "transformers", **provenance(card, {"torch": torch.__version__,
+    result = {"side": "transformers", **stamp(card, {"torch": torch.__version__,
                                                           "transformers": transformers.__version__,
                                                           "cuda": torch.version.cuda}, a),
               "folder": a.folder, "context": a.context, "new": a.new, "seed": a.seed,

@@ -7,7 +7,8 @@ import numpy as np
 from bench import decode
 
 
-def test_decode_bench_writes_every_field(tmp_path):
+def test_decode_bench_writes_every_field(tmp_path, monkeypatch):
+    monkeypatch.setenv("JTILERT_COMMIT", "abc123")   # what gpu_session.sh's caller names
     out = tmp_path / "r.json"
     decode.main(["--preset", "tiny", "--layers", "2", "--context", "40", "--steps", "2", "--samples", "2",
                  "--xla-option", "xla_gpu_command_buffer_unroll_loops=true",
@@ -15,6 +16,10 @@ def test_decode_bench_writes_every_field(tmp_path):
     r = json.loads(out.read_text())
     for k in ("date", "device", "preset", "layers", "context", "bytes_per_step", "copy_bandwidth_GBs", "floor_ms"):
         assert k in r
+    assert r["commit"] == "abc123" and r["command"].endswith("-m bench.decode --preset tiny --layers 2 --context 40 "
+                                                            "--steps 2 --samples 2 --xla-option "
+                                                            "xla_gpu_command_buffer_unroll_loops=true --out " + str(out)
+                                                            + " --plot " + str(tmp_path / "c.png"))
     assert r["bytes_per_step"]["total"] > r["bytes_per_step"]["weights"] > 0
     run = r["runs"][0]
     for k in ("step_ms_median", "step_ms_p90", "tok_s", "host_overhead_ms", "compile_s", "peak_device_bytes",
@@ -48,7 +53,8 @@ def test_prefill_bench_writes_every_field(tmp_path):
     prefill.main(["--preset", "tiny", "--layers", "2", "--lengths", "40", "--chunks", "8+4", "--moe", "grouped,dense",
                   "--samples", "1", "--backend", "reference", "--out", str(out)])
     r = json.loads(out.read_text())
-    assert r["weight_bytes"] > 0 and r["copy_bandwidth_GBs"] > 0 and r["device"]
+    assert r["weight_bytes"] > 0 and r["copy_bandwidth_GBs"] > 0 and r["device"] and r["commit"]
+    assert "-m bench.prefill --preset tiny" in r["command"]
     assert [(run["moe"], run["chunk"]) for run in r["runs"]] == [("grouped", "8+4"), ("dense", "8+4")]
     for run in r["runs"]:
         assert "error" not in run, run
