@@ -75,8 +75,11 @@ class Linear(nnx.Module):
     def arrays(self) -> tuple:
         return self.weight[...], self.scale_or_none
 
-    def __call__(self, ops: Ops, x: jax.Array, layer=None) -> jax.Array:
-        return ops.linear(x, self.weight[...], self.scale_or_none, layer)
+    def __call__(self, ops: Ops, x: jax.Array, layer=None, norm: "RMSNorm | None" = None) -> jax.Array:
+        """x · Wᵀ; with `norm`, norm(x) · Wᵀ as one op (`rmsnorm_linear`: one GEMV kernel)."""
+        if norm is None:
+            return ops.linear(x, self.weight[...], self.scale_or_none, layer)
+        return ops("rmsnorm_linear", x, norm.weight[...], norm.eps, self.weight[...], self.scale_or_none, layer=layer)
 
 
 class RowsLinear(Linear):
@@ -180,12 +183,13 @@ class Indexer(nnx.Module):
         self.k_norm = LayerNorm(cfg.index_head_dim, rngs=rngs, dtype=norm_dtype)
         self.weights_proj = Linear(cfg.hidden_size, cfg.index_n_heads, rngs=rngs, fmt="fp32", quantizable=False)
 
-    def __call__(self, ops: Ops, slot, x, qa, cos, sin, positions, start, cache, k=None):
-        """(top-k (indices [T, k], valid [T, k]), cache) for indexer `slot` of the stack. `k`: the key
-        projection wk(x), where the caller computed it (the decode model's merged GEMV)."""
+    def __call__(self, ops: Ops, slot, x, qr, cos, sin, positions, start, cache, q=None, k=None):
+        """(top-k (indices [T, k], valid [T, k]), cache) for indexer `slot` of the stack, from the layer's
+        normed input x and normed q_a output qr. `q`, `k`: the query projection wq_b(qr) and the key
+        projection wk(x), where the caller computed them (the decode model's merged GEMVs; qr is then None)."""
         cfg = self.cfg
         t, r = x.shape[0], cfg.qk_rope_head_dim
-        q = self.wq_b(ops, qa, slot).reshape(t, cfg.index_n_heads, cfg.index_head_dim)
+        q = (self.wq_b(ops, qr, slot) if q is None else q).reshape(t, cfg.index_n_heads, cfg.index_head_dim)
         k = self.k_norm(self.wk(ops, x, slot) if k is None else k, slot)
         rot = cfg.indexer_rope_interleaved
         q = jnp.concatenate([reference.apply_rope(q[..., :r], cos, sin, rot), q[..., r:]], axis=-1)
@@ -205,11 +209,14 @@ class Attention(nnx.Module):
     """Multi-head latent attention, absorbed for decode: queries are moved into the latent space so
     attention reads only the cached latent rows (kv_lora + rope key per position).
 
-    `x_proj`: in the decode model (`decode_weights`) the projections of the layer's normed input x
-    (q_a, then the indexer's wk where every layer has its own indexer, then kv_a) as one GEMV over
-    their concatenated weights; q_a_proj and kv_a_proj_with_mqa are then None."""
+    In the decode model (`decode_weights`), merged projections, each one GEMV with its norm fused in:
+    `x_proj`: those of the layer's normed input (q_a, then the indexer's wk where every layer has its
+    own indexer, then kv_a); q_a_proj and kv_a_proj_with_mqa are then None.
+    `qr_proj`: those of the normed q_a output qr (q_b, then the indexer's wq_b), where every layer has
+    its own indexer; q_b_proj is then None."""
 
     x_proj: RowsLinear | None = None
+    qr_proj: RowsLinear | None = None
 
     def __init__(self, cfg: ModelConfig, *, rngs, fmt):
         self.cfg = cfg
@@ -223,18 +230,25 @@ class Attention(nnx.Module):
         self.kv_b_proj = Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), rngs=rngs, fmt=fmt)
         self.o_proj = Linear(h * cfg.v_head_dim, cfg.hidden_size, rngs=rngs, fmt=fmt)
 
-    def __call__(self, ops: Ops, i, x, cos, sin, positions, start, cache, indexer):
-        """Layer i's attention: (output, cache, top-k). `indexer(qa, k, cache)` gives (top-k, cache);
-        k is the indexer's key projection where the merged GEMV computed it, else None."""
+    def __call__(self, ops: Ops, i, x, norm: RMSNorm, cos, sin, positions, start, cache, indexer):
+        """Layer i's attention on its input x normed by `norm`, added to x: (x + output, cache, top-k).
+        `indexer(qr, q, k, cache)` gives (top-k, cache) from the normed q_a output qr, or from the
+        indexer's query and key projections q, k where the merged GEMVs computed them (else None)."""
         cfg = self.cfg
         t, lat, nope = x.shape[0], cfg.kv_lora_rank, cfg.qk_nope_head_dim
+        index_q = index_k = None
         if self.x_proj is not None:
-            qa, *index_key, kva = self.x_proj.split(self.x_proj(ops, x, i))
-            index_key = index_key[0] if index_key else None
+            qa, *index_k, kva = self.x_proj.split(self.x_proj(ops, x, i, norm=norm))
+            index_k = index_k[0] if index_k else None
         else:
-            qa, kva, index_key = self.q_a_proj(ops, x, i), self.kv_a_proj_with_mqa(ops, x, i), None
-        qa = self.q_a_layernorm(qa, i)
-        q = self.q_b_proj(ops, qa, i)
+            x_in = norm(x, i)
+            qa, kva = self.q_a_proj(ops, x_in, i), self.kv_a_proj_with_mqa(ops, x_in, i)
+        if self.qr_proj is not None:
+            qr = None
+            q, index_q = self.qr_proj.split(self.qr_proj(ops, qa, i, norm=self.q_a_layernorm))
+        else:
+            qr = self.q_a_layernorm(qa, i)
+            q = self.q_b_proj(ops, qr, i)
         heads = q.shape[-1] // cfg.qk_head_dim  # local heads under tp
         q = q.reshape(t, heads, cfg.qk_head_dim)
         q_nope, q_pe = q[..., :nope], reference.apply_rope(q[..., nope:], cos, sin, True)
@@ -244,14 +258,14 @@ class Attention(nnx.Module):
             cache = dict(cache, kv=_write(cache["kv"], reference.quantize_kv_fp8(latent, k_pe), i, start))
         else:
             cache = dict(cache, kv=_write(cache["kv"], latent, i, start), pe=_write(cache["pe"], k_pe, i, start))
-        topk, cache = indexer(qa, index_key, cache)
+        topk, cache = indexer(qr, index_q, index_k, cache)
         wkv = dequantize(self.kv_b_proj.weight[...][i], None if self.kv_b_proj.scale is None
                          else self.kv_b_proj.scale[...][i], x.dtype).reshape(heads, nope + cfg.v_head_dim, lat)
         q_lat = reference.dot("thn,hnl->thl", q_nope, wkv[:, :nope]).astype(x.dtype)
         o_lat = ops("sparse_mla", q_lat, q_pe, cache["kv"], cache.get("pe"), *topk, cfg.softmax_scale, layer=i)
         o = reference.dot("thl,hvl->thv", o_lat.astype(x.dtype), wkv[:, nope:])
         o = o.reshape(t, heads * cfg.v_head_dim).astype(x.dtype)
-        return ops.linear_all_reduce(o, *self.o_proj.arrays(), i), cache, topk
+        return ops.linear_all_reduce(o, *self.o_proj.arrays(), i, residual=x), cache, topk
 
 
 class Block(nnx.Module):
@@ -515,17 +529,14 @@ class Transformer(nnx.Module):
         lay, blk = self.layout, self.layers
         slot = i if lay.all_full else jnp.asarray(lay.indexer_slot, jnp.int32)[i]
 
-        def indexer(qa, k, c):
+        def indexer(qr, q, k, c):
+            def run(c, slot):   # the indexer's head weights (and wk where not merged) read the normed input
+                return self.indexers(ops, slot, blk.input_layernorm(x, i), qr, cos, sin, positions, start, c, q, k)
             if lay.all_full:   # slot is the layer index itself: no index arithmetic (in a layer loop
-                return self.indexers(ops, slot, x_in, qa, cos, sin, positions, start, c, k)   # it is a kernel)
+                return run(c, slot)   # it is a kernel)
+            return jax.lax.cond(slot >= 0, lambda c: run(c, jnp.maximum(slot, 0)), lambda c: (topk, c), c)
 
-            def run(c):
-                return self.indexers(ops, jnp.maximum(slot, 0), x_in, qa, cos, sin, positions, start, c, k)
-            return jax.lax.cond(slot >= 0, run, lambda c: (topk, c), c)
-
-        x_in = blk.input_layernorm(x, i)
-        a, cache, topk = blk.self_attn(ops, i, x_in, cos, sin, positions, start, cache, indexer)
-        h = x + a
+        h, cache, topk = blk.self_attn(ops, i, x, blk.input_layernorm, cos, sin, positions, start, cache, indexer)
         f = blk.post_attention_layernorm(h, i)
         out = self.dense(ops, f, i) if ffn == "dense" else self.moe(ops, f, i - lay.num_dense)
         return h + out, cache, topk
