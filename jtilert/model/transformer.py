@@ -84,14 +84,18 @@ class Linear(nnx.Module):
 
 class RowsLinear(Linear):
     """Several projections of the same input as one Linear over their weights concatenated by rows
-    (`decode_weights` builds it once): `parts` are the (first row, rows) of each projection's output
-    in the result, every part of an fp8 weight but the last starting on a 128-row scale block, so each
-    block scale stays one projection's (the padding rows are zeros)."""
+    (`decode_weights` builds it once, `_rows_linear`): `parts` are the (first row, rows) of each
+    projection's output in the result, every part of an fp8 weight but the last starting on a 128-row
+    scale block, so each block scale stays one projection's (the padding rows are zeros).
+    `ranks`: the tensor-parallel ranks it is laid out for. With ranks > 1 the rows are one block per
+    rank (each rank's share of the tp-split projections, all rows of the replicated ones), split
+    over the ranks, and `parts` are places in one rank's block (what a rank's step sees)."""
 
-    def __init__(self, weight, scale, parts: tuple[tuple[int, int], ...]):
+    def __init__(self, weight, scale, parts: tuple[tuple[int, int], ...], ranks: int = 1):
         self.weight = nnx.Param(weight)
         self.scale = None if scale is None else nnx.Param(scale)
         self.parts = tuple(parts)
+        self.ranks = ranks
 
     def split(self, y: jax.Array) -> list[jax.Array]:
         return [y[..., a:a + n] for a, n in self.parts]
@@ -372,8 +376,8 @@ def flat_params(model: Transformer) -> dict[str, jax.Array]:
     return {".".join(map(str, sharding.path_names(p))): x for p, x in jax.tree_util.tree_leaves_with_path(state)}
 
 
-def decode_weights(model: Transformer, merge: bool = True) -> Transformer:
-    """The model as the compiled steps read it, built once (the Engine holds it):
+def decode_weights(model: Transformer, merge: bool = True, tp: int = 1) -> Transformer:
+    """The model as the compiled steps read it, built once (the Engine holds it), for `tp` ranks:
       - kv_b (absorbed into two einsums per layer and step, never a kernel's GEMV) dequantised to the
         compute dtype instead of in every step;
       - the projections of each layer's normed input x — q_a, kv_a and, where every layer runs its
@@ -381,10 +385,18 @@ def decode_weights(model: Transformer, merge: bool = True) -> Transformer:
         (`Attention.x_proj`) over their weights concatenated by rows: one GEMV launch (and one
         split-K finish) per layer instead of two or three, the same rows multiplied by the same x.
         The indexer's fp32 head-weights projection stays apart (an fp32 product, not a GEMV kernel).
-    The same values the step would compute; the other weights are shared with `model`, not copied,
-    and `model` is untouched. Idempotent. `merge=False`: without the merged GEMV (the separate
-    projections, for comparisons)."""
+      - where every layer runs its own indexer and q_b and wq_b have one format, the projections of
+        the normed q_a output — q_b (split over the tp ranks by heads) and the indexer's wq_b
+        (replicated) — one `RowsLinear` (`Attention.qr_proj`): one GEMV launch per layer instead of
+        two. Its rows are one block per rank (the rank's q_b rows, then all of wq_b): per GPU a copy
+        of q_b / tp + wq_b, ≈ 1.05 GB over DeepSeek-V3.2's 61 layers at tp = 8 (fp8).
+    With the norms fused into those GEMVs (`rmsnorm_linear`), the same values the step would compute;
+    the other weights are shared with `model`, not copied, and `model` is untouched. Idempotent for
+    one tp. `merge=False`: without the merged GEMVs (the separate projections, for comparisons)."""
     attn = model.layers.self_attn
+    if attn.qr_proj is not None and attn.qr_proj.ranks != tp:
+        raise ValueError(f"this decode model's merged q_b | wq_b is laid out for tp={attn.qr_proj.ranks}, "
+                         f"not tp={tp}: build it from the model itself")
     kv_b = attn.kv_b_proj
     dequant_kv_b = kv_b.scale is not None
     merge = merge and attn.x_proj is None
@@ -400,48 +412,71 @@ def decode_weights(model: Transformer, merge: bool = True) -> Transformer:
         out.layers.self_attn.kv_b_proj.weight = nnx.Param(wd)
         out.layers.self_attn.kv_b_proj.scale = None
     if merge:
+        own_index = model.indexers is not None and model.layout.all_full   # indexer stack indexed like the layers
         parts = [attn.q_a_proj]
-        wk = model.indexers.wk if model.indexers is not None and model.layout.all_full else None
-        if wk is not None and wk.weight.get_value().dtype == attn.q_a_proj.weight.get_value().dtype:
-            parts.append(wk)
+        if own_index and _same_format(model.indexers.wk, attn.q_a_proj):
+            parts.append(model.indexers.wk)
         parts.append(attn.kv_a_proj_with_mqa)
         out.layers.self_attn.x_proj = _rows_linear(parts)
         out.layers.self_attn.q_a_proj = None
         out.layers.self_attn.kv_a_proj_with_mqa = None
         if len(parts) == 3:
             out.indexers.wk = None
+        if own_index and _same_format(model.indexers.wq_b, attn.q_b_proj):
+            out.layers.self_attn.qr_proj = _rows_linear([attn.q_b_proj, model.indexers.wq_b], (True, False), tp)
+            out.layers.self_attn.q_b_proj = None
+            out.indexers.wq_b = None
     return out
 
 
-def _rows_linear(linears: list[Linear]) -> RowsLinear:
+def _same_format(a: Linear, b: Linear) -> bool:
+    return a.weight.get_value().dtype == b.weight.get_value().dtype and (a.scale is None) == (b.scale is None)
+
+
+def _rows_linear(linears: list[Linear], split: tuple[bool, ...] | None = None, tp: int = 1) -> RowsLinear:
     """One RowsLinear over stacked Linears [L, N_j, K] of one format: their weights concatenated by
     rows, each fp8 one but the last padded with zero rows to a whole 128-row scale block (its block
-    scales then stay its own: the padding adds no scale rows)."""
+    scales then stay its own: the padding adds no scale rows). With tp > 1, one such block of rows
+    per rank, holding that rank's rows of the Linears whose rows are split over tp (`split`) and all
+    rows of the others; the last part padded too, so every rank's block starts on a scale block."""
     ws = [m.weight.get_value() for m in linears]
     ss = [m.scale.get_value() if m.scale is not None else None for m in linears]
+    split = split or (False,) * len(linears)
     fp8 = ss[0] is not None
     if any((s is not None) != fp8 or w.dtype != ws[0].dtype or w.shape[::2] != ws[0].shape[::2]
            for w, s in zip(ws, ss)):
         raise ValueError(f"merged projections need one format and shape [L, N, K]: {[w.shape for w in ws]}")
     grain = BLOCK if fp8 else 1
-    rows = [w.shape[1] for w in ws]
-    padded = [-(-n // grain) * grain for n in rows[:-1]] + rows[-1:]
+    rows = [w.shape[1] // tp if cut else w.shape[1] for w, cut in zip(ws, split)]   # of one rank
+    if any(cut and (w.shape[1] % tp or n % grain) for w, cut, n in zip(ws, split, rows)):
+        raise ValueError(f"merged projections: rows {[w.shape[1] for w in ws]} do not split over tp={tp}"
+                         + (f" in whole {BLOCK}-row scale blocks" if fp8 else ""))
+    padded = [-(-n // grain) * grain for n in rows[:-1]] + [-(-rows[-1] // grain) * grain if tp > 1 else rows[-1]]
+    scale_rows = [-(-n // BLOCK) for n in rows]
     starts = np.cumsum([0] + padded[:-1]).tolist()
     parts = tuple((int(a), n) for a, n in zip(starts, rows))
-    w = jax.ShapeDtypeStruct((ws[0].shape[0], sum(padded), ws[0].shape[2]), ws[0].dtype, sharding=ws[0].sharding)
-    s = None if not fp8 else jax.ShapeDtypeStruct((w.shape[0], sum(x.shape[1] for x in ss), ss[0].shape[2]),
-                                                  ss[0].dtype, sharding=ss[0].sharding)
+    # the output sharding: a tp-split input's (rank blocks split like its rows), else the first's
+    sh = next((w.sharding for w, cut in zip(ws, split) if cut), ws[0].sharding)
+    ssh = next((s.sharding for s, cut in zip(ss, split) if cut), ss[0].sharding) if fp8 else None
+    w = jax.ShapeDtypeStruct((ws[0].shape[0], tp * sum(padded), ws[0].shape[2]), ws[0].dtype, sharding=sh)
+    s = None if not fp8 else jax.ShapeDtypeStruct((w.shape[0], tp * sum(scale_rows), ss[0].shape[2]),
+                                                  ss[0].dtype, sharding=ssh)
     if isinstance(ws[0], jax.ShapeDtypeStruct):   # an abstract model
-        return RowsLinear(w, s, parts)
+        return RowsLinear(w, s, parts, tp)
 
-    def cat(xs, pad):
-        rows = [jnp.pad(x, ((0, 0), (0, p - x.shape[1]), (0, 0))) for x, p in zip(xs, pad)] if pad else xs
-        return jnp.concatenate(rows, axis=1)
+    def blocks(xs, rows, padded):
+        """Each rank's rows of xs [L, N_j, ...], each part padded to `padded` rows, the ranks' blocks in order."""
+        out = []
+        for r in range(tp):
+            for x, cut, n, p in zip(xs, split, rows, padded):
+                x = x[:, r * n:(r + 1) * n] if cut else x
+                out.append(jnp.pad(x, ((0, 0), (0, p - n), (0, 0))) if p > n else x)
+        return jnp.concatenate(out, axis=1)
     _check_room([w] + ([s] if fp8 else []),
                 f"the merged projections {[n for _, n in parts]} for the compiled steps")
-    w = jax.jit(cat, static_argnums=1, out_shardings=ws[0].sharding)(ws, tuple(padded))
-    s = jax.jit(cat, static_argnums=1, out_shardings=ss[0].sharding)(ss, None) if fp8 else None
-    return RowsLinear(w, s, parts)
+    w = jax.jit(blocks, static_argnums=(1, 2), out_shardings=sh)(ws, tuple(rows), tuple(padded))
+    s = jax.jit(blocks, static_argnums=(1, 2), out_shardings=ssh)(ss, tuple(scale_rows), tuple(scale_rows)) if fp8 else None
+    return RowsLinear(w, s, parts, tp)
 
 
 def _check_room(arrays: list[jax.ShapeDtypeStruct], what: str) -> None:
