@@ -50,6 +50,16 @@ def linear(x: jax.Array, w: jax.Array, scale: jax.Array | None = None) -> jax.Ar
     return dot("...k,nk->...n", x, wd).astype(x.dtype)
 
 
+def swiglu_hidden(x, gate, gate_scale, up, up_scale):
+    """silu(gate(x)) · up(x): both projections rounded to x.dtype, the product in fp32, in x.dtype."""
+    h = jax.nn.silu(linear(x, gate, gate_scale).astype(F32)) * linear(x, up, up_scale).astype(F32)
+    return h.astype(x.dtype)
+
+
+def swiglu(x, gate, gate_scale, up, up_scale, down, down_scale):
+    return linear(swiglu_hidden(x, gate, gate_scale, up, up_scale), down, down_scale)
+
+
 def rmsnorm_linear(x: jax.Array, norm_weight: jax.Array, eps: float, w: jax.Array,
                    scale: jax.Array | None = None) -> jax.Array:
     """linear(rms_norm(x, norm_weight, eps), w, scale): a norm feeding a projection."""
@@ -60,16 +70,6 @@ def linear_residual(x: jax.Array, w: jax.Array, scale: jax.Array | None, residua
     """residual + linear(x, w, scale): the projection rounded to x.dtype, then added in residual's
     dtype (a decoder layer's residual stream)."""
     return residual + linear(x, w, scale)
-
-
-def swiglu_hidden(x, gate, gate_scale, up, up_scale):
-    """silu(gate(x)) · up(x): both projections rounded to x.dtype, the product in fp32, in x.dtype."""
-    h = jax.nn.silu(linear(x, gate, gate_scale).astype(F32)) * linear(x, up, up_scale).astype(F32)
-    return h.astype(x.dtype)
-
-
-def swiglu(x, gate, gate_scale, up, up_scale, down, down_scale):
-    return linear(swiglu_hidden(x, gate, gate_scale, up, up_scale), down, down_scale)
 
 
 # ---- rotary embeddings -----------------------------------------------------------------------
