@@ -26,7 +26,8 @@ from jtilert.pallas import gemv
 from jtilert.pallas import interpret as interp
 
 F32, BF16 = jnp.float32, jnp.bfloat16
-TOL = 1e-2   # relative (Frobenius): bf16 outputs, fp8 weights; the kernel rounds x·w_norm where the reference rounds x/rms
+# relative (Frobenius): bf16 outputs, fp8 weights; the kernel rounds x·w_norm where the reference rounds x/rms
+TOL = 1e-2
 _seed = itertools.count(7000)
 
 

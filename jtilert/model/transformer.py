@@ -87,9 +87,10 @@ class RowsLinear(Linear):
     (`decode_weights` builds it once, `_rows_linear`): `parts` are the (first row, rows) of each
     projection's output in the result, every part of an fp8 weight but the last starting on a 128-row
     scale block, so each block scale stays one projection's (the padding rows are zeros).
-    `ranks`: the tensor-parallel ranks it is laid out for. With ranks > 1 the rows are one block per
-    rank (each rank's share of the tp-split projections, all rows of the replicated ones), split
-    over the ranks, and `parts` are places in one rank's block (what a rank's step sees)."""
+    `ranks`: where some of the projections are split over the tensor-parallel ranks (qr_proj's q_b),
+    the ranks its rows are laid out for: one block of rows per rank (the rank's rows of the split
+    projections, all rows of the replicated ones), the blocks split over the ranks, and `parts` places
+    in one block (what a rank's step sees). 1 where every projection is replicated (any tp)."""
 
     def __init__(self, weight, scale, parts: tuple[tuple[int, int], ...], ranks: int = 1):
         self.weight = nnx.Param(weight)
@@ -430,6 +431,7 @@ def decode_weights(model: Transformer, merge: bool = True, tp: int = 1) -> Trans
 
 
 def _same_format(a: Linear, b: Linear) -> bool:
+    """Whether two Linears' weights can be one merged weight: one dtype, both with block scales or neither."""
     return a.weight.get_value().dtype == b.weight.get_value().dtype and (a.scale is None) == (b.scale is None)
 
 
@@ -475,7 +477,8 @@ def _rows_linear(linears: list[Linear], split: tuple[bool, ...] | None = None, t
     _check_room([w] + ([s] if fp8 else []),
                 f"the merged projections {[n for _, n in parts]} for the compiled steps")
     w = jax.jit(blocks, static_argnums=(1, 2), out_shardings=sh)(ws, tuple(rows), tuple(padded))
-    s = jax.jit(blocks, static_argnums=(1, 2), out_shardings=ssh)(ss, tuple(scale_rows), tuple(scale_rows)) if fp8 else None
+    if fp8:
+        s = jax.jit(blocks, static_argnums=(1, 2), out_shardings=ssh)(ss, tuple(scale_rows), tuple(scale_rows))
     return RowsLinear(w, s, parts, tp)
 
 
