@@ -113,7 +113,7 @@ def step_bytes(model, context: int, tp: int = 1) -> dict:
     cfg = model.cfg
     lay = Layout.of(cfg)
     weights = 0
-    steps_read = decode_weights(nnx.eval_shape(lambda: model))   # the Engine's weights, as shapes only
+    steps_read = decode_weights(nnx.eval_shape(lambda: model), tp=tp)   # the Engine's weights, as shapes only
     for name, x in checkpoint.flat_params(steps_read).items():
         n = x.size * jnp.dtype(x.dtype).itemsize
         if sharding.split_axis(tuple(name.split("."))) is not None:

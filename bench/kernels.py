@@ -157,6 +157,11 @@ GEMV_SHAPES = [
     Shape("q_a", 1536, 7168),
     Shape("wk", 128, 7168),
     Shape("kv_a", 576, 7168),
+    # the decode model's GEMVs with their norms fused: x_proj after input_layernorm, qr_proj (q_b | the
+    # indexer's wq_b, one GEMV) after q_a_layernorm, against the two GEMVs qr_proj replaces
+    Shape("x_proj (rmsnorm)", 1536 + 128 + 576, 7168, kind="norm"),
+    Shape("qr_proj = q_b+wq_b (rmsnorm)", 16 * 192 + 64 * 128, 1536, kind="norm"),
+    Shape("wq_b", 64 * 128, 1536),
     Shape("q_b", 16 * 192, 1536),
     Shape("kv_b", 16 * 256, 512),
     Shape("o (+residual)", 7168, 2048, kind="residual"),

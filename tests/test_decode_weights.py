@@ -1,10 +1,13 @@
-"""The decode model's merged GEMV (`decode_weights`, `Attention.x_proj`): the projections of a layer's
-normed input — q_a, the indexer's wk (where every layer has its own indexer), kv_a — run as one GEMV
-over their weights concatenated once by rows. The rows are the original ones (fp8: each weight but the
-last padded to whole 128-row scale blocks); the GEMV kernel over the merged stack gives each
-projection's rows bit for bit (interpret mode: the kernel's per-row math depends on the row's own
-scale block and the K split, which the merge keeps at these shapes), and the model's logits stay
-within fp32 / bf16 rounding of the separate projections' on the reference backend, tp=1 and tp=2."""
+"""The decode model's merged GEMVs (`decode_weights`): the projections of a layer's normed input — q_a,
+the indexer's wk (where every layer has its own indexer), kv_a — as `Attention.x_proj`, and those of
+the normed q_a output — q_b and the indexer's wq_b (where every layer has its own indexer) — as
+`Attention.qr_proj`, each one GEMV over their weights concatenated once by rows, its norm fused in
+(`rmsnorm_linear`). The rows are the original ones (fp8: each weight but the last padded to whole
+128-row scale blocks; under tp, qr_proj holds one block per rank: the rank's q_b rows, then all of
+wq_b); the fused GEMV kernel over a merged stack gives each projection's rows bit for bit (interpret
+mode: the kernel's per-row math depends on the row's own scale block and the K split, which the merge
+keeps at these shapes), and the model's logits stay within fp32 / bf16 rounding of the separate
+projections' on the reference backend, tp=1 and tp=2."""
 
 from __future__ import annotations
 
@@ -25,31 +28,39 @@ def _model(name: str, fmt: str):
     return jtilert.random_model(name, fmt=fmt, seed=3, dtype=jnp.bfloat16)
 
 
-@pytest.mark.parametrize("name, fmt, parts", [
-    ("tiny", "fp8", ((0, 64), (128, 32), (256, 80))),      # q_a | wk | kv_a, padded to 128-row blocks
-    ("tiny", "bf16", ((0, 64), (64, 32), (96, 80))),       # no scale blocks: no padding
-    ("tiny-glm5", "fp8", ((0, 64), (128, 80)))])           # shared indexers: wk stays in its own stack
-def test_x_proj_holds_the_projections_rows(name, fmt, parts):
+@pytest.mark.parametrize("name, fmt, parts, qr_parts", [
+    ("tiny", "fp8", ((0, 64), (128, 32), (256, 80)), ((0, 256), (256, 256))),   # fp8: padded to 128-row blocks
+    ("tiny", "bf16", ((0, 64), (64, 32), (96, 80)), ((0, 256), (256, 256))),    # no scale blocks: no padding
+    ("tiny-glm5", "fp8", ((0, 64), (128, 80)), None)])   # shared indexers: wk, wq_b stay in their own stack
+def test_merged_projections_hold_the_projections_rows(name, fmt, parts, qr_parts):
     m = _model(name, fmt)
     d = decode_weights(m)
-    attn, fused = m.layers.self_attn, d.layers.self_attn.x_proj
-    assert fused.parts == parts and attn.x_proj is None and attn.q_a_proj is not None   # the user's model untouched
-    assert d.layers.self_attn.q_a_proj is None and d.layers.self_attn.kv_a_proj_with_mqa is None
+    attn, dattn = m.layers.self_attn, d.layers.self_attn
+    assert attn.x_proj is None and attn.qr_proj is None and attn.q_a_proj is not None   # the user's model untouched
+    assert dattn.q_a_proj is None and dattn.kv_a_proj_with_mqa is None
     assert (d.indexers.wk is None) == (len(parts) == 3)
+    assert (dattn.q_b_proj is None) == (d.indexers.wq_b is None) == (qr_parts is not None)
     assert decode_weights(d) is d
-    srcs = [attn.q_a_proj] + ([m.indexers.wk] if len(parts) == 3 else []) + [attn.kv_a_proj_with_mqa]
+    merged = [(dattn.x_proj, parts,
+               [attn.q_a_proj] + ([m.indexers.wk] if len(parts) == 3 else []) + [attn.kv_a_proj_with_mqa])]
+    if qr_parts is not None:
+        merged.append((dattn.qr_proj, qr_parts, [attn.q_b_proj, m.indexers.wq_b]))
+    else:
+        assert dattn.qr_proj is None
 
     def dense(lin):
         return np.asarray(dequantize(lin.weight[...], lin.scale_or_none, jnp.float32))
-    w = dense(fused)
-    for (a, n), src in zip(parts, srcs):
-        np.testing.assert_array_equal(w[:, a:a + n], dense(src))
-    covered = np.zeros(w.shape[1], bool)
-    for a, n in parts:
-        covered[a:a + n] = True
-    assert not w[:, ~covered].any()   # padding rows are zeros
-    if fmt == "fp8":
-        assert fused.scale[...].shape[1] == sum(s.scale[...].shape[1] for s in srcs)
+    for fused, want, srcs in merged:
+        assert fused.parts == want and fused.ranks == 1
+        w = dense(fused)
+        for (a, n), src in zip(want, srcs):
+            np.testing.assert_array_equal(w[:, a:a + n], dense(src))
+        covered = np.zeros(w.shape[1], bool)
+        for a, n in want:
+            covered[a:a + n] = True
+        assert not w[:, ~covered].any()   # padding rows are zeros
+        if fmt == "fp8":
+            assert fused.scale[...].shape[1] == sum(s.scale[...].shape[1] for s in srcs)
 
 
 def _score(model, merge: bool, monkeypatch, **kw):
@@ -63,23 +74,29 @@ IDS = np.random.RandomState(4).randint(0, 256, 40)
 
 @pytest.mark.parametrize("fmt", ["fp8", "bf16"])
 def test_merged_gemv_kernel_rows_equal_the_separate_kernels(fmt):
-    """The GEMV kernel (interpret mode) over the merged stack gives each projection's rows bit for bit as
-    the kernel over that projection's own stack, for a traced layer index. The model around it (the
-    split, the indexer's key) is checked on the reference below, and the pallas path as a whole against
-    transformers in test_golden_kernels and against the reference in test_pallas_gemv_wiring."""
+    """The fused GEMV kernel (interpret mode) over a merged stack, with the norm the model fuses into it,
+    gives each projection's rows bit for bit as the kernel over that projection's own stack, for a
+    traced layer index. The model around it (the splits, the indexer's query and key) is checked on the
+    reference below, and the pallas path as a whole against transformers in test_golden_kernels and
+    against the reference in test_pallas_gemv_wiring."""
     import jax
     from jtilert.pallas import gemv
     m = _model("tiny", fmt)
-    attn, fused = m.layers.self_attn, decode_weights(m).layers.self_attn.x_proj
-    srcs = [attn.q_a_proj, m.indexers.wk, attn.kv_a_proj_with_mqa]
-    x = jax.random.normal(jax.random.key(7), (2, m.cfg.hidden_size), jnp.float32).astype(jnp.bfloat16)
+    attn, d = m.layers.self_attn, decode_weights(m).layers.self_attn
+    run = jax.jit(gemv.rmsnorm_linear, static_argnums=2)
     layer = jnp.int32(1)
-    run = jax.jit(lambda x, w, s, l: gemv.linear(x, w, s, layer=l))
-    y = np.asarray(run(x, fused.weight[...], fused.scale_or_none, layer), np.float32)
-    assert np.abs(y).max() > 0
-    for (a, n), src in zip(fused.parts, srcs):
-        want = np.asarray(run(x, src.weight[...], src.scale_or_none, layer), np.float32)
-        np.testing.assert_array_equal(y[:, a:a + n], want)
+    for fused, norm, srcs in [(d.x_proj, m.layers.input_layernorm,
+                               [attn.q_a_proj, m.indexers.wk, attn.kv_a_proj_with_mqa]),
+                              (d.qr_proj, attn.q_a_layernorm, [attn.q_b_proj, m.indexers.wq_b])]:
+        k = fused.weight[...].shape[-1]
+        x = jax.random.normal(jax.random.key(7), (2, k), jnp.float32).astype(jnp.bfloat16)
+        y = np.asarray(run(x, norm.weight[...], norm.eps, fused.weight[...], fused.scale_or_none, layer=layer),
+                       np.float32)
+        assert np.abs(y).max() > 0
+        for (a, n), src in zip(fused.parts, srcs):
+            want = np.asarray(run(x, norm.weight[...], norm.eps, src.weight[...], src.scale_or_none, layer=layer),
+                              np.float32)
+            np.testing.assert_array_equal(y[:, a:a + n], want)
 
 
 @pytest.mark.parametrize("name, fmt, tp", [("tiny", "fp32", 1), ("tiny", "fp8", 1), ("tiny", "fp32", 2),
@@ -98,11 +115,22 @@ def test_merged_reference_gives_the_same_logits(name, fmt, tp, monkeypatch):
     assert err <= (1e-5 if fmt == "fp32" else 1e-2)
 
 
-def test_merged_weight_is_replicated_under_tp():
-    """q_a, wk and kv_a are replicated (every rank projects the whole x); so is their merge. (tiny's fp8
-    block scales do not split over tp: bf16 weights.)"""
+def test_merged_weights_under_tp():
+    """q_a, wk and kv_a are replicated (every rank projects the whole x); so is their merge. q_b is split
+    by heads, wq_b replicated: qr_proj holds one block of rows per rank, the rank's q_b rows then all of
+    wq_b, split over the ranks. (tiny's fp8 block scales do not split over tp: bf16 weights.)"""
     import jax
-    eng = generate.Engine(_model("tiny", "bf16"), mesh=jtilert.make_mesh(2))
+    m = _model("tiny", "bf16")
+    eng = generate.Engine(m, mesh=jtilert.make_mesh(2))
     state = jax.tree_util.tree_unflatten(eng._treedef, eng.state)
     w = state["layers"]["self_attn"]["x_proj"]["weight"][...]
     assert w.shape[1] == 176 and w.sharding.is_fully_replicated and len(w.sharding.device_set) == 2
+    qr = state["layers"]["self_attn"]["qr_proj"]["weight"][...]
+    q_b, wq_b = np.asarray(m.layers.self_attn.q_b_proj.weight[...]), np.asarray(m.indexers.wq_b.weight[...])
+    assert qr.shape[1] == 2 * (128 + 256) and len(qr.sharding.device_set) == 2
+    for shard in qr.addressable_shards:
+        rank = shard.index[1].start // (128 + 256)
+        np.testing.assert_array_equal(np.asarray(shard.data), np.concatenate(
+            [q_b[:, rank * 128:(rank + 1) * 128], wq_b], axis=1))
+    with pytest.raises(ValueError, match="laid out for tp=1, not tp=2"):
+        generate.Engine(decode_weights(m), mesh=jtilert.make_mesh(2))

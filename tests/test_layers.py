@@ -170,8 +170,8 @@ def test_moe_grouped_equals_the_gathered_path(fmt):
 
 def test_decode_weights_dequantise_kv_b_once_and_share_the_rest(tiny_fp8):
     """The Engine's model: kv_b in the compute dtype with the values the step used to dequantise every
-    step, q_a / wk / kv_a merged into x_proj (tests/test_decode_weights.py), every other weight the
-    same array; the logits unchanged."""
+    step, q_a / wk / kv_a merged into x_proj and q_b / wq_b into qr_proj (tests/test_decode_weights.py),
+    every other weight the same array; the logits unchanged."""
     import jtilert
     from jtilert.model.transformer import decode_weights
     from jtilert.store import checkpoint
@@ -181,11 +181,12 @@ def test_decode_weights_dequantise_kv_b_once_and_share_the_rest(tiny_fp8):
     np.testing.assert_array_equal(np.asarray(d.layers.self_attn.kv_b_proj.weight[...]),
                                   np.asarray(dequantize(kv_b.weight[...], kv_b.scale[...], tiny_fp8.dtype)))
     a, b = checkpoint.flat_params(tiny_fp8), checkpoint.flat_params(d)
-    merged = {f"{m}.{p}" for m in ("layers.self_attn.q_a_proj", "layers.self_attn.kv_a_proj_with_mqa", "indexers.wk")
-              for p in ("weight", "scale")}
+    merged = {f"{m}.{p}" for m in ("layers.self_attn.q_a_proj", "layers.self_attn.kv_a_proj_with_mqa", "indexers.wk",
+                                   "layers.self_attn.q_b_proj", "indexers.wq_b") for p in ("weight", "scale")}
     assert set(a) - set(b) == {"layers.self_attn.kv_b_proj.scale"} | merged
-    assert set(b) - set(a) == {"layers.self_attn.x_proj.weight", "layers.self_attn.x_proj.scale"}
-    assert all(a[k] is b[k] for k in b if "kv_b" not in k and "x_proj" not in k)
+    copies = {f"layers.self_attn.{m}.{p}" for m in ("x_proj", "qr_proj") for p in ("weight", "scale")}
+    assert set(b) - set(a) == copies
+    assert all(a[k] is b[k] for k in b if "kv_b" not in k and k not in copies)
     ids = np.random.default_rng(5).integers(0, 256, 20)
     np.testing.assert_array_equal(jtilert.score(tiny_fp8, ids, prefill=10),
                                   jtilert.score(d, ids, prefill=10))

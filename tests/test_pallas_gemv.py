@@ -196,6 +196,9 @@ def test_cross_lowering_dsv32_shapes():
     x = S((1, 7168), BF16)
     q = lambda n, k: (S((n, k), FP8), S((-(-n // 128), k // 128), F32))
     _lower(lambda x, nw, w, s: gemv.rmsnorm_linear(x, nw, 1e-6, w, s), x, S((7168,), BF16), *q(2112, 7168))
+    # the decode model's qr_proj (q_b | wq_b after q_a_layernorm)
+    _lower(lambda x, nw, w, s: gemv.rmsnorm_linear(x, nw, 1e-6, w, s), S((1, 1536), BF16), S((1536,), BF16),
+           *q(3072 + 8192, 1536))
     _lower(gemv.linear, S((1, 1536), BF16), *q(3072, 1536))
     _lower(gemv.linear_residual, S((2, 2048), BF16), *q(7168, 2048), S((2, 7168), BF16))
     _lower(gemv.swiglu_pair, x, *q(2304, 7168), *q(2304, 7168))

@@ -1,7 +1,8 @@
 """backend="pallas" end to end: decode logits of the tiny fp8 model (bf16 activations) within bf16
-tolerance of the reference backend's, and the same greedy tokens where the choice is clear, with every kernel of `jtilert.ops.table.OPS` (projections, SwiGLU, router,
-indexer append + scoring, sparse MLA, the lm head's top candidates) running in GPU interpret mode. The prompt is longer than
-tiny's index_topk (32), so the indexer really selects."""
+tolerance of the reference backend's, and the same greedy tokens where the choice is clear, with every
+kernel of `jtilert.ops.table.OPS` (projections, the fused norm + projection and projection + residual,
+SwiGLU, router, indexer append + scoring, sparse MLA, the lm head's top candidates) running in GPU
+interpret mode. The prompt is longer than tiny's index_topk (32), so the indexer really selects."""
 
 from __future__ import annotations
 
@@ -27,7 +28,10 @@ def test_pallas_backend_greedy_equals_reference(tiny_fp8_bf16, monkeypatch):
     table._jitted.cache_clear()
     calls = []
     real = gemv._projection
-    monkeypatch.setattr(gemv, "_projection", lambda *a, **k: calls.append("gemv") or real(*a, **k))
+    def projection(*a, **k):   # the fused forms: a norm prologue, a residual epilogue
+        calls.append("gemv" + "".join(f"+{f}" for f in ("norm", "residual") if k.get(f) is not None))
+        return real(*a, **k)
+    monkeypatch.setattr(gemv, "_projection", projection)
     for mod, name in ((indexer, "indexer_scores_kernel"), (sparse_mla, "sparse_mla_partials"),
                       (lm_head, "lm_head_candidates")):
         fn = getattr(mod, name)
@@ -46,5 +50,8 @@ def test_pallas_backend_greedy_equals_reference(tiny_fp8_bf16, monkeypatch):
     # decode step whose head runs the lm-head kernel
     tokens = jtilert.Generator(tiny_fp8_bf16, max_seq_len=64, backend="pallas").generate(prompt, 2, stop_tokens=[])
     assert clear[-1] and tokens[0] == ref[-1].argmax()
-    assert {"gemv", "indexer_scores_kernel", "sparse_mla_partials", "lm_head_candidates"} <= set(calls), \
-        "a kernel was not used"
+    assert {"gemv", "gemv+norm", "gemv+residual", "indexer_scores_kernel", "sparse_mla_partials",
+            "lm_head_candidates"} <= set(calls), f"a kernel was not used: {set(calls)}"
+    # the decode model's fused GEMVs: x_proj and qr_proj with their norms, o_proj with the residual
+    # (traced once per program: prefill chunks run the reference)
+    assert calls.count("gemv+norm") == 2 * calls.count("gemv+residual") > 0, calls

@@ -75,20 +75,28 @@ class Linear(nnx.Module):
     def arrays(self) -> tuple:
         return self.weight[...], self.scale_or_none
 
-    def __call__(self, ops: Ops, x: jax.Array, layer=None) -> jax.Array:
-        return ops.linear(x, self.weight[...], self.scale_or_none, layer)
+    def __call__(self, ops: Ops, x: jax.Array, layer=None, norm: "RMSNorm | None" = None) -> jax.Array:
+        """x · Wᵀ; with `norm`, norm(x) · Wᵀ as one op (`rmsnorm_linear`: one GEMV kernel)."""
+        if norm is None:
+            return ops.linear(x, self.weight[...], self.scale_or_none, layer)
+        return ops("rmsnorm_linear", x, norm.weight[...], norm.eps, self.weight[...], self.scale_or_none, layer=layer)
 
 
 class RowsLinear(Linear):
     """Several projections of the same input as one Linear over their weights concatenated by rows
-    (`decode_weights` builds it once): `parts` are the (first row, rows) of each projection's output
-    in the result, every part of an fp8 weight but the last starting on a 128-row scale block, so each
-    block scale stays one projection's (the padding rows are zeros)."""
+    (`decode_weights` builds it once, `_rows_linear`): `parts` are the (first row, rows) of each
+    projection's output in the result, every part of an fp8 weight but the last starting on a 128-row
+    scale block, so each block scale stays one projection's (the padding rows are zeros).
+    `ranks`: where some of the projections are split over the tensor-parallel ranks (qr_proj's q_b),
+    the ranks its rows are laid out for: one block of rows per rank (the rank's rows of the split
+    projections, all rows of the replicated ones), the blocks split over the ranks, and `parts` places
+    in one block (what a rank's step sees). 1 where every projection is replicated (any tp)."""
 
-    def __init__(self, weight, scale, parts: tuple[tuple[int, int], ...]):
+    def __init__(self, weight, scale, parts: tuple[tuple[int, int], ...], ranks: int = 1):
         self.weight = nnx.Param(weight)
         self.scale = None if scale is None else nnx.Param(scale)
         self.parts = tuple(parts)
+        self.ranks = ranks
 
     def split(self, y: jax.Array) -> list[jax.Array]:
         return [y[..., a:a + n] for a, n in self.parts]
@@ -180,12 +188,13 @@ class Indexer(nnx.Module):
         self.k_norm = LayerNorm(cfg.index_head_dim, rngs=rngs, dtype=norm_dtype)
         self.weights_proj = Linear(cfg.hidden_size, cfg.index_n_heads, rngs=rngs, fmt="fp32", quantizable=False)
 
-    def __call__(self, ops: Ops, slot, x, qa, cos, sin, positions, start, cache, k=None):
-        """(top-k (indices [T, k], valid [T, k]), cache) for indexer `slot` of the stack. `k`: the key
-        projection wk(x), where the caller computed it (the decode model's merged GEMV)."""
+    def __call__(self, ops: Ops, slot, x, qr, cos, sin, positions, start, cache, q=None, k=None):
+        """(top-k (indices [T, k], valid [T, k]), cache) for indexer `slot` of the stack, from the layer's
+        normed input x and normed q_a output qr. `q`, `k`: the query projection wq_b(qr) and the key
+        projection wk(x), where the caller computed them (the decode model's merged GEMVs; qr is then None)."""
         cfg = self.cfg
         t, r = x.shape[0], cfg.qk_rope_head_dim
-        q = self.wq_b(ops, qa, slot).reshape(t, cfg.index_n_heads, cfg.index_head_dim)
+        q = (self.wq_b(ops, qr, slot) if q is None else q).reshape(t, cfg.index_n_heads, cfg.index_head_dim)
         k = self.k_norm(self.wk(ops, x, slot) if k is None else k, slot)
         rot = cfg.indexer_rope_interleaved
         q = jnp.concatenate([reference.apply_rope(q[..., :r], cos, sin, rot), q[..., r:]], axis=-1)
@@ -205,11 +214,14 @@ class Attention(nnx.Module):
     """Multi-head latent attention, absorbed for decode: queries are moved into the latent space so
     attention reads only the cached latent rows (kv_lora + rope key per position).
 
-    `x_proj`: in the decode model (`decode_weights`) the projections of the layer's normed input x
-    (q_a, then the indexer's wk where every layer has its own indexer, then kv_a) as one GEMV over
-    their concatenated weights; q_a_proj and kv_a_proj_with_mqa are then None."""
+    In the decode model (`decode_weights`), merged projections, each one GEMV with its norm fused in:
+    `x_proj`: those of the layer's normed input (q_a, then the indexer's wk where every layer has its
+    own indexer, then kv_a); q_a_proj and kv_a_proj_with_mqa are then None.
+    `qr_proj`: those of the normed q_a output qr (q_b, then the indexer's wq_b), where every layer has
+    its own indexer; q_b_proj is then None."""
 
     x_proj: RowsLinear | None = None
+    qr_proj: RowsLinear | None = None
 
     def __init__(self, cfg: ModelConfig, *, rngs, fmt):
         self.cfg = cfg
@@ -223,18 +235,25 @@ class Attention(nnx.Module):
         self.kv_b_proj = Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), rngs=rngs, fmt=fmt)
         self.o_proj = Linear(h * cfg.v_head_dim, cfg.hidden_size, rngs=rngs, fmt=fmt)
 
-    def __call__(self, ops: Ops, i, x, cos, sin, positions, start, cache, indexer):
-        """Layer i's attention: (output, cache, top-k). `indexer(qa, k, cache)` gives (top-k, cache);
-        k is the indexer's key projection where the merged GEMV computed it, else None."""
+    def __call__(self, ops: Ops, i, x, norm: RMSNorm, cos, sin, positions, start, cache, indexer):
+        """Layer i's attention on its input x normed by `norm`, added to x: (x + output, cache, top-k).
+        `indexer(qr, q, k, cache)` gives (top-k, cache) from the normed q_a output qr, or from the
+        indexer's query and key projections q, k where the merged GEMVs computed them (else None)."""
         cfg = self.cfg
         t, lat, nope = x.shape[0], cfg.kv_lora_rank, cfg.qk_nope_head_dim
+        index_q = index_k = None
         if self.x_proj is not None:
-            qa, *index_key, kva = self.x_proj.split(self.x_proj(ops, x, i))
-            index_key = index_key[0] if index_key else None
+            qa, *index_k, kva = self.x_proj.split(self.x_proj(ops, x, i, norm=norm))
+            index_k = index_k[0] if index_k else None
         else:
-            qa, kva, index_key = self.q_a_proj(ops, x, i), self.kv_a_proj_with_mqa(ops, x, i), None
-        qa = self.q_a_layernorm(qa, i)
-        q = self.q_b_proj(ops, qa, i)
+            x_in = norm(x, i)
+            qa, kva = self.q_a_proj(ops, x_in, i), self.kv_a_proj_with_mqa(ops, x_in, i)
+        if self.qr_proj is not None:
+            qr = None
+            q, index_q = self.qr_proj.split(self.qr_proj(ops, qa, i, norm=self.q_a_layernorm))
+        else:
+            qr = self.q_a_layernorm(qa, i)
+            q = self.q_b_proj(ops, qr, i)
         heads = q.shape[-1] // cfg.qk_head_dim  # local heads under tp
         q = q.reshape(t, heads, cfg.qk_head_dim)
         q_nope, q_pe = q[..., :nope], reference.apply_rope(q[..., nope:], cos, sin, True)
@@ -244,14 +263,14 @@ class Attention(nnx.Module):
             cache = dict(cache, kv=_write(cache["kv"], reference.quantize_kv_fp8(latent, k_pe), i, start))
         else:
             cache = dict(cache, kv=_write(cache["kv"], latent, i, start), pe=_write(cache["pe"], k_pe, i, start))
-        topk, cache = indexer(qa, index_key, cache)
+        topk, cache = indexer(qr, index_q, index_k, cache)
         wkv = dequantize(self.kv_b_proj.weight[...][i], None if self.kv_b_proj.scale is None
                          else self.kv_b_proj.scale[...][i], x.dtype).reshape(heads, nope + cfg.v_head_dim, lat)
         q_lat = reference.dot("thn,hnl->thl", q_nope, wkv[:, :nope]).astype(x.dtype)
         o_lat = ops("sparse_mla", q_lat, q_pe, cache["kv"], cache.get("pe"), *topk, cfg.softmax_scale, layer=i)
         o = reference.dot("thl,hvl->thv", o_lat.astype(x.dtype), wkv[:, nope:])
         o = o.reshape(t, heads * cfg.v_head_dim).astype(x.dtype)
-        return ops.linear_all_reduce(o, *self.o_proj.arrays(), i), cache, topk
+        return ops.linear_all_reduce(o, *self.o_proj.arrays(), i, residual=x), cache, topk
 
 
 class Block(nnx.Module):
@@ -358,8 +377,8 @@ def flat_params(model: Transformer) -> dict[str, jax.Array]:
     return {".".join(map(str, sharding.path_names(p))): x for p, x in jax.tree_util.tree_leaves_with_path(state)}
 
 
-def decode_weights(model: Transformer, merge: bool = True) -> Transformer:
-    """The model as the compiled steps read it, built once (the Engine holds it):
+def decode_weights(model: Transformer, merge: bool = True, tp: int = 1) -> Transformer:
+    """The model as the compiled steps read it, built once (the Engine holds it), for `tp` ranks:
       - kv_b (absorbed into two einsums per layer and step, never a kernel's GEMV) dequantised to the
         compute dtype instead of in every step;
       - the projections of each layer's normed input x — q_a, kv_a and, where every layer runs its
@@ -367,10 +386,18 @@ def decode_weights(model: Transformer, merge: bool = True) -> Transformer:
         (`Attention.x_proj`) over their weights concatenated by rows: one GEMV launch (and one
         split-K finish) per layer instead of two or three, the same rows multiplied by the same x.
         The indexer's fp32 head-weights projection stays apart (an fp32 product, not a GEMV kernel).
-    The same values the step would compute; the other weights are shared with `model`, not copied,
-    and `model` is untouched. Idempotent. `merge=False`: without the merged GEMV (the separate
-    projections, for comparisons)."""
+      - where every layer runs its own indexer and q_b and wq_b have one format, the projections of
+        the normed q_a output — q_b (split over the tp ranks by heads) and the indexer's wq_b
+        (replicated) — one `RowsLinear` (`Attention.qr_proj`): one GEMV launch per layer instead of
+        two. Its rows are one block per rank (the rank's q_b rows, then all of wq_b): per GPU a copy
+        of q_b / tp + wq_b, ≈ 1.05 GB over DeepSeek-V3.2's 61 layers at tp = 8 (fp8).
+    With the norms fused into those GEMVs (`rmsnorm_linear`), the same values the step would compute;
+    the other weights are shared with `model`, not copied, and `model` is untouched. Idempotent for
+    one tp. `merge=False`: without the merged GEMVs (the separate projections, for comparisons)."""
     attn = model.layers.self_attn
+    if attn.qr_proj is not None and attn.qr_proj.ranks != tp:
+        raise ValueError(f"this decode model's merged q_b | wq_b is laid out for tp={attn.qr_proj.ranks}, "
+                         f"not tp={tp}: build it from the model itself")
     kv_b = attn.kv_b_proj
     dequant_kv_b = kv_b.scale is not None
     merge = merge and attn.x_proj is None
@@ -386,48 +413,73 @@ def decode_weights(model: Transformer, merge: bool = True) -> Transformer:
         out.layers.self_attn.kv_b_proj.weight = nnx.Param(wd)
         out.layers.self_attn.kv_b_proj.scale = None
     if merge:
+        own_index = model.indexers is not None and model.layout.all_full   # indexer stack indexed like the layers
         parts = [attn.q_a_proj]
-        wk = model.indexers.wk if model.indexers is not None and model.layout.all_full else None
-        if wk is not None and wk.weight.get_value().dtype == attn.q_a_proj.weight.get_value().dtype:
-            parts.append(wk)
+        if own_index and _same_format(model.indexers.wk, attn.q_a_proj):
+            parts.append(model.indexers.wk)
         parts.append(attn.kv_a_proj_with_mqa)
         out.layers.self_attn.x_proj = _rows_linear(parts)
         out.layers.self_attn.q_a_proj = None
         out.layers.self_attn.kv_a_proj_with_mqa = None
         if len(parts) == 3:
             out.indexers.wk = None
+        if own_index and _same_format(model.indexers.wq_b, attn.q_b_proj):
+            out.layers.self_attn.qr_proj = _rows_linear([attn.q_b_proj, model.indexers.wq_b], (True, False), tp)
+            out.layers.self_attn.q_b_proj = None
+            out.indexers.wq_b = None
     return out
 
 
-def _rows_linear(linears: list[Linear]) -> RowsLinear:
+def _same_format(a: Linear, b: Linear) -> bool:
+    """Whether two Linears' weights can be one merged weight: one dtype, both with block scales or neither."""
+    return a.weight.get_value().dtype == b.weight.get_value().dtype and (a.scale is None) == (b.scale is None)
+
+
+def _rows_linear(linears: list[Linear], split: tuple[bool, ...] | None = None, tp: int = 1) -> RowsLinear:
     """One RowsLinear over stacked Linears [L, N_j, K] of one format: their weights concatenated by
     rows, each fp8 one but the last padded with zero rows to a whole 128-row scale block (its block
-    scales then stay its own: the padding adds no scale rows)."""
+    scales then stay its own: the padding adds no scale rows). With tp > 1, one such block of rows
+    per rank, holding that rank's rows of the Linears whose rows are split over tp (`split`) and all
+    rows of the others; the last part padded too, so every rank's block starts on a scale block."""
     ws = [m.weight.get_value() for m in linears]
     ss = [m.scale.get_value() if m.scale is not None else None for m in linears]
+    split = split or (False,) * len(linears)
     fp8 = ss[0] is not None
     if any((s is not None) != fp8 or w.dtype != ws[0].dtype or w.shape[::2] != ws[0].shape[::2]
            for w, s in zip(ws, ss)):
         raise ValueError(f"merged projections need one format and shape [L, N, K]: {[w.shape for w in ws]}")
     grain = BLOCK if fp8 else 1
-    rows = [w.shape[1] for w in ws]
-    padded = [-(-n // grain) * grain for n in rows[:-1]] + rows[-1:]
+    rows = [w.shape[1] // tp if cut else w.shape[1] for w, cut in zip(ws, split)]   # of one rank
+    if any(cut and (w.shape[1] % tp or n % grain) for w, cut, n in zip(ws, split, rows)):
+        raise ValueError(f"merged projections: rows {[w.shape[1] for w in ws]} do not split over tp={tp}"
+                         + (f" in whole {BLOCK}-row scale blocks" if fp8 else ""))
+    padded = [-(-n // grain) * grain for n in rows[:-1]] + [-(-rows[-1] // grain) * grain if tp > 1 else rows[-1]]
+    scale_rows = [-(-n // BLOCK) for n in rows]
     starts = np.cumsum([0] + padded[:-1]).tolist()
     parts = tuple((int(a), n) for a, n in zip(starts, rows))
-    w = jax.ShapeDtypeStruct((ws[0].shape[0], sum(padded), ws[0].shape[2]), ws[0].dtype, sharding=ws[0].sharding)
-    s = None if not fp8 else jax.ShapeDtypeStruct((w.shape[0], sum(x.shape[1] for x in ss), ss[0].shape[2]),
-                                                  ss[0].dtype, sharding=ss[0].sharding)
+    # the output sharding: a tp-split input's (rank blocks split like its rows), else the first's
+    sh = next((w.sharding for w, cut in zip(ws, split) if cut), ws[0].sharding)
+    ssh = next((s.sharding for s, cut in zip(ss, split) if cut), ss[0].sharding) if fp8 else None
+    w = jax.ShapeDtypeStruct((ws[0].shape[0], tp * sum(padded), ws[0].shape[2]), ws[0].dtype, sharding=sh)
+    s = None if not fp8 else jax.ShapeDtypeStruct((w.shape[0], tp * sum(scale_rows), ss[0].shape[2]),
+                                                  ss[0].dtype, sharding=ssh)
     if isinstance(ws[0], jax.ShapeDtypeStruct):   # an abstract model
-        return RowsLinear(w, s, parts)
+        return RowsLinear(w, s, parts, tp)
 
-    def cat(xs, pad):
-        rows = [jnp.pad(x, ((0, 0), (0, p - x.shape[1]), (0, 0))) for x, p in zip(xs, pad)] if pad else xs
-        return jnp.concatenate(rows, axis=1)
+    def blocks(xs, rows, padded):
+        """Each rank's rows of xs [L, N_j, ...], each part padded to `padded` rows, the ranks' blocks in order."""
+        out = []
+        for r in range(tp):
+            for x, cut, n, p in zip(xs, split, rows, padded):
+                x = x[:, r * n:(r + 1) * n] if cut else x
+                out.append(jnp.pad(x, ((0, 0), (0, p - n), (0, 0))) if p > n else x)
+        return jnp.concatenate(out, axis=1)
     _check_room([w] + ([s] if fp8 else []),
                 f"the merged projections {[n for _, n in parts]} for the compiled steps")
-    w = jax.jit(cat, static_argnums=1, out_shardings=ws[0].sharding)(ws, tuple(padded))
-    s = jax.jit(cat, static_argnums=1, out_shardings=ss[0].sharding)(ss, None) if fp8 else None
-    return RowsLinear(w, s, parts)
+    w = jax.jit(blocks, static_argnums=(1, 2), out_shardings=sh)(ws, tuple(rows), tuple(padded))
+    if fp8:
+        s = jax.jit(blocks, static_argnums=(1, 2), out_shardings=ssh)(ss, tuple(scale_rows), tuple(scale_rows))
+    return RowsLinear(w, s, parts, tp)
 
 
 def _check_room(arrays: list[jax.ShapeDtypeStruct], what: str) -> None:
@@ -515,17 +567,14 @@ class Transformer(nnx.Module):
         lay, blk = self.layout, self.layers
         slot = i if lay.all_full else jnp.asarray(lay.indexer_slot, jnp.int32)[i]
 
-        def indexer(qa, k, c):
+        def indexer(qr, q, k, c):
+            def run(c, slot):   # the indexer's head weights (and wk where not merged) read the normed input
+                return self.indexers(ops, slot, blk.input_layernorm(x, i), qr, cos, sin, positions, start, c, q, k)
             if lay.all_full:   # slot is the layer index itself: no index arithmetic (in a layer loop
-                return self.indexers(ops, slot, x_in, qa, cos, sin, positions, start, c, k)   # it is a kernel)
+                return run(c, slot)   # it is a kernel)
+            return jax.lax.cond(slot >= 0, lambda c: run(c, jnp.maximum(slot, 0)), lambda c: (topk, c), c)
 
-            def run(c):
-                return self.indexers(ops, jnp.maximum(slot, 0), x_in, qa, cos, sin, positions, start, c, k)
-            return jax.lax.cond(slot >= 0, run, lambda c: (topk, c), c)
-
-        x_in = blk.input_layernorm(x, i)
-        a, cache, topk = blk.self_attn(ops, i, x_in, cos, sin, positions, start, cache, indexer)
-        h = x + a
+        h, cache, topk = blk.self_attn(ops, i, x, blk.input_layernorm, cos, sin, positions, start, cache, indexer)
         f = blk.post_attention_layernorm(h, i)
         out = self.dense(ops, f, i) if ffn == "dense" else self.moe(ops, f, i - lay.num_dense)
         return h + out, cache, topk

@@ -60,6 +60,18 @@ def swiglu(x, gate, gate_scale, up, up_scale, down, down_scale):
     return linear(swiglu_hidden(x, gate, gate_scale, up, up_scale), down, down_scale)
 
 
+def rmsnorm_linear(x: jax.Array, norm_weight: jax.Array, eps: float, w: jax.Array,
+                   scale: jax.Array | None = None) -> jax.Array:
+    """linear(rms_norm(x, norm_weight, eps), w, scale): a norm feeding a projection."""
+    return linear(rms_norm(x, norm_weight, eps), w, scale)
+
+
+def linear_residual(x: jax.Array, w: jax.Array, scale: jax.Array | None, residual: jax.Array) -> jax.Array:
+    """residual + linear(x, w, scale): the projection rounded to x.dtype, then added in residual's
+    dtype (a decoder layer's residual stream)."""
+    return residual + linear(x, w, scale)
+
+
 # ---- rotary embeddings -----------------------------------------------------------------------
 
 def rope_inv_freq(cfg: ModelConfig) -> tuple[np.ndarray, float]:

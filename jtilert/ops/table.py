@@ -108,6 +108,18 @@ def _gemv_unsupported(x, w, scale) -> str | None:
     return None
 
 
+def _rmsnorm_gemv_unsupported(x, norm_weight, eps, w, scale) -> str | None:
+    if norm_weight.shape != x.shape[-1:]:
+        return f"norm weight {norm_weight.shape} for K={x.shape[-1]}"
+    return _gemv_unsupported(x, w, scale)
+
+
+def _residual_gemv_unsupported(x, w, scale, residual) -> str | None:
+    if residual.dtype != BF16 or residual.shape != (*x.shape[:-1], w.shape[0]):
+        return f"residual {residual.dtype}{list(residual.shape)}, the kernel takes bfloat16 [T, N]"
+    return _gemv_unsupported(x, w, scale)
+
+
 def _swiglu_unsupported(x, gate, gate_scale, up, up_scale) -> str | None:
     if gate.dtype != up.dtype:
         return "gate and up differ in format"
@@ -158,6 +170,9 @@ class Op:
 
 OPS: dict[str, Op] = {
     "linear": Op(reference.linear, "pallas.gemv:linear", (1, 2), _gemv_unsupported),
+    # the norm's weight folded into the GEMV's B operand, its 1/rms in the epilogue
+    "rmsnorm_linear": Op(reference.rmsnorm_linear, "pallas.gemv:rmsnorm_linear", (1, 3, 4), _rmsnorm_gemv_unsupported),
+    "linear_residual": Op(reference.linear_residual, "pallas.gemv:linear_residual", (1, 2), _residual_gemv_unsupported),
     "swiglu_hidden": Op(reference.swiglu_hidden, "pallas.gemv:swiglu_pair", (1, 2, 3, 4), _swiglu_unsupported),
     "route": Op(reference.route, "pallas.moe:route", (2, 3),
                 lambda cfg, x, gate, bias: None if x.dtype == BF16 and x.shape[-1] % KGRAIN == 0
@@ -292,12 +307,17 @@ class Ops:
             return ffi.all_reduce(x, self.axis)
         return jax.lax.psum(x, self.axis)
 
-    def linear_all_reduce(self, x, w, scale, layer=None):
-        """all_reduce(x · Wᵀ) for a row-split projection. With the engine, one decode token goes
-        through the fused kernel that streams W and exchanges finished output tiles while it streams."""
+    def linear_all_reduce(self, x, w, scale, layer=None, residual=None):
+        """all_reduce(x · Wᵀ) for a row-split projection, plus `residual` where given. With the engine,
+        one decode token goes through the fused kernel that streams W and exchanges finished output
+        tiles while it streams. Without tp the residual is added in the GEMV's epilogue (one kernel)."""
+        if residual is not None and self.axis is None:
+            return self("linear_residual", x, w, scale, residual, layer=layer)
         if self.axis is not None and self.config.engine_all_reduce and x.shape[0] == 1:
-            return ffi.gemv_all_reduce(x[0], w, scale, self.axis, layer=layer)[None]
-        return self.all_reduce(self.linear(x, w, scale, layer))
+            y = ffi.gemv_all_reduce(x[0], w, scale, self.axis, layer=layer)[None]
+        else:
+            y = self.all_reduce(self.linear(x, w, scale, layer))
+        return y if residual is None else residual + y
 
     def mlp(self, x, arrays, layer=None):
         """Dense SwiGLU of one layer (arrays: gate, gate_scale, up, up_scale, down, down_scale)."""

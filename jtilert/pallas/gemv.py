@@ -7,7 +7,9 @@ Each CTA owns 64 output rows and a 1/split_k share of K and streams its weights 
 pipeline in the checkpoint layout. "wgmma" engine: rows are wgmma's M, tokens its N (rows ≥ T are
 TMA's zero fill); for fp8 the block scales (and the norm weight) are folded into the f16 B operand
 with a power-of-two rescale, so the weight tile only needs e4m3 → f16. "fma" engine: CUDA-core
-fp32 FMAs, for fp32 weights (the router). split_k > 1 writes fp32 partials finished by XLA.
+fp32 FMAs, for fp32 weights (the router). split_k > 1 writes fp32 partials (with a norm, each
+already scaled by 1/rms, computed in the kernel) and XLA's finish is their sum in one fusion with
+the epilogue (cast, residual, SwiGLU).
 `layer=`: the weights are stacks [L, N, K] and the traced layer index, read on the device, steers
 the weight TMA (no slice of the stack outside the kernel). Expert mode (`ids`, used by `moe`): the
 selected experts' rows of a stack [E, N, K] (or [L, E, N, K]) are read the same way.
@@ -26,7 +28,6 @@ import jax.numpy as jnp
 from jax import lax
 
 import jtilert.pallas.interpret as _interp
-from jtilert.ops import reference
 from jtilert.ops.quant import quantize_weight
 from jtilert.pallas import _hopper as hw
 from jtilert.pallas._hopper import (BF16, F16, F32, FP8, KGRAIN, MAX_TOKENS, QBLOCK,  # noqa: F401
@@ -181,9 +182,8 @@ def _sigmoid(x):
     return 1.0 / (1.0 + jnp.exp(-x))
 
 
-def _finish(cols, *, kind, rms, residual, out_dtype):
-    """cols: P fp32 arrays (row sums of one token, or [.., T, N]); rms: per-token factor or None."""
-    ys = [c * rms if rms is not None else c for c in cols]
+def _finish(ys, *, kind, residual, out_dtype):
+    """ys: P fp32 arrays (one token's rows, or [.., T, N]), already scaled by a norm's 1/rms."""
     if kind == "swiglu":
         # The reference rounds both projections to bf16, then computes silu(g)·u in fp32.
         g = ys[0].astype(BF16).astype(F32)
@@ -440,13 +440,15 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
         # Epilogue: one row vector per token.
         for tok in range(tb):
             cols = cols_of(tok)
+            if norm is not None:
+                # the norm's 1/rms over the token's whole row (every CTA reads it from GMEM; with
+                # split-K each scales its partial sums, so XLA's finish is only their sum)
+                xr = x_gmem.at[tok][...].astype(F32)
+                rms = lax.rsqrt(jnp.sum(xr * xr) / k + eps)
+                cols = [c * rms for c in cols]
             if in_kernel_epilogue:
-                rms = None
-                if norm is not None:
-                    xr = x_gmem.at[tok][...].astype(F32)
-                    rms = lax.rsqrt(jnp.sum(xr * xr) / k + eps)
                 res = res_smem.at[tok][...] if res_smem is not None else None
-                o_smem.at[0, tok][...] = _finish(cols, kind=kind, rms=rms, residual=res, out_dtype=o_dtype)
+                o_smem.at[0, tok][...] = _finish(cols, kind=kind, residual=res, out_dtype=o_dtype)
             else:
                 for j in range(p):
                     o_smem.at[j, tok][...] = cols[j]
@@ -480,11 +482,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
     if in_kernel_epilogue:
         return out
     part = out.sum(0)                                  # [P, T, N]: one XLA fusion with the epilogue
-    rms = None
-    if norm is not None:
-        x32 = x.astype(F32)
-        rms = lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return _finish([part[j] for j in range(p)], kind=kind, rms=rms, residual=residual, out_dtype=out_dtype)
+    return _finish([part[j] for j in range(p)], kind=kind, residual=residual, out_dtype=out_dtype)
 
 
 def _prep_weight(w, scale, layer=None):
@@ -547,10 +545,6 @@ def swiglu(x, gate, gate_scale, up, up_scale, down, down_scale, *, layer=None,
     """jtilert.ops.reference.swiglu: down(silu(gate(x)) · up(x)) as two kernels (pair, then down)."""
     h = swiglu_pair(x, gate, gate_scale, up, up_scale, layer=layer, config=config)
     return linear(h, down, down_scale, layer=layer, config=down_config)
-
-
-def reference_rmsnorm_linear(x, norm_weight, eps, w, scale=None):
-    return reference.linear(reference.rms_norm(x, norm_weight, eps), w, scale)
 
 
 # ---- benchmark entry ----------------------------------------------------------------------------

@@ -36,6 +36,7 @@ def mesh_tp(mesh: Mesh | None) -> int:
 # Which axis of each weight is split over tp, by the parameter's name in the module tree.
 _SPLIT = {
     "q_b_proj": 0, "kv_b_proj": 0, "o_proj": 1,
+    "qr_proj": 0,   # the decode model's q_b | wq_b: one block of rows per rank (`decode_weights`)
     "gate_proj": 0, "up_proj": 0, "down_proj": 1,
     "lm_head": 0, "head": 0,
 }

@@ -92,10 +92,10 @@ class Engine:
         if config.backend == "pallas":
             if not pallas.available():
                 raise RuntimeError("backend='pallas': jax.experimental.pallas.mosaic_gpu does not import here")
-        self.graphdef, state = nnx.split(decode_weights(model))
         self.mesh = mesh
         self.tp = tp = sharding.mesh_tp(mesh)
         sharding.check_tp(self.cfg, tp)
+        self.graphdef, state = nnx.split(decode_weights(model, tp=tp))
         if tp > 1:
             specs = sharding.param_specs(state)
             self._state_specs = jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, P))
