@@ -120,8 +120,11 @@ def _layer_bodies(name: str) -> list[dict]:
 # two launches and their two split-K finishes (4 glue ops) per layer fewer than apart (11 / 14, 10 / 13).
 # With the norms fused into x_proj and into the merged q_b | wq_b (qr_proj), and o_proj's residual in
 # its epilogue: one launch and 9 glue ops fewer again (9 / 135, 12 / 164; glm5 8 / 149, 11 / 169).
-BUDGET = {"dsv32-tp8-shard": [{"kernels": 8, "glue": 126}, {"kernels": 11, "glue": 155}],
-          "glm5-tp8-shard": [{"kernels": 7, "glue": 138}, {"kernels": 10, "glue": 158}]}
+# The router's selection by pairwise ranks counts more ops here than lax.top_k (compares, selects and
+# sums, which XLA fuses into a few kernels, against a sort per top_k on the GPU): the MoE bodies'
+# glue 155 → 174 (glm5, one stage: 158 → 167).
+BUDGET = {"dsv32-tp8-shard": [{"kernels": 8, "glue": 126}, {"kernels": 11, "glue": 174}],
+          "glm5-tp8-shard": [{"kernels": 7, "glue": 138}, {"kernels": 10, "glue": 167}]}
 
 
 @pytest.mark.parametrize("name", sorted(BUDGET))
