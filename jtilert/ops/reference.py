@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jtilert.model.config import ModelConfig
-from jtilert.ops.quant import FP8_MAX, act_quant, dequantize, hadamard, pow2_scale
+from jtilert.ops.quant import BLOCK, FP8_MAX, act_quant, dequantize, hadamard, pow2_scale
 
 F32 = jnp.float32
 
@@ -48,6 +48,15 @@ def linear(x: jax.Array, w: jax.Array, scale: jax.Array | None = None) -> jax.Ar
     """y = x · Wᵀ with W [out, in] (bf16/fp32, or fp8 with block scales), fp32 accumulation."""
     wd = dequantize(w, scale, x.dtype)
     return dot("...k,nk->...n", x, wd).astype(x.dtype)
+
+
+def heads_linear(x: jax.Array, w: jax.Array, scale: jax.Array | None = None, block: int = BLOCK) -> jax.Array:
+    """Every head its own projection: y[t, h] = x[t, h, :K] · W[h]ᵀ, x [T, H, D ≥ K], W [H, N, K] (fp8
+    with scales [H, N/block, K/block], or a float format) → [T, H, N] in x's dtype. MLA's absorbed
+    decode runs it twice: q_nope into the latent space (W_uk per head, transposed) and the attended
+    latent out to the values (W_uv per head)."""
+    k = w.shape[-1]
+    return dot("thk,hnk->thn", x[..., :k], dequantize(w, scale, x.dtype, block)).astype(x.dtype)
 
 
 def swiglu_hidden(x, gate, gate_scale, up, up_scale):
