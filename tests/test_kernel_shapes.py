@@ -60,8 +60,9 @@ class Launch:
 
 
 def _abstract(cfg, fmt):
-    """(graphdef, flat abstract state, its treedef, its tp specs, the state) of a model."""
-    gd, state = nnx.split(transformer.abstract_model(cfg, fmt))
+    """(graphdef, flat abstract state, its treedef, its tp specs, the state) of a model as the pallas
+    Engine holds it (`decode_weights`)."""
+    gd, state = nnx.split(transformer.decode_weights(transformer.abstract_model(cfg, fmt), backend="pallas"))
     flat, tdef = jax.tree_util.tree_flatten(state)
     specs = jax.tree_util.tree_leaves(sharding.param_specs(state), is_leaf=lambda x: isinstance(x, P))
     return gd, flat, tdef, specs, state
@@ -73,9 +74,10 @@ def _divides(state, tp: int) -> bool:
 
     def check(path, x):
         nonlocal ok
-        axis = sharding.split_axis(sharding.path_names(path))
-        if axis is not None and tp > 1:
-            ok &= x.shape[axis] % tp == 0 and (x.dtype != FP8 or (x.shape[axis] // tp) % 128 == 0)
+        try:
+            sharding.check_split(".".join(map(str, sharding.path_names(path))), x.shape, x.dtype, tp)
+        except ValueError:
+            ok = False
     jax.tree_util.tree_map_with_path(check, state)
     return ok
 
@@ -296,6 +298,8 @@ KERNELS = {   # one launch each, at the shapes and configurations the dsv32 shar
     "MoE down": (lambda h, w, i, d, ds: moe.expert_down(h, w, i, d, ds),
                  (S((32, 256), BF16), S((4, 8), F32), S((4, 8), jnp.int32), *_q(256, 7168, 256))),
     "lm head": (lambda x, w: lm_head.lm_head_topk(x, w, 8), (S((1, 7168), BF16), S((16160, 7168), BF16))),
+    "GEMV absorption per head fp8": (lambda x, w, s: gemv.heads_linear(x, w, s, layer=jnp.int32(1)),
+                                     (S((2, 16, 512), BF16), S((3, 16, 128, 512), FP8), S((3, 16, 1, 4), F32))),
     "indexer, fp8 append": (lambda q, w, kn, kc, ks, pos: indexer.append_and_score(q, w, kn, kc, ks, pos,
                                                                                    layer=jnp.int32(1)),
                             (S((2, 64, 128), FP8), S((2, 64), F32), S((2, 128), F32), S((3, ROWS, 128), FP8),

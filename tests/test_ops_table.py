@@ -35,7 +35,8 @@ def _step(name: str, layers: int, ops: Ops, tokens: int = 1, mtp: bool = False):
     """(step, abstract weights, abstract cache) of a decode step of preset `name` (`mtp`: then the
     MTP draft), for `jax.eval_shape` / `jax.make_jaxpr`."""
     cfg = preset(name, num_hidden_layers=layers)
-    graphdef, state = nnx.split(decode_weights(abstract_model(cfg, "fp8", jnp.bfloat16)))   # as Engine holds it
+    model = decode_weights(abstract_model(cfg, "fp8", jnp.bfloat16), backend=ops.config.backend)   # as Engine holds it
+    graphdef, state = nnx.split(model)
     cache = jax.eval_shape(lambda: init_cache(cfg, 256, jnp.bfloat16))
 
     def step(state, cache):
@@ -117,9 +118,11 @@ def _layer_bodies(name: str) -> list[dict]:
 # Today's counts, the ceiling: a change that adds a launch or glue to a layer fails here. The fused
 # layer's target is at most 4 launches and no glue; lower these as the fused kernels land.
 # The projections of a layer's normed input (q_a, wk, kv_a) run as one merged GEMV (`decode_weights`):
-# two launches and their two split-K finishes (4 glue ops) per layer fewer than apart (11 / 14, 10 / 13).
-BUDGET = {"dsv32-tp8-shard": [{"kernels": 9, "glue": 135}, {"kernels": 12, "glue": 164}],
-          "glm5-tp8-shard": [{"kernels": 8, "glue": 149}, {"kernels": 11, "glue": 169}]}
+# two launches and their two split-K finishes (4 glue ops) per layer fewer than apart. kv_b's two
+# absorptions run as two heads_linear launches on kv_b laid out per head: 2 launches, 9 glue ops fewer
+# (XLA's dequantise, slices and einsums, which its GPU compiler makes ~4 transpose / reduce fusions).
+BUDGET = {"dsv32-tp8-shard": [{"kernels": 11, "glue": 126}, {"kernels": 14, "glue": 155}],
+          "glm5-tp8-shard": [{"kernels": 10, "glue": 140}, {"kernels": 13, "glue": 160}]}
 
 
 @pytest.mark.parametrize("name", sorted(BUDGET))

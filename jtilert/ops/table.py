@@ -114,6 +114,15 @@ def _swiglu_unsupported(x, gate, gate_scale, up, up_scale) -> str | None:
     return _gemv_unsupported(x, gate, gate_scale) or _gemv_unsupported(x, up, up_scale)
 
 
+def _heads_unsupported(x, w, scale, block) -> str | None:
+    k = w.shape[-1]
+    if x.dtype != BF16 or k % KGRAIN or x.shape[-1] < k:
+        return f"activations {x.dtype}{list(x.shape)}, K={k} (a multiple of {KGRAIN} is needed)"
+    if w.dtype not in (FP8, BF16) or (w.dtype == FP8) != (scale is not None):
+        return f"weights {w.dtype} (scales {'given' if scale is not None else 'none'})"
+    return None
+
+
 def _experts_unsupported(x, gate, gate_scale, up) -> str | None:
     if x.dtype != BF16 or x.shape[-1] % KGRAIN:
         return f"activations {x.dtype}, K={x.shape[-1]}"
@@ -158,6 +167,7 @@ class Op:
 
 OPS: dict[str, Op] = {
     "linear": Op(reference.linear, "pallas.gemv:linear", (1, 2), _gemv_unsupported),
+    "heads_linear": Op(reference.heads_linear, "pallas.gemv:heads_linear", (1, 2), _heads_unsupported),
     "swiglu_hidden": Op(reference.swiglu_hidden, "pallas.gemv:swiglu_pair", (1, 2, 3, 4), _swiglu_unsupported),
     "route": Op(reference.route, "pallas.moe:route", (2, 3),
                 lambda cfg, x, gate, bias: None if x.dtype == BF16 and x.shape[-1] % KGRAIN == 0

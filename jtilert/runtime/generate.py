@@ -92,7 +92,7 @@ class Engine:
         if config.backend == "pallas":
             if not pallas.available():
                 raise RuntimeError("backend='pallas': jax.experimental.pallas.mosaic_gpu does not import here")
-        self.graphdef, state = nnx.split(decode_weights(model))
+        self.graphdef, state = nnx.split(decode_weights(model, backend=config.backend))
         self.mesh = mesh
         self.tp = tp = sharding.mesh_tp(mesh)
         sharding.check_tp(self.cfg, tp)
