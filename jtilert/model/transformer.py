@@ -301,8 +301,9 @@ class Attention(nnx.Module):
         topk, cache = indexer(qa, index_key, cache)
         w_uk_t, w_uv, at = self._absorption(i, x.dtype)
         q_lat = ops("heads_linear", q, *w_uk_t, layer=at)   # each head's q_nope (its first nope features)
-        o_lat = ops("sparse_mla", q_lat, q_pe, cache["kv"], cache.get("pe"), *topk, cfg.softmax_scale, layer=i)
-        o = ops("heads_linear", o_lat.astype(x.dtype), *w_uv, layer=at).reshape(t, heads * cfg.v_head_dim)
+        o_lat = ops("sparse_mla", q_lat, q_pe, cache["kv"], cache.get("pe"), *topk, cfg.softmax_scale, x.dtype,
+                    layer=i)
+        o = ops("heads_linear", o_lat, *w_uv, layer=at).reshape(t, heads * cfg.v_head_dim)
         return ops.linear_all_reduce(o, *self.o_proj.arrays(), i), cache, topk
 
     def _absorption(self, i, dtype):

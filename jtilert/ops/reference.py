@@ -285,10 +285,11 @@ def dequantize_kv_fp8(rows: jax.Array, lat: int) -> tuple[jax.Array, jax.Array]:
 
 
 def sparse_mla(q_lat: jax.Array, q_pe: jax.Array, kv_cache: jax.Array, pe_cache: jax.Array | None,
-               idx: jax.Array, valid: jax.Array, scale: float) -> jax.Array:
+               idx: jax.Array, valid: jax.Array, scale: float, out_dtype=F32) -> jax.Array:
     """Attention of absorbed queries over the selected latent rows.
     q_lat [T, H, L], q_pe [T, H, R], kv_cache [S, L] with pe_cache [S, R] — or kv_cache in the packed
-    fp8 layout (`quantize_kv_fp8`) with pe_cache None —, idx/valid [T, K] → o_lat [T, H, L] fp32."""
+    fp8 layout (`quantize_kv_fp8`) with pe_cache None —, idx/valid [T, K] → o_lat [T, H, L], computed
+    in fp32 and returned in `out_dtype` (the model: its activations' dtype, which the absorption reads)."""
     if pe_cache is None:
         kv, pe = dequantize_kv_fp8(kv_cache[idx], q_lat.shape[-1])
     else:
@@ -298,7 +299,7 @@ def sparse_mla(q_lat: jax.Array, q_pe: jax.Array, kv_cache: jax.Array, pe_cache:
          + jnp.einsum("thr,tkr->thk", q_pe.astype(F32), pe)) * scale
     s = jnp.where(valid[:, None, :], s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1)
-    return jnp.einsum("thk,tkl->thl", p, kv)
+    return jnp.einsum("thk,tkl->thl", p, kv).astype(out_dtype)
 
 
 # ---- MoE router -----------------------------------------------------------------------------

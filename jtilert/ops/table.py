@@ -145,7 +145,7 @@ def _lm_head_unsupported(x, w, k) -> str | None:
     return None if k <= 64 else f"k={k} > 64"
 
 
-def _sparse_mla_unsupported(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale) -> str | None:
+def _sparse_mla_unsupported(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale, out_dtype=F32) -> str | None:
     return sparse_mla.unsupported(q_lat.shape[-2], q_lat.shape[-1], q_pe.shape[-1],
                                   kv_cache.shape[-1] if pe_cache is None else None)
 
@@ -249,7 +249,7 @@ def _refused(name: str, args, e: ValueError) -> None:
 
 
 def _shapes(args) -> str:
-    return ", ".join(f"{a.dtype}{list(a.shape)}" for a in args if hasattr(a, "shape"))
+    return ", ".join(f"{a.dtype}{list(a.shape)}" for a in args if hasattr(a, "shape") and hasattr(a, "dtype"))
 
 
 # ---- the ops a model calls ----------------------------------------------------------------------
