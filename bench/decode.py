@@ -113,7 +113,8 @@ def step_bytes(model, context: int, tp: int = 1) -> dict:
     cfg = model.cfg
     lay = Layout.of(cfg)
     weights = 0
-    steps_read = decode_weights(nnx.eval_shape(lambda: model), tp=tp)   # the Engine's weights, as shapes only
+    # the pallas Engine's weights, as shapes only (the reference backend holds kv_b in bf16)
+    steps_read = decode_weights(nnx.eval_shape(lambda: model), tp=tp, backend="pallas")
     for name, x in checkpoint.flat_params(steps_read).items():
         n = x.size * jnp.dtype(x.dtype).itemsize
         if sharding.split_axis(tuple(name.split("."))) is not None:

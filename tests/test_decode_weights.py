@@ -7,7 +7,12 @@ the normed q_a output — q_b and the indexer's wq_b (where every layer has its 
 wq_b); the fused GEMV kernel over a merged stack gives each projection's rows bit for bit (interpret
 mode: the kernel's per-row math depends on the row's own scale block and the K split, which the merge
 keeps at these shapes), and the model's logits stay within fp32 / bf16 rounding of the separate
-projections' on the reference backend, tp=1 and tp=2."""
+projections' on the reference backend, tp=1 and tp=2.
+
+kv_b per head (`head_weights`, `Attention.absorb_q` / `absorb_o`): for the pallas Engine the fp8 values
+and scales laid out per head, exactly kv_b's (DeepSeek-V3.2, GLM-5 and tiny layouts); the heads_linear
+kernel on those stacks gives the reference Engine's bf16 einsums; the logits on that layout are the
+reference's bit for bit."""
 
 from __future__ import annotations
 
@@ -24,8 +29,13 @@ from jtilert.runtime import generate
 
 
 @functools.cache
-def _model(name: str, fmt: str):
-    return jtilert.random_model(name, fmt=fmt, seed=3, dtype=jnp.bfloat16)
+def _model(name: str, fmt: str, block64: bool = False):
+    return jtilert.random_model(jtilert.preset(name, **BLOCK64) if block64 else name, fmt=fmt, seed=3,
+                                dtype=jnp.bfloat16)
+
+
+# tiny with nope 64 / v 128: heads of 192 rows, so kv_b per head takes 64-blocks of scales
+BLOCK64 = dict(qk_nope_head_dim=64, v_head_dim=128, num_hidden_layers=2)
 
 
 @pytest.mark.parametrize("name, fmt, parts, qr_parts", [
@@ -134,3 +144,77 @@ def test_merged_weights_under_tp():
             [q_b[:, rank * 128:(rank + 1) * 128], wq_b], axis=1))
     with pytest.raises(ValueError, match="laid out for tp=1, not tp=2"):
         generate.Engine(decode_weights(m), mesh=jtilert.make_mesh(2))
+
+
+# ---- kv_b per head: the two absorptions' weights (`head_weights`, op "heads_linear") ----------------
+
+def _kv_b(nope: int, v: int, heads: int, lat: int, layers: int = 2):
+    """An fp8 kv_b stack [L, H·(nope+v), lat] whose 128-blocks have scales 2^-4..2^3 apart (a block
+    given another block's scale shows)."""
+    import jax
+    from jtilert.ops.quant import quantize_weight
+    rows = heads * (nope + v)
+    spread = jax.random.randint(jax.random.key(1), (layers, -(-rows // 128), -(-lat // 128)), -4, 4)
+    spread = np.repeat(np.repeat(np.exp2(np.asarray(spread, np.float32)), 128, 1), 128, 2)[:, :rows, :lat]
+    return quantize_weight(jax.random.normal(jax.random.key(2), (layers, rows, lat)) * spread)
+
+
+@pytest.mark.parametrize("nope, v, heads, lat, block", [
+    (128, 128, 3, 512, 128),   # DeepSeek-V3.2: heads of 2·128 rows
+    (192, 256, 3, 512, 64),    # GLM-5: heads of 448 rows, every other one starting mid-block
+    (16, 16, 8, 64, 128),      # tiny: 4 heads per block
+    (32, 48, 4, 64, None)])    # heads of 80 rows: no whole blocks fit, dequantised instead
+def test_head_weights_are_kv_b_per_head_exactly(nope, v, heads, lat, block):
+    from jtilert.model.transformer import head_scale_block, head_weights
+    cfg = jtilert.preset("tiny", qk_nope_head_dim=nope, v_head_dim=v, kv_lora_rank=lat)
+    w, s = _kv_b(nope, v, heads, lat)
+    assert head_scale_block(cfg, w.shape[1]) == block
+    (uk_t, uk_ts), (uv, uvs) = head_weights(cfg, w, s, jnp.bfloat16, block)
+    want = np.asarray(dequantize(w, s, jnp.float32)).reshape(2, heads, nope + v, lat)
+    if block is None:
+        assert uk_ts is None and uvs is None and uk_t.dtype == jnp.bfloat16
+        want = np.asarray(want.astype(jnp.bfloat16), np.float32)
+    else:
+        assert uk_t.dtype == uv.dtype == jnp.float8_e4m3fn
+        assert uk_ts.shape == (2, heads, -(-lat // block), -(-nope // block))
+        assert uvs.shape == (2, heads, -(-v // block), -(-lat // block))
+    np.testing.assert_array_equal(np.asarray(dequantize(uk_t, uk_ts, jnp.float32, block or 128)),
+                                  np.swapaxes(want[:, :, :nope], -1, -2))
+    np.testing.assert_array_equal(np.asarray(dequantize(uv, uvs, jnp.float32, block or 128)), want[:, :, nope:])
+
+
+# tiny's q_nope (16) is narrower than the kernel's K grain: only the latent → v absorption runs the kernel there
+@pytest.mark.parametrize("block64, which", [(True, ("q", "o")), (False, ("o",))])
+def test_heads_linear_kernel_on_the_decode_stacks(block64, which):
+    """The kernel on the pallas Engine's fp8 stacks at a traced layer index (2 tokens: 16 rows of heads)
+    gives the reference Engine's einsum on its bf16 copies, within bf16 rounding."""
+    import jax
+    from jtilert.ops import reference, table
+    from jtilert.pallas import gemv
+    m = _model("tiny", "fp8", block64)
+    fp8, bf16 = (decode_weights(m, backend=b).layers.self_attn for b in ("pallas", "reference"))
+    cfg, layer = m.cfg, jnp.int32(1)
+    x = {"q": jax.random.normal(jax.random.key(3), (2, 8, cfg.qk_head_dim), jnp.float32).astype(jnp.bfloat16),
+         "o": jax.random.normal(jax.random.key(4), (2, 8, cfg.kv_lora_rank), jnp.float32).astype(jnp.bfloat16)}
+    run = jax.jit(lambda x, w, s, l, block: gemv.heads_linear(x, w, s, block, layer=l), static_argnums=4)
+    for name in ("q", "o"):
+        pal, ref = getattr(fp8, f"absorb_{name}").arrays(), getattr(bf16, f"absorb_{name}").arrays()
+        assert pal[0].dtype == jnp.float8_e4m3fn and pal[2] == (64 if block64 else 128)
+        if name not in which:   # the op table runs the reference there
+            assert table._heads_unsupported(x[name], *pal) is not None
+            continue
+        assert table._heads_unsupported(x[name], *pal) is None
+        got = np.asarray(run(x[name], pal[0], pal[1], layer, pal[2]), np.float32)
+        want = np.asarray(reference.heads_linear(x[name], ref[0][layer], None, ref[2]), np.float32)
+        assert np.abs(want).max() > 0
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
+
+
+def test_the_pallas_layout_gives_the_reference_logits():
+    """The pallas Engine's weights (kv_b per head in fp8, 64-blocks of scales here) on the reference
+    backend: the logits of the reference Engine's bit for bit (the same dequantised values)."""
+    m = _model("tiny", "fp8", True)
+    fp8 = decode_weights(m, backend="pallas")
+    assert fp8.layers.self_attn.absorb_q.block == 64
+    ids = IDS[:24]
+    np.testing.assert_array_equal(jtilert.score(fp8, ids, prefill=20), jtilert.score(m, ids, prefill=20))

@@ -168,25 +168,33 @@ def test_moe_grouped_equals_the_gathered_path(fmt):
                                   np.asarray(reference.moe_grouped(x, wts, ids, g, gs, u, us, d, ds)))
 
 
-def test_decode_weights_dequantise_kv_b_once_and_share_the_rest(tiny_fp8):
-    """The Engine's model: kv_b in the compute dtype with the values the step used to dequantise every
-    step, q_a / wk / kv_a merged into x_proj and q_b / wq_b into qr_proj (tests/test_decode_weights.py),
-    every other weight the same array; the logits unchanged."""
+def test_decode_weights_lay_kv_b_out_per_head_and_share_the_rest(tiny_fp8):
+    """The reference Engine's model: kv_b per head (W_ukᵀ, W_uv) in the compute dtype with the values the
+    step used to dequantise every step (the pallas Engine's fp8 copies: tests/test_decode_weights.py),
+    q_a / wk / kv_a merged into x_proj and q_b / wq_b into qr_proj, every other weight the same array;
+    the logits unchanged."""
     import jtilert
     from jtilert.model.transformer import decode_weights
     from jtilert.store import checkpoint
+    cfg = tiny_fp8.cfg
+    nope, v = cfg.qk_nope_head_dim, cfg.v_head_dim
     d = decode_weights(tiny_fp8)
     kv_b = tiny_fp8.layers.self_attn.kv_b_proj
-    assert d.layers.self_attn.kv_b_proj.scale is None and kv_b.scale is not None   # the user's model is untouched
-    np.testing.assert_array_equal(np.asarray(d.layers.self_attn.kv_b_proj.weight[...]),
-                                  np.asarray(dequantize(kv_b.weight[...], kv_b.scale[...], tiny_fp8.dtype)))
+    assert d.layers.self_attn.kv_b_proj is None and kv_b.scale is not None   # the user's model is untouched
+    wkv = np.asarray(dequantize(kv_b.weight[...], kv_b.scale[...], tiny_fp8.dtype))
+    wkv = wkv.reshape(wkv.shape[0], -1, nope + v, wkv.shape[-1])
+    q, o = d.layers.self_attn.absorb_q, d.layers.self_attn.absorb_o
+    assert q.scale is None and o.scale is None and q.weight[...].dtype == tiny_fp8.dtype
+    np.testing.assert_array_equal(np.asarray(q.weight[...]), np.swapaxes(wkv[:, :, :nope], -1, -2))
+    np.testing.assert_array_equal(np.asarray(o.weight[...]), wkv[:, :, nope:])
     a, b = checkpoint.flat_params(tiny_fp8), checkpoint.flat_params(d)
     merged = {f"{m}.{p}" for m in ("layers.self_attn.q_a_proj", "layers.self_attn.kv_a_proj_with_mqa", "indexers.wk",
-                                   "layers.self_attn.q_b_proj", "indexers.wq_b") for p in ("weight", "scale")}
-    assert set(a) - set(b) == {"layers.self_attn.kv_b_proj.scale"} | merged
+                                   "layers.self_attn.q_b_proj", "indexers.wq_b", "layers.self_attn.kv_b_proj")
+              for p in ("weight", "scale")}
+    assert set(a) - set(b) == merged
     copies = {f"layers.self_attn.{m}.{p}" for m in ("x_proj", "qr_proj") for p in ("weight", "scale")}
-    assert set(b) - set(a) == copies
-    assert all(a[k] is b[k] for k in b if "kv_b" not in k and k not in copies)
+    assert set(b) - set(a) == copies | {"layers.self_attn.absorb_q.weight", "layers.self_attn.absorb_o.weight"}
+    assert all(a[k] is b[k] for k in b if "absorb" not in k and k not in copies)
     ids = np.random.default_rng(5).integers(0, 256, 20)
     np.testing.assert_array_equal(jtilert.score(tiny_fp8, ids, prefill=10),
                                   jtilert.score(d, ids, prefill=10))

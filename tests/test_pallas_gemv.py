@@ -102,6 +102,30 @@ def test_linear_many_tokens_chunks():
     assert _rel(got, reference.linear(x, w, s)) < TOL
 
 
+def _blocked_fp8(shape, block):
+    """fp8 weights with one power-of-two scale per `block`² block, the scales spread over 2^-4..2^3
+    (a block read with another block's scale shows)."""
+    q = jnp.clip(jax.random.normal(_key(), shape, F32) * 64, -448, 448).astype(FP8)
+    blocks = (*shape[:-2], -(-shape[-2] // block), -(-shape[-1] // block))
+    return q, jnp.exp2(jax.random.randint(_key(), blocks, -4, 4).astype(F32)) * (shape[-1] ** -0.5 / 64)
+
+
+@pytest.mark.parametrize("t,heads,n,k,d,fmt,block", [
+    (3, 4, 64, 64, 96, "fp8", 128),    # 12 rows: CTAs past row 8 stage their own 8-row block; x rows wider than K
+    (1, 2, 96, 192, 256, "fp8", 64),   # GLM-5's W_ukᵀ K (nope 192: block_k 64), 64-blocks of scales, N % 64 ≠ 0
+    (2, 3, 64, 128, 128, "bf16", 128),
+])
+def test_heads_linear(t, heads, n, k, d, fmt, block):
+    """Every head's own projection in one launch (MLA's absorption): the expert mode with the heads as
+    the experts and each (token, head) row of x a selection, the weights a 2-layer stack read at the
+    layer index, x's rows wider than K (q's nope part)."""
+    x = _x(t * heads, d).reshape(t, heads, d)
+    w, s = _blocked_fp8((2, heads, n, k), block) if fmt == "fp8" else _weight((2, heads, n, k), fmt)
+    got = _run(lambda x, w, s, layer: gemv.heads_linear(x, w, s, block, layer=layer), x, w, s, jnp.int32(1))
+    assert got.shape == (t, heads, n)
+    assert _rel(got, reference.heads_linear(x, w[1], None if s is None else s[1], block)) < TOL
+
+
 @pytest.mark.parametrize("t,n,k,split", [(2, 96, 256, 1), (1, 64, 512, 2)])
 def test_rmsnorm_linear(t, n, k, split):
     x = _x(t, k, 3.0)
@@ -203,3 +227,14 @@ def test_cross_lowering_dsv32_shapes():
     _lower(gemv.linear_residual, S((2, 2048), BF16), *q(7168, 2048), S((2, 7168), BF16))
     _lower(gemv.swiglu_pair, x, *q(2304, 7168), *q(2304, 7168))
     _lower(lambda x, w: gemv.linear(x, w, config=gemv.GemvConfig(engine="fma")), x, S((256, 7168), BF16))
+
+
+@pytest.mark.parametrize("heads, nope, v, block", [(16, 128, 128, 128), (8, 192, 256, 64)])
+def test_cross_lowering_absorption_shapes(heads, nope, v, block):
+    """MLA's two absorptions at the dsv32- / glm5-tp8-shard shapes (2 tokens: more rows than 8), kv_b per
+    head in fp8 as `decode_weights` lays it out for the kernels, a 5-layer stack."""
+    S = jax.ShapeDtypeStruct
+    q = lambda n, k: (S((5, heads, n, k), FP8), S((5, heads, -(-n // block), -(-k // block)), F32))
+    absorb = lambda x, w, s, layer: gemv.heads_linear(x, w, s, block, layer=layer)
+    _lower(absorb, S((2, heads, nope + 64), BF16), *q(512, nope), S((), jnp.int32))
+    _lower(absorb, S((2, heads, 512), BF16), *q(v, 512), S((), jnp.int32))

@@ -63,6 +63,18 @@ def test_sparse_mla_matches_reference(fp8, block_k, T, K, frac_valid):
     assert _rel(out, ref) < 4e-3   # P is rounded to bf16 before P·V (as FlashMLA does)
 
 
+def test_combine_kernel_writes_the_model_dtype():
+    """The split merge in bf16 (`out_dtype`, what the model's absorption kernel reads: no cast launch
+    after it): the fp32 merge rounded once, bit for bit."""
+    k = jax.random.split(jax.random.key(np.random.randint(1 << 30)), 3)
+    o, m = jax.random.normal(k[0], (2, 1, 4, 16, 64)), jax.random.normal(k[1], (2, 1, 4, 16))
+    l = jax.random.uniform(k[2], (2, 1, 4, 16)) + 0.5
+    out = _run(lambda o, m, l: smla.combine_kernel(o, m, l, out_dtype=BF16), o, m, l)
+    assert out.dtype == BF16
+    np.testing.assert_array_equal(np.asarray(out, np.float32),
+                                  np.asarray(smla.combine(o, m, l).astype(BF16), np.float32))
+
+
 def test_fp8_cache_layout_is_flashmla():
     """656 bytes per row: e4m3 latent / scale, 4 fp32 power-of-two scales (2^ceil(log2(max(amax/448,
     1e-4)))), 64 bf16 rope values; dequantised rows within e4m3's rounding of the input."""

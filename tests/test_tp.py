@@ -1,6 +1,7 @@
 """Tensor parallelism on 8 host devices: the same tokens and logits as one device."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -33,6 +34,12 @@ def test_weights_split_like_tilert(tiny_random):
         assert specs[replicated] == jax.P()
     # the per-layer names of checkpoints keep their own axes
     assert sharding.spec_for(("layers", "1", "mlp", "experts", "gate", "weight"), 3) == jax.P(None, "tp", None)
+    # the decode model's kv_b per head [L, H, N, K] (`decode_weights`): by heads, which cuts no scale block
+    for part in ("absorb_q", "absorb_o"):
+        assert sharding.spec_for(("layers", "self_attn", part, "scale"), 4) == jax.P(None, "tp", None, None)
+    sharding.check_split("layers.self_attn.absorb_q.weight", (62, 16, 512, 128), jnp.float8_e4m3fn, 8)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        sharding.check_split("layers.self_attn.kv_b_proj.weight", (62, 2 * 256, 512), jnp.float8_e4m3fn, 8)
 
 
 IDS = np.random.RandomState(2).randint(0, 256, 44)

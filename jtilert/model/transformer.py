@@ -102,6 +102,56 @@ class RowsLinear(Linear):
         return [y[..., a:a + n] for a, n in self.parts]
 
 
+class HeadsLinear(nnx.Module):
+    """One projection per attention head (op "heads_linear": y[t, h] = x[t, h, :K] · W[h]ᵀ): weight
+    [H, N, K] (in a layer stack [L, H, N, K]) in a float format, or fp8 with one scale per `block`²
+    block [H, N/block, K/block]. `decode_weights` lays kv_b out as two of them (`head_weights`)."""
+
+    def __init__(self, weight, scale, block: int = BLOCK):
+        self.weight = nnx.Param(weight)
+        self.scale = None if scale is None else nnx.Param(scale)
+        self.block = block
+
+    def arrays(self) -> tuple:
+        """The op's weight arguments: (weight, scale or None, block)."""
+        return self.weight[...], None if self.scale is None else self.scale[...], self.block
+
+
+def head_scale_block(cfg: ModelConfig, rows: int) -> int | None:
+    """The scale block of kv_b's per-head fp8 copies (`head_weights`) for a kv_b of `rows` rows: 128
+    where every 128-block of each head's W_uk and W_uv rows lies inside one of the checkpoint's
+    128-row blocks (DeepSeek-V3.2: heads of 2·128 rows), else 64 where every 64-block does (GLM-5:
+    heads of 192 + 256 rows), else None (no exact copy with whole blocks)."""
+    nope, v = cfg.qk_nope_head_dim, cfg.v_head_dim
+    parts = [(h * (nope + v) + a, n) for h in range(rows // (nope + v)) for a, n in ((0, nope), (nope, v))]
+    for b in (BLOCK, BLOCK // 2):
+        if all((a + j) // BLOCK == (a + min(j + b, n) - 1) // BLOCK for a, n in parts for j in range(0, n, b)):
+            return b
+    return None
+
+
+def head_weights(cfg: ModelConfig, w, scale, dtype, block: int | None):
+    """kv_b [..., H·(nope+v), lat] as the absorbed attention's two per-head weights, ((W_ukᵀ, scale),
+    (W_uv, scale)): W_ukᵀ [..., H, lat, nope] (q_lat[h] = q_nope[h] · W_ukᵀ[h]ᵀ) and W_uv [..., H, v,
+    lat] (o[h] = o_lat[h] · W_uv[h]ᵀ). `block` (fp8 kv_b, `head_scale_block`): the e4m3 values as
+    stored, each `block`² block with its checkpoint scale (exact: a transpose keeps whole blocks);
+    None: an fp8 kv_b dequantised to `dtype`, a float one as it is."""
+    nope, v = cfg.qk_nope_head_dim, cfg.v_head_dim
+    heads, lat = w.shape[-2] // (nope + v), w.shape[-1]
+    if block is None and scale is not None:
+        w, scale = dequantize(w, scale, dtype), None
+    wh = w.reshape(*w.shape[:-2], heads, nope + v, lat)
+    uk_t, uv = jnp.swapaxes(wh[..., :nope, :], -1, -2), wh[..., nope:, :]
+    if scale is None:
+        return (uk_t, None), (uv, None)
+    h = np.arange(heads)[:, None, None]
+    cols = np.arange(-(-lat // block)) * block // BLOCK   # the checkpoint's column block of each lat block
+
+    def rows(first, n):   # the checkpoint's row block of each block of the heads' rows [H, n blocks, 1]
+        return (h * (nope + v) + first + np.arange(-(-n // block))[:, None] * block) // BLOCK
+    return (uk_t, jnp.swapaxes(scale[..., rows(0, nope), cols], -1, -2)), (uv, scale[..., rows(nope, v), cols])
+
+
 def _at(w: jax.Array, layer):
     return w if layer is None else w[layer]
 
@@ -218,10 +268,14 @@ class Attention(nnx.Module):
     `x_proj`: those of the layer's normed input (q_a, then the indexer's wk where every layer has its
     own indexer, then kv_a); q_a_proj and kv_a_proj_with_mqa are then None.
     `qr_proj`: those of the normed q_a output qr (q_b, then the indexer's wq_b), where every layer has
-    its own indexer; q_b_proj is then None."""
+    its own indexer; q_b_proj is then None.
+    `absorb_q` / `absorb_o`: in the decode model kv_b per head (`head_weights`), W_ukᵀ and W_uv, each
+    one "heads_linear" launch per layer; kv_b_proj is then None."""
 
     x_proj: RowsLinear | None = None
     qr_proj: RowsLinear | None = None
+    absorb_q: HeadsLinear | None = None
+    absorb_o: HeadsLinear | None = None
 
     def __init__(self, cfg: ModelConfig, *, rngs, fmt):
         self.cfg = cfg
@@ -256,7 +310,7 @@ class Attention(nnx.Module):
             q = self.q_b_proj(ops, qr, i)
         heads = q.shape[-1] // cfg.qk_head_dim  # local heads under tp
         q = q.reshape(t, heads, cfg.qk_head_dim)
-        q_nope, q_pe = q[..., :nope], reference.apply_rope(q[..., nope:], cos, sin, True)
+        q_pe = reference.apply_rope(q[..., nope:], cos, sin, True)
         latent = self.kv_a_layernorm(kva[:, :lat], i)
         k_pe = reference.apply_rope(kva[:, lat:], cos, sin, True)
         if cfg.kv_cache_quant == "fp8":
@@ -264,13 +318,23 @@ class Attention(nnx.Module):
         else:
             cache = dict(cache, kv=_write(cache["kv"], latent, i, start), pe=_write(cache["pe"], k_pe, i, start))
         topk, cache = indexer(qr, index_q, index_k, cache)
-        wkv = dequantize(self.kv_b_proj.weight[...][i], None if self.kv_b_proj.scale is None
-                         else self.kv_b_proj.scale[...][i], x.dtype).reshape(heads, nope + cfg.v_head_dim, lat)
-        q_lat = reference.dot("thn,hnl->thl", q_nope, wkv[:, :nope]).astype(x.dtype)
-        o_lat = ops("sparse_mla", q_lat, q_pe, cache["kv"], cache.get("pe"), *topk, cfg.softmax_scale, layer=i)
-        o = reference.dot("thl,hvl->thv", o_lat.astype(x.dtype), wkv[:, nope:])
-        o = o.reshape(t, heads * cfg.v_head_dim).astype(x.dtype)
+        w_uk_t, w_uv, at = self._absorption(i, x.dtype)
+        q_lat = ops("heads_linear", q, *w_uk_t, layer=at)   # each head's q_nope (its first nope features)
+        o_lat = ops("sparse_mla", q_lat, q_pe, cache["kv"], cache.get("pe"), *topk, cfg.softmax_scale, x.dtype,
+                    layer=i)
+        o = ops("heads_linear", o_lat, *w_uv, layer=at).reshape(t, heads * cfg.v_head_dim)
         return ops.linear_all_reduce(o, *self.o_proj.arrays(), i, residual=x), cache, topk
+
+    def _absorption(self, i, dtype):
+        """The "heads_linear" weight arguments (weight, scale, block) of W_ukᵀ and W_uv and the layer
+        argument: the decode model's stacks and i, else (a model not laid out by `decode_weights`)
+        layer i's kv_b laid out per head here, in `dtype`, and None."""
+        if self.absorb_q is not None:
+            return self.absorb_q.arrays(), self.absorb_o.arrays(), i
+        kv_b = self.kv_b_proj
+        uk_t, uv = head_weights(self.cfg, kv_b.weight[...][i], None if kv_b.scale is None else kv_b.scale[...][i],
+                                dtype, None)
+        return uk_t + (BLOCK,), uv + (BLOCK,), None
 
 
 class Block(nnx.Module):
@@ -377,10 +441,12 @@ def flat_params(model: Transformer) -> dict[str, jax.Array]:
     return {".".join(map(str, sharding.path_names(p))): x for p, x in jax.tree_util.tree_leaves_with_path(state)}
 
 
-def decode_weights(model: Transformer, merge: bool = True, tp: int = 1) -> Transformer:
-    """The model as the compiled steps read it, built once (the Engine holds it), for `tp` ranks:
-      - kv_b (absorbed into two einsums per layer and step, never a kernel's GEMV) dequantised to the
-        compute dtype instead of in every step;
+def decode_weights(model: Transformer, merge: bool = True, tp: int = 1, backend: str = "reference") -> Transformer:
+    """The model as the compiled steps of `backend` read it, built once (the Engine holds it), for `tp` ranks:
+      - kv_b as the two absorptions' per-head weights (`head_weights`: `Attention.absorb_q` W_ukᵀ,
+        `absorb_o` W_uv, one "heads_linear" op each per layer and step): backend "pallas" keeps an
+        fp8 kv_b in fp8 (the same e4m3 values and scales, laid out per head: half the bytes of
+        bf16), "reference" dequantises it to the compute dtype once instead of in every step;
       - the projections of each layer's normed input x — q_a, kv_a and, where every layer runs its
         own indexer (its stack then indexed like the layers), the indexer's wk — one `RowsLinear`
         (`Attention.x_proj`) over their weights concatenated by rows: one GEMV launch (and one
@@ -398,20 +464,28 @@ def decode_weights(model: Transformer, merge: bool = True, tp: int = 1) -> Trans
     if attn.qr_proj is not None and attn.qr_proj.ranks != tp:
         raise ValueError(f"this decode model's merged q_b | wq_b is laid out for tp={attn.qr_proj.ranks}, "
                          f"not tp={tp}: build it from the model itself")
-    kv_b = attn.kv_b_proj
-    dequant_kv_b = kv_b.scale is not None
+    heads = attn.absorb_q is None
     merge = merge and attn.x_proj is None
-    if not (dequant_kv_b or merge):
+    if not (heads or merge):
         return model
     out = nnx.clone(model)
-    if dequant_kv_b:
-        w, s = kv_b.weight.get_value(), kv_b.scale.get_value()   # arrays, or shapes in an abstract model
-        wd = jax.ShapeDtypeStruct(w.shape, model.dtype, sharding=w.sharding)
+    if heads:
+        kv_b = attn.kv_b_proj
+        w, s = kv_b.weight.get_value(), kv_b.scale.get_value() if kv_b.scale is not None else None
+        block = head_scale_block(model.cfg, w.shape[1]) if backend == "pallas" and s is not None else None
+        build = functools.partial(head_weights, model.cfg, dtype=model.dtype, block=block)
+        sh = w.sharding   # [L, H, ...] split over tp like kv_b's rows: by heads
+        if isinstance(sh, jax.sharding.NamedSharding):
+            sh = jax.sharding.NamedSharding(sh.mesh, jax.P(*sh.spec[:2]))
+        parts = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), jax.eval_shape(build, w, s))
         if not isinstance(w, jax.ShapeDtypeStruct):   # arrays, not an abstract model (`abstract_model`)
-            _check_room([wd], f"kv_b in {jnp.dtype(model.dtype).name} for the compiled steps")
-            wd = jax.jit(lambda w, s: dequantize(w, s, model.dtype), out_shardings=w.sharding)(w, s)
-        out.layers.self_attn.kv_b_proj.weight = nnx.Param(wd)
-        out.layers.self_attn.kv_b_proj.scale = None
+            _check_room(jax.tree.leaves(parts), f"kv_b per head in {jnp.dtype(parts[0][0].dtype).name} for the "
+                                                "compiled steps")
+            parts = jax.jit(build, out_shardings=jax.tree.map(lambda a: sh, parts))(w, s)
+        (uk_t, uk_ts), (uv, uvs) = parts
+        out.layers.self_attn.absorb_q = HeadsLinear(uk_t, uk_ts, block or BLOCK)
+        out.layers.self_attn.absorb_o = HeadsLinear(uv, uvs, block or BLOCK)
+        out.layers.self_attn.kv_b_proj = None
     if merge:
         own_index = model.indexers is not None and model.layout.all_full   # indexer stack indexed like the layers
         parts = [attn.q_a_proj]

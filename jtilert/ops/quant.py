@@ -17,18 +17,19 @@ def scale_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     return (*lead, -(-n // BLOCK), -(-k // BLOCK))
 
 
-def expand_scale(scale: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """Broadcast block scales [..., nb, kb] to the full weight shape [..., n, k]."""
+def expand_scale(scale: jax.Array, shape: tuple[int, ...], block: int = BLOCK) -> jax.Array:
+    """Broadcast block scales [..., nb, kb] of `block`² blocks to the full weight shape [..., n, k]."""
     *_, n, k = shape
-    s = jnp.repeat(jnp.repeat(scale, BLOCK, axis=-2), BLOCK, axis=-1)
+    s = jnp.repeat(jnp.repeat(scale, block, axis=-2), block, axis=-1)
     return s[..., :n, :k]
 
 
-def dequantize(w: jax.Array, scale: jax.Array | None, dtype=jnp.bfloat16) -> jax.Array:
-    """W = q · scale_inv[i // 128, j // 128] for fp8 weights; a plain cast otherwise."""
+def dequantize(w: jax.Array, scale: jax.Array | None, dtype=jnp.bfloat16, block: int = BLOCK) -> jax.Array:
+    """W = q · scale_inv[i // block, j // block] for fp8 weights (the checkpoint's block is 128); a
+    plain cast otherwise."""
     if scale is None:
         return w.astype(dtype)
-    return (w.astype(jnp.float32) * expand_scale(scale, w.shape)).astype(dtype)
+    return (w.astype(jnp.float32) * expand_scale(scale, w.shape, block)).astype(dtype)
 
 
 def quantize_weight(w: np.ndarray | jax.Array) -> tuple[jax.Array, jax.Array]:

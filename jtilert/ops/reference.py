@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jtilert.model.config import ModelConfig
-from jtilert.ops.quant import FP8_MAX, act_quant, dequantize, hadamard, pow2_scale
+from jtilert.ops.quant import BLOCK, FP8_MAX, act_quant, dequantize, hadamard, pow2_scale
 
 F32 = jnp.float32
 
@@ -48,6 +48,15 @@ def linear(x: jax.Array, w: jax.Array, scale: jax.Array | None = None) -> jax.Ar
     """y = x · Wᵀ with W [out, in] (bf16/fp32, or fp8 with block scales), fp32 accumulation."""
     wd = dequantize(w, scale, x.dtype)
     return dot("...k,nk->...n", x, wd).astype(x.dtype)
+
+
+def heads_linear(x: jax.Array, w: jax.Array, scale: jax.Array | None = None, block: int = BLOCK) -> jax.Array:
+    """Every head its own projection: y[t, h] = x[t, h, :K] · W[h]ᵀ, x [T, H, D ≥ K], W [H, N, K] (fp8
+    with scales [H, N/block, K/block], or a float format) → [T, H, N] in x's dtype. MLA's absorbed
+    decode runs it twice: q_nope into the latent space (W_uk per head, transposed) and the attended
+    latent out to the values (W_uv per head)."""
+    k = w.shape[-1]
+    return dot("thk,hnk->thn", x[..., :k], dequantize(w, scale, x.dtype, block)).astype(x.dtype)
 
 
 def swiglu_hidden(x, gate, gate_scale, up, up_scale):
@@ -288,10 +297,11 @@ def dequantize_kv_fp8(rows: jax.Array, lat: int) -> tuple[jax.Array, jax.Array]:
 
 
 def sparse_mla(q_lat: jax.Array, q_pe: jax.Array, kv_cache: jax.Array, pe_cache: jax.Array | None,
-               idx: jax.Array, valid: jax.Array, scale: float) -> jax.Array:
+               idx: jax.Array, valid: jax.Array, scale: float, out_dtype=F32) -> jax.Array:
     """Attention of absorbed queries over the selected latent rows.
     q_lat [T, H, L], q_pe [T, H, R], kv_cache [S, L] with pe_cache [S, R] — or kv_cache in the packed
-    fp8 layout (`quantize_kv_fp8`) with pe_cache None —, idx/valid [T, K] → o_lat [T, H, L] fp32."""
+    fp8 layout (`quantize_kv_fp8`) with pe_cache None —, idx/valid [T, K] → o_lat [T, H, L], computed
+    in fp32 and returned in `out_dtype` (the model: its activations' dtype, which the absorption reads)."""
     if pe_cache is None:
         kv, pe = dequantize_kv_fp8(kv_cache[idx], q_lat.shape[-1])
     else:
@@ -301,7 +311,7 @@ def sparse_mla(q_lat: jax.Array, q_pe: jax.Array, kv_cache: jax.Array, pe_cache:
          + jnp.einsum("thr,tkr->thk", q_pe.astype(F32), pe)) * scale
     s = jnp.where(valid[:, None, :], s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1)
-    return jnp.einsum("thk,tkl->thl", p, kv)
+    return jnp.einsum("thk,tkl->thl", p, kv).astype(out_dtype)
 
 
 # ---- MoE router -----------------------------------------------------------------------------

@@ -126,6 +126,15 @@ def _swiglu_unsupported(x, gate, gate_scale, up, up_scale) -> str | None:
     return _gemv_unsupported(x, gate, gate_scale) or _gemv_unsupported(x, up, up_scale)
 
 
+def _heads_unsupported(x, w, scale, block) -> str | None:
+    k = w.shape[-1]
+    if x.dtype != BF16 or k % KGRAIN or x.shape[-1] < k:
+        return f"activations {x.dtype}{list(x.shape)}, K={k} (a multiple of {KGRAIN} is needed)"
+    if w.dtype not in (FP8, BF16) or (w.dtype == FP8) != (scale is not None):
+        return f"weights {w.dtype} (scales {'given' if scale is not None else 'none'})"
+    return None
+
+
 def _experts_unsupported(x, gate, gate_scale, up) -> str | None:
     if x.dtype != BF16 or x.shape[-1] % KGRAIN:
         return f"activations {x.dtype}, K={x.shape[-1]}"
@@ -148,7 +157,7 @@ def _lm_head_unsupported(x, w, k) -> str | None:
     return None if k <= 64 else f"k={k} > 64"
 
 
-def _sparse_mla_unsupported(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale) -> str | None:
+def _sparse_mla_unsupported(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale, out_dtype=F32) -> str | None:
     return sparse_mla.unsupported(q_lat.shape[-2], q_lat.shape[-1], q_pe.shape[-1],
                                   kv_cache.shape[-1] if pe_cache is None else None)
 
@@ -173,6 +182,7 @@ OPS: dict[str, Op] = {
     # the norm's weight folded into the GEMV's B operand, its 1/rms in the epilogue
     "rmsnorm_linear": Op(reference.rmsnorm_linear, "pallas.gemv:rmsnorm_linear", (1, 3, 4), _rmsnorm_gemv_unsupported),
     "linear_residual": Op(reference.linear_residual, "pallas.gemv:linear_residual", (1, 2), _residual_gemv_unsupported),
+    "heads_linear": Op(reference.heads_linear, "pallas.gemv:heads_linear", (1, 2), _heads_unsupported),
     "swiglu_hidden": Op(reference.swiglu_hidden, "pallas.gemv:swiglu_pair", (1, 2, 3, 4), _swiglu_unsupported),
     "route": Op(reference.route, "pallas.moe:route", (2, 3),
                 lambda cfg, x, gate, bias: None if x.dtype == BF16 and x.shape[-1] % KGRAIN == 0
@@ -254,7 +264,7 @@ def _refused(name: str, args, e: ValueError) -> None:
 
 
 def _shapes(args) -> str:
-    return ", ".join(f"{a.dtype}{list(a.shape)}" for a in args if hasattr(a, "shape"))
+    return ", ".join(f"{a.dtype}{list(a.shape)}" for a in args if hasattr(a, "shape") and hasattr(a, "dtype"))
 
 
 # ---- the ops a model calls ----------------------------------------------------------------------

@@ -12,7 +12,8 @@ already scaled by 1/rms, computed in the kernel) and XLA's finish is their sum i
 the epilogue (cast, residual, SwiGLU).
 `layer=`: the weights are stacks [L, N, K] and the traced layer index, read on the device, steers
 the weight TMA (no slice of the stack outside the kernel). Expert mode (`ids`, used by `moe`): the
-selected experts' rows of a stack [E, N, K] (or [L, E, N, K]) are read the same way.
+selected experts' rows of a stack [E, N, K] (or [L, E, N, K]) are read the same way; `heads_linear`
+runs it with the attention heads as the experts (MLA's absorption: every head its own weight).
 K must be a multiple of 64; any N; larger T is chunked by 8.
 """
 
@@ -25,6 +26,7 @@ import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 import jtilert.pallas.interpret as _interp
@@ -111,12 +113,14 @@ class GemvConfig:
 
     def _shaped(self, split: int, k: int, w_itemsize: int, divides: int | None) -> "GemvConfig | None":
         """This config at split-K `split`: the widest block_k ≤ block_k (≤ 16 KB of weights per step
-        and weight) that divides the K slice (and `divides`), stages ≤ the slice's steps."""
+        and weight) that divides the K slice (and `divides`) and is whole swizzle rows (fp8: 64 or
+        a multiple of 128), stages ≤ the slice's steps."""
         kc = k // split
         grain = QBLOCK if (w_itemsize == 1 and kc % QBLOCK == 0) else KGRAIN
         cap = 16384 // (self.block_n * w_itemsize)
         bk = min(self.block_k, kc, cap) // grain * grain
-        while bk >= grain and (kc % bk or (divides is not None and divides % bk)):
+        while bk >= grain and (kc % bk or (divides is not None and divides % bk)
+                               or bk % hw.weight_transforms(bk, w_itemsize)[1]):
             bk -= grain
         if bk < grain:
             return None
@@ -200,8 +204,12 @@ def _finish(ys, *, kind, residual, out_dtype):
 # ---- the kernel ---------------------------------------------------------------------------------
 
 def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="linear",
-                out_dtype=BF16, config: GemvConfig | None = None, ids=None, layer=None):
+                out_dtype=BF16, config: GemvConfig | None = None, ids=None, layer=None,
+                scale_block: int = QBLOCK, prefix: bool = False):
     """Core: x [T, K] (T ≤ 8) against P = len(ws) weights [N, K] with shared x; see module doc.
+    fp8 weights carry one fp32 scale per `scale_block`² block (128: the checkpoint's; 64: copies
+    whose blocks are finer than the checkpoint's, see `transformer.head_weights`). `prefix`: x is
+    [T, ≥ K] and each row's first K columns are the input (the rest of the row is not read).
 
     Layer mode (`layer` an int32 scalar): the weights are stacks [L, N, K] (scales [L, nb, kb], norm
     weight [L, K]) and layer `layer` is used; every CTA reads the index on the device and the
@@ -211,8 +219,9 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
     (scales [E, nb, kb]) and selection i multiplies token i // (S / T) with expert ids[i]; only
     the selected experts' rows are read (the expert id is read on the device and steers the TMA).
     The result is [S, N]. With `layer` too, the stacks are [L, E, N, K], taken as [L·E, N, K] (a
-    free reshape) and the kernel reads expert ids[i] + layer·E."""
-    t, k = x.shape
+    free reshape) and the kernel reads expert ids[i] + layer·E. T is then any number of rows: each
+    CTA stages the 8-row block that holds its token (`heads_linear`: a row per token and head)."""
+    t, kx = x.shape
     p = len(ws)
     stacked = ids is not None or layer is not None
     per_layer = 1                                 # stack entries per layer (E in expert mode)
@@ -231,16 +240,19 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
         raise ValueError(f"GEMV layer mode: weights must be stacked [L, N, K], got {ws[0].shape}")
     elif layer is None and ws[0].ndim != 2:
         raise ValueError(f"GEMV kernel: weights must be [N, K], got {ws[0].shape} (stacks need layer=)")
-    n, k2 = ws[0].shape[-2:]
+    n, k = ws[0].shape[-2:]
     if norm is not None and norm.shape != ((ws[0].shape[0], k) if layer is not None else (k,)):
         raise ValueError(f"GEMV kernel: norm weight {norm.shape} does not match weights {ws[0].shape}")
     nsel = ids.shape[0] if ids is not None else t
     kper = nsel // t
     tb = 1 if ids is not None else t              # token rows of B that this CTA uses
-    if k != k2 or any(w.shape != ws[0].shape or w.dtype != ws[0].dtype for w in ws):
+    if (kx != k and not (prefix and kx > k and kx % 8 == 0 and norm is None)) or any(
+            w.shape != ws[0].shape or w.dtype != ws[0].dtype for w in ws):
         raise ValueError(f"GEMV kernel: x {x.shape} and weights {[w.shape for w in ws]} do not match")
-    if t > MAX_TOKENS or t < 1:
+    if t < 1 or (t > MAX_TOKENS and ids is None):
         raise ValueError(f"GEMV kernel: 1..{MAX_TOKENS} tokens per call, got {t}")
+    if scale_block not in (KGRAIN, QBLOCK):
+        raise ValueError(f"GEMV kernel: scale blocks of {KGRAIN} or {QBLOCK}, got {scale_block}")
     if x.dtype != BF16:
         raise ValueError(f"GEMV kernel: x must be bf16, got {x.dtype}")
     fp8 = ws[0].dtype == FP8
@@ -248,7 +260,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
         raise ValueError(f"GEMV kernel: weights must be bf16, fp8 e4m3 (or fp32, FMA engine), got {ws[0].dtype}")
     if fp8:
         for s, w in zip(scales, ws):
-            want = (*w.shape[:-2], -(-w.shape[-2] // QBLOCK), -(-w.shape[-1] // QBLOCK))
+            want = (*w.shape[:-2], -(-w.shape[-2] // scale_block), -(-w.shape[-1] // scale_block))
             if s is None or s.shape != want:
                 raise ValueError(f"GEMV kernel: fp8 weight {w.shape} needs scales {want}, got "
                                  f"{None if s is None else s.shape}")
@@ -256,11 +268,14 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
     res_dtype = residual.dtype if residual is not None else None
     layout = functools.partial(projection_smem, k=k, p=p, itemsize=itemsize, tb=tb, out_dtype=out_dtype,
                                residual_dtype=res_dtype)
+    # K slices of whole scale blocks under split-K (64-blocks: any slice of the 64 grain)
     cfg = (config or GemvConfig()).resolved(n * (nsel if ids is not None else 1), k, t, p, itemsize, hw.num_sms(),
-                                            layout=layout)
+                                            layout=layout, slice_unit=KGRAIN if scale_block == KGRAIN else None)
     hw.check_smem("GEMV kernel", layout(cfg), cfg)
     if itemsize == 4 and cfg.engine != "fma":
         raise ValueError("GEMV kernel: fp32 weights need the FMA engine")
+    if fp8 and cfg.engine == "fma" and scale_block != QBLOCK:
+        raise ValueError("GEMV kernel: the FMA engine takes 128-blocks of scales only")
     bn, bk, split, stages = cfg.block_n, cfg.block_k, cfg.split_k, cfg.stages
     fma = cfg.engine == "fma"
     kc = k // split
@@ -272,7 +287,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
     out_rows = 1 if in_kernel_epilogue else p
     o_dtype = out_dtype if in_kernel_epilogue else F32
     row_blocks = -(-n // bn)
-    kb_total = -(-k // QBLOCK)
+    kb_total = -(-k // scale_block)
     w_layout = hw.w_layout(sub, itemsize) if fma else None
     x_col_layout = hw.x_col_layout(sub, itemsize) if fma else None
 
@@ -308,6 +323,8 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
             e_idx = None
             wid = lid
             tok0 = zero
+        col0 = tok0 % MAX_TOKENS            # its row in the staged 8-row block (B's column)
+        row8 = pl.multiple_of(tok0 - col0, MAX_TOKENS)   # the block's first row of x
 
         def scale_at(j, kb):
             return s_gmems[j][wid, srow, kb] if stacked else s_gmems[j][srow, kb]
@@ -316,9 +333,11 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
             return nw_gmem.at[lid, pl.ds(start, size)] if lid is not None else nw_gmem.at[pl.ds(start, size)]
         k0 = s_idx * kc
         row0 = n_idx * bn
-        srow = row0 // QBLOCK
+        srow = row0 // scale_block
 
-        bw = QBLOCK if kc % QBLOCK == 0 else KGRAIN    # B built in 128- (or 64-) column blocks
+        # B built in column blocks of one scale each: 128 (or 64 where the K slice or the scale
+        # blocks are narrower)
+        bw = QBLOCK if kc % QBLOCK == 0 and scale_block == QBLOCK else KGRAIN
         nblk = kc // bw
 
         def build_b(xstage, svals):
@@ -358,8 +377,8 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
         else:
             # The token TMA now; B is built at step 0 of the weight pipeline, whose first `stages`
             # weight tiles are already in flight by then.
-            plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(zero, MAX_TOKENS), pl.ds(k0, kc)], xstage, bar.at[0])
-            svals = ([[scale_at(j, (k0 + b * bw) // QBLOCK) for b in range(nblk)] for j in range(p)]
+            plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(row8, MAX_TOKENS), pl.ds(k0, kc)], xstage, bar.at[0])
+            svals = ([[scale_at(j, (k0 + b * bw) // scale_block) for b in range(nblk)] for j in range(p)]
                      if fp8 else None)
         if res_smem is not None:
             plgpu.copy_gmem_to_smem(res_gmem.at[pl.ds(zero, MAX_TOKENS), pl.ds(row0, bn)], res_smem, bar.at[1])
@@ -431,8 +450,9 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
             col_id = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (bn, MAX_TOKENS), 1), plgpu.Layout.WGMMA)
 
             def cols_of(tok):
-                # B holds every token (row r = token r), so accumulator column tok0 + tok is ours.
-                cols = [jnp.sum(jnp.where(col_id == tok0 + tok, y, 0.0), axis=1) for y in ys]
+                # B holds the staged block (row r = x row row8 + r), so accumulator column
+                # col0 + tok is ours.
+                cols = [jnp.sum(jnp.where(col_id == col0 + tok, y, 0.0), axis=1) for y in ys]
                 return [c * invf[j] if fp8 else c for j, c in enumerate(cols)]
         if res_smem is not None:
             plgpu.barrier_wait(bar.at[1])
@@ -547,10 +567,24 @@ def swiglu(x, gate, gate_scale, up, up_scale, down, down_scale, *, layer=None,
     return linear(h, down, down_scale, layer=layer, config=down_config)
 
 
+def heads_linear(x, w, scale=None, block: int = QBLOCK, *, layer=None, config: GemvConfig | None = None):
+    """jtilert.ops.reference.heads_linear, one launch for all heads: y[t, h] = x[t, h, :K] · W[h]ᵀ.
+    x [T, H, D ≥ K] bf16; W [H, N, K] ([L, H, N, K] with layer=) bf16, or fp8 with scales
+    [H, N/block, K/block]. Expert mode with the heads as the experts: x's row t·H + h (token t,
+    head h) is its own selection, multiplied with stack entry h (+ layer·H)."""
+    t, h, d = x.shape
+    if w.shape[-3] != h:
+        raise ValueError(f"heads_linear: x {x.shape} has {h} heads, the weights {w.shape} {w.shape[-3]}")
+    w, scale = _prep_weight(w, scale, layer)
+    ids = jnp.asarray(np.tile(np.arange(h, dtype=np.int32), t))   # a constant operand: no launch
+    y = _projection(x.reshape(t * h, d), (w,), (scale,), ids=ids, layer=layer, scale_block=block, prefix=True,
+                    out_dtype=x.dtype, config=config)
+    return y.reshape(t, h, -1)
+
+
 # ---- benchmark entry ----------------------------------------------------------------------------
 
 def _bench():  # pragma: no cover - GPU only
-    import numpy as np
     from jax.experimental.mosaic.gpu import profiler
     key = jax.random.key(0)
     for (n, k) in [(2112, 7168), (3072, 1536), (7168, 2048), (4608, 7168)]:

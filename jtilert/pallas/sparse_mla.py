@@ -404,9 +404,10 @@ def _combine_cols(n: int, hc: int, L: int) -> int | None:
     return None
 
 
-def combine_kernel(o, m, l, *, cols: int | None = None):
+def combine_kernel(o, m, l, *, cols: int | None = None, out_dtype=F32):
     """`combine` as one Mosaic-GPU kernel (XLA needs three fusions for it). o [T, G, n, Hc, L],
-    m/l [T, G, n, Hc] → [T, G·Hc, L] fp32, for Hc in (16, 32, 64) and n ≤ 64. Grid (T, G, L / cols).
+    m/l [T, G, n, Hc] → [T, G·Hc, L] in `out_dtype` (the sums in fp32), for Hc in (16, 32, 64) and
+    n ≤ 64. Grid (T, G, L / cols).
     Per CTA: the split weights w[s,h] = e^{m[s,h]−M[h]} / Σ_s e^{m[s,h]−M[h]} l[s,h] on one [64, Hc]
     tile (splits on the rows, padded with −inf), then Σ_s w[s,h] · o[s,h,cols] on [Hc, cols] tiles."""
     T, G, n, hc, L = o.shape
@@ -441,7 +442,7 @@ def combine_kernel(o, m, l, *, cols: int | None = None):
             wr = plgpu.load(w_s.at[sp], layout=acc_layout.reduce(1), optimized=False)
             x = x * plgpu.layout_cast(lax.broadcast_in_dim(wr, (hc, cols), [0]), acc_layout)
             acc = x if acc is None else acc + x
-        out_ref.at[t, pl.ds(g * hc, hc), pl.ds(c * cols, cols)][...] = acc
+        out_ref.at[t, pl.ds(g * hc, hc), pl.ds(c * cols, cols)][...] = acc.astype(out_dtype)
 
     scratch = [
         plgpu.SMEM((HP, hc), F32), plgpu.SMEM((HP, hc), F32), plgpu.SMEM((HP, hc), F32),
@@ -451,7 +452,7 @@ def combine_kernel(o, m, l, *, cols: int | None = None):
     hw.check_smem("sparse MLA combine kernel", hw.Scope(tuple(scratch), reduces=True), f"{cols} columns per CTA")
     kernel = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((T, G * hc, L), F32),
+        out_type=jax.ShapeDtypeStruct((T, G * hc, L), out_dtype),
         scratch_types=scratch,
         grid=(T, G, L // cols), grid_names=("t", "g", "c"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
@@ -465,11 +466,12 @@ def fp8_kernel_applies(L: int, R: int, W: int) -> bool:
     return W == reference.kv_fp8_words(L, R) and R == 2 * PLANE and W % 4 == 0 and W <= TMA_MAX
 
 
-def sparse_mla(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: float, *,
+def sparse_mla(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: float, out_dtype=F32, *,
                config: SparseMLAConfig | None = None, layer=None):
     """Drop-in for `jtilert.ops.reference.sparse_mla`: q_lat [T, H, L], q_pe [T, H, R], kv_cache [S, L] with
     pe_cache [S, R], or the packed fp8 cache [S, W] uint32 with pe_cache None; idx/valid [T, K] (valid
-    may be None when masked rows carry idx < 0) → o_lat [T, H, L] fp32. With `layer` (an int32
+    may be None when masked rows carry idx < 0) → o_lat [T, H, L] in `out_dtype` (the combine kernel
+    writes it: no cast after it). With `layer` (an int32
     scalar, may be traced) the caches are a layer group's stacks [L', S, ...] and the layer's rows
     are read. More than MAX_TOKENS tokens, or shapes `unsupported` names, raise ValueError (the op
     table then runs the reference, with a warning)."""
@@ -506,9 +508,9 @@ def sparse_mla(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: float, *,
         q_pe = jnp.pad(q_pe, ((0, 0), (0, hq - H), (0, 0)))
     o, m, l = sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, valid, float(scale), config, layer)
     if config.combine == "kernel" and _combine_cols(*o.shape[2:]) is not None:
-        out = combine_kernel(o, m, l)[:, :H]
+        out = combine_kernel(o, m, l, out_dtype=out_dtype)[:, :H]
     else:
-        out = combine(o, m, l)[:, :H]
+        out = combine(o, m, l)[:, :H].astype(out_dtype)
     return _value_order(out, 128, 4) if fp8 else out
 
 

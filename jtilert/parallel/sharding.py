@@ -35,7 +35,7 @@ def mesh_tp(mesh: Mesh | None) -> int:
 
 # Which axis of each weight is split over tp, by the parameter's name in the module tree.
 _SPLIT = {
-    "q_b_proj": 0, "kv_b_proj": 0, "o_proj": 1,
+    "q_b_proj": 0, "kv_b_proj": 0, "o_proj": 1, "absorb_q": 0, "absorb_o": 0,   # (kv_b per head: by heads)
     "qr_proj": 0,   # the decode model's q_b | wq_b: one block of rows per rank (`decode_weights`)
     "gate_proj": 0, "up_proj": 0, "down_proj": 1,
     "lm_head": 0, "head": 0,
@@ -125,14 +125,15 @@ def check_tp(cfg, tp: int) -> None:
 
 
 def check_split(name: str, shape, dtype, tp: int) -> None:
-    """ValueError when parameter `name`'s split axis does not divide by tp (or, fp8, not in whole blocks)."""
+    """ValueError when parameter `name`'s split axis does not divide by tp (or, fp8, when it is one of
+    the two block-scaled last axes, not in whole blocks)."""
     axis = split_axis(tuple(name.split(".")))
     if axis is None or tp == 1:
         return
     shape = tuple(shape)
     if shape[axis] % tp:
         raise ValueError(f"parameter {name} of shape {shape}: axis {axis} does not divide by tp={tp}")
-    if np.dtype(dtype) == FP8 and (shape[axis] // tp) % BLOCK:
+    if np.dtype(dtype) == FP8 and axis >= len(shape) - 2 and (shape[axis] // tp) % BLOCK:
         raise ValueError(f"parameter {name} of shape {shape}: fp8 block scales need each of the "
                          f"tp={tp} slices of axis {axis} to be a multiple of {BLOCK}")
 

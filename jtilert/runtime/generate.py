@@ -95,7 +95,7 @@ class Engine:
         self.mesh = mesh
         self.tp = tp = sharding.mesh_tp(mesh)
         sharding.check_tp(self.cfg, tp)
-        self.graphdef, state = nnx.split(decode_weights(model, tp=tp))
+        self.graphdef, state = nnx.split(decode_weights(model, tp=tp, backend=config.backend))
         if tp > 1:
             specs = sharding.param_specs(state)
             self._state_specs = jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, P))

@@ -27,6 +27,8 @@ from safetensors import TensorSpec, serialize_file
 #   GEMV / swiglu / router / lm head: K = hidden, q_lora, heads·v_head, intermediate multiples of 64
 #   MoE experts: expert width (moe_intermediate) a multiple of 128
 #   sparse MLA: kv_lora a multiple of 64, rope dim a multiple of 8 (heads padded to 8 by the wrapper)
+#   kv_b per head (heads_linear): K = kv_lora, and qk_nope_head_dim — 16 here: that absorption runs the
+#            reference (test_golden_kernels lets its warning pass)
 #   indexer: index key rows of 128 bytes (64 bf16) so the kernel appends the key itself; the heads
 #            are padded to 32 by the kernel; cache rows a multiple of 8 (the caller's cache length)
 COMMON = dict(
