@@ -119,10 +119,12 @@ def test_fp8_cache_in_model_pallas_equals_reference(monkeypatch):
         pos = start + jnp.arange(x.shape[0], dtype=jnp.int32)
         cos, sin = reference.rope_cos_sin(cfg, pos)
 
-        def indexer(qa, k, c):
-            return model.indexers(ops, layer, x, qa, cos, sin, pos, jnp.int32(start), c, k)
+        norm = model.layers.input_layernorm
 
-        return model.layers.self_attn(ops, layer, x, cos, sin, pos, jnp.int32(start), cache, indexer)
+        def indexer(qr, q, k, c):
+            return model.indexers(ops, layer, norm(x, layer), qr, cos, sin, pos, jnp.int32(start), c, q, k)
+
+        return model.layers.self_attn(ops, layer, x, norm, cos, sin, pos, jnp.int32(start), cache, indexer)
 
     plain = Ops(DecodeConfig(backend="reference"))
     _, cache, _ = jax.jit(lambda x, c: step(plain, x, 0, c))(
