@@ -239,8 +239,8 @@ def test_cross_lowering_dsv32_shapes():
     x = S((1, 7168), BF16)
     q = lambda n, k: (S((n, k), FP8), S((-(-n // 128), k // 128), F32))
     _lower(lambda x, nw, w, s: gemv.rmsnorm_linear(x, nw, 1e-6, w, s), x, S((7168,), BF16), *q(2112, 7168))
-    # the decode model's qr_proj (q_b | wq_b after q_a_layernorm)
-    _lower(lambda x, nw, w, s: gemv.rmsnorm_linear(x, nw, 1e-6, w, s), S((1, 1536), BF16), S((1536,), BF16),
+    # the decode model's qr_proj (q_b | wq_b after q_a_layernorm), reading q_a in x_proj's output
+    _lower(lambda x, nw, w, s: gemv.rmsnorm_linear(x, nw, 1e-6, w, s), S((1, 2240), BF16), S((1536,), BF16),
            *q(3072 + 8192, 1536))
     _lower(gemv.linear, S((1, 1536), BF16), *q(3072, 1536))
     _lower(gemv.linear_residual, S((2, 2048), BF16), *q(7168, 2048), S((2, 7168), BF16))
@@ -256,4 +256,7 @@ def test_cross_lowering_absorption_shapes(heads, nope, v, block):
     q = lambda n, k: (S((5, heads, n, k), FP8), S((5, heads, -(-n // block), -(-k // block)), F32))
     absorb = lambda x, w, s, layer: gemv.heads_linear(x, w, s, block, layer=layer)
     _lower(absorb, S((2, heads, nope + 64), BF16), *q(512, nope), S((), jnp.int32))
+    # q read in place in qr_proj's output (q, then the indexer's query)
+    _lower(lambda x, w, s, layer: gemv.heads_linear(x, w, s, block, nope + 64, layer=layer),
+           S((2, heads * (nope + 64) + 8192), BF16), *q(512, nope), S((), jnp.int32))
     _lower(absorb, S((2, heads, 512), BF16), *q(v, 512), S((), jnp.int32))
