@@ -194,3 +194,67 @@ def test_kernels_get_the_layer_index_itself():
     # DeepSeek-V3.2 (every layer has its indexer): the dense body computes no index; the MoE body one,
     # its place in the MoE stacks (i - first_k_dense_replace)
     assert _computed_indices("dsv32-tp8-shard") == [0, 1]
+
+
+# ---- kernels read whole arrays: no slice of another array as a kernel operand ------------------
+# A slice passed to a kernel becomes a DynamicSliceFusion around the custom call in XLA's GPU
+# compiler; inside the layer loop it depends on the loop (its layer-index operand), which keeps
+# XLA from capturing the loop as one CUDA graph (the host then launches every layer's pieces).
+# Kernels take the whole array and read their window of it themselves.
+
+_SLICES = {"slice", "dynamic_slice", "gather"}
+_VIEWS = {"reshape", "squeeze", "expand_dims", "bitcast_convert_type"}   # an operand's bytes as they are
+
+
+def _kernel_name(e) -> str:
+    for k in ("name", "kernel_name", "call_target_name"):
+        v = e.params.get(k)
+        if isinstance(v, str):
+            return v
+    return e.primitive.name
+
+
+def _sliced_operands(jaxpr, env: dict, where: str, found: list) -> None:
+    """Appends (kernel, operand, its slice) for every kernel launch in `jaxpr` (and the jaxprs inside
+    it) with an operand that is a slice of another array, or a reshape of one. `env`: the slice
+    each sliced variable comes from."""
+    for e in jaxpr.eqns:
+        name = e.primitive.name
+        ins = [env.get(v) if not hasattr(v, "val") else None for v in e.invars]
+        if name in _LAUNCHES or name == "pallas_call":
+            found += [(f"{where}{_kernel_name(e)}", f"operand {j} {v.aval.str_short()}", o)
+                      for j, (v, o) in enumerate(zip(e.invars, ins)) if o is not None]
+            continue
+        if name in _SLICES:
+            src = e.invars[0].aval.str_short()
+            for v in e.outvars:
+                env[v] = f"{name} of {src} -> {v.aval.str_short()}"
+        elif name in _VIEWS and ins[0] is not None:
+            for v in e.outvars:
+                env[v] = f"{name} of ({ins[0]})"
+        sub = e.params.get("jaxpr") if name in ("pjit", "jit", "closed_call", "custom_jvp_call",
+                                                "custom_vjp_call", "remat") else None
+        if sub is not None:
+            inner = getattr(sub, "jaxpr", sub)
+            inner_env = {iv: o for iv, o in zip(inner.invars, ins) if o is not None}
+            _sliced_operands(inner, inner_env, f"{where}{e.params.get('name', name)}/", found)
+            for ov, iv in zip(e.outvars, inner.outvars):
+                if inner_env.get(iv) is not None:
+                    env[ov] = inner_env[iv]
+        elif name == "cond":
+            for br in e.params["branches"]:
+                _sliced_operands(br.jaxpr, {iv: o for iv, o in zip(br.jaxpr.invars, ins[1:]) if o is not None},
+                                 f"{where}cond/", found)
+        elif name in ("scan", "while"):
+            for k in ("jaxpr", "body_jaxpr", "cond_jaxpr"):
+                if k in e.params:
+                    _sliced_operands(e.params[k].jaxpr, {}, f"{where}{name}/", found)
+
+
+@pytest.mark.parametrize("name", sorted(BUDGET))
+def test_kernels_get_no_slices_in_the_layer_loop(name):
+    for body in _scan_bodies(name):
+        found = []
+        _sliced_operands(body, {}, "", found)
+        assert not found, "kernels that get a slice of another array:\n" + "\n".join(
+            f"{k}: {op} = {src}" for k, op, src in found)

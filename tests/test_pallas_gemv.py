@@ -110,30 +110,49 @@ def _blocked_fp8(shape, block):
     return q, jnp.exp2(jax.random.randint(_key(), blocks, -4, 4).astype(F32)) * (shape[-1] ** -0.5 / 64)
 
 
-@pytest.mark.parametrize("t,heads,n,k,d,fmt,block", [
-    (3, 4, 64, 64, 96, "fp8", 128),    # 12 rows: CTAs past row 8 stage their own 8-row block; x rows wider than K
-    (1, 2, 96, 192, 256, "fp8", 64),   # GLM-5's W_ukᵀ K (nope 192: block_k 64), 64-blocks of scales, N % 64 ≠ 0
-    (2, 3, 64, 128, 128, "bf16", 128),
+@pytest.mark.parametrize("t,heads,n,k,d,fmt,block,extra", [
+    (3, 4, 64, 64, 96, "fp8", 128, None),    # 12 rows: CTAs past row 8 stage their own 8-row block; x rows wider than K
+    (1, 2, 96, 192, 256, "fp8", 64, None),   # GLM-5's W_ukᵀ K (nope 192: block_k 64), 64-blocks of scales, N % 64 ≠ 0
+    (2, 3, 64, 128, 128, "bf16", 128, None),
+    (3, 4, 64, 64, 96, "fp8", 128, 136),     # x [T, W]: the heads' rows at columns h·D of a wider row (q in
+    (1, 2, 96, 192, 256, "fp8", 64, 0),      # qr_proj's output, the indexer's query after it)
 ])
-def test_heads_linear(t, heads, n, k, d, fmt, block):
+def test_heads_linear(t, heads, n, k, d, fmt, block, extra):
     """Every head's own projection in one launch (MLA's absorption): the expert mode with the heads as
     the experts and each (token, head) row of x a selection, the weights a 2-layer stack read at the
-    layer index, x's rows wider than K (q's nope part)."""
-    x = _x(t * heads, d).reshape(t, heads, d)
+    layer index, x's rows wider than K (q's nope part). `extra`: x given as [T, H·D + extra] with
+    head_dim=D, read in place (the extra columns large, so reading them shows)."""
     w, s = _blocked_fp8((2, heads, n, k), block) if fmt == "fp8" else _weight((2, heads, n, k), fmt)
-    got = _run(lambda x, w, s, layer: gemv.heads_linear(x, w, s, block, layer=layer), x, w, s, jnp.int32(1))
+    w1, s1 = w[1], None if s is None else s[1]
+    if extra is None:
+        x, head_dim = _x(t * heads, d).reshape(t, heads, d), None
+        want = reference.heads_linear(x, w1, s1, block)
+    else:
+        x, head_dim = jnp.concatenate([_x(t, heads * d), _x(t, extra, 100.0)], axis=1), d
+        want = reference.heads_linear(x, w1, s1, block, d)
+        # the wide form's reference is the sliced form's, bit for bit
+        np.testing.assert_array_equal(
+            np.asarray(want, np.float32),
+            np.asarray(reference.heads_linear(x[:, :heads * d].reshape(t, heads, d), w1, s1, block), np.float32))
+    got = _run(lambda x, w, s, layer: gemv.heads_linear(x, w, s, block, head_dim, layer=layer), x, w, s, jnp.int32(1))
     assert got.shape == (t, heads, n)
-    assert _rel(got, reference.heads_linear(x, w[1], None if s is None else s[1], block)) < TOL
+    assert _rel(got, want) < TOL
 
 
-@pytest.mark.parametrize("t,n,k,split", [(2, 96, 256, 1), (1, 64, 512, 2)])
-def test_rmsnorm_linear(t, n, k, split):
-    x = _x(t, k, 3.0)
+@pytest.mark.parametrize("t,n,k,split,extra,engine", [
+    (2, 96, 256, 1, 0, "auto"), (1, 64, 512, 2, 0, "auto"),
+    # x wider than K (qr_proj reading q_a as the first columns of x_proj's output): the extra
+    # columns large, so a norm or product that reads them shows
+    (2, 96, 256, 1, 136, "auto"), (1, 64, 512, 2, 64, "auto"), (2, 64, 256, 1, 64, "fma")])
+def test_rmsnorm_linear(t, n, k, split, extra, engine):
+    x = jnp.concatenate([_x(t, k, 3.0), _x(t, extra, 100.0)], axis=1)
     nw = (1 + 0.1 * jax.random.normal(_key(), (k,))).astype(BF16)
     w, s = _weight((n, k), "fp8")
-    got = _run(lambda x, nw, w, s: gemv.rmsnorm_linear(x, nw, 1e-6, w, s,
-                                                       config=gemv.GemvConfig(split_k=split)), x, nw, w, s)
-    ref = reference.linear(reference.rms_norm(x, nw, 1e-6), w, s)
+    cfg = gemv.GemvConfig(split_k=split, engine=engine)
+    got = _run(lambda x, nw, w, s: gemv.rmsnorm_linear(x, nw, 1e-6, w, s, config=cfg), x, nw, w, s)
+    ref = reference.linear(reference.rms_norm(x[:, :k], nw, 1e-6), w, s)
+    np.testing.assert_array_equal(np.asarray(reference.rmsnorm_linear(x, nw, 1e-6, w, s), np.float32),
+                                  np.asarray(ref, np.float32))
     assert _rel(got, ref) < TOL
 
 
@@ -220,8 +239,8 @@ def test_cross_lowering_dsv32_shapes():
     x = S((1, 7168), BF16)
     q = lambda n, k: (S((n, k), FP8), S((-(-n // 128), k // 128), F32))
     _lower(lambda x, nw, w, s: gemv.rmsnorm_linear(x, nw, 1e-6, w, s), x, S((7168,), BF16), *q(2112, 7168))
-    # the decode model's qr_proj (q_b | wq_b after q_a_layernorm)
-    _lower(lambda x, nw, w, s: gemv.rmsnorm_linear(x, nw, 1e-6, w, s), S((1, 1536), BF16), S((1536,), BF16),
+    # the decode model's qr_proj (q_b | wq_b after q_a_layernorm), reading q_a in x_proj's output
+    _lower(lambda x, nw, w, s: gemv.rmsnorm_linear(x, nw, 1e-6, w, s), S((1, 2240), BF16), S((1536,), BF16),
            *q(3072 + 8192, 1536))
     _lower(gemv.linear, S((1, 1536), BF16), *q(3072, 1536))
     _lower(gemv.linear_residual, S((2, 2048), BF16), *q(7168, 2048), S((2, 7168), BF16))
@@ -237,4 +256,7 @@ def test_cross_lowering_absorption_shapes(heads, nope, v, block):
     q = lambda n, k: (S((5, heads, n, k), FP8), S((5, heads, -(-n // block), -(-k // block)), F32))
     absorb = lambda x, w, s, layer: gemv.heads_linear(x, w, s, block, layer=layer)
     _lower(absorb, S((2, heads, nope + 64), BF16), *q(512, nope), S((), jnp.int32))
+    # q read in place in qr_proj's output (q, then the indexer's query)
+    _lower(lambda x, w, s, layer: gemv.heads_linear(x, w, s, block, nope + 64, layer=layer),
+           S((2, heads * (nope + 64) + 8192), BF16), *q(512, nope), S((), jnp.int32))
     _lower(absorb, S((2, heads, 512), BF16), *q(v, 512), S((), jnp.int32))

@@ -101,6 +101,14 @@ class RowsLinear(Linear):
     def split(self, y: jax.Array) -> list[jax.Array]:
         return [y[..., a:a + n] for a, n in self.parts]
 
+    def leading(self, y: jax.Array, j: int) -> jax.Array:
+        """y itself, for an op that reads part j as the first columns of a wider x (a kernel then
+        reads it in place: a slice passed to a kernel becomes a DynamicSliceFusion, which keeps XLA
+        from capturing the layer loop as one CUDA graph). ValueError unless part j is at column 0."""
+        if self.parts[j][0] != 0:
+            raise ValueError(f"part {j} of {self.parts} starts at column {self.parts[j][0]}, not 0")
+        return y
+
 
 class HeadsLinear(nnx.Module):
     """One projection per attention head (op "heads_linear": y[t, h] = x[t, h, :K] · W[h]ᵀ): weight
@@ -296,18 +304,25 @@ class Attention(nnx.Module):
         cfg = self.cfg
         t, lat, nope = x.shape[0], cfg.kv_lora_rank, cfg.qk_nope_head_dim
         index_q = index_k = None
+        # qa_x, q_x: arrays whose first columns are q_a and q (the merged GEMVs' whole outputs,
+        # which the kernels read in place)
         if self.x_proj is not None:
-            qa, *index_k, kva = self.x_proj.split(self.x_proj(ops, x, i, norm=norm))
+            xp = self.x_proj(ops, x, i, norm=norm)
+            qa, *index_k, kva = self.x_proj.split(xp)
+            qa_x = self.x_proj.leading(xp, 0)
             index_k = index_k[0] if index_k else None
         else:
             x_in = norm(x, i)
             qa, kva = self.q_a_proj(ops, x_in, i), self.kv_a_proj_with_mqa(ops, x_in, i)
+            qa_x = qa
         if self.qr_proj is not None:
             qr = None
-            q, index_q = self.qr_proj.split(self.qr_proj(ops, qa, i, norm=self.q_a_layernorm))
+            qp = self.qr_proj(ops, qa_x, i, norm=self.q_a_layernorm)
+            q, index_q = self.qr_proj.split(qp)
+            q_x = self.qr_proj.leading(qp, 0)
         else:
             qr = self.q_a_layernorm(qa, i)
-            q = self.q_b_proj(ops, qr, i)
+            q = q_x = self.q_b_proj(ops, qr, i)
         heads = q.shape[-1] // cfg.qk_head_dim  # local heads under tp
         q = q.reshape(t, heads, cfg.qk_head_dim)
         q_pe = reference.apply_rope(q[..., nope:], cos, sin, True)
@@ -319,7 +334,8 @@ class Attention(nnx.Module):
             cache = dict(cache, kv=_write(cache["kv"], latent, i, start), pe=_write(cache["pe"], k_pe, i, start))
         topk, cache = indexer(qr, index_q, index_k, cache)
         w_uk_t, w_uv, at = self._absorption(i, x.dtype)
-        q_lat = ops("heads_linear", q, *w_uk_t, layer=at)   # each head's q_nope (its first nope features)
+        # each head's q_nope (the first nope features of its qk_head_dim columns of q_x)
+        q_lat = ops("heads_linear", q_x, *w_uk_t, cfg.qk_head_dim, layer=at)
         o_lat = ops("sparse_mla", q_lat, q_pe, cache["kv"], cache.get("pe"), *topk, cfg.softmax_scale, x.dtype,
                     layer=i)
         o = ops("heads_linear", o_lat, *w_uv, layer=at).reshape(t, heads * cfg.v_head_dim)

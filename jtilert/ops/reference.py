@@ -50,12 +50,16 @@ def linear(x: jax.Array, w: jax.Array, scale: jax.Array | None = None) -> jax.Ar
     return dot("...k,nk->...n", x, wd).astype(x.dtype)
 
 
-def heads_linear(x: jax.Array, w: jax.Array, scale: jax.Array | None = None, block: int = BLOCK) -> jax.Array:
-    """Every head its own projection: y[t, h] = x[t, h, :K] · W[h]ᵀ, x [T, H, D ≥ K], W [H, N, K] (fp8
-    with scales [H, N/block, K/block], or a float format) → [T, H, N] in x's dtype. MLA's absorbed
-    decode runs it twice: q_nope into the latent space (W_uk per head, transposed) and the attended
-    latent out to the values (W_uv per head)."""
-    k = w.shape[-1]
+def heads_linear(x: jax.Array, w: jax.Array, scale: jax.Array | None = None, block: int = BLOCK,
+                 head_dim: int | None = None) -> jax.Array:
+    """Every head its own projection: y[t, h] = x[t, h, :K] · W[h]ᵀ, x [T, H, D ≥ K] (or [T, W ≥ H·D]
+    with head_dim=D: head h's row at columns h·D.. of row t), W [H, N, K] (fp8 with scales
+    [H, N/block, K/block], or a float format) → [T, H, N] in x's dtype. MLA's absorbed decode runs it
+    twice: q_nope into the latent space (W_uk per head, transposed) and the attended latent out to
+    the values (W_uv per head)."""
+    k, h = w.shape[-1], w.shape[-3]
+    if head_dim is not None and x.ndim == 2:
+        x = x[:, :h * head_dim].reshape(x.shape[0], h, head_dim)
     return dot("thk,hnk->thn", x[..., :k], dequantize(w, scale, x.dtype, block)).astype(x.dtype)
 
 
@@ -71,8 +75,11 @@ def swiglu(x, gate, gate_scale, up, up_scale, down, down_scale):
 
 def rmsnorm_linear(x: jax.Array, norm_weight: jax.Array, eps: float, w: jax.Array,
                    scale: jax.Array | None = None) -> jax.Array:
-    """linear(rms_norm(x, norm_weight, eps), w, scale): a norm feeding a projection."""
-    return linear(rms_norm(x, norm_weight, eps), w, scale)
+    """linear(rms_norm(x[..., :K], norm_weight, eps), w, scale), K = norm_weight's width: a norm
+    feeding a projection (x may be wider: another projection's output whose first K columns are the
+    input)."""
+    k = norm_weight.shape[-1]
+    return linear(rms_norm(x[..., :k] if x.shape[-1] > k else x, norm_weight, eps), w, scale)
 
 
 def linear_residual(x: jax.Array, w: jax.Array, scale: jax.Array | None, residual: jax.Array) -> jax.Array:

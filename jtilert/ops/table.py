@@ -109,9 +109,10 @@ def _gemv_unsupported(x, w, scale) -> str | None:
 
 
 def _rmsnorm_gemv_unsupported(x, norm_weight, eps, w, scale) -> str | None:
-    if norm_weight.shape != x.shape[-1:]:
-        return f"norm weight {norm_weight.shape} for K={x.shape[-1]}"
-    return _gemv_unsupported(x, w, scale)
+    k = norm_weight.shape[-1]   # x may be wider: the kernel reads its first K columns
+    if norm_weight.ndim != 1 or x.shape[-1] < k or (x.shape[-1] > k and x.shape[-1] % 8):
+        return f"norm weight {norm_weight.shape} for x {list(x.shape)} (rows wider than K: a multiple of 8)"
+    return _gemv_unsupported(jax.ShapeDtypeStruct((*x.shape[:-1], k), x.dtype), w, scale)
 
 
 def _residual_gemv_unsupported(x, w, scale, residual) -> str | None:
@@ -126,9 +127,10 @@ def _swiglu_unsupported(x, gate, gate_scale, up, up_scale) -> str | None:
     return _gemv_unsupported(x, gate, gate_scale) or _gemv_unsupported(x, up, up_scale)
 
 
-def _heads_unsupported(x, w, scale, block) -> str | None:
+def _heads_unsupported(x, w, scale, block, head_dim=None) -> str | None:
     k = w.shape[-1]
-    if x.dtype != BF16 or k % KGRAIN or x.shape[-1] < k:
+    d = x.shape[-1] if head_dim is None else head_dim
+    if x.dtype != BF16 or k % KGRAIN or d < k or x.shape[-1] % 8:
         return f"activations {x.dtype}{list(x.shape)}, K={k} (a multiple of {KGRAIN} is needed)"
     if w.dtype not in (FP8, BF16) or (w.dtype == FP8) != (scale is not None):
         return f"weights {w.dtype} (scales {'given' if scale is not None else 'none'})"

@@ -14,6 +14,9 @@ the epilogue (cast, residual, SwiGLU).
 the weight TMA (no slice of the stack outside the kernel). Expert mode (`ids`, used by `moe`): the
 selected experts' rows of a stack [E, N, K] (or [L, E, N, K]) are read the same way; `heads_linear`
 runs it with the attention heads as the experts (MLA's absorption: every head its own weight).
+`prefix`: x may be wider than K and the kernel reads its window of it (the first K columns; in expert
+mode `stride` apart per selection of a token): a slice passed to a kernel becomes a DynamicSliceFusion
+in XLA, which keeps XLA from capturing the layer loop as one CUDA graph.
 K must be a multiple of 64; any N; larger T is chunked by 8.
 """
 
@@ -205,11 +208,12 @@ def _finish(ys, *, kind, residual, out_dtype):
 
 def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="linear",
                 out_dtype=BF16, config: GemvConfig | None = None, ids=None, layer=None,
-                scale_block: int = QBLOCK, prefix: bool = False):
+                scale_block: int = QBLOCK, prefix: bool = False, stride: int = 0):
     """Core: x [T, K] (T ≤ 8) against P = len(ws) weights [N, K] with shared x; see module doc.
     fp8 weights carry one fp32 scale per `scale_block`² block (128: the checkpoint's; 64: copies
     whose blocks are finer than the checkpoint's, see `transformer.head_weights`). `prefix`: x is
-    [T, ≥ K] and each row's first K columns are the input (the rest of the row is not read).
+    [T, W ≥ K] (W a multiple of 8: TMA's row stride) and each row's first K columns are the input
+    (the rest of the row is not read; a norm's rms covers those K columns only).
 
     Layer mode (`layer` an int32 scalar): the weights are stacks [L, N, K] (scales [L, nb, kb], norm
     weight [L, K]) and layer `layer` is used; every CTA reads the index on the device and the
@@ -220,7 +224,9 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
     the selected experts' rows are read (the expert id is read on the device and steers the TMA).
     The result is [S, N]. With `layer` too, the stacks are [L, E, N, K], taken as [L·E, N, K] (a
     free reshape) and the kernel reads expert ids[i] + layer·E. T is then any number of rows: each
-    CTA stages the 8-row block that holds its token (`heads_linear`: a row per token and head)."""
+    CTA stages the 8-row block that holds its token. `stride` (with `prefix`): selection i reads
+    columns j·stride .. j·stride + K of its token's row, j = i mod S/T (`heads_linear`: the heads of a
+    token are experts 0..H-1, head j's input at columns j·D of the token's row)."""
     t, kx = x.shape
     p = len(ws)
     stacked = ids is not None or layer is not None
@@ -246,9 +252,12 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
     nsel = ids.shape[0] if ids is not None else t
     kper = nsel // t
     tb = 1 if ids is not None else t              # token rows of B that this CTA uses
-    if (kx != k and not (prefix and kx > k and kx % 8 == 0 and norm is None)) or any(
+    if (kx != k and not (prefix and kx > k and kx % 8 == 0)) or any(
             w.shape != ws[0].shape or w.dtype != ws[0].dtype for w in ws):
         raise ValueError(f"GEMV kernel: x {x.shape} and weights {[w.shape for w in ws]} do not match")
+    if stride and (ids is None or not prefix or (kper - 1) * stride + k > kx):
+        raise ValueError(f"GEMV kernel: stride {stride} needs expert mode and x rows of ≥ {(kper - 1) * stride + k}"
+                         f" columns ({kper} selections per token), got x {x.shape}")
     if t < 1 or (t > MAX_TOKENS and ids is None):
         raise ValueError(f"GEMV kernel: 1..{MAX_TOKENS} tokens per call, got {t}")
     if scale_block not in (KGRAIN, QBLOCK):
@@ -319,10 +328,11 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
             e_idx = lax.axis_index("e")
             wid = ids_gmem[e_idx] if lid is None else ids_gmem[e_idx] + lid * per_layer
             tok0 = e_idx // kper            # the token of this selection
+            c0 = (e_idx % kper) * stride    # its window's first column in the token's row
         else:
             e_idx = None
             wid = lid
-            tok0 = zero
+            tok0 = c0 = zero
         col0 = tok0 % MAX_TOKENS            # its row in the staged 8-row block (B's column)
         row8 = pl.multiple_of(tok0 - col0, MAX_TOKENS)   # the block's first row of x
 
@@ -370,14 +380,14 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
         if fma:
             # FMA engine: fp32 rows [T, kc] (x · norm weight, rounded to bf16 like the wgmma path).
             for tok in range(tb):
-                xr = x_gmem.at[tok0 + tok, pl.ds(k0, kc)][...].astype(F32)
+                xr = x_gmem.at[tok0 + tok, pl.ds(c0 + k0, kc)][...].astype(F32)
                 if nw_gmem is not None:
                     xr = xr * norm_at(k0, kc)[...].astype(F32)
                 xf.at[tok][...] = xr.astype(BF16).astype(F32)
         else:
             # The token TMA now; B is built at step 0 of the weight pipeline, whose first `stages`
             # weight tiles are already in flight by then.
-            plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(row8, MAX_TOKENS), pl.ds(k0, kc)], xstage, bar.at[0])
+            plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(row8, MAX_TOKENS), pl.ds(c0 + k0, kc)], xstage, bar.at[0])
             svals = ([[scale_at(j, (k0 + b * bw) // scale_block) for b in range(nblk)] for j in range(p)]
                      if fp8 else None)
         if res_smem is not None:
@@ -461,9 +471,9 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
         for tok in range(tb):
             cols = cols_of(tok)
             if norm is not None:
-                # the norm's 1/rms over the token's whole row (every CTA reads it from GMEM; with
+                # the norm's 1/rms over the token's K columns (every CTA reads them from GMEM; with
                 # split-K each scales its partial sums, so XLA's finish is only their sum)
-                xr = x_gmem.at[tok][...].astype(F32)
+                xr = x_gmem.at[tok, pl.ds(0, k)][...].astype(F32)
                 rms = lax.rsqrt(jnp.sum(xr * xr) / k + eps)
                 cols = [c * rms for c in cols]
             if in_kernel_epilogue:
@@ -541,13 +551,15 @@ def linear_residual(x, w, scale, residual, *, layer=None, config: GemvConfig | N
 
 
 def rmsnorm_linear(x, norm_weight, eps, w, scale=None, *, layer=None, config: GemvConfig | None = None):
-    """linear(rms_norm(x, norm_weight, eps), w, scale) in one kernel (norm_weight [L, K] with layer=)."""
+    """linear(rms_norm(x[..., :K], norm_weight, eps), w, scale) in one kernel (norm_weight [K], [L, K]
+    with layer=): x may be wider than K (another projection's output, its first K columns the input)."""
     w, scale = _prep_weight(w, scale, layer)
-    if norm_weight.shape[-1:] != x.shape[-1:] or norm_weight.ndim != (1 if layer is None else 2):
+    k = norm_weight.shape[-1]
+    if norm_weight.ndim != (1 if layer is None else 2) or x.shape[-1] < k:
         raise ValueError(f"norm weight {norm_weight.shape} does not match x {x.shape}")
     nw = norm_weight.astype(BF16)  # the reference multiplies in x.dtype
     return hw.token_chunks(x, lambda xc, _: _projection(xc, (w,), (scale,), norm=nw, eps=eps, layer=layer,
-                                                config=config))
+                                                config=config, prefix=x.shape[-1] > k))
 
 
 def swiglu_pair(x, gate, gate_scale, up, up_scale, *, layer=None, config: GemvConfig | None = None):
@@ -567,17 +579,25 @@ def swiglu(x, gate, gate_scale, up, up_scale, down, down_scale, *, layer=None,
     return linear(h, down, down_scale, layer=layer, config=down_config)
 
 
-def heads_linear(x, w, scale=None, block: int = QBLOCK, *, layer=None, config: GemvConfig | None = None):
+def heads_linear(x, w, scale=None, block: int = QBLOCK, head_dim: int | None = None, *, layer=None,
+                 config: GemvConfig | None = None):
     """jtilert.ops.reference.heads_linear, one launch for all heads: y[t, h] = x[t, h, :K] · W[h]ᵀ.
-    x [T, H, D ≥ K] bf16; W [H, N, K] ([L, H, N, K] with layer=) bf16, or fp8 with scales
-    [H, N/block, K/block]. Expert mode with the heads as the experts: x's row t·H + h (token t,
-    head h) is its own selection, multiplied with stack entry h (+ layer·H)."""
-    t, h, d = x.shape
-    if w.shape[-3] != h:
-        raise ValueError(f"heads_linear: x {x.shape} has {h} heads, the weights {w.shape} {w.shape[-3]}")
+    x [T, H, D ≥ K] bf16, or [T, W ≥ H·D] with head_dim=D (head h's row at columns h·D.. of row t:
+    another projection's output, read in place); W [H, N, K] ([L, H, N, K] with layer=) bf16, or
+    fp8 with scales [H, N/block, K/block]. Expert mode with the heads as the experts: token t's
+    selection h reads columns h·D.. of x's row t and multiplies them with stack entry h (+ layer·H)."""
+    h = w.shape[-3]
+    if x.ndim == 3:
+        if x.shape[1] != h or head_dim not in (None, x.shape[2]):
+            raise ValueError(f"heads_linear: x {x.shape} (head_dim {head_dim}) for {h} heads of weights {w.shape}")
+        head_dim = x.shape[2]
+        x = x.reshape(x.shape[0], -1)              # a free reshape of the whole array
+    elif head_dim is None or x.ndim != 2 or x.shape[1] < h * head_dim:
+        raise ValueError(f"heads_linear: x {x.shape} (head_dim {head_dim}) for {h} heads of weights {w.shape}")
+    t = x.shape[0]
     w, scale = _prep_weight(w, scale, layer)
     ids = jnp.asarray(np.tile(np.arange(h, dtype=np.int32), t))   # a constant operand: no launch
-    y = _projection(x.reshape(t * h, d), (w,), (scale,), ids=ids, layer=layer, scale_block=block, prefix=True,
+    y = _projection(x, (w,), (scale,), ids=ids, layer=layer, scale_block=block, prefix=True, stride=head_dim,
                     out_dtype=x.dtype, config=config)
     return y.reshape(t, h, -1)
 
