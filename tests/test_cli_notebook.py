@@ -42,10 +42,22 @@ def test_generate_streams_text_and_reports_speed():
     (["generate", "--prompt", "abc", "--max-new-tokens", "8", "--max-seq-len", "6"],
      "the prompt (3 tokens) and --max-new-tokens 8 need 11 positions, more than --max-seq-len (6)"),
 ])
-def test_bad_input_is_one_line_without_traceback(args, message):
-    r = cli(*args)
+def test_bad_input_is_one_line_without_traceback(args, message, capsys):
+    """In this process (`jtilert.cli.main`, what `python -m jtilert.cli` exits with): an escaping
+    exception fails the test as a traceback would; a fresh process per case would only add its start-up,
+    which the next test checks once."""
+    from jtilert import cli as jcli
+    assert jcli.main(args) == 2
+    out, err = capsys.readouterr()
+    assert message in one_line(err) and not out
+
+
+def test_bad_input_in_a_fresh_process_is_one_line():
+    """As a user runs it: nothing else on stderr (no warning or log line at start-up), exit status 2,
+    for an input refused after the model is loaded and the Generator built."""
+    r = cli("generate", "--prompt", "x", "--prefill-chunk", "64,0")
     assert r.returncode == 2
-    assert message in one_line(r.stderr)
+    assert "prefill_chunk must be an integer >= 1" in one_line(r.stderr)
 
 
 def one_line(stderr: str) -> str:
