@@ -39,11 +39,14 @@ from jtilert.ops.table import DecodeConfig
 from bench import provenance
 
 
+CPU_COPY_BYTES = 256 << 20   # the array copy_bandwidth passes over on a CPU (the tests shrink it)
+
+
 def copy_bandwidth() -> float:
     """Bytes/s of an elementwise read+write pass (the practical HBM ceiling; every bench/ script's
-    copy bandwidth): 2 GiB, device time from CUPTI on a GPU; 256 MiB, wall time on the CPU."""
+    copy bandwidth): 2 GiB, device time from CUPTI on a GPU; CPU_COPY_BYTES, wall time on the CPU."""
     gpu = jax.default_backend() == "gpu"
-    x = jnp.ones(((2 << 30 if gpu else 256 << 20) // 2,), jnp.bfloat16)
+    x = jnp.ones(((2 << 30 if gpu else CPU_COPY_BYTES) // 2,), jnp.bfloat16)
     f = jax.jit(lambda a: a * 1.5 + 1)
     f(x).block_until_ready()
     if gpu:

@@ -1,10 +1,16 @@
-"""The user-facing entry points: the CLI (in a subprocess, as a user runs it) and the notebook."""
+"""The user-facing entry points: the CLI and the notebook. The CLI runs in a subprocess, as a user runs
+it, where what is checked is the process (its start-up's stderr, text streamed while decoding); its
+other commands run through `jtilert.cli.main` in this process (`cli_here`), with the stderr a user
+would see."""
 
+import logging
 import os
 import re
 import shutil
 import subprocess
 import sys
+import warnings
+from types import SimpleNamespace
 
 import pytest
 
@@ -16,8 +22,31 @@ def cli(*args):
                           timeout=600)
 
 
+@pytest.fixture
+def cli_here(capfd, caplog):
+    """`python -m jtilert.cli ARGS` as `jtilert.cli.main(ARGS)`: (returncode, stdout, stderr). stderr
+    holds what the file descriptors got and what a fresh process would print there besides: the
+    warnings Python shows by default and the log records of level WARNING and up. An exception that
+    escapes fails the test, as its traceback would."""
+    from jtilert import cli as jcli
+
+    def run(*args):
+        caplog.clear()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")
+            code = jcli.main(list(args))
+        out, err = capfd.readouterr()
+        hidden = (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning)
+        err += "".join(f"{w.category.__name__}: {w.message}\n" for w in caught if not issubclass(w.category, hidden))
+        err += "".join(f"{r.levelname}: {r.getMessage()}\n" for r in caplog.records if r.levelno >= logging.WARNING)
+        return SimpleNamespace(returncode=code, stdout=out, stderr=err)
+    return run
+
+
 def test_generate_streams_text_and_reports_speed():
-    r = cli("generate", "--model", "tiny", "--prompt", "The ", "--max-new-tokens", "40", "--mtp")
+    # The notebook's Generator (tiny, MTP, max_seq_len 512): its steps compiled here are read back
+    # from the compilation cache when test_notebook_runs decodes
+    r = cli("generate", "--model", "tiny", "--prompt", "The ", "--max-new-tokens", "40", "--mtp", "--max-seq-len", "512")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("The ")
     last = r.stdout.strip().splitlines()[-1]
@@ -42,10 +71,18 @@ def test_generate_streams_text_and_reports_speed():
     (["generate", "--prompt", "abc", "--max-new-tokens", "8", "--max-seq-len", "6"],
      "the prompt (3 tokens) and --max-new-tokens 8 need 11 positions, more than --max-seq-len (6)"),
 ])
-def test_bad_input_is_one_line_without_traceback(args, message):
-    r = cli(*args)
+def test_bad_input_is_one_line_without_traceback(args, message, cli_here):
+    r = cli_here(*args)
     assert r.returncode == 2
-    assert message in one_line(r.stderr)
+    assert message in one_line(r.stderr) and not r.stdout
+
+
+def test_bad_input_in_a_fresh_process_is_one_line():
+    """As a user runs it: nothing else on stderr (no warning or log line at start-up), exit status 2,
+    for an input refused after the model is loaded and the Generator built."""
+    r = cli("generate", "--prompt", "x", "--prefill-chunk", "64,0")
+    assert r.returncode == 2
+    assert "prefill_chunk must be an integer >= 1" in one_line(r.stderr)
 
 
 def one_line(stderr: str) -> str:
@@ -59,7 +96,7 @@ def biggest(folder):
     return max((p for p in (folder / "params").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
 
 
-def test_damaged_checkpoints_are_one_line(tmp_path):
+def test_damaged_checkpoints_are_one_line(tmp_path, cli_here):
     """A flipped byte is refused by generate and verify (naming the file); a truncated file with
     --no-check is orbax's error, in one line."""
     ckpt = shutil.copytree("jtilert/assets/tiny", tmp_path / "tiny")
@@ -68,36 +105,36 @@ def test_damaged_checkpoints_are_one_line(tmp_path):
     data[len(data) // 2] ^= 0xFF
     f.write_bytes(bytes(data))
     for args in (["generate", "--model", str(ckpt), "--prompt", "x", "--max-new-tokens", "2"], ["verify", str(ckpt)]):
-        r = cli(*args)
+        r = cli_here(*args)
         assert r.returncode == 2 and f"{f}: checksum mismatch" in one_line(r.stderr)
     f.write_bytes(bytes(data[:len(data) // 2]))
-    r = cli("generate", "--model", str(ckpt), "--prompt", "x", "--max-new-tokens", "2", "--no-check")
+    r = cli_here("generate", "--model", str(ckpt), "--prompt", "x", "--max-new-tokens", "2", "--no-check")
     assert r.returncode == 2 and str(ckpt) in one_line(r.stderr) and "is not valid for value of size" in r.stderr
 
 
-def test_verify_of_a_saved_checkpoint_uses_its_checksums():
-    r = cli("verify", "tiny")
+def test_verify_of_a_saved_checkpoint_uses_its_checksums(cli_here):
+    r = cli_here("verify", "tiny")
     assert r.returncode == 0, r.stderr
     assert '"files": 16' in r.stdout
 
 
-def test_convert_into_a_read_only_folder_is_one_line(read_only_dir):
-    r = cli("convert", "tests/golden/dsv32", str(read_only_dir / "dst"), "--quiet")
+def test_convert_into_a_read_only_folder_is_one_line(read_only_dir, cli_here):
+    r = cli_here("convert", "tests/golden/dsv32", str(read_only_dir / "dst"), "--quiet")
     assert r.returncode == 2
     assert re.search(r"(Read-only file system|Permission denied)$", one_line(r.stderr))
 
 
-def test_verify_against_another_model_is_one_line(tmp_path):
+def test_verify_against_another_model_is_one_line(tmp_path, cli_here):
     dst = tmp_path / "dsv32"
-    assert cli("convert", "tests/golden/dsv32", str(dst), "--quiet").returncode == 0
-    r = cli("verify", str(dst), "--against", "tests/golden/glm5", "--quiet")
+    assert cli_here("convert", "tests/golden/dsv32", str(dst), "--quiet").returncode == 0
+    r = cli_here("verify", str(dst), "--against", "tests/golden/glm5", "--quiet")
     assert r.returncode == 2
     assert one_line(r.stderr) == (f"jtilert: error: tests/golden/glm5 is another model than {dst}: "
                                   f"model_type glm_moe_dsa there, deepseek_v32 here")
 
 
-def test_info_describes_the_tiny_checkpoint():
-    r = cli("info", "tiny")
+def test_info_describes_the_tiny_checkpoint(cli_here):
+    r = cli_here("info", "tiny")
     assert r.returncode == 0 and '"model_type": "deepseek_v32"' in r.stdout
 
 

@@ -20,8 +20,9 @@ from jtilert.runtime import compile_cache
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# A fresh process: the tiny model's greedy tokens, its compilations, the programs read from the cache,
-# and how often the model was traced (every trace of a step runs Transformer.hidden or __call__).
+# A fresh process: the embedded tiny model's greedy tokens (loaded: a random model would compile its
+# builders first), its compilations, the programs read from the cache, and how often the model was
+# traced (every trace of a step runs Transformer.hidden or __call__).
 CHILD = """
 import json, numpy as np, jtilert
 from jtilert.model.transformer import Transformer
@@ -31,7 +32,7 @@ for name in ("__call__", "hidden"):
         traces.append(1)
         return _f(self, *a, **k)
     setattr(Transformer, name, counted)
-gen = jtilert.Generator(jtilert.random_model("tiny", fmt="fp32"), max_seq_len=64)
+gen = jtilert.Generator(jtilert.load("tiny"), max_seq_len=64)
 out = gen.generate(np.arange(1, 20), 8, stop_tokens=[])
 print(json.dumps({"tokens": out, "compiles": gen.compiles, "cached": gen.cached_programs, "traces": len(traces)}))
 """
@@ -52,7 +53,7 @@ def test_a_second_process_reads_the_programs_and_decodes_the_same_tokens(tmp_pat
     second = _child(tmp_path)
     assert second == dict(first, cached=3, traces=0)   # nothing traced, same tokens
     # without the program cache (this process: conftest turns it off), the same tokens
-    gen = jtilert.Generator(jtilert.random_model("tiny", fmt="fp32"), max_seq_len=64)
+    gen = jtilert.Generator(jtilert.load("tiny"), max_seq_len=64)
     assert gen.generate(np.arange(1, 20), 8, stop_tokens=[]) == first["tokens"] and gen.cached_programs == 0
 
 

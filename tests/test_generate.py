@@ -12,9 +12,14 @@ def gen(tiny_random):
     return jtilert.Generator(tiny_random, max_seq_len=256)
 
 
-def test_mtp_greedy_equals_plain_greedy(tiny_random, gen):
+@pytest.fixture(scope="module")
+def spec(tiny_random):
+    """gen's speculative twin (tests that count compilations make their own)."""
+    return jtilert.Generator(tiny_random, max_seq_len=256, mtp=True)
+
+
+def test_mtp_greedy_equals_plain_greedy(gen, spec):
     plain = gen.generate(PROMPT, 24, stop_tokens=[])
-    spec = jtilert.Generator(tiny_random, max_seq_len=256, mtp=True)
     assert spec.generate(PROMPT, 24, stop_tokens=[]) == plain
     assert spec.stats["drafted"] > 0 and 0 <= spec.acceptance <= 1
     assert gen.acceptance is None
@@ -134,10 +139,12 @@ def test_nothing_compiles_after_the_first_call(tiny_random):
     assert gen.compiles == first and len(backend_compiles) == seen
 
 
-def test_decode_arguments_do_not_grow_with_layers(tiny_random):
-    """The layer stacks keep the arrays a decode call passes to a few dozen, whatever the depth."""
-    counts = [jtilert.Generator(jtilert.random_model(jtilert.preset("tiny", num_hidden_layers=n), fmt="fp8"),
-                                max_seq_len=64).engine.num_arguments for n in (2, 6)]
+def test_decode_arguments_do_not_grow_with_layers(tiny_fp8):
+    """The layer stacks keep the arrays a decode call passes to a few dozen, whatever the depth (tiny's
+    4 layers and 2)."""
+    two = jtilert.random_model(jtilert.preset("tiny", num_hidden_layers=2), fmt="fp8")
+    assert two.cfg.num_hidden_layers == 2 and tiny_fp8.cfg.num_hidden_layers == 4
+    counts = [jtilert.Generator(m, max_seq_len=64).engine.num_arguments for m in (two, tiny_fp8)]
     assert counts[0] == counts[1] <= 64
 
 
@@ -164,8 +171,7 @@ def test_filtered_logprobs():
     assert probs[1] < 0.8 <= probs[1] + probs[3]
 
 
-def test_mtp_sampling_keeps_target_distribution_support(tiny_random):
-    spec = jtilert.Generator(tiny_random, max_seq_len=256, mtp=True)
+def test_mtp_sampling_keeps_target_distribution_support(spec):
     out = spec.generate(PROMPT, 20, sampling=Sampling(temperature=0.9, top_k=3, seed=5), stop_tokens=[])
     assert len(out) == 20 and all(0 <= t < 256 for t in out)
 
@@ -273,16 +279,19 @@ def test_next_token_from_head_candidates(tiny_random):
     from jtilert.model.transformer import HEAD_CANDIDATES, init_cache
     from jtilert.ops.table import Ops
     m, ops = tiny_random, Ops()
-    h, _ = m.hidden(ops, jnp.asarray(PROMPT[:12], jnp.int32), 0, init_cache(m.cfg, 16, m.dtype))
-    h = h[-1:]
-    logits = np.asarray(m.logits(ops, h, m.norm)[0])
+    # jitted once each (the sampling settings are arguments): eagerly, every call traces the head's
+    # lax.cond again
+    h = jax.jit(lambda ids: m.hidden(ops, ids, 0, init_cache(m.cfg, 16, m.dtype))[0][-1:])(
+        jnp.asarray(PROMPT[:12], jnp.int32))
+    logits = np.asarray(jax.jit(lambda h: m.logits(ops, h, m.norm)[0])(h))
+    next_token = jax.jit(lambda h, params, key: m.next_token(ops, h, params, key)[0])
     top = set(np.argsort(-logits)[:3])
     key = jax.random.PRNGKey(0)
-    assert int(m.next_token(ops, h, Sampling().arrays(), key)[0]) == int(np.argmax(logits))
-    drawn = {int(m.next_token(ops, h, Sampling(temperature=5.0, top_k=3).arrays(), jax.random.fold_in(key, i))[0])
+    assert int(next_token(h, Sampling().arrays(), key)) == int(np.argmax(logits))
+    drawn = {int(next_token(h, Sampling(temperature=5.0, top_k=3).arrays(), jax.random.fold_in(key, i)))
              for i in range(40)}
     assert drawn <= top and len(drawn) > 1
-    wide = {int(m.next_token(ops, h, Sampling(temperature=50.0).arrays(), jax.random.fold_in(key, i))[0])
+    wide = {int(next_token(h, Sampling(temperature=50.0).arrays(), jax.random.fold_in(key, i)))
             for i in range(40)}
     assert len(wide) > HEAD_CANDIDATES  # the full-row path: tokens beyond the candidates
 

@@ -100,9 +100,8 @@ def test_fp8_cache_in_model_pallas_equals_reference(monkeypatch):
     """kv_cache_quant="fp8": init_cache holds packed rows only, the attention layer appends the new
     token quantised, and the decode step with the kernel (on the layer stack, traced layer index)
     equals the reference on the same cache (after a 40-token prefill: more positions than tiny's
-    index_topk, so the indexer selects). The other ops run their references. The step runs eagerly:
-    the GPU interpreter can deadlock on a 2-core machine when a kernel runs inside a large jit (its
-    simulated warpgroups wait on XLA:CPU's thread pool)."""
+    index_topk, so the indexer selects). The other ops run their references. Both steps are jitted
+    (eagerly, every op of the layer compiles on its own)."""
     import jtilert
     from jtilert.model.transformer import init_cache
     from jtilert.ops.table import DecodeConfig, Ops
@@ -130,7 +129,7 @@ def test_fp8_cache_in_model_pallas_equals_reference(monkeypatch):
     _, cache, _ = jax.jit(lambda x, c: step(plain, x, 0, c))(
         jax.random.normal(keys[0], (40, cfg.hidden_size), BF16), cache)
     x = jax.random.normal(keys[1], (1, cfg.hidden_size), BF16)
-    ref, ref_cache, _ = step(plain, x, 40, cache)   # eager like the kernel's step: the same rounding
+    ref, ref_cache, _ = jax.jit(lambda x, c: step(plain, x, 40, c))(x, cache)
     kernels = Ops(DecodeConfig(backend="pallas", engine_topk=False))
     use = kernels._use_kernel
     monkeypatch.setattr(kernels, "_use_kernel", lambda name, *a: name == "sparse_mla" and use(name, *a))
@@ -138,7 +137,7 @@ def test_fp8_cache_in_model_pallas_equals_reference(monkeypatch):
     real = smla.sparse_mla_partials
     monkeypatch.setattr(smla, "sparse_mla_partials", lambda *a, **k: calls.append(1) or real(*a, **k))
     with interp.interpret():
-        out, out_cache, _ = step(kernels, x, 40, cache)
+        out, out_cache, _ = jax.jit(lambda x, c: step(kernels, x, 40, c))(x, cache)
     assert calls, "the kernel did not run"
     np.testing.assert_array_equal(np.asarray(out_cache["kv"]), np.asarray(ref_cache["kv"]))
     assert np.asarray(ref_cache["kv"][0, 40]).any() and not np.asarray(ref_cache["kv"][0, 41:]).any()

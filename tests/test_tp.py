@@ -43,6 +43,15 @@ def test_weights_split_like_tilert(tiny_random):
 
 
 IDS = np.random.RandomState(2).randint(0, 256, 44)
+# The decoding tests' Generators: 80 cache rows (60 + 4, and room for a chunk of 16 after any start:
+# 60 + 4 + 15 rounded up to 16), the prompt in chunks of 16.
+SETTINGS = dict(max_seq_len=60, prefill_chunk=16)
+
+
+@pytest.fixture(scope="module")
+def one(tiny_random):
+    """The greedy tokens of one device, which every tensor-parallel variant must decode."""
+    return jtilert.Generator(tiny_random, **SETTINGS).generate(IDS, 16, stop_tokens=[])
 
 
 def test_tp2_logits_equal_single_device(tiny_random):
@@ -50,9 +59,8 @@ def test_tp2_logits_equal_single_device(tiny_random):
                                jtilert.score(tiny_random, IDS), atol=2e-5, rtol=1e-5)
 
 
-def test_tp8_greedy_and_mtp_equal_single_device(tiny_random):
-    one = jtilert.Generator(tiny_random, max_seq_len=128).generate(IDS, 16, stop_tokens=[])
-    many = jtilert.Generator(tiny_random, max_seq_len=128, mesh=jtilert.make_mesh(8), mtp=True)
+def test_tp8_greedy_and_mtp_equal_single_device(tiny_random, one):
+    many = jtilert.Generator(tiny_random, **SETTINGS, mesh=jtilert.make_mesh(8), mtp=True)
     assert many.generate(IDS, 16, stop_tokens=[]) == one
 
 
@@ -61,12 +69,11 @@ def test_fp8_split_needs_aligned_blocks(tiny_fp8):
         jtilert.Generator(tiny_fp8, max_seq_len=64, mesh=jtilert.make_mesh(2))
 
 
-def test_engine_flag_falls_back_to_the_same_tokens(tiny_random):
+def test_engine_flag_falls_back_to_the_same_tokens(tiny_random, one):
     """With engine_all_reduce=True and no CUDA engine (CPU), the fused o_proj + all-reduce and the
     all-reduces fall back to XLA and decode the same tokens."""
-    one = jtilert.Generator(tiny_random, max_seq_len=128).generate(IDS, 8, stop_tokens=[])
-    eng = jtilert.Generator(tiny_random, max_seq_len=128, mesh=jtilert.make_mesh(8), engine_all_reduce=True)
-    assert eng.generate(IDS, 8, stop_tokens=[]) == one
+    eng = jtilert.Generator(tiny_random, **SETTINGS, mesh=jtilert.make_mesh(8), engine_all_reduce=True)
+    assert eng.generate(IDS, 8, stop_tokens=[]) == one[:8]   # greedy: the first 8 of 16
 
 
 def test_head_candidates_merge_over_ranks_with_ties():
@@ -92,18 +99,15 @@ def test_head_candidates_merge_over_ranks_with_ties():
     assert list(np.asarray(ids[0, :4])) == [3, 5, 7, 18]
 
 
-def test_split_indexer_decodes_the_same_tokens(tiny_random):
+def test_split_indexer_decodes_the_same_tokens(tiny_random, one):
     """split_indexer=True: each of 2 (or 8) ranks scores its share of the cached positions and the
     top-k lists are merged (XLA fallback of the engine's merge here); the prompt is longer than
-    index_topk, so the merged selection decides the attention. 80 cache rows (60 + 4, and room for a
-    chunk of 16 after any start: 60 + 4 + 15 rounded up to 16): the 52 positions span the shares of 2
-    ranks at tp=2 and of 6 at tp=8."""
-    gen = lambda **kw: jtilert.Generator(tiny_random, max_seq_len=60, prefill_chunk=16, **kw)
-    one = gen().generate(IDS, 8, stop_tokens=[])
+    index_topk, so the merged selection decides the attention. Of the 80 cache rows, the 52 positions
+    span the shares of 2 ranks at tp=2 and of 6 at tp=8."""
     for tp in (2, 8):
-        split = gen(mesh=jtilert.make_mesh(tp), split_indexer=True)
+        split = jtilert.Generator(tiny_random, **SETTINGS, mesh=jtilert.make_mesh(tp), split_indexer=True)
         assert split.engine.new_cache(split.rows)["index_k"].shape[1] == 80
-        assert split.generate(IDS, 8, stop_tokens=[]) == one
+        assert split.generate(IDS, 8, stop_tokens=[]) == one[:8]
 
 
 def test_pallas_tp2_with_the_engine_all_reduce_equals_tp1():
