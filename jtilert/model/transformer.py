@@ -513,7 +513,8 @@ def decode_weights(model: Transformer, merge: bool = True, tp: int = 1, backend:
         out.layers.self_attn.kv_a_proj_with_mqa = None
         if len(parts) == 3:
             out.indexers.wk = None
-        if own_index and _same_format(model.indexers.wq_b, attn.q_b_proj):
+        # (a q_b that does not split over tp in whole scale blocks keeps the two projections apart)
+        if own_index and _same_format(model.indexers.wq_b, attn.q_b_proj) and _splits(attn.q_b_proj, tp):
             out.layers.self_attn.qr_proj = _rows_linear([attn.q_b_proj, model.indexers.wq_b], (True, False), tp)
             out.layers.self_attn.q_b_proj = None
             out.indexers.wq_b = None
@@ -523,6 +524,12 @@ def decode_weights(model: Transformer, merge: bool = True, tp: int = 1, backend:
 def _same_format(a: Linear, b: Linear) -> bool:
     """Whether two Linears' weights can be one merged weight: one dtype, both with block scales or neither."""
     return a.weight.get_value().dtype == b.weight.get_value().dtype and (a.scale is None) == (b.scale is None)
+
+
+def _splits(linear: Linear, tp: int) -> bool:
+    """Whether a stacked Linear's rows split over tp ranks, in whole 128-row scale blocks for fp8."""
+    n = linear.weight.get_value().shape[1]
+    return tp == 1 or (n % tp == 0 and (linear.scale is None or (n // tp) % BLOCK == 0))
 
 
 def _rows_linear(linears: list[Linear], split: tuple[bool, ...] | None = None, tp: int = 1) -> RowsLinear:
@@ -540,7 +547,7 @@ def _rows_linear(linears: list[Linear], split: tuple[bool, ...] | None = None, t
         raise ValueError(f"merged projections need one format and shape [L, N, K]: {[w.shape for w in ws]}")
     grain = BLOCK if fp8 else 1
     rows = [w.shape[1] // tp if cut else w.shape[1] for w, cut in zip(ws, split)]   # of one rank
-    if any(cut and (w.shape[1] % tp or n % grain) for w, cut, n in zip(ws, split, rows)):
+    if tp > 1 and any(cut and (w.shape[1] % tp or n % grain) for w, cut, n in zip(ws, split, rows)):
         raise ValueError(f"merged projections: rows {[w.shape[1] for w in ws]} do not split over tp={tp}"
                          + (f" in whole {BLOCK}-row scale blocks" if fp8 else ""))
     padded = [-(-n // grain) * grain for n in rows[:-1]] + [-(-rows[-1] // grain) * grain if tp > 1 else rows[-1]]
