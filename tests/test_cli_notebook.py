@@ -46,7 +46,8 @@ def cli_here(capfd, caplog):
 def test_generate_streams_text_and_reports_speed():
     # The notebook's Generator (tiny, MTP, max_seq_len 512): its steps compiled here are read back
     # from the compilation cache when test_notebook_runs decodes
-    r = cli("generate", "--model", "tiny", "--prompt", "The ", "--max-new-tokens", "40", "--mtp", "--max-seq-len", "512")
+    r = cli("generate", "--model", "tiny", "--prompt", "The ", "--max-new-tokens", "40", "--mtp",
+            "--max-seq-len", "512")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("The ")
     last = r.stdout.strip().splitlines()[-1]
