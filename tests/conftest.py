@@ -1,6 +1,10 @@
-"""Test set-up: 8 host devices for mesh tests (before jax is imported), fp32 matmuls on CPU, quick XLA compiles."""
+"""Test set-up: 8 host devices for mesh tests (before jax is imported), fp32 matmuls on CPU, quick XLA compiles;
+the shared fixtures."""
 
+import logging
 import os
+import warnings
+from types import SimpleNamespace
 
 # LLVM at -O0: the tests' programs are small and compiled once, so compiling is most of their time
 # (about 15 % less with -O0); floating-point semantics do not change with the optimisation level.
@@ -72,3 +76,24 @@ def small_disk(tmp_path):
         pytest.skip("cannot mount a tmpfs here")
     yield d
     _umount(d)
+
+
+@pytest.fixture
+def cli_here(capfd, caplog):
+    """`python -m jtilert.cli ARGS` as `jtilert.cli.main(ARGS)`: (returncode, stdout, stderr). stderr
+    holds what the file descriptors got and what a fresh process would print there besides: the
+    warnings Python shows by default and the log records of level WARNING and up. An exception that
+    escapes fails the test, as its traceback would."""
+    from jtilert import cli as jcli
+
+    def run(*args):
+        caplog.clear()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")
+            code = jcli.main(list(args))
+        out, err = capfd.readouterr()
+        hidden = (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning)
+        err += "".join(f"{w.category.__name__}: {w.message}\n" for w in caught if not issubclass(w.category, hidden))
+        err += "".join(f"{r.levelname}: {r.getMessage()}\n" for r in caplog.records if r.levelno >= logging.WARNING)
+        return SimpleNamespace(returncode=code, stdout=out, stderr=err)
+    return run

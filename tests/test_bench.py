@@ -19,8 +19,10 @@ def small_copy(monkeypatch):
 def test_decode_bench_writes_every_field(tmp_path, monkeypatch):
     monkeypatch.setenv("JTILERT_COMMIT", "abc123")   # what gpu_session.sh's caller names
     out = tmp_path / "r.json"
-    decode.main(["--preset", "tiny", "--layers", "2", "--context", "40", "--steps", "2", "--samples", "2",
-                 "--xla-option", "xla_gpu_command_buffer_unroll_loops=true",
+    # tiny's 2-layer fp8 model, as the prefill bench, test_generate and test_compile_cache make it: its
+    # builders compile once per process
+    decode.main(["--preset", "tiny", "--layers", "2", "--fmt", "fp8", "--context", "40", "--steps", "2",
+                 "--samples", "2", "--xla-option", "xla_gpu_command_buffer_unroll_loops=true",
                  "--out", str(out), "--plot", str(tmp_path / "c.png")])
     r = json.loads(out.read_text())
     for k in ("date", "device", "preset", "layers", "context", "bytes_per_step", "copy_bandwidth_GBs", "floor_ms"):
@@ -59,8 +61,8 @@ def test_step_bytes_counts_only_chosen_experts(tiny_random):
 def test_prefill_bench_writes_every_field(tmp_path):
     from bench import prefill
     out = tmp_path / "p.json"
-    prefill.main(["--preset", "tiny", "--layers", "2", "--lengths", "40", "--chunks", "8+4", "--moe", "grouped,dense",
-                  "--samples", "1", "--backend", "reference", "--out", str(out)])
+    prefill.main(["--preset", "tiny", "--layers", "2", "--fmt", "fp8", "--lengths", "40", "--chunks", "8+4",
+                  "--moe", "grouped,dense", "--samples", "1", "--backend", "reference", "--out", str(out)])
     r = json.loads(out.read_text())
     assert r["weight_bytes"] > 0 and r["copy_bandwidth_GBs"] > 0 and r["device"] and r["commit"]
     assert "-m bench.prefill --preset tiny" in r["command"]

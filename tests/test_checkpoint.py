@@ -51,16 +51,14 @@ def test_save_writes_chunk_checksums(tiny_random, saved, tmp_path):
         jtilert.verify(saved, against="tests/golden/dsv32")
 
 
-def test_a_damaged_chunk_is_one_cli_line(saved, tmp_path):
+def test_a_damaged_chunk_is_one_cli_line(saved, tmp_path, cli_here):
     bad = tmp_path / "bad"
     shutil.copytree(saved, bad)
     f = bad / "params/layers.self_attn.q_b_proj.weight/c/2/0/0"
     data = bytearray(f.read_bytes())
     data[-9] ^= 0x04
     f.write_bytes(bytes(data))
-    env = {**os.environ, "PYTHONPATH": os.getcwd(), "JAX_PLATFORMS": "cpu"}
-    r = subprocess.run([sys.executable, "-m", "jtilert.cli", "generate", "--model", str(bad), "--prompt", "x",
-                        "--max-new-tokens", "2"], capture_output=True, text=True, env=env, timeout=300)
+    r = cli_here("generate", "--model", str(bad), "--prompt", "x", "--max-new-tokens", "2")
     assert r.returncode == 2
     assert r.stderr == f"jtilert: error: {f}: checksum mismatch (CRC-32C) (run `jtilert verify` on the checkpoint " \
                        f"to list every damaged chunk)\n"

@@ -1,16 +1,13 @@
 """The user-facing entry points: the CLI and the notebook. The CLI runs in a subprocess, as a user runs
 it, where what is checked is the process (its start-up's stderr, text streamed while decoding); its
-other commands run through `jtilert.cli.main` in this process (`cli_here`), with the stderr a user
-would see."""
+other commands run through `jtilert.cli.main` in this process (conftest's `cli_here`), with the
+stderr a user would see."""
 
-import logging
 import os
 import re
 import shutil
 import subprocess
 import sys
-import warnings
-from types import SimpleNamespace
 
 import pytest
 
@@ -22,31 +19,11 @@ def cli(*args):
                           timeout=600)
 
 
-@pytest.fixture
-def cli_here(capfd, caplog):
-    """`python -m jtilert.cli ARGS` as `jtilert.cli.main(ARGS)`: (returncode, stdout, stderr). stderr
-    holds what the file descriptors got and what a fresh process would print there besides: the
-    warnings Python shows by default and the log records of level WARNING and up. An exception that
-    escapes fails the test, as its traceback would."""
-    from jtilert import cli as jcli
-
-    def run(*args):
-        caplog.clear()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("default")
-            code = jcli.main(list(args))
-        out, err = capfd.readouterr()
-        hidden = (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning)
-        err += "".join(f"{w.category.__name__}: {w.message}\n" for w in caught if not issubclass(w.category, hidden))
-        err += "".join(f"{r.levelname}: {r.getMessage()}\n" for r in caplog.records if r.levelno >= logging.WARNING)
-        return SimpleNamespace(returncode=code, stdout=out, stderr=err)
-    return run
-
-
 def test_generate_streams_text_and_reports_speed():
     # The notebook's Generator (tiny, MTP, max_seq_len 512): its steps compiled here are read back
     # from the compilation cache when test_notebook_runs decodes
-    r = cli("generate", "--model", "tiny", "--prompt", "The ", "--max-new-tokens", "40", "--mtp", "--max-seq-len", "512")
+    r = cli("generate", "--model", "tiny", "--prompt", "The ", "--max-new-tokens", "40", "--mtp",
+            "--max-seq-len", "512")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("The ")
     last = r.stdout.strip().splitlines()[-1]

@@ -158,8 +158,8 @@ def test_engine_identity_names_model_and_config(tiny_random):
         jtilert.Generator(tiny_random, max_seq_len=64, split_indexer=True).engine.program_identity("decode"),
         jtilert.Generator(tiny_random, max_seq_len=64,
                           config=jtilert.DecodeConfig(layer_loop="unrolled")).engine.program_identity("decode"),
-        jtilert.Generator(jtilert.random_model(jtilert.preset("tiny", num_hidden_layers=3), fmt="fp32"),
-                          max_seq_len=64).engine.program_identity("decode"),
+        jtilert.Generator(jtilert.random_model(jtilert.preset("tiny", num_hidden_layers=2), fmt="fp8"),
+                          max_seq_len=64).engine.program_identity("decode"),                   # another model
         jtilert.Generator(tiny_random, max_seq_len=64, mesh=jtilert.make_mesh(2)).engine.program_identity("decode"),
     ]
     assert all(o != base for o in other)

@@ -365,9 +365,17 @@ def test_source_name_inverts_target_name():
         assert hf.target_name(key, 4)[0] == name, (name, key)
 
 
-def test_full_size_deepseek_plan_at_tp8(tmp_path):
+def test_full_size_deepseek_plan_at_tp8(tmp_path, monkeypatch):
     """The real DeepSeek-V3.2 shapes (61 layers + MTP, 686 GB of fp8) plan cleanly at tp=8 and 16, and a
     tp that splits fp8 blocks is refused by name (the data is sparse: headers only)."""
+    import functools
+
+    from jtilert.store import synthetic
+    from jtilert.store.convert import plan as plan_module
+    # the full-size abstract model (seconds to trace) once for the folder and both plans, which only read it
+    shapes = functools.cache(plan_module.abstract_model)
+    monkeypatch.setattr(synthetic, "abstract_model", shapes)
+    monkeypatch.setattr(plan_module, "abstract_model", shapes)
     src = jtilert.random_checkpoint("deepseek-v3.2", tmp_path / "dsv32", sparse=True)
     p = plan(src, tp=8)
     assert len(p.files) == 161 and 680e9 < p.nbytes < 690e9

@@ -12,18 +12,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 import jtilert
 from jtilert.pallas import gemv, indexer, sparse_mla
 
 
-@pytest.fixture(scope="module")
-def tiny_fp8_bf16():
-    return jtilert.random_model("tiny", fmt="fp8", seed=1, dtype=jnp.bfloat16)
-
-
-def test_pallas_backend_greedy_equals_reference(tiny_fp8_bf16, monkeypatch):
+def test_pallas_backend_greedy_equals_reference(tiny_fp8, monkeypatch):
+    assert tiny_fp8.dtype == jnp.bfloat16   # fp8 weights compute in bf16
     # the calls are recorded while tracing: programs an earlier test traced with the same shapes would
     # be reused from JAX's caches and record nothing
     from jtilert.ops import table
@@ -42,8 +37,8 @@ def test_pallas_backend_greedy_equals_reference(tiny_fp8_bf16, monkeypatch):
         monkeypatch.setattr(mod, name, lambda *a, _f=fn, _n=name, **k: calls.append(_n) or _f(*a, **k))
     prompt = np.random.RandomState(1).randint(0, 256, 40)
     # logits of 4 one-token steps (the decode-shaped kernels) after a 36-token prefill
-    ref = jtilert.score(tiny_fp8_bf16, prompt, prefill=36)[36:]
-    pal = jtilert.score(tiny_fp8_bf16, prompt, prefill=36, backend="pallas")[36:]
+    ref = jtilert.score(tiny_fp8, prompt, prefill=36)[36:]
+    pal = jtilert.score(tiny_fp8, prompt, prefill=36, backend="pallas")[36:]
     err = np.abs(pal - ref).max()
     assert err <= 2e-2 * np.abs(ref).max()
     # greedy tokens agree wherever the reference's top two are further apart than the kernels' error

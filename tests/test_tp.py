@@ -112,11 +112,14 @@ def test_split_indexer_decodes_the_same_tokens(tiny_random, one):
 
 def test_pallas_tp2_with_the_engine_all_reduce_equals_tp1():
     """backend="pallas" (GPU interpret mode here) at tp=2 with the engine's fused all-reduce (its XLA
-    fallback on a CPU) decodes the tokens of tp=1, in bf16 where the kernels apply."""
+    fallback on a CPU) decodes the tokens of tp=1, in bf16 where the kernels apply. The tp=1 tokens
+    are the reference backend's: the tiny checkpoint's choices here lead the next logit by 2.9 or
+    more, far beyond the kernels' bf16 error, so they are the pallas backend's at tp=1 as well (its
+    logits against the reference: tests/test_pallas_gemv_wiring.py, tests/test_golden_kernels.py)."""
     import jax.numpy as jnp
     model = jtilert.load("tiny", dtype=jnp.bfloat16)
     prompt = np.arange(40) % 200 + 30
-    one = jtilert.Generator(model, max_seq_len=64, backend="pallas").generate(prompt, 3, stop_tokens=[])
+    one = jtilert.Generator(model, max_seq_len=64).generate(prompt, 3, stop_tokens=[])
     mesh = jtilert.make_mesh(2)
     two = jtilert.Generator(jtilert.load("tiny", dtype=jnp.bfloat16, mesh=mesh), max_seq_len=64, mesh=mesh,
                             backend="pallas", engine_all_reduce=True).generate(prompt, 3, stop_tokens=[])
