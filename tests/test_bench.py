@@ -27,10 +27,7 @@ def test_decode_bench_writes_every_field(tmp_path, monkeypatch):
     r = json.loads(out.read_text())
     for k in ("date", "device", "preset", "layers", "context", "bytes_per_step", "copy_bandwidth_GBs", "floor_ms"):
         assert k in r
-    assert r["commit"] == "abc123" and r["command"].endswith("-m bench.decode --preset tiny --layers 2 --context 40 "
-                                                            "--steps 2 --samples 2 --xla-option "
-                                                            "xla_gpu_command_buffer_unroll_loops=true --out " + str(out)
-                                                            + " --plot " + str(tmp_path / "c.png"))
+    assert r["commit"] == "abc123" and "-m bench.decode --preset tiny" in r["command"] and str(out) in r["command"]
     assert r["bytes_per_step"]["total"] > r["bytes_per_step"]["weights"] > 0
     run = r["runs"][0]
     for k in ("step_ms_median", "step_ms_p90", "tok_s", "host_overhead_ms", "compile_s", "peak_device_bytes",
