@@ -64,17 +64,18 @@ def test_generator_plans_within_its_cache_rows(tiny_random):
     assert chunk_plan(3, small.chunks, small.rows - 43) == [8]   # after an injected 43 tokens: rows 43..50
 
 
-def test_prefill_in_chunks_of_several_sizes_is_the_same_computation(tiny_random, monkeypatch):
+def test_prefill_in_chunks_of_several_sizes_is_the_same_computation(tiny_random, gen, monkeypatch):
     """Large chunks then small: the same logits as one size, the same greedy tokens with MTP (which
-    walks the main model's hidden chunks), one compiled step per size and none after the first call.
-    A fixed cost of 4 tokens per chunk makes the plans mix the sizes (32 + 8 + 8 for 45 tokens)."""
+    walks the main model's hidden chunks) as without it in one chunk (gen), one compiled step per size
+    and none after the first call. A fixed cost of 4 tokens per chunk makes the plans mix the sizes
+    (32 + 8 + 8 for 45 tokens)."""
     from jtilert.runtime import generate
     monkeypatch.setattr(generate, "CHUNK_FIXED_TOKENS", 4)
     ids = np.random.RandomState(3).randint(0, 256, 45)   # 32 + 8 + 5 (padded to 8)
     a = jtilert.score(tiny_random, ids, prefill=ids.size, prefill_chunk=8)
     b = jtilert.score(tiny_random, ids, prefill=ids.size, prefill_chunk=(32, 8))
     np.testing.assert_allclose(a, b, rtol=2e-3, atol=2e-3)
-    plain = jtilert.Generator(tiny_random, max_seq_len=128, prefill_chunk=8).generate(ids, 12, stop_tokens=[])
+    plain = gen.generate(ids, 12, stop_tokens=[])
     spec = jtilert.Generator(tiny_random, max_seq_len=128, mtp=True, prefill_chunk=(32, 8))
     assert spec.generate(ids, 12, stop_tokens=[]) == plain
     first = spec.compiles
