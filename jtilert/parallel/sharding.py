@@ -78,19 +78,6 @@ def path_names(path) -> tuple:
     return keys[:-1] if keys and keys[-1] == "value" else keys
 
 
-def check_split(name: str, shape: tuple, dtype, tp: int) -> None:
-    """Refuse a tp split of parameter `name` that does not divide its split axis evenly, or that cuts the
-    128-row blocks of fp8 block scales."""
-    axis = split_axis(tuple(name.split(".")))
-    if axis is None or tp == 1:
-        return
-    if shape[axis] % tp:
-        raise ValueError(f"parameter {name} of shape {tuple(shape)}: axis {axis} does not divide by tp={tp}")
-    if dtype == FP8 and (shape[axis] // tp) % BLOCK:
-        raise ValueError(f"parameter {name} of shape {tuple(shape)}: fp8 block scales need each of the "
-                         f"tp={tp} slices of axis {axis} to be a multiple of {BLOCK}")
-
-
 def shard_state(state, mesh: Mesh):
     """Place a model state on the mesh with the tp split, checking that split axes divide evenly
     (and that fp8 block scales split on 128-row boundaries)."""
