@@ -547,7 +547,7 @@ def _rows_linear(linears: list[Linear], split: tuple[bool, ...] | None = None, t
         raise ValueError(f"merged projections need one format and shape [L, N, K]: {[w.shape for w in ws]}")
     grain = BLOCK if fp8 else 1
     rows = [w.shape[1] // tp if cut else w.shape[1] for w, cut in zip(ws, split)]   # of one rank
-    if tp > 1 and any(cut and (w.shape[1] % tp or n % grain) for w, cut, n in zip(ws, split, rows)):
+    if any(cut and not _splits(m, tp) for m, cut in zip(linears, split)):
         raise ValueError(f"merged projections: rows {[w.shape[1] for w in ws]} do not split over tp={tp}"
                          + (f" in whole {BLOCK}-row scale blocks" if fp8 else ""))
     padded = [-(-n // grain) * grain for n in rows[:-1]] + [-(-rows[-1] // grain) * grain if tp > 1 else rows[-1]]
