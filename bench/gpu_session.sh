@@ -49,6 +49,7 @@
 #   hlodump      XLA's optimized HLO of the 4-layer decode step (command buffers, streams), this checkout and,
 #                where the checkout carries it, the code before issue 13 in .baseline (git archive ba89fb0)
 #   hlodump_mtp  the same for the 4-layer MTP step (its call enqueues in 5.75 ms, the plain step's in 0.74)
+#   capture      the 4-layer plain step with the same logs (is each layer loop one command buffer?)
 #   mtp_sync     the 4-layer MTP step with XLA's command-buffer logs: which thunk makes the host wait in the call
 #   recompile    bench.decode 61 layers, pallas, in a new process: the step from the persistent cache
 #   pdl          bench/pdl_probe.py: chains of tiny Mosaic kernels (with and without PDL) and XLA fusions, per kernel,
@@ -169,6 +170,12 @@ for part in "$@"; do
       grep -i "conditional\|while\|command buffer\|CommandBuffer" "$WORK/mtp_sync.log" | cut -c1-300 | sort | uniq -c \
         | sort -rn | head -60 > "$WORK/mtp_sync_summary.txt"
       gzip -f "$WORK/mtp_sync.log" ;;
+    capture)  # the 4-layer plain step with XLA's command-buffer logs: does each layer loop become one command buffer?
+      TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_conversion_pass=2,command_buffer_scheduling=2,while_thunk=2,command_buffer_thunk=1 \
+        step capture 200 $DEC --layers 4 --backend pallas --steps 4 --samples 3 --out "$WORK/capture.json"
+      grep -i "conditional\|while\|command buffer\|CommandBuffer" "$WORK/capture.log" | cut -c1-300 | sort | uniq -c \
+        | sort -rn | head -60 > "$WORK/capture_summary.txt"
+      gzip -f "$WORK/capture.log" ;;
     check) step check 240 python3 tests/gpu/decode_check.py --per-op --out "$WORK/check.json" ;;
     pdl)
       XLA_FLAGS="$XLA_FLAGS" step pdl_cmdbuf 120 python3 -m bench.pdl_probe --out "$WORK/pdl_cmdbuf.json"
