@@ -56,7 +56,8 @@
 #                with command buffers on, off, and on without XLA's own PDL (issue 14; ~2 min)
 #   progcache    bench.prepare --compile, 61 layers, pallas, MTP: the Generator's preparation with the program
 #                cache cold, warm, then off (JAX's cache warm): what a second process pays (issue 13 item 4)
-#   callcost     the 61-layer stream loop (one step per call) with XLA's command-buffer update modes
+#   callcost     the 61-layer step loop (5 steps per call) under XLA's command-buffer update mode SKIP_TEMP and its
+#                exclusive-lock option (CALLCOST: the flag sets; "" for the default)
 #   build        the CUDA engine library and self-test (python -m jtilert.ffi.build --selftest)
 #   select       the engine's top-k select: self-test + CUDA-graph timings (after build)
 #   tp2          bench.decode at tp=2, 4 layers, psum vs the engine's all-reduce (2 GPUs, after build)
@@ -191,9 +192,9 @@ for part in "$@"; do
     recompile) step recompile 300 $DEC --layers 61 --backend pallas --steps 5 --samples 4 \
                  --out "$WORK/recompile.json" ;;
     callcost)  # does XLA update its command buffers on every call? the same loop under each update mode
-      for f in "" "--xla_gpu_enable_command_buffer_va_remapping=true --xla_gpu_command_buffer_update_mode=SKIP_TEMP" \
-               "--xla_gpu_command_buffer_update_mode=CAPTURE_CMD_NEVER_UPDATE"; do
-        n=callcost${f:+_$(echo "$f" | sed 's/.*update_mode=//')}
+      # (this XLA build rejects --xla_gpu_enable_command_buffer_va_remapping; CALLCOST picks the variants)
+      for f in ${CALLCOST:-"" --xla_gpu_command_buffer_update_mode=SKIP_TEMP --xla_gpu_require_exclusive_lock=true}; do
+        n=callcost${f:+_$(echo "$f" | sed 's/--xla_gpu_//; s/=.*//; s/command_buffer_//')}
         XLA_FLAGS="$XLA_FLAGS $f" step "$n" 300 $DEC --layers 61 --backend pallas --steps 5 --samples 6 \
           --out "$WORK/$n.json"
       done ;;
