@@ -221,10 +221,11 @@ def breakdown(model, backend, context, steps, samples, mesh, engine) -> dict:
 
 def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samples: int, mesh=None,
                   engine: bool = False, host: bool = True, kernels: bool = False, split_indexer: bool = False,
-                  layer_loop: str = "loop", xla_options: tuple = ()) -> dict:
+                  layer_loop: str = "loop", xla_options: tuple | None = None) -> dict:
+    """xla_options: DecodeConfig.xla_options (None: its default)."""
+    opts = {} if xla_options is None else {"xla_options": xla_options}
     eng = Engine(model, mesh=mesh, config=DecodeConfig(backend=backend, engine_all_reduce=engine,
-                                                       split_indexer=split_indexer, layer_loop=layer_loop,
-                                                       xla_options=xla_options))
+                                                       split_indexer=split_indexer, layer_loop=layer_loop, **opts))
     host_steps = steps * samples
     rows = cache_rows(context, steps + host_steps)
     cache = random_cache(eng, rows)
@@ -335,7 +336,8 @@ def main(argv=None) -> dict:
     p.add_argument("--all-reduce", default="psum", help="comma-separated: psum,engine (the CUDA engine)")
     p.add_argument("--layer-loop", default="loop", help="comma-separated: loop,unrolled (DecodeConfig.layer_loop)")
     p.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
-                   help="an XLA compile option of the decode steps only (DecodeConfig.xla_options), repeatable")
+                   help="an XLA compile option of the decode steps only (DecodeConfig.xla_options; given ones replace its "
+                        "default, CONCURRENT scheduling), repeatable")
     p.add_argument("--split-indexer", action="store_true",
                    help="with --tp: each rank scores 1/tp of the cached positions, top-k lists merged")
     p.add_argument("--steps", type=int, default=10, help="steps per timed sample")
@@ -378,7 +380,7 @@ def main(argv=None) -> dict:
             for mtp in (False, True) if a.mtp else (False,):
                 r = bench_backend(model, backend, a.context, mtp, a.steps, a.samples, mesh, ar == "engine",
                                   kernels=a.kernels and not mtp, split_indexer=a.split_indexer, layer_loop=loop,
-                                  xla_options=tuple(tuple(kv.split("=", 1)) for kv in a.xla_option))
+                                  xla_options=tuple(tuple(kv.split("=", 1)) for kv in a.xla_option) or None)
                 r["step_over_floor"] = r["step_ms_median"] / floor_ms
                 result["runs"].append(r)
                 print(json.dumps({k: v for k, v in r.items() if k != "kernel_profile"}), flush=True)

@@ -26,13 +26,11 @@
 #   vs           the ratios: vs_jtilert.json against every vs_hf*.json there is → vs.json
 #   flags        the 8-layer step with XLA's PDL launches / RAFT top-k on and off
 #   cmdbuf       the 8-layer step with XLA command buffers off: is the 24 ms per-call dispatch their update?
-#   graphs       bench.decode 61 layers, pallas, layer loop, kernel profiles (per step of the timed loop too),
-#                under XLA's command-buffer options: the default (LHS: every graph node after the one
-#                before), the layer loops unrolled into the graph (no conditional node and condition
-#                kernels per layer), and CONCURRENT scheduling (nodes ordered by their buffers only, so
-#                a layer's independent branches overlap), alone and together (~2 min each; GRAPHS picks
-#                the variants, default "default unroll concurrent concurrent_unroll": split it over two
-#                device calls if one call's 10 minutes are short)
+#   graphs       bench.decode 61 layers, pallas, layer loop, kernel profiles, under XLA's command-buffer options:
+#                DecodeConfig's default (CONCURRENT scheduling: graph edges from buffer dependencies, so a
+#                layer's independent branches overlap), XLA's own (every node after the one before), CONCURRENT
+#                with the layer loops unrolled into the graph, CONCURRENT_REGIONS (~2 min each; GRAPHS picks
+#                the variants, default "default xla unroll regions")
 #   tp2split     tp=2, 4 layers, 32K context: the indexer split over the GPUs vs not (after build)
 #   kvfp8        the 8-layer step with FlashMLA's fp8 latent cache (656 B per position)
 #   check        tests/gpu/decode_check.py: pallas vs reference logits, 4 layers, 32 decode steps
@@ -117,12 +115,17 @@ for part in "$@"; do
       done ;;
     cmdbuf) XLA_FLAGS="$XLA_FLAGS --xla_gpu_enable_command_buffer=" step cmdbuf_off 200 $DEC --layers 8 \
               --backend "$B" --samples 10 --out "$WORK/cmdbuf_off.json" ;;
-    graphs)  # one machine, back to back: the default first, so every variant has its same-run baseline
-      for v in ${GRAPHS:-default unroll concurrent concurrent_unroll}; do
-        u="--xla-option xla_gpu_command_buffer_unroll_loops=true"
+    graphs)  # one machine, back to back: the shipped default first, so every variant has its same-run baseline
+      for v in ${GRAPHS:-default xla unroll regions}; do
         c="--xla-option xla_gpu_command_buffer_scheduling_mode=CONCURRENT"
-        case $v in default) f="" ;; unroll) f=$u ;; concurrent) f=$c ;; concurrent_unroll) f="$c $u" ;; esac
-        # the options as DecodeConfig.xla_options: compile options of the decode steps, as they would ship
+        case $v in
+          default) f="" ;;                                                   # DecodeConfig's: CONCURRENT
+          xla) f="--xla-option xla_gpu_command_buffer_unroll_loops=false" ;;  # XLA's own scheduling
+          unroll) f="$c --xla-option xla_gpu_command_buffer_unroll_loops=true" ;;
+          regions) f="--xla-option xla_gpu_command_buffer_scheduling_mode=CONCURRENT_REGIONS" ;;
+        esac
+        # the options as DecodeConfig.xla_options (given ones replace its default): compile options of
+        # the decode steps, as they would ship
         step "graphs_$v" 150 $DEC --layers 61 --backend pallas --kernels --samples 6 $f --out "$WORK/graphs_$v.json"
       done ;;
     tp2split)  # the indexer split over the 2 GPUs against every GPU scoring all rows, at 32K context

@@ -57,10 +57,11 @@ class DecodeConfig:
         compiled body: fast to compile); "unrolled": one copy of the layer per layer, the layer index
         a constant (no loop between the layers' kernels). Both read the same stacked arrays.
     xla_options: XLA compile options of the decode-shaped steps only (decode, MTP verify and draft, their
-        device loops; prefill chunks keep XLA's defaults), as (name, value) pairs or a dict, e.g.
-        {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}: the step's graph ordered by its
-        buffers instead of serialized, so independent kernels of a layer overlap (bench/gpu_session.sh
-        part graphs measures it). XLA checks the names and values when it compiles.
+        device loops; prefill chunks keep XLA's defaults), as (name, value) pairs or a dict. The default,
+        {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}, orders the step's CUDA graph by its
+        buffers instead of serializing it, so a layer's independent kernels overlap (the indexer beside
+        MLA's query path, the shared expert beside the routed ones); () gives XLA's own options
+        (bench/gpu_session.sh part graphs measures each). XLA checks the names and values when it compiles.
     """
 
     backend: str = "reference"
@@ -68,7 +69,7 @@ class DecodeConfig:
     split_indexer: bool = False
     engine_topk: bool = True
     layer_loop: str = "loop"
-    xla_options: tuple[tuple[str, str], ...] = ()
+    xla_options: tuple[tuple[str, str], ...] = (("xla_gpu_command_buffer_scheduling_mode", "CONCURRENT"),)
 
     def __post_init__(self):
         opts = self.xla_options.items() if isinstance(self.xla_options, dict) else self.xla_options
