@@ -5,8 +5,9 @@
 
 Runs the programs `Generator._prepare` compiles (prefill chunk, first token, MTP prefill and first draft,
 decode step) on an abstract model (no weights) and times, per program:
-- plain: `trace` and `lower` (what every process pays without the program cache), the module's size
-  and its Mosaic-GPU kernels;
+- plain: `trace` and `lower` (what every process pays without the program cache), the module's size,
+  its Mosaic-GPU kernels and how many of them Mosaic lowered here (the others came from
+  `jtilert.pallas.lowering_cache`: lowered by an earlier program of this process);
 - cold: `export` (trace + lower + jax.export's checks) and writing the cache entry;
 - warm: reading the entry and lowering a call of it (what a second process pays).
 Lowering for "cuda" works on a machine without a GPU (the kernels are lowered for the GPU, not
@@ -30,7 +31,7 @@ import jax.numpy as jnp
 from jtilert.ffi._lib import TARGETS
 from jtilert.model.presets import preset
 from jtilert.model.transformer import abstract_model, random_model
-from jtilert.pallas import interpret
+from jtilert.pallas import interpret, lowering_cache
 from jtilert.runtime import compile_cache
 from jtilert.runtime.generate import Compiled, Generator
 from jtilert.runtime.sampling import Sampling
@@ -68,13 +69,15 @@ def main() -> None:
         t = time.perf_counter()
         traced = self._jit.trace(*args)
         r["trace"] = time.perf_counter() - t
-        t = time.perf_counter()
+        t, before = time.perf_counter(), lowering_cache.lowerings
         lowered = traced.lower(lowering_platforms=platforms)
         r["lower"] = time.perf_counter() - t
+        r["lowered"] = lowering_cache.lowerings - before
         text = lowered.as_text()
         r["mb"], r["kernels"] = len(text) / 1e6, text.count("mosaic_gpu_v2")
         key = compile_cache.program_key(self._engine.program_identity(self._name), self._donate, args, platforms)
         path = folder / f"{key}.jaxexport"
+        lowering_cache.clear()   # a cold process lowers the kernels again
         t = time.perf_counter()
         exported = compile_cache.export(self._jit, args, platforms, tuple(TARGETS))
         r["export"] = time.perf_counter() - t
@@ -89,7 +92,7 @@ def main() -> None:
         r["lower_call"] = time.perf_counter() - t
         r["entry_mb"] = path.stat().st_size / 1e6
         rows.append(r)
-        print(f"{r['program']:>15}: trace {r['trace']:6.2f} s  lower {r['lower']:6.2f} s  ({r['kernels']} kernels, "
+        print(f"{r['program']:>15}: trace {r['trace']:6.2f} s  lower {r['lower']:6.2f} s  ({r['kernels']} kernels, {r['lowered']} lowered, "
               f"{r['mb']:.1f} MB)  | cold: export {r['export']:6.2f} s  write {r['write']:.2f} s  | warm: read "
               f"{r['read']:.2f} s  lower call {r['lower_call']:.2f} s  (entry {r['entry_mb']:.1f} MB)", flush=True)
         return lowered

@@ -250,6 +250,13 @@ def _kernel(path: str) -> Callable:
     return call
 
 
+def _layer_index(layer):
+    """A kernel's layer index as an int32 scalar that is not weakly typed. A layer loop's index is
+    weakly typed, the MTP block's is not, and a jitted kernel is traced (and lowered) once per
+    argument type: without this the loop bodies and the MTP block lower a copy of each kernel each."""
+    return jnp.asarray(layer, jnp.int32)
+
+
 def _is_array(x) -> bool:
     return x is None or isinstance(x, (jax.Array, np.ndarray)) or (
         isinstance(x, (tuple, list)) and all(map(_is_array, x)))
@@ -285,7 +292,7 @@ class Ops:
         """Run op `name` on one layer (`layer` given: the stacked arguments of OPS[name] carry it)."""
         op = OPS[name]
         if self._use_kernel(name, op, args if layer is None else _per_layer(op, args)):
-            kw = {} if layer is None or not op.stacked else {"layer": layer}
+            kw = {} if layer is None or not op.stacked else {"layer": _layer_index(layer)}
             try:
                 return _kernel(op.kernel)(*args, **kw)
             except ValueError as e:   # the kernel's own checks refuse these shapes (a model too small
@@ -368,7 +375,7 @@ class Ops:
         op = OPS["indexer_append_scores"]
         args = (cfg, q, w, k, k_cache, k_scale, positions, start)
         if self._use_kernel("indexer_append_scores", op, _per_layer(op, args)):
-            scores, k_cache, k_scale = _kernel(op.kernel)(*args, first, num, layer=layer)
+            scores, k_cache, k_scale = _kernel(op.kernel)(*args, first, num, layer=_layer_index(layer))
         else:   # XLA appends the key in place, then the reference scores the layer's rows
             k8, ks = reference.indexer_key(cfg, k)
             k_cache = jax.lax.dynamic_update_slice(k_cache, k8[None].astype(k_cache.dtype), (layer, start, 0))

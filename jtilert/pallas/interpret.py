@@ -41,6 +41,8 @@ from jax._src import config as _jax_config
 from jax._src import core as _jax_core
 from jax._src import xla_bridge
 
+from jtilert.pallas import lowering_cache
+
 InterpretGPUParams = plgpu.InterpretGPUParams
 _compile_for_gpu: contextvars.ContextVar[bool] = contextvars.ContextVar("jtilert_compile_for_gpu", default=False)
 
@@ -82,9 +84,11 @@ def on_gpu() -> bool:
 
 
 def params() -> InterpretGPUParams | None:
-    """Interpret parameters for the kernel about to be traced, or None to compile for the GPU."""
+    """Interpret parameters for the kernel about to be traced, or None to compile for the GPU (then
+    Mosaic lowers each kernel once per process: `lowering_cache`)."""
     forced = _forced()
     if forced is None and (_compile_for_gpu.get() or on_gpu()):
+        lowering_cache.install()   # each kernel lowered once per process
         return None
     _wrap_interpreter()
     return forced if forced is not None else InterpretGPUParams()
