@@ -34,9 +34,6 @@
 #   tp2split     tp=2, 4 layers, 32K context: the indexer split over the GPUs vs not (after build)
 #   kvfp8        the 8-layer step with FlashMLA's fp8 latent cache (656 B per position)
 #   check        tests/gpu/decode_check.py: pallas vs reference logits, 4 layers, 32 decode steps
-#   splitk       tests/gpu/splitk_check.py: the dsv32 shard's split-K GEMVs finishing in their CTA cluster
-#                against the reference and against the previous form (fp32 partials + XLA's finish):
-#                kernels, device µs and the wall µs in a chain of 32 dependent calls (issue 14; ~3 min)
 #   unrolled     bench.decode 61 layers, pallas, the unrolled layer loop, CUPTI profile with kernel names
 #   scale8       bench.decode 8 layers, pallas, layer loop, CUPTI profile: enqueue and kernels vs layers
 #   before_after bench.decode 61 layers with kernel profiles: the code before issue 13 (.baseline, carried:
@@ -184,7 +181,6 @@ for part in "$@"; do
         | sort -rn | head -60 > "$WORK/capture_summary.txt"
       gzip -f "$WORK/capture.log" ;;
     check) step check 240 python3 tests/gpu/decode_check.py --per-op --out "$WORK/check.json" ;;
-    splitk) step splitk 400 python3 tests/gpu/splitk_check.py --out "$WORK/splitk.json" ;;
     pdl)
       XLA_FLAGS="$XLA_FLAGS" step pdl_cmdbuf 120 python3 -m bench.pdl_probe --out "$WORK/pdl_cmdbuf.json"
       XLA_FLAGS="$XLA_FLAGS --xla_gpu_enable_command_buffer=" step pdl_stream 120 python3 -m bench.pdl_probe \

@@ -125,12 +125,9 @@ def _layer_bodies(name: str) -> list[dict]:
 # GPU compiler makes ~4 transpose / reduce fusions); sparse MLA's combine kernel writes the latent output
 # in bf16 for the second (no cast after it). The router's selection by pairwise ranks counts more ops
 # here than lax.top_k (compares, selects and sums, which XLA fuses into a few kernels, against a sort
-# per top_k on the GPU): +19 glue ops in the MoE bodies (glm5, one stage: +9). Split-K GEMVs finish in
-# their kernel's CTA cluster (issue 14): x_proj and the dense SwiGLU pair (dense body, -14 glue ops),
-# x_proj, the router, the experts' and the shared expert's gate/up (MoE body, -23): on the GPU one XLA
-# reduce fusion fewer per split-K GEMV, 2 per dense and 4 per MoE layer.
-BUDGET = {"dsv32-tp8-shard": [{"kernels": 10, "glue": 102}, {"kernels": 13, "glue": 141}],
-          "glm5-tp8-shard": [{"kernels": 9, "glue": 115}, {"kernels": 12, "glue": 135}]}
+# per top_k on the GPU): +19 glue ops in the MoE bodies (glm5, one stage: +9).
+BUDGET = {"dsv32-tp8-shard": [{"kernels": 10, "glue": 116}, {"kernels": 13, "glue": 164}],
+          "glm5-tp8-shard": [{"kernels": 9, "glue": 129}, {"kernels": 12, "glue": 158}]}
 
 
 @pytest.mark.parametrize("name", sorted(BUDGET))
@@ -139,65 +136,6 @@ def test_layer_glue_stays_within_budget(name):
     assert len(bodies) == 2, bodies   # one loop body per FFN stack
     for got, budget in zip(bodies, BUDGET[name]):
         assert got["kernels"] <= budget["kernels"] and got["glue"] <= budget["glue"], (got, budget)
-
-
-# ---- no XLA reduction after a split-K GEMV: the finish is in the kernel ---------------------------
-# A split-K GEMV's CTAs finish in their cluster (gemv.cluster_finish); before, the kernel returned fp32
-# partials [split, P, T, N] and XLA summed them over the split axis (`out.sum(0)`): one reduce fusion
-# per such GEMV and layer. Other reductions of GEMV outputs (the indexer key's LayerNorm over its 128
-# features) are glue the budget above counts, not a finish.
-
-_GEMV_KERNELS = ("jtilert_gemv_", "jtilert_moe_down")
-_REDUCTIONS = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin"}
-_CARRY = {"convert_element_type", "copy", "copy_p", "reduce_precision"}   # ops that keep the axes as they are
-
-
-def _mosaic_kernel_name(eqn) -> str:
-    """The Mosaic kernel's name (`kernel_name=`) inside a launch, "" if none."""
-    for v in eqn.params.values():
-        for q in getattr(getattr(v, "jaxpr", v), "eqns", ()):
-            name = q.params.get("name")
-            if isinstance(name, str) and name.startswith("jtilert_"):
-                return name
-            name = _mosaic_kernel_name(q)
-            if name:
-                return name
-    return ""
-
-
-def _split_k_finishes(jaxpr, from_gemv: set, where: str, found: list) -> set:
-    """Reductions over the leading axis (of size > 1) of a GEMV kernel's output outside the kernels,
-    followed through casts and jit boundaries: (where, reduction, the reduced value's type) appended
-    to `found`. Returns the jaxpr's outvars that carry a GEMV output."""
-    from jax.extend import core as jcore
-    carried = lambda v: not isinstance(v, jcore.Literal) and v in from_gemv  # noqa: E731
-    for e in jaxpr.eqns:
-        name = e.primitive.name
-        if name in _LAUNCHES:
-            if _mosaic_kernel_name(e).startswith(_GEMV_KERNELS):
-                from_gemv.update(e.outvars)
-            continue
-        ins = [v for v in e.invars if carried(v)]
-        if (name in _REDUCTIONS and ins and 0 in tuple(e.params.get("axes", ()))
-                and ins[0].aval.shape[0] > 1):
-            found.append((where, name, str(ins[0].aval)))
-        sub = e.params.get("jaxpr") if name in ("pjit", "jit", "closed_call") else None
-        if sub is not None:
-            inner = getattr(sub, "jaxpr", sub)
-            inner_from = {iv for iv, ov in zip(inner.invars, e.invars) if carried(ov)}
-            outs = _split_k_finishes(inner, inner_from, f"{where}{name}/", found)
-            from_gemv.update(ov for ov, iv in zip(e.outvars, inner.outvars) if iv in outs)
-        elif name in _CARRY and ins:
-            from_gemv.update(e.outvars)
-    return {v for v in jaxpr.outvars if carried(v)}
-
-
-@pytest.mark.parametrize("name", sorted(BUDGET))
-def test_no_xla_reduction_after_a_split_k_gemv(name):
-    for body in _scan_bodies(name):
-        found = []
-        _split_k_finishes(body, set(), "", found)
-        assert not found, "XLA sums a GEMV's split-K partials:\n" + "\n".join(f"{w}{r} of {t}" for w, r, t in found)
 
 
 # ---- the layer index the kernels get: no index arithmetic inside the layer loop ----------------

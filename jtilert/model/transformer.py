@@ -465,8 +465,8 @@ def decode_weights(model: Transformer, merge: bool = True, tp: int = 1, backend:
         bf16), "reference" dequantises it to the compute dtype once instead of in every step;
       - the projections of each layer's normed input x — q_a, kv_a and, where every layer runs its
         own indexer (its stack then indexed like the layers), the indexer's wk — one `RowsLinear`
-        (`Attention.x_proj`) over their weights concatenated by rows: one GEMV launch (its split-K
-        finished inside it) per layer instead of two or three, the same rows multiplied by the same x.
+        (`Attention.x_proj`) over their weights concatenated by rows: one GEMV launch (and one
+        split-K finish) per layer instead of two or three, the same rows multiplied by the same x.
         The indexer's fp32 head-weights projection stays apart (an fp32 product, not a GEMV kernel).
       - where every layer runs its own indexer and q_b and wq_b have one format, the projections of
         the normed q_a output — q_b (split over the tp ranks by heads) and the indexer's wq_b

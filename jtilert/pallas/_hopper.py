@@ -1,9 +1,8 @@
 """Hopper (Mosaic-GPU) building blocks shared by the projection kernels (`gemv`, `moe`, `lm_head`):
 dtypes and granularities, the token tile's SMEM transforms and register layouts, the weight tiles'
 swizzle, the SM count, token chunking, the layer-index operand of stacked weights, the
-power-of-two rescale that puts the f16 B operand in range, and the fp8 wgmma step; the split-K
-finish inside a CTA cluster (`MAX_CLUSTER`, `fence_cluster`); and the shared memory accounting
-every kernel checks its configuration with (`Scope`, `smem_bytes`, `check_smem`)."""
+power-of-two rescale that puts the f16 B operand in range, and the fp8 wgmma step; and the shared
+memory accounting every kernel checks its configuration with (`Scope`, `smem_bytes`, `check_smem`)."""
 
 from __future__ import annotations
 
@@ -23,7 +22,6 @@ QBLOCK = 128          # fp8 block-scale granularity (both dims)
 KGRAIN = 64           # K granularity: one 128-byte swizzle row of bf16
 MAX_TOKENS = 8        # wgmma N: tokens per kernel call
 SMEM_BYTES = 227 * 1024   # shared memory per block on the H200 (and Mosaic's bound without a GPU)
-MAX_CLUSTER = 8       # CTAs per cluster without the non-portable size opt-in (which Mosaic does not set)
 
 # Register layout for the [8, 64·m] token tile in SMEM (tiling (8, 64), 128-byte swizzle): each
 # warp owns two rows, each lane four consecutive bf16 of a row, so one wavefront covers one
@@ -107,7 +105,7 @@ class Scope:
 def _count(scope: Scope) -> tuple[int, int]:
     data = barriers = 0
     for b in scope.buffers:
-        if isinstance(b, (plgpu.Barrier, plgpu.ClusterBarrier)):
+        if isinstance(b, plgpu.Barrier):
             barriers += math.prod(b.num_barriers)
         else:
             data += -(-math.prod(b.shape) * jnp.dtype(b.dtype).itemsize // SMEM_ALIGN) * SMEM_ALIGN
@@ -150,21 +148,6 @@ def f16_range_factor(abs_tiles):
     amax = jnp.maximum(jnp.max(jnp.max(m, axis=1), axis=0), 1e-30)
     # max|B| ≤ 2^15 even if the approximate log2 is off by one.
     return jnp.exp2(13.0 - lax.round(jnp.log2(amax) - 0.5))
-
-
-def fence_cluster():
-    """`fence.acq_rel.cluster` on the GPU (see `gemv`'s split-K finish for why); nothing in GPU
-    interpret mode, which has no memory model to satisfy (and cannot run inline PTX)."""
-    if _interp.active():
-        return
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import llvm
-
-    @plgpu.inline_mgpu()
-    def fence(_ctx):
-        llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "fence.acq_rel.cluster;", "", has_side_effects=True)
-
-    fence()
 
 
 def wgmma_fp8_step(acc, w_smem, b_of, *, nsub: int, sub: int, a_buf_of=None):

@@ -7,11 +7,9 @@ Each CTA owns 64 output rows and a 1/split_k share of K and streams its weights 
 pipeline in the checkpoint layout. "wgmma" engine: rows are wgmma's M, tokens its N (rows ≥ T are
 TMA's zero fill); for fp8 the block scales (and the norm weight) are folded into the f16 B operand
 with a power-of-two rescale, so the weight tile only needs e4m3 → f16. "fma" engine: CUDA-core
-fp32 FMAs, for fp32 weights (the router). split_k > 1 (≤ 8): the split CTAs of a row block form a
-CTA cluster; each writes its fp32 partial (with a norm, already scaled by 1/rms, computed in the
-kernel) to a GMEM workspace, the cluster synchronises, and its first CTA sums the partials in a
-fixed order and applies the epilogue (cast, residual, SwiGLU): one launch, no XLA finish (split_k > 8
-keeps XLA's sum: a larger cluster needs the non-portable size opt-in, which Mosaic does not set).
+fp32 FMAs, for fp32 weights (the router). split_k > 1 writes fp32 partials (with a norm, each
+already scaled by 1/rms, computed in the kernel) and XLA's finish is their sum in one fusion with
+the epilogue (cast, residual, SwiGLU).
 `layer=`: the weights are stacks [L, N, K] and the traced layer index, read on the device, steers
 the weight TMA (no slice of the stack outside the kernel). Expert mode (`ids`, used by `moe`): the
 selected experts' rows of a stack [E, N, K] (or [L, E, N, K]) are read the same way; `heads_linear`
@@ -61,11 +59,10 @@ class GemvConfig:
         must divide it too; `occupancy`: with split_k = 0, grow split-K until the grid about fills
         the machine (else only as far as shared memory needs).
 
-        split_k = 0: the occupancy rule's split (at most `hw.MAX_CLUSTER`), or the next larger split
-        that cuts K into valid slices, the first whose SMEM fits at the full pipeline depth (the token
-        slice [8, K / split] is held whole, so large K needs a larger split); only if none does, fewer
-        stages, then a narrower block_k. An explicit split_k is kept (stages, then block_k shrink to
-        fit). A split above `hw.MAX_CLUSTER` finishes in XLA (`finish_of`).
+        split_k = 0: the occupancy rule's split, or the next larger split that cuts K into valid
+        slices, the first whose SMEM fits at the full pipeline depth (the token slice [8, K / split]
+        is held whole, so large K needs a larger split); only if none does, fewer stages, then a
+        narrower block_k. An explicit split_k is kept (stages, then block_k shrink to fit).
         ValueError if nothing fits."""
         if k % KGRAIN:
             raise ValueError(f"GEMV kernel: K={k} must be a multiple of {KGRAIN}")
@@ -99,9 +96,8 @@ class GemvConfig:
         else:
             row_blocks = -(-n // self.block_n)
             split = 1
-            # Grow split-K until the grid about fills the machine, keeping K slices ≥ 512 and the
-            # split within a portable cluster (the split CTAs finish in one, see `finish_of`).
-            while (occupancy and row_blocks * split < 0.7 * sms and split < hw.MAX_CLUSTER and valid(2 * split)
+            # Grow split-K until the grid about fills the machine, keeping K slices ≥ 512.
+            while (occupancy and row_blocks * split < 0.7 * sms and split < 16 and valid(2 * split)
                    and k // (2 * split) >= 512):
                 split *= 2
             splits = [s for s in range(split, kgrains + 1) if valid(s)]
@@ -146,26 +142,15 @@ class GemvConfig:
                 yield from half._smaller(k, w_itemsize, divides)
 
 
-def finish_of(split: int) -> str:
-    """Where a GEMV of `split` K slices applies its epilogue: "kernel" (one CTA per row block),
-    "cluster" (the split CTAs of a row block are one cluster; its first CTA sums their partials and
-    finishes, see `_projection`), "xla" (more K slices than a portable cluster holds: the kernel
-    writes fp32 partials and XLA sums and finishes them)."""
-    return "kernel" if split == 1 else "cluster" if split <= hw.MAX_CLUSTER else "xla"
-
-
 def projection_scratch(cfg: GemvConfig, *, k: int, p: int, itemsize: int, tb: int, out_dtype=BF16,
                        residual_dtype=None) -> list:
     """The scratch buffers of `_projection` (in the kernel's order) under a resolved config: the
     token slice (FMA: fp32 rows; wgmma: the B operand(s) and the bf16 staging tile, [8, K / split]
-    each), the fp8 range factors, the output tile (split-K: the CTA's fp32 partials), two barriers,
-    the A double buffer (fp8 with A from SMEM), the residual tile (residual epilogue, in the kernel
-    or the cluster), and with the cluster finish the leader's output tile and the cluster barrier
-    (the leader reads its peers' partials from GMEM into registers: no reload buffer)."""
+    each), the fp8 range factors, the output tile, two barriers, the A double buffer (fp8 with A
+    from SMEM) and the residual tile (residual epilogue without split-K)."""
     kc = k // cfg.split_k
     fp8 = itemsize == 1
-    finish = finish_of(cfg.split_k)
-    in_kernel = finish == "kernel"
+    in_kernel = cfg.split_k == 1
     if cfg.engine == "fma":
         scratch = [plgpu.SMEM((tb, kc), F32)]
     else:
@@ -177,10 +162,8 @@ def projection_scratch(cfg: GemvConfig, *, k: int, p: int, itemsize: int, tb: in
     if fp8 and cfg.engine != "fma" and not cfg.a_in_registers:
         _, sub = hw.weight_transforms(cfg.block_k, itemsize)
         scratch.append(plgpu.SMEM((p, 2, cfg.block_n, sub), F16, transforms=X_TRANSFORMS))
-    if residual_dtype is not None and finish != "xla":
+    if residual_dtype is not None and in_kernel:
         scratch.append(plgpu.SMEM((MAX_TOKENS, cfg.block_n), residual_dtype))
-    if finish == "cluster":
-        scratch += [plgpu.SMEM((MAX_TOKENS, cfg.block_n), out_dtype), plgpu.ClusterBarrier(collective_axes=("s",))]
     return scratch
 
 
@@ -200,7 +183,7 @@ def projection_smem(cfg: GemvConfig, *, k: int, p: int, itemsize: int, tb: int, 
     return hw.Scope(tuple(scratch), (pipe,), reduces=True)
 
 
-# ---- the epilogue, shared by the kernel (split_k = 1), the cluster finish and the XLA finish -----
+# ---- the epilogue, shared by the kernel (split_k = 1) and the XLA finish (split_k > 1) ----------
 
 def _sigmoid(x):
     return 1.0 / (1.0 + jnp.exp(-x))
@@ -219,70 +202,6 @@ def _finish(ys, *, kind, residual, out_dtype):
     if residual is not None:
         return (ys[0].astype(BF16).astype(F32) + residual.astype(F32)).astype(out_dtype)
     return ys[0].astype(out_dtype)
-
-
-# ---- split-K inside a CTA cluster (shared with moe.expert_down) ------------------------------------
-
-def split_grid(row_blocks: int, split: int, nsel: int | None, clustered: bool) -> dict:
-    """`plgpu.kernel`'s grid keywords for (row blocks, split[, selections]) CTAs, in which
-    `lax.axis_index("s")` is the CTA's K slice. Clustered: the grid counts clusters and the split
-    CTAs of a row block (and selection) are one cluster along the split axis, (1, split[, 1])."""
-    extra = () if nsel is None else (nsel,)
-    if not clustered:
-        return dict(grid=(row_blocks, split) + extra, grid_names=("n", "s") + ("e",) * len(extra))
-    return dict(grid=(row_blocks, 1) + extra, grid_names=("n", "sg") + ("e",) * len(extra),
-                cluster=(1, split) + (1,) * len(extra), cluster_names=("cn", "s") + ("ce",) * len(extra))
-
-
-def cluster_finish(s_idx, cbar, peer_partial, own, split: int, epilogue, fin_smem, dst, rows: int, before=None):
-    """The split-K finish inside the cluster, after every CTA has stored its fp32 partial (its SMEM
-    tile → its slice of the GMEM workspace by TMA) and waited for the store with
-    `wait_smem_to_gmem(0)`: the cluster synchronises, then its first CTA (s = 0) sums
-    own[row][weight] (its partial, still in registers) + peer_partial(s, weight, row)[...] for
-    s = 1 .. split-1 in that order (deterministic), applies epilogue(ys, row) into fin_smem and
-    stores its `rows` rows to dst. `before`: run by the leader first (the residual tile's wait).
-
-    Memory ordering (peer CTA P writes its partial, leader L reads it):
-    1. P's TMA store runs in the async proxy. `wait_smem_to_gmem(0)` is `cp.async.bulk.wait_group 0`
-       WITHOUT `.read`: the issuing thread waits until the bulk copies have completed, their GMEM
-       writes performed and visible to it (`.read` would only wait until the SMEM source was read,
-       the GMEM writes possibly still in flight); completion includes the implicit async→generic
-       proxy fence, and Mosaic follows the wait with the warpgroup's bar.sync, so every thread of P
-       is ordered after it.
-    2. `plgpu.ClusterBarrier`'s arrive on a peer's barrier is `mbarrier.arrive.shared::cluster.b64`
-       (Mosaic 0.11.2), whose default semantics are release at .cta scope, and its wait
-       `mbarrier.try_wait.parity`, acquire at .cta scope: a .cta-scoped release/acquire pair is
-       morally strong only between threads of one CTA, so by the PTX model's letter it does not carry
-       P's writes to L. Every CTA therefore runs `fence.acq_rel.cluster` before it arrives and again
-       after its wait (`hw.fence_cluster`): P's fence, the barrier (L's wait observes P's arrive),
-       L's fence order P's completed writes before L's reads at cluster scope, which holds both.
-    3. L reads the partials with plain `ld.global` (generic proxy, ordered by its fence). A TMA load
-       would read in the async proxy and need a `fence.proxy.async.global` too; plain loads also keep
-       the partials in registers (no SMEM reload buffer), and the workspace's rows are padded to whole
-       64-row blocks so they stay in bounds.
-    4. Every CTA arrives AND waits: Mosaic does not synchronise the cluster at exit, and a CTA that
-       exited while a peer may still arrive on its barrier would leave that arrive undefined.
-    The clustered CTAs are co-scheduled, so waiting for the peers cannot deadlock. GPU interpret mode
-    runs the cluster's CTAs as threads and models the barrier; it has no fences (none needed)."""
-    hw.fence_cluster()
-    plgpu.barrier_arrive(cbar)
-    plgpu.barrier_wait(cbar)
-    hw.fence_cluster()
-
-    @pl.when(s_idx == 0)
-    def _():
-        if before is not None:
-            before()
-        for r in range(rows):
-            ys = []
-            for j, y in enumerate(own[r]):
-                for s in range(1, split):
-                    y = y + plgpu.load(peer_partial(s, j, r), optimized=False)   # GMEM: plain loads
-                ys.append(y)
-            fin_smem.at[r][...] = epilogue(ys, r)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(fin_smem.at[pl.ds(0, rows)], dst)
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the SMEM read before exit; the kernel's end flushes
 
 
 # ---- the kernel ---------------------------------------------------------------------------------
@@ -373,9 +292,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
     w_tr, sub = hw.weight_transforms(bk, itemsize)    # sub: one swizzle row, ≤ one scale block
     nsub = bk // sub
     a_regs = cfg.a_in_registers
-    finish = finish_of(split)
-    in_kernel_epilogue = finish == "kernel"
-    clustered = finish == "cluster"
+    in_kernel_epilogue = split == 1
     out_rows = 1 if in_kernel_epilogue else p
     o_dtype = out_dtype if in_kernel_epilogue else F32
     row_blocks = -(-n // bn)
@@ -391,9 +308,8 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
         w_gmems = [next(it) for _ in range(p)]
         s_gmems = [next(it) for _ in range(p)] if fp8 else [None] * p
         nw_gmem = next(it) if norm is not None else None
-        res_gmem = next(it) if residual is not None and finish != "xla" else None
-        out_gmem = next(it)                 # the output (the partials with XLA's finish)
-        ws_gmem = next(it) if clustered else None   # the cluster's partials [split, P, S, row blocks·64]
+        res_gmem = next(it) if residual is not None and in_kernel_epilogue else None
+        out_gmem = next(it)
         xb = next(it) if not fma else None
         xstage = next(it) if not fma else None
         invf = next(it) if not fma else None
@@ -401,7 +317,6 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
         o_smem, bar = next(it), next(it)
         a_bufs = next(it) if (fp8 and not fma and not a_regs) else None
         res_smem = next(it) if res_gmem is not None else None
-        fin_smem, cbar = (next(it), next(it)) if clustered else (None, None)
 
         n_idx = lax.axis_index("n")
         s_idx = lax.axis_index("s")
@@ -476,9 +391,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
             svals = ([[scale_at(j, (k0 + b * bw) // scale_block) for b in range(nblk)] for j in range(p)]
                      if fp8 else None)
         if res_smem is not None:
-            @pl.when(s_idx == 0)            # the CTA that finishes (with the cluster finish, the leader)
-            def _():
-                plgpu.copy_gmem_to_smem(res_gmem.at[pl.ds(zero, MAX_TOKENS), pl.ds(row0, bn)], res_smem, bar.at[1])
+            plgpu.copy_gmem_to_smem(res_gmem.at[pl.ds(zero, MAX_TOKENS), pl.ds(row0, bn)], res_smem, bar.at[1])
 
         def scales_at(step):
             """Block scales of one pipeline step: [weight][sub-chunk] scalars (loaded a step ahead)."""
@@ -551,11 +464,10 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
                 # col0 + tok is ours.
                 cols = [jnp.sum(jnp.where(col_id == col0 + tok, y, 0.0), axis=1) for y in ys]
                 return [c * invf[j] if fp8 else c for j, c in enumerate(cols)]
-        if res_smem is not None and in_kernel_epilogue:
+        if res_smem is not None:
             plgpu.barrier_wait(bar.at[1])
 
         # Epilogue: one row vector per token.
-        partials = []                       # the cluster finish: [token][weight] this CTA's partial sums
         for tok in range(tb):
             cols = cols_of(tok)
             if norm is not None:
@@ -570,48 +482,35 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
             else:
                 for j in range(p):
                     o_smem.at[j, tok][...] = cols[j]
-                partials.append(cols)
         plgpu.commit_smem()
         orow = pl.ds(e_idx, 1) if ids is not None else slice(None)
-        part_gmem = ws_gmem if clustered else out_gmem
         for j in range(out_rows):
             dst = (out_gmem.at[orow, pl.ds(row0, bn)] if in_kernel_epilogue
-                   else part_gmem.at[s_idx, j, orow, pl.ds(row0, bn)])
+                   else out_gmem.at[s_idx, j, orow, pl.ds(row0, bn)])
             plgpu.copy_smem_to_gmem(o_smem.at[j, pl.ds(0, tb)], dst)
         plgpu.wait_smem_to_gmem(0)
-        if clustered:
-            wrow = e_idx if ids is not None else None
-            cluster_finish(
-                s_idx, cbar, lambda s, j, tok: ws_gmem.at[s, j, tok if wrow is None else wrow, pl.ds(row0, bn)],
-                partials, split,
-                lambda ys, tok: _finish(ys, kind=kind, residual=None if res_smem is None else res_smem.at[tok][...],
-                                        out_dtype=out_dtype),
-                fin_smem, out_gmem.at[orow, pl.ds(row0, bn)], tb,
-                before=None if res_smem is None else (lambda: plgpu.barrier_wait(bar.at[1])))
 
     scratch = projection_scratch(cfg, k=k, p=p, itemsize=itemsize, tb=tb, out_dtype=out_dtype,
                                  residual_dtype=res_dtype)
     out_type = (jax.ShapeDtypeStruct((nsel, n), o_dtype) if in_kernel_epilogue
                 else jax.ShapeDtypeStruct((split, p, nsel, n), F32))
-    if clustered:   # the final output, and the partials' workspace (rows padded to whole row blocks)
-        out_type = (jax.ShapeDtypeStruct((nsel, n), out_dtype),
-                    jax.ShapeDtypeStruct((split, p, nsel, row_blocks * bn), F32))
-    call = plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch, interpret=_interp.params(),
-                        kernel_name=f"jtilert_gemv_{cfg.engine}",
-                        **split_grid(row_blocks, split, nsel if ids is not None else None, clustered))
+    grid, names = (row_blocks, split), ("n", "s")
+    if ids is not None:
+        grid, names = grid + (nsel,), names + ("e",)
+    call = plgpu.kernel(kernel, out_type=out_type, grid=grid, grid_names=names,
+                        scratch_types=scratch, interpret=_interp.params(),
+                        kernel_name=f"jtilert_gemv_{cfg.engine}")
     args = [x] + ([ids.astype(jnp.int32)] if ids is not None else [])
     args += ([hw.layer_operand(layer)] if layer is not None else []) + list(ws)
     if fp8:
         args += [s.astype(F32) for s in scales]
     if norm is not None:
         args.append(norm)
-    if residual is not None and finish != "xla":
+    if residual is not None and in_kernel_epilogue:
         args.append(residual)
     out = call(*args)
     if in_kernel_epilogue:
         return out
-    if clustered:
-        return out[0]
     part = out.sum(0)                                  # [P, T, N]: one XLA fusion with the epilogue
     return _finish([part[j] for j in range(p)], kind=kind, residual=residual, out_dtype=out_dtype)
 

@@ -7,8 +7,7 @@ Only the chosen experts' weights are read, steered by expert ids that stay on th
 * `expert_down`: y[t] = Σ_i w_i · down[ids_i] · h_i as ONE GEMV over the gathered (selection, I)
   axis: each K step's expert id picks the weight tile; w_i, the fp8 block scale and h_i are folded
   into the B operand, so the weighted sum is the tensor core's accumulation. A shared expert
-  packed as one more expert (`pack_shared_expert`) rides along with weight 1. Where K (tokens ×
-  selections × width) needs split-K, the split CTAs finish in a cluster as `gemv`'s do.
+  packed as one more expert (`pack_shared_expert`) rides along with weight 1.
 * `route`: fp32 logits with the FMA engine of `gemv` (the reference's precision, so near-ties
   select the same experts) and the reference's selection in plain JAX on the [T, E] logits.
 `layer=` (a traced int32 scalar): the weights are stacks [L, E, ...] taken as [L·E, ...] (a free
@@ -101,9 +100,7 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
     row_blocks = -(-n // bn)
     w_tr, sub = hw.weight_transforms(bk, down.dtype.itemsize)
     nsub = bk // sub
-    finish = gemv.finish_of(split)
-    in_kernel = finish == "kernel"
-    clustered = finish == "cluster"
+    in_kernel = split == 1
     o_dtype = out_dtype if in_kernel else F32
 
     def kernel(h_gmem, w_gmem, ids_gmem, *rest):
@@ -111,11 +108,8 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
         layer_gmem = next(it) if layer is not None else None
         d_gmem = next(it)
         s_gmem = next(it) if fp8 else None
-        out_gmem = next(it)
-        ws_gmem = next(it) if clustered else None   # the cluster's partials [split, T, row blocks·64]
-        xb, invf, o_smem = next(it), next(it), next(it)
+        out_gmem, xb, invf, o_smem = next(it), next(it), next(it), next(it)
         a_bufs = next(it) if (fp8 and not a_regs) else None
-        fin_smem, cbar = (next(it), next(it)) if clustered else (None, None)
         n_idx = lax.axis_index("n")
         s_idx = lax.axis_index("s")
         k0 = s_idx * kc
@@ -189,43 +183,32 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
 
         y = pl.run_scoped(run, plgpu.ACC((bn, MAX_TOKENS), F32))
         col_id = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (bn, MAX_TOKENS), 1), plgpu.Layout.WGMMA)
-        partials = []
         for tok in range(t):
             col = jnp.sum(jnp.where(col_id == tok, y, 0.0), axis=1)
             if fp8:
                 col = col * invf[0]
             o_smem.at[tok][...] = col.astype(o_dtype)
-            partials.append([col])
         plgpu.commit_smem()
-        part_gmem = ws_gmem if clustered else out_gmem
-        dst = out_gmem.at[:, pl.ds(row0, bn)] if in_kernel else part_gmem.at[s_idx, :, pl.ds(row0, bn)]
+        dst = out_gmem.at[:, pl.ds(row0, bn)] if in_kernel else out_gmem.at[s_idx, :, pl.ds(row0, bn)]
         plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, t)], dst)
         plgpu.wait_smem_to_gmem(0)
-        if clustered:   # see gemv.cluster_finish (the memory ordering is explained there)
-            gemv.cluster_finish(s_idx, cbar, lambda s, _, tok: ws_gmem.at[s, tok, pl.ds(row0, bn)], partials, split,
-                                lambda ys, _: ys[0].astype(out_dtype), fin_smem, out_gmem.at[:, pl.ds(row0, bn)], t)
 
     scratch = expert_down_scratch(cfg, k=ktot, itemsize=down.dtype.itemsize, out_dtype=out_dtype)
     out_type = (jax.ShapeDtypeStruct((t, n), o_dtype) if in_kernel
                 else jax.ShapeDtypeStruct((split, t, n), F32))
-    if clustered:   # the output, and the partials' workspace (rows padded to whole row blocks)
-        out_type = (jax.ShapeDtypeStruct((t, n), out_dtype), jax.ShapeDtypeStruct((split, t, row_blocks * bn), F32))
-    call = plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch, interpret=_interp.params(),
-                        kernel_name="jtilert_moe_down", **gemv.split_grid(row_blocks, split, None, clustered))
+    call = plgpu.kernel(kernel, out_type=out_type, grid=(row_blocks, split), grid_names=("n", "s"),
+                        scratch_types=scratch, interpret=_interp.params(), kernel_name="jtilert_moe_down")
     args = [h.astype(BF16), weights.astype(F32), ids.reshape(-1).astype(jnp.int32)]
     args += ([hw.layer_operand(layer)] if layer is not None else []) + [down]
     if fp8:
         args.append(down_scale.astype(F32))
     out = call(*args)
-    if in_kernel or clustered:
-        return out if in_kernel else out[0]
-    return out.sum(0).astype(out_dtype)   # more K slices than a portable cluster: XLA's finish
+    return out if in_kernel else out.sum(0).astype(out_dtype)
 
 
 def expert_down_scratch(cfg: GemvConfig, *, k: int, itemsize: int, out_dtype=BF16) -> list:
     """`expert_down`'s scratch buffers under a resolved config: the B operand [8, K / split], the
-    fp8 range factor, the output tile (split-K: the CTA's fp32 partial), the A double buffer (fp8
-    with A from SMEM), and with the cluster finish the leader's output tile and the cluster barrier."""
+    fp8 range factor, the output tile, and the A double buffer (fp8 with A from SMEM)."""
     fp8 = itemsize == 1
     scratch = [plgpu.SMEM((MAX_TOKENS, k // cfg.split_k), F16 if fp8 else BF16, transforms=X_TRANSFORMS),
                plgpu.SMEM((1,), F32),
@@ -233,8 +216,6 @@ def expert_down_scratch(cfg: GemvConfig, *, k: int, itemsize: int, out_dtype=BF1
     if fp8 and not cfg.a_in_registers:
         _, sub = hw.weight_transforms(cfg.block_k, itemsize)
         scratch.append(plgpu.SMEM((2, cfg.block_n, sub), F16, transforms=X_TRANSFORMS))
-    if gemv.finish_of(cfg.split_k) == "cluster":
-        scratch += [plgpu.SMEM((MAX_TOKENS, cfg.block_n), out_dtype), plgpu.ClusterBarrier(collective_axes=("s",))]
     return scratch
 
 
