@@ -38,6 +38,7 @@
 #   scale8       bench.decode 8 layers, pallas, layer loop, CUPTI profile: enqueue and kernels vs layers
 #   before_after bench.decode 61 layers with kernel profiles: the code before issue 13 (.baseline, carried:
 #                git archive ba89fb0 | tar -x -C .baseline) then this checkout, pallas and reference (~10 min)
+#   ab           bench.decode 61 layers, pallas, kernel profiles: .baseline (another tree, carried) then this checkout
 #   mtp          bench.decode 61 layers, pallas, plain and MTP speculative step (verify 2 + draft)
 #   mtp_glm5     the same for glm5-tp8-shard (all its layers)
 #   prefill      bench.prefill 61 layers: 1024 and 1100 prompt tokens, chunks 256, 1024+64 and 1024+128, grouped MoE
@@ -142,6 +143,11 @@ for part in "$@"; do
       (cd .baseline && JTILERT_COMPILATION_CACHE=off PYTHONPATH=$PWD step baseline 330 $DEC --layers 61 \
         --backend pallas --kernels --samples 8 --out "$WORK/baseline.json")
       step current 270 $DEC --layers 61 --backend pallas,reference --kernels --samples 8 --out "$WORK/current.json" ;;
+    ab)  # another tree (.baseline, carried: e.g. git archive main | tar -x -C .baseline) against this checkout,
+         # pallas, 61 layers, kernel profiles, back to back on one machine: a branch against main in one run
+      (cd .baseline && PYTHONPATH=$PWD step ab_base 200 $DEC --layers 61 --backend pallas --kernels --samples 6 \
+        --out "$WORK/ab_base.json")
+      step ab_this 200 $DEC --layers 61 --backend pallas --kernels --samples 6 --out "$WORK/ab_this.json" ;;
     mtp_glm5) step mtp_glm5 540 python3 -m bench.decode --preset glm5-tp8-shard --context 4096 --backend pallas \
                 --mtp --samples 6 --out "$WORK/mtp_glm5.json" ;;
     mtp) step mtp 540 $DEC --layers 61 --backend pallas --mtp --samples 6 --out "$WORK/mtp.json" ;;
