@@ -10,10 +10,8 @@ import re
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from decode_jaxprs import decode_step, sub_jaxprs   # tests/decode_jaxprs.py (tests/ is on sys.path)
 
-from jtilert.model.presets import preset
-from jtilert.model.transformer import abstract_model, decode_weights, init_cache
 from jtilert.ops.table import DecodeConfig, Ops
 from jtilert.pallas import gemv, lowering_cache
 from jtilert.pallas import interpret as interp
@@ -26,29 +24,15 @@ def _kernel_bodies(jaxpr, found: dict) -> dict:
             mesh = e.params["meshes"][0]
             sig = (mesh.kernel_name, tuple(mesh.grid), tuple(str(v.aval) for v in e.invars))
             found.setdefault(sig, set()).add(id(e.params["jaxprs"][0]))
-        for v in e.params.values():
-            for x in v if isinstance(v, (list, tuple)) else [v]:
-                if hasattr(x, "jaxpr") and hasattr(x, "consts"):
-                    _kernel_bodies(x.jaxpr, found)
-                elif hasattr(x, "eqns"):
-                    _kernel_bodies(x, found)
+        for inner in sub_jaxprs(e):
+            _kernel_bodies(inner, found)
     return found
 
 
 def test_the_mtp_step_traces_each_kernel_once():
     """The speculative step's verify (2 tokens through both layer loops) and draft (the MTP block, its
     layer index a constant) call every kernel with one signature: one traced body each."""
-    cfg = preset("dsv32-tp8-shard", num_hidden_layers=4)
-    ops = Ops(DecodeConfig(backend="pallas"))
-    graphdef, state = nnx.split(decode_weights(abstract_model(cfg, "fp8", jnp.bfloat16), backend="pallas"))
-    cache = jax.eval_shape(lambda: init_cache(cfg, 256, jnp.bfloat16))
-
-    def step(state, cache):
-        model = nnx.merge(graphdef, state)
-        toks = jnp.zeros((2,), jnp.int32)
-        h, cache = model.hidden(ops, toks, jnp.int32(100), cache)
-        return model.draft(ops, h, toks, jnp.int32(100), cache)
-
+    step, state, cache = decode_step("dsv32-tp8-shard", 4, Ops(DecodeConfig(backend="pallas")), tokens=2, mtp=True)
     with interp.compile_for_gpu():
         bodies = _kernel_bodies(jax.make_jaxpr(step)(state, cache).jaxpr, {})
     assert len(bodies) >= 12, sorted(bodies)   # the kernels ran (else nothing is checked)

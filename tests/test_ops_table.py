@@ -9,10 +9,8 @@ import warnings
 import jax
 import jax.numpy as jnp
 import pytest
-from flax import nnx
+from decode_jaxprs import decode_step, sub_jaxprs   # tests/decode_jaxprs.py (tests/ is on sys.path)
 
-from jtilert.model.presets import preset
-from jtilert.model.transformer import abstract_model, decode_weights, init_cache
 from jtilert.ops.table import OPS, DecodeConfig, Ops
 from jtilert.pallas import interpret as interp
 
@@ -31,27 +29,9 @@ class Recording(Ops):
         return use
 
 
-def _step(name: str, layers: int, ops: Ops, tokens: int = 1, mtp: bool = False):
-    """(step, abstract weights, abstract cache) of a decode step of preset `name` (`mtp`: then the
-    MTP draft), for `jax.eval_shape` / `jax.make_jaxpr`."""
-    cfg = preset(name, num_hidden_layers=layers)
-    model = decode_weights(abstract_model(cfg, "fp8", jnp.bfloat16), backend=ops.config.backend)   # as Engine holds it
-    graphdef, state = nnx.split(model)
-    cache = jax.eval_shape(lambda: init_cache(cfg, 256, jnp.bfloat16))
-
-    def step(state, cache):
-        model = nnx.merge(graphdef, state)
-        toks = jnp.zeros((tokens,), jnp.int32)
-        h, cache = model.hidden(ops, toks, jnp.int32(100), cache)
-        if mtp:
-            _, cache = model.draft(ops, h, toks, jnp.int32(100), cache)
-        return h, cache
-    return step, state, cache
-
-
 def _decisions(name: str, layers: int, tokens: int, mtp: bool) -> dict[str, set[bool]]:
     ops = Recording(DecodeConfig(backend="pallas"))
-    step, state, cache = _step(name, layers, ops, tokens, mtp)
+    step, state, cache = decode_step(name, layers, ops, tokens, mtp)
     with interp.compile_for_gpu(), warnings.catch_warnings():
         warnings.filterwarnings("error", message="jtilert: backend='pallas'")   # a kernel that does not apply
         jax.eval_shape(step, state, cache)
@@ -87,19 +67,15 @@ def _count(jaxpr, counts):
         if name in _LAUNCHES:
             counts["kernels"] += 1
             continue
-        for v in e.params.values():
-            for x in v if isinstance(v, (list, tuple)) else [v]:
-                if hasattr(x, "jaxpr") and hasattr(x, "consts"):
-                    _count(x.jaxpr, counts)
-                elif hasattr(x, "eqns"):
-                    _count(x, counts)
+        for inner in sub_jaxprs(e):
+            _count(inner, counts)
         if name not in _SHAPE_ONLY and any(getattr(o.aval, "size", 1) > 1 for o in e.outvars):
             counts["glue"] += 1
 
 
 def _scan_bodies(name: str) -> list:
     """The layer-loop bodies (dense, then MoE) of the one-token pallas step, as jaxprs."""
-    step, state, cache = _step(name, 5, Ops(DecodeConfig(backend="pallas")))
+    step, state, cache = decode_step(name, 5, Ops(DecodeConfig(backend="pallas")))
     with interp.compile_for_gpu():
         jaxpr = jax.make_jaxpr(step)(state, cache).jaxpr
     return [e.params["jaxpr"].jaxpr for e in jaxpr.eqns if e.primitive.name == "scan"]

@@ -1,0 +1,40 @@
+"""Abstract decode steps and their jaxprs, for the tests that inspect what a step traces (which
+kernels, what glue, which operands) without weights or a GPU."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jtilert.model.presets import preset
+from jtilert.model.transformer import abstract_model, decode_weights, init_cache
+from jtilert.ops.table import Ops
+
+
+def decode_step(name: str, layers: int, ops: Ops, tokens: int = 1, mtp: bool = False):
+    """(step, abstract weights, abstract cache) of a decode step of preset `name` (`mtp`: then the
+    MTP draft), for `jax.eval_shape` / `jax.make_jaxpr`."""
+    cfg = preset(name, num_hidden_layers=layers)
+    model = decode_weights(abstract_model(cfg, "fp8", jnp.bfloat16), backend=ops.config.backend)   # as Engine holds it
+    graphdef, state = nnx.split(model)
+    cache = jax.eval_shape(lambda: init_cache(cfg, 256, jnp.bfloat16))
+
+    def step(state, cache):
+        model = nnx.merge(graphdef, state)
+        toks = jnp.zeros((tokens,), jnp.int32)
+        h, cache = model.hidden(ops, toks, jnp.int32(100), cache)
+        if mtp:
+            _, cache = model.draft(ops, h, toks, jnp.int32(100), cache)
+        return h, cache
+    return step, state, cache
+
+
+def sub_jaxprs(eqn):
+    """The jaxprs inside an equation's parameters (a jit's body, a loop's, a cond's branches)."""
+    for v in eqn.params.values():
+        for x in v if isinstance(v, (list, tuple)) else [v]:
+            if hasattr(x, "jaxpr") and hasattr(x, "consts"):
+                yield x.jaxpr
+            elif hasattr(x, "eqns"):
+                yield x
