@@ -112,6 +112,18 @@ def test_a_damaged_entry_is_rebuilt_with_one_warning(programs, damage):
         assert _compile()[1]   # rebuilt: read again without a warning
 
 
+def test_a_step_that_is_lowered_has_its_kernels_lowered_first(programs, monkeypatch):
+    """Every path that lowers a step hands its traced program to `lowering_cache.prelower` first (which
+    lowers the Mosaic kernels side by side: tests/test_kernel_lowering.py); a program read from the
+    cache is not lowered, so nothing is."""
+    seen = []
+    monkeypatch.setattr(compile_cache.lowering_cache, "prelower", lambda jaxpr, workers=None: seen.append(jaxpr) or 0)
+    assert not _compile()[1] and len(seen) == 1 and hasattr(seen[0], "consts")   # a miss: its closed jaxpr
+    assert _compile()[1] and len(seen) == 1                                    # a hit
+    monkeypatch.setenv("JTILERT_PROGRAM_CACHE", "off")
+    assert not _compile()[1] and len(seen) == 2                                # no program cache
+
+
 def test_off_switches(programs, monkeypatch):
     monkeypatch.setenv("JTILERT_PROGRAM_CACHE", "off")
     assert compile_cache.programs_folder() is None and not _compile()[1] and not programs.exists()

@@ -6,6 +6,7 @@ seconds per kernel. Traced / lowered for the GPU on the CPU."""
 
 from __future__ import annotations
 
+import os
 import re
 
 import jax
@@ -54,3 +55,62 @@ def test_a_later_program_reuses_the_kernels_lowering():
     n1, first = lower(lambda x, w: kernel(x, w))
     n2, second = lower(lambda x, w: kernel(x, w) * 2)   # another program, the same kernel
     assert (n1, n2) == (1, 0) and len(first) == 1 and second == first
+
+
+def _kernel_code(text: str) -> list[str]:
+    """The Mosaic modules of a lowered program, printed without source locations and without
+    Mosaic's dump file name (a per-process counter)."""
+    from jax._src.interpreters import mlir
+    from jax._src.lib.mlir import ir
+    from jax.experimental.mosaic import gpu as mgpu
+
+    def raw(s: str) -> bytes:   # the custom call's escaped string → the module's bytecode
+        return re.sub(rb"\\([0-9A-Fa-f]{2}|\\|\")",
+                      lambda m: bytes([int(m[1], 16)]) if len(m[1]) == 2 else m[1], s.encode("latin-1"))
+    ctx = mlir.make_ir_context()
+    mgpu.dialect.register_dialect(ctx)
+    ctx.allow_unregistered_dialects = True
+    with ctx:
+        return [re.sub(r'dump_basename = "[^"]*"', "", ir.Module.parse(raw(m)).operation.get_asm(enable_debug_info=False))
+                for m in re.findall(r'module = "((?:[^"\\]|\\.)*)"', text)]
+
+
+def test_kernels_lowered_by_workers_are_the_kernels_jax_lowers():
+    """`prelower` lowers a step's kernels in forked workers before jax lowers the step: jax then
+    lowers none of them itself (the indexer's too, which writes its caches in place and so is lowered
+    from jax's discharged program), and the step's kernels are the ones a plain lowering makes."""
+    step, state, cache = decode_step("dsv32-tp8-shard", 4, Ops(DecodeConfig(backend="pallas")))
+    lowering_cache.clear()
+    with interp.compile_for_gpu():
+        traced = jax.jit(step).trace(state, cache)
+        before = lowering_cache.lowerings
+        n = lowering_cache.prelower(traced.jaxpr, workers=2)
+        parallel = traced.lower(lowering_platforms=("cuda",)).as_text()
+        assert n >= 12 and lowering_cache.lowerings - before == n   # the workers lowered every kernel
+        lowering_cache.clear()
+        before = lowering_cache.lowerings
+        plain = jax.jit(lambda s, c: step(s, c)).trace(state, cache).lower(lowering_platforms=("cuda",)).as_text()
+        assert lowering_cache.lowerings - before == n   # lowered again, here, one after another
+    assert _kernel_code(parallel) == _kernel_code(plain)
+
+
+def test_a_kernel_a_worker_cannot_lower_is_lowered_by_jax(monkeypatch):
+    """A worker's failure is not an error of its own: that kernel is lowered where jax lowers the
+    program (so a real lowering error is raised there, with jax's context)."""
+    S = jax.ShapeDtypeStruct
+    x, w1, w2 = S((1, 256), jnp.bfloat16), S((64, 256), jnp.bfloat16), S((128, 256), jnp.bfloat16)
+    kernel, parent = jax.jit(gemv.linear), os.getpid()
+    upstream = lowering_cache._upstream
+
+    def fails_in_a_worker_for_64_rows(gpu_mesh, jax_mesh, jaxpr, in_shapes, *a, **kw):
+        if os.getpid() != parent and in_shapes[1].shape[0] == 64:
+            raise RuntimeError("a worker's failure")
+        return upstream(gpu_mesh, jax_mesh, jaxpr, in_shapes, *a, **kw)
+    monkeypatch.setattr(lowering_cache, "_upstream", fails_in_a_worker_for_64_rows)
+    lowering_cache.clear()
+    with interp.compile_for_gpu():
+        traced = jax.jit(lambda x, a, b: (kernel(x, a), kernel(x, b))).trace(x, w1, w2)
+        assert lowering_cache.prelower(traced.jaxpr, workers=2) == 1
+        before = lowering_cache.lowerings
+        text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert lowering_cache.lowerings - before == 1 and len(_kernel_code(text)) == 2

@@ -9,6 +9,9 @@
   so a second process reads it, lowers a call of it (cheap: no tracing, no kernel lowering) and
   finds the executable in JAX's cache.
 
+A step that is lowered (a miss, or no program cache) first has its Mosaic kernels lowered side by side
+in worker processes (`jtilert.pallas.lowering_cache.prelower`).
+
 The folder is `$JTILERT_COMPILATION_CACHE`, else `$XDG_CACHE_HOME/jtilert/xla` (`~/.cache/jtilert/xla`);
 `JTILERT_COMPILATION_CACHE=off` turns both caches off, `JTILERT_PROGRAM_CACHE=off` the program cache
 alone. A cache folder the user set through JAX (`jax_compilation_cache_dir`) is left as it is.
@@ -31,6 +34,8 @@ from pathlib import Path
 
 import jax
 from jax._src import config as _jax_config
+
+from jtilert.pallas import lowering_cache
 
 OFF = ("off", "0", "none", "")
 ENTRY_FORMAT = 1   # bump when what an entry holds changes
@@ -170,6 +175,12 @@ def _write(path: Path, exported: jax.export.Exported) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def lower_kernels(jitted, args: tuple) -> int:
+    """Trace `jitted` for `args` (jax keeps the trace for the lowering that follows) and lower its
+    Mosaic-GPU kernels in parallel worker processes; the kernels lowered (none in interpret mode)."""
+    return lowering_cache.prelower(jitted.trace(*args).jaxpr)
+
+
 def export(jitted, args: tuple, platforms: tuple[str, ...] | None = None,
            custom_calls: tuple[str, ...] = ()) -> jax.export.Exported | None:
     """`jitted` traced and lowered for `args` and exported, or None where it cannot be exported
@@ -205,6 +216,7 @@ def compile_cached(jitted, donate: tuple[int, ...], args: tuple, identity: tuple
     options = options or None
     base = programs_folder()
     if identity is None or base is None:
+        lower_kernels(jitted, args)
         return jitted.lower(*args).compile(options), False
     path = base / f"{program_key(identity, donate, args)}.jaxexport"
     exported = _read(path)
@@ -213,6 +225,7 @@ def compile_cached(jitted, donate: tuple[int, ...], args: tuple, identity: tuple
             return lower_exported(exported, donate, args).compile(options), True
         except Exception as e:  # noqa: BLE001 - a damaged program: rebuild it (a real error raises again below)
             _drop(path, e)
+    lower_kernels(jitted, args)
     exported = export(jitted, args, custom_calls=custom_calls)
     if exported is None:
         return jitted.lower(*args).compile(options), False
