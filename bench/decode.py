@@ -298,21 +298,18 @@ def host_loop(eng, cache, token, draft, pos, params, key, mtp, n):
     """(seconds per step, median enqueue seconds of one call, the carried arrays) of the loop
     `Generator.stream` runs: one step per call, dispatched before the previous step's token is read
     (the position advances by one row per step, or two per MTP step)."""
-    if mtp:
-        carry = (cache, token, draft, pos, key)
-        fn = lambda c: eng.speculate(eng.state, *c, params)
-    else:
-        carry = (cache, token, pos, key)
-        fn = lambda c: eng.decode(eng.state, *c, params)
-    keep = 5 if mtp else 4
+    step = eng.speculate if mtp else eng.decode
+    carry = (cache, token, draft, pos, key) if mtp else (cache, token, pos, key)
+    keep = len(carry)
     t = time.perf_counter()
-    out = jax.block_until_ready(fn(carry))  # compile (and warm)
+    out = jax.block_until_ready(step(eng.state, *carry, params))  # compile (and warm)
     host_loop.compile_s = time.perf_counter() - t
+    exe = step.executable(eng.state, *out[:keep], params)   # looked up once, as the Generator's loops do
     t = time.perf_counter()
     pending, enqueue = None, []
     for _ in range(n):
         t0 = time.perf_counter()
-        out = fn(out[:keep])
+        out = exe(eng.state, *out[:keep], params)
         enqueue.append(time.perf_counter() - t0)
         if pending is not None:
             np.asarray(pending)

@@ -59,10 +59,11 @@ class Compiled:
 
     def executable(self, *args):
         """The executable for these arguments' shapes (arrays or `jax.ShapeDtypeStruct`s with their
-        shardings), compiled on first use. Its `out_info` gives the outputs' shapes and shardings."""
-        sig = jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), args)
-        key = jax.tree_util.tree_flatten(sig)
-        key = (tuple(key[0]), key[1])
+        shardings), compiled on first use. Its `out_info` gives the outputs' shapes and shardings.
+        A loop that calls one step many times looks it up once and calls it (the executable checks
+        its arguments itself): the lookup costs as much host time as the call's own dispatch."""
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        key = (tree, tuple([(x.shape, x.dtype) for x in leaves]))
         exe = self._done.get(key)
         if exe is None:
             t0 = time.perf_counter()
@@ -618,8 +619,9 @@ class Generator:
         eng = self.engine
         cache, token, pos, key, params = s["cache"], s["token"], s["pos"], s["key"], s["params"]
         pending = None
+        step = eng.decode.executable(eng.state, cache, token, pos, key, params)   # the loop's shapes never change
         while True:
-            cache, token, pos, key, emitted = eng.decode(eng.state, cache, token, pos, key, params)
+            cache, token, pos, key, emitted = step(eng.state, cache, token, pos, key, params)
             self.stats["steps"] += 1
             if pending is not None:
                 yield [int(pending.result()[0])]
@@ -629,8 +631,9 @@ class Generator:
         eng = self.engine
         cache, token, draft, pos, key, params = s["cache"], s["token"], s["draft"], s["pos"], s["key"], s["params"]
         pending = None
+        step = eng.speculate.executable(eng.state, cache, token, draft, pos, key, params)
         while True:
-            cache, token, draft, pos, key, em, n = eng.speculate(eng.state, cache, token, draft, pos, key, params)
+            cache, token, draft, pos, key, em, n = step(eng.state, cache, token, draft, pos, key, params)
             self.stats["steps"] += 1
             if pending is not None:
                 em_h, n_h = pending[0].result(), int(pending[1].result())
