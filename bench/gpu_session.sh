@@ -55,6 +55,8 @@
 #                with command buffers on, off, and on without XLA's own PDL (issue 14; ~2 min)
 #   progcache    bench.prepare --compile, 61 layers, pallas, MTP: the Generator's preparation with the program
 #                cache cold, warm, then off (JAX's cache warm): what a second process pays (issue 13 item 4)
+#   lowering     bench.prepare, 61 layers, pallas, lowered for the GPU without compiling: the kernels lowered one
+#                after another, then by one forked worker per CPU (lowering_cache.prelower), then the MTP programs
 #   callcost     the 61-layer step loop (5 steps per call) under XLA's command-buffer update mode SKIP_TEMP and its
 #                exclusive-lock option (CALLCOST: the flag sets; "" for the default)
 #   build        the CUDA engine library and self-test (python -m jtilert.ffi.build --selftest)
@@ -96,6 +98,11 @@ for part in "$@"; do
     kernels) OUT=$WORK/kernels step kernels 300 python3 bench/kernels.py --quick ;;
     sweep) OUT=$WORK/sweep step sweep 540 python3 bench/kernels.py --sweep --quick ;;
     attention) OUT=$WORK/attention step attention 200 python3 bench/attention.py ;;
+    lowering)
+      P="python3 -m bench.prepare --preset dsv32-tp8-shard --layers 61 --backend pallas"
+      step lowering_serial 300 $P --workers 0
+      step lowering_parallel 300 $P
+      step lowering_parallel_mtp 300 $P --mtp ;;
     decode) step decode 480 $DEC --layers 61 --backend "$B" --kernels --samples 10 \
               --out "$WORK/decode.json" --plot "$WORK/decode.png" ;;
     breakdown) step breakdown 200 $DEC --layers 8 --backend "$B" --breakdown --samples 10 \
