@@ -221,8 +221,9 @@ def breakdown(model, backend, context, steps, samples, mesh, engine) -> dict:
 
 def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samples: int, mesh=None,
                   engine: bool = False, host: bool = True, kernels: bool = False, split_indexer: bool = False,
-                  layer_loop: str = "loop", xla_options: tuple | None = None) -> dict:
-    """xla_options: DecodeConfig.xla_options (None: its default)."""
+                  layer_loop: str = "loop", xla_options: tuple | None = None, call_variants: bool = False) -> dict:
+    """xla_options: DecodeConfig.xla_options (None: its default). call_variants: also time the plain
+    step's host loop in the forms of `call_variant_loops` (tp = 1)."""
     opts = {} if xla_options is None else {"xla_options": xla_options}
     eng = Engine(model, mesh=mesh, config=DecodeConfig(backend=backend, engine_all_reduce=engine,
                                                        split_indexer=split_indexer, layer_loop=layer_loop, **opts))
@@ -277,6 +278,9 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
         result.update(host_loop_ms=host_s * 1e3, host_overhead_ms=max(0.0, host_s - device_s) * 1e3,
                       host_overhead_frac=max(0.0, host_s - device_s) / host_s, enqueue_ms=enqueue_s * 1e3,
                       arguments=eng.num_arguments, step_compile_s=host_loop.compile_s)
+        if call_variants and not mtp and eng.tp == 1:
+            result["call_variants"], carry = call_variant_loops(eng, carry, params, host_steps)
+            cache = carry[0]
     else:
         carry = (cache, token, pos, key)
     if kernels and jax.default_backend() == "gpu" and not mtp:
@@ -318,6 +322,40 @@ def host_loop(eng, cache, token, draft, pos, params, key, mtp, n):
     return (time.perf_counter() - t) / n, statistics.median(enqueue), out[:keep]
 
 
+def call_variant_loops(eng, carry, params, n):
+    """What makes a call's enqueue cost: the plain step's host loop (one step per call, looked up once)
+    in three forms, each compiled with the step's XLA options: "shipped" (`Engine.decode`: the four
+    carried arrays donated, a fifth output, the token again, read by the host: a new buffer each
+    call); "no_host_output" (the four carried arrays only, nothing read: not a usable loop, the
+    diagnostic); "host_output_pinned" (the fifth output placed in pinned host memory by the step).
+    `carry`: (cache, token, pos, key). Returns ({form: {enqueue_ms, host_loop_ms}}, the carry after)."""
+    dev = jax.devices()[0]
+    on_dev = jax.sharding.SingleDeviceSharding(dev)
+    pinned = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+    run = eng._wrap(Engine._decode)
+    forms = {"shipped": (run, None),
+             "no_host_output": (lambda *a: run(*a)[:4], None),
+             "host_output_pinned": (run, (on_dev, on_dev, on_dev, on_dev, pinned))}
+    out, carry = {}, tuple(carry[:4])
+    for name, (fn, shardings) in forms.items():
+        jitted = jax.jit(fn, donate_argnums=(1, 2, 3, 4), **({"out_shardings": shardings} if shardings else {}))
+        exe = jitted.lower(eng.state, *carry, params).compile(eng.step_options)
+        res = jax.block_until_ready(exe(eng.state, *carry, params))   # warm
+        t = time.perf_counter()
+        pending, enqueue = None, []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            res = exe(eng.state, *res[:4], params)
+            enqueue.append(time.perf_counter() - t0)
+            if pending is not None:
+                np.asarray(pending)
+            pending = res[4] if len(res) > 4 else None
+        jax.block_until_ready(res)
+        out[name] = {"enqueue_ms": statistics.median(enqueue) * 1e3, "host_loop_ms": (time.perf_counter() - t) / n * 1e3}
+        carry = tuple(res[:4])
+    return out, carry
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="dsv32-tp8-shard")
@@ -344,6 +382,9 @@ def main(argv=None) -> dict:
     p.add_argument("--kernels", action="store_true", help="CUPTI profile of one step: kernel count, busy time, groups")
     p.add_argument("--breakdown", action="store_true",
                    help="time variants without attention / without MLP to split the step (first all-reduce only)")
+    p.add_argument("--call-variants", action="store_true",
+                   help="also time the plain step's host loop without its host output and with it in pinned host "
+                        "memory (what a call's enqueue costs; tp=1)")
     a = p.parse_args(argv)
 
     mesh = jtilert.make_mesh(a.tp) if a.tp > 1 else None
@@ -377,7 +418,8 @@ def main(argv=None) -> dict:
             for mtp in (False, True) if a.mtp else (False,):
                 r = bench_backend(model, backend, a.context, mtp, a.steps, a.samples, mesh, ar == "engine",
                                   kernels=a.kernels and not mtp, split_indexer=a.split_indexer, layer_loop=loop,
-                                  xla_options=tuple(tuple(kv.split("=", 1)) for kv in a.xla_option) or None)
+                                  xla_options=tuple(tuple(kv.split("=", 1)) for kv in a.xla_option) or None,
+                                  call_variants=a.call_variants)
                 r["step_over_floor"] = r["step_ms_median"] / floor_ms
                 result["runs"].append(r)
                 print(json.dumps({k: v for k, v in r.items() if k != "kernel_profile"}), flush=True)

@@ -59,6 +59,8 @@
 #                after another, then by one forked worker per CPU (lowering_cache.prelower), then the MTP programs
 #   callcost     the 61-layer step loop (5 steps per call) under XLA's command-buffer update mode SKIP_TEMP and its
 #                exclusive-lock option (CALLCOST: the flag sets; "" for the default)
+#   callvariants the 61-layer step loop, one step per call: as shipped, without its host output, with that output in
+#                pinned host memory (bench.decode --call-variants): what a call's ~1 ms enqueue is
 #   build        the CUDA engine library and self-test (python -m jtilert.ffi.build --selftest)
 #   select       the engine's top-k select: self-test + CUDA-graph timings (after build)
 #   tp2          bench.decode at tp=2, 4 layers, psum vs the engine's all-reduce (2 GPUs, after build)
@@ -103,6 +105,8 @@ for part in "$@"; do
       step lowering_serial 300 $P --workers 0
       step lowering_parallel 300 $P
       step lowering_parallel_mtp 300 $P --mtp ;;
+    callvariants) step callvariants 420 $DEC --layers 61 --backend pallas --steps 5 --samples 6 --call-variants \
+                    --out "$WORK/callvariants.json" ;;
     decode) step decode 480 $DEC --layers 61 --backend "$B" --kernels --samples 10 \
               --out "$WORK/decode.json" --plot "$WORK/decode.png" ;;
     breakdown) step breakdown 200 $DEC --layers 8 --backend "$B" --breakdown --samples 10 \

@@ -22,7 +22,7 @@ def test_decode_bench_writes_every_field(tmp_path, monkeypatch):
     # tiny's 2-layer fp8 model, as the prefill bench, test_generate and test_compile_cache make it: its
     # builders compile once per process
     decode.main(["--preset", "tiny", "--layers", "2", "--fmt", "fp8", "--context", "40", "--steps", "2",
-                 "--samples", "2", "--xla-option", "xla_gpu_command_buffer_unroll_loops=true",
+                 "--samples", "2", "--xla-option", "xla_gpu_command_buffer_unroll_loops=true", "--call-variants",
                  "--out", str(out), "--plot", str(tmp_path / "c.png")])
     r = json.loads(out.read_text())
     for k in ("date", "device", "preset", "layers", "context", "bytes_per_step", "copy_bandwidth_GBs", "floor_ms"):
@@ -36,6 +36,8 @@ def test_decode_bench_writes_every_field(tmp_path, monkeypatch):
     assert run["step_ms_p90"] >= run["step_ms_median"] > 0 and run["steps_timed"] == 12
     assert "call_overhead_ms" in run and run["timing"]
     assert run["xla_options"] == {"xla_gpu_command_buffer_unroll_loops": True}
+    assert set(run["call_variants"]) == {"shipped", "no_host_output", "host_output_pinned"}
+    assert all(v["enqueue_ms"] > 0 and v["host_loop_ms"] > 0 for v in run["call_variants"].values())
     assert (tmp_path / "c.png").stat().st_size > 1000
 
 
