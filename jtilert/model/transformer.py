@@ -302,7 +302,7 @@ class Attention(nnx.Module):
         `indexer(qr, q, k, cache)` gives (top-k, cache) from the normed q_a output qr, or from the
         indexer's query and key projections q, k where the merged GEMVs computed them (else None)."""
         cfg = self.cfg
-        t, lat, nope = x.shape[0], cfg.kv_lora_rank, cfg.qk_nope_head_dim
+        t = x.shape[0]
         index_q = index_k = None
         # qa_x, q_x: arrays whose first columns are q_a and q (the merged GEMVs' whole outputs,
         # which the kernels read in place)
@@ -324,14 +324,12 @@ class Attention(nnx.Module):
             qr = self.q_a_layernorm(qa, i)
             q = q_x = self.q_b_proj(ops, qr, i)
         heads = q.shape[-1] // cfg.qk_head_dim  # local heads under tp
-        q = q.reshape(t, heads, cfg.qk_head_dim)
-        q_pe = reference.apply_rope(q[..., nope:], cos, sin, True)
-        latent = self.kv_a_layernorm(kva[:, :lat], i)
-        k_pe = reference.apply_rope(kva[:, lat:], cos, sin, True)
-        if cfg.kv_cache_quant == "fp8":
-            cache = dict(cache, kv=_write(cache["kv"], reference.quantize_kv_fp8(latent, k_pe), i, start))
-        else:
-            cache = dict(cache, kv=_write(cache["kv"], latent, i, start), pe=_write(cache["pe"], k_pe, i, start))
+        # rope on q_pe and k_pe, the latent's norm and both cache rows (one kernel): q_x and the
+        # x projections' whole output (kv_a at its column) are read in place
+        kv_x, kv_col = (xp, self.x_proj.parts[-1][0]) if self.x_proj is not None else (kva, 0)
+        q_pe, kv, pe = ops("mla_prep", q_x, kv_x, kv_col, heads, cfg.qk_head_dim, self.kv_a_layernorm.weight[...],
+                           self.kv_a_layernorm.eps, cos, sin, cache["kv"], cache.get("pe"), start, layer=i)
+        cache = dict(cache, kv=kv) if pe is None else dict(cache, kv=kv, pe=pe)
         topk, cache = indexer(qr, index_q, index_k, cache)
         w_uk_t, w_uv, at = self._absorption(i, x.dtype)
         # each head's q_nope (the first nope features of its qk_head_dim columns of q_x)
@@ -745,11 +743,6 @@ def _no_topk(cfg: ModelConfig, tokens: int, cache: dict):
     """The top-k carried into the first layer (every first layer runs its own indexer)."""
     k = min(cfg.index_topk, cache["kv"].shape[1])
     return jnp.zeros((tokens, k), jnp.int32), jnp.zeros((tokens, k), bool)
-
-
-def _write(buf: jax.Array, rows: jax.Array, layer, start: jax.Array) -> jax.Array:
-    """Write rows [T, ...] into layer `layer` of a stacked cache [L, S, ...] at row `start`, in place."""
-    return jax.lax.dynamic_update_slice(buf, rows[None].astype(buf.dtype), (layer, start) + (0,) * (buf.ndim - 2))
 
 
 def init_cache(cfg: ModelConfig, rows: int, dtype) -> dict:

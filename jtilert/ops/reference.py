@@ -141,6 +141,37 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, interleaved: bool) 
     return y.astype(x.dtype)
 
 
+# ---- MLA's glue between the projections and attention ----------------------------------------
+
+def write_rows(buf: jax.Array, rows: jax.Array, layer, start: jax.Array) -> jax.Array:
+    """Write rows [T, ...] into layer `layer` of a stacked cache [L, S, ...] at row `start`, in place
+    (layer None: buf is one layer [S, ...])."""
+    if layer is None:
+        return jax.lax.dynamic_update_slice(buf, rows.astype(buf.dtype), (start,) + (0,) * (buf.ndim - 1))
+    return jax.lax.dynamic_update_slice(buf, rows[None].astype(buf.dtype), (layer, start) + (0,) * (buf.ndim - 2))
+
+
+def mla_prep(q_x: jax.Array, kv_x: jax.Array, kv_col: int, heads: int, qk_head_dim: int, norm_weight: jax.Array,
+             eps: float, cos: jax.Array, sin: jax.Array, kv_cache: jax.Array, pe_cache: jax.Array | None,
+             start: jax.Array, layer=None):
+    """What a layer computes between its projections and attention: q_x [T, W ≥ H·qk_head_dim] holds
+    head h's query at columns h·qk_head_dim.. (its last R = 2·cos.shape[-1] columns the rope part),
+    kv_x [T, ·] holds kv_a at columns kv_col.. (latent [lat], then the rope key [R]). → (q_pe [T, H, R]
+    roped (interleaved), kv_cache, pe_cache) with the latent RMSNormed (norm_weight [lat], or [L, lat]
+    with `layer`) and the roped key written at row `start` (of layer `layer` of stacks [L, S, ...]);
+    pe_cache None: kv_cache is the packed fp8 cache (`quantize_kv_fp8`) and takes both."""
+    t, r = q_x.shape[0], 2 * cos.shape[-1]
+    lat = norm_weight.shape[-1]
+    q = q_x[:, :heads * qk_head_dim].reshape(t, heads, qk_head_dim)
+    q_pe = apply_rope(q[..., qk_head_dim - r:], cos, sin, True)
+    kva = kv_x[:, kv_col:kv_col + lat + r]
+    latent = rms_norm(kva[:, :lat], norm_weight if layer is None else norm_weight[layer], eps)
+    k_pe = apply_rope(kva[:, lat:], cos, sin, True)
+    if pe_cache is None:
+        return q_pe, write_rows(kv_cache, quantize_kv_fp8(latent, k_pe), layer, start), None
+    return q_pe, write_rows(kv_cache, latent, layer, start), write_rows(pe_cache, k_pe, layer, start)
+
+
 # ---- DSA lightning indexer -------------------------------------------------------------------
 
 def indexer_query(cfg: ModelConfig, q: jax.Array, w: jax.Array):

@@ -31,7 +31,7 @@ import numpy as np
 from jtilert import ffi
 from jtilert.ffi import _lib
 from jtilert.ops import reference
-from jtilert.pallas import indexer, interpret, sparse_mla
+from jtilert.pallas import indexer, interpret, mla_prep, sparse_mla
 
 BACKENDS = ("reference", "pallas")
 LAYER_LOOPS = ("loop", "unrolled")
@@ -169,15 +169,25 @@ def _indexer_unsupported(cfg, q, w, k, k_cache, k_scale, positions, start) -> st
     return indexer.unsupported(q.shape[0], q.shape[1], k_cache, k_scale)
 
 
+def _mla_prep_unsupported(q_x, kv_x, kv_col, heads, qk_head_dim, norm_weight, eps, cos, sin, kv_cache, pe_cache,
+                          start) -> str | None:
+    return mla_prep.unsupported(q_x.shape[0], heads, qk_head_dim, 2 * cos.shape[-1], norm_weight.shape[-1],
+                                q_x.shape[-1], kv_x.shape[-1], kv_cache, pe_cache,
+                                q_x.dtype if q_x.dtype == kv_x.dtype else kv_x.dtype)
+
+
 @dataclasses.dataclass(frozen=True)
 class Op:
     """One op: its reference, its kernel ("module:function" under jtilert, taking `layer=`), which
-    positional arguments carry the layer axis, and why the kernel would not apply (None: it does)."""
+    positional arguments carry the layer axis, and why the kernel would not apply (None: it does).
+    `in_place`: the op writes rows into stacked caches, so its reference too takes the whole stacks
+    and `layer=` (only the kernel checks see one layer of them)."""
 
     reference: Callable
     kernel: str | None = None
     stacked: tuple[int, ...] = ()
     unsupported: Callable[..., str | None] = lambda *a: None
+    in_place: bool = False
 
 
 OPS: dict[str, Op] = {
@@ -199,6 +209,8 @@ OPS: dict[str, Op] = {
     "indexer_append_scores": Op(reference.indexer_append_scores, "pallas.indexer:indexer_append_scores", (4, 5),
                                 _indexer_unsupported),
     "sparse_mla": Op(reference.sparse_mla, "pallas.sparse_mla:sparse_mla", (2, 3), _sparse_mla_unsupported),
+    # q_pe and k_pe rope, the latent's norm, both cache rows (bf16 caches; the fp8 packed one: the reference)
+    "mla_prep": Op(reference.mla_prep, "pallas.mla_prep:mla_prep", (5, 9, 10), _mla_prep_unsupported, in_place=True),
     "lm_head_topk": Op(reference.lm_head_topk, "pallas.lm_head:lm_head_topk", (), _lm_head_unsupported),
     "topk_positions": Op(reference.topk_positions, "ffi.select:topk", ()),
 }
@@ -297,6 +309,8 @@ class Ops:
                 return _kernel(op.kernel)(*args, **kw)
             except ValueError as e:   # the kernel's own checks refuse these shapes (a model too small
                 _refused(name, args, e)   # for its tiles, say): the reference, with a warning
+        if op.in_place:
+            return op.reference(*args, layer=layer)
         if layer is not None:
             args = tuple(_take(a, layer) if i in op.stacked else a for i, a in enumerate(args))
         return op.reference(*args)
