@@ -9,7 +9,8 @@ Projection / MoE / lm-head kernels (issue 4):
 * `lm_head`: vocab-sharded GEMV with top-k candidates in the epilogue.
 
 Attention kernels: `indexer` (key append + lightning-indexer scores) and `sparse_mla` (absorbed
-attention over the selected latent rows). Every kernel takes the model's stacked [L, ...] weights
+attention over the selected latent rows), and `mla_prep` (the rope, the latent's norm and the cache
+writes between the projections and attention). Every kernel takes the model's stacked [L, ...] weights
 or caches with a traced `layer=` index. Which op runs which kernel: `jtilert.ops.table.OPS`. Without a
 GPU every kernel runs in GPU interpret mode (see `interpret`).
 """
