@@ -2,7 +2,8 @@
 signature, as the layer loops and the MTP block call it, is one traced callee, which JAX lowers once)
 and once per process (`jtilert.pallas.lowering_cache`: a later program reuses the lowering). Mosaic
 lowers a kernel in about a second of Python, so a regression here costs a step's first compile
-seconds per kernel. Traced / lowered for the GPU on the CPU."""
+seconds per kernel. Before jax lowers a step, `lowering_cache.prelower` lowers its kernels in forked
+workers. Traced / lowered for the GPU on the CPU."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import pytest
 from decode_jaxprs import decode_step, sub_jaxprs   # tests/decode_jaxprs.py (tests/ is on sys.path)
 
 from jtilert.ops.table import DecodeConfig, Ops
@@ -114,3 +116,23 @@ def test_a_kernel_a_worker_cannot_lower_is_lowered_by_jax(monkeypatch):
         before = lowering_cache.lowerings
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert lowering_cache.lowerings - before == 1 and len(_kernel_code(text)) == 2
+
+
+def test_workers_that_cannot_start_leave_the_kernels_to_jax(monkeypatch):
+    """A fork that fails (no memory for another process, say) is one warning, not an error: jax then
+    lowers every kernel itself."""
+    S = jax.ShapeDtypeStruct
+    x, w1, w2 = S((1, 256), jnp.bfloat16), S((64, 256), jnp.bfloat16), S((128, 256), jnp.bfloat16)
+    kernel = jax.jit(gemv.linear)
+
+    def no_fork(*a, **k):
+        raise OSError("Cannot allocate memory")
+    monkeypatch.setattr(lowering_cache.concurrent.futures, "ProcessPoolExecutor", no_fork)
+    lowering_cache.clear()
+    with interp.compile_for_gpu():
+        traced = jax.jit(lambda x, a, b: (kernel(x, a), kernel(x, b))).trace(x, w1, w2)
+        with pytest.warns(RuntimeWarning, match="parallel kernel lowering stopped .OSError.; the remaining 2"):
+            assert lowering_cache.prelower(traced.jaxpr, workers=2) == 0
+        before = lowering_cache.lowerings
+        traced.lower(lowering_platforms=("cuda",))
+    assert lowering_cache.lowerings - before == 2

@@ -199,7 +199,7 @@ def prelower(jaxpr, workers: int | None = None) -> int:
                 lowerings += 1
                 prelowered += 1
             done += 1
-    except (concurrent.futures.TimeoutError, concurrent.futures.process.BrokenProcessPool) as e:
+    except (concurrent.futures.TimeoutError, concurrent.futures.process.BrokenProcessPool, OSError) as e:
         warnings.warn(f"jtilert: parallel kernel lowering stopped ({type(e).__name__}); the remaining "
                       f"{len(todo) - done} kernels are lowered one after another", RuntimeWarning, stacklevel=2)
     finally:
