@@ -136,3 +136,24 @@ def test_workers_that_cannot_start_leave_the_kernels_to_jax(monkeypatch):
         before = lowering_cache.lowerings
         traced.lower(lowering_platforms=("cuda",))
     assert lowering_cache.lowerings - before == 2
+
+
+def test_kernels_inside_shard_map_are_lowered_by_the_workers():
+    """Under tp > 1 the kernels run inside shard_map, where jax lowers them with the mesh: the workers
+    lower them with the same mesh and axes, and jax finds them all."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    mesh = jax.make_mesh((2,), ("tp",))
+    kernel = jax.jit(gemv.linear)
+    f = jax.shard_map(lambda x, a, b: (kernel(x, a), kernel(x, b)), mesh=mesh, in_specs=(P(), P("tp"), P("tp")),
+                      out_specs=(P(None, "tp"), P(None, "tp")), check_vma=False)
+    S = jax.ShapeDtypeStruct
+    args = (S((1, 256), jnp.bfloat16, sharding=NamedSharding(mesh, P())),
+            S((128, 256), jnp.bfloat16, sharding=NamedSharding(mesh, P("tp"))),
+            S((256, 256), jnp.bfloat16, sharding=NamedSharding(mesh, P("tp"))))
+    lowering_cache.clear()
+    with interp.compile_for_gpu():
+        traced = jax.jit(f).trace(*args)
+        assert lowering_cache.prelower(traced.jaxpr, workers=2) == 2
+        before = lowering_cache.lowerings
+        traced.lower(lowering_platforms=("cuda",))
+    assert lowering_cache.lowerings == before
