@@ -35,9 +35,11 @@ MODELS = sorted(kernel_models.CONFIGS)
 ATOL = 0.2
 # every op with a kernel, except the two that need the CUDA engine (expert_hidden: tp > 1 with the
 # engine's all-reduce; topk_positions: the engine's top-k), the head, which only greedy decoding runs,
-# and mla_prep: these models' rope rows of 16 values (32 bytes) are narrower than its 128-byte TMA rows
+# mla_prep: these models' rope rows of 16 values (32 bytes) are narrower than its 128-byte TMA rows, and
+# index_prep: their index queries (64 wide) are not quantised, the kernel quantises 128-wide heads to fp8
 DECODE_OPS = {op for op, o in table.OPS.items() if o.kernel and op not in ("expert_hidden", "topk_positions",
-                                                                              "lm_head_topk", "mla_prep")}
+                                                                              "lm_head_topk", "mla_prep",
+                                                                              "index_prep")}
 
 
 @pytest.fixture(scope="module", params=MODELS)
@@ -72,6 +74,8 @@ def kernels_only(monkeypatch):
         # heads_linear kernel's K grain; kv_b's other absorption (K = kv_lora) runs the kernel
         warnings.filterwarnings("ignore", message=r"jtilert: backend='pallas' but the heads_linear kernel .*K=16 ")
         warnings.filterwarnings("ignore", message=r"jtilert: backend='pallas' but the mla_prep kernel .*rope dim 16")
+        warnings.filterwarnings("ignore",
+                                message=r"jtilert: backend='pallas' but the index_prep kernel .*index_quant='none'")
         yield used
 
 

@@ -248,18 +248,18 @@ class Indexer(nnx.Module):
 
     def __call__(self, ops: Ops, slot, x, qr, cos, sin, positions, start, cache, q=None, k=None):
         """(top-k (indices [T, k], valid [T, k]), cache) for indexer `slot` of the stack, from the layer's
-        normed input x and normed q_a output qr. `q`, `k`: the query projection wq_b(qr) and the key
-        projection wk(x), where the caller computed them (the decode model's merged GEMVs; qr is then None)."""
+        normed input x and normed q_a output qr. `q`, `k`: (array, column) where the caller computed the
+        query projection wq_b(qr) and the key projection wk(x): the decode model's merged GEMVs' whole
+        outputs, each projection at its column (qr is then None)."""
         cfg = self.cfg
-        t, r = x.shape[0], cfg.qk_rope_head_dim
-        q = (self.wq_b(ops, qr, slot) if q is None else q).reshape(t, cfg.index_n_heads, cfg.index_head_dim)
-        k = self.k_norm(self.wk(ops, x, slot) if k is None else k, slot)
-        rot = cfg.indexer_rope_interleaved
-        q = jnp.concatenate([reference.apply_rope(q[..., :r], cos, sin, rot), q[..., r:]], axis=-1)
-        k = jnp.concatenate([reference.apply_rope(k[..., :r], cos, sin, rot), k[..., r:]], axis=-1)
+        q_x, q_col = (self.wq_b(ops, qr, slot), 0) if q is None else q
+        k_x, k_col = (self.wk(ops, x, slot), 0) if k is None else k
         w = reference.linear(x.astype(F32), self.weights_proj.weight[...][slot].astype(F32))
         w = w * (cfg.index_n_heads**-0.5 * cfg.index_head_dim**-0.5)
-        q, w = reference.indexer_query(cfg, q, w)
+        # the key's norm, rope on q and k, q's Hadamard rotation and fp8 quantisation (one kernel); the
+        # projections' outputs are read in place
+        q, w, k = ops("index_prep", cfg, q_x, q_col, k_x, k_col, self.k_norm.weight[...], self.k_norm.bias[...],
+                      SUBLAYER_EPS, cos, sin, w, layer=slot)
         topk, k_cache, k_scale = ops.indexer_topk(cfg, q, w, k, cache["index_k"], cache.get("index_scale"),
                                                   positions, start, slot)
         cache = dict(cache, index_k=k_cache)
@@ -300,7 +300,8 @@ class Attention(nnx.Module):
     def __call__(self, ops: Ops, i, x, norm: RMSNorm, cos, sin, positions, start, cache, indexer):
         """Layer i's attention on its input x normed by `norm`, added to x: (x + output, cache, top-k).
         `indexer(qr, q, k, cache)` gives (top-k, cache) from the normed q_a output qr, or from the
-        indexer's query and key projections q, k where the merged GEMVs computed them (else None)."""
+        indexer's query and key projections q, k where the merged GEMVs computed them: (the GEMV's whole
+        output, the projection's column), else None."""
         cfg = self.cfg
         t = x.shape[0]
         index_q = index_k = None
@@ -310,7 +311,7 @@ class Attention(nnx.Module):
             xp = self.x_proj(ops, x, i, norm=norm)
             qa, *index_k, kva = self.x_proj.split(xp)
             qa_x = self.x_proj.leading(xp, 0)
-            index_k = index_k[0] if index_k else None
+            index_k = (xp, self.x_proj.parts[1][0]) if index_k else None
         else:
             x_in = norm(x, i)
             qa, kva = self.q_a_proj(ops, x_in, i), self.kv_a_proj_with_mqa(ops, x_in, i)
@@ -318,7 +319,8 @@ class Attention(nnx.Module):
         if self.qr_proj is not None:
             qr = None
             qp = self.qr_proj(ops, qa_x, i, norm=self.q_a_layernorm)
-            q, index_q = self.qr_proj.split(qp)
+            q, _ = self.qr_proj.split(qp)
+            index_q = (qp, self.qr_proj.parts[1][0])
             q_x = self.qr_proj.leading(qp, 0)
         else:
             qr = self.q_a_layernorm(qa, i)

@@ -185,6 +185,24 @@ def indexer_query(cfg: ModelConfig, q: jax.Array, w: jax.Array):
     return q8, w * qs[..., 0]
 
 
+def index_prep(cfg: ModelConfig, q_x: jax.Array, q_col: int, k_x: jax.Array, k_col: int, norm_weight: jax.Array,
+               norm_bias: jax.Array, eps: float, cos: jax.Array, sin: jax.Array, w: jax.Array):
+    """What a layer's indexer computes between its projections and the scoring: q_x [T, ·] holds the
+    index queries (H = index_n_heads heads of D = index_head_dim) at columns q_col.., k_x [T, ·] the key
+    [D] at column k_col; the key LayerNormed (norm_weight, norm_bias [D]), rope (`indexer_rope_interleaved`)
+    on the first R = 2·cos.shape[-1] columns of every query head and of the key, then `indexer_query`
+    with the head weights w [T, H] (fp32) → (q [T, H, D], w [T, H], k [T, D] in k_x's dtype)."""
+    t, r = q_x.shape[0], 2 * cos.shape[-1]
+    h, d = cfg.index_n_heads, cfg.index_head_dim
+    q = q_x[:, q_col:q_col + h * d].reshape(t, h, d)
+    k = layer_norm(k_x[:, k_col:k_col + d], norm_weight, norm_bias, eps)
+    rot = cfg.indexer_rope_interleaved
+    q = jnp.concatenate([apply_rope(q[..., :r], cos, sin, rot), q[..., r:]], axis=-1)
+    k = jnp.concatenate([apply_rope(k[..., :r], cos, sin, rot), k[..., r:]], axis=-1)
+    q, w = indexer_query(cfg, q, w)
+    return q, w, k
+
+
 def indexer_key_rotated(cfg: ModelConfig, k: jax.Array) -> jax.Array:
     """New index keys k [T, D] before quantisation: Hadamard-rotated in fp32 in fp8 mode, else k."""
     if cfg.index_quant == "none":

@@ -31,7 +31,7 @@ import numpy as np
 from jtilert import ffi
 from jtilert.ffi import _lib
 from jtilert.ops import reference
-from jtilert.pallas import indexer, interpret, mla_prep, sparse_mla
+from jtilert.pallas import index_prep, indexer, interpret, mla_prep, sparse_mla
 
 BACKENDS = ("reference", "pallas")
 LAYER_LOOPS = ("loop", "unrolled")
@@ -176,6 +176,12 @@ def _mla_prep_unsupported(q_x, kv_x, kv_col, heads, qk_head_dim, norm_weight, ep
                                 q_x.dtype if q_x.dtype == kv_x.dtype else kv_x.dtype)
 
 
+def _index_prep_unsupported(cfg, q_x, q_col, k_x, k_col, norm_weight, norm_bias, eps, cos, sin, w) -> str | None:
+    return index_prep.unsupported(q_x.shape[0], cfg.index_n_heads, cfg.index_head_dim, 2 * cos.shape[-1],
+                                  cfg.index_quant, q_x.shape[-1], q_col, k_x.shape[-1], k_col,
+                                  q_x.dtype if q_x.dtype == k_x.dtype else k_x.dtype)
+
+
 @dataclasses.dataclass(frozen=True)
 class Op:
     """One op: its reference, its kernel ("module:function" under jtilert, taking `layer=`), which
@@ -211,6 +217,8 @@ OPS: dict[str, Op] = {
     "sparse_mla": Op(reference.sparse_mla, "pallas.sparse_mla:sparse_mla", (2, 3), _sparse_mla_unsupported),
     # q_pe and k_pe rope, the latent's norm, both cache rows (bf16 caches; the fp8 packed one: the reference)
     "mla_prep": Op(reference.mla_prep, "pallas.mla_prep:mla_prep", (5, 9, 10), _mla_prep_unsupported, in_place=True),
+    # the indexer's key norm, q and k rope, q's Hadamard rotation and fp8 quantisation (its scales into w)
+    "index_prep": Op(reference.index_prep, "pallas.index_prep:index_prep", (5, 6), _index_prep_unsupported),
     "lm_head_topk": Op(reference.lm_head_topk, "pallas.lm_head:lm_head_topk", (), _lm_head_unsupported),
     "topk_positions": Op(reference.topk_positions, "ffi.select:topk", ()),
 }

@@ -1,0 +1,206 @@
+"""The DSA indexer's glue between the projections and the indexer kernel, one launch per layer (Pallas
+Mosaic-GPU): the key's LayerNorm, rope on the first R columns of every index-query head and of the
+key, the queries' Hadamard rotation and fp8 quantisation, each row's scale folded into its head
+weight. Contract of `jtilert.ops.reference.index_prep`.
+
+One CTA of one warpgroup. The query rows (T·H heads of D values) are gathered by TMA from their
+window of the projection's output into 64-row tiles; the keys are LayerNormed in registers from their
+window (the norm stacks read at the traced layer) into a tile of their own. Per tile a wgmma with a
+0/1 matrix P splits the rope pairs into [x1 | x2 | rest] (exact), they are rotated in fp32 as the
+reference does and rounded to bf16, and a second wgmma takes them back: key rows by Pᵀ (exact),
+query rows by Pᵀ·H (H the ±1 Hadamard matrix: the rotation summed in the tensor core's order, then
+times D^-0.5). Each query row's amax gives its power-of-two scale (`quant.act_quant`); the fp8 rows,
+the scaled head weights and the keys go out by TMA.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import jtilert.pallas.interpret as _interp
+from jtilert.ops.quant import hadamard, pow2_scale
+from jtilert.pallas import _hopper as hw
+
+F32, BF16, FP8 = jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn
+TILE = 64          # wgmma M: rows per tile
+MAX_TOKENS = 4     # decode / MTP verify (the op table runs the reference for prefill chunks)
+DIM = 128          # index_head_dim: one 128-wide fp8 quantisation block per head
+# 32 columns of 64 bytes per swizzle row: the halves of a rope dim of 64 are whole tiles
+TF = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(64))
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def matrices(d: int, r: int, interleaved: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(P, Pᵀ·H) [d, d] bf16: x · P = [x[0:r:2] | x[1:r:2] | x[r:]] for interleaved rope pairs (else the
+    identity: the halves are already apart), and the matrix that takes the split rows back and applies
+    the ±1 Hadamard matrix H (hadamard(d) · d^0.5) in one product. Entries 0 / ±1: exact in bf16."""
+    p = np.eye(d, dtype=np.float32)
+    if interleaved:
+        p[:r] = 0
+        p[np.arange(0, r, 2), np.arange(r // 2)] = 1
+        p[np.arange(1, r, 2), r // 2 + np.arange(r // 2)] = 1
+    signs = np.sign(hadamard(d))
+    return p.astype(jnp.bfloat16), (p.T @ signs).astype(jnp.bfloat16)
+
+
+def unsupported(tokens: int, heads: int, dim: int, rope: int, quant: str, q_width: int, q_col: int,
+                k_width: int, k_col: int, dtype=BF16) -> str | None:
+    """Why `index_prep` cannot run the kernel (None: it can): bf16 activations, fp8 index queries of one
+    128-wide block per head, rope halves of 64-byte multiples, TMA-aligned windows."""
+    if tokens > MAX_TOKENS:
+        return f"{tokens} tokens (at most {MAX_TOKENS})"
+    if quant != "fp8":
+        return f"index_quant={quant!r}: the kernel quantises the queries to fp8"
+    if dtype != BF16:
+        return f"activations {jnp.dtype(dtype).name}, the kernel takes bfloat16"
+    if dim != DIM:
+        return f"index_head_dim={dim} (the kernel takes {DIM}: one quantisation block per head)"
+    if rope % 64 or rope > dim:
+        return f"rope dim {rope}: a multiple of 64 (whole 64-byte halves), at most index_head_dim, is needed"
+    if (tokens * heads) % 4:
+        return f"{tokens} tokens × {heads} heads: the head weights move in 16-byte rows"
+    if q_width % 8 or k_width % 8 or q_col % 8 or k_col % 8:
+        return f"windows at columns {q_col} / {k_col} of widths {q_width} / {k_width} (TMA: multiples of 8)"
+    if q_col + heads * dim > q_width or k_col + dim > k_width:
+        return f"windows at columns {q_col} / {k_col} past widths {q_width} / {k_width}"
+    return None
+
+
+def index_prep(cfg, q_x, q_col: int, k_x, k_col: int, norm_weight, norm_bias, eps: float, cos, sin, w, *, layer):
+    """Drop-in for `jtilert.ops.reference.index_prep` with the k_norm stacks [L, D] and `layer` an int32
+    scalar (may be traced): q_x [T, ·] holds the index queries (H heads of D) at columns q_col..,
+    k_x [T, ·] the key [D] at column k_col, cos / sin [T, R/2] fp32, w [T, H] fp32 → (q [T, H, D] fp8,
+    w · the queries' scales [T, H] fp32, k [T, D] bf16 normed and roped). Shapes `unsupported` names
+    raise ValueError."""
+    T = q_x.shape[0]
+    H, D = cfg.index_n_heads, cfg.index_head_dim
+    half = cos.shape[-1]
+    R = 2 * half
+    dtype = q_x.dtype if q_x.dtype == k_x.dtype else k_x.dtype
+    why = unsupported(T, H, D, R, cfg.index_quant, q_x.shape[-1], q_col, k_x.shape[-1], k_col, dtype)
+    if why is None and (norm_weight.ndim != 2 or norm_bias.ndim != 2 or norm_weight.shape[-1] != D):
+        why = f"k_norm {norm_weight.shape} / {norm_bias.shape}: layer stacks [L, {D}] are needed"
+    if why:
+        raise ValueError(f"index_prep kernel: {why}")
+    n_q = T * H
+    nq_tiles = _cdiv(n_q, TILE)
+    kt = nq_tiles                  # the key tile, after the query tiles
+    scale_h = np.float32(hadamard(D)[0, 0])   # D^-0.5 as the reference's fp32 matrix holds it
+
+    def body(q_ref, k_ref, nw_ref, nb_ref, cos_ref, sin_ref, w_ref, p_ref, hp_ref, layer_ref,
+             q_out, w_out, k_out, stage, a1, a2, q8_s, w_s, cs, sn, p_s, hp_s, bar):
+        lay = layer_ref[0]
+        # rows past the data: zeros (never stored), before the gather
+        if n_q % TILE:
+            stage.at[nq_tiles - 1][...] = jnp.zeros((TILE, D), BF16)
+        stage.at[kt][...] = jnp.zeros((TILE, D), BF16)
+        plgpu.commit_smem()
+        for r in range(n_q):
+            t, h = divmod(r, H)
+            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(t, 1), pl.ds(q_col + h * D, D)],
+                                    stage.at[r // TILE, pl.ds(r % TILE, 1)], bar)
+        plgpu.copy_gmem_to_smem(w_ref, w_s.at[pl.ds(0, n_q)], bar)
+        plgpu.copy_gmem_to_smem(cos_ref, cs, bar)
+        plgpu.copy_gmem_to_smem(sin_ref, sn, bar)
+        plgpu.copy_gmem_to_smem(p_ref, p_s, bar)
+        plgpu.copy_gmem_to_smem(hp_ref, hp_s, bar)
+
+        # the keys: LayerNorm of their window (as reference.layer_norm), into the key tile
+        g_w = nw_ref.at[lay, pl.ds(0, D)][...].astype(F32)
+        g_b = nb_ref.at[lay, pl.ds(0, D)][...].astype(F32)
+        for t in range(T):
+            x = k_ref.at[t, pl.ds(k_col, D)][...].astype(F32)
+            xc = x - jnp.sum(x) / D
+            y = xc * lax.rsqrt(jnp.sum(xc * xc) / D + eps)
+            stage.at[kt, t][...] = (y * g_w + g_b).astype(BF16)
+        plgpu.commit_smem()
+
+        plgpu.barrier_wait(bar)
+        wl = plgpu.Layout.WGMMA
+        row_in_tile = plgpu.broadcasted_iota(jnp.int32, (TILE,), 0, layout=wl.reduce(1))
+        tables = [[lax.broadcast_in_dim(plgpu.load(ref.at[t], layout=wl.reduce(0), optimized=False),
+                                        (TILE, half), [1]) for t in range(T)] for ref in (cs, sn)]
+        copy_layout = plgpu.Layout.SMEM_GMEM_COPY((TILE, D), BF16, 64)
+        for g in range(nq_tiles + 1):
+            key = g == kt
+            a1[...] = plgpu.load(stage.at[g], layout=copy_layout)
+            plgpu.commit_smem()
+
+            def split(acc):
+                plgpu.wgmma(acc, a1, p_s)
+                plgpu.wgmma_wait(0)
+                return acc[...]
+            xs = pl.run_scoped(split, plgpu.ACC((TILE, D), F32))
+            x1, x2 = xs[:, :half], xs[:, half:R]
+            # each row's token: query rows t·H + h, key rows t
+            tok = row_in_tile if key else (row_in_tile + g * TILE) // H
+            c, s = tables[0][0], tables[1][0]
+            for t in range(1, T):
+                pick = lax.broadcast_in_dim(tok == t, (TILE, half), [0])
+                c, s = jnp.where(pick, tables[0][t], c), jnp.where(pick, tables[1][t], s)
+            # reference.apply_rope, in fp32, rounded to bf16; the columns past the rope as they are
+            a2[:, pl.ds(0, half)] = (x1 * c - x2 * s).astype(BF16)
+            a2[:, pl.ds(half, half)] = (x2 * c + x1 * s).astype(BF16)
+            if D > R:
+                a2[:, pl.ds(R, D - R)] = xs[:, R:].astype(BF16)
+            plgpu.commit_smem()
+
+            def merge(acc):
+                plgpu.wgmma(acc, a2, p_s.T if key else hp_s)
+                plgpu.wgmma_wait(0)
+                return acc[...]
+            ys = pl.run_scoped(merge, plgpu.ACC((TILE, D), F32))
+            if key:   # the tile's stage rows were read: they take the roped keys out
+                stage.at[kt][...] = ys.astype(BF16)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(stage.at[kt, pl.ds(0, T)], k_out)
+                continue
+            # quant.act_quant of the rotated rows: a power-of-two scale per row, folded into w
+            y = ys * scale_h
+            sc = pow2_scale(jnp.max(jnp.abs(y), axis=1))
+            q8 = (y / lax.broadcast_in_dim(sc, (TILE, D), [0])).astype(FP8)
+            rows = pl.ds(g * TILE, TILE)
+            wv = plgpu.load(w_s.at[rows], layout=wl.reduce(1), optimized=False)
+            if g:
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last tile's stores read q8_s
+            q8_s[...] = q8
+            w_s.at[rows][...] = wv * sc
+            plgpu.commit_smem()
+            n = min(n_q - g * TILE, TILE)
+            plgpu.copy_smem_to_gmem(q8_s.at[pl.ds(0, n)], q_out.at[pl.ds(g * TILE, n)])
+        plgpu.copy_smem_to_gmem(w_s.at[pl.ds(0, n_q)], w_out)
+        plgpu.wait_smem_to_gmem(0)
+
+    scratch = [
+        plgpu.SMEM((nq_tiles + 1, TILE, D), BF16),
+        plgpu.SMEM((TILE, D), BF16, transforms=TF),
+        plgpu.SMEM((TILE, D), BF16, transforms=TF),
+        plgpu.SMEM((TILE, D), FP8),
+        plgpu.SMEM((nq_tiles * TILE,), F32),
+        plgpu.SMEM((T, half), F32),
+        plgpu.SMEM((T, half), F32),
+        plgpu.SMEM((D, D), BF16, transforms=TF),
+        plgpu.SMEM((D, D), BF16, transforms=TF),
+        plgpu.Barrier(num_arrivals=n_q + 5),
+    ]
+    hw.check_smem("index_prep kernel", hw.Scope(tuple(scratch), reduces=True), f"{T} tokens × {H} heads")
+    kernel = plgpu.kernel(
+        body,
+        out_type=(jax.ShapeDtypeStruct((n_q, D), FP8), jax.ShapeDtypeStruct((n_q,), F32),
+                  jax.ShapeDtypeStruct((T, D), BF16)),
+        scratch_types=scratch,
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=_interp.params(), kernel_name="jtilert_index_prep",
+    )
+    p, hp = matrices(D, R, cfg.indexer_rope_interleaved)
+    q8, w8, k = kernel(q_x, k_x, norm_weight, norm_bias, cos.astype(F32), sin.astype(F32),
+                       w.astype(F32).reshape(n_q), jnp.asarray(p), jnp.asarray(hp), hw.layer_operand(layer))
+    return q8.reshape(T, H, D), w8.reshape(T, H), k
