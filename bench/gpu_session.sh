@@ -36,7 +36,8 @@
 #   check        tests/gpu/decode_check.py: pallas vs reference logits, 4 layers, 32 decode steps
 #   golden       tests/test_golden_kernels.py on the GPU (JAX_PLATFORMS=cuda): the compiled kernels on the kernel-sized
 #                golden models against transformers' logits and greedy tokens (issue 14's independent check)
-#   prep         tests/gpu/prep_check.py: the mla_prep kernel vs its reference at dsv32/glm5-tp8-shard shapes
+#   prep         tests/gpu/prep_check.py: the mla_prep and index_prep kernels vs their references at
+#                dsv32/glm5-tp8-shard shapes
 #   unrolled     bench.decode 61 layers, pallas, the unrolled layer loop, CUPTI profile with kernel names
 #   scale8       bench.decode 8 layers, pallas, layer loop, CUPTI profile: enqueue and kernels vs layers
 #   before_after bench.decode 61 layers with kernel profiles: the code before issue 13 (.baseline, carried:
@@ -202,7 +203,7 @@ for part in "$@"; do
         | sort -rn | head -60 > "$WORK/capture_summary.txt"
       gzip -f "$WORK/capture.log" ;;
     check) step check 240 python3 tests/gpu/decode_check.py --per-op --out "$WORK/check.json" ;;
-    prep) step prep 180 python3 tests/gpu/prep_check.py --out "$WORK/prep.json" ;;
+    prep) step prep 300 python3 tests/gpu/prep_check.py --out "$WORK/prep.json" ;;
     pdl)
       XLA_FLAGS="$XLA_FLAGS" step pdl_cmdbuf 120 python3 -m bench.pdl_probe --out "$WORK/pdl_cmdbuf.json"
       XLA_FLAGS="$XLA_FLAGS --xla_gpu_enable_command_buffer=" step pdl_stream 120 python3 -m bench.pdl_probe \

@@ -2,12 +2,21 @@
 inputs at the real shapes (dsv32-tp8-shard: 16 heads of 192, glm5-tp8-shard: 8 heads of 256; one
 token and MTP verify's two), on layer 1 of 3-layer stacks of 4096 cache rows. Prints max |Δ| of q_pe,
 the latent row and the rope-key row, whether the rest of the stacks is unchanged bit for bit, the
-kernel's device time, and ok / FAIL; exit code 1 on a failure. JSON to --out, and to
+kernel's device time, and ok / FAIL; exit code 1 on a failure. Then the indexer prep kernel
+(`jtilert.pallas.index_prep`) against `reference.index_prep` at the same presets' indexer shapes
+(64 heads, half-split rope / 32 heads, interleaved), layer 1 of the k_norm stacks: max |Δ| of the
+dequantised queries (q · scale) in fp8 steps, the share of fp8 values and the scales that differ, max
+relative |Δ| of the head weights, max |Δ| of the key, device time, ok / FAIL. JSON to --out, and to
 $SAVE_TO/prep_check.json where SAVE_TO is set.
 
 Tolerance: one bf16 step of the value (|Δ| ≤ 2^-8 · max(|ref|, 2^-10)). In interpret mode the
 kernel equals the reference bit for bit; on the GPU the fp32 rope products may contract into FMAs
-differently in XLA's fusion and Mosaic's code, and the norm's sum runs in another order.
+differently in XLA's fusion and Mosaic's code, and the norm's sum runs in another order. index_prep:
+the key as mla_prep's rows; the queries within one fp8 step of the row's scale (the Hadamard rotation
+sums in the tensor core's order, the reference's fp32 einsum (at "highest" precision: not TF32) in
+XLA's, so a value near an fp8 rounding midpoint may round the other way; at most 1% of them may
+differ), the head weights bit for bit where the row's scale agrees (a scale may differ by a factor 2
+where the row's amax lies within fp32 noise of a power-of-two boundary: at most 1% of the rows).
 
     PYTHONPATH=. python3 tests/gpu/prep_check.py [--out prep.json]
 """
@@ -25,6 +34,7 @@ import numpy as np
 
 import jtilert
 from jtilert.ops import reference
+from jtilert.pallas import index_prep as ip
 from jtilert.pallas import mla_prep as mp
 
 BF16 = jnp.bfloat16
@@ -90,6 +100,56 @@ def case(name: str, tokens: int, seed: int) -> dict:
     return out
 
 
+def index_case(name: str, tokens: int, seed: int) -> dict:
+    cfg = jtilert.preset(name)
+    hi, d, r = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
+    q_col = cfg.num_attention_heads * cfg.qk_head_dim         # qr_proj: q_b, then the indexer's wq_b
+    k_col = cfg.q_lora_rank                                    # x_proj: q_a, the indexer's wk, kv_a
+    k = jax.random.split(jax.random.key(seed), 6)
+    start = jnp.int32(S - 7)
+    q_x = jax.random.normal(k[0], (tokens, q_col + hi * d), BF16)
+    k_x = (jax.random.normal(k[1], (tokens, k_col + d + cfg.kv_lora_rank + r)) * 3 + 0.5).astype(BF16)
+    nw = (1 + 0.1 * jax.random.normal(k[2], (NL, d))).astype(BF16)
+    nb = (0.1 * jax.random.normal(k[3], (NL, d))).astype(BF16)
+    cos, sin = reference.rope_cos_sin(cfg, start + jnp.arange(tokens, dtype=jnp.int32))
+    w = jax.random.normal(k[4], (tokens, hi), jnp.float32) * (hi**-0.5 * d**-0.5)
+    args = (q_x, k_x, nw, nb, cos, sin, w, jnp.int32(LAYER))
+
+    def kern(q_x, k_x, nw, nb, cos, sin, w, layer):
+        return ip.index_prep(cfg, q_x, q_col, k_x, k_col, nw, nb, 1e-6, cos, sin, w, layer=layer)
+
+    def ref(q_x, k_x, nw, nb, cos, sin, w, layer):
+        return reference.index_prep(cfg, q_x, q_col, k_x, k_col, nw[layer], nb[layer], 1e-6, cos, sin, w)
+
+    got = jax.tree.map(lambda a: np.asarray(a, np.float32), jax.jit(kern)(*args))
+    with jax.default_matmul_precision("highest"):   # the Hadamard einsum in fp32, not TF32
+        want = jax.tree.map(lambda a: np.asarray(a, np.float32), jax.jit(ref)(*args))
+    w0 = np.asarray(w)
+    scale = [g / w0 for g in (got[1], want[1])]               # each row's power-of-two scale
+    deq = [q * s[..., None] for q, s in zip((got[0], want[0]), scale)]
+    out = {"preset": name, "tokens": tokens}
+    same = scale[0] == scale[1]
+    coarse = np.maximum(scale[0], scale[1])[..., None]
+    mag = np.maximum(np.abs(deq[0]), np.abs(deq[1])) / coarse     # e4m3 steps: 2^(e-3), 2^-9 below 2^-6
+    step = 2.0 ** (np.floor(np.log2(np.maximum(mag, 2.0 ** -6))) - 3) * coarse
+    out["q_max_diff_in_steps"] = float((np.abs(deq[0] - deq[1]) / step).max())
+    out["q_fp8_differ"] = float(np.mean(got[0] != want[0]))
+    out["scales_differ"] = int((~same).sum())
+    out["w_max_rel_diff"] = float((np.abs(got[1] - want[1]) / np.abs(want[1])).max())
+    out["k_max_abs_diff"] = float(np.abs(got[2] - want[2]).max())
+    out["k_bit_equal"] = bool((got[2] == want[2]).all())
+    ok = bool(out["q_max_diff_in_steps"] <= 1 and out["q_fp8_differ"] <= 0.01 and same.mean() >= 0.99)
+    ok &= bool((got[1][same] == want[1][same]).all())          # w times the same power of two: exact
+    ok &= bool((np.abs(got[2] - want[2]) <= 2.0 ** -8 * np.maximum(np.abs(want[2]), 2.0 ** -10)).all())
+    out["kernel_us"] = _median_us(jax.jit(kern), *args)
+    out["ok"] = ok
+    print(f"index_prep {name} T={tokens}: q {out['q_max_diff_in_steps']:.3g} fp8 steps "
+          f"({100 * out['q_fp8_differ']:.2f}% differ, {out['scales_differ']} scales), "
+          f"w {out['w_max_rel_diff']:.3g} rel, "
+          f"k {out['k_max_abs_diff']:.3g}, {out['kernel_us'] or float('nan'):.1f} us: {'ok' if ok else 'FAIL'}")
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
@@ -103,7 +163,16 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001 - report every case
             print(f"{name} T={tokens}: FAIL ({type(e).__name__}: {e})")
             results.append({"preset": name, "tokens": tokens, "ok": False, "error": f"{type(e).__name__}: {e}"})
-    result = {"mla_prep": results, "ok": all(r["ok"] for r in results)}
+    index_results = []
+    for i, (name, tokens) in enumerate([("dsv32-tp8-shard", 1), ("dsv32-tp8-shard", 2),
+                                        ("glm5-tp8-shard", 1), ("glm5-tp8-shard", 2)]):
+        try:
+            index_results.append(index_case(name, tokens, seed=10 + i))
+        except Exception as e:  # noqa: BLE001 - report every case
+            print(f"index_prep {name} T={tokens}: FAIL ({type(e).__name__}: {e})")
+            index_results.append({"preset": name, "tokens": tokens, "ok": False, "error": f"{type(e).__name__}: {e}"})
+    result = {"mla_prep": results, "index_prep": index_results,
+              "ok": all(r["ok"] for r in results + index_results)}
     paths = [a.out] + ([os.path.join(os.environ["SAVE_TO"], "prep_check.json")] if os.environ.get("SAVE_TO") else [])
     for path in filter(None, paths):
         with open(path, "w") as f:
