@@ -8,11 +8,12 @@ Projection / MoE / lm-head kernels (issue 4):
   with the routing-weighted sum (and the shared expert);
 * `lm_head`: vocab-sharded GEMV with top-k candidates in the epilogue.
 
-Attention kernels: `indexer` (key append + lightning-indexer scores) and `sparse_mla` (absorbed
-attention over the selected latent rows), and `mla_prep` (the rope, the latent's norm and the cache
-writes between the projections and attention). Every kernel takes the model's stacked [L, ...] weights
-or caches with a traced `layer=` index. Which op runs which kernel: `jtilert.ops.table.OPS`. Without a
-GPU every kernel runs in GPU interpret mode (see `interpret`).
+Attention kernels: `indexer` (key append + lightning-indexer scores), `sparse_mla` (absorbed
+attention over the selected latent rows), `mla_prep` (the rope, the latent's norm and the cache
+writes between the projections and attention) and `index_prep` (the indexer's key norm, rope, query
+rotation and fp8 quantisation between the projections and the indexer). Every kernel takes the
+model's stacked [L, ...] weights or caches with a traced `layer=` index. Which op runs which kernel:
+`jtilert.ops.table.OPS`. Without a GPU every kernel runs in GPU interpret mode (see `interpret`).
 """
 
 from __future__ import annotations
