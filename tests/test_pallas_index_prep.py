@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from one_kernel import run_one_kernel   # tests/one_kernel.py (tests/ is on sys.path)
 
 from jtilert.model.presets import preset
 from jtilert.ops import reference
@@ -33,16 +34,6 @@ from jtilert.pallas import interpret as interp
 BF16, F32, FP8 = jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn
 NL = 3          # layers in the k_norm stacks
 NOISE = 2.0 ** -16   # the two fp32 sums' rounding, relative to Σ|terms| (D·2^-24 each, D = 128)
-
-
-def _run(f, *args):
-    with interp.compile_for_gpu():
-        txt = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert txt.count("custom_call @mosaic_gpu") == 1
-    with interp.interpret(detect_races=True):
-        out = jax.tree.map(np.asarray, f(*args))
-        assert not interp.races_found()
-    return out
 
 
 def _case(name, tokens, start):
@@ -118,7 +109,7 @@ def test_index_prep_matches_reference(name, tokens, start, layer):
     def f(q_x, k_x, nw, nb, cos, sin, w, layer):
         return ip.index_prep(cfg, q_x, q_col, k_x, k_col, nw, nb, 1e-6, cos, sin, w, layer=layer)
 
-    q8, w8, k = _run(f, *args, jnp.int32(layer))
+    q8, w8, k = run_one_kernel(f, *args, jnp.int32(layer))
     want, q32, pre = jax.tree.map(np.asarray, _reference(cfg, q_col, k_col, layer)(*args))
     assert q8.shape == (tokens, hi, d) and q8.dtype == FP8 and w8.shape == (tokens, hi) and w8.dtype == F32
     assert k.shape == (tokens, d) and k.dtype == BF16

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from one_kernel import run_one_kernel   # tests/one_kernel.py (tests/ is on sys.path)
 
 from jtilert.model.presets import preset
 from jtilert.ops import reference
@@ -22,16 +23,6 @@ from jtilert.pallas import mla_prep as mp
 
 BF16 = jnp.bfloat16
 NL, S = 3, 48   # layers in the stacks, cache rows
-
-
-def _run(f, *args):
-    with interp.compile_for_gpu():
-        txt = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert txt.count("custom_call @mosaic_gpu") == 1
-    with interp.interpret(detect_races=True):
-        out = jax.tree.map(np.asarray, f(*args))
-        assert not interp.races_found()
-    return out
 
 
 def _bits(x):
@@ -68,7 +59,7 @@ def test_mla_prep_matches_reference(name, tokens, start, layer):
     def f(q_x, kv_x, norm, cos, sin, kv, pe, start, layer):
         return mp.mla_prep(q_x, kv_x, kv_col, h, qk, norm, 1e-6, cos, sin, kv, pe, start, layer=layer)
 
-    q_pe, kv, pe = _run(f, *args)
+    q_pe, kv, pe = run_one_kernel(f, *args)
 
     # jitted, as the model runs it: XLA:CPU may contract the rope's products into FMAs, eagerly it does
     # not (a bf16 value near a rounding midpoint then rounds the other way); the interpreter is jitted too
