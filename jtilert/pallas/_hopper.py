@@ -166,3 +166,34 @@ def wgmma_fp8_step(acc, w_smem, b_of, *, nsub: int, sub: int, a_buf_of=None):
         plgpu.wgmma(acc, a, b_of(h))
         if not a_regs:
             plgpu.wgmma_wait(0)
+
+
+# ---- rope on rows of a tile (the prep kernels) ------------------------------------------------------
+# Rope pairs are taken apart and put back by wgmmas with 0/1 matrices (each output one input times 1
+# plus zeros: exact), so the rotation runs on whole [rows, half] register tiles in fp32.
+
+def wgmma_product(a_smem, b_smem, shape) -> jax.Array:
+    """a · b (SMEM operands) as fp32 registers of `shape` (one wgmma, waited for)."""
+    def run(acc):
+        plgpu.wgmma(acc, a_smem, b_smem)
+        plgpu.wgmma_wait(0)
+        return acc[...]
+    return pl.run_scoped(run, plgpu.ACC(shape, F32))
+
+
+def rope_tables(cos_smem, sin_smem, tokens: int, rows: int, half: int) -> list[list[jax.Array]]:
+    """[[cos rows], [sin rows]]: per token its cos / sin [half] (SMEM [T, half] fp32), broadcast to
+    [rows, half] in the wgmma layout."""
+    wl = plgpu.Layout.WGMMA
+    return [[lax.broadcast_in_dim(plgpu.load(ref.at[t], layout=wl.reduce(0), optimized=False), (rows, half), [1])
+             for t in range(tokens)] for ref in (cos_smem, sin_smem)]
+
+
+def rotate(x1, x2, tables, tok) -> tuple[jax.Array, jax.Array]:
+    """`reference.apply_rope` on rows split into pair halves x1, x2 [rows, half] fp32, each row with the
+    cos / sin of its token `tok` [rows] (int32, wgmma row layout): (x1·c − x2·s, x2·c + x1·s) in bf16."""
+    c, s = tables[0][0], tables[1][0]
+    for t in range(1, len(tables[0])):
+        pick = lax.broadcast_in_dim(tok == t, x1.shape, [0])
+        c, s = jnp.where(pick, tables[0][t], c), jnp.where(pick, tables[1][t], s)
+    return (x1 * c - x2 * s).astype(BF16), (x2 * c + x1 * s).astype(BF16)

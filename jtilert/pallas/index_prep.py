@@ -126,38 +126,22 @@ def index_prep(cfg, q_x, q_col: int, k_x, k_col: int, norm_weight, norm_bias, ep
         plgpu.barrier_wait(bar)
         wl = plgpu.Layout.WGMMA
         row_in_tile = plgpu.broadcasted_iota(jnp.int32, (TILE,), 0, layout=wl.reduce(1))
-        tables = [[lax.broadcast_in_dim(plgpu.load(ref.at[t], layout=wl.reduce(0), optimized=False),
-                                        (TILE, half), [1]) for t in range(T)] for ref in (cs, sn)]
+        tables = hw.rope_tables(cs, sn, T, TILE, half)
         copy_layout = plgpu.Layout.SMEM_GMEM_COPY((TILE, D), BF16, 64)
         for g in range(nq_tiles + 1):
             key = g == kt
             a1[...] = plgpu.load(stage.at[g], layout=copy_layout)
             plgpu.commit_smem()
 
-            def split(acc):
-                plgpu.wgmma(acc, a1, p_s)
-                plgpu.wgmma_wait(0)
-                return acc[...]
-            xs = pl.run_scoped(split, plgpu.ACC((TILE, D), F32))
-            x1, x2 = xs[:, :half], xs[:, half:R]
+            xs = hw.wgmma_product(a1, p_s, (TILE, D))   # [x1 | x2 | the columns past the rope]
             # each row's token: query rows t·H + h, key rows t
             tok = row_in_tile if key else (row_in_tile + g * TILE) // H
-            c, s = tables[0][0], tables[1][0]
-            for t in range(1, T):
-                pick = lax.broadcast_in_dim(tok == t, (TILE, half), [0])
-                c, s = jnp.where(pick, tables[0][t], c), jnp.where(pick, tables[1][t], s)
             # reference.apply_rope, in fp32, rounded to bf16; the columns past the rope as they are
-            a2[:, pl.ds(0, half)] = (x1 * c - x2 * s).astype(BF16)
-            a2[:, pl.ds(half, half)] = (x2 * c + x1 * s).astype(BF16)
+            a2[:, pl.ds(0, half)], a2[:, pl.ds(half, half)] = hw.rotate(xs[:, :half], xs[:, half:R], tables, tok)
             if D > R:
                 a2[:, pl.ds(R, D - R)] = xs[:, R:].astype(BF16)
             plgpu.commit_smem()
-
-            def merge(acc):
-                plgpu.wgmma(acc, a2, p_s.T if key else hp_s)
-                plgpu.wgmma_wait(0)
-                return acc[...]
-            ys = pl.run_scoped(merge, plgpu.ACC((TILE, D), F32))
+            ys = hw.wgmma_product(a2, p_s.T if key else hp_s, (TILE, D))   # pairs back (and H for queries)
             if key:   # the tile's stage rows were read: they take the roped keys out
                 stage.at[kt][...] = ys.astype(BF16)
                 plgpu.commit_smem()

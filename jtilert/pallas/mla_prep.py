@@ -120,36 +120,20 @@ def mla_prep(q_x, kv_x, kv_col: int, heads: int, qk_head_dim: int, norm_weight, 
         plgpu.barrier_wait(bar)
         wl = plgpu.Layout.WGMMA
         row_in_tile = plgpu.broadcasted_iota(jnp.int32, (TILE,), 0, layout=wl.reduce(1))
-        tables = [[lax.broadcast_in_dim(plgpu.load(ref.at[t], layout=wl.reduce(0), optimized=False),
-                                        (TILE, half), [1]) for t in range(T)] for ref in (cs, sn)]
+        tables = hw.rope_tables(cs, sn, T, TILE, half)
         copy_layout = plgpu.Layout.SMEM_GMEM_COPY((TILE, R), BF16, 64)
         for g in range(ntile):
             a1[...] = plgpu.load(stage.at[g], layout=copy_layout)
             plgpu.commit_smem()
 
-            def split(acc):
-                plgpu.wgmma(acc, a1, p_s)
-                plgpu.wgmma_wait(0)
-                return acc[...]
-            xs = pl.run_scoped(split, plgpu.ACC((TILE, R), F32))
-            x1, x2 = xs[:, :half], xs[:, half:]
+            xs = hw.wgmma_product(a1, p_s, (TILE, R))   # [evens | odds]
             # each row's token: query rows t·H.., then the key rows
             row = row_in_tile + g * TILE
             tok = jnp.where(row < n_q, row // heads, row - n_q)
-            c, s = tables[0][0], tables[1][0]
-            for t in range(1, T):
-                pick = lax.broadcast_in_dim(tok == t, (TILE, half), [0])
-                c, s = jnp.where(pick, tables[0][t], c), jnp.where(pick, tables[1][t], s)
             # reference.apply_rope (interleaved), in fp32, rounded to bf16
-            a2[:, pl.ds(0, half)] = (x1 * c - x2 * s).astype(BF16)
-            a2[:, pl.ds(half, half)] = (x2 * c + x1 * s).astype(BF16)
+            a2[:, pl.ds(0, half)], a2[:, pl.ds(half, half)] = hw.rotate(xs[:, :half], xs[:, half:], tables, tok)
             plgpu.commit_smem()
-
-            def merge(acc):
-                plgpu.wgmma(acc, a2, pt_s)
-                plgpu.wgmma_wait(0)
-                return acc[...]
-            ys = pl.run_scoped(merge, plgpu.ACC((TILE, R), F32))
+            ys = hw.wgmma_product(a2, pt_s, (TILE, R))   # the pairs interleaved again
             if g:
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last tile's stores read res
             res[...] = ys.astype(BF16)
