@@ -13,6 +13,7 @@ import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 import jtilert.pallas.interpret as _interp
@@ -171,6 +172,16 @@ def wgmma_fp8_step(acc, w_smem, b_of, *, nsub: int, sub: int, a_buf_of=None):
 # ---- rope on rows of a tile (the prep kernels) ------------------------------------------------------
 # Rope pairs are taken apart and put back by wgmmas with 0/1 matrices (each output one input times 1
 # plus zeros: exact), so the rotation runs on whole [rows, half] register tiles in fp32.
+
+def pair_split(d: int, r: int) -> np.ndarray:
+    """[d, d] 0/1 matrix P (fp32) with x · P = [x[0:r:2] | x[1:r:2] | x[r:]]: the interleaved rope pairs
+    of the first r columns taken apart, the rest as it is; x · Pᵀ puts them back."""
+    p = np.eye(d, dtype=np.float32)
+    p[:r] = 0
+    p[np.arange(0, r, 2), np.arange(r // 2)] = 1
+    p[np.arange(1, r, 2), r // 2 + np.arange(r // 2)] = 1
+    return p
+
 
 def wgmma_product(a_smem, b_smem, shape) -> jax.Array:
     """a · b (SMEM operands) as fp32 registers of `shape` (one wgmma, waited for)."""

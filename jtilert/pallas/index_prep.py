@@ -25,8 +25,8 @@ from jax import lax
 import jtilert.pallas.interpret as _interp
 from jtilert.ops.quant import hadamard, pow2_scale
 from jtilert.pallas import _hopper as hw
+from jtilert.pallas._hopper import BF16, F32, FP8
 
-F32, BF16, FP8 = jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn
 TILE = 64          # wgmma M: rows per tile
 MAX_TOKENS = 4     # decode / MTP verify (the op table runs the reference for prefill chunks)
 DIM = 128          # index_head_dim: one 128-wide fp8 quantisation block per head
@@ -34,19 +34,11 @@ DIM = 128          # index_head_dim: one 128-wide fp8 quantisation block per hea
 TF = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(64))
 
 
-def _cdiv(a, b):
-    return -(-a // b)
-
-
 def matrices(d: int, r: int, interleaved: bool) -> tuple[np.ndarray, np.ndarray]:
     """(P, Pᵀ·H) [d, d] bf16: x · P = [x[0:r:2] | x[1:r:2] | x[r:]] for interleaved rope pairs (else the
     identity: the halves are already apart), and the matrix that takes the split rows back and applies
     the ±1 Hadamard matrix H (hadamard(d) · d^0.5) in one product. Entries 0 / ±1: exact in bf16."""
-    p = np.eye(d, dtype=np.float32)
-    if interleaved:
-        p[:r] = 0
-        p[np.arange(0, r, 2), np.arange(r // 2)] = 1
-        p[np.arange(1, r, 2), r // 2 + np.arange(r // 2)] = 1
+    p = hw.pair_split(d, r) if interleaved else np.eye(d, dtype=np.float32)
     signs = np.sign(hadamard(d))
     return p.astype(jnp.bfloat16), (p.T @ signs).astype(jnp.bfloat16)
 
@@ -91,7 +83,7 @@ def index_prep(cfg, q_x, q_col: int, k_x, k_col: int, norm_weight, norm_bias, ep
     if why:
         raise ValueError(f"index_prep kernel: {why}")
     n_q = T * H
-    nq_tiles = _cdiv(n_q, TILE)
+    nq_tiles = pl.cdiv(n_q, TILE)
     kt = nq_tiles                  # the key tile, after the query tiles
     scale_h = np.float32(hadamard(D)[0, 0])   # D^-0.5 as the reference's fp32 matrix holds it
 

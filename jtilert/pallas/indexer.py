@@ -56,10 +56,6 @@ def _tiled(width: int, itemsize: int):
     raise ValueError(f"rows of {width} × {itemsize} B are not a multiple of 32 bytes")
 
 
-def _cdiv(a, b):
-    return (a + b - 1) // b
-
-
 def indexer_scores_kernel(q, w, k_cache, k_scale, positions, offsets, n: int,
                           config: IndexerConfig = IndexerConfig(), k_new=None):
     """q [T, H, D] (H a multiple of 32), w [T, H] fp32, k_cache [S, D] or a layer stack [L, S, D],
@@ -83,8 +79,8 @@ def indexer_scores_kernel(q, w, k_cache, k_scale, positions, offsets, n: int,
         raise ValueError(f"indexer kernel: {T} tokens × {H} heads × {D} do not fit the shared memory at one stage")
     config = fitted
     bs, ns = config.block_s, config.stages
-    nblk = _cdiv(n, bs)
-    n_out = _cdiv(n, 4) * 4   # TMA: rows of 16-byte multiples
+    nblk = pl.cdiv(n, bs)
+    n_out = pl.cdiv(n, 4) * 4   # TMA: rows of 16-byte multiples
     grid = max(1, min(config.num_ctas, nblk))
     has_scale = k_scale is not None
 
@@ -289,7 +285,7 @@ def unsupported(tokens: int, heads: int, k_cache, k_scale) -> str | None:
     if not _kernel_applies(k_cache):
         return (f"{rows} cache rows (a multiple of 8 reads as TMA tiles) of {width} × {k_cache.dtype} "
                 "(32-byte multiples)")
-    hp = _cdiv(heads, 32) * 32
+    hp = pl.cdiv(heads, 32) * 32
     if hp > 256:
         return f"{heads} index heads (at most 256)"
     new_dtype = (F32 if k_scale is not None else k_cache.dtype) if _appends_in_kernel(k_cache, k_scale) else None
@@ -412,7 +408,7 @@ def _call(q, w, k_cache, k_scale, positions, start, rows, pos_offset, layer, con
         raise ValueError(f"rows [{start}, {start + rows}) are not in the cache ({S} rows)")
     q = q.astype(FP8 if k_cache.dtype == FP8 else k_cache.dtype)
     if H % 32:   # the weights' TMA moves a multiple of 128 bytes: pad the heads (zero weight)
-        hp = _cdiv(H, 32) * 32
+        hp = pl.cdiv(H, 32) * 32
         q = jnp.pad(q, ((0, 0), (0, hp - H), (0, 0)))
         w = jnp.pad(w, ((0, 0), (0, hp - H)))
     layer = 0 if layer is None else layer

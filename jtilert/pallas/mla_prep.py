@@ -18,29 +18,16 @@ import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 import jtilert.pallas.interpret as _interp
 from jtilert.pallas import _hopper as hw
+from jtilert.pallas._hopper import BF16, F32
 
-F32, BF16 = jnp.float32, jnp.bfloat16
 TILE = 64          # wgmma M: rope rows per tile
 MAX_TOKENS = 4     # decode / MTP verify (the op table runs the reference for prefill chunks)
 # rope tiles: 32 columns of 64 bytes per swizzle row, so the [evens | odds] halves are whole tiles
 ROPE_TF = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(64))
-
-
-def _cdiv(a, b):
-    return -(-a // b)
-
-
-def permutations(r: int) -> tuple[np.ndarray, np.ndarray]:
-    """(P, Pᵀ) [r, r] bf16: x · P = [x[0::2] | x[1::2]] (pairs split), y · Pᵀ interleaves them back."""
-    p = np.zeros((r, r), np.float32)
-    p[np.arange(0, r, 2), np.arange(r // 2)] = 1
-    p[np.arange(1, r, 2), r // 2 + np.arange(r // 2)] = 1
-    return p.astype(jnp.bfloat16), p.T.copy().astype(jnp.bfloat16)
 
 
 def unsupported(tokens: int, heads: int, qk_head_dim: int, rope: int, lat: int, q_width: int, kv_width: int,
@@ -88,7 +75,7 @@ def mla_prep(q_x, kv_x, kv_col: int, heads: int, qk_head_dim: int, norm_weight, 
     S = kv_cache.shape[1]
     n_q = T * heads
     rows = n_q + T
-    ntile = _cdiv(rows, TILE)
+    ntile = pl.cdiv(rows, TILE)
 
     def body(q_ref, kv_ref, nw_ref, cos_ref, sin_ref, p_ref, pt_ref, start_ref, layer_ref, kvc_ref, pec_ref,
              out_ref, stage, a1, a2, res, cs, sn, p_s, pt_s, bar):
@@ -166,8 +153,8 @@ def mla_prep(q_x, kv_x, kv_col: int, heads: int, qk_head_dim: int, norm_weight, 
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=_interp.params(), kernel_name="jtilert_mla_prep",
     )
-    p, pt = permutations(R)
+    p = hw.pair_split(R, R)   # x · P = [evens | odds]; Pᵀ interleaves them back
     caches = [jax.new_ref(kv_cache), jax.new_ref(pe_cache)]   # written in place (aliased, no copy)
-    q_pe = kernel(q_x, kv_x, norm_weight, cos.astype(F32), sin.astype(F32), jnp.asarray(p), jnp.asarray(pt),
-                  hw.layer_operand(start), hw.layer_operand(layer), *caches)
+    q_pe = kernel(q_x, kv_x, norm_weight, cos.astype(F32), sin.astype(F32), jnp.asarray(p, BF16),
+                  jnp.asarray(p.T, BF16), hw.layer_operand(start), hw.layer_operand(layer), *caches)
     return q_pe.reshape(T, heads, R), caches[0][...], caches[1][...]
