@@ -309,15 +309,22 @@ def host_loop(eng, cache, token, draft, pos, params, key, mtp, n):
     out = jax.block_until_ready(step(eng.state, *carry, params))  # compile (and warm)
     host_loop.compile_s = time.perf_counter() - t
     exe = step.executable(eng.state, *out[:keep], params)   # looked up once, as the Generator's loops do
+    return call_loop(lambda *c: exe(eng.state, *c, params), out, keep, n)
+
+
+def call_loop(call, out, keep: int, n: int):
+    """(seconds per step, median enqueue seconds of one call, the carried arrays): `n` calls of
+    `call(*out[:keep])`, each dispatched before the previous call's host output (its last output, where
+    it returns more than the `keep` carried arrays) is read."""
     t = time.perf_counter()
     pending, enqueue = None, []
     for _ in range(n):
         t0 = time.perf_counter()
-        out = exe(eng.state, *out[:keep], params)
+        out = call(*out[:keep])
         enqueue.append(time.perf_counter() - t0)
         if pending is not None:
             np.asarray(pending)
-        pending = out[-1]
+        pending = out[-1] if len(out) > keep else None
     jax.block_until_ready(out)
     return (time.perf_counter() - t) / n, statistics.median(enqueue), out[:keep]
 
@@ -341,19 +348,9 @@ def call_variant_loops(eng, carry, params, n):
         jitted = jax.jit(fn, donate_argnums=(1, 2, 3, 4), **({"out_shardings": shardings} if shardings else {}))
         exe = jitted.lower(eng.state, *carry, params).compile(eng.step_options)
         res = jax.block_until_ready(exe(eng.state, *carry, params))   # warm
-        t = time.perf_counter()
-        pending, enqueue = None, []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            res = exe(eng.state, *res[:4], params)
-            enqueue.append(time.perf_counter() - t0)
-            if pending is not None:
-                np.asarray(pending)
-            pending = res[4] if len(res) > 4 else None
-        jax.block_until_ready(res)
-        out[name] = {"enqueue_ms": statistics.median(enqueue) * 1e3, "host_loop_ms": (time.perf_counter() - t) / n * 1e3}
-        carry = tuple(res[:4])
-    return out, carry
+        loop_s, enqueue_s, carry = call_loop(lambda *c, exe=exe: exe(eng.state, *c, params), res, 4, n)
+        out[name] = {"enqueue_ms": enqueue_s * 1e3, "host_loop_ms": loop_s * 1e3}
+    return out, tuple(carry)
 
 
 def main(argv=None) -> dict:

@@ -86,7 +86,7 @@ def main() -> None:
         path = folder / f"{key}.jaxexport"
         lowering_cache.clear()   # a cold process lowers the kernels again
         t = time.perf_counter()
-        lowering_cache.prelower(self._jit.trace(*args).jaxpr, a.workers)
+        compile_cache.lower_kernels(self._jit, args, a.workers)
         exported = compile_cache.export(self._jit, args, platforms, tuple(TARGETS))
         r["export"] = time.perf_counter() - t
         t = time.perf_counter()

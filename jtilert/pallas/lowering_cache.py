@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import functools
 import io
+import math
 import multiprocessing
 import os
 import threading
@@ -168,34 +169,33 @@ def prelower(jaxpr, workers: int | None = None) -> int:
     global lowerings, prelowered
     workers = default_workers() if workers is None else workers
     install()
-    todo, seen = [], set()
     if any(isinstance(e, _core.InternalMutableArrayEffect) for e in jaxpr.effects):
         jaxpr = _pxla._discharge_internal_refs(jaxpr)   # what jax lowers (a cached rewrite: the same objects)
+    todo: dict = {}   # key → the first call of each kernel not kept yet
     for k in _kernels(jaxpr.jaxpr):
         key = k.key
-        if key is not None and key not in _cache and key not in seen:
-            seen.add(key)
-            todo.append(k)
+        if key is not None and key not in _cache:
+            todo.setdefault(key, k)
     if workers < 2 or len(todo) < 2 or not hasattr(os, "fork"):
         return 0
-    _pending[:] = todo
+    keys, _pending[:] = list(todo), list(todo.values())
+    procs = min(workers, len(todo))
     done = 0
     pool = None
     try:
         with warnings.catch_warnings():   # jax's and CPython's warnings about forking a threaded process
             warnings.simplefilter("ignore", RuntimeWarning)
             warnings.simplefilter("ignore", DeprecationWarning)
-            pool = concurrent.futures.ProcessPoolExecutor(min(workers, len(todo)),
-                                                          mp_context=multiprocessing.get_context("fork"))
-            futures = [pool.submit(_lower_pending, i) for i in range(len(todo))]
-        rounds = -(-len(todo) // min(workers, len(todo)))
+            pool = concurrent.futures.ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("fork"))
+            futures = [pool.submit(_lower_pending, i) for i in range(len(keys))]
+        rounds = math.ceil(len(keys) / procs)
         for f in concurrent.futures.as_completed(futures, timeout=KERNEL_TIMEOUT_S * rounds):
             try:
                 i, kept = f.result()
             except Exception:  # noqa: BLE001 - the plain lowering after this raises it in context
                 continue
             with _lock:
-                _cache[todo[i].key] = kept
+                _cache[keys[i]] = kept
                 lowerings += 1
                 prelowered += 1
             done += 1
