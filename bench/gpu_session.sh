@@ -43,6 +43,7 @@
 #   before_after bench.decode 61 layers with kernel profiles: the code before issue 13 (.baseline, carried:
 #                git archive ba89fb0 | tar -x -C .baseline) then this checkout, pallas and reference (~10 min)
 #   ab           bench.decode 61 layers, pallas, kernel profiles: .baseline (another tree, carried) then this checkout
+#   base         the first half of ab alone (.baseline), for a "decode" part right after it
 #   mtp          bench.decode 61 layers, pallas, plain and MTP speculative step (verify 2 + draft)
 #   mtp_glm5     the same for glm5-tp8-shard (all its layers)
 #   prefill      bench.prefill 61 layers: 1024 and 1100 prompt tokens, chunks 256, 1024+64 and 1024+128, grouped MoE
@@ -159,11 +160,12 @@ for part in "$@"; do
       (cd .baseline && JTILERT_COMPILATION_CACHE=off PYTHONPATH=$PWD step baseline 330 $DEC --layers 61 \
         --backend pallas --kernels --samples 8 --out "$WORK/baseline.json")
       step current 270 $DEC --layers 61 --backend pallas,reference --kernels --samples 8 --out "$WORK/current.json" ;;
-    ab)  # another tree (.baseline, carried: e.g. git archive main | tar -x -C .baseline) against this checkout,
+    ab|base)  # another tree (.baseline, carried: e.g. git archive main | tar -x -C .baseline) against this checkout,
          # pallas, 61 layers, kernel profiles, back to back on one machine: a branch against main in one run
+         # ("base" runs the other tree alone, for a "decode" right after it to be the other side)
       (cd .baseline && PYTHONPATH=$PWD step ab_base 200 $DEC --layers 61 --backend pallas --kernels --samples 6 \
         --out "$WORK/ab_base.json")
-      step ab_this 200 $DEC --layers 61 --backend pallas --kernels --samples 6 --out "$WORK/ab_this.json" ;;
+      [ "$part" = ab ] && step ab_this 200 $DEC --layers 61 --backend pallas --kernels --samples 6 --out "$WORK/ab_this.json" ;;
     mtp_glm5) step mtp_glm5 540 python3 -m bench.decode --preset glm5-tp8-shard --context 4096 --backend pallas \
                 --mtp --samples 6 --out "$WORK/mtp_glm5.json" ;;
     mtp) step mtp 540 $DEC --layers 61 --backend pallas --mtp --samples 6 --out "$WORK/mtp.json" ;;
