@@ -32,6 +32,7 @@ from flax import nnx
 import jtilert
 from jtilert.store import checkpoint
 from jtilert.parallel import sharding
+from jtilert.runtime import compile_cache
 from jtilert.runtime.generate import Engine
 from jtilert.model.transformer import Layout, _no_topk, decode_weights, init_cache
 from jtilert.ops.table import DecodeConfig
@@ -243,7 +244,10 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
         cache, token, draft, key = jax.block_until_ready(loop(eng.state, cache, token, draft, pos, params, key, n))
         return time.perf_counter() - t
 
-    compile_s = timed(n1)
+    # the first call as a Generator's compile makes it: the kernels lowered in parallel first
+    t = time.perf_counter()
+    compile_cache.lower_kernels(loop, (eng.state, cache, token, draft, pos, params, key, n1))
+    compile_s = time.perf_counter() - t + timed(n1)
     # A call costs its dispatch (flattening ~30 arrays per layer: milliseconds at 61 layers) plus its
     # steps; the difference of a 2n- and an n-step loop is n steps of device time alone.
     per_step, short = [], []  # per-step differences, n-step loop times

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import warnings
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -27,6 +28,7 @@ import pytest
 import jtilert
 from jtilert.ffi import _lib
 from jtilert.ops import table
+from jtilert.pallas import interpret as interp
 from jtilert.store import checkpoint
 
 from golden import kernel_models  # tests/golden/kernel_models.py (tests/ is on sys.path)
@@ -102,3 +104,20 @@ def test_kernel_greedy_tokens_match_transformers(golden, kernels_only):
     want = DECODE_OPS | {"lm_head_topk"}
     assert kernels_only >= want, want - kernels_only
     assert out == g["greedy"].tolist()
+
+
+def test_kernel_steps_lower_for_the_gpu(golden, kernels_only):
+    """The same models' greedy decode step lowered for CUDA (no GPU needed): interpret mode never runs
+    Mosaic's layout inference or its TMA checks, which these small shapes (K = 64, rows of 208
+    columns) reach and the full-size models do not."""
+    model, _ = golden
+    gen = jtilert.Generator(model, max_seq_len=64, backend="pallas", prefill_chunk=model.cfg.index_topk)
+    eng = gen.engine
+    cache = eng.new_cache(gen.rows)
+    token, pos, key = jnp.zeros((1,), jnp.int32), jnp.int32(40), jax.random.PRNGKey(0)
+    step = eng._wrap(eng._decode)
+    with interp.compile_for_gpu():
+        text = jax.jit(step).trace(eng.state, cache, token, pos, key, jtilert.Sampling().arrays()).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert kernels_only >= DECODE_OPS | {"lm_head_topk"}, DECODE_OPS | {"lm_head_topk"} - kernels_only
+    assert text.count("custom_call @mosaic_gpu") >= len(DECODE_OPS)

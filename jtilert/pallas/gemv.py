@@ -206,6 +206,29 @@ def _finish(ys, *, kind, residual, out_dtype):
 
 # ---- the kernel ---------------------------------------------------------------------------------
 
+def row_pieces(k: int):
+    """(start, size, layout) pieces in which to load k (a multiple of 64) consecutive bf16 of a row as
+    1-D values. Mosaic's default 1-D layout spreads a load over the warpgroup's 128 threads, so k that
+    is no multiple of 128 is read in 64-wide pieces, one 16-byte vector per lane (`x_col_layout`,
+    replicated over the warps)."""
+    if k % 128 == 0:
+        return [(0, k, None)]
+    return [(c, KGRAIN, hw.x_col_layout(KGRAIN, 2)) for c in range(0, k, KGRAIN)]
+
+
+def load_piece(ref, layout):
+    return ref[...] if layout is None else plgpu.load(ref, layout=layout, optimized=False)
+
+
+def sum_squares(row, k: int):
+    """Σ row[:k]² in fp32 (a bf16 GMEM row)."""
+    total = jnp.float32(0.0)
+    for c, size, layout in row_pieces(k):
+        xr = load_piece(row.at[pl.ds(c, size)], layout).astype(F32)
+        total = total + jnp.sum(xr * xr)
+    return total
+
+
 def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="linear",
                 out_dtype=BF16, config: GemvConfig | None = None, ids=None, layer=None,
                 scale_block: int = QBLOCK, prefix: bool = False, stride: int = 0):
@@ -264,6 +287,8 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
         raise ValueError(f"GEMV kernel: scale blocks of {KGRAIN} or {QBLOCK}, got {scale_block}")
     if x.dtype != BF16:
         raise ValueError(f"GEMV kernel: x must be bf16, got {x.dtype}")
+    if kx % KGRAIN:   # the token TMA tiles x's rows by 64 columns: a wider (prefix) row is padded to them
+        x = jnp.pad(x, ((0, 0), (0, -kx % KGRAIN)))
     fp8 = ws[0].dtype == FP8
     if ws[0].dtype not in (FP8, BF16, F32):
         raise ValueError(f"GEMV kernel: weights must be bf16, fp8 e4m3 (or fp32, FMA engine), got {ws[0].dtype}")
@@ -380,10 +405,11 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
         if fma:
             # FMA engine: fp32 rows [T, kc] (x · norm weight, rounded to bf16 like the wgmma path).
             for tok in range(tb):
-                xr = x_gmem.at[tok0 + tok, pl.ds(c0 + k0, kc)][...].astype(F32)
-                if nw_gmem is not None:
-                    xr = xr * norm_at(k0, kc)[...].astype(F32)
-                xf.at[tok][...] = xr.astype(BF16).astype(F32)
+                for c, size, layout in row_pieces(kc):
+                    xr = load_piece(x_gmem.at[tok0 + tok, pl.ds(c0 + k0 + c, size)], layout).astype(F32)
+                    if nw_gmem is not None:
+                        xr = xr * load_piece(norm_at(k0 + c, size), layout).astype(F32)
+                    xf.at[tok, pl.ds(c, size)][...] = xr.astype(BF16).astype(F32)
         else:
             # The token TMA now; B is built at step 0 of the weight pipeline, whose first `stages`
             # weight tiles are already in flight by then.
@@ -473,8 +499,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
             if norm is not None:
                 # the norm's 1/rms over the token's K columns (every CTA reads them from GMEM; with
                 # split-K each scales its partial sums, so XLA's finish is only their sum)
-                xr = x_gmem.at[tok, pl.ds(0, k)][...].astype(F32)
-                rms = lax.rsqrt(jnp.sum(xr * xr) / k + eps)
+                rms = lax.rsqrt(sum_squares(x_gmem.at[tok], k) / k + eps)
                 cols = [c * rms for c in cols]
             if in_kernel_epilogue:
                 res = res_smem.at[tok][...] if res_smem is not None else None
