@@ -67,6 +67,7 @@
 #                exclusive-lock option (CALLCOST: the flag sets; "" for the default)
 #   callvariants the 61-layer step loop, one step per call: as shipped, without its host output, with that output in
 #                pinned host memory (bench.decode --call-variants): what a call's ~1 ms enqueue is
+#   callvariants_ab  the same, 100 calls per form, for .baseline (another tree, carried) then this checkout
 #   build        the CUDA engine library and self-test (python -m jtilert.ffi.build --selftest)
 #   select       the engine's top-k select: self-test + CUDA-graph timings (after build)
 #   tp2          bench.decode at tp=2, 4 layers, psum vs the engine's all-reduce (2 GPUs, after build)
@@ -111,6 +112,12 @@ for part in "$@"; do
       step lowering_serial 300 $P --workers 0
       step lowering_parallel 300 $P
       step lowering_parallel_mtp 300 $P --mtp ;;
+    callvariants_ab)  # the call variants of .baseline (another tree, carried) then of this checkout, 100 calls each
+      for side in base this; do
+        dir=.; [ $side = base ] && dir=.baseline
+        (cd $dir && PYTHONPATH=$PWD step callvariants_$side 300 $DEC --layers 61 --backend pallas --steps 5 \
+          --samples 20 --call-variants --out "$WORK/callvariants_$side.json")
+      done ;;
     callvariants) step callvariants 420 $DEC --layers 61 --backend pallas --steps 5 --samples 6 --call-variants \
                     --out "$WORK/callvariants.json" ;;
     golden) JAX_PLATFORMS=cuda step golden 400 python3 -m pytest -q -p no:cacheprovider -x tests/test_golden_kernels.py ;;
