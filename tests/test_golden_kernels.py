@@ -116,7 +116,6 @@ def test_kernel_steps_lower_for_the_gpu(golden, kernels_only):
     cache = eng.new_cache(gen.rows)
     token, pos, key = jnp.zeros((1,), jnp.int32), jnp.int32(40), jax.random.PRNGKey(0)
     step = eng._wrap(eng._decode)
-    jax.clear_caches()   # kernels an earlier test traced for the interpreter are retraced for the GPU
     with interp.compile_for_gpu():
         text = jax.jit(step).trace(eng.state, cache, token, pos, key, jtilert.Sampling().arrays()).lower(
             lowering_platforms=("cuda",)).as_text()

@@ -172,12 +172,17 @@ def interpret(detect_races: bool = False):
 @contextlib.contextmanager
 def compile_for_gpu():
     """Trace the kernels for the GPU even on a machine without one: for cross-lowering checks,
-    `jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))`, which catch Mosaic errors on the CPU."""
+    `jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))`, which catch Mosaic errors on the CPU.
+    JAX's trace caches do not see this context, so they are cleared on the way in and out: a function
+    traced for the interpreter (a module-level step function, say) is traced again for the GPU here,
+    and what is traced here is not reused outside."""
+    jax.clear_caches()
     token = _compile_for_gpu.set(True)
     try:
         yield
     finally:
         _compile_for_gpu.reset(token)
+        jax.clear_caches()
 
 
 def races_found() -> bool:
