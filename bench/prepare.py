@@ -96,7 +96,7 @@ def main() -> None:
         exported = compile_cache._read(path)
         r["read"] = time.perf_counter() - t
         t = time.perf_counter()
-        compile_cache.lower_exported(exported, self._donate, args, platforms)
+        compile_cache.lower_exported(exported, self._donate, args, platforms, self._out_shardings)
         r["lower_call"] = time.perf_counter() - t
         r["entry_mb"] = path.stat().st_size / 1e6
         rows.append(r)

@@ -192,3 +192,24 @@ def test_sharded_steps_come_back_from_the_cache(programs, tiny_random):
     cache = eng.new_cache(second.rows)
     exe = eng.forward.executable(eng.state, cache, eng.place(np.zeros(second.chunks[-1], np.int32)), eng.place(np.int32(0)))
     assert all(o.sharding.is_equivalent_to(eng.sharding, len(o.shape)) for o in jax.tree_util.tree_leaves(exe.out_info))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_streamed_outputs_are_written_to_pinned_host_memory(programs, tiny_random, tp):
+    """What `stream` reads after each step is in pinned host memory when the step is compiled and when
+    it comes back from the program cache (its exported module does not carry the memory kind), and
+    the tokens are the same either way; the carried arrays stay on the device."""
+    mesh = jtilert.make_mesh(tp) if tp > 1 else None
+    want = None
+    for n in range(2):
+        gen = jtilert.Generator(tiny_random, max_seq_len=64, mesh=mesh)
+        got = list(gen.stream(np.arange(1, 20), 6, stop_tokens=[]))
+        assert want is None or got == want
+        want = got
+        eng = gen.engine
+        cache = eng.new_cache(gen.rows)
+        one, pos, key = eng.place(np.zeros(1, np.int32)), eng.place(np.int32(20)), eng.place(np.zeros(2, np.uint32))
+        exe = eng.decode.executable(eng.state, cache, one, pos, key, eng.place(jtilert.Sampling().arrays()))
+        kinds = [o.sharding.memory_kind for o in jax.tree_util.tree_leaves(exe.out_info)]
+        assert kinds[-1] == "pinned_host" and set(kinds[:-1]) == {"device"}, kinds
+    assert gen.cached_programs > 0

@@ -200,16 +200,19 @@ def export(jitted, args: tuple, platforms: tuple[str, ...] | None = None,
 
 
 def lower_exported(exported: jax.export.Exported, donate: tuple[int, ...], args: tuple,
-                   platforms: tuple[str, ...] | None = None):
-    """The lowered call of an exported program, donating the arguments `donate` names (the exported
-    module's own donations do not carry over to a call of it)."""
-    traced = jax.jit(exported.call, donate_argnums=donate).trace(*args)
+                   platforms: tuple[str, ...] | None = None, out_shardings=None):
+    """The lowered call of an exported program, donating the arguments `donate` names and placing
+    the outputs by `out_shardings` (None: as XLA chooses; neither the exported module's donations nor
+    its output memory kinds carry over to a call of it)."""
+    kw = {} if out_shardings is None else {"out_shardings": out_shardings}
+    traced = jax.jit(exported.call, donate_argnums=donate, **kw).trace(*args)
     return traced.lower(lowering_platforms=platforms) if platforms else traced.lower()
 
 
 def compile_cached(jitted, donate: tuple[int, ...], args: tuple, identity: tuple | None,
-                   custom_calls: tuple[str, ...] = (), prepare=None, options: dict | None = None):
-    """`jitted` (made with `donate_argnums=donate`) compiled for `args`: (executable, whether the
+                   custom_calls: tuple[str, ...] = (), prepare=None, options: dict | None = None,
+                   out_shardings=None):
+    """`jitted` (made with `donate_argnums=donate` and `out_shardings`) compiled for `args`: (executable, whether the
     program came from the program cache). `identity`: see `program_key`; None: not cached.
     `prepare(exported)`: run before a cached program is compiled (set-up its tracing would have
     done); False makes it a miss. `options`: XLA compile options (they do not change the lowered
@@ -223,7 +226,7 @@ def compile_cached(jitted, donate: tuple[int, ...], args: tuple, identity: tuple
     exported = _read(path)
     if exported is not None and (prepare is None or prepare(exported)):
         try:
-            return lower_exported(exported, donate, args).compile(options), True
+            return lower_exported(exported, donate, args, out_shardings=out_shardings).compile(options), True
         except Exception as e:  # noqa: BLE001 - a damaged program: rebuild it (a real error raises again below)
             _drop(path, e)
     lower_kernels(jitted, args)
@@ -231,4 +234,4 @@ def compile_cached(jitted, donate: tuple[int, ...], args: tuple, identity: tuple
     if exported is None:
         return jitted.lower(*args).compile(options), False
     _write(path, exported)
-    return lower_exported(exported, donate, args).compile(options), False
+    return lower_exported(exported, donate, args, out_shardings=out_shardings).compile(options), False

@@ -49,9 +49,11 @@ class Compiled:
     tracing and lowering it."""
 
     def __init__(self, fn, donate: tuple[int, ...] = (), name: str | None = None, engine: Engine | None = None,
-                 options: dict | None = None):
-        self._jit = jax.jit(fn, donate_argnums=donate)
+                 options: dict | None = None, out_shardings=None):
+        kw = {} if out_shardings is None else {"out_shardings": out_shardings}
+        self._jit = jax.jit(fn, donate_argnums=donate, **kw)
         self._donate, self._name, self._engine, self._options = donate, name, engine, options
+        self._out_shardings = out_shardings
         self._done: dict = {}
         self.compiles = 0
         self.cached = 0
@@ -71,7 +73,7 @@ class Compiled:
             identity = eng.program_identity(self._name) if eng is not None else None
             exe, hit = compile_cache.compile_cached(self._jit, self._donate, args, identity,
                                                    custom_calls=tuple(TARGETS), prepare=eng and eng.prepare,
-                                                   options=self._options)
+                                                   options=self._options, out_shardings=self._out_shardings)
             self._done[key] = exe
             self.compile_s += time.perf_counter() - t0
             self.compiles += 1
@@ -108,8 +110,13 @@ class Engine:
         self.forward = Compiled(self._wrap(self._forward), (1,), "forward", self)
         self.draft = Compiled(self._wrap(self._draft), (1,), "draft", self)   # MTP prefill: chunk-shaped
         opts = self.step_options   # the decode-shaped steps: DecodeConfig.xla_options
-        self.decode = Compiled(self._wrap(self._decode), (1, 2, 3, 4), "decode", self, opts)
-        self.speculate = Compiled(self._wrap(self._speculate), (1, 2, 3, 4, 5), "speculate", self, opts)
+        # What `stream` reads after every step (the token; MTP: the emitted tokens and their count) the
+        # step itself writes into pinned host memory, so reading it starts no transfer of its own.
+        host = self.sharding.with_memory_kind("pinned_host")
+        self.decode = Compiled(self._wrap(self._decode), (1, 2, 3, 4), "decode", self, opts,
+                               out_shardings=(None,) * 4 + (host,))
+        self.speculate = Compiled(self._wrap(self._speculate), (1, 2, 3, 4, 5), "speculate", self, opts,
+                                  out_shardings=(None,) * 5 + (host, host))
         self.decode_loop = Compiled(self._wrap(self._decode_loop), (1, 2, 3, 4), "decode_loop", self, opts)
         self.speculate_loop = Compiled(self._wrap(self._speculate_loop), (1, 2, 3, 4, 5), "speculate_loop", self,
                                        opts)
