@@ -213,7 +213,8 @@ for part in "$@"; do
         | sort -rn | head -60 > "$WORK/capture_summary.txt"
       gzip -f "$WORK/capture.log" ;;
     check) step check 240 python3 tests/gpu/decode_check.py --per-op --out "$WORK/check.json" ;;
-    goldencheck) step goldencheck 300 python3 tests/gpu/golden_check.py --out "$WORK/golden_check.json" ;;
+    goldencheck) step goldencheck 300 python3 tests/gpu/golden_check.py --out "$WORK/golden_check.json" \
+                   ${GOLDEN_MODELS:+--models $GOLDEN_MODELS} ;;
     prep) step prep 300 python3 tests/gpu/prep_check.py --out "$WORK/prep.json" ;;
     pdl)
       XLA_FLAGS="$XLA_FLAGS" step pdl_cmdbuf 120 python3 -m bench.pdl_probe --out "$WORK/pdl_cmdbuf.json"

@@ -1,7 +1,7 @@
 """The golden kernel-sized models on the GPU, one kernel at a time: which op's kernel moves the logits
 away from transformers' (tests/test_golden_kernels.py checks them all at once).
 
-    python3 tests/gpu/golden_check.py [--out golden_check.json]
+    python3 tests/gpu/golden_check.py [--models dsv32_kernel,glm5_kernel] [--out golden_check.json]
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ from golden import kernel_models  # noqa: E402
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
+    ap.add_argument("--models", default=",".join(sorted(kernel_models.CONFIGS)), help="comma-separated")
     a = ap.parse_args()
     result = {}
     ops = dict(table.OPS)
-    for name in sorted(kernel_models.CONFIGS):
+    for name in a.models.split(","):
         g = dict(np.load(f"tests/golden/{name}/golden.npz"))
         folder = pathlib.Path(tempfile.mkdtemp())
         kernel_models.write_folder(name, int(g["seed"]), folder)
