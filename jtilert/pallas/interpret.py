@@ -27,7 +27,6 @@ backend="pallas" on one CPU device and at tp=2, 4, 8.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import math
 import os
@@ -44,7 +43,12 @@ from jax._src import xla_bridge
 from jtilert.pallas import lowering_cache
 
 InterpretGPUParams = plgpu.InterpretGPUParams
-_compile_for_gpu: contextvars.ContextVar[bool] = contextvars.ContextVar("jtilert_compile_for_gpu", default=False)
+# A JAX config state in its trace context: JAX's trace caches (jit, and the bodies of loops over a
+# long-lived function) then keep what was traced for the GPU apart from what was traced for the
+# interpreter.
+_compile_for_gpu = _jax_config.bool_state(
+    "jtilert_compile_for_gpu", False, "jtilert: trace the Mosaic-GPU kernels for the GPU on any machine",
+    include_in_jit_key=True, include_in_trace_context=True)
 
 
 def cpu_pool_threads(devices: int = 1) -> int:
@@ -87,7 +91,7 @@ def params() -> InterpretGPUParams | None:
     """Interpret parameters for the kernel about to be traced, or None to compile for the GPU (then
     Mosaic lowers each kernel once per process: `lowering_cache`)."""
     forced = _forced()
-    if forced is None and (_compile_for_gpu.get() or on_gpu()):
+    if forced is None and (_compile_for_gpu.value or on_gpu()):
         lowering_cache.install()   # each kernel lowered once per process
         return None
     _wrap_interpreter()
@@ -172,17 +176,9 @@ def interpret(detect_races: bool = False):
 @contextlib.contextmanager
 def compile_for_gpu():
     """Trace the kernels for the GPU even on a machine without one: for cross-lowering checks,
-    `jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))`, which catch Mosaic errors on the CPU.
-    JAX's trace caches do not see this context, so they are cleared on the way in and out: a function
-    traced for the interpreter (a module-level step function, say) is traced again for the GPU here,
-    and what is traced here is not reused outside."""
-    jax.clear_caches()
-    token = _compile_for_gpu.set(True)
-    try:
+    `jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))`, which catch Mosaic errors on the CPU."""
+    with _compile_for_gpu(True):
         yield
-    finally:
-        _compile_for_gpu.reset(token)
-        jax.clear_caches()
 
 
 def races_found() -> bool:
