@@ -701,11 +701,13 @@ def _seed_key(seed: int) -> np.ndarray:
 
 
 class _HostCopy:
-    """A device scalar/array being copied to the host (started at once, read with `result()`)."""
+    """A step's output being copied to the host (started at once, read with `result()`); one the step
+    wrote into host memory (`Engine.decode`'s) needs no copy."""
 
     def __init__(self, x: jax.Array):
         self._x = x
-        x.copy_to_host_async()
+        if x.sharding.memory_kind not in ("pinned_host", "unpinned_host"):
+            x.copy_to_host_async()
 
     def result(self) -> np.ndarray:
         return np.asarray(self._x)
