@@ -83,10 +83,7 @@ def kernels_only(monkeypatch):
 
 def test_kernel_logits_match_transformers(golden, kernels_only):
     model, g = golden
-    # the prompt and the greedy tokens but the last: golden rows are the prompt's logits, then the
-    # greedy rows (greedy_logits[0] is the prompt's last row)
-    ids = np.concatenate([g["input_ids"], g["greedy"][:-1]])
-    want = np.concatenate([g["logits"], g["greedy_logits"][1:]])
+    ids, want = kernel_models.scored(g)
     k = model.cfg.index_topk
     assert g["input_ids"].size > k  # the sparse selection really runs
     # positions < index_topk: one prefill chunk (the reference), the rest one-token decode steps (kernels)

@@ -183,6 +183,13 @@ def pair_split(d: int, r: int) -> np.ndarray:
     return p
 
 
+def rope_smem(tokens: int, half: int, d: int, transforms) -> list:
+    """The rope's SMEM in the prep kernels: the cos and sin tables [T, half] fp32 (`rope_tables`), then
+    two [d, d] bf16 matrices for wgmma (`pair_split`, and the one that takes the pairs back)."""
+    return [plgpu.SMEM((tokens, half), F32), plgpu.SMEM((tokens, half), F32),
+            plgpu.SMEM((d, d), BF16, transforms=transforms), plgpu.SMEM((d, d), BF16, transforms=transforms)]
+
+
 def wgmma_product(a_smem, b_smem, shape) -> jax.Array:
     """a · b (SMEM operands) as fp32 registers of `shape` (one wgmma, waited for)."""
     def run(acc):

@@ -161,10 +161,7 @@ def index_prep(cfg, q_x, q_col: int, k_x, k_col: int, norm_weight, norm_bias, ep
         plgpu.SMEM((TILE, D), BF16, transforms=TF),
         plgpu.SMEM((TILE, D), FP8),
         plgpu.SMEM((nq_tiles * TILE,), F32),
-        plgpu.SMEM((T, half), F32),
-        plgpu.SMEM((T, half), F32),
-        plgpu.SMEM((D, D), BF16, transforms=TF),
-        plgpu.SMEM((D, D), BF16, transforms=TF),
+        *hw.rope_smem(T, half, D, TF),
         plgpu.Barrier(num_arrivals=n_q + 5),
     ]
     hw.check_smem("index_prep kernel", hw.Scope(tuple(scratch), reduces=True), f"{T} tokens × {H} heads")

@@ -139,10 +139,7 @@ def mla_prep(q_x, kv_x, kv_col: int, heads: int, qk_head_dim: int, norm_weight, 
         plgpu.SMEM((TILE, R), BF16, transforms=ROPE_TF),
         plgpu.SMEM((TILE, R), BF16, transforms=ROPE_TF),
         plgpu.SMEM((TILE, R), BF16),
-        plgpu.SMEM((T, half), F32),
-        plgpu.SMEM((T, half), F32),
-        plgpu.SMEM((R, R), BF16, transforms=ROPE_TF),
-        plgpu.SMEM((R, R), BF16, transforms=ROPE_TF),
+        *hw.rope_smem(T, half, R, ROPE_TF),
         plgpu.Barrier(num_arrivals=rows + 4),
     ]
     hw.check_smem("mla_prep kernel", hw.Scope(tuple(scratch), reduces=True), f"{T} tokens × {heads} heads")

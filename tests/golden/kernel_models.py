@@ -171,6 +171,14 @@ def prompt(name: str, seed: int) -> np.ndarray:
     return rng.integers(2, CONFIGS[name]["vocab_size"], T_PROMPT).astype(np.int32)  # no bos / eos
 
 
+def scored(golden: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(token ids, transformers' logits at each of them) from a golden.npz: the prompt and the greedy
+    tokens but the last; the prompt's logits, then the greedy rows (greedy_logits[0] is the prompt's
+    last row)."""
+    ids = np.concatenate([golden["input_ids"], golden["greedy"][:-1]])
+    return ids, np.concatenate([golden["logits"], golden["greedy_logits"][1:]])
+
+
 def checksum(tensors: dict[str, np.ndarray]) -> int:
     """CRC-32 of every tensor's name and float32 bytes in key order (golden.npz records it, so a NumPy
     whose generator draws different numbers fails loudly instead of comparing another model)."""

@@ -35,8 +35,7 @@ def main() -> int:
         folder = pathlib.Path(tempfile.mkdtemp())
         kernel_models.write_folder(name, int(g["seed"]), folder)
         model = checkpoint.load_hf(folder)
-        ids = np.concatenate([g["input_ids"], g["greedy"][:-1]])
-        want = np.concatenate([g["logits"], g["greedy_logits"][1:]])
+        ids, want = kernel_models.scored(g)
         k = model.cfg.index_topk
 
         def err(backend):
