@@ -36,7 +36,8 @@
 #   check        tests/gpu/decode_check.py: pallas vs reference logits, 4 layers, 32 decode steps
 #   golden       tests/test_golden_kernels.py on the GPU (JAX_PLATFORMS=cuda): the compiled kernels on the kernel-sized
 #                golden models against transformers' logits and greedy tokens (issue 14's independent check)
-#   goldencheck  tests/gpu/golden_check.py: the golden kernel models' logits with one kernel at a time
+#   goldencheck  tests/gpu/golden_check.py: every kernel call of the golden kernel models against the reference on
+#                its inputs (--shadow, both models), then their logits with one kernel at a time (GOLDEN_MODELS)
 #   prep         tests/gpu/prep_check.py: the mla_prep and index_prep kernels vs their references at
 #                dsv32/glm5-tp8-shard shapes
 #   unrolled     bench.decode 61 layers, pallas, the unrolled layer loop, CUPTI profile with kernel names
@@ -213,8 +214,10 @@ for part in "$@"; do
         | sort -rn | head -60 > "$WORK/capture_summary.txt"
       gzip -f "$WORK/capture.log" ;;
     check) step check 240 python3 tests/gpu/decode_check.py --per-op --out "$WORK/check.json" ;;
-    goldencheck) step goldencheck 300 python3 tests/gpu/golden_check.py --out "$WORK/golden_check.json" \
-                   ${GOLDEN_MODELS:+--models $GOLDEN_MODELS} ;;
+    goldencheck)
+      step goldencheck_shadow 200 python3 tests/gpu/golden_check.py --shadow --out "$WORK/golden_shadow.json"
+      step goldencheck 300 python3 tests/gpu/golden_check.py --out "$WORK/golden_check.json" \
+        ${GOLDEN_MODELS:+--models $GOLDEN_MODELS} ;;
     prep) step prep 300 python3 tests/gpu/prep_check.py --out "$WORK/prep.json" ;;
     pdl)
       XLA_FLAGS="$XLA_FLAGS" step pdl_cmdbuf 120 python3 -m bench.pdl_probe --out "$WORK/pdl_cmdbuf.json"
