@@ -70,6 +70,30 @@ def shadowed(calls: list):
     table.Ops.__call__, table.Ops.indexer_topk = call, indexer_topk
 
 
+def heads_probe() -> dict:
+    """heads_linear (the GEMV's expert mode, the heads as the experts) against its reference at the
+    golden models' W_uv shape (N = 16 rows per head) and around it, per head: as given, and with each
+    head's rows padded to the 64-row block (is it the overhang of a head's rows past N?)."""
+    from jtilert.ops import reference
+    from jtilert.pallas import gemv
+    out = {}
+    for t, h, n, k in ((1, 4, 16, 64), (1, 4, 32, 64), (1, 4, 64, 64), (1, 4, 80, 64), (2, 4, 16, 128),
+                       (1, 16, 128, 512)):
+        key = jax.random.split(jax.random.key(n * 1000 + k + t), 2)
+        w = (jax.random.normal(key[0], (2, h, n, k)) * k ** -0.5).astype(jnp.bfloat16)
+        x = jax.random.normal(key[1], (t, h, k)).astype(jnp.bfloat16)
+        want = np.asarray(reference.heads_linear(x, w[1]), np.float32)
+        pad = -n % 64
+        wp = jnp.pad(w, ((0, 0), (0, 0), (0, pad), (0, 0)))
+        for name, ww in (("as_given", w), ("rows_padded", wp)):
+            got = np.asarray(jax.jit(lambda x, w: gemv.heads_linear(x, w, layer=jnp.int32(1)))(x, ww),
+                             np.float32)[..., :n]
+            err = np.abs(got - want).max(axis=(0, 2)) / np.abs(want).max()
+            out[f"t{t} h{h} n{n} k{k} {name}"] = [round(float(e), 4) for e in err]
+            print("heads_linear", t, h, n, k, name, out[f"t{t} h{h} n{n} k{k} {name}"], flush=True)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
@@ -80,6 +104,7 @@ def main() -> int:
     ops = dict(table.OPS)
     calls = []
     if a.shadow:
+        result["heads_probe"] = heads_probe()
         shadowed(calls)
     for name in a.models.split(","):
         g = dict(np.load(f"tests/golden/{name}/golden.npz"))
