@@ -354,7 +354,34 @@ def call_variant_loops(eng, carry, params, n):
         res = jax.block_until_ready(exe(eng.state, *carry, params))   # warm
         loop_s, enqueue_s, carry = call_loop(lambda *c, exe=exe: exe(eng.state, *c, params), res, 4, n)
         out[name] = {"enqueue_ms": enqueue_s * 1e3, "host_loop_ms": loop_s * 1e3}
+    exe = eng.decode.executable(eng.state, *carry, params)
+    out["shipped"]["host_trace"], carry = traced_calls(lambda *c: exe(eng.state, *c, params), carry, n)
     return out, tuple(carry)
+
+
+def traced_calls(call, carry, n: int, top: int = 40):
+    """Where the host time of a call goes: `n` calls of `call_loop` under JAX's profiler, its host
+    events (XLA's runtime TraceMe annotations: execute, buffer donation, command-buffer update and
+    launch, ...) summed by name and divided by n: [(name, µs per call, events per call)], the
+    largest first; nested events each count. Returns (that list, the carried arrays)."""
+    import gzip
+    import pathlib
+    import tempfile
+    folder = tempfile.mkdtemp()
+    with jax.profiler.trace(folder, create_perfetto_trace=True):
+        _, _, carry = call_loop(call, tuple(carry) + (None,), len(carry), n)
+    trace = json.load(gzip.open(next(pathlib.Path(folder).rglob("perfetto_trace.json.gz"))))
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    totals: dict[str, list] = {}
+    for e in events:
+        if e.get("ph") == "X" and "GPU" not in names.get(e.get("pid"), "") and "dur" in e:
+            t = totals.setdefault(e["name"], [0.0, 0])
+            t[0] += float(e["dur"])
+            t[1] += 1
+    rows = sorted(((k, v[0] / n, v[1] / n) for k, v in totals.items()), key=lambda r: -r[1])
+    return [[k, round(us, 2), round(c, 2)] for k, us, c in rows[:top]], carry
 
 
 def main(argv=None) -> dict:
