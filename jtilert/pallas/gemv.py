@@ -517,8 +517,12 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
 
     scratch = projection_scratch(cfg, k=k, p=p, itemsize=itemsize, tb=tb, out_dtype=out_dtype,
                                  residual_dtype=res_dtype)
-    out_type = (jax.ShapeDtypeStruct((nsel, n), o_dtype) if in_kernel_epilogue
-                else jax.ShapeDtypeStruct((split, p, nsel, n), F32))
+    # Each CTA stores whole 64-column rows. On the GPU, a TMA store of a row that overhangs the
+    # output's N columns runs on into the next row (the next token's or head's), so the output rows
+    # are padded to whole blocks and cut back to N after the kernel (no padding when N % 64 == 0).
+    n_out = row_blocks * bn
+    out_type = (jax.ShapeDtypeStruct((nsel, n_out), o_dtype) if in_kernel_epilogue
+                else jax.ShapeDtypeStruct((split, p, nsel, n_out), F32))
     grid, names = (row_blocks, split), ("n", "s")
     if ids is not None:
         grid, names = grid + (nsel,), names + ("e",)
@@ -533,7 +537,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
         args.append(norm)
     if residual is not None and in_kernel_epilogue:
         args.append(residual)
-    out = call(*args)
+    out = call(*args)[..., :n]
     if in_kernel_epilogue:
         return out
     part = out.sum(0)                                  # [P, T, N]: one XLA fusion with the epilogue
