@@ -140,8 +140,8 @@ def test_index_prep_refuses_what_it_does_not_fit_and_the_op_table_runs_the_refer
 
 
 def test_index_prep_reads_windows_and_stacks_in_place():
-    """One Mosaic kernel that takes the projections' whole outputs and the whole k_norm stacks (no
-    slice of them in XLA)."""
+    """One Mosaic kernel that takes the projections' whole outputs (the query projection's as rows of
+    index_head_dim: a reshape, no copy) and the whole k_norm stacks (no slice of them in XLA)."""
     cfg, args, q_col, k_col = _case("dsv32-tp8-shard", 1, 3)
 
     def f(q_x, k_x, nw, nb, cos, sin, w, layer):
@@ -152,7 +152,8 @@ def test_index_prep_reads_windows_and_stacks_in_place():
     calls = [line for line in txt.splitlines() if "custom_call @mosaic_gpu" in line]
     q_x, k_x = args[:2]
     assert len(calls) == 1
-    for shape in (f"tensor<1x{q_x.shape[1]}xbf16>", f"tensor<1x{k_x.shape[1]}xbf16>", f"tensor<{NL}x128xbf16>"):
+    for shape in (f"tensor<{q_x.shape[1] // 128}x128xbf16>", f"tensor<1x{k_x.shape[1]}xbf16>",
+                  f"tensor<{NL}x128xbf16>"):
         assert shape in calls[0], shape
     assert not [line for line in txt.splitlines() if any(op in line for op in (
         "stablehlo.dynamic_slice", "stablehlo.slice", "stablehlo.concatenate", "stablehlo.pad"))]

@@ -3,9 +3,9 @@ Mosaic-GPU): the key's LayerNorm, rope on the first R columns of every index-que
 key, the queries' Hadamard rotation and fp8 quantisation, each row's scale folded into its head
 weight. Contract of `jtilert.ops.reference.index_prep`.
 
-One CTA of one warpgroup. The query rows (T·H heads of D values) are gathered by TMA from their
-window of the projection's output into 64-row tiles; the keys are LayerNormed in registers from their
-window (the norm stacks read at the traced layer) into a tile of their own. Per tile a wgmma with a
+One warpgroup per CTA, one CTA per 64-row tile: the query tiles (T·H heads of D values, gathered by
+one TMA per token from the projection's output read as rows of D) and, beside them, the keys' tile
+(LayerNormed in registers from their window, the norm stacks read at the traced layer). Per tile a wgmma with a
 0/1 matrix P splits the rope pairs into [x1 | x2 | rest] (exact), they are rotated in fp32 as the
 reference does and rounded to bf16, and a second wgmma takes them back: key rows by Pᵀ (exact),
 query rows by Pᵀ·H (H the ±1 Hadamard matrix: the rotation summed in the tensor core's order, then
@@ -59,8 +59,10 @@ def unsupported(tokens: int, heads: int, dim: int, rope: int, quant: str, q_widt
         return f"rope dim {rope}: a multiple of 64 (whole 64-byte halves), at most index_head_dim, is needed"
     if (tokens * heads) % 4:
         return f"{tokens} tokens × {heads} heads: the head weights move in 16-byte rows"
-    if q_width % 8 or k_width % 8 or q_col % 8 or k_col % 8:
-        return f"windows at columns {q_col} / {k_col} of widths {q_width} / {k_width} (TMA: multiples of 8)"
+    if q_width % dim or q_col % dim:
+        return f"the queries at column {q_col} of rows {q_width} wide: multiples of index_head_dim={dim} are needed"
+    if k_width % 8 or k_col % 8:
+        return f"the key at column {k_col} of rows {k_width} wide (TMA: multiples of 8)"
     if q_col + heads * dim > q_width or k_col + dim > k_width:
         return f"windows at columns {q_col} / {k_col} past widths {q_width} / {k_width}"
     return None
@@ -84,96 +86,116 @@ def index_prep(cfg, q_x, q_col: int, k_x, k_col: int, norm_weight, norm_bias, ep
         raise ValueError(f"index_prep kernel: {why}")
     n_q = T * H
     nq_tiles = pl.cdiv(n_q, TILE)
-    kt = nq_tiles                  # the key tile, after the query tiles
+    kt = nq_tiles                  # the key's CTA, after the query tiles'
+    per_row = q_x.shape[-1] // D   # q_x as rows of D: token t's heads are rows t·per_row + q_col/D ..
     scale_h = np.float32(hadamard(D)[0, 0])   # D^-0.5 as the reference's fp32 matrix holds it
+    wl = plgpu.Layout.WGMMA
+
+    def gathers(g):
+        """Query tile g's row ranges: (token, first head, rows) per token with rows in the tile."""
+        out = []
+        for t in range(T):
+            lo, hi = max(t * H, g * TILE), min((t + 1) * H, (g + 1) * TILE)
+            if lo < hi:
+                out.append((t, lo - t * H, hi - lo))
+        return out
+    arrivals = 5 + max(len(gathers(g)) for g in range(nq_tiles))   # a query CTA's copies (the most)
 
     def body(q_ref, k_ref, nw_ref, nb_ref, cos_ref, sin_ref, w_ref, p_ref, hp_ref, layer_ref,
              q_out, w_out, k_out, stage, a1, a2, q8_s, w_s, cs, sn, p_s, hp_s, bar):
-        lay = layer_ref[0]
-        # rows past the data: zeros (never stored), before the gather
-        if n_q % TILE:
-            stage.at[nq_tiles - 1][...] = jnp.zeros((TILE, D), BF16)
-        stage.at[kt][...] = jnp.zeros((TILE, D), BF16)
-        plgpu.commit_smem()
-        for r in range(n_q):
-            t, h = divmod(r, H)
-            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(t, 1), pl.ds(q_col + h * D, D)],
-                                    stage.at[r // TILE, pl.ds(r % TILE, 1)], bar)
-        plgpu.copy_gmem_to_smem(w_ref, w_s.at[pl.ds(0, n_q)], bar)
-        plgpu.copy_gmem_to_smem(cos_ref, cs, bar)
-        plgpu.copy_gmem_to_smem(sin_ref, sn, bar)
-        plgpu.copy_gmem_to_smem(p_ref, p_s, bar)
-        plgpu.copy_gmem_to_smem(hp_ref, hp_s, bar)
-
-        # the keys: LayerNorm of their window (as reference.layer_norm), into the key tile
-        g_w = nw_ref.at[lay, pl.ds(0, D)][...].astype(F32)
-        g_b = nb_ref.at[lay, pl.ds(0, D)][...].astype(F32)
-        for t in range(T):
-            x = k_ref.at[t, pl.ds(k_col, D)][...].astype(F32)
-            xc = x - jnp.sum(x) / D
-            y = xc * lax.rsqrt(jnp.sum(xc * xc) / D + eps)
-            stage.at[kt, t][...] = (y * g_w + g_b).astype(BF16)
-        plgpu.commit_smem()
-
-        plgpu.barrier_wait(bar)
-        wl = plgpu.Layout.WGMMA
+        cta = lax.axis_index("g")
         row_in_tile = plgpu.broadcasted_iota(jnp.int32, (TILE,), 0, layout=wl.reduce(1))
-        tables = hw.rope_tables(cs, sn, T, TILE, half)
-        copy_layout = plgpu.Layout.SMEM_GMEM_COPY((TILE, D), BF16, 64)
-        for g in range(nq_tiles + 1):
-            key = g == kt
-            a1[...] = plgpu.load(stage.at[g], layout=copy_layout)
-            plgpu.commit_smem()
 
+        def rope(tok, back):
+            """The rows in `stage`, roped as reference.apply_rope in fp32 (bf16 result), then times
+            `back` ([d, d] SMEM): the rope pairs' split undone (and H applied for the queries)."""
+            a1[...] = plgpu.load(stage, layout=plgpu.Layout.SMEM_GMEM_COPY((TILE, D), BF16, 64))
+            plgpu.commit_smem()
             xs = hw.wgmma_product(a1, p_s, (TILE, D))   # [x1 | x2 | the columns past the rope]
-            # each row's token: query rows t·H + h, key rows t
-            tok = row_in_tile if key else (row_in_tile + g * TILE) // H
-            # reference.apply_rope, in fp32, rounded to bf16; the columns past the rope as they are
+            tables = hw.rope_tables(cs, sn, T, TILE, half)
             a2[:, pl.ds(0, half)], a2[:, pl.ds(half, half)] = hw.rotate(xs[:, :half], xs[:, half:R], tables, tok)
             if D > R:
                 a2[:, pl.ds(R, D - R)] = xs[:, R:].astype(BF16)
             plgpu.commit_smem()
-            ys = hw.wgmma_product(a2, p_s.T if key else hp_s, (TILE, D))   # pairs back (and H for queries)
-            if key:   # the tile's stage rows were read: they take the roped keys out
-                stage.at[kt][...] = ys.astype(BF16)
+            return hw.wgmma_product(a2, back, (TILE, D))
+
+        def rope_loads():
+            for src, dst in ((cos_ref, cs), (sin_ref, sn), (p_ref, p_s)):
+                plgpu.copy_gmem_to_smem(src, dst, bar)
+
+        for g in range(nq_tiles):
+            @pl.when(cta == g)
+            def _query_tile(g=g):
+                rows = gathers(g)
+                if sum(n for _, _, n in rows) < TILE:   # rows past the data: zeros (never stored)
+                    stage[...] = jnp.zeros((TILE, D), BF16)
+                    plgpu.commit_smem()
+                r = 0
+                for t, h0, n in rows:    # one TMA per token: its heads are consecutive rows of q_x
+                    plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(t * per_row + q_col // D + h0, n)],
+                                            stage.at[pl.ds(r, n)], bar)
+                    r += n
+                first, n_rows = g * TILE, min(n_q - g * TILE, TILE)
+                plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(first, n_rows)], w_s.at[pl.ds(0, n_rows)], bar)
+                rope_loads()
+                for _ in range(arrivals - 5 - len(rows)):   # the barrier counts the busiest tile's copies
+                    plgpu.barrier_arrive(bar)
+                plgpu.copy_gmem_to_smem(hp_ref, hp_s, bar)
+                plgpu.barrier_wait(bar)
+                # each row's token: query rows t·H + h; rotated back by Pᵀ·H (the Hadamard rotation)
+                y = rope((row_in_tile + first) // H, hp_s) * scale_h
+                # quant.act_quant of the rotated rows: a power-of-two scale per row, folded into w
+                sc = pow2_scale(jnp.max(jnp.abs(y), axis=1))
+                q8_s[...] = (y / lax.broadcast_in_dim(sc, (TILE, D), [0])).astype(FP8)
+                w_s[...] = plgpu.load(w_s, layout=wl.reduce(1), optimized=False) * sc
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(stage.at[kt, pl.ds(0, T)], k_out)
-                continue
-            # quant.act_quant of the rotated rows: a power-of-two scale per row, folded into w
-            y = ys * scale_h
-            sc = pow2_scale(jnp.max(jnp.abs(y), axis=1))
-            q8 = (y / lax.broadcast_in_dim(sc, (TILE, D), [0])).astype(FP8)
-            rows = pl.ds(g * TILE, TILE)
-            wv = plgpu.load(w_s.at[rows], layout=wl.reduce(1), optimized=False)
-            if g:
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last tile's stores read q8_s
-            q8_s[...] = q8
-            w_s.at[rows][...] = wv * sc
+                plgpu.copy_smem_to_gmem(q8_s.at[pl.ds(0, n_rows)], q_out.at[pl.ds(first, n_rows)])
+                plgpu.copy_smem_to_gmem(w_s.at[pl.ds(0, n_rows)], w_out.at[pl.ds(first, n_rows)])
+                plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(cta == kt)
+        def _key_tile():
+            rope_loads()
+            # the keys: LayerNorm of their window (as reference.layer_norm) while the tables load
+            lay = layer_ref[0]
+            stage[...] = jnp.zeros((TILE, D), BF16)
+            g_w = nw_ref.at[lay, pl.ds(0, D)][...].astype(F32)
+            g_b = nb_ref.at[lay, pl.ds(0, D)][...].astype(F32)
+            for t in range(T):
+                x = k_ref.at[t, pl.ds(k_col, D)][...].astype(F32)
+                xc = x - jnp.sum(x) / D
+                y = xc * lax.rsqrt(jnp.sum(xc * xc) / D + eps)
+                stage.at[t][...] = (y * g_w + g_b).astype(BF16)
             plgpu.commit_smem()
-            n = min(n_q - g * TILE, TILE)
-            plgpu.copy_smem_to_gmem(q8_s.at[pl.ds(0, n)], q_out.at[pl.ds(g * TILE, n)])
-        plgpu.copy_smem_to_gmem(w_s.at[pl.ds(0, n_q)], w_out)
-        plgpu.wait_smem_to_gmem(0)
+            for _ in range(arrivals - 3):
+                plgpu.barrier_arrive(bar)
+            plgpu.barrier_wait(bar)
+            # key rows t; their pairs put back by Pᵀ (exact)
+            stage[...] = rope(row_in_tile, p_s.T).astype(BF16)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(stage.at[pl.ds(0, T)], k_out)
+            plgpu.wait_smem_to_gmem(0)
 
     scratch = [
-        plgpu.SMEM((nq_tiles + 1, TILE, D), BF16),
+        plgpu.SMEM((TILE, D), BF16),
         plgpu.SMEM((TILE, D), BF16, transforms=TF),
         plgpu.SMEM((TILE, D), BF16, transforms=TF),
         plgpu.SMEM((TILE, D), FP8),
-        plgpu.SMEM((nq_tiles * TILE,), F32),
+        plgpu.SMEM((TILE,), F32),
         *hw.rope_smem(T, half, D, TF),
-        plgpu.Barrier(num_arrivals=n_q + 5),
+        plgpu.Barrier(num_arrivals=arrivals),
     ]
     hw.check_smem("index_prep kernel", hw.Scope(tuple(scratch), reduces=True), f"{T} tokens × {H} heads")
     kernel = plgpu.kernel(
         body,
         out_type=(jax.ShapeDtypeStruct((n_q, D), FP8), jax.ShapeDtypeStruct((n_q,), F32),
                   jax.ShapeDtypeStruct((T, D), BF16)),
-        scratch_types=scratch,
+        scratch_types=scratch, grid=(nq_tiles + 1,), grid_names=("g",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=_interp.params(), kernel_name="jtilert_index_prep",
     )
     p, hp = matrices(D, R, cfg.indexer_rope_interleaved)
-    q8, w8, k = kernel(q_x, k_x, norm_weight, norm_bias, cos.astype(F32), sin.astype(F32),
+    q_rows = q_x.reshape(T * per_row, D)   # a free reshape: the queries as rows of D
+    q8, w8, k = kernel(q_rows, k_x, norm_weight, norm_bias, cos.astype(F32), sin.astype(F32),
                        w.astype(F32).reshape(n_q), jnp.asarray(p), jnp.asarray(hp), hw.layer_operand(layer))
     return q8.reshape(T, H, D), w8.reshape(T, H), k
