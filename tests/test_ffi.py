@@ -34,13 +34,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _nvcc():
-  return shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
+    return shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
 
 
 def _mesh(n=8):
-  if jax.device_count() < n:
-    pytest.skip(f"needs {n} host devices (tests/conftest.py sets XLA_FLAGS); have {jax.device_count()}")
-  return Mesh(np.array(jax.devices()[:n]), ("tp",))
+    if jax.device_count() < n:
+        pytest.skip(f"needs {n} host devices (tests/conftest.py sets XLA_FLAGS); have {jax.device_count()}")
+    return Mesh(np.array(jax.devices()[:n]), ("tp",))
 
 
 # ------------------------------------------------------------------ the CUDA sources compile
@@ -48,37 +48,37 @@ def _mesh(n=8):
 @pytest.mark.skipif(_nvcc() is None, reason="nvcc not found: the CUDA sources cannot be compiled here")
 @pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake not found")
 def test_cuda_sources_compile_warnings_as_errors(tmp_path):
-  """cmake + nvcc build of cuda/ (library and self-test), -Werror for nvcc, ptxas and g++."""
-  env = dict(os.environ)
-  env["PATH"] = str(pathlib.Path(_nvcc()).parent) + ":" + env.get("PATH", "")
-  cfg = ["cmake", "-S", str(ROOT / "cuda"), "-B", str(tmp_path), "-DCMAKE_BUILD_TYPE=Release",
-         f"-DJTILERT_XLA_FFI_INCLUDE={jax.ffi.include_dir()}", "-DJTILERT_SELFTEST=ON"]
-  if shutil.which("ninja"):
-    cfg += ["-G", "Ninja"]
-  for cmd in (cfg, ["cmake", "--build", str(tmp_path), "-j", str(os.cpu_count() or 2)]):
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stdout[-6000:]}\n{r.stderr[-3000:]}"
-  lib = tmp_path / "libjtilert_engine.so"
-  assert lib.is_file() and (tmp_path / "jtilert_selftest").is_file()
-  # the library exports its C API and the three FFI handlers, and keeps cudart private
-  nm = shutil.which("nm")
-  if nm:
-    syms = subprocess.run([nm, "-D", "--defined-only", str(lib)], capture_output=True, text=True).stdout
-    for s in ("JtAllReduce", "JtGemvAllReduce", "JtMergeTopk", "JtExpertDownAllReduce", "jt_group_create",
-              "jt_all_reduce", "jt_expert_down_all_reduce", "JtGemvAllReduceStacked",
-              "JtExpertDownAllReduceStacked", "jt_gemv_all_reduce_layer", "jt_expert_down_all_reduce_layer"):
-      assert f" {s}\n" in syms, s
-    assert " cudaMalloc\n" not in syms
+    """cmake + nvcc build of cuda/ (library and self-test), -Werror for nvcc, ptxas and g++."""
+    env = dict(os.environ)
+    env["PATH"] = str(pathlib.Path(_nvcc()).parent) + ":" + env.get("PATH", "")
+    cfg = ["cmake", "-S", str(ROOT / "cuda"), "-B", str(tmp_path), "-DCMAKE_BUILD_TYPE=Release",
+           f"-DJTILERT_XLA_FFI_INCLUDE={jax.ffi.include_dir()}", "-DJTILERT_SELFTEST=ON"]
+    if shutil.which("ninja"):
+        cfg += ["-G", "Ninja"]
+    for cmd in (cfg, ["cmake", "--build", str(tmp_path), "-j", str(os.cpu_count() or 2)]):
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stdout[-6000:]}\n{r.stderr[-3000:]}"
+    lib = tmp_path / "libjtilert_engine.so"
+    assert lib.is_file() and (tmp_path / "jtilert_selftest").is_file()
+    # the library exports its C API and the three FFI handlers, and keeps cudart private
+    nm = shutil.which("nm")
+    if nm:
+        syms = subprocess.run([nm, "-D", "--defined-only", str(lib)], capture_output=True, text=True).stdout
+        for s in ("JtAllReduce", "JtGemvAllReduce", "JtMergeTopk", "JtExpertDownAllReduce", "jt_group_create",
+                  "jt_all_reduce", "jt_expert_down_all_reduce", "JtGemvAllReduceStacked",
+                  "JtExpertDownAllReduceStacked", "jt_gemv_all_reduce_layer", "jt_expert_down_all_reduce_layer"):
+            assert f" {s}\n" in syms, s
+        assert " cudaMalloc\n" not in syms
 
 
 def test_no_multicast_anywhere():
-  """NVLink multicast can take a shared host's GPUs down: it must never appear in the engine."""
-  banned = ("multimem", "cuMulticast", "multicast_ref", "NVLS", "cudaMulticast")
-  for p in list((ROOT / "cuda").rglob("*")) + list((ROOT / "jtilert" / "ffi").rglob("*.py")):
-    if p.is_file() and p.suffix in {".cu", ".cuh", ".cc", ".h", ".py", ".txt"}:
-      text = p.read_text()
-      for b in banned:
-        assert b not in text, f"{b} in {p}"
+    """NVLink multicast can take a shared host's GPUs down: it must never appear in the engine."""
+    banned = ("multimem", "cuMulticast", "multicast_ref", "NVLS", "cudaMulticast")
+    for p in list((ROOT / "cuda").rglob("*")) + list((ROOT / "jtilert" / "ffi").rglob("*.py")):
+        if p.is_file() and p.suffix in {".cu", ".cuh", ".cc", ".h", ".py", ".txt"}:
+            text = p.read_text()
+            for b in banned:
+                assert b not in text, f"{b} in {p}"
 
 
 # ------------------------------------------------------------------ task tables
@@ -94,142 +94,142 @@ SHAPES = [  # (N, K_local, wdtype): dsv32-tp8-shard o_proj, expert down (1 exper
 @pytest.mark.parametrize("n,k,wd", SHAPES)
 @pytest.mark.parametrize("sms", [132, 114, 16, 1])
 def test_plan_covers_every_tile_once_and_balances(n, k, wd, sms):
-  plan = ffi_plan.build_gemv_plan(n, k, wdtype=wd, num_sms=sms)
-  ffi_plan.check_gemv_plan(plan, num_sms=sms, world=8)
-  # no CTA has more than one tile more than another, and no fewer CTAs than needed
-  per = [len(plan.cta_tasks(c)) for c in range(plan.num_ctas)]
-  assert max(per) - min(per) <= 1
-  assert max(per) == math.ceil(plan.num_tiles / min(sms, plan.num_tiles))
-  # the kernel keeps ~8 16-byte loads per lane in flight
-  chunks = k // ffi_plan.ELEMS_PER_CHUNK[wd]
-  assert plan.rpw * min(max(1, math.ceil(chunks / 32)), 8) >= 8 or plan.rpw == 8
+    plan = ffi_plan.build_gemv_plan(n, k, wdtype=wd, num_sms=sms)
+    ffi_plan.check_gemv_plan(plan, num_sms=sms, world=8)
+    # no CTA has more than one tile more than another, and no fewer CTAs than needed
+    per = [len(plan.cta_tasks(c)) for c in range(plan.num_ctas)]
+    assert max(per) - min(per) <= 1
+    assert max(per) == math.ceil(plan.num_tiles / min(sms, plan.num_tiles))
+    # the kernel keeps ~8 16-byte loads per lane in flight
+    chunks = k // ffi_plan.ELEMS_PER_CHUNK[wd]
+    assert plan.rpw * min(max(1, math.ceil(chunks / 32)), 8) >= 8 or plan.rpw == 8
 
 
 @pytest.mark.parametrize("nwc", [1, 2, 4, 8, 16])
 def test_plan_explicit_warps(nwc):
-  rpw = 2 if nwc % 2 else 1
-  plan = ffi_plan.build_gemv_plan(7168, 2048, num_sms=132, nwc=nwc, rpw=rpw)
-  ffi_plan.check_gemv_plan(plan, num_sms=132)
-  assert plan.tile_rows == nwc * rpw
+    rpw = 2 if nwc % 2 else 1
+    plan = ffi_plan.build_gemv_plan(7168, 2048, num_sms=132, nwc=nwc, rpw=rpw)
+    ffi_plan.check_gemv_plan(plan, num_sms=132)
+    assert plan.tile_rows == nwc * rpw
 
 
 def test_plan_checker_catches_bad_tables():
-  plan = ffi_plan.build_gemv_plan(1000, 256, num_sms=8)
-  t = plan.table.copy()
-  t[-1] = t[-2]  # a tile twice, one missing
-  with pytest.raises(AssertionError):
-    ffi_plan.check_gemv_plan(ffi_plan.GemvPlan(**{**plan.__dict__, "table": t}))
-  with pytest.raises(ValueError):
-    ffi_plan.build_gemv_plan(100, 100, wdtype="fp8")  # K not a multiple of 16
-  with pytest.raises(ValueError):
-    ffi_plan.build_gemv_plan(100, 128, nwc=3, rpw=1)  # odd tile
+    plan = ffi_plan.build_gemv_plan(1000, 256, num_sms=8)
+    t = plan.table.copy()
+    t[-1] = t[-2]  # a tile twice, one missing
+    with pytest.raises(AssertionError):
+        ffi_plan.check_gemv_plan(ffi_plan.GemvPlan(**{**plan.__dict__, "table": t}))
+    with pytest.raises(ValueError):
+        ffi_plan.build_gemv_plan(100, 100, wdtype="fp8")  # K not a multiple of 16
+    with pytest.raises(ValueError):
+        ffi_plan.build_gemv_plan(100, 128, nwc=3, rpw=1)  # odd tile
 
 
 # ------------------------------------------------------------------ fallbacks on 8 CPU devices
 
 def test_available_is_false_without_gpu():
-  assert not jf.available()
-  assert jf.unavailable_reason()
+    assert not jf.available()
+    assert jf.unavailable_reason()
 
 
 def _smap(mesh, f, in_specs, out_specs, check_vma=True):
-  return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                               check_vma=check_vma))
+    return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                                 check_vma=check_vma))
 
 
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_all_reduce_fallback_equals_psum(check_vma):
-  mesh = _mesh()
-  x = jnp.asarray(np.random.default_rng(0).standard_normal((8, 7168)), jnp.bfloat16)
-  ours = _smap(mesh, lambda v: jf.all_reduce(v, "tp"), P("tp"), P(), check_vma)(x)
-  ref = _smap(mesh, lambda v: lax.psum(v, "tp"), P("tp"), P(), check_vma)(x)
-  np.testing.assert_array_equal(np.asarray(ours.astype(jnp.float32)), np.asarray(ref.astype(jnp.float32)))
+    mesh = _mesh()
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((8, 7168)), jnp.bfloat16)
+    ours = _smap(mesh, lambda v: jf.all_reduce(v, "tp"), P("tp"), P(), check_vma)(x)
+    ref = _smap(mesh, lambda v: lax.psum(v, "tp"), P("tp"), P(), check_vma)(x)
+    np.testing.assert_array_equal(np.asarray(ours.astype(jnp.float32)), np.asarray(ref.astype(jnp.float32)))
 
 
 def test_fallback_warns_exactly_once():
-  mesh = _mesh()
-  from jtilert.ffi import _lib
-  _lib._warned.clear()  # noqa: SLF001
-  x = jnp.ones((8, 64), jnp.float32)
-  with warnings.catch_warnings(record=True) as rec:
-    warnings.simplefilter("always")
-    for n in (64, 32, 16):
-      _smap(mesh, lambda v: jf.all_reduce(jf.all_reduce(v, "tp"), "tp"), P("tp"), P())(x[:, :n])
-  msgs = [str(w.message) for w in rec if "jtilert.ffi" in str(w.message)]
-  assert len(msgs) == 1, msgs
+    mesh = _mesh()
+    from jtilert.ffi import _lib
+    _lib._warned.clear()  # noqa: SLF001
+    x = jnp.ones((8, 64), jnp.float32)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for n in (64, 32, 16):
+            _smap(mesh, lambda v: jf.all_reduce(jf.all_reduce(v, "tp"), "tp"), P("tp"), P())(x[:, :n])
+    msgs = [str(w.message) for w in rec if "jtilert.ffi" in str(w.message)]
+    assert len(msgs) == 1, msgs
 
 
 def test_model_all_reduce_with_engine_flag_equals_psum():
-  """Through the model's single all-reduce (jtilert.ops.table.Ops.all_reduce) with the engine on."""
-  from jtilert.ops.table import DecodeConfig, Ops
-  mesh = _mesh()
-  x = jnp.asarray(np.random.default_rng(1).standard_normal((8 * 3, 7168)), jnp.float32)
+    """Through the model's single all-reduce (jtilert.ops.table.Ops.all_reduce) with the engine on."""
+    from jtilert.ops.table import DecodeConfig, Ops
+    mesh = _mesh()
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((8 * 3, 7168)), jnp.float32)
 
-  def step(v, engine):
-    return Ops(DecodeConfig(engine_all_reduce=engine), "tp").all_reduce(v)
+    def step(v, engine):
+        return Ops(DecodeConfig(engine_all_reduce=engine), "tp").all_reduce(v)
 
-  with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    ours = _smap(mesh, lambda v: step(v, True), P("tp"), P(), False)(x)
-  ref = _smap(mesh, lambda v: step(v, False), P("tp"), P(), False)(x)
-  np.testing.assert_array_equal(np.asarray(ours), np.asarray(ref))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ours = _smap(mesh, lambda v: step(v, True), P("tp"), P(), False)(x)
+    ref = _smap(mesh, lambda v: step(v, False), P("tp"), P(), False)(x)
+    np.testing.assert_array_equal(np.asarray(ours), np.asarray(ref))
 
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_gemv_all_reduce_fallback_equals_reference(fp8):
-  mesh = _mesh()
-  rng = np.random.default_rng(2)
-  n, k_local = 300, 256
-  x = jnp.asarray(rng.standard_normal(8 * k_local), jnp.bfloat16)
-  if fp8:
-    w, s = fp8_weights(rng, n, 8 * k_local)
-    f = _smap(mesh, lambda x, w, s: jf.gemv_all_reduce(x, w, s, "tp"),
-              (P("tp"), P(None, "tp"), P(None, "tp")), P())
-    y = f(x, w, s)
-  else:
-    w, s = jnp.asarray(rng.standard_normal((n, 8 * k_local)) * 0.05, jnp.bfloat16), None
-    y = _smap(mesh, lambda x, w: jf.gemv_all_reduce(x, w, None, "tp"), (P("tp"), P(None, "tp")), P())(x, w)
-  assert y.shape == (n,) and y.dtype == jnp.bfloat16
-  ref = np_gemv(x, w, s)
-  rel = np.linalg.norm(np.asarray(y, np.float64) - ref) / np.linalg.norm(ref)
-  assert rel < 5e-3, rel
-  # the local GEMV fallback equals a single-device reference
-  y1 = jf.gemv(x[:k_local], w[:, :k_local], None if s is None else s[:, :k_local // 128])
-  ref1 = np_gemv(x[:k_local], w[:, :k_local], None if s is None else s[:, :k_local // 128])
-  assert np.linalg.norm(np.asarray(y1, np.float64) - ref1) / np.linalg.norm(ref1) < 5e-3
+    mesh = _mesh()
+    rng = np.random.default_rng(2)
+    n, k_local = 300, 256
+    x = jnp.asarray(rng.standard_normal(8 * k_local), jnp.bfloat16)
+    if fp8:
+        w, s = fp8_weights(rng, n, 8 * k_local)
+        f = _smap(mesh, lambda x, w, s: jf.gemv_all_reduce(x, w, s, "tp"),
+                  (P("tp"), P(None, "tp"), P(None, "tp")), P())
+        y = f(x, w, s)
+    else:
+        w, s = jnp.asarray(rng.standard_normal((n, 8 * k_local)) * 0.05, jnp.bfloat16), None
+        y = _smap(mesh, lambda x, w: jf.gemv_all_reduce(x, w, None, "tp"), (P("tp"), P(None, "tp")), P())(x, w)
+    assert y.shape == (n,) and y.dtype == jnp.bfloat16
+    ref = np_gemv(x, w, s)
+    rel = np.linalg.norm(np.asarray(y, np.float64) - ref) / np.linalg.norm(ref)
+    assert rel < 5e-3, rel
+    # the local GEMV fallback equals a single-device reference
+    y1 = jf.gemv(x[:k_local], w[:, :k_local], None if s is None else s[:, :k_local // 128])
+    ref1 = np_gemv(x[:k_local], w[:, :k_local], None if s is None else s[:, :k_local // 128])
+    assert np.linalg.norm(np.asarray(y1, np.float64) - ref1) / np.linalg.norm(ref1) < 5e-3
 
 
 def _expert_down_case(rng, fp8):
-  return expert_down_case(rng, fp8, world=8, e=6, n=300, k=3, i_loc=128 if fp8 else 16,
-                          is_loc=128 if fp8 else 16)
+    return expert_down_case(rng, fp8, world=8, e=6, n=300, k=3, i_loc=128 if fp8 else 16,
+                            is_loc=128 if fp8 else 16)
 
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_expert_down_all_reduce_fallback_equals_the_unfused_path(fp8):
-  """The fallback is psum(routed experts' weighted down projections + the shared expert's), rounded
-  like jtilert.ops.reference (moe_experts' second half + swiglu's down), and matches the fp64 math."""
-  mesh = _mesh()
-  args = _expert_down_case(np.random.default_rng(6), fp8)
-  h, wts, ids, down, ds, hs, sd, ss = args
+    """The fallback is psum(routed experts' weighted down projections + the shared expert's), rounded
+    like jtilert.ops.reference (moe_experts' second half + swiglu's down), and matches the fp64 math."""
+    mesh = _mesh()
+    args = _expert_down_case(np.random.default_rng(6), fp8)
+    h, wts, ids, down, ds, hs, sd, ss = args
 
-  def fused(h, wts, ids, down, ds, hs, sd, ss):
-    return jf.expert_down_all_reduce(h, wts, ids, down, ds, hs, sd, ss, "tp")
+    def fused(h, wts, ids, down, ds, hs, sd, ss):
+        return jf.expert_down_all_reduce(h, wts, ids, down, ds, hs, sd, ss, "tp")
 
-  def unfused(h, wts, ids, down, ds, hs, sd, ss):
-    routed = reference.expert_down(h, wts[None], ids[None], down, ds)
-    return lax.psum(routed + reference.linear(hs[None], sd, ss), "tp")[0]
+    def unfused(h, wts, ids, down, ds, hs, sd, ss):
+        routed = reference.expert_down(h, wts[None], ids[None], down, ds)
+        return lax.psum(routed + reference.linear(hs[None], sd, ss), "tp")[0]
 
-  if not fp8:  # no scales: drop them from the argument lists
-    f_ = lambda h, w, i, d, hs, sd: fused(h, w, i, d, None, hs, sd, None)  # noqa: E731
-    u_ = lambda h, w, i, d, hs, sd: unfused(h, w, i, d, None, hs, sd, None)  # noqa: E731
-    specs, a = EXPERT_DOWN_SPECS[:4] + EXPERT_DOWN_SPECS[5:7], (h, wts, ids, down, hs, sd)
-  else:
-    f_, u_, specs, a = fused, unfused, EXPERT_DOWN_SPECS, args
-  y = _smap(mesh, f_, specs, P())(*a)
-  assert y.shape == (down.shape[1],) and y.dtype == jnp.bfloat16
-  np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(_smap(mesh, u_, specs, P())(*a), np.float32))
-  ref = np_expert_down(*args)
-  assert np.linalg.norm(np.asarray(y, np.float64) - ref) / np.linalg.norm(ref) < 5e-3
+    if not fp8:  # no scales: drop them from the argument lists
+        f_ = lambda h, w, i, d, hs, sd: fused(h, w, i, d, None, hs, sd, None)  # noqa: E731
+        u_ = lambda h, w, i, d, hs, sd: unfused(h, w, i, d, None, hs, sd, None)  # noqa: E731
+        specs, a = EXPERT_DOWN_SPECS[:4] + EXPERT_DOWN_SPECS[5:7], (h, wts, ids, down, hs, sd)
+    else:
+        f_, u_, specs, a = fused, unfused, EXPERT_DOWN_SPECS, args
+    y = _smap(mesh, f_, specs, P())(*a)
+    assert y.shape == (down.shape[1],) and y.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(_smap(mesh, u_, specs, P())(*a), np.float32))
+    ref = np_expert_down(*args)
+    assert np.linalg.norm(np.asarray(y, np.float64) - ref) / np.linalg.norm(ref) < 5e-3
 
 
 # ------------------------------------------------------------------ stacked layers (layer=)
@@ -238,333 +238,333 @@ LAYERS = 3
 
 
 def _stacked_gemv_case(rng, fp8, n=300, k=8 * 256):
-  """x [k] and every layer's w [L, n, k] (+ scales [L, ...] for fp8); different weights per layer."""
-  x = jnp.asarray(rng.standard_normal(k), jnp.bfloat16)
-  if fp8:
-    per = [(x,) + fp8_weights(rng, n, k) for _ in range(LAYERS)]
-  else:
-    per = [(x, jnp.asarray(rng.standard_normal((n, k)) * 0.05, jnp.bfloat16), None) for _ in range(LAYERS)]
-  return stack_layers(per)
+    """x [k] and every layer's w [L, n, k] (+ scales [L, ...] for fp8); different weights per layer."""
+    x = jnp.asarray(rng.standard_normal(k), jnp.bfloat16)
+    if fp8:
+        per = [(x,) + fp8_weights(rng, n, k) for _ in range(LAYERS)]
+    else:
+        per = [(x, jnp.asarray(rng.standard_normal((n, k)) * 0.05, jnp.bfloat16), None) for _ in range(LAYERS)]
+    return stack_layers(per)
 
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_gemv_stacked_fallback_equals_reference(fp8):
-  """layer= with stacked [L, N, K] weights and a traced layer (the loop index of lax.map inside the
-  jitted shard_map): every layer's result equals the fp64 reference of that layer's weights and the
-  unstacked op on w[l] bit for bit; a negative layer counts from the end like w[layer]."""
-  mesh = _mesh()
-  x, w, s = _stacked_gemv_case(np.random.default_rng(8), fp8)
-  specs = (P("tp"), P(None, None, "tp")) + ((P(None, None, "tp"),) if fp8 else ())
+    """layer= with stacked [L, N, K] weights and a traced layer (the loop index of lax.map inside the
+    jitted shard_map): every layer's result equals the fp64 reference of that layer's weights and the
+    unstacked op on w[l] bit for bit; a negative layer counts from the end like w[layer]."""
+    mesh = _mesh()
+    x, w, s = _stacked_gemv_case(np.random.default_rng(8), fp8)
+    specs = (P("tp"), P(None, None, "tp")) + ((P(None, None, "tp"),) if fp8 else ())
 
-  def stacked(x, w, *s):
-    return lax.map(lambda l: jf.gemv_all_reduce(x, w, s[0] if s else None, "tp", layer=l),
-                   jnp.arange(-1, LAYERS, dtype=jnp.int32))
+    def stacked(x, w, *s):
+        return lax.map(lambda l: jf.gemv_all_reduce(x, w, s[0] if s else None, "tp", layer=l),
+                       jnp.arange(-1, LAYERS, dtype=jnp.int32))
 
-  def per_layer(x, w, *s):
-    return jnp.stack([jf.gemv_all_reduce(x, w[l], s[0][l] if s else None, "tp") for l in range(LAYERS)])
+    def per_layer(x, w, *s):
+        return jnp.stack([jf.gemv_all_reduce(x, w[l], s[0][l] if s else None, "tp") for l in range(LAYERS)])
 
-  a = (x, w) + ((s,) if fp8 else ())
-  ys = np.asarray(_smap(mesh, stacked, specs, P())(*a), np.float32)
-  np.testing.assert_array_equal(ys[1:], np.asarray(_smap(mesh, per_layer, specs, P())(*a), np.float32))
-  np.testing.assert_array_equal(ys[0], ys[LAYERS])  # layer -1: the last one
-  for l in range(LAYERS):
-    ref = np_gemv(x, w[l], None if s is None else s[l])
-    assert np.linalg.norm(ys[l + 1] - ref) / np.linalg.norm(ref) < 5e-3, l
-  assert len({ys[l + 1].tobytes() for l in range(LAYERS)}) == LAYERS  # the layers differ
-  # the local GEMV with a traced layer (jit argument)
-  k_loc = x.shape[0] // 8
-  s_loc = None if s is None else s[:, :, :k_loc // 128]
-  y1 = jax.jit(lambda x, w, s, l: jf.gemv(x, w, s, layer=l))(x[:k_loc], w[:, :, :k_loc], s_loc, jnp.int32(2))
-  ref1 = np_gemv(x[:k_loc], w[2, :, :k_loc], None if s is None else s_loc[2])
-  assert np.linalg.norm(np.asarray(y1, np.float64) - ref1) / np.linalg.norm(ref1) < 5e-3
+    a = (x, w) + ((s,) if fp8 else ())
+    ys = np.asarray(_smap(mesh, stacked, specs, P())(*a), np.float32)
+    np.testing.assert_array_equal(ys[1:], np.asarray(_smap(mesh, per_layer, specs, P())(*a), np.float32))
+    np.testing.assert_array_equal(ys[0], ys[LAYERS])  # layer -1: the last one
+    for l in range(LAYERS):
+        ref = np_gemv(x, w[l], None if s is None else s[l])
+        assert np.linalg.norm(ys[l + 1] - ref) / np.linalg.norm(ref) < 5e-3, l
+    assert len({ys[l + 1].tobytes() for l in range(LAYERS)}) == LAYERS  # the layers differ
+    # the local GEMV with a traced layer (jit argument)
+    k_loc = x.shape[0] // 8
+    s_loc = None if s is None else s[:, :, :k_loc // 128]
+    y1 = jax.jit(lambda x, w, s, l: jf.gemv(x, w, s, layer=l))(x[:k_loc], w[:, :, :k_loc], s_loc, jnp.int32(2))
+    ref1 = np_gemv(x[:k_loc], w[2, :, :k_loc], None if s is None else s_loc[2])
+    assert np.linalg.norm(np.asarray(y1, np.float64) - ref1) / np.linalg.norm(ref1) < 5e-3
 
 
 def _stacked_expert_down_cases(rng, fp8):
-  """LAYERS expert-down cases with the same activations (h, wts, ids, hs) and their own weights."""
-  first = _expert_down_case(rng, fp8)
-  cases = [first]
-  for _ in range(LAYERS - 1):
-    c = _expert_down_case(rng, fp8)
-    cases.append(first[:3] + c[3:5] + first[5:6] + c[6:])
-  return cases
+    """LAYERS expert-down cases with the same activations (h, wts, ids, hs) and their own weights."""
+    first = _expert_down_case(rng, fp8)
+    cases = [first]
+    for _ in range(LAYERS - 1):
+        c = _expert_down_case(rng, fp8)
+        cases.append(first[:3] + c[3:5] + first[5:6] + c[6:])
+    return cases
 
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_expert_down_stacked_fallback_equals_reference(fp8):
-  """layer= with down [L, E, N, I], shared_down [L, N, Is] (and scales): under a lax.scan over the
-  layers (traced index), every layer's result equals the unstacked op on its slices bit for bit and
-  the fp64 reference of its weights."""
-  mesh = _mesh()
-  rng = np.random.default_rng(9)
-  cases = _stacked_expert_down_cases(rng, fp8)
-  first, st = cases[0], stack_layers(cases)
-  keep = [i for i, a in enumerate(st) if a is not None]
-  specs = tuple(STACKED_EXPERT_DOWN_SPECS[i] for i in keep)
+    """layer= with down [L, E, N, I], shared_down [L, N, Is] (and scales): under a lax.scan over the
+    layers (traced index), every layer's result equals the unstacked op on its slices bit for bit and
+    the fp64 reference of its weights."""
+    mesh = _mesh()
+    rng = np.random.default_rng(9)
+    cases = _stacked_expert_down_cases(rng, fp8)
+    first, st = cases[0], stack_layers(cases)
+    keep = [i for i, a in enumerate(st) if a is not None]
+    specs = tuple(STACKED_EXPERT_DOWN_SPECS[i] for i in keep)
 
-  def full(args):
-    out = [None] * 8
-    for i, a in zip(keep, args):
-      out[i] = a
-    return out
+    def full(args):
+        out = [None] * 8
+        for i, a in zip(keep, args):
+            out[i] = a
+        return out
 
-  def stacked(*args):
-    h, wts, ids, down, ds, hs, sd, ss = full(args)
-    def body(c, l):
-      return c, jf.expert_down_all_reduce(h, wts, ids, down, ds, hs, sd, ss, "tp", layer=l)
-    return lax.scan(body, 0, jnp.arange(LAYERS, dtype=jnp.int32))[1]
+    def stacked(*args):
+        h, wts, ids, down, ds, hs, sd, ss = full(args)
+        def body(c, l):
+            return c, jf.expert_down_all_reduce(h, wts, ids, down, ds, hs, sd, ss, "tp", layer=l)
+        return lax.scan(body, 0, jnp.arange(LAYERS, dtype=jnp.int32))[1]
 
-  def per_layer(*args):
-    h, wts, ids, down, ds, hs, sd, ss = full(args)
-    at = lambda a, l: None if a is None else a[l]  # noqa: E731
-    return jnp.stack([jf.expert_down_all_reduce(h, wts, ids, down[l], at(ds, l), hs, sd[l], at(ss, l), "tp")
-                      for l in range(LAYERS)])
+    def per_layer(*args):
+        h, wts, ids, down, ds, hs, sd, ss = full(args)
+        at = lambda a, l: None if a is None else a[l]  # noqa: E731
+        return jnp.stack([jf.expert_down_all_reduce(h, wts, ids, down[l], at(ds, l), hs, sd[l], at(ss, l), "tp")
+                          for l in range(LAYERS)])
 
-  a = [st[i] for i in keep]
-  ys = np.asarray(_smap(mesh, stacked, specs, P())(*a), np.float32)
-  assert ys.shape == (LAYERS, first[3].shape[1])
-  np.testing.assert_array_equal(ys, np.asarray(_smap(mesh, per_layer, specs, P())(*a), np.float32))
-  for l, case in enumerate(cases):
-    ref = np_expert_down(*case)
-    assert np.linalg.norm(ys[l] - ref) / np.linalg.norm(ref) < 5e-3, l
-  assert len({y.tobytes() for y in ys}) == LAYERS
+    a = [st[i] for i in keep]
+    ys = np.asarray(_smap(mesh, stacked, specs, P())(*a), np.float32)
+    assert ys.shape == (LAYERS, first[3].shape[1])
+    np.testing.assert_array_equal(ys, np.asarray(_smap(mesh, per_layer, specs, P())(*a), np.float32))
+    for l, case in enumerate(cases):
+        ref = np_expert_down(*case)
+        assert np.linalg.norm(ys[l] - ref) / np.linalg.norm(ref) < 5e-3, l
+    assert len({y.tobytes() for y in ys}) == LAYERS
 
 
 def test_stacked_argument_errors():
-  x = jnp.ones(256, jnp.bfloat16)
-  w = jnp.ones((300, 256), jnp.bfloat16)
-  with pytest.raises(ValueError, match="stacked"):
-    jf.gemv(x, w, layer=0)  # w not stacked
-  with pytest.raises(TypeError, match="integer scalar"):
-    jf.gemv(x, w[None], layer=0.5)
-  with pytest.raises(TypeError, match="integer scalar"):
-    jf.gemv(x, w[None], layer=jnp.zeros(2, jnp.int32))
-  w8, s8 = fp8_weights(np.random.default_rng(0), 300, 256)
-  with pytest.raises(ValueError, match="stacked"):
-    jf.gemv(x, jnp.stack([w8, w8]), s8[None], layer=1)  # 2 weight layers, 1 scale layer
+    x = jnp.ones(256, jnp.bfloat16)
+    w = jnp.ones((300, 256), jnp.bfloat16)
+    with pytest.raises(ValueError, match="stacked"):
+        jf.gemv(x, w, layer=0)  # w not stacked
+    with pytest.raises(TypeError, match="integer scalar"):
+        jf.gemv(x, w[None], layer=0.5)
+    with pytest.raises(TypeError, match="integer scalar"):
+        jf.gemv(x, w[None], layer=jnp.zeros(2, jnp.int32))
+    w8, s8 = fp8_weights(np.random.default_rng(0), 300, 256)
+    with pytest.raises(ValueError, match="stacked"):
+        jf.gemv(x, jnp.stack([w8, w8]), s8[None], layer=1)  # 2 weight layers, 1 scale layer
 
 
 def _engine(model, mesh, **config):
-  from jtilert.runtime.generate import Engine
-  from jtilert.ops.table import DecodeConfig
-  return Engine(model, mesh=mesh, config=DecodeConfig(**config))
+    from jtilert.runtime.generate import Engine
+    from jtilert.ops.table import DecodeConfig
+    return Engine(model, mesh=mesh, config=DecodeConfig(**config))
 
 
 def _lower_forward_for_cuda(eng, rows):
-  """The engine's one-token forward step, cross-lowered for CUDA (StableHLO text)."""
-  tok = eng.place(jnp.asarray([5], jnp.int32))
-  return eng.forward._jit.trace(eng.state, eng.new_cache(rows), tok, eng.place(jnp.int32(0))).lower(  # noqa: SLF001
-      lowering_platforms=("cuda",)).as_text()
+    """The engine's one-token forward step, cross-lowered for CUDA (StableHLO text)."""
+    tok = eng.place(jnp.asarray([5], jnp.int32))
+    return eng.forward._jit.trace(eng.state, eng.new_cache(rows), tok, eng.place(jnp.int32(0))).lower(  # noqa: SLF001
+        lowering_platforms=("cuda",)).as_text()
 
 
 def _layer_loops(cfg):
-  """The layer ranges of the step's loops (one loop body each): the dense layers, the MoE layers."""
-  moe = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe(i)]
-  dense = [i for i in range(cfg.num_hidden_layers) if not cfg.is_moe(i)]
-  return [r for r in (dense, moe) if r]
+    """The layer ranges of the step's loops (one loop body each): the dense layers, the MoE layers."""
+    moe = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe(i)]
+    dense = [i for i in range(cfg.num_hidden_layers) if not cfg.is_moe(i)]
+    return [r for r in (dense, moe) if r]
 
 
 def _decode_logits(model, mesh, engine, ids):
-  """Logits of one-token forward steps over `ids` (the decode regime, T = 1)."""
-  eng = _engine(model, mesh, engine_all_reduce=engine)
-  cache, out = eng.new_cache(len(ids) + 1), []
-  for p, t in enumerate(ids):
-    logits, _, cache = eng.forward(eng.state, cache, eng.place(jnp.asarray([t], jnp.int32)),
-                                   eng.place(jnp.int32(p)))
-    out.append(np.asarray(logits))
-  return np.concatenate(out)
+    """Logits of one-token forward steps over `ids` (the decode regime, T = 1)."""
+    eng = _engine(model, mesh, engine_all_reduce=engine)
+    cache, out = eng.new_cache(len(ids) + 1), []
+    for p, t in enumerate(ids):
+        logits, _, cache = eng.forward(eng.state, cache, eng.place(jnp.asarray([t], jnp.int32)),
+                                       eng.place(jnp.int32(p)))
+        out.append(np.asarray(logits))
+    return np.concatenate(out)
 
 
 @pytest.fixture(scope="module")
 def tiny_bf16(tiny_random):
-  """The session's tiny fp32 model with every weight cast to bf16 (bf16 activations)."""
-  from flax import nnx
-  graphdef, state = nnx.split(tiny_random)
-  model = nnx.merge(graphdef, jax.tree.map(lambda v: v.astype(jnp.bfloat16), state))
-  model.dtype = jnp.dtype(jnp.bfloat16)
-  return model
+    """The session's tiny fp32 model with every weight cast to bf16 (bf16 activations)."""
+    from flax import nnx
+    graphdef, state = nnx.split(tiny_random)
+    model = nnx.merge(graphdef, jax.tree.map(lambda v: v.astype(jnp.bfloat16), state))
+    model.dtype = jnp.dtype(jnp.bfloat16)
+    return model
 
 
 def test_model_moe_through_the_fused_op_equals_psum(tiny_bf16, monkeypatch):
-  """bf16 model at tp = 8, engine on: the MoE layers' loop calls expert_down_all_reduce (here its
-  fallback, the same code at any degree) with the stacked weights and the layer index, and the decode
-  logits equal the psum path's bit for bit (the o_proj and the dense MLP stay on their unfused path so
-  that only the MoE differs; gemv_all_reduce's fallback rounds once instead of per rank)."""
-  mesh = _mesh(8)
-  calls = []
-  orig = jf.expert_down_all_reduce
-  monkeypatch.setattr(jf, "expert_down_all_reduce",
-                      lambda *a, **k: calls.append(k.get("layer") is not None) or orig(*a, **k))
-  monkeypatch.setattr(jf, "gemv_all_reduce", lambda x, w, s, axis, layer=None: lax.psum(
-      reference.linear(x[None], w if layer is None else w[layer], s if s is None or layer is None else s[layer]),
-      axis)[0])
-  ids = np.random.default_rng(7).integers(0, 256, 6)
-  with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    ours = _decode_logits(tiny_bf16, mesh, True, ids)
-  assert any(tiny_bf16.cfg.is_moe(i) for i in range(tiny_bf16.cfg.num_hidden_layers))
-  assert calls and all(calls), "the MoE did not take the fused path with stacked weights"
-  np.testing.assert_array_equal(ours, _decode_logits(tiny_bf16, mesh, False, ids))
+    """bf16 model at tp = 8, engine on: the MoE layers' loop calls expert_down_all_reduce (here its
+    fallback, the same code at any degree) with the stacked weights and the layer index, and the decode
+    logits equal the psum path's bit for bit (the o_proj and the dense MLP stay on their unfused path so
+    that only the MoE differs; gemv_all_reduce's fallback rounds once instead of per rank)."""
+    mesh = _mesh(8)
+    calls = []
+    orig = jf.expert_down_all_reduce
+    monkeypatch.setattr(jf, "expert_down_all_reduce",
+                        lambda *a, **k: calls.append(k.get("layer") is not None) or orig(*a, **k))
+    monkeypatch.setattr(jf, "gemv_all_reduce", lambda x, w, s, axis, layer=None: lax.psum(
+        reference.linear(x[None], w if layer is None else w[layer], s if s is None or layer is None else s[layer]),
+        axis)[0])
+    ids = np.random.default_rng(7).integers(0, 256, 6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ours = _decode_logits(tiny_bf16, mesh, True, ids)
+    assert any(tiny_bf16.cfg.is_moe(i) for i in range(tiny_bf16.cfg.num_hidden_layers))
+    assert calls and all(calls), "the MoE did not take the fused path with stacked weights"
+    np.testing.assert_array_equal(ours, _decode_logits(tiny_bf16, mesh, False, ids))
 
 
 def _sorted_lists(rng, world, m):
-  sc = np.round(rng.standard_normal((world, m)) * 2) / 2  # many ties
-  sc[:, ::7] = -np.inf
-  idx = np.stack([r * 100_000 + np.arange(m) * 3 for r in range(world)]).astype(np.int32)
-  for r in range(world):
-    o = np.lexsort((idx[r], -sc[r]))
-    sc[r], idx[r] = sc[r][o], idx[r][o]
-  return sc.astype(np.float32), idx
+    sc = np.round(rng.standard_normal((world, m)) * 2) / 2  # many ties
+    sc[:, ::7] = -np.inf
+    idx = np.stack([r * 100_000 + np.arange(m) * 3 for r in range(world)]).astype(np.int32)
+    for r in range(world):
+        o = np.lexsort((idx[r], -sc[r]))
+        sc[r], idx[r] = sc[r][o], idx[r][o]
+    return sc.astype(np.float32), idx
 
 
 @pytest.mark.parametrize("m,k", [(64, 64), (50, 300), (16, 1)])
 def test_merge_topk_fallback_is_global_topk_with_lower_index_ties(m, k):
-  mesh = _mesh()
-  sc, idx = _sorted_lists(np.random.default_rng(3), 8, m)
-  f = _smap(mesh, lambda s, i: jf.merge_topk(s[0], i[0], "tp", k), (P("tp"), P("tp")), (P(), P()))
-  os_, oi = (np.asarray(a) for a in f(jnp.asarray(sc), jnp.asarray(idx)))
-  order = np.lexsort((idx.ravel(), -sc.ravel()))[:k]
-  np.testing.assert_array_equal(oi, idx.ravel()[order])
-  np.testing.assert_array_equal(os_, sc.ravel()[order])
-  # unsorted inputs with sorted_inputs=False give the same answer
-  perm = np.random.default_rng(4).permutation(m)
-  f2 = _smap(mesh, lambda s, i: jf.merge_topk(s[0], i[0], "tp", k, sorted_inputs=False),
-             (P("tp"), P("tp")), (P(), P()))
-  os2, oi2 = (np.asarray(a) for a in f2(jnp.asarray(sc[:, perm]), jnp.asarray(idx[:, perm])))
-  np.testing.assert_array_equal(oi2, oi)
+    mesh = _mesh()
+    sc, idx = _sorted_lists(np.random.default_rng(3), 8, m)
+    f = _smap(mesh, lambda s, i: jf.merge_topk(s[0], i[0], "tp", k), (P("tp"), P("tp")), (P(), P()))
+    os_, oi = (np.asarray(a) for a in f(jnp.asarray(sc), jnp.asarray(idx)))
+    order = np.lexsort((idx.ravel(), -sc.ravel()))[:k]
+    np.testing.assert_array_equal(oi, idx.ravel()[order])
+    np.testing.assert_array_equal(os_, sc.ravel()[order])
+    # unsorted inputs with sorted_inputs=False give the same answer
+    perm = np.random.default_rng(4).permutation(m)
+    f2 = _smap(mesh, lambda s, i: jf.merge_topk(s[0], i[0], "tp", k, sorted_inputs=False),
+               (P("tp"), P("tp")), (P(), P()))
+    os2, oi2 = (np.asarray(a) for a in f2(jnp.asarray(sc[:, perm]), jnp.asarray(idx[:, perm])))
+    np.testing.assert_array_equal(oi2, oi)
 
 
 # ------------------------------------------------------------------ the CUDA lowering
 
 def test_cuda_lowering_emits_the_engine_custom_calls(monkeypatch):
-  """Cross-lowering for CUDA on the CPU: the primitives become the FFI custom calls with the
-  mesh's device groups (the group set-up itself needs GPUs and is skipped here)."""
-  mesh = _mesh()
-  monkeypatch.setattr(ffi_ops, "_TEST_FORCE_EMIT", True)
-  rng = np.random.default_rng(5)
-  x = jnp.asarray(rng.standard_normal(8 * 256), jnp.bfloat16)
-  w, s = fp8_weights(rng, 7168, 8 * 256)
-  sc, idx = _sorted_lists(rng, 8, 32)
+    """Cross-lowering for CUDA on the CPU: the primitives become the FFI custom calls with the
+    mesh's device groups (the group set-up itself needs GPUs and is skipped here)."""
+    mesh = _mesh()
+    monkeypatch.setattr(ffi_ops, "_TEST_FORCE_EMIT", True)
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal(8 * 256), jnp.bfloat16)
+    w, s = fp8_weights(rng, 7168, 8 * 256)
+    sc, idx = _sorted_lists(rng, 8, 32)
 
-  ed = _expert_down_case(rng, True)
+    ed = _expert_down_case(rng, True)
 
-  def f(x, w, s, sc, idx, *ed):
-    a = jf.all_reduce(x, "tp")
-    b = jf.gemv_all_reduce(x, w, s, "tp")
-    c, d = jf.merge_topk(sc[0], idx[0], "tp", 32)
-    e = jf.expert_down_all_reduce(*ed, "tp")
-    return a, b, c, d, e
+    def f(x, w, s, sc, idx, *ed):
+        a = jf.all_reduce(x, "tp")
+        b = jf.gemv_all_reduce(x, w, s, "tp")
+        c, d = jf.merge_topk(sc[0], idx[0], "tp", 32)
+        e = jf.expert_down_all_reduce(*ed, "tp")
+        return a, b, c, d, e
 
-  g = _smap(mesh, f, (P("tp"), P(None, "tp"), P(None, "tp"), P("tp"), P("tp")) + EXPERT_DOWN_SPECS, (P(),) * 5)
-  args = (x, w, s, jnp.asarray(sc), jnp.asarray(idx)) + ed
-  txt = g.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-  for target in ("jtilert_all_reduce", "jtilert_gemv_all_reduce", "jtilert_merge_topk",
-                 "jtilert_expert_down_all_reduce"):
-    assert f"custom_call @{target}" in txt, target
-  assert "groups = dense<[0, 1, 2, 3, 4, 5, 6, 7]>" in txt
-  assert "world = 8 : i32" in txt and "has_scale = 1 : i32" in txt
-  # on the CPU platform the same program lowers to the XLA fallback
-  txt_cpu = g.trace(*args).lower(lowering_platforms=("cpu",)).as_text()
-  assert "custom_call @jtilert" not in txt_cpu
+    g = _smap(mesh, f, (P("tp"), P(None, "tp"), P(None, "tp"), P("tp"), P("tp")) + EXPERT_DOWN_SPECS, (P(),) * 5)
+    args = (x, w, s, jnp.asarray(sc), jnp.asarray(idx)) + ed
+    txt = g.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    for target in ("jtilert_all_reduce", "jtilert_gemv_all_reduce", "jtilert_merge_topk",
+                   "jtilert_expert_down_all_reduce"):
+        assert f"custom_call @{target}" in txt, target
+    assert "groups = dense<[0, 1, 2, 3, 4, 5, 6, 7]>" in txt
+    assert "world = 8 : i32" in txt and "has_scale = 1 : i32" in txt
+    # on the CPU platform the same program lowers to the XLA fallback
+    txt_cpu = g.trace(*args).lower(lowering_platforms=("cpu",)).as_text()
+    assert "custom_call @jtilert" not in txt_cpu
 
 
 def _custom_call_types(txt, target):
-  """The operand types of every ``custom_call @target`` in the StableHLO text."""
-  pat = re.compile(r"custom_call @" + re.escape(target) + r"\(.*\} : \((.*)\) -> ")
-  return [m.group(1) for m in pat.finditer(txt)]
+    """The operand types of every ``custom_call @target`` in the StableHLO text."""
+    pat = re.compile(r"custom_call @" + re.escape(target) + r"\(.*\} : \((.*)\) -> ")
+    return [m.group(1) for m in pat.finditer(txt)]
 
 
 def test_cuda_lowering_stacked_weights_go_straight_into_the_custom_calls(monkeypatch):
-  """A fori_loop over the layers with a traced index, cross-lowered for CUDA: the stacked weights
-  and scales (the whole [L, ...] arrays) and the int32 layer index are operands of the engine's
-  *_stacked custom calls, and nothing slices a layer out in XLA (no dynamic_slice anywhere). On
-  the CPU platform the same program takes the XLA path, which does slice."""
-  mesh = _mesh()
-  monkeypatch.setattr(ffi_ops, "_TEST_FORCE_EMIT", True)
-  rng = np.random.default_rng(10)
-  x, w, s = _stacked_gemv_case(rng, True, n=7168)
-  ed = stack_layers(_stacked_expert_down_cases(rng, True))
+    """A fori_loop over the layers with a traced index, cross-lowered for CUDA: the stacked weights
+    and scales (the whole [L, ...] arrays) and the int32 layer index are operands of the engine's
+    *_stacked custom calls, and nothing slices a layer out in XLA (no dynamic_slice anywhere). On
+    the CPU platform the same program takes the XLA path, which does slice."""
+    mesh = _mesh()
+    monkeypatch.setattr(ffi_ops, "_TEST_FORCE_EMIT", True)
+    rng = np.random.default_rng(10)
+    x, w, s = _stacked_gemv_case(rng, True, n=7168)
+    ed = stack_layers(_stacked_expert_down_cases(rng, True))
 
-  def f(x, w, s, *ed):
-    h, wts, ids, down, ds, hs, sd, ss = ed
+    def f(x, w, s, *ed):
+        h, wts, ids, down, ds, hs, sd, ss = ed
 
-    def body(l, acc):
-      a = jf.gemv_all_reduce(x, w, s, "tp", layer=l)
-      b = jf.expert_down_all_reduce(h, wts, ids, down, ds, hs, sd, ss, "tp", layer=l)
-      return acc[0] + a.astype(jnp.float32), acc[1] + b.astype(jnp.float32)
+        def body(l, acc):
+            a = jf.gemv_all_reduce(x, w, s, "tp", layer=l)
+            b = jf.expert_down_all_reduce(h, wts, ids, down, ds, hs, sd, ss, "tp", layer=l)
+            return acc[0] + a.astype(jnp.float32), acc[1] + b.astype(jnp.float32)
 
-    return lax.fori_loop(0, LAYERS, body, (jnp.zeros(w.shape[1]), jnp.zeros(down.shape[2])))
+        return lax.fori_loop(0, LAYERS, body, (jnp.zeros(w.shape[1]), jnp.zeros(down.shape[2])))
 
-  g = _smap(mesh, f, (P("tp"), P(None, None, "tp"), P(None, None, "tp")) + STACKED_EXPERT_DOWN_SPECS,
-            (P(), P()))
-  args = (x, w, s) + ed
-  txt = g.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-  gemv_types = _custom_call_types(txt, "jtilert_gemv_all_reduce_stacked")
-  ed_types = _custom_call_types(txt, "jtilert_expert_down_all_reduce_stacked")
-  assert len(gemv_types) == 1 and len(ed_types) == 1, (gemv_types, ed_types)
-  # per-rank shapes: K, I and Is split 8 ways, the layer axis whole
-  assert gemv_types[0].startswith("tensor<256xbf16>, tensor<3x7168x256xf8E4M3FN>, tensor<3x56x2xf32>, ")
-  assert gemv_types[0].endswith(", tensor<i32>"), gemv_types[0]
-  ed_ops = [t.strip() for t in ed_types[0].split(", tensor")]
-  assert ed_ops[3] == "<3x6x300x128xf8E4M3FN>" and ed_ops[4] == "<3x6x3x1xf32>", ed_ops
-  assert ed_ops[6] == "<3x300x128xf8E4M3FN>" and ed_ops[7] == "<3x3x1xf32>", ed_ops
-  assert ed_ops[-1] == "<i32>", ed_ops
-  assert "dynamic_slice" not in txt and "stablehlo.gather" not in txt
-  assert "custom_call @jtilert_gemv_all_reduce(" not in txt  # only the stacked form
-  # the local GEMV (no mesh axis) too
-  txt1 = jax.jit(lambda x, w, s, l: jf.gemv(x, w, s, layer=l)).trace(
-      x[:256], w[:, :, :256], s[:, :, :2], jnp.int32(1)).lower(lowering_platforms=("cuda",)).as_text()
-  assert len(_custom_call_types(txt1, "jtilert_gemv_all_reduce_stacked")) == 1
-  assert "dynamic_slice" not in txt1 and "world = 1 : i32" in txt1
-  # the CPU lowering of the same program is the XLA path, which slices the layer out
-  txt_cpu = g.trace(*args).lower(lowering_platforms=("cpu",)).as_text()
-  assert "custom_call @jtilert" not in txt_cpu and "dynamic_slice" in txt_cpu
+    g = _smap(mesh, f, (P("tp"), P(None, None, "tp"), P(None, None, "tp")) + STACKED_EXPERT_DOWN_SPECS,
+              (P(), P()))
+    args = (x, w, s) + ed
+    txt = g.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    gemv_types = _custom_call_types(txt, "jtilert_gemv_all_reduce_stacked")
+    ed_types = _custom_call_types(txt, "jtilert_expert_down_all_reduce_stacked")
+    assert len(gemv_types) == 1 and len(ed_types) == 1, (gemv_types, ed_types)
+    # per-rank shapes: K, I and Is split 8 ways, the layer axis whole
+    assert gemv_types[0].startswith("tensor<256xbf16>, tensor<3x7168x256xf8E4M3FN>, tensor<3x56x2xf32>, ")
+    assert gemv_types[0].endswith(", tensor<i32>"), gemv_types[0]
+    ed_ops = [t.strip() for t in ed_types[0].split(", tensor")]
+    assert ed_ops[3] == "<3x6x300x128xf8E4M3FN>" and ed_ops[4] == "<3x6x3x1xf32>", ed_ops
+    assert ed_ops[6] == "<3x300x128xf8E4M3FN>" and ed_ops[7] == "<3x3x1xf32>", ed_ops
+    assert ed_ops[-1] == "<i32>", ed_ops
+    assert "dynamic_slice" not in txt and "stablehlo.gather" not in txt
+    assert "custom_call @jtilert_gemv_all_reduce(" not in txt  # only the stacked form
+    # the local GEMV (no mesh axis) too
+    txt1 = jax.jit(lambda x, w, s, l: jf.gemv(x, w, s, layer=l)).trace(
+        x[:256], w[:, :, :256], s[:, :, :2], jnp.int32(1)).lower(lowering_platforms=("cuda",)).as_text()
+    assert len(_custom_call_types(txt1, "jtilert_gemv_all_reduce_stacked")) == 1
+    assert "dynamic_slice" not in txt1 and "world = 1 : i32" in txt1
+    # the CPU lowering of the same program is the XLA path, which slices the layer out
+    txt_cpu = g.trace(*args).lower(lowering_platforms=("cpu",)).as_text()
+    assert "custom_call @jtilert" not in txt_cpu and "dynamic_slice" in txt_cpu
 
 
 def _custom_call_operands(txt, target):
-  """The operand names of every ``custom_call @target`` in the StableHLO text."""
-  pat = re.compile(r"custom_call @" + re.escape(target) + r"\(([^)]*)\)")
-  return [[o.strip() for o in m.group(1).split(",")] for m in pat.finditer(txt)]
+    """The operand names of every ``custom_call @target`` in the StableHLO text."""
+    pat = re.compile(r"custom_call @" + re.escape(target) + r"\(([^)]*)\)")
+    return [[o.strip() for o in m.group(1).split(",")] for m in pat.finditer(txt)]
 
 
 def test_model_decode_step_lowers_to_the_fused_kernels(tiny_bf16, monkeypatch):
-  """The tp=2 decode step with the engine on, cross-lowered for CUDA: in each layer loop's body the
-  o_proj, the dense MLP's down projection and the MoE down + shared expert become the engine's
-  fused custom calls in their stacked form, the weights going in as the loop's own [L, ...]
-  operands (no slice of a layer in front of the call)."""
-  monkeypatch.setattr(ffi_ops, "_TEST_FORCE_EMIT", True)
-  txt = _lower_forward_for_cuda(_engine(tiny_bf16, _mesh(2), engine_all_reduce=True), 8)
-  cfg = tiny_bf16.cfg
-  loops = _layer_loops(cfg)
-  dense_loops = sum(not cfg.is_moe(r[0]) for r in loops)
-  moe_loops = len(loops) - dense_loops
-  gemv = _custom_call_operands(txt, "jtilert_gemv_all_reduce_stacked")
-  ed = _custom_call_operands(txt, "jtilert_expert_down_all_reduce_stacked")
-  assert len(ed) == moe_loops and moe_loops == 1
-  assert len(gemv) == 2 * dense_loops + moe_loops   # o_proj in every loop, the dense MLP's down
-  assert all(o[1].startswith("%iterArg") for o in gemv), gemv        # w: the loop-carried stack
-  assert all(o[3].startswith("%iterArg") and o[6].startswith("%iterArg") for o in ed), ed
-  assert "custom_call @jtilert_gemv_all_reduce(" not in txt
-  assert "custom_call @jtilert_expert_down_all_reduce(" not in txt
-  assert "custom_call @jtilert_all_reduce" not in txt
+    """The tp=2 decode step with the engine on, cross-lowered for CUDA: in each layer loop's body the
+    o_proj, the dense MLP's down projection and the MoE down + shared expert become the engine's
+    fused custom calls in their stacked form, the weights going in as the loop's own [L, ...]
+    operands (no slice of a layer in front of the call)."""
+    monkeypatch.setattr(ffi_ops, "_TEST_FORCE_EMIT", True)
+    txt = _lower_forward_for_cuda(_engine(tiny_bf16, _mesh(2), engine_all_reduce=True), 8)
+    cfg = tiny_bf16.cfg
+    loops = _layer_loops(cfg)
+    dense_loops = sum(not cfg.is_moe(r[0]) for r in loops)
+    moe_loops = len(loops) - dense_loops
+    gemv = _custom_call_operands(txt, "jtilert_gemv_all_reduce_stacked")
+    ed = _custom_call_operands(txt, "jtilert_expert_down_all_reduce_stacked")
+    assert len(ed) == moe_loops and moe_loops == 1
+    assert len(gemv) == 2 * dense_loops + moe_loops   # o_proj in every loop, the dense MLP's down
+    assert all(o[1].startswith("%iterArg") for o in gemv), gemv        # w: the loop-carried stack
+    assert all(o[3].startswith("%iterArg") and o[6].startswith("%iterArg") for o in ed), ed
+    assert "custom_call @jtilert_gemv_all_reduce(" not in txt
+    assert "custom_call @jtilert_expert_down_all_reduce(" not in txt
+    assert "custom_call @jtilert_all_reduce" not in txt
 
 
 def test_split_indexer_lowers_to_the_engine_merge(tiny_bf16, monkeypatch):
-  """split_indexer=True at tp=2, cross-lowered for CUDA: the per-rank top-k lists of the indexer in
-  every layer loop's body go through the engine's peer-memory merge."""
-  monkeypatch.setattr(ffi_ops, "_TEST_FORCE_EMIT", True)
-  txt = _lower_forward_for_cuda(_engine(tiny_bf16, _mesh(2), split_indexer=True), 64)
-  cfg = tiny_bf16.cfg
-  full_loops = sum(any(cfg.indexer_types[i] == "full" for i in r) for r in _layer_loops(cfg))
-  assert full_loops >= 1 and txt.count("custom_call @jtilert_merge_topk") == full_loops
+    """split_indexer=True at tp=2, cross-lowered for CUDA: the per-rank top-k lists of the indexer in
+    every layer loop's body go through the engine's peer-memory merge."""
+    monkeypatch.setattr(ffi_ops, "_TEST_FORCE_EMIT", True)
+    txt = _lower_forward_for_cuda(_engine(tiny_bf16, _mesh(2), split_indexer=True), 64)
+    cfg = tiny_bf16.cfg
+    full_loops = sum(any(cfg.indexer_types[i] == "full" for i in r) for r in _layer_loops(cfg))
+    assert full_loops >= 1 and txt.count("custom_call @jtilert_merge_topk") == full_loops
 
 
 def test_two_axis_mesh_groups(monkeypatch):
-  """On a (2, 4) mesh the all-reduce over 'tp' forms one group per 'dp' row."""
-  if jax.device_count() < 8:
-    pytest.skip("needs 8 host devices")
-  mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("dp", "tp"))
-  monkeypatch.setattr(ffi_ops, "_TEST_FORCE_EMIT", True)
-  g = jax.jit(jax.shard_map(lambda v: jf.all_reduce(v, "tp"), mesh=mesh, in_specs=P(("dp", "tp")),
-                            out_specs=P("dp")))
-  txt = g.trace(jnp.ones(64, jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
-  assert "groups = dense<[0, 1, 2, 3, 4, 5, 6, 7]>" in txt and "world = 4 : i32" in txt
+    """On a (2, 4) mesh the all-reduce over 'tp' forms one group per 'dp' row."""
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 host devices")
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("dp", "tp"))
+    monkeypatch.setattr(ffi_ops, "_TEST_FORCE_EMIT", True)
+    g = jax.jit(jax.shard_map(lambda v: jf.all_reduce(v, "tp"), mesh=mesh, in_specs=P(("dp", "tp")),
+                              out_specs=P("dp")))
+    txt = g.trace(jnp.ones(64, jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "groups = dense<[0, 1, 2, 3, 4, 5, 6, 7]>" in txt and "world = 4 : i32" in txt
