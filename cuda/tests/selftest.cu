@@ -959,13 +959,13 @@ int grid_ctas(int T) {
 }
 
 // Every case on the grid kernel (`ctas` CTAs per row, 0: its default) and on
-// clusters of 16 and 8 where the row fits.
+// clusters of 16, 8 and 1 where the row fits.
 void run_select_tests(bool small, int iters) {
   const int S = JT_TOPK_SORTED;
   auto test = [&](int T, int n, int k, int mode, ScoreKind kind, unsigned seed,
                   int ctas = 0) {
     test_select(T, n, k, mode, kind, iters, seed,
-                {ctas > 0 ? ctas : grid_ctas(T), -16, -8});
+                {ctas > 0 ? ctas : grid_ctas(T), -16, -8, -1});
   };
   // few CTAs: these also run under compute-sanitizer
   test(1, 100, 100, S, kZeros, 31);
@@ -1119,11 +1119,11 @@ void bench_select(int T, int n, int k, int mode, int ctas = 0) {
 }
 
 void run_select_bench() {
-  // the grid kernel (its default CTAs per row), clusters of 8 and 16 (the
+  // the grid kernel (its default CTAs per row), clusters of 1, 8 and 16 (the
   // default picks one of them where the row fits)
-  for (int n : {4096, 32768, 131072, 163840})
+  for (int n : {4096, 8192, 12288, 32768, 131072, 163840})
     for (int mode : {JT_TOPK_SORTED, 0})
-      for (int ctas : {grid_ctas(1), -8, -16})
+      for (int ctas : {grid_ctas(1), -1, -8, -16})
         if (jt_topk_select_ctas(0, 1, n, 2048, mode, ctas) > 0)
           bench_select(1, n, 2048, mode, ctas);
   for (int T : {2, 4, 8})
