@@ -39,8 +39,7 @@
 // device must be stream-ordered (XLA's compute stream).
 //
 // Cluster variant (topk_cluster_kernel, chosen when n <= C * kClusterCap):
-// one thread-block cluster of C <= 16 CTAs per row (C = 1 where the row fits
-// in one CTA), grid = T clusters, so the
+// one thread-block cluster of C <= 16 CTAs per row, grid = T clusters, so the
 // row's CTAs meet at hardware cluster barriers (a few hundred ns) instead of
 // the global-memory barrier (3-4 us each), and exchange histograms and counts
 // through distributed shared memory; no spin-wait, no global scratch except
@@ -743,15 +742,13 @@ int max_cluster_size() {
   return 0;
 }
 
-// Cluster plan: C = -ctas CTAs, or (ctas == 0) one CTA where the row fits in
-// it (n <= kClusterCap: a cluster of one, whose cluster barriers are the
-// CTA's own and whose "remote" reads are its own shared memory; the fixed
-// cost of the levels, not the keys, dominates short rows), else the largest
-// cluster the GPU runs (16: the most CTAs loading and counting keys at once),
-// each with a chunk of ceil(n / C) <= kClusterCap keys.
+// Cluster plan: C = -ctas CTAs (1 too: a cluster of one, for the self-test and
+// tuning), or (ctas == 0) the largest cluster the GPU runs (16: the most CTAs
+// loading and counting keys at once; one CTA is slower even where the row fits
+// in it, bench/RESULTS.md), each with a chunk of ceil(n / C) <= kClusterCap keys.
 bool make_cluster_plan(const Scratch& s, int n, int k, int mode, int ctas,
                        Plan* p) {
-  const int C = ctas < 0 ? -ctas : (n <= kClusterCap ? 1 : s.max_cluster);
+  const int C = ctas < 0 ? -ctas : s.max_cluster;
   // a CTA's share of the sorted output (ranks, keys) lives in its histograms
   if (C < 1 || C > std::max(1, s.max_cluster) || (k + C - 1) / C > kBins ||
       (long long)C * kClusterCap < n)
