@@ -40,6 +40,7 @@
 #                its inputs (--shadow, both models), then their logits with one kernel at a time (GOLDEN_MODELS)
 #   prep         tests/gpu/prep_check.py: the mla_prep and index_prep kernels vs their references at
 #                dsv32/glm5-tp8-shard shapes
+#   route        tests/gpu/route_check.py: the engine's router selection vs the reference, and their times
 #   unrolled     bench.decode 61 layers, pallas, the unrolled layer loop, CUPTI profile with kernel names
 #   scale8       bench.decode 8 layers, pallas, layer loop, CUPTI profile: enqueue and kernels vs layers
 #   before_after bench.decode 61 layers with kernel profiles: the code before issue 13 (.baseline, carried:
@@ -219,6 +220,7 @@ for part in "$@"; do
       step goldencheck 300 python3 tests/gpu/golden_check.py --out "$WORK/golden_check.json" \
         ${GOLDEN_MODELS:+--models $GOLDEN_MODELS} ;;
     prep) step prep 300 python3 tests/gpu/prep_check.py --out "$WORK/prep.json" ;;
+    route) step route 200 python3 tests/gpu/route_check.py --out "$WORK/route.json" ;;
     pdl)
       XLA_FLAGS="$XLA_FLAGS" step pdl_cmdbuf 120 python3 -m bench.pdl_probe --out "$WORK/pdl_cmdbuf.json"
       XLA_FLAGS="$XLA_FLAGS --xla_gpu_enable_command_buffer=" step pdl_stream 120 python3 -m bench.pdl_probe \

@@ -19,6 +19,7 @@ JT_EXPORT XLA_FFI_Error* JtAllReduce(XLA_FFI_CallFrame* call_frame);
 JT_EXPORT XLA_FFI_Error* JtGemvAllReduce(XLA_FFI_CallFrame* call_frame);
 JT_EXPORT XLA_FFI_Error* JtMergeTopk(XLA_FFI_CallFrame* call_frame);
 JT_EXPORT XLA_FFI_Error* JtTopkSelect(XLA_FFI_CallFrame* call_frame);
+JT_EXPORT XLA_FFI_Error* JtRouteSelect(XLA_FFI_CallFrame* call_frame);
 JT_EXPORT XLA_FFI_Error* JtExpertDownAllReduce(XLA_FFI_CallFrame* call_frame);
 JT_EXPORT XLA_FFI_Error* JtGemvAllReduceStacked(XLA_FFI_CallFrame* call_frame);
 JT_EXPORT XLA_FFI_Error* JtExpertDownAllReduceStacked(
@@ -372,6 +373,30 @@ ffi::Error TopkSelectImpl(cudaStream_t stream, int32_t dev,
   return ffi::Error::Success();
 }
 
+// The MoE router's selection: logits [T, E] f32, the bias stack [L, E] f32
+// and the layer (int32 [1], on the device) -> weights [T, k] f32, ids [T, k].
+ffi::Error RouteSelectImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> logits,
+                           ffi::Buffer<ffi::F32> bias,
+                           ffi::Buffer<ffi::S32> layer,
+                           ffi::Result<ffi::Buffer<ffi::F32>> out_w,
+                           ffi::Result<ffi::Buffer<ffi::S32>> out_ids,
+                           int32_t n_group, int32_t topk_group, int32_t norm,
+                           float scaling) {
+  auto ld = logits.dimensions();
+  auto bd = bias.dimensions();
+  auto od = out_ids->dimensions();
+  if (ld.size() != 2 || bd.size() != 2 || bd[1] != ld[1] || od.size() != 2 ||
+      od[0] != ld[0] || out_w->element_count() != out_ids->element_count() ||
+      layer.element_count() != 1)
+    return ffi::Error::InvalidArgument("jtilert route_select: shape mismatch");
+  cudaError_t e = jt_route_select(
+      stream, logits.typed_data(), bias.typed_data(), layer.typed_data(),
+      (int)ld[0], (int)ld[1], n_group, topk_group, (int)od[1], scaling, norm,
+      out_w->typed_data(), out_ids->typed_data());
+  if (e != cudaSuccess) return cuda_error(e, "route_select launch");
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JtAllReduce, AllReduceImpl,
@@ -487,4 +512,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JtTopkSelect, TopkSelectImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("mode")
                                   .Attr<int32_t>("ctas"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JtRouteSelect, RouteSelectImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // logits
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // bias stack
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int32_t>("n_group")
+                                  .Attr<int32_t>("topk_group")
+                                  .Attr<int32_t>("norm")
+                                  .Attr<float>("scaling"),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -22,6 +22,7 @@ TARGETS = {
     "jtilert_gemv_all_reduce": "JtGemvAllReduce",
     "jtilert_merge_topk": "JtMergeTopk",
     "jtilert_topk_select": "JtTopkSelect",
+    "jtilert_route_select": "JtRouteSelect",
     "jtilert_expert_down_all_reduce": "JtExpertDownAllReduce",
     # stacked [L, ...] weights + the layer index operand (ops.py, STACKED_SUFFIX)
     "jtilert_gemv_all_reduce_stacked": "JtGemvAllReduceStacked",

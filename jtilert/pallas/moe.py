@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import jtilert.pallas.interpret as _interp
+from jtilert.ffi import route as ffi_route
 from jtilert.ops import reference
 from jtilert.pallas import _hopper as hw
 from jtilert.pallas import gemv
@@ -283,15 +284,13 @@ def router_logits(x, gate, *, layer=None):
                         lambda xc, _: gemv._projection(xc, (w,), (None,), out_dtype=F32, layer=layer, config=cfg))
 
 
-def _at(a, layer):
-    """Layer `layer` of a stack (an XLA slice: for the small router bias)."""
-    if a is None or layer is None:
-        return a
-    return lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)
-
-
 def route(cfg, x, gate, bias, *, layer=None):
-    """jtilert.ops.reference.route with the logits GEMV in Pallas (gate [L, E, H], bias [L, E] with layer=)."""
+    """jtilert.ops.reference.route with the logits GEMV in Pallas (gate [L, E, H], bias [L, E] with layer=)
+    and, with layer=, the selection in one launch of the CUDA engine (`jtilert.ffi.route`; the
+    reference's XLA ops where the engine is not loaded, with a warning)."""
     if x.dtype != BF16:
         raise ValueError(f"route kernel: activations {x.dtype} {list(x.shape)} (bf16 only)")
-    return reference.select_experts(cfg, router_logits(x, gate, layer=layer), _at(bias, layer))
+    logits = router_logits(x, gate, layer=layer)
+    if layer is None:
+        return reference.select_experts(cfg, logits, bias)
+    return ffi_route.select_experts(cfg, logits, bias, layer)

@@ -1,0 +1,97 @@
+"""The MoE router's selection in one launch: the engine's ``route_select`` (cuda/src/route.cu).
+
+``select_experts(cfg, logits, bias, layer)`` is ``jtilert.ops.reference.select_experts(cfg, logits,
+bias[layer])`` (sigmoid scores, the group-limited choice of the top experts, ties to the lower index,
+the normalised weights) for logits [T, E] fp32 and the bias stack [L, E] fp32 read at ``layer`` on the
+device: one kernel where XLA runs the selection as a chain of small fusions. Elsewhere (no GPU, no
+library, shapes the kernel does not take) the reference runs instead, with one warning per reason.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+
+from jtilert.ffi import _lib
+from jtilert.ffi import ops as _ops
+from jtilert.ops import reference
+
+MAX_EXPERTS = 1024   # JT_ROUTE_MAX_EXPERTS: one thread per expert
+
+route_select_p = Primitive("jtilert_route_select")
+route_select_p.multiple_results = True
+
+
+class _Routing:
+    """The config fields `reference.select_experts` reads, from the primitive's parameters."""
+
+    def __init__(self, n_group, topk_group, k, norm, scaling):
+        self.n_group, self.topk_group, self.num_experts_per_tok = n_group, topk_group, k
+        self.norm_topk_prob, self.routed_scaling_factor = bool(norm), scaling
+
+
+def _abstract(logits, bias, layer, *, n_group, topk_group, k, norm, scaling):  # noqa: ARG001
+    shape = (logits.shape[0], k)
+    return (logits.update(shape=shape, dtype=np.dtype(np.float32)),
+            logits.update(shape=shape, dtype=np.dtype(np.int32)))
+
+
+route_select_p.def_abstract_eval(_abstract)
+
+
+def _lower_xla(ctx, logits, bias, layer, *, n_group, topk_group, k, norm, scaling):
+    cfg = _Routing(n_group, topk_group, k, norm, scaling)
+
+    def ref(lg, b, i):
+        return list(reference.select_experts(cfg, lg, jax.lax.dynamic_index_in_dim(b, i[0], 0, keepdims=False)))
+    return mlir.lower_fun(ref, multiple_results=True)(ctx, logits, bias, layer)
+
+
+def _lower_cuda(ctx, logits, bias, layer, *, n_group, topk_group, k, norm, scaling):
+    if not _ops._TEST_FORCE_EMIT:  # noqa: SLF001
+        lib, why = _lib.load()
+        if lib is None:
+            _warn(why)
+            return _lower_xla(ctx, logits, bias, layer, n_group=n_group, topk_group=topk_group, k=k, norm=norm,
+                              scaling=scaling)
+    return jax.ffi.ffi_lowering("jtilert_route_select")(
+        ctx, logits, bias, layer, n_group=np.int32(n_group), topk_group=np.int32(topk_group), norm=np.int32(norm),
+        scaling=np.float32(scaling))
+
+
+mlir.register_lowering(route_select_p, _lower_xla)
+mlir.register_lowering(route_select_p, _lower_cuda, platform="cuda")
+
+
+def _warn(why):
+    _lib.warn_once("route:" + why, f"jtilert.ffi: CUDA route selection not used ({why}); "
+                   "running the reference selection in XLA")
+
+
+def unsupported(cfg, logits, bias) -> str | None:
+    """Why the kernel does not take these arrays (None: it does)."""
+    t, e = logits.shape
+    if logits.dtype != jnp.float32 or bias.dtype != jnp.float32 or bias.ndim != 2 or bias.shape[1] != e:
+        return f"logits {logits.dtype}{list(logits.shape)}, bias {bias.dtype}{list(bias.shape)} (fp32, bias [L, E])"
+    if e > MAX_EXPERTS or e % cfg.n_group or not 1 <= cfg.topk_group <= cfg.n_group:
+        return f"{e} experts in {cfg.n_group} groups (at most {MAX_EXPERTS}, whole groups)"
+    if not 1 <= cfg.num_experts_per_tok <= e:
+        return f"k={cfg.num_experts_per_tok} of {e} experts"
+    return None
+
+
+def select_experts(cfg, logits, bias, layer):
+    """(weights [T, k] fp32, expert ids [T, k] int32) of `reference.select_experts(cfg, logits,
+    bias[layer])`, bias [L, E] and `layer` an int32 scalar (may be traced)."""
+    why = unsupported(cfg, logits, bias)
+    ok, no_engine = _ops.engine_status()
+    if why is not None or not ok:
+        _warn(why or no_engine)
+        return reference.select_experts(cfg, logits, jax.lax.dynamic_index_in_dim(bias, layer, 0, keepdims=False))
+    return tuple(route_select_p.bind(
+        logits, bias, jnp.asarray(layer, jnp.int32).reshape(1), n_group=int(cfg.n_group),
+        topk_group=int(cfg.topk_group), k=int(cfg.num_experts_per_tok), norm=int(bool(cfg.norm_topk_prob)),
+        scaling=float(cfg.routed_scaling_factor)))
