@@ -73,3 +73,16 @@ def np_expert_down(h, wts, ids, down, ds, hs, sd, ss):
     for j, e in enumerate(np.asarray(ids)):
         y = y + float(wts[j]) * np_gemv(h[j], down[e], None if ds is None else ds[e])
     return y
+
+
+def sorted_lists(rng, world, m, grain=2, inf_every=7, rank_stride=100_000):
+    """merge_topk's inputs: per rank m scores on a 1/grain grid (many ties), every inf_every-th -inf,
+    and distinct indices (rank · rank_stride + 3 · position), each rank's list sorted by (score
+    descending, index ascending): (scores [world, m] fp32, indices [world, m] int32)."""
+    sc = np.round(rng.standard_normal((world, m)) * grain) / grain
+    sc[:, ::inf_every] = -np.inf
+    idx = np.stack([r * rank_stride + np.arange(m) * 3 for r in range(world)]).astype(np.int32)
+    for r in range(world):
+        o = np.lexsort((idx[r], -sc[r]))
+        sc[r], idx[r] = sc[r][o], idx[r][o]
+    return sc.astype(np.float32), idx

@@ -28,7 +28,7 @@ from jtilert.ffi import ops as ffi_ops
 from jtilert.ffi import plan as ffi_plan
 
 from ffi_inputs import (EXPERT_DOWN_SPECS, STACKED_EXPERT_DOWN_SPECS, expert_down_case, fp8_weights,
-                        np_expert_down, np_gemv, stack_layers)
+                        np_expert_down, np_gemv, sorted_lists, stack_layers)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -406,20 +406,12 @@ def test_model_moe_through_the_fused_op_equals_psum(tiny_bf16, monkeypatch):
     np.testing.assert_array_equal(ours, _decode_logits(tiny_bf16, mesh, False, ids))
 
 
-def _sorted_lists(rng, world, m):
-    sc = np.round(rng.standard_normal((world, m)) * 2) / 2  # many ties
-    sc[:, ::7] = -np.inf
-    idx = np.stack([r * 100_000 + np.arange(m) * 3 for r in range(world)]).astype(np.int32)
-    for r in range(world):
-        o = np.lexsort((idx[r], -sc[r]))
-        sc[r], idx[r] = sc[r][o], idx[r][o]
-    return sc.astype(np.float32), idx
 
 
 @pytest.mark.parametrize("m,k", [(64, 64), (50, 300), (16, 1)])
 def test_merge_topk_fallback_is_global_topk_with_lower_index_ties(m, k):
     mesh = _mesh()
-    sc, idx = _sorted_lists(np.random.default_rng(3), 8, m)
+    sc, idx = sorted_lists(np.random.default_rng(3), 8, m)
     f = _smap(mesh, lambda s, i: jf.merge_topk(s[0], i[0], "tp", k), (P("tp"), P("tp")), (P(), P()))
     os_, oi = (np.asarray(a) for a in f(jnp.asarray(sc), jnp.asarray(idx)))
     order = np.lexsort((idx.ravel(), -sc.ravel()))[:k]
@@ -443,7 +435,7 @@ def test_cuda_lowering_emits_the_engine_custom_calls(monkeypatch):
     rng = np.random.default_rng(5)
     x = jnp.asarray(rng.standard_normal(8 * 256), jnp.bfloat16)
     w, s = fp8_weights(rng, 7168, 8 * 256)
-    sc, idx = _sorted_lists(rng, 8, 32)
+    sc, idx = sorted_lists(rng, 8, 32)
 
     ed = _expert_down_case(rng, True)
 

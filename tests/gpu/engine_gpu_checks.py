@@ -19,7 +19,7 @@ import numpy as np
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))  # tests/: ffi_inputs
 from ffi_inputs import (EXPERT_DOWN_SPECS, STACKED_EXPERT_DOWN_SPECS, expert_down_case, fp8_weights,  # noqa: E402
-                        np_expert_down, np_gemv, stack_layers)
+                        np_expert_down, np_gemv, sorted_lists, stack_layers)
 
 
 def main() -> int:
@@ -103,6 +103,22 @@ def main() -> int:
                            f"{np.abs(ye[0] - yp[0]).max():.3g}")
 
     # ---------------- GEMV + all-reduce -----------------------------------------
+    def loop_mismatches(step, iterations):
+        """A jitted loop's check: `step(it)` gives (expert down, its reference, GEMV, its reference);
+        the entries outside tolerance summed over the iterations, [1] per rank: (moe, gemv)."""
+        def body(it, c):
+            y, yr, o, orf = (a.astype(jnp.float32) for a in step(it))
+            return (c[0] + jnp.sum(jnp.abs(y - yr) > 0.02 * jnp.abs(yr) + 0.05 * jnp.abs(yr).max()),
+                    c[1] + jnp.sum(jnp.abs(o - orf) > 0.02 * jnp.abs(orf) + 0.05))
+        z = jnp.zeros((), jnp.int32)
+        return jax.tree.map(lambda o: o[None], lax.fori_loop(0, iterations, body, (z, z)))
+
+    def report_loop(fl, args, what):
+        t0 = time.perf_counter()
+        res = [np.asarray(a) for a in fl(*args)]
+        report(all(int(a.sum()) == 0 for a in res), f"{what}: mismatches moe={res[0].tolist()} "
+               f"gemv={res[1].tolist()} ({time.perf_counter() - t0:.1f} s incl. compile)")
+
     def rel_and_same(y, ref):
         """rank 0's relative L2 error against ref, and whether all ranks agree bit for bit."""
         return (np.linalg.norm(y[0] - ref) / np.linalg.norm(ref),
@@ -173,28 +189,17 @@ def main() -> int:
         x_o = jnp.asarray(rng.standard_normal(1024 * W), jnp.bfloat16)
 
         def moe_loop(x, w, h, wts, ids, down, ds, hs, sd, ss):
-            def body(it, c):
-                bad_moe, bad_gemv = c
+            def step(it):
                 hi = h * (1 + it % 5).astype(h.dtype)
                 idi = (ids + it) % down.shape[0]
-                y = jf.expert_down_all_reduce(hi, wts, idi, down, ds, hs, sd, ss, "tp").astype(jnp.float32)
-                yr = jf.expert_down_reference(hi, wts, idi, down, ds, hs, sd, ss, "tp").astype(jnp.float32)
-                bad_moe += jnp.sum(jnp.abs(y - yr) > 0.02 * jnp.abs(yr) + 0.05 * jnp.abs(yr).max())
-                o = jf.gemv_all_reduce(x, w, None, "tp").astype(jnp.float32)
-                orf = jf.gemv_reference(x, w, None, "tp").astype(jnp.float32)
-                bad_gemv += jnp.sum(jnp.abs(o - orf) > 0.02 * jnp.abs(orf) + 0.05)
-                return bad_moe, bad_gemv
+                return (jf.expert_down_all_reduce(hi, wts, idi, down, ds, hs, sd, ss, "tp"),
+                        jf.expert_down_reference(hi, wts, idi, down, ds, hs, sd, ss, "tp"),
+                        jf.gemv_all_reduce(x, w, None, "tp"), jf.gemv_reference(x, w, None, "tp"))
+            return loop_mismatches(step, 2000)
 
-            z = jnp.zeros((), jnp.int32)
-            return jax.tree.map(lambda o: o[None], lax.fori_loop(0, 2000, body, (z, z)))
-
-        fl = smap(moe_loop, (P("tp"), P(None, "tp")) + EXPERT_DOWN_SPECS, P("tp"))
-        t0 = time.perf_counter()
-        res = [np.asarray(a) for a in fl(x_o, w_o, *case)]
-        report(all(int(a.sum()) == 0 for a in res),
-               f"2000 iterations of expert_down_all_reduce (ids changing on the device) + gemv_all_reduce "
-               f"in one jitted fori_loop: mismatches moe={res[0].tolist()} gemv={res[1].tolist()} "
-               f"({time.perf_counter() - t0:.1f} s incl. compile)")
+        report_loop(smap(moe_loop, (P("tp"), P(None, "tp")) + EXPERT_DOWN_SPECS, P("tp")), (x_o, w_o, *case),
+                    "2000 iterations of expert_down_all_reduce (ids changing on the device) + gemv_all_reduce "
+                    "in one jitted fori_loop")
 
     # ---------------- stacked layers (layer=): whole [L, ...] weights + a traced layer index --------
     def stacked_fn(f, specs, args, layers, n):
@@ -313,28 +318,17 @@ def main() -> int:
         x_o = jnp.asarray(rng.standard_normal(1024 * W), jnp.bfloat16)
 
         def layer_loop(x, w, h, wts, ids, down, ds, hs, sd, ss):
-            def body(it, c):
-                bad_moe, bad_gemv = c
+            def step(it):
                 l = it % L
                 hi = h * (1 + it % 5).astype(h.dtype)
-                y = jf.expert_down_all_reduce(hi, wts, ids, down, ds, hs, sd, ss, "tp", layer=l).astype(jnp.float32)
-                yr = jf.expert_down_reference(hi, wts, ids, down, ds, hs, sd, ss, "tp", layer=l).astype(jnp.float32)
-                bad_moe += jnp.sum(jnp.abs(y - yr) > 0.02 * jnp.abs(yr) + 0.05 * jnp.abs(yr).max())
-                o = jf.gemv_all_reduce(x, w, None, "tp", layer=l).astype(jnp.float32)
-                orf = jf.gemv_reference(x, w, None, "tp", layer=l).astype(jnp.float32)
-                bad_gemv += jnp.sum(jnp.abs(o - orf) > 0.02 * jnp.abs(orf) + 0.05)
-                return bad_moe, bad_gemv
+                return (jf.expert_down_all_reduce(hi, wts, ids, down, ds, hs, sd, ss, "tp", layer=l),
+                        jf.expert_down_reference(hi, wts, ids, down, ds, hs, sd, ss, "tp", layer=l),
+                        jf.gemv_all_reduce(x, w, None, "tp", layer=l), jf.gemv_reference(x, w, None, "tp", layer=l))
+            return loop_mismatches(step, 999)
 
-            z = jnp.zeros((), jnp.int32)
-            return jax.tree.map(lambda o: o[None], lax.fori_loop(0, 999, body, (z, z)))
-
-        fl = smap(layer_loop, (P("tp"), P(None, None, "tp")) + STACKED_EXPERT_DOWN_SPECS, P("tp"))
-        t0 = time.perf_counter()
-        res = [np.asarray(a) for a in fl(x_o, w_o, *st)]
-        report(all(int(a.sum()) == 0 for a in res),
-               f"999 iterations of stacked expert_down_all_reduce + gemv_all_reduce (layer = it % {L} on the "
-               f"device) in one jitted fori_loop: mismatches moe={res[0].tolist()} gemv={res[1].tolist()} "
-               f"({time.perf_counter() - t0:.1f} s incl. compile)")
+        report_loop(smap(layer_loop, (P("tp"), P(None, None, "tp")) + STACKED_EXPERT_DOWN_SPECS, P("tp")),
+                    (x_o, w_o, *st), f"999 iterations of stacked expert_down_all_reduce + gemv_all_reduce "
+                    f"(layer = it % {L} on the device) in one jitted fori_loop")
 
     # inside the model: the trained tiny model in bf16 at tp=2, engine on vs psum
     with checking("tiny model engine vs psum"):
@@ -369,14 +363,8 @@ def main() -> int:
 
     # ---------------- merge_topk --------------------------------------------------
     for (m, k) in ((2048, 2048), (100, 150), (777, 777)):
-        sc = np.round(rng.standard_normal((W, m)) * 4) / 4  # many ties
-        sc[:, ::13] = -np.inf
-        idx = np.stack([r * 1_000_000 + np.arange(m) * 3 for r in range(W)]).astype(np.int32)
-        # per rank sorted by (score desc, index asc)
-        for r in range(W):
-            o = np.lexsort((idx[r], -sc[r]))
-            sc[r], idx[r] = sc[r][o], idx[r][o]
-        s_j, i_j = jnp.asarray(sc, jnp.float32), jnp.asarray(idx)
+        sc, idx = sorted_lists(rng, W, m, grain=4, inf_every=13, rank_stride=1_000_000)
+        s_j, i_j = jnp.asarray(sc), jnp.asarray(idx)
         fe = smap(per_rank(lambda s, i, k=k: jf.merge_topk(s[0], i[0], "tp", k)),
                   (P("tp"), P("tp")), P("tp"))
         with checking(f"merge_topk m={m} k={k}"):
