@@ -13,6 +13,7 @@
 #   sweep        the same with the config sweeps (longer: the MoE sweep alone filled 5 minutes)
 #   attention    bench/attention.py (issue 5)
 #   decode       bench.decode: dsv32-tp8-shard, 61 layers, context 4096, CUPTI kernel profile (issue 7)
+#   contexts     the same, pallas only, at contexts 32K and 128K (issue 14's long-context targets)
 #   breakdown    bench.decode at 8 layers with the attention / MLP timing variants (issue 7)
 #   checkpoint   a 4-layer bf16 dsv32-tp8-shard HF checkpoint at $CK (on the CPU), for the comparison with
 #                transformers, bench/vs_transformers.py (context 1024, 64 new tokens, greedy, batch 1; run it
@@ -125,6 +126,11 @@ for part in "$@"; do
     golden) JAX_PLATFORMS=cuda step golden 400 python3 -m pytest -q -p no:cacheprovider -x tests/test_golden_kernels.py ;;
     decode) step decode 480 $DEC --layers 61 --backend "$B" --kernels --samples 10 \
               --out "$WORK/decode.json" --plot "$WORK/decode.png" ;;
+    contexts)  # issue 14's long-context targets: the 61-layer pallas step at 32K and 128K, kernel profiles
+      for c in 32768 131072; do
+        step "decode_$c" 300 python3 -m bench.decode --preset dsv32-tp8-shard --context $c --layers 61 \
+          --backend pallas --kernels --samples 6 --out "$WORK/decode_$c.json"
+      done ;;
     breakdown) step breakdown 200 $DEC --layers 8 --backend "$B" --breakdown --samples 10 \
                  --out "$WORK/breakdown.json" ;;
     checkpoint) JAX_PLATFORMS=cpu step checkpoint 200 python3 -c \

@@ -60,8 +60,8 @@ __global__ void route_select_kernel(const float* __restrict__ logits,
       group_score[i] = gs > 1 ? m1 + m2 : m1;
     }
     __syncthreads();
+    // (the group sums read biased[] before the barrier above: it may be overwritten now)
     if (rank_of(group_score, n_group, group_score[g], g) >= topk_group) b = -INFINITY;
-    __syncthreads();  // every thread has read biased[] for its group's sum
     biased[i] = b;
     __syncthreads();
   }

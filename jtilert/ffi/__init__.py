@@ -8,6 +8,8 @@
   These three take ``layer=`` (int32, may be traced) with stacked [L, ...] weights: the kernel
   offsets its weight pointers by the layer it reads on the device (no XLA copy of ``w[layer]``).
 - ``merge_topk``, ``top_k`` / ``topk`` / ``split_topk``: exact top-k (``jtilert.ffi.select``).
+- ``route.select_experts(cfg, logits, bias, layer)``: the MoE router's selection in one launch
+  (``jtilert.ffi.route``).
 
 Without the library (``python -m jtilert.ffi.build``, or built on first use) or a GPU, every op
 falls back to the XLA path with one warning. Environment: JTILERT_FFI_DISABLE=1, JTILERT_FFI_LIB,
