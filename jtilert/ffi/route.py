@@ -42,12 +42,15 @@ def _abstract(logits, bias, layer, *, n_group, topk_group, k, norm, scaling):  #
 route_select_p.def_abstract_eval(_abstract)
 
 
+def _reference(cfg, logits, bias, layer):
+    """reference.select_experts with the bias row of `layer` (an int32 scalar) of the stack."""
+    return reference.select_experts(cfg, logits, jax.lax.dynamic_index_in_dim(bias, layer, 0, keepdims=False))
+
+
 def _lower_xla(ctx, logits, bias, layer, *, n_group, topk_group, k, norm, scaling):
     cfg = _Routing(n_group, topk_group, k, norm, scaling)
-
-    def ref(lg, b, i):
-        return list(reference.select_experts(cfg, lg, jax.lax.dynamic_index_in_dim(b, i[0], 0, keepdims=False)))
-    return mlir.lower_fun(ref, multiple_results=True)(ctx, logits, bias, layer)
+    return mlir.lower_fun(lambda lg, b, i: list(_reference(cfg, lg, b, i[0])), multiple_results=True)(
+        ctx, logits, bias, layer)
 
 
 def _lower_cuda(ctx, logits, bias, layer, *, n_group, topk_group, k, norm, scaling):
@@ -90,7 +93,7 @@ def select_experts(cfg, logits, bias, layer):
     ok, no_engine = _ops.engine_status()
     if why is not None or not ok:
         _warn(why or no_engine)
-        return reference.select_experts(cfg, logits, jax.lax.dynamic_index_in_dim(bias, layer, 0, keepdims=False))
+        return _reference(cfg, logits, bias, layer)
     return tuple(route_select_p.bind(
         logits, bias, jnp.asarray(layer, jnp.int32).reshape(1), n_group=int(cfg.n_group),
         topk_group=int(cfg.topk_group), k=int(cfg.num_experts_per_tok), norm=int(bool(cfg.norm_topk_prob)),

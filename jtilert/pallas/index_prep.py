@@ -5,9 +5,9 @@ weight. Contract of `jtilert.ops.reference.index_prep`.
 
 One warpgroup per CTA, one CTA per 64-row tile: the query tiles (T·H heads of D values, gathered by
 one TMA per token from the projection's output read as rows of D) and, beside them, the keys' tile
-(LayerNormed in registers from their window, the norm stacks read at the traced layer). Per tile a wgmma with a
-0/1 matrix P splits the rope pairs into [x1 | x2 | rest] (exact), they are rotated in fp32 as the
-reference does and rounded to bf16, and a second wgmma takes them back: key rows by Pᵀ (exact),
+(LayerNormed in registers from their window, the norm stacks read at the traced layer). Per tile a
+wgmma with a 0/1 matrix P splits the rope pairs into [x1 | x2 | rest] (exact), they are rotated in fp32
+as the reference does and rounded to bf16, and a second wgmma takes them back: key rows by Pᵀ (exact),
 query rows by Pᵀ·H (H the ±1 Hadamard matrix: the rotation summed in the tensor core's order, then
 times D^-0.5). Each query row's amax gives its power-of-two scale (`quant.act_quant`); the fp8 rows,
 the scaled head weights and the keys go out by TMA.

@@ -17,17 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, "tests")
+from prep_check import _median_us  # noqa: E402  (tests/gpu, this script's folder)
 from test_ffi_route import CASES, _cfg, _inputs  # noqa: E402
 
 from jtilert.ffi import route  # noqa: E402
 from jtilert.ops import reference  # noqa: E402
-
-
-def _median_us(f, *args, iterations=20):
-    from jax.experimental.mosaic.gpu import profiler
-    jax.block_until_ready(f(*args))
-    _, per_iter = profiler.Cupti(finalize=False).measure(f, aggregate=False, iterations=iterations)(*args)
-    return float(np.median([sum(t for _, t in it) for it in per_iter])) * 1e3
 
 
 def main(argv=None) -> int:
