@@ -31,7 +31,7 @@ def official_act_quant(x):
 def test_fp8_indexer_quantisation_is_bit_exact_with_official():
     cfg = preset("deepseek-v3.2")
     k = (RNG.standard_normal((37, 128)) * RNG.uniform(0.01, 30, (37, 1))).astype(np.float32)
-    q8, s = reference.indexer_key(cfg, jnp.asarray(k))
+    q8, s = reference.indexer_key(cfg, reference.indexer_key_rotated(cfg, jnp.asarray(k)))
     ref_q, ref_s = official_act_quant(k @ hadamard(128))
     np.testing.assert_array_equal(np.asarray(s), ref_s[:, 0])
     np.testing.assert_array_equal(np.asarray(q8).view(np.uint8), ref_q.view(np.uint8))
@@ -46,7 +46,8 @@ def test_fp8_scores_track_unquantised_scores():
     w = jnp.asarray(RNG.standard_normal((t, h)) * 0.1, jnp.float32)
     pos = jnp.array([s - 2, s - 1])
     exact = reference.indexer_scores(*reference.indexer_query(plain, q, w), *reference.indexer_key(plain, k), pos)
-    approx = reference.indexer_scores(*reference.indexer_query(fp8, q, w), *reference.indexer_key(fp8, k), pos)
+    approx = reference.indexer_scores(*reference.indexer_query(fp8, q, w),
+                                      *reference.indexer_key(fp8, reference.indexer_key_rotated(fp8, k)), pos)
     visible = np.isfinite(np.asarray(exact))
     assert np.array_equal(visible, np.isfinite(np.asarray(approx))) and not visible[0, -1]
     err = np.abs(np.asarray(approx) - np.asarray(exact))[visible]

@@ -145,6 +145,7 @@ def _append_case(T, H, D, S, fp8, seed):
     from jtilert.model.presets import preset
     cfg = preset("tiny").replace(index_quant="fp8" if fp8 else "none", index_head_dim=D, index_n_heads=H)
     q, w, kc, ks = _index_inputs(T, H, D, S, fp8, seed)
+    # the new keys as index_prep hands them over: already rotated (fp32) in fp8 mode, else bf16
     k = jax.random.normal(jax.random.key(seed + 1), (T, D)) * 3
     return cfg, q, w, k if fp8 else k.astype(BF16), kc, ks
 
@@ -169,8 +170,7 @@ def test_indexer_append_scores(T, H, S, pos, start, end, fp8):
     def f(q, w, k, kc, ks, pos):
         if H == 8:
             return ix.indexer_append_scores(cfg, q, w, k, kc, ks, pos, pos[0])
-        k_new = reference.indexer_key_rotated(cfg, k)
-        return ix.append_and_score(q, w, k_new, kc, ks, pos, start=start, rows=None if end is None else end - start,
+        return ix.append_and_score(q, w, k, kc, ks, pos, start=start, rows=None if end is None else end - start,
                                    config=SMALL)
 
     scores, kc_out, ks_out = _run(f, q, w, k, kc, ks, pos)
@@ -274,6 +274,27 @@ def test_indexer_append_scores_stacked(S, layer, pos, fp8, share):
     assert fin.any()
     np.testing.assert_array_equal(np.isfinite(scores), fin)
     assert np.abs(scores[fin] - ref[fin]).max() <= 1e-5 * np.abs(ref[fin]).max()
+
+
+def test_indexer_traced_offsets_are_operands_of_their_own():
+    """Traced start, pos_offset and layer reach the kernel each as an int32 [1] operand (a scalar's
+    reshape: a bitcast in XLA); nothing packs them into one array, which XLA would compute in a kernel
+    of its own per layer and step."""
+    cfg, q, w, k, kc, ks = _stacked_case(2, 256, True, np.random.randint(1 << 30))
+    pos = jnp.array([200, 201], jnp.int32)
+
+    def f(q, w, kc, ks, pos, start, off, layer):
+        return ix.indexer_scores(q, w, kc, ks, pos, start=start, rows=128, pos_offset=off, layer=layer)
+
+    with interp.compile_for_gpu():
+        txt = jax.jit(f).trace(q, w, kc, ks, pos, jnp.int32(64), jnp.int32(0), jnp.int32(1)).lower(
+            lowering_platforms=("cuda",)).as_text()
+    lines = txt.splitlines()
+    calls = [line for line in lines if "custom_call @mosaic_gpu" in line]
+    assert len(calls) == 1
+    assert calls[0].rsplit(" : (", 1)[-1].split(") ->")[0].count("tensor<1xi32>") == 3, calls[0][-300:]
+    glue = [line.strip() for line in lines if "stablehlo." in line and "custom_call" not in line]
+    assert all(line.split(" = ")[-1].startswith("stablehlo.reshape") for line in glue), glue
 
 
 def test_indexer_refuses_prefill_chunks_and_the_op_table_runs_the_reference():

@@ -1,12 +1,16 @@
 """The indexer prep kernel (`jtilert.pallas.index_prep`: the key's LayerNorm, rope on the index queries
-and the key, the queries' Hadamard rotation and fp8 quantisation with the scales folded into the head
-weights) against `jtilert.ops.reference.index_prep`, in GPU interpret mode on the CPU.
+and the key, the Hadamard rotation of both, the queries' fp8 quantisation with the scales folded into
+the head weights) against `jtilert.ops.reference.index_prep`, in GPU interpret mode on the CPU.
 
 Each case draws fresh random inputs, cross-lowers the kernel for CUDA (Mosaic lowering errors without
 a GPU), then runs it under the interpreter with race detection, against the reference jitted as the
 model runs it (`_reference`). Tolerances:
-  k: bit for bit (the norm's sums and rsqrt are the same XLA:CPU ops here, rope is elementwise fp32,
-     the permutations are exact);
+  k: the roped bf16 key is the reference's bit for bit (the norm's sums and rsqrt are the same XLA:CPU
+     ops here, rope is elementwise fp32, the permutations are exact); its fp32 Hadamard rotation is
+     summed like the queries' (below), so each value is within NOISE · Σ_d |k_d|·D^-0.5 of the
+     reference's: the two sums' rounding, with the reference's rounded products k_d · ±D^-0.5 and
+     the kernel's final product by D^-0.5 (2^-24 each) inside that first-order bound (D·2^-24 per
+     side). A key left unrotated, unscaled or rotated by another matrix is off by O(|k|);
   w: bit for bit wherever the row's scale is the reference's (w times a power of two is exact); the
      scale may differ only where the row's amax lies within fp32 noise of a power-of-two boundary;
   q: the kernel sums the Hadamard rotation of the bf16 rows with ±1 on the tensor cores, then scales
@@ -56,14 +60,15 @@ def _case(name, tokens, start):
 def _reference(cfg, q_col, k_col, layer):
     """reference.index_prep as the model runs it, jitted (XLA:CPU may contract the rope's products into
     FMAs, eagerly it does not: a bf16 rope value near a rounding midpoint then rounds the other way;
-    the interpreted kernel is jitted too), with its roped queries (fp32) and the values its
-    quantiser rounds."""
+    the interpreted kernel is jitted too), with its roped queries (fp32), the values its quantiser
+    rounds and its roped key before the rotation (fp32)."""
     d = cfg.index_head_dim
 
     def f(q_x, k_x, nw, nb, cos, sin, w):
         args = (q_x, q_col, k_x, k_col, nw[layer], nb[layer], 1e-6, cos, sin, w)
-        q = reference.index_prep(cfg.replace(index_quant="none"), *args)[0].astype(F32)   # the same rope
-        return reference.index_prep(cfg, *args), q, jnp.einsum("thd,de->the", q, jnp.asarray(hadamard(d)))
+        q, _, k = (x.astype(F32) for x in reference.index_prep(cfg.replace(index_quant="none"), *args))
+        pre = jnp.einsum("thd,de->the", q, jnp.asarray(hadamard(d)))   # the same rope, unrotated
+        return reference.index_prep(cfg, *args), q, pre, k
     return jax.jit(f)
 
 
@@ -110,10 +115,11 @@ def test_index_prep_matches_reference(name, tokens, start, layer):
         return ip.index_prep(cfg, q_x, q_col, k_x, k_col, nw, nb, 1e-6, cos, sin, w, layer=layer)
 
     q8, w8, k = run_one_kernel(f, *args, jnp.int32(layer))
-    want, q32, pre = jax.tree.map(np.asarray, _reference(cfg, q_col, k_col, layer)(*args))
+    want, q32, pre, k32 = jax.tree.map(np.asarray, _reference(cfg, q_col, k_col, layer)(*args))
     assert q8.shape == (tokens, hi, d) and q8.dtype == FP8 and w8.shape == (tokens, hi) and w8.dtype == F32
-    assert k.shape == (tokens, d) and k.dtype == BF16
-    np.testing.assert_array_equal(k.view(np.uint16), want[2].view(np.uint16))
+    assert k.shape == want[2].shape == (tokens, d) and k.dtype == want[2].dtype == F32
+    bound = NOISE * np.abs(k32).sum(-1, keepdims=True) * d**-0.5   # the module docstring's k tolerance
+    assert (np.abs(k - want[2]) <= bound).all(), np.abs(k - want[2]).max()
     differ = check_q_w(q8, w8, want[0], want[1], pre, np.abs(q32).sum(-1) * d**-0.5, np.asarray(args[-1]))
     assert differ <= q8.size // 100, differ
 

@@ -191,7 +191,8 @@ def index_prep(cfg: ModelConfig, q_x: jax.Array, q_col: int, k_x: jax.Array, k_c
     index queries (H = index_n_heads heads of D = index_head_dim) at columns q_col.., k_x [T, ·] the key
     [D] at column k_col; the key LayerNormed (norm_weight, norm_bias [D]), rope (`indexer_rope_interleaved`)
     on the first R = 2·cos.shape[-1] columns of every query head and of the key, then `indexer_query`
-    with the head weights w [T, H] (fp32) → (q [T, H, D], w [T, H], k [T, D] in k_x's dtype)."""
+    with the head weights w [T, H] (fp32) and `indexer_key_rotated` → (q [T, H, D], w [T, H], k [T, D]:
+    fp32 Hadamard-rotated in fp8 mode, else in k_x's dtype)."""
     t, r = q_x.shape[0], 2 * cos.shape[-1]
     h, d = cfg.index_n_heads, cfg.index_head_dim
     q = q_x[:, q_col:q_col + h * d].reshape(t, h, d)
@@ -200,7 +201,7 @@ def index_prep(cfg: ModelConfig, q_x: jax.Array, q_col: int, k_x: jax.Array, k_c
     q = jnp.concatenate([apply_rope(q[..., :r], cos, sin, rot), q[..., r:]], axis=-1)
     k = jnp.concatenate([apply_rope(k[..., :r], cos, sin, rot), k[..., r:]], axis=-1)
     q, w = indexer_query(cfg, q, w)
-    return q, w, k
+    return q, w, indexer_key_rotated(cfg, k)
 
 
 def indexer_key_rotated(cfg: ModelConfig, k: jax.Array) -> jax.Array:
@@ -211,8 +212,8 @@ def indexer_key_rotated(cfg: ModelConfig, k: jax.Array) -> jax.Array:
 
 
 def indexer_key(cfg: ModelConfig, k: jax.Array):
-    """Cache entry for new index keys k [T, D]: (key, scale [T] or None)."""
-    k = indexer_key_rotated(cfg, k)
+    """Cache entry for new index keys k [T, D] as `index_prep` returns them (already rotated):
+    (key, scale [T] or None), the key quantised per row in fp8 mode."""
     if cfg.index_quant == "none":
         return k, None
     k8, ks = act_quant(k)
@@ -221,10 +222,10 @@ def indexer_key(cfg: ModelConfig, k: jax.Array):
 
 def indexer_append_scores(cfg: ModelConfig, q, w, k, k_cache, k_scale, positions, start, score=None,
                           first_row=None, num_rows=None):
-    """Write the new tokens' index keys k [T, D] into the cache at row `start` (quantised in fp8
-    mode), then score every cache row with `score` (default `indexer_scores`):
-    (scores [T, S], k_cache, k_scale). With num_rows: only the scores of rows [first_row, first_row +
-    num_rows) ([T, num_rows]; the indexer split over GPUs)."""
+    """Write the new tokens' index keys k [T, D] (`index_prep`'s: rotated in fp8 mode) into the cache
+    at row `start` (quantised in fp8 mode), then score every cache row with `score` (default
+    `indexer_scores`): (scores [T, S], k_cache, k_scale). With num_rows: only the scores of rows
+    [first_row, first_row + num_rows) ([T, num_rows]; the indexer split over GPUs)."""
     k, ks = indexer_key(cfg, k)
     k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (start, 0))
     if ks is not None:

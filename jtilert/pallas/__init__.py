@@ -11,9 +11,9 @@ Projection / MoE / lm-head kernels (issue 4):
 Attention kernels: `indexer` (key append + lightning-indexer scores), `sparse_mla` (absorbed
 attention over the selected latent rows), `mla_prep` (the rope, the latent's norm and the cache
 writes between the projections and attention) and `index_prep` (the indexer's key norm, rope, query
-rotation and fp8 quantisation between the projections and the indexer). Every kernel takes the
-model's stacked [L, ...] weights or caches with a traced `layer=` index. Which op runs which kernel:
-`jtilert.ops.table.OPS`. Without a GPU every kernel runs in GPU interpret mode (see `interpret`).
+and key rotation and the queries' fp8 quantisation between the projections and the indexer). Every
+kernel takes the model's stacked [L, ...] weights or caches with a traced `layer=` index. Which op runs
+which kernel: `jtilert.ops.table.OPS`. Without a GPU every kernel runs in GPU interpret mode (see `interpret`).
 """
 
 from __future__ import annotations

@@ -1,16 +1,16 @@
 """The DSA indexer's glue between the projections and the indexer kernel, one launch per layer (Pallas
 Mosaic-GPU): the key's LayerNorm, rope on the first R columns of every index-query head and of the
-key, the queries' Hadamard rotation and fp8 quantisation, each row's scale folded into its head
-weight. Contract of `jtilert.ops.reference.index_prep`.
+key, the Hadamard rotation of both, the queries' fp8 quantisation with each row's scale folded into its
+head weight. Contract of `jtilert.ops.reference.index_prep`.
 
 One warpgroup per CTA, one CTA per 64-row tile: the query tiles (T·H heads of D values, gathered by
 one TMA per token from the projection's output read as rows of D) and, beside them, the keys' tile
 (LayerNormed in registers from their window, the norm stacks read at the traced layer). Per tile a
 wgmma with a 0/1 matrix P splits the rope pairs into [x1 | x2 | rest] (exact), they are rotated in fp32
-as the reference does and rounded to bf16, and a second wgmma takes them back: key rows by Pᵀ (exact),
-query rows by Pᵀ·H (H the ±1 Hadamard matrix: the rotation summed in the tensor core's order, then
-times D^-0.5). Each query row's amax gives its power-of-two scale (`quant.act_quant`); the fp8 rows,
-the scaled head weights and the keys go out by TMA.
+as the reference does and rounded to bf16, and a second wgmma by Pᵀ·H (H the ±1 Hadamard matrix) takes
+them back and rotates them, summed in fp32 in the tensor core's order, then times D^-0.5. Each query
+row's amax gives its power-of-two scale (`quant.act_quant`); the fp8 queries, the scaled head weights
+and the fp32 keys go out by TMA.
 """
 
 from __future__ import annotations
@@ -72,8 +72,8 @@ def index_prep(cfg, q_x, q_col: int, k_x, k_col: int, norm_weight, norm_bias, ep
     """Drop-in for `jtilert.ops.reference.index_prep` with the k_norm stacks [L, D] and `layer` an int32
     scalar (may be traced): q_x [T, ·] holds the index queries (H heads of D) at columns q_col..,
     k_x [T, ·] the key [D] at column k_col, cos / sin [T, R/2] fp32, w [T, H] fp32 → (q [T, H, D] fp8,
-    w · the queries' scales [T, H] fp32, k [T, D] bf16 normed and roped). Shapes `unsupported` names
-    raise ValueError."""
+    w · the queries' scales [T, H] fp32, k [T, D] fp32 normed, roped (bf16) and Hadamard-rotated).
+    Shapes `unsupported` names raise ValueError."""
     T = q_x.shape[0]
     H, D = cfg.index_n_heads, cfg.index_head_dim
     half = cos.shape[-1]
@@ -102,13 +102,13 @@ def index_prep(cfg, q_x, q_col: int, k_x, k_col: int, norm_weight, norm_bias, ep
     arrivals = 5 + max(len(gathers(g)) for g in range(nq_tiles))   # a query CTA's copies (the most)
 
     def body(q_ref, k_ref, nw_ref, nb_ref, cos_ref, sin_ref, w_ref, p_ref, hp_ref, layer_ref,
-             q_out, w_out, k_out, stage, a1, a2, q8_s, w_s, cs, sn, p_s, hp_s, bar):
+             q_out, w_out, k_out, stage, a1, a2, q8_s, w_s, k_s, cs, sn, p_s, hp_s, bar):
         cta = lax.axis_index("g")
         row_in_tile = plgpu.broadcasted_iota(jnp.int32, (TILE,), 0, layout=wl.reduce(1))
 
-        def rope(tok, back):
+        def rope(tok):
             """The rows in `stage`, roped as reference.apply_rope in fp32 (bf16 result), then times
-            `back` ([d, d] SMEM): the rope pairs' split undone (and H applied for the queries)."""
+            Pᵀ·H and D^-0.5: the rope pairs' split undone and the rows Hadamard-rotated (fp32)."""
             a1[...] = plgpu.load(stage, layout=plgpu.Layout.SMEM_GMEM_COPY((TILE, D), BF16, 64))
             plgpu.commit_smem()
             xs = hw.wgmma_product(a1, p_s, (TILE, D))   # [x1 | x2 | the columns past the rope]
@@ -117,10 +117,10 @@ def index_prep(cfg, q_x, q_col: int, k_x, k_col: int, norm_weight, norm_bias, ep
             if D > R:
                 a2[:, pl.ds(R, D - R)] = xs[:, R:].astype(BF16)
             plgpu.commit_smem()
-            return hw.wgmma_product(a2, back, (TILE, D))
+            return hw.wgmma_product(a2, hp_s, (TILE, D)) * scale_h
 
-        def rope_loads():
-            for src, dst in ((cos_ref, cs), (sin_ref, sn), (p_ref, p_s)):
+        def rope_loads():   # the rope tables and both matrices: 4 copies on `bar`
+            for src, dst in ((cos_ref, cs), (sin_ref, sn), (p_ref, p_s), (hp_ref, hp_s)):
                 plgpu.copy_gmem_to_smem(src, dst, bar)
 
         for g in range(nq_tiles):
@@ -140,10 +140,8 @@ def index_prep(cfg, q_x, q_col: int, k_x, k_col: int, norm_weight, norm_bias, ep
                 rope_loads()
                 for _ in range(arrivals - 5 - len(rows)):   # the barrier counts the busiest tile's copies
                     plgpu.barrier_arrive(bar)
-                plgpu.copy_gmem_to_smem(hp_ref, hp_s, bar)
                 plgpu.barrier_wait(bar)
-                # each row's token: query rows t·H + h; rotated back by Pᵀ·H (the Hadamard rotation)
-                y = rope((row_in_tile + first) // H, hp_s) * scale_h
+                y = rope((row_in_tile + first) // H)   # each row's token: query rows are t·H + h
                 # quant.act_quant of the rotated rows: a power-of-two scale per row, folded into w
                 sc = pow2_scale(jnp.max(jnp.abs(y), axis=1))
                 q8_s[...] = (y / lax.broadcast_in_dim(sc, (TILE, D), [0])).astype(FP8)
@@ -167,13 +165,12 @@ def index_prep(cfg, q_x, q_col: int, k_x, k_col: int, norm_weight, norm_bias, ep
                 y = xc * lax.rsqrt(jnp.sum(xc * xc) / D + eps)
                 stage.at[t][...] = (y * g_w + g_b).astype(BF16)
             plgpu.commit_smem()
-            for _ in range(arrivals - 3):
+            for _ in range(arrivals - 4):
                 plgpu.barrier_arrive(bar)
             plgpu.barrier_wait(bar)
-            # key rows t; their pairs put back by Pᵀ (exact)
-            stage[...] = rope(row_in_tile, p_s.T).astype(BF16)
+            k_s[...] = rope(row_in_tile)   # key rows t, rotated as the queries (not quantised)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(stage.at[pl.ds(0, T)], k_out)
+            plgpu.copy_smem_to_gmem(k_s.at[pl.ds(0, T)], k_out)
             plgpu.wait_smem_to_gmem(0)
 
     scratch = [
@@ -182,6 +179,7 @@ def index_prep(cfg, q_x, q_col: int, k_x, k_col: int, norm_weight, norm_bias, ep
         plgpu.SMEM((TILE, D), BF16, transforms=TF),
         plgpu.SMEM((TILE, D), FP8),
         plgpu.SMEM((TILE,), F32),
+        plgpu.SMEM((TILE, D), F32),
         *hw.rope_smem(T, half, D, TF),
         plgpu.Barrier(num_arrivals=arrivals),
     ]
@@ -189,7 +187,7 @@ def index_prep(cfg, q_x, q_col: int, k_x, k_col: int, norm_weight, norm_bias, ep
     kernel = plgpu.kernel(
         body,
         out_type=(jax.ShapeDtypeStruct((n_q, D), FP8), jax.ShapeDtypeStruct((n_q,), F32),
-                  jax.ShapeDtypeStruct((T, D), BF16)),
+                  jax.ShapeDtypeStruct((T, D), F32)),
         scratch_types=scratch, grid=(nq_tiles + 1,), grid_names=("g",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=_interp.params(), kernel_name="jtilert_index_prep",

@@ -60,7 +60,8 @@ def indexer_scores_kernel(q, w, k_cache, k_scale, positions, offsets, n: int,
                           config: IndexerConfig = IndexerConfig(), k_new=None):
     """q [T, H, D] (H a multiple of 32), w [T, H] fp32, k_cache [S, D] or a layer stack [L, S, D],
     k_scale [S] / [L, S] fp32 or None, positions [T] int32, offsets = (start, pos_offset, layer):
-    Python ints (baked into the kernel) or an int32 [3] array (layer is ignored for [S, D]) →
+    each a Python int (baked into the kernel) or an int32 [1] array (an operand the kernel reads;
+    layer is ignored for [S, D]) →
     scores [T, n rounded up to 4] fp32 for the layer's cache rows [start, start + n) (columns past
     n are junk: the caller slices them off). start + n must not exceed S.
 
@@ -84,7 +85,7 @@ def indexer_scores_kernel(q, w, k_cache, k_scale, positions, offsets, n: int,
     grid = max(1, min(config.num_ctas, nblk))
     has_scale = k_scale is not None
 
-    static_offsets = isinstance(offsets, tuple)
+    traced = [not isinstance(x, int) for x in offsets]   # the offsets passed as operands
     append = k_new is not None
     if append and has_scale and (D != 128 or k_new.dtype != F32):
         raise ValueError("fp8 append quantises one 128-wide block per key: k_new must be [T, 128] fp32")
@@ -97,7 +98,7 @@ def indexer_scores_kernel(q, w, k_cache, k_scale, positions, offsets, n: int,
         ks_ref = refs[3] if has_scale else None
         refs = refs[3 + has_scale:]
         pos_ref = refs.pop(0)
-        off_ref = None if static_offsets else refs.pop(0)
+        start, pos_off, layer = (refs.pop(0)[0] if t else x for x, t in zip(offsets, traced))
         o_ref = refs.pop(0)
         if append:
             kn_s = refs.pop(0)
@@ -107,7 +108,6 @@ def indexer_scores_kernel(q, w, k_cache, k_scale, positions, offsets, n: int,
         ks_s = refs[3] if has_scale else None
         o_s, inf_s, qbar, kbar = refs[3 + has_scale:]
         c = lax.axis_index("c")
-        start, pos_off, layer = offsets if static_offsets else (off_ref[0], off_ref[1], off_ref[2])
         if stacked:   # the layer's rows: one more TMA coordinate, no copy
             k_ref = k_ref.at[layer]
             ks_ref = ks_ref.at[layer] if has_scale else None
@@ -230,9 +230,7 @@ def indexer_scores_kernel(q, w, k_cache, k_scale, positions, offsets, n: int,
     if append:   # mutable refs: the kernel writes the caches in place (aliased, no copy)
         caches = [jax.new_ref(x) for x in caches]
     args = [q, w.astype(F32)] + ([k_new] if append else []) + caches + [positions.astype(jnp.int32)]
-    if not static_offsets:
-        args.append(offsets)
-    scores = kernel(*args)
+    scores = kernel(*args, *(x for x, t in zip(offsets, traced) if t))
     if not append:
         return scores
     return (scores, caches[0][...]) + ((caches[1][...],) if has_scale else (None,))
@@ -313,9 +311,9 @@ def append_and_score(q, w, k_new, k_cache, k_scale, positions, *, start=0, rows=
                      config: IndexerConfig | None = None, layer=None):
     """`indexer_scores` after writing the new tokens' keys into the cache rows `positions -
     pos_offset` (of `layer`) that fall in the range, in the same kernel: k_new [T, D] is the key
-    before quantisation (fp32, Hadamard-rotated, when the cache is fp8: quantised in the kernel
-    exactly as `jtilert.ops.quant.act_quant`; else already in the cache dtype). → (scores, k_cache,
-    k_scale), the whole caches updated in place."""
+    before quantisation (fp32, Hadamard-rotated as `index_prep` returns it, when the cache is fp8:
+    quantised in the kernel exactly as `jtilert.ops.quant.act_quant`; else already in the cache
+    dtype). → (scores, k_cache, k_scale), the whole caches updated in place."""
     _check_layer(k_cache, layer)
     return _call(q, w, k_cache, k_scale, positions, start, rows, pos_offset, layer,
                  config or IndexerConfig(), k_new)
@@ -323,22 +321,22 @@ def append_and_score(q, w, k_new, k_cache, k_scale, positions, *, start=0, rows=
 
 def indexer_append_scores(cfg, q, w, k, k_cache, k_scale, positions, start, first_row=None, num_rows=None,
                           *, layer=None):
-    """Drop-in for `jtilert.ops.reference.indexer_append_scores` (the model's op), plus `layer`: the caches
-    are then a layer group's stack [L, S, D] / [L, S], the key goes to [layer, start] and the
-    layer's rows are scored; → (scores, k_cache, k_scale) with the whole stacks returned. Decode
-    steps run `append_and_score`. With num_rows (the indexer split over GPUs) the kernel scores rows
-    [first_row, first_row + num_rows) and XLA appends the key (in place), so every rank's cache stays
-    whole for the steps that score all rows (MTP's two tokens); so do caches whose rows are too short
-    for the kernel's row copy (tiny test models). More than MAX_TOKENS tokens (prefill chunks: the op
-    table runs the reference for them) and caches the kernel does not read raise ValueError."""
+    """Drop-in for `jtilert.ops.reference.indexer_append_scores` (the model's op; k as `index_prep`
+    returns it, rotated in fp8 mode), plus `layer`: the caches are then a layer group's stack
+    [L, S, D] / [L, S], the key goes to [layer, start] and the layer's rows are scored; → (scores,
+    k_cache, k_scale) with the whole stacks returned. Decode steps run `append_and_score`. With
+    num_rows (the indexer split over GPUs) the kernel scores rows [first_row, first_row + num_rows)
+    and XLA appends the key (in place), so every rank's cache stays whole for the steps that score
+    all rows (MTP's two tokens); so do caches whose rows are too short for the kernel's row copy
+    (tiny test models). More than MAX_TOKENS tokens (prefill chunks: the op table runs the reference
+    for them) and caches the kernel does not read raise ValueError."""
     _check_layer(k_cache, layer)
     _check_cache(k_cache)
     if q.shape[0] > MAX_TOKENS:
         raise ValueError(f"indexer kernel: {q.shape[0]} tokens (at most {MAX_TOKENS}: the kernel is for decode "
                          "and MTP verification)")
     if num_rows is None and _appends_in_kernel(k_cache, k_scale):
-        k_new = reference.indexer_key_rotated(cfg, k)
-        k_new = k_new.astype(F32 if k_scale is not None else k_cache.dtype)
+        k_new = k.astype(F32 if k_scale is not None else k_cache.dtype)
         return append_and_score(q, w, k_new, k_cache, k_scale, positions, layer=layer)
     k_cache, k_scale = _xla_append(cfg, k, k_cache, k_scale, start, layer)
     first = 0 if num_rows is None else first_row
@@ -412,9 +410,10 @@ def _call(q, w, k_cache, k_scale, positions, start, rows, pos_offset, layer, con
         q = jnp.pad(q, ((0, 0), (0, hp - H), (0, 0)))
         w = jnp.pad(w, ((0, 0), (0, hp - H)))
     layer = 0 if layer is None else layer
-    offsets = (start, pos_offset, layer)
-    if not all(isinstance(x, int) for x in offsets):   # Python ints are baked into the kernel
-        offsets = jnp.stack([jnp.asarray(x, jnp.int32) for x in offsets])
+    # Python ints are baked into the kernel; each traced offset is its own int32 [1] operand (a scalar's
+    # reshape: a bitcast, where stacking them would be an XLA kernel of its own per call)
+    offsets = tuple(x if isinstance(x, int) else jnp.asarray(x, jnp.int32).reshape(1)
+                    for x in (start, pos_offset, layer))
     out = indexer_scores_kernel(q, w, k_cache, k_scale, positions, offsets, rows, config, k_new)
     if k_new is None:
         return out[:, :rows] if out.shape[1] != rows else out
