@@ -39,17 +39,19 @@ from bench import provenance
 from jtilert.store import checkpoint
 
 
-def dense_moe(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale):
+def dense_moe(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale, residual=None):
     """The MoE before grouping: every token through every expert, mixed by a dense [T, E] matrix."""
     t, k = ids.shape
     if t * k < gate.shape[0]:
-        return reference.expert_down(reference.expert_hidden(x, ids, gate, gate_scale, up, up_scale),
-                                     weights, ids, down, down_scale)
-    dense = jnp.zeros((t, gate.shape[0]), jnp.float32).at[jnp.arange(t)[:, None], ids].add(weights)
-    h = (jax.nn.silu(reference.dot("th,eih->tei", x, dequantize(gate, gate_scale, x.dtype)))
-         * reference.dot("th,eih->tei", x, dequantize(up, up_scale, x.dtype)))
-    h = (h * dense[:, :, None]).astype(x.dtype)
-    return reference.dot("tei,ehi->th", h, dequantize(down, down_scale, x.dtype)).astype(x.dtype)
+        out = reference.expert_down(reference.expert_hidden(x, ids, gate, gate_scale, up, up_scale),
+                                    weights, ids, down, down_scale)
+    else:
+        dense = jnp.zeros((t, gate.shape[0]), jnp.float32).at[jnp.arange(t)[:, None], ids].add(weights)
+        h = (jax.nn.silu(reference.dot("th,eih->tei", x, dequantize(gate, gate_scale, x.dtype)))
+             * reference.dot("th,eih->tei", x, dequantize(up, up_scale, x.dtype)))
+        h = (h * dense[:, :, None]).astype(x.dtype)
+        out = reference.dot("tei,ehi->th", h, dequantize(down, down_scale, x.dtype)).astype(x.dtype)
+    return out if residual is None else residual + out
 
 
 @contextlib.contextmanager

@@ -42,8 +42,10 @@ def _decisions(name: str, layers: int, tokens: int, mtp: bool) -> dict[str, set[
                                                ("glm5-tp8-shard", 1, True), ("deepseek-v3.2", 4, False)])
 def test_every_kernel_runs_at_decode_shapes(name, tokens, mtp):
     chosen = _decisions(name, 4, tokens, mtp)
-    # the head's top-k runs in next_token, expert_hidden only with the engine's all-reduce (tp > 1)
-    expected = {op for op, o in OPS.items() if o.kernel is not None and op not in ("lm_head_topk", "expert_hidden")}
+    # the head's top-k runs in next_token, expert_hidden only with the engine's all-reduce (tp > 1); a
+    # plain linear without tp only in the MTP block (eh_proj: the FFNs' down projections add the residual)
+    skip = ("lm_head_topk", "expert_hidden") + (() if mtp else ("linear",))
+    expected = {op for op, o in OPS.items() if o.kernel is not None and op not in skip}
     assert expected <= set(chosen), expected - set(chosen)
     assert all(chosen[op] == {True} for op in expected), {op: chosen[op] for op in expected}
 
@@ -120,9 +122,12 @@ def _layer_bodies(name: str) -> list[dict]:
 # 1 launch more, 50 glue ops fewer.
 # Counted as a GPU with the engine traces the step (its top-k: a launch, not a top_k op). The router's
 # selection as one engine launch (`jtilert.ffi.route`): 1 launch more, 39 glue ops fewer (dsv32; glm5's
-# one group: 20).
-BUDGET = {"dsv32-tp8-shard": [{"kernels": 13, "glue": 43}, {"kernels": 17, "glue": 53}],
-          "glm5-tp8-shard": [{"kernels": 12, "glue": 56}, {"kernels": 16, "glue": 66}]}
+# one group: 20). The FFN's norm folded into its GEMVs (gate/up, the router, the experts' and the shared
+# expert's gate/up) and the layer's residual add into its down projections: 7 glue ops fewer in the dense
+# body, 8 in the MoE body. The key's Hadamard rotation in index_prep (with q's) and the indexer's traced
+# offsets as operands of their own (no stack of them): 3 fewer in each.
+BUDGET = {"dsv32-tp8-shard": [{"kernels": 13, "glue": 33}, {"kernels": 17, "glue": 42}],
+          "glm5-tp8-shard": [{"kernels": 12, "glue": 46}, {"kernels": 16, "glue": 55}]}
 
 
 @pytest.mark.parametrize("name", sorted(BUDGET))

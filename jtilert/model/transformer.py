@@ -198,8 +198,9 @@ class MLP(nnx.Module):
     def arrays(self) -> tuple:
         return _swiglu_arrays(self.gate_proj, self.up_proj, self.down_proj)
 
-    def __call__(self, ops: Ops, x, layer=None):
-        return ops.mlp(x, self.arrays(), layer)
+    def __call__(self, ops: Ops, x, layer=None, norm=None, residual=None):
+        """residual + SwiGLU(x normed by `norm` = (weight, eps, index), see `Ops.__call__`)."""
+        return ops.mlp(x, self.arrays(), layer, norm=norm, residual=residual)
 
 
 class Router(nnx.Module):
@@ -229,10 +230,12 @@ class MoE(nnx.Module):
         self.experts = Experts(cfg, rngs=rngs, fmt=fmt)
         self.shared_experts = MLP(cfg, cfg.moe_intermediate_size * cfg.n_shared_experts, rngs=rngs, fmt=fmt)
 
-    def __call__(self, ops: Ops, x, layer=None):
+    def __call__(self, ops: Ops, x, layer=None, norm=None, residual=None):
+        """residual + MoE(x normed by `norm` = (weight, eps, index), see `Ops.__call__`)."""
         weights, ids = ops("route", self.cfg, x, self.gate.weight[...], self.gate.e_score_correction_bias[...],
-                           layer=layer)
-        return ops.moe(x, weights, ids, self.experts.arrays(), self.shared_experts.arrays(), layer)
+                           layer=layer, norm=norm)
+        return ops.moe(x, weights, ids, self.experts.arrays(), self.shared_experts.arrays(), layer, norm=norm,
+                       residual=residual)
 
 
 class Indexer(nnx.Module):
@@ -256,8 +259,8 @@ class Indexer(nnx.Module):
         k_x, k_col = (self.wk(ops, x, slot), 0) if k is None else k
         w = reference.linear(x.astype(F32), self.weights_proj.weight[...][slot].astype(F32))
         w = w * (cfg.index_n_heads**-0.5 * cfg.index_head_dim**-0.5)
-        # the key's norm, rope on q and k, q's Hadamard rotation and fp8 quantisation (one kernel); the
-        # projections' outputs are read in place
+        # the key's norm, rope on q and k, their Hadamard rotation and q's fp8 quantisation (one kernel;
+        # the projections' outputs are read in place): k comes out rotated, fp32 in fp8 mode
         q, w, k = ops("index_prep", cfg, q_x, q_col, k_x, k_col, self.k_norm.weight[...], self.k_norm.bias[...],
                       SUBLAYER_EPS, cos, sin, w, layer=slot)
         topk, k_cache, k_scale = ops.indexer_topk(cfg, q, w, k, cache["index_k"], cache.get("index_scale"),
@@ -672,9 +675,11 @@ class Transformer(nnx.Module):
             return jax.lax.cond(slot >= 0, lambda c: run(c, jnp.maximum(slot, 0)), lambda c: (topk, c), c)
 
         h, cache, topk = blk.self_attn(ops, i, x, blk.input_layernorm, cos, sin, positions, start, cache, indexer)
-        f = blk.post_attention_layernorm(h, i)
-        out = self.dense(ops, f, i) if ffn == "dense" else self.moe(ops, f, i - lay.num_dense)
-        return h + out, cache, topk
+        # the FFN's norm and the residual add go to its ops (the kernels fold both in)
+        norm = (blk.post_attention_layernorm.weight[...], blk.post_attention_layernorm.eps, i)
+        if ffn == "dense":
+            return self.dense(ops, h, i, norm=norm, residual=h), cache, topk
+        return self.moe(ops, h, i - lay.num_dense, norm=norm, residual=h), cache, topk
 
     def _layers(self, ops, lo: int, hi: int, ffn: str, carry, cos, sin, positions, start):
         """Layers lo..hi-1: one loop (one compiled body), or unrolled (`DecodeConfig.layer_loop`)."""

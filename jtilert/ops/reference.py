@@ -414,16 +414,19 @@ def _descending_ranks(v: jax.Array) -> jax.Array:
 
 
 def moe_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, gate, gate_scale, up, up_scale,
-                down, down_scale) -> jax.Array:
-    """Σ_k weights[t,k] · Expert_{ids[t,k]}(x[t]). Expert weights are stacked [E, out, in] (with
-    optional block scales [E, ., .]). Few tokens (T·k < E: decode) gather the chosen experts' weights
-    once per (token, choice); more (prefill) group the choices by expert (`moe_grouped`), so each
-    chosen expert's weights are read about once per call and no token runs an expert it did not choose."""
+                down, down_scale, residual: jax.Array | None = None) -> jax.Array:
+    """Σ_k weights[t,k] · Expert_{ids[t,k]}(x[t]) (+ residual, added like `linear_residual`). Expert
+    weights are stacked [E, out, in] (with optional block scales [E, ., .]). Few tokens (T·k < E: decode)
+    gather the chosen experts' weights once per (token, choice); more (prefill) group the choices by
+    expert (`moe_grouped`), so each chosen expert's weights are read about once per call and no token
+    runs an expert it did not choose."""
     t, k = ids.shape
     if t * k < gate.shape[0]:
         h = expert_hidden(x, ids, gate, gate_scale, up, up_scale)
-        return expert_down(h, weights, ids, down, down_scale)
-    return moe_grouped(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale)
+        out = expert_down(h, weights, ids, down, down_scale)
+    else:
+        out = moe_grouped(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale)
+    return out if residual is None else residual + out
 
 
 GROUP_ROWS = 64   # rows of one expert's tile in `moe_grouped` (wgmma's M)

@@ -7,9 +7,9 @@ Each CTA owns 64 output rows and a 1/split_k share of K and streams its weights 
 pipeline in the checkpoint layout. "wgmma" engine: rows are wgmma's M, tokens its N (rows ≥ T are
 TMA's zero fill); for fp8 the block scales (and the norm weight) are folded into the f16 B operand
 with a power-of-two rescale, so the weight tile only needs e4m3 → f16. "fma" engine: CUDA-core
-fp32 FMAs, for fp32 weights (the router). split_k > 1 writes fp32 partials (with a norm, each
-already scaled by 1/rms, computed in the kernel) and XLA's finish is their sum in one fusion with
-the epilogue (cast, residual, SwiGLU).
+fp32 FMAs, for fp32 weights (the router). A norm is applied to x before B is built, rounded as the
+reference rounds it (each CTA computes 1/rms from the whole row). split_k > 1 writes fp32 partials and
+XLA's finish is their sum in one fusion with the epilogue (cast, residual, SwiGLU).
 `layer=`: the weights are stacks [L, N, K] and the traced layer index, read on the device, steers
 the weight TMA (no slice of the stack outside the kernel). Expert mode (`ids`, used by `moe`): the
 selected experts' rows of a stack [E, N, K] (or [L, E, N, K]) are read the same way; `heads_linear`
@@ -172,12 +172,13 @@ def _weight_dtype(itemsize: int):
 
 
 def projection_smem(cfg: GemvConfig, *, k: int, p: int, itemsize: int, tb: int, out_dtype=BF16,
-                    residual_dtype=None) -> hw.Scope:
+                    residual_dtype=None, norm: bool = False) -> hw.Scope:
     """`_projection`'s shared memory: its scratch, and inside, the weight pipeline's `stages` tiles
-    per weight (the fp8 B build at step 0 reduces in there); the epilogue reduces outside."""
+    per weight (the B build at step 0 reduces in there for fp8 weights or a norm); the epilogue
+    reduces outside."""
     pipe = hw.Scope(tuple(plgpu.SMEM((cfg.stages, cfg.block_n, cfg.block_k), _weight_dtype(itemsize))
                           for _ in range(p)) + (plgpu.Barrier(num_barriers=cfg.stages),),
-                    reduces=itemsize == 1 and cfg.engine == "wgmma")
+                    reduces=cfg.engine == "wgmma" and (itemsize == 1 or norm))
     scratch = projection_scratch(cfg, k=k, p=p, itemsize=itemsize, tb=tb, out_dtype=out_dtype,
                                  residual_dtype=residual_dtype)
     return hw.Scope(tuple(scratch), (pipe,), reduces=True)
@@ -187,6 +188,11 @@ def projection_smem(cfg: GemvConfig, *, k: int, p: int, itemsize: int, tb: int, 
 
 def _sigmoid(x):
     return 1.0 / (1.0 + jnp.exp(-x))
+
+
+def add_residual(y, residual, out_dtype):
+    """residual + y as `jtilert.ops.reference.linear_residual` rounds it: y to bf16, the sum in fp32."""
+    return (y.astype(BF16).astype(F32) + residual.astype(F32)).astype(out_dtype)
 
 
 def _finish(ys, *, kind, residual, out_dtype):
@@ -200,7 +206,7 @@ def _finish(ys, *, kind, residual, out_dtype):
         # moe_experts' reference keeps g and u in fp32.
         return (ys[0] * _sigmoid(ys[0]) * ys[1]).astype(out_dtype)
     if residual is not None:
-        return (ys[0].astype(BF16).astype(F32) + residual.astype(F32)).astype(out_dtype)
+        return add_residual(ys[0], residual, out_dtype)
     return ys[0].astype(out_dtype)
 
 
@@ -229,8 +235,8 @@ def sum_squares(row, k: int):
     return total
 
 
-def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="linear",
-                out_dtype=BF16, config: GemvConfig | None = None, ids=None, layer=None,
+def _projection(x, ws, scales, *, norm=None, eps=1e-6, norm_layer=None, residual=None, kind="linear",
+                out_dtype=BF16, config: GemvConfig | None = None, ids=None, heads: int = 0, layer=None,
                 scale_block: int = QBLOCK, prefix: bool = False, stride: int = 0):
     """Core: x [T, K] (T ≤ 8) against P = len(ws) weights [N, K] with shared x; see module doc.
     fp8 weights carry one fp32 scale per `scale_block`² block (128: the checkpoint's; 64: copies
@@ -242,46 +248,59 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
     weight [L, K]) and layer `layer` is used; every CTA reads the index on the device and the
     weight TMA (and the scale / norm loads) address that layer, so nothing is sliced outside.
 
+    `norm` (RMSNorm weight [K], or a stack [L', K] read at `norm_layer`, default `layer`): the input is
+    rms_norm(x[t, :K]) exactly as `jtilert.ops.reference.rms_norm` rounds it (x·(1/rms) to bf16, times
+    the weight, to bf16); each CTA computes its tokens' 1/rms from the whole row before its B build.
+
     Expert mode (`ids` int32 [S] given, S a multiple of T): the weights are stacked [E, N, K]
     (scales [E, nb, kb]) and selection i multiplies token i // (S / T) with expert ids[i]; only
     the selected experts' rows are read (the expert id is read on the device and steers the TMA).
     The result is [S, N]. With `layer` too, the stacks are [L, E, N, K], taken as [L·E, N, K] (a
     free reshape) and the kernel reads expert ids[i] + layer·E. T is then any number of rows: each
     CTA stages the 8-row block that holds its token. `stride` (with `prefix`): selection i reads
-    columns j·stride .. j·stride + K of its token's row, j = i mod S/T (`heads_linear`: the heads of a
+    columns j·stride .. j·stride + K of its token's row, j = i mod S/T. `heads` (instead of ids): expert
+    mode whose selection i uses stack entry i mod heads, no ids operand (`heads_linear`: the heads of a
     token are experts 0..H-1, head j's input at columns j·D of the token's row)."""
     t, kx = x.shape
     p = len(ws)
-    stacked = ids is not None or layer is not None
+    if heads and ids is not None:
+        raise ValueError("GEMV expert mode: ids or heads, not both")
+    experts = ids is not None or heads > 0
+    stacked = experts or layer is not None
     per_layer = 1                                 # stack entries per layer (E in expert mode)
-    if ids is not None and layer is not None:
+    if norm is not None and norm_layer is None:
+        norm_layer = layer
+    if norm is not None and norm.shape[-1] != ws[0].shape[-1]:
+        raise ValueError(f"GEMV kernel: norm weight {norm.shape} does not match weights {ws[0].shape}")
+    if norm is not None and norm.ndim != (1 if norm_layer is None else 2):
+        raise ValueError(f"GEMV kernel: norm weight {norm.shape}: [K], or a stack [L, K] with a layer index")
+    if experts and layer is not None:
         if ws[0].ndim != 4:
             raise ValueError(f"GEMV expert mode with layer: weights must be [L, E, N, K], got {ws[0].shape}")
         per_layer = ws[0].shape[1]
         ws = tuple(w.reshape(-1, *w.shape[2:]) for w in ws)
         scales = tuple(None if s is None else s.reshape(-1, *s.shape[2:]) for s in scales)
-    if ids is not None:
-        if ws[0].ndim != 3 or ids.ndim != 1 or ids.shape[0] % t:
-            raise ValueError(f"GEMV expert mode: weights {ws[0].shape}, ids {ids.shape}, tokens {t}")
-        if norm is not None or residual is not None:
-            raise ValueError("GEMV expert mode has no norm prologue / residual epilogue")
+    if experts:
+        if ws[0].ndim != 3 or (ids is not None and (ids.ndim != 1 or ids.shape[0] % t)):
+            raise ValueError(f"GEMV expert mode: weights {ws[0].shape}, ids {None if ids is None else ids.shape}, "
+                             f"tokens {t}")
+        if residual is not None:
+            raise ValueError("GEMV expert mode has no residual epilogue")
     elif layer is not None and ws[0].ndim != 3:
         raise ValueError(f"GEMV layer mode: weights must be stacked [L, N, K], got {ws[0].shape}")
     elif layer is None and ws[0].ndim != 2:
         raise ValueError(f"GEMV kernel: weights must be [N, K], got {ws[0].shape} (stacks need layer=)")
     n, k = ws[0].shape[-2:]
-    if norm is not None and norm.shape != ((ws[0].shape[0], k) if layer is not None else (k,)):
-        raise ValueError(f"GEMV kernel: norm weight {norm.shape} does not match weights {ws[0].shape}")
-    nsel = ids.shape[0] if ids is not None else t
+    nsel = ids.shape[0] if ids is not None else t * heads if heads else t
     kper = nsel // t
-    tb = 1 if ids is not None else t              # token rows of B that this CTA uses
+    tb = 1 if experts else t                      # token rows of B that this CTA uses
     if (kx != k and not (prefix and kx > k and kx % 8 == 0)) or any(
             w.shape != ws[0].shape or w.dtype != ws[0].dtype for w in ws):
         raise ValueError(f"GEMV kernel: x {x.shape} and weights {[w.shape for w in ws]} do not match")
-    if stride and (ids is None or not prefix or (kper - 1) * stride + k > kx):
+    if stride and (not experts or not prefix or (kper - 1) * stride + k > kx):
         raise ValueError(f"GEMV kernel: stride {stride} needs expert mode and x rows of ≥ {(kper - 1) * stride + k}"
                          f" columns ({kper} selections per token), got x {x.shape}")
-    if t < 1 or (t > MAX_TOKENS and ids is None):
+    if t < 1 or (t > MAX_TOKENS and not experts):
         raise ValueError(f"GEMV kernel: 1..{MAX_TOKENS} tokens per call, got {t}")
     if scale_block not in (KGRAIN, QBLOCK):
         raise ValueError(f"GEMV kernel: scale blocks of {KGRAIN} or {QBLOCK}, got {scale_block}")
@@ -301,9 +320,9 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
     itemsize = ws[0].dtype.itemsize
     res_dtype = residual.dtype if residual is not None else None
     layout = functools.partial(projection_smem, k=k, p=p, itemsize=itemsize, tb=tb, out_dtype=out_dtype,
-                               residual_dtype=res_dtype)
+                               residual_dtype=res_dtype, norm=norm is not None)
     # K slices of whole scale blocks under split-K (64-blocks: any slice of the 64 grain)
-    cfg = (config or GemvConfig()).resolved(n * (nsel if ids is not None else 1), k, t, p, itemsize, hw.num_sms(),
+    cfg = (config or GemvConfig()).resolved(n * (nsel if experts else 1), k, t, p, itemsize, hw.num_sms(),
                                             layout=layout, slice_unit=KGRAIN if scale_block == KGRAIN else None)
     hw.check_smem("GEMV kernel", layout(cfg), cfg)
     if itemsize == 4 and cfg.engine != "fma":
@@ -330,6 +349,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
         x_gmem = next(it)
         ids_gmem = next(it) if ids is not None else None
         layer_gmem = next(it) if layer is not None else None
+        nlayer_gmem = next(it) if norm is not None and norm_layer is not None else None
         w_gmems = [next(it) for _ in range(p)]
         s_gmems = [next(it) for _ in range(p)] if fp8 else [None] * p
         nw_gmem = next(it) if norm is not None else None
@@ -349,9 +369,11 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
         # wid: the stack entry of the weights (layer, expert, or layer·E + expert), read on the
         # device; it steers the weight TMA and indexes the scales and the norm weight.
         lid = layer_gmem[0] if layer is not None else None
-        if ids is not None:
+        nlid = nlayer_gmem[0] if nlayer_gmem is not None else None
+        if experts:
             e_idx = lax.axis_index("e")
-            wid = ids_gmem[e_idx] if lid is None else ids_gmem[e_idx] + lid * per_layer
+            entry = ids_gmem[e_idx] if ids is not None else e_idx % heads
+            wid = entry if lid is None else entry + lid * per_layer
             tok0 = e_idx // kper            # the token of this selection
             c0 = (e_idx % kper) * stride    # its window's first column in the token's row
         else:
@@ -365,7 +387,15 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
             return s_gmems[j][wid, srow, kb] if stacked else s_gmems[j][srow, kb]
 
         def norm_at(start, size):
-            return nw_gmem.at[lid, pl.ds(start, size)] if lid is not None else nw_gmem.at[pl.ds(start, size)]
+            return nw_gmem.at[nlid, pl.ds(start, size)] if nlid is not None else nw_gmem.at[pl.ds(start, size)]
+
+        def inv_rms(tok):
+            """1/rms of token row `tok`'s K input columns, as the reference computes it."""
+            return lax.rsqrt(sum_squares(x_gmem.at[tok, pl.ds(c0, k)], k) / k + eps)
+
+        def normed(v, r, nwv):
+            """rms_norm's rounding: (x · 1/rms) to bf16, times the weight, to bf16 (as fp32 values)."""
+            return ((v * r).astype(BF16).astype(F32) * nwv.astype(F32)).astype(BF16).astype(F32)
         k0 = s_idx * kc
         row0 = n_idx * bn
         srow = row0 // scale_block
@@ -377,17 +407,24 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
 
         def build_b(xstage, svals):
             """B operand(s) for wgmma: the tokens' K slice, [8, kc] (rows ≥ T are TMA's zero fill).
-            bf16 weights: B = x (· norm weight) in bf16. fp8 weights: B_j = f16(x · w_norm · s_j[row
-            block, k block] · f_j), the block scales of the CTA's row block folded into x (exact
-            for the checkpoint's power-of-two scales) and f_j = `hw.f16_range_factor`; the
-            epilogue multiplies by 1/f_j (kept in `invf`). The weights then only need e4m3 → f16."""
+            bf16 weights: B = x (normed) in bf16. fp8 weights: B_j = f16(x · s_j[row block, k block]
+            · f_j), the block scales of the CTA's row block folded into x (exact for the
+            checkpoint's power-of-two scales) and f_j = `hw.f16_range_factor`; the epilogue
+            multiplies by 1/f_j (kept in `invf`). The weights then only need e4m3 → f16."""
+            if nw_gmem is not None:
+                # each B row's 1/rms: its token's (expert mode: the one token of this CTA)
+                row_id = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (MAX_TOKENS, bw), 0), X_LAYOUT)
+                r_rows = inv_rms(tok0)
+                for tok in range(1, tb):
+                    r_rows = jnp.where(row_id == tok, inv_rms(tok), r_rows)
             plgpu.barrier_wait(bar.at[0])
 
             def block(b):
                 v = plgpu.load(xstage.at[:, pl.ds(b * bw, bw)], layout=X_LAYOUT).astype(F32)
                 if nw_gmem is not None:
-                    nwv = plgpu.load(norm_at(k0 + b * bw, bw), optimized=False).astype(F32)
-                    v = v * plgpu.layout_cast(lax.broadcast_in_dim(nwv, (MAX_TOKENS, bw), (1,)), X_LAYOUT)
+                    nwv = plgpu.load(norm_at(k0 + b * bw, bw), optimized=False)
+                    v = normed(v, r_rows, plgpu.layout_cast(lax.broadcast_in_dim(nwv, (MAX_TOKENS, bw), (1,)),
+                                                            X_LAYOUT))
                 return v
 
             for j in range(p if fp8 else 1):
@@ -403,13 +440,14 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
 
         # Prologue: this CTA's slice of the tokens into SMEM.
         if fma:
-            # FMA engine: fp32 rows [T, kc] (x · norm weight, rounded to bf16 like the wgmma path).
+            # FMA engine: fp32 rows [T, kc] (the normed input where there is a norm)
             for tok in range(tb):
+                r = inv_rms(tok0 + tok) if nw_gmem is not None else None
                 for c, size, layout in row_pieces(kc):
                     xr = load_piece(x_gmem.at[tok0 + tok, pl.ds(c0 + k0 + c, size)], layout).astype(F32)
                     if nw_gmem is not None:
-                        xr = xr * load_piece(norm_at(k0 + c, size), layout).astype(F32)
-                    xf.at[tok, pl.ds(c, size)][...] = xr.astype(BF16).astype(F32)
+                        xr = normed(xr, r, load_piece(norm_at(k0 + c, size), layout))
+                    xf.at[tok, pl.ds(c, size)][...] = xr
         else:
             # The token TMA now; B is built at step 0 of the weight pipeline, whose first `stages`
             # weight tiles are already in flight by then.
@@ -496,11 +534,6 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
         # Epilogue: one row vector per token.
         for tok in range(tb):
             cols = cols_of(tok)
-            if norm is not None:
-                # the norm's 1/rms over the token's K columns (every CTA reads them from GMEM; with
-                # split-K each scales its partial sums, so XLA's finish is only their sum)
-                rms = lax.rsqrt(sum_squares(x_gmem.at[tok], k) / k + eps)
-                cols = [c * rms for c in cols]
             if in_kernel_epilogue:
                 res = res_smem.at[tok][...] if res_smem is not None else None
                 o_smem.at[0, tok][...] = _finish(cols, kind=kind, residual=res, out_dtype=o_dtype)
@@ -508,7 +541,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
                 for j in range(p):
                     o_smem.at[j, tok][...] = cols[j]
         plgpu.commit_smem()
-        orow = pl.ds(e_idx, 1) if ids is not None else slice(None)
+        orow = pl.ds(e_idx, 1) if experts else slice(None)
         for j in range(out_rows):
             dst = (out_gmem.at[orow, pl.ds(row0, bn)] if in_kernel_epilogue
                    else out_gmem.at[s_idx, j, orow, pl.ds(row0, bn)])
@@ -524,13 +557,14 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
     out_type = (jax.ShapeDtypeStruct((nsel, n_out), o_dtype) if in_kernel_epilogue
                 else jax.ShapeDtypeStruct((split, p, nsel, n_out), F32))
     grid, names = (row_blocks, split), ("n", "s")
-    if ids is not None:
+    if experts:
         grid, names = grid + (nsel,), names + ("e",)
     call = plgpu.kernel(kernel, out_type=out_type, grid=grid, grid_names=names,
                         scratch_types=scratch, interpret=_interp.params(),
                         kernel_name=f"jtilert_gemv_{cfg.engine}")
     args = [x] + ([ids.astype(jnp.int32)] if ids is not None else [])
-    args += ([hw.layer_operand(layer)] if layer is not None else []) + list(ws)
+    args += ([hw.layer_operand(layer)] if layer is not None else [])
+    args += ([hw.layer_operand(norm_layer)] if norm is not None and norm_layer is not None else []) + list(ws)
     if fp8:
         args += [s.astype(F32) for s in scales]
     if norm is not None:
@@ -591,14 +625,18 @@ def rmsnorm_linear(x, norm_weight, eps, w, scale=None, *, layer=None, config: Ge
                                                 config=config, prefix=x.shape[-1] > k))
 
 
-def swiglu_pair(x, gate, gate_scale, up, up_scale, *, layer=None, config: GemvConfig | None = None):
-    """silu(linear(x, gate)) · linear(x, up) (fp32 math, bf16 result) in one pass over both weights."""
+def swiglu_pair(x, gate, gate_scale, up, up_scale, *, layer=None, config: GemvConfig | None = None,
+                norm_weight=None, eps: float = 1e-6, norm_layer=None):
+    """silu(linear(x, gate)) · linear(x, up) (fp32 math, bf16 result) in one pass over both weights;
+    with `norm_weight` ([K], or a stack [L, K] read at `norm_layer`), of rms_norm(x, norm_weight, eps)."""
     gate, gate_scale = _prep_weight(gate, gate_scale, layer)
     up, up_scale = _prep_weight(up, up_scale, layer)
     if gate.dtype != up.dtype:
         raise ValueError("gate and up must have the same format")
+    nw = None if norm_weight is None else norm_weight.astype(BF16)   # the reference multiplies in x.dtype
     return hw.token_chunks(x, lambda xc, _: _projection(xc, (gate, up), (gate_scale, up_scale), kind="swiglu",
-                                                layer=layer, config=config))
+                                                layer=layer, config=config, norm=nw, eps=eps,
+                                                norm_layer=norm_layer))
 
 
 def swiglu(x, gate, gate_scale, up, up_scale, down, down_scale, *, layer=None,
@@ -625,8 +663,9 @@ def heads_linear(x, w, scale=None, block: int = QBLOCK, head_dim: int | None = N
         raise ValueError(f"heads_linear: x {x.shape} (head_dim {head_dim}) for {h} heads of weights {w.shape}")
     t = x.shape[0]
     w, scale = _prep_weight(w, scale, layer)
-    ids = jnp.asarray(np.tile(np.arange(h, dtype=np.int32), t))   # a constant operand: no launch
-    y = _projection(x, (w,), (scale,), ids=ids, layer=layer, scale_block=block, prefix=True, stride=head_dim,
+    # the heads as experts 0..h-1 of every token, computed in the kernel (an ids operand would be an
+    # iota, which XLA materialises with a kernel of its own in every layer)
+    y = _projection(x, (w,), (scale,), heads=h, layer=layer, scale_block=block, prefix=True, stride=head_dim,
                     out_dtype=x.dtype, config=config)
     return y.reshape(t, h, -1)
 

@@ -37,19 +37,23 @@ MOE_LAYOUT_VERSION = "jtilert-moe-v1: experts stacked [E(+1 shared), out, in] in
 
 # ---- gate/up ------------------------------------------------------------------------------------
 
-def expert_gate_up(x, ids, gate, gate_scale, up, up_scale, *, layer=None, config: GemvConfig | None = None):
+def expert_gate_up(x, ids, gate, gate_scale, up, up_scale, *, layer=None, config: GemvConfig | None = None,
+                   norm_weight=None, eps: float = 1e-6, norm_layer=None):
     """h[i] = silu(x[tok_i] · gate[ids_i]ᵀ) · (x[tok_i] · up[ids_i]ᵀ), fp32 math, bf16 result.
     x [T, H] bf16, ids [T, k] int32, gate/up [E, I, H] (fp8 + scales [E, ., .], or bf16); with
-    `layer`, [L, E, I, H] (scales [L, E, ., .]) and layer `layer`'s experts."""
+    `layer`, [L, E, I, H] (scales [L, E, ., .]) and layer `layer`'s experts. With `norm_weight`
+    ([H], or a stack read at `norm_layer`), x is rms_norm(x, norm_weight, eps) (`gemv._projection`)."""
+    nw = None if norm_weight is None else norm_weight.astype(BF16)
     return gemv._projection(x, (gate, up), (gate_scale, up_scale), kind="swiglu_f32",
-                            ids=ids.reshape(-1), layer=layer, config=config)
+                            ids=ids.reshape(-1), layer=layer, config=config, norm=nw, eps=eps, norm_layer=norm_layer)
 
 
 # ---- down + weighted sum ------------------------------------------------------------------------
 
-def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16,
+def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16, residual=None,
                 config: GemvConfig | None = None):
-    """y[t] = Σ_j weights[t, j] · h[t·k + j] · down[ids[t, j]]ᵀ  (fp32 accumulation).
+    """y[t] = Σ_j weights[t, j] · h[t·k + j] · down[ids[t, j]]ᵀ  (fp32 accumulation), + residual [T, H]
+    where given (y rounded to bf16 first, the add in fp32: `gemv.linear_residual`'s rounding).
     h [T·k, I] bf16, weights [T, k] fp32, ids [T, k] int32, down [E, H, I] (fp8 + scales or bf16);
     with `layer`, down [L, E, H, I] (scales [L, E, ., .]) and layer `layer`'s experts."""
     t, kper = ids.shape
@@ -87,7 +91,11 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
     # K slices of whole 128-column blocks (B is built per block); a pipeline step inside one
     # expert (block_k divides the expert width). One slice per row block unless the token slice
     # [8, K / split] does not fit in SMEM (K = T·k·I grows with the tokens and experts).
-    layout = functools.partial(expert_down_smem, k=ktot, itemsize=down.dtype.itemsize, out_dtype=out_dtype)
+    if residual is not None and residual.shape != (t, n):
+        raise ValueError(f"expert_down: residual {residual.shape}, want {(t, n)}")
+    res_dtype = None if residual is None else residual.dtype
+    layout = functools.partial(expert_down_smem, k=ktot, itemsize=down.dtype.itemsize, out_dtype=out_dtype,
+                               residual_dtype=res_dtype)
     cfg = cfg.resolved(n, ktot, t, 1, down.dtype.itemsize, hw.num_sms(), slice_unit=QBLOCK,
                        divides=i_dim, occupancy=False, layout=layout)
     hw.check_smem("MoE down kernel", layout(cfg), cfg)
@@ -103,18 +111,24 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
     nsub = bk // sub
     in_kernel = split == 1
     o_dtype = out_dtype if in_kernel else F32
+    res_in_kernel = residual is not None and in_kernel
 
     def kernel(h_gmem, w_gmem, ids_gmem, *rest):
         it = iter(rest)
         layer_gmem = next(it) if layer is not None else None
         d_gmem = next(it)
         s_gmem = next(it) if fp8 else None
+        res_gmem = next(it) if res_in_kernel else None
         out_gmem, xb, invf, o_smem = next(it), next(it), next(it), next(it)
         a_bufs = next(it) if (fp8 and not a_regs) else None
+        res_smem, res_bar = (next(it), next(it)) if res_in_kernel else (None, None)
         n_idx = lax.axis_index("n")
         s_idx = lax.axis_index("s")
         k0 = s_idx * kc
         row0 = n_idx * bn
+        if res_in_kernel:   # the residual's rows of this block, while the weights stream (zero fill past T)
+            plgpu.copy_gmem_to_smem(res_gmem.at[pl.ds(n_idx * 0, MAX_TOKENS), pl.ds(row0, bn)], res_smem,
+                                    res_bar.at[0])
         srow = row0 // QBLOCK
         # stack entries (expert ids, + layer·E), scalars read once
         base_id = layer_gmem[0] * per_layer if layer is not None else 0
@@ -184,17 +198,23 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
 
         y = pl.run_scoped(run, plgpu.ACC((bn, MAX_TOKENS), F32))
         col_id = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (bn, MAX_TOKENS), 1), plgpu.Layout.WGMMA)
+        if res_in_kernel:
+            plgpu.barrier_wait(res_bar.at[0])
         for tok in range(t):
             col = jnp.sum(jnp.where(col_id == tok, y, 0.0), axis=1)
             if fp8:
                 col = col * invf[0]
-            o_smem.at[tok][...] = col.astype(o_dtype)
+            if res_in_kernel:
+                o_smem.at[tok][...] = gemv.add_residual(col, res_smem.at[tok][...], o_dtype)
+            else:
+                o_smem.at[tok][...] = col.astype(o_dtype)
         plgpu.commit_smem()
         dst = out_gmem.at[:, pl.ds(row0, bn)] if in_kernel else out_gmem.at[s_idx, :, pl.ds(row0, bn)]
         plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, t)], dst)
         plgpu.wait_smem_to_gmem(0)
 
-    scratch = expert_down_scratch(cfg, k=ktot, itemsize=down.dtype.itemsize, out_dtype=out_dtype)
+    scratch = expert_down_scratch(cfg, k=ktot, itemsize=down.dtype.itemsize, out_dtype=out_dtype,
+                                  residual_dtype=res_dtype)
     out_type = (jax.ShapeDtypeStruct((t, n), o_dtype) if in_kernel
                 else jax.ShapeDtypeStruct((split, t, n), F32))
     call = plgpu.kernel(kernel, out_type=out_type, grid=(row_blocks, split), grid_names=("n", "s"),
@@ -203,13 +223,19 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
     args += ([hw.layer_operand(layer)] if layer is not None else []) + [down]
     if fp8:
         args.append(down_scale.astype(F32))
+    if res_in_kernel:
+        args.append(residual)
     out = call(*args)
-    return out if in_kernel else out.sum(0).astype(out_dtype)
+    if in_kernel:
+        return out
+    y = out.sum(0)
+    return y.astype(out_dtype) if residual is None else gemv.add_residual(y, residual, out_dtype)
 
 
-def expert_down_scratch(cfg: GemvConfig, *, k: int, itemsize: int, out_dtype=BF16) -> list:
+def expert_down_scratch(cfg: GemvConfig, *, k: int, itemsize: int, out_dtype=BF16, residual_dtype=None) -> list:
     """`expert_down`'s scratch buffers under a resolved config: the B operand [8, K / split], the
-    fp8 range factor, the output tile, and the A double buffer (fp8 with A from SMEM)."""
+    fp8 range factor, the output tile, the A double buffer (fp8 with A from SMEM), and the residual
+    tile with its barrier (a residual without split-K)."""
     fp8 = itemsize == 1
     scratch = [plgpu.SMEM((MAX_TOKENS, k // cfg.split_k), F16 if fp8 else BF16, transforms=X_TRANSFORMS),
                plgpu.SMEM((1,), F32),
@@ -217,28 +243,34 @@ def expert_down_scratch(cfg: GemvConfig, *, k: int, itemsize: int, out_dtype=BF1
     if fp8 and not cfg.a_in_registers:
         _, sub = hw.weight_transforms(cfg.block_k, itemsize)
         scratch.append(plgpu.SMEM((2, cfg.block_n, sub), F16, transforms=X_TRANSFORMS))
+    if residual_dtype is not None and cfg.split_k == 1:
+        scratch += [plgpu.SMEM((MAX_TOKENS, cfg.block_n), residual_dtype), plgpu.Barrier(num_barriers=1)]
     return scratch
 
 
-def expert_down_smem(cfg: GemvConfig, *, k: int, itemsize: int, out_dtype=BF16) -> hw.Scope:
+def expert_down_smem(cfg: GemvConfig, *, k: int, itemsize: int, out_dtype=BF16, residual_dtype=None) -> hw.Scope:
     """`expert_down`'s shared memory: its scratch, and inside, the weight pipeline (B is built,
     and for fp8 range-scaled, at step 0 in there); the epilogue reduces outside."""
     pipe = hw.Scope((plgpu.SMEM((cfg.stages, cfg.block_n, cfg.block_k), FP8 if itemsize == 1 else BF16),
                      plgpu.Barrier(num_barriers=cfg.stages)), reduces=itemsize == 1)
-    return hw.Scope(tuple(expert_down_scratch(cfg, k=k, itemsize=itemsize, out_dtype=out_dtype)), (pipe,),
-                    reduces=True)
+    return hw.Scope(tuple(expert_down_scratch(cfg, k=k, itemsize=itemsize, out_dtype=out_dtype,
+                                              residual_dtype=residual_dtype)), (pipe,), reduces=True)
 
 
 # ---- public wrappers ----------------------------------------------------------------------------
 
-def moe_experts(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale, *, layer=None,
+def moe_experts(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale, residual=None, *, layer=None,
+                norm_weight=None, eps: float = 1e-6, norm_layer=None,
                 gate_up_config: GemvConfig | None = None, down_config: GemvConfig | None = None):
-    """jtilert.ops.reference.moe_experts for decode (T ≤ 8): two kernels, only the selected experts read."""
+    """jtilert.ops.reference.moe_experts for decode (T ≤ 8): two kernels, only the selected experts read;
+    the norm (`norm_weight`) in the first, the residual in the second's epilogue."""
     t = x.shape[0]
     if t > MAX_TOKENS:
         raise ValueError(f"moe_experts kernel: at most {MAX_TOKENS} tokens, got {t}")
-    h = expert_gate_up(x, ids, gate, gate_scale, up, up_scale, layer=layer, config=gate_up_config)
-    return expert_down(h, weights, ids, down, down_scale, layer=layer, out_dtype=x.dtype, config=down_config)
+    h = expert_gate_up(x, ids, gate, gate_scale, up, up_scale, layer=layer, config=gate_up_config,
+                       norm_weight=norm_weight, eps=eps, norm_layer=norm_layer)
+    return expert_down(h, weights, ids, down, down_scale, layer=layer, out_dtype=x.dtype, residual=residual,
+                       config=down_config)
 
 
 def pack_shared_expert(gate, gate_scale, up, up_scale, down, down_scale,
@@ -270,9 +302,10 @@ def reference_moe_with_shared(x, weights, ids, packed, shared_raw):
 
 # ---- router -------------------------------------------------------------------------------------
 
-def router_logits(x, gate, *, layer=None):
+def router_logits(x, gate, *, layer=None, norm_weight=None, eps: float = 1e-6, norm_layer=None):
     """x · Wgᵀ in fp32 (the reference's precision) with the FMA engine, Wg [E, H] fp32 (or bf16);
-    with `layer`, Wg [L, E, H] fp32 or bf16 (a stack is never cast per call)."""
+    with `layer`, Wg [L, E, H] fp32 or bf16 (a stack is never cast per call). With `norm_weight`, of
+    rms_norm(x, norm_weight, eps) (read at `norm_layer` where it is a stack)."""
     if gate.dtype in (F32, BF16):
         w = gate
     elif layer is None:
@@ -280,17 +313,19 @@ def router_logits(x, gate, *, layer=None):
     else:
         raise ValueError(f"router_logits: a stacked gate must be fp32 or bf16, got {gate.dtype}")
     cfg = GemvConfig(engine="fma")
+    nw = None if norm_weight is None else norm_weight.astype(BF16)
     return hw.token_chunks(x.astype(BF16) if x.dtype != BF16 else x,
-                        lambda xc, _: gemv._projection(xc, (w,), (None,), out_dtype=F32, layer=layer, config=cfg))
+                        lambda xc, _: gemv._projection(xc, (w,), (None,), out_dtype=F32, layer=layer, config=cfg,
+                                                       norm=nw, eps=eps, norm_layer=norm_layer))
 
 
-def route(cfg, x, gate, bias, *, layer=None):
-    """jtilert.ops.reference.route with the logits GEMV in Pallas (gate [L, E, H], bias [L, E] with layer=)
-    and, with layer=, the selection in one launch of the CUDA engine (`jtilert.ffi.route`; the
-    reference's XLA ops where the engine is not loaded, with a warning)."""
+def route(cfg, x, gate, bias, *, layer=None, norm_weight=None, eps: float = 1e-6, norm_layer=None):
+    """jtilert.ops.reference.route with the logits GEMV in Pallas (gate [L, E, H], bias [L, E] with layer=;
+    the norm `norm_weight` folded in) and, with layer=, the selection in one launch of the CUDA engine
+    (`jtilert.ffi.route`; the reference's XLA ops where the engine is not loaded, with a warning)."""
     if x.dtype != BF16:
         raise ValueError(f"route kernel: activations {x.dtype} {list(x.shape)} (bf16 only)")
-    logits = router_logits(x, gate, layer=layer)
+    logits = router_logits(x, gate, layer=layer, norm_weight=norm_weight, eps=eps, norm_layer=norm_layer)
     if layer is None:
         return reference.select_experts(cfg, logits, bias)
     return ffi_route.select_experts(cfg, logits, bias, layer)
