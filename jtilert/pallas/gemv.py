@@ -286,6 +286,8 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, norm_layer=None, residual
                              f"tokens {t}")
         if residual is not None:
             raise ValueError("GEMV expert mode has no residual epilogue")
+        if norm is not None and (stride or t > MAX_TOKENS):
+            raise ValueError(f"GEMV expert mode with a norm: one window per token, ≤ {MAX_TOKENS} tokens")
     elif layer is not None and ws[0].ndim != 3:
         raise ValueError(f"GEMV layer mode: weights must be stacked [L, N, K], got {ws[0].shape}")
     elif layer is None and ws[0].ndim != 2:
@@ -390,8 +392,15 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, norm_layer=None, residual
             return nw_gmem.at[nlid, pl.ds(start, size)] if nlid is not None else nw_gmem.at[pl.ds(start, size)]
 
         def inv_rms(tok):
-            """1/rms of token row `tok`'s K input columns, as the reference computes it."""
-            return lax.rsqrt(sum_squares(x_gmem.at[tok, pl.ds(c0, k)], k) / k + eps)
+            """1/rms of token `tok`'s K input columns, as the reference computes it. `tok`: a Python int,
+            or expert mode's traced token, selected among the T tokens' (every row read at a static
+            address: a traced one makes Mosaic read the row element by element)."""
+            if isinstance(tok, int):
+                return lax.rsqrt(sum_squares(x_gmem.at[tok], k) / k + eps)
+            r = inv_rms(0)
+            for j in range(1, t):
+                r = jnp.where(tok == j, inv_rms(j), r)
+            return r
 
         def normed(v, r, nwv):
             """rms_norm's rounding: (x · 1/rms) to bf16, times the weight, to bf16 (as fp32 values)."""
@@ -414,7 +423,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, norm_layer=None, residual
             if nw_gmem is not None:
                 # each B row's 1/rms: its token's (expert mode: the one token of this CTA)
                 row_id = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (MAX_TOKENS, bw), 0), X_LAYOUT)
-                r_rows = inv_rms(tok0)
+                r_rows = inv_rms(tok0 if experts else 0)
                 for tok in range(1, tb):
                     r_rows = jnp.where(row_id == tok, inv_rms(tok), r_rows)
             plgpu.barrier_wait(bar.at[0])
@@ -442,7 +451,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, norm_layer=None, residual
         if fma:
             # FMA engine: fp32 rows [T, kc] (the normed input where there is a norm)
             for tok in range(tb):
-                r = inv_rms(tok0 + tok) if nw_gmem is not None else None
+                r = inv_rms(tok0 if experts else tok) if nw_gmem is not None else None
                 for c, size, layout in row_pieces(kc):
                     xr = load_piece(x_gmem.at[tok0 + tok, pl.ds(c0 + k0 + c, size)], layout).astype(F32)
                     if nw_gmem is not None:
