@@ -2,9 +2,10 @@
 and h + FFN(norm(h))): through the op table, backend "pallas" (GPU interpret mode, traced layer and
 norm indices into stacks) against backend "reference", whose op normalises first (`Ops.__call__`'s
 `norm=`), checked bit for bit against the composition of reference ops the model ran before. The
-kernels round the normed input as `reference.rms_norm` defines it (x/rms to bf16, times the weight, to
-bf16), so the router's fp32 logits match that definition to fp32 summation order. A jitted reference
-may differ at the bf16 level: XLA, allowed excess precision, skips the rounding of x/rms inside a fusion."""
+router's FMA kernel rounds the normed input as `reference.rms_norm` defines it (x/rms to bf16, times the
+weight, to bf16), so its fp32 logits match that definition to fp32 summation order; a jitted reference
+may differ at the bf16 level (XLA, allowed excess precision, skips the rounding of x/rms inside a
+fusion). The wgmma kernels apply 1/rms to their sums (bf16-level differences, within TOL)."""
 
 from __future__ import annotations
 

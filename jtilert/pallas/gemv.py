@@ -7,8 +7,9 @@ Each CTA owns 64 output rows and a 1/split_k share of K and streams its weights 
 pipeline in the checkpoint layout. "wgmma" engine: rows are wgmma's M, tokens its N (rows ≥ T are
 TMA's zero fill); for fp8 the block scales (and the norm weight) are folded into the f16 B operand
 with a power-of-two rescale, so the weight tile only needs e4m3 → f16. "fma" engine: CUDA-core
-fp32 FMAs, for fp32 weights (the router). A norm is applied to x before B is built, rounded as the
-reference rounds it (each CTA computes 1/rms from the whole row). split_k > 1 writes fp32 partials and
+fp32 FMAs, for fp32 weights (the router). A norm: "wgmma" folds its weight into B and its 1/rms into
+the epilogue (each CTA computes it from the token's whole row); "fma" rounds the normed x exactly as
+the reference does before its products (the router's near-ties). split_k > 1 writes fp32 partials and
 XLA's finish is their sum in one fusion with the epilogue (cast, residual, SwiGLU).
 `layer=`: the weights are stacks [L, N, K] and the traced layer index, read on the device, steers
 the weight TMA (no slice of the stack outside the kernel). Expert mode (`ids`, used by `moe`): the
@@ -172,13 +173,12 @@ def _weight_dtype(itemsize: int):
 
 
 def projection_smem(cfg: GemvConfig, *, k: int, p: int, itemsize: int, tb: int, out_dtype=BF16,
-                    residual_dtype=None, norm: bool = False) -> hw.Scope:
+                    residual_dtype=None) -> hw.Scope:
     """`_projection`'s shared memory: its scratch, and inside, the weight pipeline's `stages` tiles
-    per weight (the B build at step 0 reduces in there for fp8 weights or a norm); the epilogue
-    reduces outside."""
+    per weight (the fp8 B build at step 0 reduces in there); the epilogue reduces outside."""
     pipe = hw.Scope(tuple(plgpu.SMEM((cfg.stages, cfg.block_n, cfg.block_k), _weight_dtype(itemsize))
                           for _ in range(p)) + (plgpu.Barrier(num_barriers=cfg.stages),),
-                    reduces=cfg.engine == "wgmma" and (itemsize == 1 or norm))
+                    reduces=itemsize == 1 and cfg.engine == "wgmma")
     scratch = projection_scratch(cfg, k=k, p=p, itemsize=itemsize, tb=tb, out_dtype=out_dtype,
                                  residual_dtype=residual_dtype)
     return hw.Scope(tuple(scratch), (pipe,), reduces=True)
@@ -249,8 +249,8 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, norm_layer=None, residual
     weight TMA (and the scale / norm loads) address that layer, so nothing is sliced outside.
 
     `norm` (RMSNorm weight [K], or a stack [L', K] read at `norm_layer`, default `layer`): the input is
-    rms_norm(x[t, :K]) exactly as `jtilert.ops.reference.rms_norm` rounds it (x·(1/rms) to bf16, times
-    the weight, to bf16); each CTA computes its tokens' 1/rms from the whole row before its B build.
+    rms_norm(x[t, :K]). The wgmma engine rounds x · weight (B) and applies 1/rms to the sums; the FMA
+    engine rounds as `jtilert.ops.reference.rms_norm` does (x·(1/rms) to bf16, times the weight, to bf16).
 
     Expert mode (`ids` int32 [S] given, S a multiple of T): the weights are stacked [E, N, K]
     (scales [E, nb, kb]) and selection i multiplies token i // (S / T) with expert ids[i]; only
@@ -322,7 +322,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, norm_layer=None, residual
     itemsize = ws[0].dtype.itemsize
     res_dtype = residual.dtype if residual is not None else None
     layout = functools.partial(projection_smem, k=k, p=p, itemsize=itemsize, tb=tb, out_dtype=out_dtype,
-                               residual_dtype=res_dtype, norm=norm is not None)
+                               residual_dtype=res_dtype)
     # K slices of whole scale blocks under split-K (64-blocks: any slice of the 64 grain)
     cfg = (config or GemvConfig()).resolved(n * (nsel if experts else 1), k, t, p, itemsize, hw.num_sms(),
                                             layout=layout, slice_unit=KGRAIN if scale_block == KGRAIN else None)
@@ -416,24 +416,18 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, norm_layer=None, residual
 
         def build_b(xstage, svals):
             """B operand(s) for wgmma: the tokens' K slice, [8, kc] (rows ≥ T are TMA's zero fill).
-            bf16 weights: B = x (normed) in bf16. fp8 weights: B_j = f16(x · s_j[row block, k block]
-            · f_j), the block scales of the CTA's row block folded into x (exact for the
-            checkpoint's power-of-two scales) and f_j = `hw.f16_range_factor`; the epilogue
-            multiplies by 1/f_j (kept in `invf`). The weights then only need e4m3 → f16."""
-            if nw_gmem is not None:
-                # each B row's 1/rms: its token's (expert mode: the one token of this CTA)
-                row_id = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (MAX_TOKENS, bw), 0), X_LAYOUT)
-                r_rows = inv_rms(tok0 if experts else 0)
-                for tok in range(1, tb):
-                    r_rows = jnp.where(row_id == tok, inv_rms(tok), r_rows)
+            bf16 weights: B = x (· norm weight) in bf16. fp8 weights: B_j = f16(x · w_norm · s_j[row
+            block, k block] · f_j), the block scales of the CTA's row block folded into x (exact
+            for the checkpoint's power-of-two scales) and f_j = `hw.f16_range_factor`; the
+            epilogue multiplies by 1/f_j (kept in `invf`) and by the norm's 1/rms. The weights
+            then only need e4m3 → f16."""
             plgpu.barrier_wait(bar.at[0])
 
             def block(b):
                 v = plgpu.load(xstage.at[:, pl.ds(b * bw, bw)], layout=X_LAYOUT).astype(F32)
                 if nw_gmem is not None:
-                    nwv = plgpu.load(norm_at(k0 + b * bw, bw), optimized=False)
-                    v = normed(v, r_rows, plgpu.layout_cast(lax.broadcast_in_dim(nwv, (MAX_TOKENS, bw), (1,)),
-                                                            X_LAYOUT))
+                    nwv = plgpu.load(norm_at(k0 + b * bw, bw), optimized=False).astype(F32)
+                    v = v * plgpu.layout_cast(lax.broadcast_in_dim(nwv, (MAX_TOKENS, bw), (1,)), X_LAYOUT)
                 return v
 
             for j in range(p if fp8 else 1):
@@ -543,6 +537,12 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, norm_layer=None, residual
         # Epilogue: one row vector per token.
         for tok in range(tb):
             cols = cols_of(tok)
+            if nw_gmem is not None and not fma:
+                # the norm's 1/rms, read from the token's whole row after the weights have streamed
+                # (in the prologue it would delay the B build, and with it the first wgmma); with
+                # split-K each CTA scales its partial sums, so XLA's finish is only their sum
+                r = inv_rms(tok0 if experts else tok)
+                cols = [c * r for c in cols]
             if in_kernel_epilogue:
                 res = res_smem.at[tok][...] if res_smem is not None else None
                 o_smem.at[0, tok][...] = _finish(cols, kind=kind, residual=res, out_dtype=o_dtype)
