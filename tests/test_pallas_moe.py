@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -14,9 +15,11 @@ import numpy as np
 import pytest
 
 from jtilert.ops import reference
+from jtilert.ops.table import DecodeConfig, Ops
 from jtilert.model.presets import DEEPSEEK_V32, GLM_5, TINY
 from jtilert.pallas import interpret as interp
 from jtilert.pallas import moe
+from jtilert.pallas.gemv import GemvConfig
 from jtilert.ops.quant import quantize_weight
 
 F32, BF16, FP8 = jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn
@@ -143,3 +146,47 @@ def test_cross_lowering_dsv32_moe():
         jax.jit(moe.moe_experts).trace(S((1, hidden), BF16), S((1, 8), F32), S((1, 8), jnp.int32),
                                        *q(e, width, hidden), *q(e, width, hidden), *q(e, hidden, width)
                                        ).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_moe_experts_with_the_residual_through_the_op_table(tokens):
+    """The layer's residual added in the down kernel's epilogue, at a traced layer of the stacks: within
+    bf16 / fp8 rounding of the reference op, which is residual + the reference MoE bit for bit."""
+    e, width, hidden, k, layers, layer = 6, 128, 256, 3, 3, 2
+    stacks = [_w((layers, *shape), "fp8") for shape in ((e, width, hidden), (e, width, hidden), (e, hidden, width))]
+    arrays = tuple(a for w_s in stacks for a in w_s)
+    x = jax.random.normal(_key(), (tokens, hidden), F32).astype(BF16)
+    residual = (4 * jax.random.normal(_key(), (tokens, hidden), F32)).astype(BF16)
+    ids = jax.random.randint(_key(), (tokens, k), 0, e).astype(jnp.int32)
+    w = jax.random.uniform(_key(), (tokens, k), minval=0.2, maxval=1.5)
+    args = (x, w, ids, *arrays, residual)
+    out = []
+    with interp.interpret(detect_races=True):
+        for backend in ("pallas", "reference"):
+            ops = Ops(DecodeConfig(backend=backend))
+            with warnings.catch_warnings():
+                warnings.filterwarnings("error", message="jtilert: backend='pallas'")   # the kernel must run
+                out.append(np.asarray(jax.jit(lambda i: ops("moe_experts", *args, layer=i))(jnp.int32(layer)),
+                                      np.float32))
+        assert not interp.races_found()
+    composed = jax.jit(lambda i: residual + reference.moe_experts(x, w, ids, *[a[i] for a in arrays]))(jnp.int32(layer))
+    np.testing.assert_array_equal(out[1], np.asarray(composed, np.float32))
+    assert _rel(out[0], out[1]) < 1e-2
+
+
+@pytest.mark.parametrize("split", [1, 2])
+def test_expert_down_adds_the_residual(split):
+    """With and without split-K (the residual added in the kernel's epilogue, or in XLA's finish), to
+    the bf16-rounded sum as linear_residual adds it."""
+    e, width, hidden, tokens = 4, 256, 192, 2
+    d, ds = _w((e, hidden, width), "fp8")
+    h = jax.random.normal(_key(), (tokens * 2, width), F32).astype(BF16)
+    ids = jnp.array([[3, 0], [0, 2]], jnp.int32)
+    w = jax.random.uniform(_key(), (tokens, 2), minval=0.2, maxval=1.5)
+    residual = (4 * jax.random.normal(_key(), (tokens, hidden), F32)).astype(BF16)
+    cfg = GemvConfig(split_k=split)
+    got = _run(jax.jit(lambda h, r: moe.expert_down(h, w, ids, d, ds, residual=r, config=cfg)), h, residual)
+    plain = _run(jax.jit(lambda h: moe.expert_down(h, w, ids, d, ds, config=cfg)), h)
+    want = (np.asarray(plain, np.float32) + np.asarray(residual, np.float32)).astype(BF16)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert _rel(got, residual + reference.expert_down(h, w, ids, d, ds)) < 1e-2

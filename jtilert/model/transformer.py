@@ -198,9 +198,9 @@ class MLP(nnx.Module):
     def arrays(self) -> tuple:
         return _swiglu_arrays(self.gate_proj, self.up_proj, self.down_proj)
 
-    def __call__(self, ops: Ops, x, layer=None, norm=None, residual=None):
-        """residual + SwiGLU(x normed by `norm` = (weight, eps, index), see `Ops.__call__`)."""
-        return ops.mlp(x, self.arrays(), layer, norm=norm, residual=residual)
+    def __call__(self, ops: Ops, x, layer=None, residual=None):
+        """SwiGLU(x), plus `residual` where given (added in the down projection's epilogue)."""
+        return ops.mlp(x, self.arrays(), layer, residual=residual)
 
 
 class Router(nnx.Module):
@@ -230,11 +230,11 @@ class MoE(nnx.Module):
         self.experts = Experts(cfg, rngs=rngs, fmt=fmt)
         self.shared_experts = MLP(cfg, cfg.moe_intermediate_size * cfg.n_shared_experts, rngs=rngs, fmt=fmt)
 
-    def __call__(self, ops: Ops, x, layer=None, norm=None, residual=None):
-        """residual + MoE(x normed by `norm` = (weight, eps, index), see `Ops.__call__`)."""
+    def __call__(self, ops: Ops, x, layer=None, residual=None):
+        """MoE(x), plus `residual` where given (added in the down projections' epilogues)."""
         weights, ids = ops("route", self.cfg, x, self.gate.weight[...], self.gate.e_score_correction_bias[...],
-                           layer=layer, norm=norm)
-        return ops.moe(x, weights, ids, self.experts.arrays(), self.shared_experts.arrays(), layer, norm=norm,
+                           layer=layer)
+        return ops.moe(x, weights, ids, self.experts.arrays(), self.shared_experts.arrays(), layer,
                        residual=residual)
 
 
@@ -675,11 +675,13 @@ class Transformer(nnx.Module):
             return jax.lax.cond(slot >= 0, lambda c: run(c, jnp.maximum(slot, 0)), lambda c: (topk, c), c)
 
         h, cache, topk = blk.self_attn(ops, i, x, blk.input_layernorm, cos, sin, positions, start, cache, indexer)
-        # the FFN's norm and the residual add go to its ops (the kernels fold both in)
-        norm = (blk.post_attention_layernorm.weight[...], blk.post_attention_layernorm.eps, i)
+        # the FFN's norm stays one XLA computation that its three readers share (the router, the experts'
+        # and the shared expert's gate/up: folded into each, it delayed all three); the residual add goes
+        # into the FFN's down projections
+        f = blk.post_attention_layernorm(h, i)
         if ffn == "dense":
-            return self.dense(ops, h, i, norm=norm, residual=h), cache, topk
-        return self.moe(ops, h, i - lay.num_dense, norm=norm, residual=h), cache, topk
+            return self.dense(ops, f, i, residual=h), cache, topk
+        return self.moe(ops, f, i - lay.num_dense, residual=h), cache, topk
 
     def _layers(self, ops, lo: int, hi: int, ffn: str, carry, cos, sin, positions, start):
         """Layers lo..hi-1: one loop (one compiled body), or unrolled (`DecodeConfig.layer_loop`)."""

@@ -189,15 +189,13 @@ class Op:
     """One op: its reference, its kernel ("module:function" under jtilert, taking `layer=`), which
     positional arguments carry the layer axis, and why the kernel would not apply (None: it does).
     `in_place`: the op writes rows into stacked caches, so its reference too takes the whole stacks
-    and `layer=` (only the kernel checks see one layer of them). `norm`: the kernel takes an RMSNorm
-    of its input x as `norm_weight=`, `eps=`, `norm_layer=` (see `Ops.__call__`)."""
+    and `layer=` (only the kernel checks see one layer of them)."""
 
     reference: Callable
     kernel: str | None = None
     stacked: tuple[int, ...] = ()
     unsupported: Callable[..., str | None] = lambda *a: None
     in_place: bool = False
-    norm: bool = False
 
 
 OPS: dict[str, Op] = {
@@ -206,16 +204,14 @@ OPS: dict[str, Op] = {
     "rmsnorm_linear": Op(reference.rmsnorm_linear, "pallas.gemv:rmsnorm_linear", (1, 3, 4), _rmsnorm_gemv_unsupported),
     "linear_residual": Op(reference.linear_residual, "pallas.gemv:linear_residual", (1, 2), _residual_gemv_unsupported),
     "heads_linear": Op(reference.heads_linear, "pallas.gemv:heads_linear", (1, 2), _heads_unsupported),
-    "swiglu_hidden": Op(reference.swiglu_hidden, "pallas.gemv:swiglu_pair", (1, 2, 3, 4), _swiglu_unsupported,
-                        norm=True),
+    "swiglu_hidden": Op(reference.swiglu_hidden, "pallas.gemv:swiglu_pair", (1, 2, 3, 4), _swiglu_unsupported),
     "route": Op(reference.route, "pallas.moe:route", (2, 3),
                 lambda cfg, x, gate, bias: None if x.dtype == BF16 and x.shape[-1] % KGRAIN == 0
-                else f"activations {x.dtype}, K={x.shape[-1]}", norm=True),
+                else f"activations {x.dtype}, K={x.shape[-1]}"),
     # the residual (last argument, may be None) added in the down kernel's epilogue
-    "moe_experts": Op(reference.moe_experts, "pallas.moe:moe_experts", (3, 4, 5, 6, 7, 8), _moe_unsupported,
-                      norm=True),
+    "moe_experts": Op(reference.moe_experts, "pallas.moe:moe_experts", (3, 4, 5, 6, 7, 8), _moe_unsupported),
     "expert_hidden": Op(reference.expert_hidden, "pallas.moe:expert_gate_up", (2, 3, 4, 5),
-                        lambda x, ids, g, gs, u, us: _experts_unsupported(x, g, gs, u), norm=True),
+                        lambda x, ids, g, gs, u, us: _experts_unsupported(x, g, gs, u)),
     # its reference path is in Ops.indexer_topk (an in-place write into the stack, then the scores)
     # the kernel's own choice: one launch that appends and scores, or (split indexer, key rows shorter
     # than a 128-byte TMA) XLA's in-place append and the scoring kernel
@@ -259,13 +255,6 @@ def _per_layer(op: Op, args) -> tuple:
 def _take(a, layer):
     return None if a is None else a[layer]
 
-
-def _normed(args, norm) -> tuple:
-    """args with the first array argument x replaced by rms_norm(x, weight[index], eps)."""
-    w, eps, index = norm
-    i = next(j for j, a in enumerate(args) if hasattr(a, "shape"))
-    x = reference.rms_norm(args[i], w if index is None else w[index], eps)
-    return args[:i] + (x,) + args[i + 1:]
 
 
 @functools.cache
@@ -323,26 +312,15 @@ class Ops:
         self._kernels = config.backend == "pallas"
         self._engine_topk = self._kernels and config.engine_topk and _engine_loads()
 
-    def __call__(self, name: str, *args, layer=None, norm=None):
-        """Run op `name` on one layer (`layer` given: the stacked arguments of OPS[name] carry it).
-        `norm` = (weight, eps, index): the op's input x (its first array argument) is first
-        rms_norm(x, weight[index], eps), weight a stack [L, K] (index None: weight [K]); a kernel
-        that takes it (`Op.norm`) folds it in and reads the stack itself."""
+    def __call__(self, name: str, *args, layer=None):
+        """Run op `name` on one layer (`layer` given: the stacked arguments of OPS[name] carry it)."""
         op = OPS[name]
         if self._use_kernel(name, op, args if layer is None else _per_layer(op, args)):
             kw = {} if layer is None or not op.stacked else {"layer": _layer_index(layer)}
-            kernel_args = args
-            if norm is not None and op.norm:
-                w, eps, index = norm
-                kw.update(norm_weight=w, eps=eps, norm_layer=None if index is None else _layer_index(index))
-            elif norm is not None:
-                kernel_args = _normed(args, norm)
             try:
-                return _kernel(op.kernel)(*kernel_args, **kw)
+                return _kernel(op.kernel)(*args, **kw)
             except ValueError as e:   # the kernel's own checks refuse these shapes (a model too small
                 _refused(name, args, e)   # for its tiles, say): the reference, with a warning
-        if norm is not None:
-            args = _normed(args, norm)
         if op.in_place:
             return op.reference(*args, layer=layer)
         if layer is not None:
@@ -387,31 +365,31 @@ class Ops:
             y = self.all_reduce(self.linear(x, w, scale, layer))
         return y if residual is None else residual + y
 
-    def mlp(self, x, arrays, layer=None, norm=None, residual=None):
-        """Dense SwiGLU of one layer (arrays: gate, gate_scale, up, up_scale, down, down_scale) on x
-        (normed by `norm` first, see `__call__`), plus `residual` where given."""
+    def mlp(self, x, arrays, layer=None, residual=None):
+        """Dense SwiGLU of one layer (arrays: gate, gate_scale, up, up_scale, down, down_scale), plus
+        `residual` where given."""
         g, gs, u, us, d, ds = arrays
-        hidden = self("swiglu_hidden", x, g, gs, u, us, layer=layer, norm=norm)
+        hidden = self("swiglu_hidden", x, g, gs, u, us, layer=layer)
         return self.linear_all_reduce(hidden, d, ds, layer, residual=residual)
 
-    def moe(self, x, weights, ids, experts: tuple, shared: tuple, layer=None, norm=None, residual=None):
+    def moe(self, x, weights, ids, experts: tuple, shared: tuple, layer=None, residual=None):
         """all_reduce(Σ_j weights[t,j] · Expert_{ids[t,j]}(x[t]) + Shared(x[t])) for this rank's slices,
-        on x normed by `norm` (see `__call__`), plus `residual` where given. Without tp the residual
+        plus `residual` where given. Without tp the residual
         goes into the shared expert's down projection and that sum into the routed down's epilogue (no
         add of its own). With the engine, one decode token runs the experts' gate/up, then one kernel for
         the routed down projections, their weighted sum, the shared expert's down and the all-reduce."""
         g, gs, u, us, d, ds = experts
         sg, sgs, su, sus, sd, sds = shared
-        hs = self("swiglu_hidden", x, sg, sgs, su, sus, layer=layer, norm=norm)
+        hs = self("swiglu_hidden", x, sg, sgs, su, sus, layer=layer)
         if self.axis is not None and self.config.engine_all_reduce and x.shape[0] == 1:
-            h = self("expert_hidden", x, ids, g, gs, u, us, layer=layer, norm=norm)
+            h = self("expert_hidden", x, ids, g, gs, u, us, layer=layer)
             out = ffi.expert_down_all_reduce(h, weights[0], ids[0], d, ds, hs[0], sd, sds, self.axis,
                                              layer=layer)[None]
             return out if residual is None else residual + out
         if self.axis is None:
             base = self.linear_all_reduce(hs, sd, sds, layer, residual=residual)
-            return self("moe_experts", x, weights, ids, *experts, base, layer=layer, norm=norm)
-        routed = self("moe_experts", x, weights, ids, *experts, None, layer=layer, norm=norm)
+            return self("moe_experts", x, weights, ids, *experts, base, layer=layer)
+        routed = self("moe_experts", x, weights, ids, *experts, None, layer=layer)
         out = self.all_reduce(routed + self.linear(hs, sd, sds, layer))
         return out if residual is None else residual + out
 

@@ -7,10 +7,9 @@ Each CTA owns 64 output rows and a 1/split_k share of K and streams its weights 
 pipeline in the checkpoint layout. "wgmma" engine: rows are wgmma's M, tokens its N (rows ≥ T are
 TMA's zero fill); for fp8 the block scales (and the norm weight) are folded into the f16 B operand
 with a power-of-two rescale, so the weight tile only needs e4m3 → f16. "fma" engine: CUDA-core
-fp32 FMAs, for fp32 weights (the router). A norm: "wgmma" folds its weight into B and its 1/rms into
-the epilogue (each CTA computes it from the token's whole row); "fma" rounds the normed x exactly as
-the reference does before its products (the router's near-ties). split_k > 1 writes fp32 partials and
-XLA's finish is their sum in one fusion with the epilogue (cast, residual, SwiGLU).
+fp32 FMAs, for fp32 weights (the router). split_k > 1 writes fp32 partials (with a norm, each
+already scaled by 1/rms, computed in the kernel) and XLA's finish is their sum in one fusion with
+the epilogue (cast, residual, SwiGLU).
 `layer=`: the weights are stacks [L, N, K] and the traced layer index, read on the device, steers
 the weight TMA (no slice of the stack outside the kernel). Expert mode (`ids`, used by `moe`): the
 selected experts' rows of a stack [E, N, K] (or [L, E, N, K]) are read the same way; `heads_linear`
@@ -235,7 +234,7 @@ def sum_squares(row, k: int):
     return total
 
 
-def _projection(x, ws, scales, *, norm=None, eps=1e-6, norm_layer=None, residual=None, kind="linear",
+def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="linear",
                 out_dtype=BF16, config: GemvConfig | None = None, ids=None, heads: int = 0, layer=None,
                 scale_block: int = QBLOCK, prefix: bool = False, stride: int = 0):
     """Core: x [T, K] (T ≤ 8) against P = len(ws) weights [N, K] with shared x; see module doc.
@@ -247,10 +246,6 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, norm_layer=None, residual
     Layer mode (`layer` an int32 scalar): the weights are stacks [L, N, K] (scales [L, nb, kb], norm
     weight [L, K]) and layer `layer` is used; every CTA reads the index on the device and the
     weight TMA (and the scale / norm loads) address that layer, so nothing is sliced outside.
-
-    `norm` (RMSNorm weight [K], or a stack [L', K] read at `norm_layer`, default `layer`): the input is
-    rms_norm(x[t, :K]). The wgmma engine rounds x · weight (B) and applies 1/rms to the sums; the FMA
-    engine rounds as `jtilert.ops.reference.rms_norm` does (x·(1/rms) to bf16, times the weight, to bf16).
 
     Expert mode (`ids` int32 [S] given, S a multiple of T): the weights are stacked [E, N, K]
     (scales [E, nb, kb]) and selection i multiplies token i // (S / T) with expert ids[i]; only
@@ -268,12 +263,6 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, norm_layer=None, residual
     experts = ids is not None or heads > 0
     stacked = experts or layer is not None
     per_layer = 1                                 # stack entries per layer (E in expert mode)
-    if norm is not None and norm_layer is None:
-        norm_layer = layer
-    if norm is not None and norm.shape[-1] != ws[0].shape[-1]:
-        raise ValueError(f"GEMV kernel: norm weight {norm.shape} does not match weights {ws[0].shape}")
-    if norm is not None and norm.ndim != (1 if norm_layer is None else 2):
-        raise ValueError(f"GEMV kernel: norm weight {norm.shape}: [K], or a stack [L, K] with a layer index")
     if experts and layer is not None:
         if ws[0].ndim != 4:
             raise ValueError(f"GEMV expert mode with layer: weights must be [L, E, N, K], got {ws[0].shape}")
@@ -284,15 +273,15 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, norm_layer=None, residual
         if ws[0].ndim != 3 or (ids is not None and (ids.ndim != 1 or ids.shape[0] % t)):
             raise ValueError(f"GEMV expert mode: weights {ws[0].shape}, ids {None if ids is None else ids.shape}, "
                              f"tokens {t}")
-        if residual is not None:
-            raise ValueError("GEMV expert mode has no residual epilogue")
-        if norm is not None and (stride or t > MAX_TOKENS):
-            raise ValueError(f"GEMV expert mode with a norm: one window per token, ≤ {MAX_TOKENS} tokens")
+        if norm is not None or residual is not None:
+            raise ValueError("GEMV expert mode has no norm prologue / residual epilogue")
     elif layer is not None and ws[0].ndim != 3:
         raise ValueError(f"GEMV layer mode: weights must be stacked [L, N, K], got {ws[0].shape}")
     elif layer is None and ws[0].ndim != 2:
         raise ValueError(f"GEMV kernel: weights must be [N, K], got {ws[0].shape} (stacks need layer=)")
     n, k = ws[0].shape[-2:]
+    if norm is not None and norm.shape != ((ws[0].shape[0], k) if layer is not None else (k,)):
+        raise ValueError(f"GEMV kernel: norm weight {norm.shape} does not match weights {ws[0].shape}")
     nsel = ids.shape[0] if ids is not None else t * heads if heads else t
     kper = nsel // t
     tb = 1 if experts else t                      # token rows of B that this CTA uses
@@ -351,7 +340,6 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, norm_layer=None, residual
         x_gmem = next(it)
         ids_gmem = next(it) if ids is not None else None
         layer_gmem = next(it) if layer is not None else None
-        nlayer_gmem = next(it) if norm is not None and norm_layer is not None else None
         w_gmems = [next(it) for _ in range(p)]
         s_gmems = [next(it) for _ in range(p)] if fp8 else [None] * p
         nw_gmem = next(it) if norm is not None else None
@@ -371,7 +359,6 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, norm_layer=None, residual
         # wid: the stack entry of the weights (layer, expert, or layer·E + expert), read on the
         # device; it steers the weight TMA and indexes the scales and the norm weight.
         lid = layer_gmem[0] if layer is not None else None
-        nlid = nlayer_gmem[0] if nlayer_gmem is not None else None
         if experts:
             e_idx = lax.axis_index("e")
             entry = ids_gmem[e_idx] if ids is not None else e_idx % heads
@@ -389,22 +376,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, norm_layer=None, residual
             return s_gmems[j][wid, srow, kb] if stacked else s_gmems[j][srow, kb]
 
         def norm_at(start, size):
-            return nw_gmem.at[nlid, pl.ds(start, size)] if nlid is not None else nw_gmem.at[pl.ds(start, size)]
-
-        def inv_rms(tok):
-            """1/rms of token `tok`'s K input columns, as the reference computes it. `tok`: a Python int,
-            or expert mode's traced token, selected among the T tokens' (every row read at a static
-            address: a traced one makes Mosaic read the row element by element)."""
-            if isinstance(tok, int):
-                return lax.rsqrt(sum_squares(x_gmem.at[tok], k) / k + eps)
-            r = inv_rms(0)
-            for j in range(1, t):
-                r = jnp.where(tok == j, inv_rms(j), r)
-            return r
-
-        def normed(v, r, nwv):
-            """rms_norm's rounding: (x · 1/rms) to bf16, times the weight, to bf16 (as fp32 values)."""
-            return ((v * r).astype(BF16).astype(F32) * nwv.astype(F32)).astype(BF16).astype(F32)
+            return nw_gmem.at[lid, pl.ds(start, size)] if lid is not None else nw_gmem.at[pl.ds(start, size)]
         k0 = s_idx * kc
         row0 = n_idx * bn
         srow = row0 // scale_block
@@ -419,8 +391,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, norm_layer=None, residual
             bf16 weights: B = x (· norm weight) in bf16. fp8 weights: B_j = f16(x · w_norm · s_j[row
             block, k block] · f_j), the block scales of the CTA's row block folded into x (exact
             for the checkpoint's power-of-two scales) and f_j = `hw.f16_range_factor`; the
-            epilogue multiplies by 1/f_j (kept in `invf`) and by the norm's 1/rms. The weights
-            then only need e4m3 → f16."""
+            epilogue multiplies by 1/f_j (kept in `invf`). The weights then only need e4m3 → f16."""
             plgpu.barrier_wait(bar.at[0])
 
             def block(b):
@@ -443,14 +414,13 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, norm_layer=None, residual
 
         # Prologue: this CTA's slice of the tokens into SMEM.
         if fma:
-            # FMA engine: fp32 rows [T, kc] (the normed input where there is a norm)
+            # FMA engine: fp32 rows [T, kc] (x · norm weight, rounded to bf16 like the wgmma path).
             for tok in range(tb):
-                r = inv_rms(tok0 if experts else tok) if nw_gmem is not None else None
                 for c, size, layout in row_pieces(kc):
                     xr = load_piece(x_gmem.at[tok0 + tok, pl.ds(c0 + k0 + c, size)], layout).astype(F32)
                     if nw_gmem is not None:
-                        xr = normed(xr, r, load_piece(norm_at(k0 + c, size), layout))
-                    xf.at[tok, pl.ds(c, size)][...] = xr
+                        xr = xr * load_piece(norm_at(k0 + c, size), layout).astype(F32)
+                    xf.at[tok, pl.ds(c, size)][...] = xr.astype(BF16).astype(F32)
         else:
             # The token TMA now; B is built at step 0 of the weight pipeline, whose first `stages`
             # weight tiles are already in flight by then.
@@ -537,12 +507,11 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, norm_layer=None, residual
         # Epilogue: one row vector per token.
         for tok in range(tb):
             cols = cols_of(tok)
-            if nw_gmem is not None and not fma:
-                # the norm's 1/rms, read from the token's whole row after the weights have streamed
-                # (in the prologue it would delay the B build, and with it the first wgmma); with
-                # split-K each CTA scales its partial sums, so XLA's finish is only their sum
-                r = inv_rms(tok0 if experts else tok)
-                cols = [c * r for c in cols]
+            if norm is not None:
+                # the norm's 1/rms over the token's K columns (every CTA reads them from GMEM; with
+                # split-K each scales its partial sums, so XLA's finish is only their sum)
+                rms = lax.rsqrt(sum_squares(x_gmem.at[tok], k) / k + eps)
+                cols = [c * rms for c in cols]
             if in_kernel_epilogue:
                 res = res_smem.at[tok][...] if res_smem is not None else None
                 o_smem.at[0, tok][...] = _finish(cols, kind=kind, residual=res, out_dtype=o_dtype)
@@ -572,8 +541,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, norm_layer=None, residual
                         scratch_types=scratch, interpret=_interp.params(),
                         kernel_name=f"jtilert_gemv_{cfg.engine}")
     args = [x] + ([ids.astype(jnp.int32)] if ids is not None else [])
-    args += ([hw.layer_operand(layer)] if layer is not None else [])
-    args += ([hw.layer_operand(norm_layer)] if norm is not None and norm_layer is not None else []) + list(ws)
+    args += ([hw.layer_operand(layer)] if layer is not None else []) + list(ws)
     if fp8:
         args += [s.astype(F32) for s in scales]
     if norm is not None:
@@ -634,18 +602,14 @@ def rmsnorm_linear(x, norm_weight, eps, w, scale=None, *, layer=None, config: Ge
                                                 config=config, prefix=x.shape[-1] > k))
 
 
-def swiglu_pair(x, gate, gate_scale, up, up_scale, *, layer=None, config: GemvConfig | None = None,
-                norm_weight=None, eps: float = 1e-6, norm_layer=None):
-    """silu(linear(x, gate)) · linear(x, up) (fp32 math, bf16 result) in one pass over both weights;
-    with `norm_weight` ([K], or a stack [L, K] read at `norm_layer`), of rms_norm(x, norm_weight, eps)."""
+def swiglu_pair(x, gate, gate_scale, up, up_scale, *, layer=None, config: GemvConfig | None = None):
+    """silu(linear(x, gate)) · linear(x, up) (fp32 math, bf16 result) in one pass over both weights."""
     gate, gate_scale = _prep_weight(gate, gate_scale, layer)
     up, up_scale = _prep_weight(up, up_scale, layer)
     if gate.dtype != up.dtype:
         raise ValueError("gate and up must have the same format")
-    nw = None if norm_weight is None else norm_weight.astype(BF16)   # the reference multiplies in x.dtype
     return hw.token_chunks(x, lambda xc, _: _projection(xc, (gate, up), (gate_scale, up_scale), kind="swiglu",
-                                                layer=layer, config=config, norm=nw, eps=eps,
-                                                norm_layer=norm_layer))
+                                                layer=layer, config=config))
 
 
 def swiglu(x, gate, gate_scale, up, up_scale, down, down_scale, *, layer=None,

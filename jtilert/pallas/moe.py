@@ -37,15 +37,12 @@ MOE_LAYOUT_VERSION = "jtilert-moe-v1: experts stacked [E(+1 shared), out, in] in
 
 # ---- gate/up ------------------------------------------------------------------------------------
 
-def expert_gate_up(x, ids, gate, gate_scale, up, up_scale, *, layer=None, config: GemvConfig | None = None,
-                   norm_weight=None, eps: float = 1e-6, norm_layer=None):
+def expert_gate_up(x, ids, gate, gate_scale, up, up_scale, *, layer=None, config: GemvConfig | None = None):
     """h[i] = silu(x[tok_i] · gate[ids_i]ᵀ) · (x[tok_i] · up[ids_i]ᵀ), fp32 math, bf16 result.
     x [T, H] bf16, ids [T, k] int32, gate/up [E, I, H] (fp8 + scales [E, ., .], or bf16); with
-    `layer`, [L, E, I, H] (scales [L, E, ., .]) and layer `layer`'s experts. With `norm_weight`
-    ([H], or a stack read at `norm_layer`), x is rms_norm(x, norm_weight, eps) (`gemv._projection`)."""
-    nw = None if norm_weight is None else norm_weight.astype(BF16)
+    `layer`, [L, E, I, H] (scales [L, E, ., .]) and layer `layer`'s experts."""
     return gemv._projection(x, (gate, up), (gate_scale, up_scale), kind="swiglu_f32",
-                            ids=ids.reshape(-1), layer=layer, config=config, norm=nw, eps=eps, norm_layer=norm_layer)
+                            ids=ids.reshape(-1), layer=layer, config=config)
 
 
 # ---- down + weighted sum ------------------------------------------------------------------------
@@ -260,15 +257,13 @@ def expert_down_smem(cfg: GemvConfig, *, k: int, itemsize: int, out_dtype=BF16, 
 # ---- public wrappers ----------------------------------------------------------------------------
 
 def moe_experts(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale, residual=None, *, layer=None,
-                norm_weight=None, eps: float = 1e-6, norm_layer=None,
                 gate_up_config: GemvConfig | None = None, down_config: GemvConfig | None = None):
     """jtilert.ops.reference.moe_experts for decode (T ≤ 8): two kernels, only the selected experts read;
-    the norm (`norm_weight`) in the first, the residual in the second's epilogue."""
+    the residual (where given) added in the second's epilogue."""
     t = x.shape[0]
     if t > MAX_TOKENS:
         raise ValueError(f"moe_experts kernel: at most {MAX_TOKENS} tokens, got {t}")
-    h = expert_gate_up(x, ids, gate, gate_scale, up, up_scale, layer=layer, config=gate_up_config,
-                       norm_weight=norm_weight, eps=eps, norm_layer=norm_layer)
+    h = expert_gate_up(x, ids, gate, gate_scale, up, up_scale, layer=layer, config=gate_up_config)
     return expert_down(h, weights, ids, down, down_scale, layer=layer, out_dtype=x.dtype, residual=residual,
                        config=down_config)
 
@@ -302,10 +297,9 @@ def reference_moe_with_shared(x, weights, ids, packed, shared_raw):
 
 # ---- router -------------------------------------------------------------------------------------
 
-def router_logits(x, gate, *, layer=None, norm_weight=None, eps: float = 1e-6, norm_layer=None):
+def router_logits(x, gate, *, layer=None):
     """x · Wgᵀ in fp32 (the reference's precision) with the FMA engine, Wg [E, H] fp32 (or bf16);
-    with `layer`, Wg [L, E, H] fp32 or bf16 (a stack is never cast per call). With `norm_weight`, of
-    rms_norm(x, norm_weight, eps) (read at `norm_layer` where it is a stack)."""
+    with `layer`, Wg [L, E, H] fp32 or bf16 (a stack is never cast per call)."""
     if gate.dtype in (F32, BF16):
         w = gate
     elif layer is None:
@@ -313,19 +307,17 @@ def router_logits(x, gate, *, layer=None, norm_weight=None, eps: float = 1e-6, n
     else:
         raise ValueError(f"router_logits: a stacked gate must be fp32 or bf16, got {gate.dtype}")
     cfg = GemvConfig(engine="fma")
-    nw = None if norm_weight is None else norm_weight.astype(BF16)
     return hw.token_chunks(x.astype(BF16) if x.dtype != BF16 else x,
-                        lambda xc, _: gemv._projection(xc, (w,), (None,), out_dtype=F32, layer=layer, config=cfg,
-                                                       norm=nw, eps=eps, norm_layer=norm_layer))
+                        lambda xc, _: gemv._projection(xc, (w,), (None,), out_dtype=F32, layer=layer, config=cfg))
 
 
-def route(cfg, x, gate, bias, *, layer=None, norm_weight=None, eps: float = 1e-6, norm_layer=None):
-    """jtilert.ops.reference.route with the logits GEMV in Pallas (gate [L, E, H], bias [L, E] with layer=;
-    the norm `norm_weight` folded in) and, with layer=, the selection in one launch of the CUDA engine
-    (`jtilert.ffi.route`; the reference's XLA ops where the engine is not loaded, with a warning)."""
+def route(cfg, x, gate, bias, *, layer=None):
+    """jtilert.ops.reference.route with the logits GEMV in Pallas (gate [L, E, H], bias [L, E] with layer=)
+    and, with layer=, the selection in one launch of the CUDA engine (`jtilert.ffi.route`; the
+    reference's XLA ops where the engine is not loaded, with a warning)."""
     if x.dtype != BF16:
         raise ValueError(f"route kernel: activations {x.dtype} {list(x.shape)} (bf16 only)")
-    logits = router_logits(x, gate, layer=layer, norm_weight=norm_weight, eps=eps, norm_layer=norm_layer)
+    logits = router_logits(x, gate, layer=layer)
     if layer is None:
         return reference.select_experts(cfg, logits, bias)
     return ffi_route.select_experts(cfg, logits, bias, layer)
