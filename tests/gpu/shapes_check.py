@@ -21,16 +21,9 @@ from jtilert.ops import reference
 from jtilert.ops.quant import quantize_weight
 from jtilert.pallas import _hopper as hw
 from jtilert.pallas import gemv, moe
+from prep_check import _median_us  # tests/gpu, this script's folder
 
 BF16, F32 = jnp.bfloat16, jnp.float32
-
-
-def _median_us(f, *args, iterations=10) -> float:
-    """Median device time (µs) of the kernels of one call of the jitted f."""
-    from jax.experimental.mosaic.gpu import profiler
-    jax.block_until_ready(f(*args))
-    _, per_iter = profiler.Cupti(finalize=False).measure(f, aggregate=False, iterations=iterations)(*args)
-    return float(np.median([sum(t for _, t in it) for it in per_iter])) * 1e3
 
 
 def _weights(shape, fmt, seed):
@@ -77,7 +70,7 @@ def gemv_cases() -> list[dict]:
             row = {"what": what, "n": n, "k": k, "t": t, "config": str(resolved), "default": cfg is None,
                    "err": _err(f(*args), want)}
             row["us"] = _median_us(f, *args)
-            row["TB/s"] = nbytes / row["us"] / 1e6
+            row["TB/s"] = nbytes / row["us"] / 1e6 if row["us"] else None
             print(json.dumps(row), flush=True)
             out.append(row)
     return out
