@@ -48,6 +48,8 @@
 #                git archive ba89fb0 | tar -x -C .baseline) then this checkout, pallas and reference (~10 min)
 #   ab           bench.decode 61 layers, pallas, kernel profiles: .baseline (another tree, carried) then this checkout
 #   base         the first half of ab alone (.baseline), for a "decode" part right after it
+#   trees        the same for every tree in TREES (carried folders, default .baseline), then this checkout: a
+#                bisection on one machine under this script's XLA flags (each tree ~1 min)
 #   mtp          bench.decode 61 layers, pallas, plain and MTP speculative step (verify 2 + draft)
 #   mtp_glm5     the same for glm5-tp8-shard (all its layers)
 #   prefill      bench.prefill 61 layers: 1024 and 1100 prompt tokens, chunks 256, 1024+64 and 1024+128, grouped MoE
@@ -76,6 +78,8 @@
 #   tp2          bench.decode at tp=2, 4 layers, psum vs the engine's all-reduce (2 GPUs, after build)
 #   engine       tests/gpu/run_engine_gpu.sh: the whole engine check (2 GPUs, ~12 min)
 # Two parts can share a 2-GPU machine: CUDA_VISIBLE_DEVICES=0 ... & CUDA_VISIBLE_DEVICES=1 ... &
+# The 61-layer parts need an H200 (dsv32-tp8-shard's fp8 weights are 81.8 GiB): call the device tool with
+# needs_h200 (a call for nvidia-h200 without it may get an H100, where they stop at the memory check).
 set -uo pipefail
 WORK=${WORK:-${OUT:-$PWD/out}}
 mkdir -p "$WORK"
@@ -182,6 +186,12 @@ for part in "$@"; do
       (cd .baseline && PYTHONPATH=$PWD step ab_base 200 $DEC --layers 61 --backend pallas --kernels --samples 6 \
         --out "$WORK/ab_base.json")
       [ "$part" = ab ] && step ab_this 200 $DEC --layers 61 --backend pallas --kernels --samples 6 --out "$WORK/ab_this.json" ;;
+    trees)  # each carried tree in TREES, then this checkout, back to back on one machine
+      for t in ${TREES:-.baseline}; do
+        (cd "$t" && PYTHONPATH=$PWD step "tree_$(basename "$t" | tr -d .)" 200 $DEC --layers 61 --backend pallas \
+          --kernels --samples 6 --out "$WORK/tree_$(basename "$t" | tr -d .).json")
+      done
+      step tree_this 200 $DEC --layers 61 --backend pallas --kernels --samples 6 --out "$WORK/tree_this.json" ;;
     mtp_glm5) step mtp_glm5 540 python3 -m bench.decode --preset glm5-tp8-shard --context 4096 --backend pallas \
                 --mtp --samples 6 --out "$WORK/mtp_glm5.json" ;;
     mtp) step mtp 540 $DEC --layers 61 --backend pallas --mtp --samples 6 --out "$WORK/mtp.json" ;;
