@@ -675,9 +675,9 @@ class Transformer(nnx.Module):
             return jax.lax.cond(slot >= 0, lambda c: run(c, jnp.maximum(slot, 0)), lambda c: (topk, c), c)
 
         h, cache, topk = blk.self_attn(ops, i, x, blk.input_layernorm, cos, sin, positions, start, cache, indexer)
-        # the FFN's norm stays one XLA computation that its three readers share (the router, the experts'
-        # and the shared expert's gate/up: folded into each, it delayed all three); the residual add goes
-        # into the FFN's down projections
+        # the FFN's norm: one XLA computation that its readers share (in a MoE layer the router, the
+        # experts' and the shared expert's gate/up; folded into each of them it costs more, see
+        # bench/RESULTS.md, session 13); the residual add goes into the FFN's down projections
         f = blk.post_attention_layernorm(h, i)
         if ffn == "dense":
             return self.dense(ops, f, i, residual=h), cache, topk

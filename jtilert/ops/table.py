@@ -256,7 +256,6 @@ def _take(a, layer):
     return None if a is None else a[layer]
 
 
-
 @functools.cache
 def _kernel(path: str) -> Callable:
     """The kernel function behind `jax.jit`, its non-array arguments static: JAX lowers a jitted
@@ -374,10 +373,10 @@ class Ops:
 
     def moe(self, x, weights, ids, experts: tuple, shared: tuple, layer=None, residual=None):
         """all_reduce(Σ_j weights[t,j] · Expert_{ids[t,j]}(x[t]) + Shared(x[t])) for this rank's slices,
-        plus `residual` where given. Without tp the residual
-        goes into the shared expert's down projection and that sum into the routed down's epilogue (no
-        add of its own). With the engine, one decode token runs the experts' gate/up, then one kernel for
-        the routed down projections, their weighted sum, the shared expert's down and the all-reduce."""
+        plus `residual` where given. Without tp the residual goes into the shared expert's down
+        projection and that sum into the routed down's epilogue (no add of its own). With the engine,
+        one decode token runs the experts' gate/up, then one kernel for the routed down projections,
+        their weighted sum, the shared expert's down and the all-reduce."""
         g, gs, u, us, d, ds = experts
         sg, sgs, su, sus, sd, sds = shared
         hs = self("swiglu_hidden", x, sg, sgs, su, sus, layer=layer)
