@@ -1,7 +1,7 @@
 """MoE kernels (issue 4) against jtilert.ops.reference, in GPU interpret mode on the CPU (race detection
-on, buffers start as NaN): the selected experts' gate/up + down with the routing-weighted sum, the
-shared expert packed as one more expert, and the router on inputs built to produce ties and
-all-in-one-group selections."""
+on, buffers start as NaN): the selected experts' gate/up + down with the routing-weighted sum (and the
+layer's residual in the down kernel's epilogue, with and without split-K), the shared expert packed as
+one more expert, and the router on inputs built to produce ties and all-in-one-group selections."""
 
 from __future__ import annotations
 

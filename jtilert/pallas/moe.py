@@ -6,10 +6,12 @@ Only the chosen experts' weights are read, steered by expert ids that stay on th
   reads ids[selection] and TMA-streams that expert's gate and up rows (SwiGLU epilogue, fp32).
 * `expert_down`: y[t] = Σ_i w_i · down[ids_i] · h_i as ONE GEMV over the gathered (selection, I)
   axis: each K step's expert id picks the weight tile; w_i, the fp8 block scale and h_i are folded
-  into the B operand, so the weighted sum is the tensor core's accumulation. A shared expert
-  packed as one more expert (`pack_shared_expert`) rides along with weight 1.
+  into the B operand, so the weighted sum is the tensor core's accumulation; a residual (the
+  layer's) is added in its epilogue. A shared expert packed as one more expert
+  (`pack_shared_expert`) rides along with weight 1.
 * `route`: fp32 logits with the FMA engine of `gemv` (the reference's precision, so near-ties
-  select the same experts) and the reference's selection in plain JAX on the [T, E] logits.
+  select the same experts), then the selection on the [T, E] logits: with a layer index, one
+  launch of the CUDA engine (`jtilert.ffi.route`), else the reference's in plain JAX.
 `layer=` (a traced int32 scalar): the weights are stacks [L, E, ...] taken as [L·E, ...] (a free
 reshape); the kernels read the layer on the device and add layer·E to the expert ids.
 """
