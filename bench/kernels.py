@@ -334,6 +334,7 @@ def moe_args(key, t=1, e=256, width=256, hidden=7168, k=8):
 
 
 def run_moe(copy_tbs, sweep, quick):
+    from jtilert.ffi import route as ffi_route
     from jtilert.pallas import moe
     from jtilert.model.presets import DSV32_TP8_SHARD as cfg
     key = jax.random.key(7)
@@ -399,7 +400,7 @@ def run_moe(copy_tbs, sweep, quick):
         gates = [jax.random.normal(jax.random.fold_in(key, i), (256, 7168), F32) for i in range(8)]
         mk = lambda i: (jax.random.normal(jax.random.fold_in(key, 900 + i), (1, 7168), F32).astype(BF16), gates[i % 8])
         nbytes = 256 * 7168 * 4
-        r = time_op(lambda x, g_: moe.router_logits(x, g_), mk, nbytes, copies=8)
+        r = time_op(lambda x, g_: ffi_route.logits_of(moe.router_partials(x, g_)), mk, nbytes, copies=8)
         log(f"  router logits fp32: {r['us']:.2f} us {r['per_kernel']}")
         xb = time_xla("router logits", [("f32 dot", lambda x, g_: jnp.einsum("th,eh->te", x.astype(F32), g_))], mk, nbytes)
         add_row("router logits (fp32 W)", nbytes, ("fma", r), xb, copy_tbs)

@@ -1,7 +1,7 @@
 """The engine's MoE router selection (`jtilert.ffi.route`, cuda/src/route.cu): wiring, the XLA
 lowering of its primitive, the CUDA lowering's custom call, and a NumPy model of the kernel's
-algorithm against `reference.select_experts` (the kernel itself runs on the GPU:
-tests/gpu/route_check.py)."""
+algorithm (the router GEMV's split-K partial logits summed in order, then the selection) against
+`reference.select_experts` of those logits (the kernel itself runs on the GPU: tests/gpu/route_check.py)."""
 
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ from jtilert.ops import reference
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-# (experts, groups, groups kept, k): DeepSeek-V3.2 / GLM-5 (one group) / the tiny model's router
-CASES = [(256, 8, 4, 8), (256, 1, 1, 8), (16, 4, 2, 4)]
+# (experts, groups, groups kept, k): DeepSeek-V3.2 / GLM-5 (one group) / the tiny model's router / kept
+# groups holding fewer than k experts (dropped experts are chosen too, by index)
+CASES = [(256, 8, 4, 8), (256, 1, 1, 8), (16, 4, 2, 4), (16, 8, 1, 4)]
 
 
 def _cfg(e, g, tg, k, norm=True):
@@ -30,14 +31,15 @@ def _cfg(e, g, tg, k, norm=True):
                                  routed_scaling_factor=2.5)
 
 
-def _inputs(t, e, layers=3, seed=0, ties=False):
+def _inputs(t, e, layers=3, seed=0, ties=False, splits=4):
+    """(partial logits [splits, t, e], bias stack [layers, e]), fp32."""
     rng = np.random.default_rng(seed)
-    logits = rng.normal(size=(t, e)).astype(np.float32)
+    partials = (rng.normal(size=(splits, t, e)) / splits**0.5).astype(np.float32)
     bias = (0.1 * rng.normal(size=(layers, e))).astype(np.float32)
     if ties:   # equal scores in and across groups: the order goes to the lower index
-        logits[:, 1::2] = logits[:, ::2]
+        partials[..., 1::2] = partials[..., ::2]
         bias[:, 1::2] = bias[:, ::2]
-    return jnp.asarray(logits), jnp.asarray(bias)
+    return jnp.asarray(partials), jnp.asarray(bias)
 
 
 def test_route_select_is_built_and_exported():
@@ -46,10 +48,14 @@ def test_route_select_is_built_and_exported():
     assert _lib.TARGETS["jtilert_route_select"] == "JtRouteSelect"
 
 
-def kernel_model(cfg, logits, bias_row):
-    """route.cu's algorithm in NumPy, thread by thread: the group score as the sum of the group's two
-    largest biased scores, groups and experts ranked by counting every pair (ties: lower index)."""
-    s = 1 / (1 + np.exp(-np.asarray(logits, np.float32)))
+def kernel_model(cfg, partials, bias_row):
+    """route.cu's algorithm in NumPy, thread by thread: the logits as the partials' sum in order, the
+    group score as the sum of the group's two largest biased scores, groups and experts ranked by
+    counting every pair (ties: lower index)."""
+    logits = np.zeros(partials.shape[1:], np.float32)
+    for part in np.asarray(partials, np.float32):
+        logits = logits + part
+    s = 1 / (1 + np.exp(-logits))
     b = (s + np.asarray(bias_row, np.float32)).astype(np.float32)
     t, e = b.shape
     w = np.zeros((t, cfg.num_experts_per_tok), np.float32)
@@ -65,7 +71,10 @@ def kernel_model(cfg, logits, bias_row):
             for i in range(e):
                 if rank(top2, i // gs) >= cfg.topk_group:
                     v[i] = -np.inf
+        reach = cfg.topk_group * (e // cfg.n_group) >= cfg.num_experts_per_tok
         for i in range(e):
+            if reach and v[i] == -np.inf:   # a dropped expert ranks after every kept one: skipped
+                continue
             k = rank(v, i)
             if k < cfg.num_experts_per_tok:
                 ids[r, k], w[r, k] = i, s[r, i]
@@ -78,9 +87,9 @@ def kernel_model(cfg, logits, bias_row):
 @pytest.mark.parametrize("ties", [False, True])
 def test_kernel_model_equals_reference(case, ties):
     cfg = _cfg(*case)
-    logits, bias = _inputs(3, case[0], ties=ties, seed=case[0] + case[1])
-    want_w, want_ids = reference.select_experts(cfg, logits, bias[1])
-    got_w, got_ids = kernel_model(cfg, logits, bias[1])
+    partials, bias = _inputs(3, case[0], ties=ties, seed=case[0] + case[1])
+    want_w, want_ids = reference.select_experts(cfg, route.logits_of(partials), bias[1])
+    got_w, got_ids = kernel_model(cfg, partials, bias[1])
     np.testing.assert_array_equal(got_ids, np.asarray(want_ids))
     np.testing.assert_allclose(got_w, np.asarray(want_w), rtol=1e-6, atol=1e-7)
 
@@ -90,27 +99,27 @@ def test_primitive_xla_lowering_equals_reference(case):
     """The primitive as XLA runs it where the engine is not loaded at lowering time (the stack read
     at the traced layer)."""
     cfg = _cfg(*case)
-    logits, bias = _inputs(2, case[0], seed=7)
+    partials, bias = _inputs(2, case[0], seed=7)
 
     @jax.jit
-    def f(lg, b, layer):
-        return route.route_select_p.bind(lg, b, layer.reshape(1), n_group=cfg.n_group, topk_group=cfg.topk_group,
+    def f(p, b, layer):
+        return route.route_select_p.bind(p, b, layer.reshape(1), n_group=cfg.n_group, topk_group=cfg.topk_group,
                                          k=cfg.num_experts_per_tok, norm=1, scaling=cfg.routed_scaling_factor)
-    got_w, got_ids = f(logits, bias, jnp.int32(2))
-    want_w, want_ids = reference.select_experts(cfg, logits, bias[2])
+    got_w, got_ids = f(partials, bias, jnp.int32(2))
+    want_w, want_ids = reference.select_experts(cfg, route.logits_of(partials), bias[2])
     np.testing.assert_array_equal(np.asarray(got_ids), np.asarray(want_ids))
     np.testing.assert_array_equal(np.asarray(got_w), np.asarray(want_w))
 
 
 def test_without_the_engine_the_reference_runs_with_one_warning():
     cfg = _cfg(*CASES[0])
-    logits, bias = _inputs(1, 256)
+    partials, bias = _inputs(1, 256)
     _lib._warned.clear()  # noqa: SLF001
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
         for layer in range(3):
-            got = route.select_experts(cfg, logits, bias, jnp.int32(layer))
-            want = reference.select_experts(cfg, logits, bias[layer])
+            got = route.select_experts(cfg, partials, bias, jnp.int32(layer))
+            want = reference.select_experts(cfg, route.logits_of(partials), bias[layer])
             np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
     assert len([w for w in rec if "route selection not used" in str(w.message)]) == 1
 
@@ -118,17 +127,18 @@ def test_without_the_engine_the_reference_runs_with_one_warning():
 def test_cuda_lowering_emits_the_custom_call_on_the_whole_bias_stack(monkeypatch):
     monkeypatch.setattr(ffi_ops, "_TEST_FORCE_EMIT", True)
     cfg = _cfg(*CASES[0])
-    logits, bias = _inputs(1, 256, layers=61)
-    f = jax.jit(lambda lg, b, i: route.select_experts(cfg, lg, b, i))
-    txt = f.trace(logits, bias, jnp.int32(5)).lower(lowering_platforms=("cuda",)).as_text()
+    partials, bias = _inputs(1, 256, layers=61, splits=16)
+    f = jax.jit(lambda p, b, i: route.select_experts(cfg, p, b, i))
+    txt = f.trace(partials, bias, jnp.int32(5)).lower(lowering_platforms=("cuda",)).as_text()
     call = [line for line in txt.splitlines() if "custom_call @jtilert_route_select" in line]
-    assert len(call) == 1 and "tensor<61x256xf32>" in call[0], call
+    assert len(call) == 1 and "tensor<61x256xf32>" in call[0] and "tensor<16x1x256xf32>" in call[0], call
     assert "n_group = 8 : i32" in call[0] and "topk_group = 4 : i32" in call[0] and "norm = 1 : i32" in call[0]
     assert not [line for line in txt.splitlines() if "dynamic_slice" in line]   # the stack, not a slice of it
 
 
 def test_shapes_the_kernel_does_not_take_name_themselves():
     cfg = _cfg(2048, 8, 4, 8)
-    assert "2048 experts" in route.unsupported(cfg, jnp.zeros((1, 2048)), jnp.zeros((2, 2048)))
-    assert "bfloat16" in route.unsupported(_cfg(*CASES[0]), jnp.zeros((1, 256), jnp.bfloat16), jnp.zeros((2, 256)))
-    assert route.unsupported(_cfg(*CASES[0]), jnp.zeros((1, 256)), jnp.zeros((2, 256))) is None
+    assert "2048 experts" in route.unsupported(cfg, jnp.zeros((2, 1, 2048)), jnp.zeros((2, 2048)))
+    assert "bfloat16" in route.unsupported(_cfg(*CASES[0]), jnp.zeros((2, 1, 256), jnp.bfloat16), jnp.zeros((2, 256)))
+    assert "[S, T, E]" in route.unsupported(_cfg(*CASES[0]), jnp.zeros((1, 256)), jnp.zeros((2, 256)))
+    assert route.unsupported(_cfg(*CASES[0]), jnp.zeros((2, 1, 256)), jnp.zeros((2, 256))) is None

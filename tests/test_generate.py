@@ -304,9 +304,11 @@ def test_xla_options_reach_the_decode_steps_only(tiny_random, gen):
                                             "xla_gpu_command_buffer_unroll_loops": True})
     assert cfg.xla_options == (("xla_gpu_command_buffer_scheduling_mode", "CONCURRENT"),
                                ("xla_gpu_command_buffer_unroll_loops", True))
-    # the default: CONCURRENT command-buffer scheduling (the fixture `gen` runs it)
-    assert jtilert.DecodeConfig().xla_options == (("xla_gpu_command_buffer_scheduling_mode", "CONCURRENT"),)
-    assert gen.engine.decode_loop._options == {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
+    # the default: the layer loops in the command buffers, CONCURRENT scheduling (the fixture `gen` runs it)
+    default = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT",
+               "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL"}
+    assert jtilert.DecodeConfig().xla_options == tuple(sorted(default.items()))
+    assert gen.engine.decode_loop._options == default
     g = jtilert.Generator(tiny_random, max_seq_len=256, config=cfg)
     assert g.generate(PROMPT, 12, stop_tokens=[]) == gen.generate(PROMPT, 12, stop_tokens=[])
     assert g.engine.forward._options is None and g.engine.decode_loop._options == dict(cfg.xla_options)

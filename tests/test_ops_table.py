@@ -125,9 +125,10 @@ def _layer_bodies(name: str) -> list[dict]:
 # one group: 20). The layer's residual add in its FFN's down projections and the key's Hadamard rotation
 # in index_prep (with q's), the indexer's traced offsets as operands of their own (no stack of them): 4
 # glue ops fewer in the dense body, 5 in the MoE body. (The FFN's norm stays in XLA: folded into the
-# three GEMVs that read it, it cost more than its two XLA kernels, bench/RESULTS.md session 13.)
-BUDGET = {"dsv32-tp8-shard": [{"kernels": 13, "glue": 39}, {"kernels": 17, "glue": 48}],
-          "glm5-tp8-shard": [{"kernels": 12, "glue": 52}, {"kernels": 16, "glue": 61}]}
+# three GEMVs that read it, it cost more than its two XLA kernels, bench/RESULTS.md session 13.) The
+# router GEMV's split-K partials summed by the engine's selection: 1 glue op fewer in the MoE body.
+BUDGET = {"dsv32-tp8-shard": [{"kernels": 13, "glue": 39}, {"kernels": 17, "glue": 47}],
+          "glm5-tp8-shard": [{"kernels": 12, "glue": 52}, {"kernels": 16, "glue": 60}]}
 
 
 @pytest.mark.parametrize("name", sorted(BUDGET))

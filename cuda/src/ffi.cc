@@ -373,26 +373,27 @@ ffi::Error TopkSelectImpl(cudaStream_t stream, int32_t dev,
   return ffi::Error::Success();
 }
 
-// The MoE router's selection: logits [T, E] f32, the bias stack [L, E] f32
-// and the layer (int32 [1], on the device) -> weights [T, k] f32, ids [T, k].
-ffi::Error RouteSelectImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> logits,
+// The MoE router's selection: the router GEMV's split-K partial logits
+// [S, T, E] f32 (summed in order), the bias stack [L, E] f32 and the layer
+// (int32 [1], on the device) -> weights [T, k] f32, ids [T, k].
+ffi::Error RouteSelectImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> partials,
                            ffi::Buffer<ffi::F32> bias,
                            ffi::Buffer<ffi::S32> layer,
                            ffi::Result<ffi::Buffer<ffi::F32>> out_w,
                            ffi::Result<ffi::Buffer<ffi::S32>> out_ids,
                            int32_t n_group, int32_t topk_group, int32_t norm,
                            float scaling) {
-  auto ld = logits.dimensions();
+  auto pd = partials.dimensions();
   auto bd = bias.dimensions();
   auto od = out_ids->dimensions();
-  if (ld.size() != 2 || bd.size() != 2 || bd[1] != ld[1] || od.size() != 2 ||
-      od[0] != ld[0] || out_w->element_count() != out_ids->element_count() ||
+  if (pd.size() != 3 || bd.size() != 2 || bd[1] != pd[2] || od.size() != 2 ||
+      od[0] != pd[1] || out_w->element_count() != out_ids->element_count() ||
       layer.element_count() != 1)
     return ffi::Error::InvalidArgument("jtilert route_select: shape mismatch");
   cudaError_t e = jt_route_select(
-      stream, logits.typed_data(), bias.typed_data(), layer.typed_data(),
-      (int)ld[0], (int)ld[1], n_group, topk_group, (int)od[1], scaling, norm,
-      out_w->typed_data(), out_ids->typed_data());
+      stream, partials.typed_data(), (int)pd[0], bias.typed_data(),
+      layer.typed_data(), (int)pd[1], (int)pd[2], n_group, topk_group,
+      (int)od[1], scaling, norm, out_w->typed_data(), out_ids->typed_data());
   if (e != cudaSuccess) return cuda_error(e, "route_select launch");
   return ffi::Error::Success();
 }

@@ -1,14 +1,16 @@
 // The MoE router's selection (DeepSeek-V3 / GLM-5 "noaux_tc") in one launch:
-// from fp32 logits [T, E] to (weights [T, k] fp32, expert ids [T, k] int32),
-// exactly jtilert.ops.reference.select_experts:
+// from the router GEMV's fp32 split-K partial logits [S, T, E] to (weights
+// [T, k] fp32, expert ids [T, k] int32), exactly
+// jtilert.ops.reference.select_experts of their sum (s = 0, 1, .. in order):
 //   s = sigmoid(logit), b = s + bias[layer]; with n_group > 1 each group of
 //   E / n_group experts scores the sum of its two largest b, the topk_group
 //   best groups stay and the other experts' b become -inf; the k largest b are
 //   chosen, in descending order, ties to the lower index; their unbiased s,
 //   normalised to sum 1 (norm != 0), times `scaling`, are the weights.
 // One CTA per token row, one thread per expert (E <= 1024). Ranks are counted
-// over every pair (E <= 1024 comparisons per thread, from shared memory): no
-// sort, and each rank's expert writes its own output slot.
+// over every pair, four values per shared-memory load (E <= 1024 comparisons
+// per thread): no sort, and each rank's expert writes its own output slot.
+// Summing the partials here saves the GEMV its own finishing kernel.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -19,33 +21,46 @@
 namespace jt {
 namespace {
 
-// Places before v in descending order among vals[0..n) (ties: lower index first).
+// Places before v in descending order among vals[0..n) (ties: lower index
+// first). vals is 16-byte aligned; with n % 4 == 0 it is read as float4, so
+// the loads are independent of each other and of the counting.
 __device__ __forceinline__ int rank_of(const float* vals, int n, float v, int i) {
-  int r = 0;
-  for (int j = 0; j < n; ++j) {
-    const float x = vals[j];
-    r += (x > v) || (x == v && j < i);
+  int r = 0, j = 0;
+  if ((n & 3) == 0) {
+    const float4* v4 = reinterpret_cast<const float4*>(vals);
+#pragma unroll 8
+    for (; j < n; j += 4) {
+      const float4 x = v4[j >> 2];
+      r += (x.x > v) || (x.x == v && j < i);
+      r += (x.y > v) || (x.y == v && j + 1 < i);
+      r += (x.z > v) || (x.z == v && j + 2 < i);
+      r += (x.w > v) || (x.w == v && j + 3 < i);
+    }
   }
+  for (; j < n; ++j) r += (vals[j] > v) || (vals[j] == v && j < i);
   return r;
 }
 
-__global__ void route_select_kernel(const float* __restrict__ logits,
+__global__ void route_select_kernel(const float* __restrict__ partials, int S,
                                     const float* __restrict__ bias,
-                                    const int32_t* __restrict__ layer, int E,
-                                    int n_group, int topk_group, int k,
+                                    const int32_t* __restrict__ layer, int T,
+                                    int E, int n_group, int topk_group, int k,
                                     float scaling, int norm, float* out_w,
                                     int32_t* out_ids) {
-  extern __shared__ float sm[];
-  float* biased = sm;              // [E]
-  float* group_score = sm + E;     // [n_group]
-  float* chosen = group_score + n_group;  // [k]: s of the expert at each rank
+  extern __shared__ float4 sm4[];
+  float* biased = reinterpret_cast<float*>(sm4);   // [E]
+  float* group_score = biased + ((E + 3) & ~3);   // [n_group], 16-byte aligned
+  float* chosen = group_score + n_group;           // [k]: s of the expert at each rank
   const int t = blockIdx.x, i = threadIdx.x;
-  const float s = 1.f / (1.f + expf(-logits[(size_t)t * E + i]));
+  float logit = 0.f;
+#pragma unroll 4
+  for (int p = 0; p < S; ++p) logit += partials[((size_t)p * T + t) * E + i];
+  const float s = 1.f / (1.f + expf(-logit));
   float b = s + bias[(size_t)layer[0] * E + i];
   biased[i] = b;
   __syncthreads();
+  const int gs = E / n_group;
   if (n_group > 1) {
-    const int gs = E / n_group, g = i / gs;
     if (i < n_group) {  // the sum of group i's two largest (ties need no order)
       float m1 = -INFINITY, m2 = -INFINITY;
       for (int j = i * gs; j < (i + 1) * gs; ++j) {
@@ -61,11 +76,16 @@ __global__ void route_select_kernel(const float* __restrict__ logits,
     }
     __syncthreads();
     // (the group sums read biased[] before the barrier above: it may be overwritten now)
+    const int g = i / gs;
     if (rank_of(group_score, n_group, group_score[g], g) >= topk_group) b = -INFINITY;
     biased[i] = b;
     __syncthreads();
   }
-  const int r = rank_of(biased, E, b, i);
+  // An expert of a dropped group ranks after every kept one; when the kept
+  // groups hold at least k experts it cannot be chosen, so it skips its count
+  // (whole warps do, where a group is a multiple of 32 experts).
+  const bool out_of_reach = b == -INFINITY && topk_group * gs >= k;
+  const int r = out_of_reach ? k : rank_of(biased, E, b, i);
   if (r < k) {
     out_ids[(size_t)t * k + r] = i;
     chosen[r] = s;
@@ -85,18 +105,18 @@ __global__ void route_select_kernel(const float* __restrict__ logits,
 }  // namespace
 }  // namespace jt
 
-extern "C" cudaError_t jt_route_select(cudaStream_t stream, const float* logits,
-                                       const float* bias, const int32_t* layer,
-                                       int T, int E, int n_group,
-                                       int topk_group, int k, float scaling,
-                                       int norm, float* out_w,
+extern "C" cudaError_t jt_route_select(cudaStream_t stream, const float* partials,
+                                       int S, const float* bias,
+                                       const int32_t* layer, int T, int E,
+                                       int n_group, int topk_group, int k,
+                                       float scaling, int norm, float* out_w,
                                        int32_t* out_ids) {
-  if (T < 1 || E < 1 || E > JT_ROUTE_MAX_EXPERTS || k < 1 || k > E ||
+  if (S < 1 || T < 1 || E < 1 || E > JT_ROUTE_MAX_EXPERTS || k < 1 || k > E ||
       n_group < 1 || E % n_group != 0 || topk_group < 1 || topk_group > n_group)
     return cudaErrorInvalidValue;
-  const size_t smem = (size_t)(E + n_group + k) * sizeof(float);
-  jt::route_select_kernel<<<T, E, smem, stream>>>(logits, bias, layer, E, n_group,
-                                                  topk_group, k, scaling, norm,
-                                                  out_w, out_ids);
+  const size_t smem = (size_t)(((E + 3) & ~3) + n_group + k) * sizeof(float);
+  jt::route_select_kernel<<<T, E, smem, stream>>>(partials, S, bias, layer, T, E,
+                                                  n_group, topk_group, k, scaling,
+                                                  norm, out_w, out_ids);
   return cudaGetLastError();
 }

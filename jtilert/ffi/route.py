@@ -1,13 +1,17 @@
 """The MoE router's selection in one launch: the engine's ``route_select`` (cuda/src/route.cu).
 
-``select_experts(cfg, logits, bias, layer)`` is ``jtilert.ops.reference.select_experts(cfg, logits,
+``select_experts(cfg, partials, bias, layer)`` is ``jtilert.ops.reference.select_experts(cfg, logits,
 bias[layer])`` (sigmoid scores, the group-limited choice of the top experts, ties to the lower index,
-the normalised weights) for logits [T, E] fp32 and the bias stack [L, E] fp32 read at ``layer`` on the
-device: one kernel where XLA runs the selection as a chain of small fusions. Elsewhere (no GPU, no
-library, shapes the kernel does not take) the reference runs instead, with one warning per reason.
+the normalised weights) for the logits ``partials[0] + partials[1] + ..`` (the router GEMV's split-K
+partial sums [S, T, E] fp32, added in that order) and the bias stack [L, E] fp32 read at ``layer`` on
+the device: one kernel where XLA runs the sum and the selection as a chain of small fusions. Elsewhere
+(no GPU, no library, shapes the kernel does not take) XLA runs the same sum and the reference
+selection, with one warning per reason.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -33,35 +37,41 @@ class _Routing:
         self.norm_topk_prob, self.routed_scaling_factor = bool(norm), scaling
 
 
-def _abstract(logits, bias, layer, *, n_group, topk_group, k, norm, scaling):  # noqa: ARG001
-    shape = (logits.shape[0], k)
-    return (logits.update(shape=shape, dtype=np.dtype(np.float32)),
-            logits.update(shape=shape, dtype=np.dtype(np.int32)))
+def _abstract(partials, bias, layer, *, n_group, topk_group, k, norm, scaling):  # noqa: ARG001
+    shape = (partials.shape[1], k)
+    return (partials.update(shape=shape, dtype=np.dtype(np.float32)),
+            partials.update(shape=shape, dtype=np.dtype(np.int32)))
 
 
 route_select_p.def_abstract_eval(_abstract)
 
 
-def _reference(cfg, logits, bias, layer):
-    """reference.select_experts with the bias row of `layer` (an int32 scalar) of the stack."""
-    return reference.select_experts(cfg, logits, jax.lax.dynamic_index_in_dim(bias, layer, 0, keepdims=False))
+def logits_of(partials):
+    """The logits [T, E]: the partial sums [S, T, E] added in order (as the kernel adds them)."""
+    return functools.reduce(jnp.add, list(partials))
 
 
-def _lower_xla(ctx, logits, bias, layer, *, n_group, topk_group, k, norm, scaling):
+def _reference(cfg, partials, bias, layer):
+    """reference.select_experts of the summed partials with the bias row of `layer` (an int32 scalar)."""
+    return reference.select_experts(cfg, logits_of(partials),
+                                    jax.lax.dynamic_index_in_dim(bias, layer, 0, keepdims=False))
+
+
+def _lower_xla(ctx, partials, bias, layer, *, n_group, topk_group, k, norm, scaling):
     cfg = _Routing(n_group, topk_group, k, norm, scaling)
-    return mlir.lower_fun(lambda lg, b, i: list(_reference(cfg, lg, b, i[0])), multiple_results=True)(
-        ctx, logits, bias, layer)
+    return mlir.lower_fun(lambda p, b, i: list(_reference(cfg, p, b, i[0])), multiple_results=True)(
+        ctx, partials, bias, layer)
 
 
-def _lower_cuda(ctx, logits, bias, layer, *, n_group, topk_group, k, norm, scaling):
+def _lower_cuda(ctx, partials, bias, layer, *, n_group, topk_group, k, norm, scaling):
     if not _ops._TEST_FORCE_EMIT:  # noqa: SLF001
         lib, why = _lib.load()
         if lib is None:
             _warn(why)
-            return _lower_xla(ctx, logits, bias, layer, n_group=n_group, topk_group=topk_group, k=k, norm=norm,
+            return _lower_xla(ctx, partials, bias, layer, n_group=n_group, topk_group=topk_group, k=k, norm=norm,
                               scaling=scaling)
     return jax.ffi.ffi_lowering("jtilert_route_select")(
-        ctx, logits, bias, layer, n_group=np.int32(n_group), topk_group=np.int32(topk_group), norm=np.int32(norm),
+        ctx, partials, bias, layer, n_group=np.int32(n_group), topk_group=np.int32(topk_group), norm=np.int32(norm),
         scaling=np.float32(scaling))
 
 
@@ -74,11 +84,13 @@ def _warn(why):
                    "running the reference selection in XLA")
 
 
-def unsupported(cfg, logits, bias) -> str | None:
+def unsupported(cfg, partials, bias) -> str | None:
     """Why the kernel does not take these arrays (None: it does)."""
-    t, e = logits.shape
-    if logits.dtype != jnp.float32 or bias.dtype != jnp.float32 or bias.ndim != 2 or bias.shape[1] != e:
-        return f"logits {logits.dtype}{list(logits.shape)}, bias {bias.dtype}{list(bias.shape)} (fp32, bias [L, E])"
+    e = partials.shape[-1]
+    if (partials.ndim != 3 or partials.dtype != jnp.float32 or bias.dtype != jnp.float32 or bias.ndim != 2
+            or bias.shape[1] != e):
+        return (f"partial logits {partials.dtype}{list(partials.shape)}, bias {bias.dtype}{list(bias.shape)} "
+                "(fp32, partials [S, T, E], bias [L, E])")
     if e > MAX_EXPERTS or e % cfg.n_group or not 1 <= cfg.topk_group <= cfg.n_group:
         return f"{e} experts in {cfg.n_group} groups (at most {MAX_EXPERTS}, whole groups)"
     if not 1 <= cfg.num_experts_per_tok <= e:
@@ -86,15 +98,16 @@ def unsupported(cfg, logits, bias) -> str | None:
     return None
 
 
-def select_experts(cfg, logits, bias, layer):
+def select_experts(cfg, partials, bias, layer):
     """(weights [T, k] fp32, expert ids [T, k] int32) of `reference.select_experts(cfg, logits,
-    bias[layer])`, bias [L, E] and `layer` an int32 scalar (may be traced)."""
-    why = unsupported(cfg, logits, bias)
+    bias[layer])` for logits = partials[0] + partials[1] + .. (partials [S, T, E]), bias [L, E] and
+    `layer` an int32 scalar (may be traced)."""
+    why = unsupported(cfg, partials, bias)
     ok, no_engine = _ops.engine_status()
     if why is not None or not ok:
         _warn(why or no_engine)
-        return _reference(cfg, logits, bias, layer)
+        return _reference(cfg, partials, bias, layer)
     return tuple(route_select_p.bind(
-        logits, bias, jnp.asarray(layer, jnp.int32).reshape(1), n_group=int(cfg.n_group),
+        partials, bias, jnp.asarray(layer, jnp.int32).reshape(1), n_group=int(cfg.n_group),
         topk_group=int(cfg.topk_group), k=int(cfg.num_experts_per_tok), norm=int(bool(cfg.norm_topk_prob)),
         scaling=float(cfg.routed_scaling_factor)))

@@ -41,6 +41,11 @@ KGRAIN = 64   # the GEMV kernels' K granularity (TMA / swizzle)
 QBLOCK = 128  # fp8 block-scale granularity
 
 
+# DecodeConfig's default XLA options of the decode steps, sorted by name (see its docstring)
+STEP_XLA_OPTIONS = (("xla_gpu_command_buffer_scheduling_mode", "CONCURRENT"),
+                    ("xla_gpu_enable_command_buffer", "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL"))
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
     """How a model is run; given to `Generator` / `score` and passed down to every op.
@@ -57,11 +62,14 @@ class DecodeConfig:
         compiled body: fast to compile); "unrolled": one copy of the layer per layer, the layer index
         a constant (no loop between the layers' kernels). Both read the same stacked arrays.
     xla_options: XLA compile options of the decode-shaped steps only (decode, MTP verify and draft, their
-        device loops; prefill chunks keep XLA's defaults), as (name, value) pairs or a dict. The default,
-        {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}, orders the step's CUDA graph by its
+        device loops; prefill chunks keep XLA's defaults), as (name, value) pairs or a dict. The default
+        (`STEP_XLA_OPTIONS`) records the layer loops into the step's CUDA graph too (command buffers
+        over WHILE and CONDITIONAL besides XLA's kernel kinds: one graph launch per call instead of one
+        per layer, so the host enqueues a call in about a millisecond) and orders that graph by its
         buffers instead of serializing it, so a layer's independent kernels overlap (the indexer beside
         MLA's query path, the shared expert beside the routed ones); () gives XLA's own options
-        (bench/gpu_session.sh part graphs measures each). XLA checks the names and values when it compiles.
+        (bench/gpu_session.sh parts graphs and defaults measure them). XLA checks the names and values
+        when it compiles.
     """
 
     backend: str = "reference"
@@ -69,7 +77,7 @@ class DecodeConfig:
     split_indexer: bool = False
     engine_topk: bool = True
     layer_loop: str = "loop"
-    xla_options: tuple[tuple[str, str], ...] = (("xla_gpu_command_buffer_scheduling_mode", "CONCURRENT"),)
+    xla_options: tuple[tuple[str, str], ...] = STEP_XLA_OPTIONS
 
     def __post_init__(self):
         opts = self.xla_options.items() if isinstance(self.xla_options, dict) else self.xla_options

@@ -299,18 +299,23 @@ def reference_moe_with_shared(x, weights, ids, packed, shared_raw):
 
 # ---- router -------------------------------------------------------------------------------------
 
-def router_logits(x, gate, *, layer=None):
-    """x · Wgᵀ in fp32 (the reference's precision) with the FMA engine, Wg [E, H] fp32 (or bf16);
-    with `layer`, Wg [L, E, H] fp32 or bf16 (a stack is never cast per call)."""
+def router_partials(x, gate, *, layer=None):
+    """x · Wgᵀ in fp32 (the reference's precision) with the FMA engine, as its split-K partial sums
+    [S, T, E] (the logits are their sum in order: `jtilert.ffi.route.logits_of`), Wg [E, H] fp32 (or
+    bf16); with `layer`, Wg [L, E, H] fp32 or bf16 (a stack is never cast per call)."""
     if gate.dtype in (F32, BF16):
         w = gate
     elif layer is None:
         w = gate.astype(F32)
     else:
-        raise ValueError(f"router_logits: a stacked gate must be fp32 or bf16, got {gate.dtype}")
+        raise ValueError(f"router_partials: a stacked gate must be fp32 or bf16, got {gate.dtype}")
     cfg = GemvConfig(engine="fma")
-    return hw.token_chunks(x.astype(BF16) if x.dtype != BF16 else x,
-                        lambda xc, _: gemv._projection(xc, (w,), (None,), out_dtype=F32, layer=layer, config=cfg))
+    x = x.astype(BF16) if x.dtype != BF16 else x
+    chunks = [gemv._projection(x[i:i + hw.MAX_TOKENS], (w,), (None,), out_dtype=F32, layer=layer, config=cfg,
+                               partials=True) for i in range(0, x.shape[0], hw.MAX_TOKENS)]
+    if len(chunks) == 1:
+        return chunks[0]
+    return jnp.concatenate([ffi_route.logits_of(c)[None] for c in chunks], axis=1)   # [1, T, E]
 
 
 def route(cfg, x, gate, bias, *, layer=None):
@@ -319,7 +324,7 @@ def route(cfg, x, gate, bias, *, layer=None):
     reference's XLA ops where the engine is not loaded, with a warning)."""
     if x.dtype != BF16:
         raise ValueError(f"route kernel: activations {x.dtype} {list(x.shape)} (bf16 only)")
-    logits = router_logits(x, gate, layer=layer)
+    partials = router_partials(x, gate, layer=layer)
     if layer is None:
-        return reference.select_experts(cfg, logits, bias)
-    return ffi_route.select_experts(cfg, logits, bias, layer)
+        return reference.select_experts(cfg, ffi_route.logits_of(partials), bias)
+    return ffi_route.select_experts(cfg, partials, bias, layer)

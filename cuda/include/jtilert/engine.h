@@ -186,12 +186,14 @@ cudaError_t jt_topk_select(int dev, cudaStream_t stream, const float* scores,
 int64_t jt_gemv_smem_bytes(int K, int tile_rows, int max_tasks);
 // ---- the MoE router's selection (src/route.cu) ----
 #define JT_ROUTE_MAX_EXPERTS 1024
-// jtilert.ops.reference.select_experts of logits [T, E] fp32 with the bias
-// row `*layer` of bias [L, E] fp32 (layer: a device int32): weights [T, k]
-// fp32 and expert ids [T, k] int32, in descending order of the biased
-// scores. One launch, one CTA per row; cudaErrorInvalidValue for shapes it
-// does not take (E > JT_ROUTE_MAX_EXPERTS, E % n_group != 0, k > E).
-cudaError_t jt_route_select(cudaStream_t stream, const float* logits,
+// jtilert.ops.reference.select_experts of the logits sum_s partials[s]
+// (partials [S, T, E] fp32: the router GEMV's split-K parts, summed in order
+// s = 0, 1, ..) with the bias row `*layer` of bias [L, E] fp32 (layer: a
+// device int32): weights [T, k] fp32 and expert ids [T, k] int32, in
+// descending order of the biased scores. One launch, one CTA per row;
+// cudaErrorInvalidValue for shapes it does not take (E > JT_ROUTE_MAX_EXPERTS,
+// E % n_group != 0, k > E).
+cudaError_t jt_route_select(cudaStream_t stream, const float* partials, int S,
                             const float* bias, const int32_t* layer, int T,
                             int E, int n_group, int topk_group, int k,
                             float scaling, int norm, float* out_w,
