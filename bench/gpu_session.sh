@@ -48,6 +48,8 @@
 #                git archive ba89fb0 | tar -x -C .baseline) then this checkout, pallas and reference (~10 min)
 #   ab           bench.decode 61 layers, pallas, kernel profiles: .baseline (another tree, carried) then this checkout
 #   base         the first half of ab alone (.baseline), for a "decode" part right after it
+#   defaults     bench.decode 61 layers, pallas, without XLA_FLAGS: DecodeConfig's default options against
+#                CONCURRENT scheduling alone (XLA's own command-buffer kinds: the layer loops not captured)
 #   trees        the same for every tree in TREES (carried folders, default .baseline), then this checkout: a
 #                bisection on one machine under this script's XLA flags (each tree ~1 min)
 #   mtp          bench.decode 61 layers, pallas, plain and MTP speculative step (verify 2 + draft)
@@ -192,6 +194,12 @@ for part in "$@"; do
           --kernels --samples 6 --out "$WORK/tree_$(basename "$t" | tr -d .).json")
       done
       step tree_this 200 $DEC --layers 61 --backend pallas --kernels --samples 6 --out "$WORK/tree_this.json" ;;
+    defaults)  # what a user gets: no XLA_FLAGS, DecodeConfig's default options, then the options before
+      # the layer loops were captured by default (CONCURRENT scheduling alone), back to back
+      XLA_FLAGS="" step defaults_now 200 $DEC --layers 61 --backend pallas --kernels --samples 6 \
+        --out "$WORK/defaults_now.json"
+      XLA_FLAGS="" step defaults_concurrent_only 200 $DEC --layers 61 --backend pallas --kernels --samples 6 \
+        --xla-option xla_gpu_command_buffer_scheduling_mode=CONCURRENT --out "$WORK/defaults_concurrent_only.json" ;;
     mtp_glm5) step mtp_glm5 540 python3 -m bench.decode --preset glm5-tp8-shard --context 4096 --backend pallas \
                 --mtp --samples 6 --out "$WORK/mtp_glm5.json" ;;
     mtp) step mtp 540 $DEC --layers 61 --backend pallas --mtp --samples 6 --out "$WORK/mtp.json" ;;
