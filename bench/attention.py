@@ -135,8 +135,8 @@ def bench_context(ctx, cfg, bw, key):
     def theirs(q8, w, k8, ks, pos):
         return reference.topk_positions(reference.indexer_scores(q8, w, k8, ks, pos), topk_k)
 
-    (i1, _), t1, n1 = measure(jax.jit(theirs), q8, w, k8, ks, pos)
-    (i2, _), t2, n2 = measure(jax.jit(ours), q8, w, k8, ks, pos)
+    i1, t1, n1 = measure(jax.jit(theirs), q8, w, k8, ks, pos)
+    i2, t2, n2 = measure(jax.jit(ours), q8, w, k8, ks, pos)
     overlap = len(np.intersect1d(np.asarray(i1)[0], np.asarray(i2)[0])) / i1.shape[-1]
     row("INDEXER+TOPK pallas+lax.top_k", ctx, t2, floor_idx, t1, len(n2),
         f"overlap with XLA path {overlap:.4f} (fp32 sum order near-ties)")
@@ -157,14 +157,13 @@ def bench_sparse_mla(ctx, cfg, bw, key):
     packed = reference.quantize_kv_fp8(kv, pe)
     caches = {"bf16": (kv, pe), "fp8": (packed, None)}
     sidx = jax.random.permutation(keys[4], ctx)[:K].astype(jnp.int32)[None]
-    valid = jnp.ones_like(sidx, bool)
     scale = cfg.softmax_scale
     floors = {"bf16": smla.byte_floor(Hm, K, L, R) / bw * 1e6,
               "fp8": (K * 656 + Hm * (L + R) * 2 + Hm * L * 4) / bw * 1e6}
 
     def run(fn, cache):
         c, p = caches[cache]
-        return measure(jax.jit(lambda q1, q2, c, i, v: fn(q1, q2, c, p, i, v)), ql, qp, c, sidx, valid)
+        return measure(jax.jit(lambda q1, q2, c, i: fn(q1, q2, c, p, i)), ql, qp, c, sidx)
 
     refs = {}
     for cache in ("bf16", "fp8"):
@@ -180,8 +179,8 @@ def bench_sparse_mla(ctx, cfg, bw, key):
                 f"rel err {rel(o, refs[cache][0]):.1e}")
             log("    kernels:", n)
             cc, pc = caches[cache]   # fp8: the kernel takes plane-ordered queries; timing does not care
-            partials = jax.jit(lambda q1, q2, c_, i, pc=pc, c=c: smla.sparse_mla_partials(q1, q2, c_, pc, i, None,
-                                                                                           scale, c))
+            partials = jax.jit(lambda q1, q2, c_, i, pc=pc, c=c: smla.sparse_mla_partials(q1, q2, c_, pc, i, scale,
+                                                                                           c))
             (po, pm, plse), tp, _ = measure(partials, ql, qp, cc, sidx)
             row(f"  partials kernel alone, {name}", ctx, tp, floors[cache], refs[cache][1], 1, "")
             _, tc, _ = measure(jax.jit(smla.combine_kernel), po, pm, plse)

@@ -222,11 +222,11 @@ def test_attention_shapes_no_config_fits_are_declined_by_the_op_table(stand_in_k
     fp8 index keys 256 wide: the kernel cannot append them (one 128-wide quantisation block per
     key), so XLA appends and the kernel scores."""
     t, rows = 2, 4160
-    idx, valid = S((t, 2048), jnp.int32), S((t, 2048), jnp.bool_)
+    idx = S((t, 2048), jnp.int32)
 
     def mla(heads, lat):
         return (S((t, heads, lat), BF16), S((t, heads, 64), BF16), S((rows, lat), BF16), S((rows, 64), BF16),
-                idx, valid, 0.1)
+                idx, 0.1)
     unsupported = table.OPS["sparse_mla"].unsupported
     assert unsupported(*mla(16, 512)) is None
     assert "no block_k" in unsupported(*mla(16, 1024))
@@ -235,7 +235,7 @@ def test_attention_shapes_no_config_fits_are_declined_by_the_op_table(stand_in_k
     with interp.compile_for_gpu():
         for heads, lat in [(16, 1024), (96, 512)]:   # the kernel refuses them by name, launching nothing
             with pytest.raises(ValueError, match="sparse_mla kernel: .*(block_k|heads)"):
-                jax.eval_shape(lambda *a: sparse_mla.sparse_mla(*a[:6], 0.1), *mla(heads, lat)[:6])
+                jax.eval_shape(lambda *a: sparse_mla.sparse_mla(*a[:5], 0.1), *mla(heads, lat)[:5])
         assert not launches
 
     def index(heads, width):
@@ -316,14 +316,14 @@ KERNELS = {   # one launch each, at the shapes and configurations the dsv32 shar
                                                                                    layer=jnp.int32(1)),
                             (S((2, 64, 128), FP8), S((2, 64), F32), S((2, 128), F32), S((3, ROWS, 128), FP8),
                              S((3, ROWS), F32), S((2,), jnp.int32))),
-    "sparse MLA, bf16 cache": (lambda ql, qp, kv, pe, idx, v: sparse_mla.sparse_mla_partials(
-        ql, qp, kv, pe, idx, v, 0.1, layer=jnp.int32(1)),
+    "sparse MLA, bf16 cache": (lambda ql, qp, kv, pe, idx: sparse_mla.sparse_mla_partials(
+        ql, qp, kv, pe, idx, 0.1, layer=jnp.int32(1)),
         (S((2, 16, 512), BF16), S((2, 16, 64), BF16), S((3, ROWS, 512), BF16), S((3, ROWS, 64), BF16),
-         S((2, 2048), jnp.int32), S((2, 2048), jnp.bool_))),
-    "sparse MLA, fp8 cache": (lambda ql, qp, kv, idx, v: sparse_mla.sparse_mla_partials(
-        ql, qp, kv, None, idx, v, 0.1, layer=jnp.int32(1)),
+         S((2, 2048), jnp.int32))),
+    "sparse MLA, fp8 cache": (lambda ql, qp, kv, idx: sparse_mla.sparse_mla_partials(
+        ql, qp, kv, None, idx, 0.1, layer=jnp.int32(1)),
         (S((1, 16, 512), BF16), S((1, 16, 64), BF16), S((3, ROWS, reference.kv_fp8_words(512, 64)), jnp.uint32),
-         S((1, 2048), jnp.int32), S((1, 2048), jnp.bool_))),
+         S((1, 2048), jnp.int32))),
     "sparse MLA combine": (sparse_mla.combine_kernel,
                            (S((2, 1, 32, 16, 512), F32), S((2, 1, 32, 16), F32), S((2, 1, 32, 16), F32))),
 }

@@ -52,17 +52,18 @@ def test_sparse_mla(T, H, L, R, S, K, frac_valid):
     idx = jnp.stack([jax.random.permutation(jax.random.fold_in(keys[4], t), S)[:K]
                      for t in range(T)]).astype(jnp.int32)
     valid = jax.random.uniform(keys[5], (T, K)) < frac_valid
-    valid = valid.at[:, 0].set(True)
+    idx = jnp.where(valid.at[:, 0].set(True), idx, -1)   # masked rows: -1 (the top-k's convention)
     f = functools.partial(smla.sparse_mla, scale=0.1)
-    out = _run(f, ql, qp, kv, pe, idx, valid)
-    ref = reference.sparse_mla(ql, qp, kv, pe, idx, valid, 0.1)
+    out = _run(f, ql, qp, kv, pe, idx)
+    ref = reference.sparse_mla(ql, qp, kv, pe, idx, 0.1)
     assert out.shape == ref.shape and out.dtype == np.float32
     assert np.isfinite(out).all()
     assert _rel(out, ref) < 4e-3   # P is rounded to bf16 before P·V (as FlashMLA does)
 
 
 def test_sparse_mla_negative_indices_mask():
-    """idx < 0 with valid=None masks the row, like valid=False (the top-k kernel's convention)."""
+    """idx < 0 masks the row (the top-k's convention): the same output as attention over the
+    unmasked rows alone."""
     keys = jax.random.split(jax.random.key(np.random.randint(1 << 30)), 5)
     T, H, L, R, S, K = 1, 16, 128, 64, 200, 64
     ql = jax.random.normal(keys[0], (T, H, L), BF16)
@@ -71,9 +72,9 @@ def test_sparse_mla_negative_indices_mask():
     pe = jax.random.normal(keys[3], (S, R), BF16)
     idx = jax.random.permutation(keys[4], S)[:K].astype(jnp.int32)[None]
     valid = jnp.arange(K)[None] < 37
-    f = functools.partial(smla.sparse_mla, valid=None, scale=0.2)
+    f = functools.partial(smla.sparse_mla, scale=0.2)
     out = _run(lambda *a: f(*a), ql, qp, kv, pe, jnp.where(valid, idx, -1))
-    ref = reference.sparse_mla(ql, qp, kv, pe, idx, valid, 0.2)
+    ref = reference.sparse_mla(ql, qp, kv, pe, idx[:, :37], 0.2)
     assert _rel(out, ref) < 4e-3
 
 
@@ -308,12 +309,11 @@ def test_indexer_refuses_prefill_chunks_and_the_op_table_runs_the_reference():
         ix.indexer_append_scores(cfg, q, w, k, kc, ks, pos, pos[0], layer=jnp.int32(layer))
     ops = table.Ops(table.DecodeConfig(backend="pallas", engine_topk=False))
     with pytest.warns(UserWarning, match="indexer_append_scores kernel does not apply .*6 tokens"):
-        (idx, valid), kc_out, ks_out = jax.jit(lambda *a: ops.indexer_topk(cfg, *a, pos[0], jnp.int32(layer)))(
+        idx, kc_out, ks_out = jax.jit(lambda *a: ops.indexer_topk(cfg, *a, pos[0], jnp.int32(layer)))(
             q, w, k, kc, ks, pos)
     scores, rkc, rks = reference.indexer_append_scores(cfg, q, w, k, kc[layer], ks[layer], pos, pos[0])
-    ridx, rvalid = reference.topk_positions(scores, cfg.index_topk)
+    ridx = reference.topk_positions(scores, cfg.index_topk)
     np.testing.assert_array_equal(np.asarray(idx), np.asarray(ridx))
-    np.testing.assert_array_equal(np.asarray(valid), np.asarray(rvalid))
     np.testing.assert_array_equal(np.asarray(kc_out[layer]).view(np.uint8), np.asarray(rkc).view(np.uint8))
     np.testing.assert_array_equal(np.asarray(ks_out[layer]), np.asarray(rks))
     np.testing.assert_array_equal(np.asarray(kc_out[0]).view(np.uint8), np.asarray(kc[0]).view(np.uint8))

@@ -45,7 +45,7 @@ def _inputs(T, H, L, R, S, K, frac_valid):
     idx = jnp.stack([jax.random.permutation(jax.random.fold_in(keys[4], t), S)[:K]
                      for t in range(T)]).astype(jnp.int32)
     valid = (jax.random.uniform(keys[5], (T, K)) < frac_valid).at[:, 0].set(True)
-    return ql, qp, kv, pe, idx, valid
+    return ql, qp, kv, pe, jnp.where(valid, idx, -1)   # masked rows: -1 (the top-k's convention)
 
 
 @pytest.mark.parametrize("fp8,block_k,T,K,frac_valid", [
@@ -53,12 +53,12 @@ def _inputs(T, H, L, R, S, K, frac_valid):
     (True, 64, 1, 50, 0.6),      # fp8 cache, fewer selected rows than one block (padded)
 ])
 def test_sparse_mla_matches_reference(fp8, block_k, T, K, frac_valid):
-    ql, qp, kv, pe, idx, valid = _inputs(T, 16, 512, 64, 300, K, frac_valid)
+    ql, qp, kv, pe, idx = _inputs(T, 16, 512, 64, 300, K, frac_valid)
     if fp8:
         kv, pe = reference.quantize_kv_fp8(kv, pe), None
     cfg = smla.SparseMLAConfig(block_k=block_k)
-    out = _run(lambda *a: smla.sparse_mla(*a[:3], pe, *a[3:], 0.07, config=cfg), ql, qp, kv, idx, valid)
-    ref = reference.sparse_mla(ql, qp, kv, pe, idx, valid, 0.07)
+    out = _run(lambda *a: smla.sparse_mla(*a[:3], pe, *a[3:], 0.07, config=cfg), ql, qp, kv, idx)
+    ref = reference.sparse_mla(ql, qp, kv, pe, idx, 0.07)
     assert out.shape == ref.shape and out.dtype == np.float32 and np.isfinite(out).all()
     assert _rel(out, ref) < 4e-3   # P is rounded to bf16 before P·V (as FlashMLA does)
 
@@ -153,7 +153,7 @@ NL = 3   # layers in a stack
 
 def _stacked_inputs(cache, S, seed):
     """Queries, layer stacks [NL, S, ...] (each layer's rows different), the selected rows (the cache's
-    last row among them), their valid flags; cache "bf16", "fp8" (packed) or "tiny" (rope rows of 32
+    last row among them, about a fifth masked as -1); cache "bf16", "fp8" (packed) or "tiny" (rope rows of 32
     bytes, read with TMA zero fill)."""
     H, L, R = (8, 64, 16) if cache == "tiny" else (16, 512, 64)
     keys = jax.random.split(jax.random.key(seed), 6)
@@ -166,17 +166,17 @@ def _stacked_inputs(cache, S, seed):
     valid = (jax.random.uniform(keys[5], idx.shape) < 0.8).at[:, -1].set(True)
     if cache == "fp8":
         kv, pe = reference.quantize_kv_fp8(kv, pe), None
-    return ql, qp, kv, pe, idx, valid
+    return ql, qp, kv, pe, jnp.where(valid, idx, -1)
 
 
 @pytest.mark.parametrize("cache,S,layer", [("bf16", 192, 2), ("fp8", 320, 0), ("tiny", 192, 2), ("bf16", 256, 0)])
 def test_sparse_mla_stacked_layer(cache, S, layer):
     """Caches stacked over NL layers with a traced layer index: the result equals the reference on
     that layer's cache alone."""
-    ql, qp, kv, pe, idx, valid = _stacked_inputs(cache, S, np.random.randint(1 << 30))
-    f = jax.jit(lambda ql, qp, kv, idx, valid, layer: smla.sparse_mla(ql, qp, kv, pe, idx, valid, 0.07, layer=layer))
-    out = _run(f, ql, qp, kv, idx, valid, jnp.int32(layer))
-    ref = reference.sparse_mla(ql, qp, kv[layer], None if pe is None else pe[layer], idx, valid, 0.07)
+    ql, qp, kv, pe, idx = _stacked_inputs(cache, S, np.random.randint(1 << 30))
+    f = jax.jit(lambda ql, qp, kv, idx, layer: smla.sparse_mla(ql, qp, kv, pe, idx, 0.07, layer=layer))
+    out = _run(f, ql, qp, kv, idx, jnp.int32(layer))
+    ref = reference.sparse_mla(ql, qp, kv[layer], None if pe is None else pe[layer], idx, 0.07)
     assert out.shape == ref.shape and np.isfinite(out).all()
     assert _rel(out, ref) < 4e-3
 
@@ -185,16 +185,16 @@ def test_sparse_mla_refuses_prefill_chunks_and_the_op_table_runs_the_reference()
     """More tokens than the kernel takes: the kernel raises, naming them; the op table warns and runs
     the reference on the layer."""
     from jtilert.ops import table
-    ql, qp, kv, pe, idx, valid = _stacked_inputs("bf16", 128, np.random.randint(1 << 30))
+    ql, qp, kv, pe, idx = _stacked_inputs("bf16", 128, np.random.randint(1 << 30))
     T = smla.MAX_TOKENS + 1
     ql, qp = jnp.tile(ql, (T, 1, 1)), jnp.tile(qp, (T, 1, 1))
-    idx, valid = jnp.tile(idx, (T, 1)), jnp.tile(valid, (T, 1))
+    idx = jnp.tile(idx, (T, 1))
     with pytest.raises(ValueError, match=f"sparse_mla kernel: {T} tokens"):
-        smla.sparse_mla(ql, qp, kv, pe, idx, valid, 0.07, layer=jnp.int32(1))
+        smla.sparse_mla(ql, qp, kv, pe, idx, 0.07, layer=jnp.int32(1))
     ops = table.Ops(table.DecodeConfig(backend="pallas"))
     with pytest.warns(UserWarning, match=f"sparse_mla kernel does not apply .*{T} tokens"):
-        out = jax.jit(lambda *a: ops("sparse_mla", *a, 0.07, layer=jnp.int32(1)))(ql, qp, kv, pe, idx, valid)
-    ref = reference.sparse_mla(ql, qp, kv[1], pe[1], idx, valid, 0.07)
+        out = jax.jit(lambda *a: ops("sparse_mla", *a, 0.07, layer=jnp.int32(1)))(ql, qp, kv, pe, idx)
+    ref = reference.sparse_mla(ql, qp, kv[1], pe[1], idx, 0.07)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-6, atol=1e-6)
 
 
@@ -202,13 +202,13 @@ def test_sparse_mla_refuses_prefill_chunks_and_the_op_table_runs_the_reference()
 def test_sparse_mla_stacked_lowering_has_no_cache_copies(cache, S):
     """On a layer stack the kernel takes the whole stacks: no dynamic_slice / pad / concatenate /
     gather of a cache in XLA (the tiny model's narrow rope rows are not padded either)."""
-    ql, qp, kv, pe, idx, valid = _stacked_inputs(cache, S, np.random.randint(1 << 30))
+    ql, qp, kv, pe, idx = _stacked_inputs(cache, S, np.random.randint(1 << 30))
 
-    def f(ql, qp, kv, pe, idx, valid, layer):
-        return smla.sparse_mla(ql, qp, kv, pe, idx, valid, 0.07, layer=layer)
+    def f(ql, qp, kv, pe, idx, layer):
+        return smla.sparse_mla(ql, qp, kv, pe, idx, 0.07, layer=layer)
 
     with interp.compile_for_gpu():
-        txt = jax.jit(f).trace(ql, qp, kv, pe, idx, valid, jnp.int32(1)).lower(lowering_platforms=("cuda",)).as_text()
+        txt = jax.jit(f).trace(ql, qp, kv, pe, idx, jnp.int32(1)).lower(lowering_platforms=("cuda",)).as_text()
     stack = f"tensor<{NL}x{S}x"
     kernels = [ln for ln in txt.splitlines() if "custom_call @mosaic_gpu" in ln and stack in ln.rsplit(" : (", 1)[-1]]
     copies = [ln.strip()[:200] for ln in txt.splitlines() if "custom_call" not in ln and stack in ln and any(

@@ -7,7 +7,9 @@
 // without it above +inf); equal scores go to the lower position. With
 // JT_TOPK_CANONICAL_ZERO, -0.0 counts as (and comes back as) +0.0, the order
 // of merge_topk. Output order: by (score desc, position asc) with
-// JT_TOPK_SORTED, else by position.
+// JT_TOPK_SORTED, else by position. With JT_TOPK_EMPTY_AS_MINUS_ONE, an
+// entry whose score is not above -inf (a position the caller masked) comes
+// back with position -1 (its value unchanged).
 //
 // Algorithm. Each row is cut into G chunks, one CTA each; a CTA keeps its
 // chunk as order-preserving uint32 keys in shared memory (the scores are read
@@ -109,6 +111,12 @@ __device__ __forceinline__ uint32_t order_key(float f, bool canonical_zero) {
 }
 __device__ __forceinline__ float key_value(uint32_t key) {
   return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
+}
+
+// The position written for the entry of `key` at `pos` (see the file comment).
+__device__ __forceinline__ int32_t out_position(int mode, uint32_t key, uint32_t pos) {
+  const bool empty = (mode & JT_TOPK_EMPTY_AS_MINUS_ONE) && !(key_value(key) > -INFINITY);
+  return empty ? -1 : (int32_t)pos;
 }
 
 // The bucket is the set of keys whose bits above `lo` equal `pre`.
@@ -365,7 +373,7 @@ __device__ void write_selected(const SelectParams& p, const uint32_t* keys,
       if (sorted) {
         stage[slot] = ((unsigned long long)key << 32) | (uint32_t)(base + i);
       } else {
-        oi[slot] = base + i;
+        oi[slot] = out_position(p.mode, key, base + i);
         ov[slot] = key_value(key);
       }
     }
@@ -409,7 +417,7 @@ __device__ void rank_store(const SelectParams& p, unsigned long long* st,
   for (int i = tid; i < ne; i += kNT) {
     const unsigned long long v = st[s0 + i];
     const uint32_t r = rank[i];
-    oi[r] = (int32_t)(uint32_t)v;
+    oi[r] = out_position(p.mode, (uint32_t)(v >> 32), (uint32_t)v);
     ov[r] = key_value((uint32_t)(v >> 32));
   }
 }
@@ -591,7 +599,7 @@ __device__ void cluster_rank_store(const SelectParams& p, uint32_t* rank,
   int32_t* oi = p.out_idx + (size_t)row * k;
   float* ov = p.out_val + (size_t)row * k;
   for (int j = tid; j < ne; j += kNT) {
-    oi[rank[j]] = (int32_t)share_pos[j];
+    oi[rank[j]] = out_position(p.mode, share_keys[j], share_pos[j]);
     ov[rank[j]] = key_value(share_keys[j]);
   }
   cluster_wait();

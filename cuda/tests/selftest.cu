@@ -849,7 +849,8 @@ uint32_t order_key(float f, bool canonical_zero) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-// Reference rows: indices and value bits of the top k, in the kernel's order.
+// Reference rows: indices and value bits of the top k, in the kernel's order
+// (with JT_TOPK_EMPTY_AS_MINUS_ONE, index -1 where the score is not above -inf).
 void select_reference(const std::vector<float>& x, int T, int n, int k, int mode,
                       std::vector<int32_t>* idx, std::vector<uint32_t>* val) {
   const bool canon = (mode & JT_TOPK_CANONICAL_ZERO) != 0;
@@ -867,7 +868,8 @@ void select_reference(const std::vector<float>& x, int T, int n, int k, int mode
     if (!(mode & JT_TOPK_SORTED)) std::sort(o.begin(), o.end());
     for (int j = 0; j < k; ++j) {
       const uint32_t key = order_key(r[o[j]], canon);
-      (*idx)[(size_t)t * k + j] = o[j];
+      const bool empty = (mode & JT_TOPK_EMPTY_AS_MINUS_ONE) && !(r[o[j]] > -INFINITY);
+      (*idx)[(size_t)t * k + j] = empty ? -1 : o[j];
       (*val)[(size_t)t * k + j] = (key & 0x80000000u) ? (key & 0x7fffffffu) : ~key;
     }
   }
@@ -935,9 +937,10 @@ void test_select(int T, int n, int k, int mode, ScoreKind kind, int iters,
     static const char* kinds[] = {"normal", "ties", "zeros/-inf", "masked", "narrow"};
     char buf[200];
     std::snprintf(buf, sizeof(buf),
-                  "topk_select T=%d n=%d k=%d %s%s %s %s iters=%d: mismatches=%d",
+                  "topk_select T=%d n=%d k=%d %s%s%s %s %s iters=%d: mismatches=%d",
                   T, n, k, (mode & JT_TOPK_SORTED) ? "sorted" : "by-index",
                   (mode & JT_TOPK_CANONICAL_ZERO) ? "+canonical-zero" : "",
+                  (mode & JT_TOPK_EMPTY_AS_MINUS_ONE) ? "+empty-as-minus-one" : "",
                   kinds[kind], select_variant(T, n, k, mode, ctas).c_str(), iters,
                   bad);
     report(bad == 0, buf);
@@ -961,7 +964,7 @@ int grid_ctas(int T) {
 // Every case on the grid kernel (`ctas` CTAs per row, 0: its default) and on
 // clusters of 16, 8 and 1 where the row fits.
 void run_select_tests(bool small, int iters) {
-  const int S = JT_TOPK_SORTED;
+  const int S = JT_TOPK_SORTED, E = JT_TOPK_EMPTY_AS_MINUS_ONE;
   auto test = [&](int T, int n, int k, int mode, ScoreKind kind, unsigned seed,
                   int ctas = 0) {
     test_select(T, n, k, mode, kind, iters, seed,
@@ -971,7 +974,10 @@ void run_select_tests(bool small, int iters) {
   test(1, 100, 100, S, kZeros, 31);
   test(3, 3001, 1000, S, kMasked, 32, 4);
   test(1, 5000, 2048, 0, kZeros, 33, 8);
+  test(3, 3001, 1000, S | E, kMasked, 36, 4);
+  test(1, 5000, 2048, E, kZeros, 37, 8);
   if (small) return;
+  test(1, 4096, 2048, E, kMasked, 56);             // the indexer's decode call
   test(3, 3001, 1000, S, kMasked, 34);
   test(1, 5000, 2048, 0, kZeros, 35);
   test(1, 4096, 2048, S, kNormal, 41);

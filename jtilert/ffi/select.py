@@ -3,7 +3,8 @@
 - ``top_k(scores, k)``: (values, indices) [T, min(k, N)] exactly as ``lax.top_k`` returns them (total
   order of the bits, ties toward the lower position); ``sorted=False``: the same pairs in position
   order; ``canonical_zero=True``: -0.0 counts as (and is returned as) +0.0, ``merge_topk``'s order.
-- ``topk(scores, k)``: drop-in for ``jtilert.ops.reference.topk_positions`` (indices, valid), position order.
+- ``topk(scores, k)``: drop-in for ``jtilert.ops.reference.topk_positions`` (indices, -1 where the score is
+  -inf), position order.
 - ``split_topk(scores, k, axis_name)``: in ``shard_map``, rank r holds positions [r * n, (r + 1) * n);
   local top-k, then ``merge_topk``: the global top-k, bit-identical on every rank (-0.0 = +0.0).
 
@@ -26,7 +27,7 @@ from jax.interpreters import mlir
 from jtilert.ffi import _lib
 from jtilert.ffi import ops as _ops
 
-SORTED, CANONICAL_ZERO = 1, 2   # mode bits, cuda/include/jtilert/engine.h (JT_TOPK_*)
+SORTED, CANONICAL_ZERO, EMPTY_AS_MINUS_ONE = 1, 2, 4   # mode bits, cuda/include/jtilert/engine.h (JT_TOPK_*)
 MAX_ROWS = 8
 
 
@@ -36,7 +37,7 @@ def _canonical_zero(s):
 
 def top_k_reference(scores, k, mode=SORTED):
     """What the kernel computes, in XLA ops: lax.top_k of scores [T, N], position order unless
-    mode has SORTED."""
+    mode has SORTED; with EMPTY_AS_MINUS_ONE, position -1 where the score is not above -inf."""
     if mode & CANONICAL_ZERO:
         scores = _canonical_zero(scores)
     vals, idx = lax.top_k(scores, k)
@@ -44,6 +45,8 @@ def top_k_reference(scores, k, mode=SORTED):
     if not mode & SORTED:
         order = jnp.argsort(idx, axis=-1)
         vals, idx = jnp.take_along_axis(vals, order, -1), jnp.take_along_axis(idx, order, -1)
+    if mode & EMPTY_AS_MINUS_ONE:
+        idx = jnp.where(vals > -jnp.inf, idx, -1)
     return vals, idx
 
 
@@ -107,13 +110,16 @@ def _engine_ok(t, n, k, mode, ctas) -> tuple[bool, str]:
     return True, ""
 
 
-def top_k(scores, k, *, sorted=True, canonical_zero=False, ctas=0):  # noqa: A002 - lax.top_k's word
-    """(values, indices) of the k' = min(k, N) largest scores per row, exactly lax.top_k's.
-    ``ctas`` (for tuning): > 0, the grid kernel with that many CTAs per row; < 0, one cluster of
-    -ctas CTAs per row; 0, the default (see the module docstring)."""
+def top_k(scores, k, *, sorted=True, canonical_zero=False, empty_as_minus_one=False,  # noqa: A002 - lax.top_k's word
+          ctas=0):
+    """(values, indices) of the k' = min(k, N) largest scores per row, exactly lax.top_k's;
+    ``empty_as_minus_one``: index -1 where the score is not above -inf. ``ctas`` (for tuning): > 0,
+    the grid kernel with that many CTAs per row; < 0, one cluster of -ctas CTAs per row; 0, the
+    default (see the module docstring)."""
     scores = jnp.asarray(scores, jnp.float32)
     if scores.ndim == 1:
-        vals, idx = top_k(scores[None], k, sorted=sorted, canonical_zero=canonical_zero, ctas=ctas)
+        vals, idx = top_k(scores[None], k, sorted=sorted, canonical_zero=canonical_zero,
+                          empty_as_minus_one=empty_as_minus_one, ctas=ctas)
         return vals[0], idx[0]
     if scores.ndim != 2:
         raise ValueError(f"scores must be [N] or [T, N], got {scores.shape}")
@@ -121,7 +127,8 @@ def top_k(scores, k, *, sorted=True, canonical_zero=False, ctas=0):  # noqa: A00
     k = min(int(k), n)
     if k < 1:
         raise ValueError(f"k={k} must be >= 1")
-    mode = (SORTED if sorted else 0) | (CANONICAL_ZERO if canonical_zero else 0)
+    mode = ((SORTED if sorted else 0) | (CANONICAL_ZERO if canonical_zero else 0)
+            | (EMPTY_AS_MINUS_ONE if empty_as_minus_one else 0))
     ok, why = _engine_ok(t, n, k, mode, ctas)
     if not ok:
         _warn(why)
@@ -131,10 +138,9 @@ def top_k(scores, k, *, sorted=True, canonical_zero=False, ctas=0):  # noqa: A00
 
 
 def topk(scores, k):
-    """Drop-in for `jtilert.ops.reference.topk_positions`: (indices [T, k'] int32, valid [T, k'] bool), the
-    same pairs in position order."""
-    vals, idx = top_k(scores, k, sorted=False)
-    return idx, vals > -jnp.inf
+    """Drop-in for `jtilert.ops.reference.topk_positions`: indices [T, k'] int32 in position order, -1
+    where the score is -inf (the kernel writes them: no XLA op after it)."""
+    return top_k(scores, k, sorted=False, empty_as_minus_one=True)[1]
 
 
 def split_topk(scores, k, axis_name):

@@ -250,7 +250,7 @@ class Indexer(nnx.Module):
         self.weights_proj = Linear(cfg.hidden_size, cfg.index_n_heads, rngs=rngs, fmt="fp32", quantizable=False)
 
     def __call__(self, ops: Ops, slot, x, qr, cos, sin, positions, start, cache, q=None, k=None):
-        """(top-k (indices [T, k], valid [T, k]), cache) for indexer `slot` of the stack, from the layer's
+        """(top-k indices [T, k] (-1: masked), cache) for indexer `slot` of the stack, from the layer's
         normed input x and normed q_a output qr. `q`, `k`: (array, column) where the caller computed the
         query projection wq_b(qr) and the key projection wk(x): the decode model's merged GEMVs' whole
         outputs, each projection at its column (qr is then None)."""
@@ -339,7 +339,7 @@ class Attention(nnx.Module):
         w_uk_t, w_uv, at = self._absorption(i, x.dtype)
         # each head's q_nope (the first nope features of its qk_head_dim columns of q_x)
         q_lat = ops("heads_linear", q_x, *w_uk_t, cfg.qk_head_dim, layer=at)
-        o_lat = ops("sparse_mla", q_lat, q_pe, cache["kv"], cache.get("pe"), *topk, cfg.softmax_scale, x.dtype,
+        o_lat = ops("sparse_mla", q_lat, q_pe, cache["kv"], cache.get("pe"), topk, cfg.softmax_scale, x.dtype,
                     layer=i)
         o = ops("heads_linear", o_lat, *w_uv, layer=at).reshape(t, heads * cfg.v_head_dim)
         return ops.linear_all_reduce(o, *self.o_proj.arrays(), i, residual=x), cache, topk
@@ -749,9 +749,9 @@ class Transformer(nnx.Module):
 
 
 def _no_topk(cfg: ModelConfig, tokens: int, cache: dict):
-    """The top-k carried into the first layer (every first layer runs its own indexer)."""
+    """The top-k carried into the first layer (every first layer runs its own indexer): all masked."""
     k = min(cfg.index_topk, cache["kv"].shape[1])
-    return jnp.zeros((tokens, k), jnp.int32), jnp.zeros((tokens, k), bool)
+    return jnp.full((tokens, k), -1, jnp.int32)
 
 
 def init_cache(cfg: ModelConfig, rows: int, dtype) -> dict:

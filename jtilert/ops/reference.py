@@ -298,12 +298,13 @@ def _indexer_block_scores(q, w, k_cache, k_scale, positions, first):
     return jnp.where(visible, scores, -jnp.inf)
 
 
-def topk_positions(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """Top-k cache rows per token from scores [T, S]: (indices [T, k] int32, valid [T, k] bool).
-    Ties go to the lower position; rows past the causal limit come back with valid=False."""
+def topk_positions(scores: jax.Array, k: int) -> jax.Array:
+    """Top-k cache rows per token from scores [T, S]: indices [T, k] int32. Ties go to the lower
+    position; a row whose score is -inf (past the causal limit) comes back as -1, which
+    `sparse_mla` masks."""
     k = min(k, scores.shape[-1])
     vals, idx = jax.lax.top_k(scores, k)
-    return idx.astype(jnp.int32), vals > -jnp.inf
+    return jnp.where(vals > -jnp.inf, idx.astype(jnp.int32), -1)
 
 
 def lm_head_topk(x: jax.Array, w: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -354,11 +355,14 @@ def dequantize_kv_fp8(rows: jax.Array, lat: int) -> tuple[jax.Array, jax.Array]:
 
 
 def sparse_mla(q_lat: jax.Array, q_pe: jax.Array, kv_cache: jax.Array, pe_cache: jax.Array | None,
-               idx: jax.Array, valid: jax.Array, scale: float, out_dtype=F32) -> jax.Array:
+               idx: jax.Array, scale: float, out_dtype=F32) -> jax.Array:
     """Attention of absorbed queries over the selected latent rows.
     q_lat [T, H, L], q_pe [T, H, R], kv_cache [S, L] with pe_cache [S, R] — or kv_cache in the packed
-    fp8 layout (`quantize_kv_fp8`) with pe_cache None —, idx/valid [T, K] → o_lat [T, H, L], computed
-    in fp32 and returned in `out_dtype` (the model: its activations' dtype, which the absorption reads)."""
+    fp8 layout (`quantize_kv_fp8`) with pe_cache None —, idx [T, K] (rows with idx < 0 are masked)
+    → o_lat [T, H, L], computed in fp32 and returned in `out_dtype` (the model: its activations'
+    dtype, which the absorption reads)."""
+    valid = idx >= 0
+    idx = jnp.maximum(idx, 0)
     if pe_cache is None:
         kv, pe = dequantize_kv_fp8(kv_cache[idx], q_lat.shape[-1])
     else:

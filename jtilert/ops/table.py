@@ -170,7 +170,7 @@ def _lm_head_unsupported(x, w, k) -> str | None:
     return None if k <= 64 else f"k={k} > 64"
 
 
-def _sparse_mla_unsupported(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale, out_dtype=F32) -> str | None:
+def _sparse_mla_unsupported(q_lat, q_pe, kv_cache, pe_cache, idx, scale, out_dtype=F32) -> str | None:
     return sparse_mla.unsupported(q_lat.shape[-2], q_lat.shape[-1], q_pe.shape[-1],
                                   kv_cache.shape[-1] if pe_cache is None else None)
 
@@ -411,8 +411,8 @@ class Ops:
     def indexer_topk(self, cfg, q, w, k, k_cache, k_scale, positions, start, layer):
         """Append the new index keys k [T, D] (`index_prep`'s: Hadamard-rotated fp32 in fp8 mode) at row
         `start` of layer `layer` of the stacked key cache and select the top-k cached positions:
-        ((indices [T, k], valid [T, k]), k_cache, k_scale). Under a split indexer each rank scores its
-        share of the rows and the ranks' top-k lists are merged."""
+        (indices [T, k] with -1 for masked positions, k_cache, k_scale). Under a split indexer each rank
+        scores its share of the rows and the ranks' top-k lists are merged."""
         first, num = self.indexer_rows(k_cache.shape[1], q.shape[0])
         op = OPS["indexer_append_scores"]
         args = (cfg, q, w, k, k_cache, k_scale, positions, start)
@@ -429,7 +429,7 @@ class Ops:
         if num is None:
             return self("topk_positions", scores, cfg.index_topk), k_cache, k_scale
         vals, idx = ffi.split_topk(scores[0], cfg.index_topk, self.axis)
-        return (idx[None], vals[None] > -jnp.inf), k_cache, k_scale
+        return jnp.where(vals > -jnp.inf, idx, -1)[None], k_cache, k_scale
 
     def all_gather_last(self, x):
         """Concatenate the ranks' slices of the last axis (vocab-split logits)."""

@@ -1,6 +1,6 @@
 """Absorbed sparse MLA decode on Hopper (Pallas Mosaic-GPU): the new tokens' latent queries attend
 over the `index_topk` cache rows the indexer selected, flash-decoding style. Contract of
-`jtilert.ops.reference.sparse_mla` (rows with valid=False or idx < 0 masked; fp32 latent output [T, H, L]).
+`jtilert.ops.reference.sparse_mla` (rows with idx < 0 masked; fp32 latent output [T, H, L]).
 The caches may be one layer ([S, L] + [S, R], or FlashMLA's packed fp8 rows [S, W]) or a layer
 group's stack ([L', S, ...]) with a traced `layer`, addressed in the row copies' TMA coordinates.
 
@@ -175,12 +175,11 @@ def unsupported(heads: int, L: int, R: int, W: int | None = None,
     return None
 
 
-def sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: float,
+def sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, scale: float,
                         config: SparseMLAConfig = SparseMLAConfig(), layer=None):
     """The kernel: per-split partial results (o [T, G, n_split, Hc, L] fp32, m [T, G, n_split, Hc],
     l [T, G, n_split, Hc]) for `combine`. q_lat [T, Hq, L] with Hq a multiple of 8 (the caller pads),
-    idx [T, K] int32 with K a multiple of block_k; rows with idx < 0 or valid == False are masked
-    (valid may be None). pe_cache None: kv_cache is the packed fp8 cache [S, W] uint32 and q_lat /
+    idx [T, K] int32 with K a multiple of block_k; rows with idx < 0 are masked. pe_cache None: kv_cache is the packed fp8 cache [S, W] uint32 and q_lat /
     q_pe / o are in plane order (see `_plane_order`). With `layer` (int32 scalar, may be traced) the
     caches are stacks [L', S, ...] and the layer's rows are read."""
     T, Hq, L = q_lat.shape
@@ -223,14 +222,12 @@ def sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: floa
         pe_layout = plgpu.Layout.SMEM_GMEM_COPY((bk, R), BF16, _swizzle(R, 2))
     nwg = GATHER_WARPGROUPS
     rows_per_wg = bk // nwg
-    has_valid = valid is not None
 
     def body(*refs):
         it = iter(refs)
         ql_ref, qp_ref, kv_ref = next(it), next(it), next(it)
         pe_ref = None if fp8 else next(it)
         idx_ref = next(it)
-        valid_ref = next(it) if has_valid else None
         if stacked:   # the layer's rows: one more TMA coordinate, no copy of the layer
             lay = next(it)[0]
             kv_ref = kv_ref.at[lay]
@@ -255,9 +252,6 @@ def sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: floa
             # overlap), then the copies (each copy ends in a warpgroup barrier)
             js = [wg * rows_per_wg + jj for jj in range(rows_per_wg)]
             rs = [idx_ref[t, base + j] for j in js]
-            if has_valid:
-                vs = [valid_ref[t, base + j] for j in js]
-                rs = [jnp.where(v, r, -1) for r, v in zip(rs, vs)]
             for j, r in zip(js, rs):
                 midx_s[j] = r
             for j, r in zip(js, rs):
@@ -366,8 +360,6 @@ def sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: floa
     else:   # [.., S, L] → [.., S, L / lw, lw]: a bitcast, not a copy
         args += [kv_cache.reshape(*kv_cache.shape[:-1], nlw, lw), pe_cache]
     args.append(idx)
-    if has_valid:
-        args.append(valid)
     if stacked:
         args.append(_layer_operand(layer))
     return kernel(*args)
@@ -466,14 +458,13 @@ def fp8_kernel_applies(L: int, R: int, W: int) -> bool:
     return W == reference.kv_fp8_words(L, R) and R == 2 * PLANE and W % 4 == 0 and W <= TMA_MAX
 
 
-def sparse_mla(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: float, out_dtype=F32, *,
+def sparse_mla(q_lat, q_pe, kv_cache, pe_cache, idx, scale: float, out_dtype=F32, *,
                config: SparseMLAConfig | None = None, layer=None):
     """Drop-in for `jtilert.ops.reference.sparse_mla`: q_lat [T, H, L], q_pe [T, H, R], kv_cache [S, L] with
-    pe_cache [S, R], or the packed fp8 cache [S, W] uint32 with pe_cache None; idx/valid [T, K] (valid
-    may be None when masked rows carry idx < 0) → o_lat [T, H, L] in `out_dtype` (the combine kernel
-    writes it: no cast after it). With `layer` (an int32
-    scalar, may be traced) the caches are a layer group's stacks [L', S, ...] and the layer's rows
-    are read. More than MAX_TOKENS tokens, or shapes `unsupported` names, raise ValueError (the op
+    pe_cache [S, R], or the packed fp8 cache [S, W] uint32 with pe_cache None; idx [T, K] (rows with
+    idx < 0 masked) → o_lat [T, H, L] in `out_dtype` (the combine kernel writes it: no cast after it).
+    With `layer` (an int32 scalar, may be traced) the caches are a layer group's stacks [L', S, ...]
+    and the layer's rows are read. More than MAX_TOKENS tokens, or shapes `unsupported` names, raise ValueError (the op
     table then runs the reference, with a warning)."""
     config = config or SparseMLAConfig()
     T, H, L = q_lat.shape
@@ -492,8 +483,6 @@ def sparse_mla(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: float, out_dt
     kp = _round_up(max(K, 1), config.block_k)
     if kp != K:
         idx = jnp.pad(idx, ((0, 0), (0, kp - K)), constant_values=-1)
-        if valid is not None:
-            valid = jnp.pad(valid, ((0, 0), (0, kp - K)))
     hq = _round_up(H, 8)
     q_lat, q_pe = q_lat.astype(BF16), q_pe.astype(BF16)
     if fp8:
@@ -506,7 +495,7 @@ def sparse_mla(q_lat, q_pe, kv_cache, pe_cache, idx, valid, scale: float, out_dt
     if hq != H:
         q_lat = jnp.pad(q_lat, ((0, 0), (0, hq - H), (0, 0)))
         q_pe = jnp.pad(q_pe, ((0, 0), (0, hq - H), (0, 0)))
-    o, m, l = sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, valid, float(scale), config, layer)
+    o, m, l = sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, float(scale), config, layer)
     if config.combine == "kernel" and _combine_cols(*o.shape[2:]) is not None:
         out = combine_kernel(o, m, l, out_dtype=out_dtype)[:, :H]
     else:
@@ -530,13 +519,12 @@ if __name__ == "__main__":
     kv = jax.random.normal(keys[2], (S, L), BF16)
     pe = jax.random.normal(keys[3], (S, R), BF16)
     idx = jax.random.permutation(keys[4], S)[:K].astype(jnp.int32)[None]
-    valid = jnp.ones_like(idx, bool)
     f = jax.jit(functools.partial(sparse_mla, scale=0.0417))
-    out = f(ql, qp, kv, pe, idx, valid)
-    ref = reference(ql, qp, kv, pe, idx, valid, 0.0417)
+    out = f(ql, qp, kv, pe, idx)
+    ref = reference(ql, qp, kv, pe, idx, 0.0417)
     print("rel err", float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref)))
     if _interp.on_gpu():
         from jax.experimental.mosaic.gpu import profiler
-        _, ms = profiler.measure(f, iterations=50)(ql, qp, kv, pe, idx, valid)
+        _, ms = profiler.measure(f, iterations=50)(ql, qp, kv, pe, idx)
         t_ms = float(np.median(ms)) if isinstance(ms, (list, tuple)) else ms
         print(f"sparse_mla {t_ms * 1e3:.1f} us, floor {byte_floor(H, K, L, R) / 4.2e6:.2f} us at 4.2 TB/s")

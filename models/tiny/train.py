@@ -182,8 +182,8 @@ def loss_terms(graphdef, params, window, cfg, topk, kl_stride=1):
         logq = jax.nn.log_softmax(scores, axis=-1)
         kl = jnp.where(visible & (p > 0), p * (jnp.log(jnp.where(p > 0, p, 1.0)) - logq), 0.0).sum(-1)
         kls.append(kl.mean())
-        idx, valid = reference.topk_positions(scores, topk)
-        kept = jnp.where(valid, jnp.take_along_axis(p, idx, axis=-1), 0.0).sum(-1)
+        idx = reference.topk_positions(scores, topk)
+        kept = jnp.where(idx >= 0, jnp.take_along_axis(p, jnp.maximum(idx, 0), axis=-1), 0.0).sum(-1)
         recalls.append(jnp.sum(jnp.where(rows >= topk, kept, 0.0)) / jnp.sum(rows >= topk))
     losses = {"main": xent(logits, y1), "mtp": xent(mtp_logits, y2), "kl": jnp.stack(kls),
               "recall": jnp.stack(recalls)}

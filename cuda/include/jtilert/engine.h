@@ -157,6 +157,7 @@ cudaError_t jt_merge_topk(int gid, int rank, cudaStream_t stream,
 // mode bits of jt_topk_select
 #define JT_TOPK_SORTED 1          // output by (score desc, index asc), else by index
 #define JT_TOPK_CANONICAL_ZERO 2  // -0.0 counts as (and is returned as) +0.0
+#define JT_TOPK_EMPTY_AS_MINUS_ONE 4  // position -1 where the score is not above -inf
 
 // Allocates device `dev`'s top-k scratch (once; idempotent) and raises the
 // kernel's shared-memory limit. `timeout_ms` bounds its barrier waits.
