@@ -226,8 +226,10 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
     """xla_options: DecodeConfig.xla_options (None: its default). call_variants: also time the plain
     step's host loop in the forms of `call_variant_loops` (tp = 1)."""
     opts = {} if xla_options is None else {"xla_options": xla_options}
+    loop, _, per = layer_loop.partition("/")   # "loop/2": DecodeConfig.layers_per_iteration = 2
     eng = Engine(model, mesh=mesh, config=DecodeConfig(backend=backend, engine_all_reduce=engine,
-                                                       split_indexer=split_indexer, layer_loop=layer_loop, **opts))
+                                                       split_indexer=split_indexer, layer_loop=loop,
+                                                       layers_per_iteration=int(per or 1), **opts))
     host_steps = steps * samples
     rows = cache_rows(context, steps + host_steps)
     cache = random_cache(eng, rows)
@@ -397,7 +399,8 @@ def main(argv=None) -> dict:
     p.add_argument("--mtp", action="store_true", help="also time the MTP speculative step (verify 2 + draft)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (the config is split over tp devices)")
     p.add_argument("--all-reduce", default="psum", help="comma-separated: psum,engine (the CUDA engine)")
-    p.add_argument("--layer-loop", default="loop", help="comma-separated: loop,unrolled (DecodeConfig.layer_loop)")
+    p.add_argument("--layer-loop", default="loop", help="comma-separated: loop,unrolled (DecodeConfig.layer_loop); "
+                   "loop/N: N layers per loop iteration (DecodeConfig.layers_per_iteration)")
     p.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
                    help="an XLA compile option of the decode steps only (DecodeConfig.xla_options; given ones replace its "
                         "default, CONCURRENT scheduling), repeatable")

@@ -48,6 +48,7 @@
 #                git archive ba89fb0 | tar -x -C .baseline) then this checkout, pallas and reference (~10 min)
 #   ab           bench.decode 61 layers, pallas, kernel profiles: .baseline (another tree, carried) then this checkout
 #   base         the first half of ab alone (.baseline), for a "decode" part right after it
+#   unroll       bench.decode 61 layers, pallas: one and two layers per loop iteration (DecodeConfig.layers_per_iteration)
 #   defaults     bench.decode 61 layers, pallas, without XLA_FLAGS: DecodeConfig's default options against
 #                CONCURRENT scheduling alone (XLA's own command-buffer kinds: the layer loops not captured)
 #   trees        the same for every tree in TREES (carried folders, default .baseline), then this checkout: a
@@ -194,6 +195,9 @@ for part in "$@"; do
           --kernels --samples 6 --out "$WORK/tree_$(basename "$t" | tr -d .).json")
       done
       step tree_this 200 $DEC --layers 61 --backend pallas --kernels --samples 6 --out "$WORK/tree_this.json" ;;
+    unroll)  # the layer loops with one and with two layers per iteration, one process
+      step unroll 300 $DEC --layers 61 --backend pallas --layer-loop loop,loop/2 --kernels --samples 6 \
+        --out "$WORK/unroll.json" ;;
     defaults)  # what a user gets: no XLA_FLAGS, DecodeConfig's default options, then the options before
       # the layer loops were captured by default (CONCURRENT scheduling alone), back to back
       XLA_FLAGS="" step defaults_now 200 $DEC --layers 61 --backend pallas --kernels --samples 6 \

@@ -1,8 +1,12 @@
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jtilert
 from jtilert import Sampling
+from jtilert.model.transformer import init_cache
+from jtilert.ops.table import Ops
 
 PROMPT = np.random.RandomState(1).randint(0, 256, 40)  # longer than tiny's index_topk (32)
 
@@ -295,6 +299,24 @@ def test_next_token_from_head_candidates(tiny_random):
     wide = {int(next_token(h, Sampling(temperature=50.0).arrays(), jax.random.fold_in(key, i)))
             for i in range(40)}
     assert len(wide) > HEAD_CANDIDATES  # the full-row path: tokens beyond the candidates
+
+
+def test_layers_per_iteration_gives_the_same_tokens_with_fewer_loop_iterations(tiny_random, gen):
+    """DecodeConfig.layers_per_iteration=2: the layer loops run half the iterations (two layers in
+    each body) and the tokens do not change; 0 is refused."""
+    cfg = jtilert.DecodeConfig(layers_per_iteration=2)
+    g = jtilert.Generator(tiny_random, max_seq_len=256, config=cfg)
+    assert g.generate(PROMPT, 12, stop_tokens=[]) == gen.generate(PROMPT, 12, stop_tokens=[])
+
+    def loops(config):   # (length, layers per iteration) of each layer loop of the step
+        ops = Ops(config)
+        cache = init_cache(tiny_random.cfg, 64, tiny_random.dtype)
+        jaxpr = jax.make_jaxpr(lambda t, c: tiny_random.hidden(ops, t, jnp.int32(3), c))(jnp.zeros(1, jnp.int32), cache)
+        return [(e.params["length"], e.params["unroll"]) for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
+    assert loops(jtilert.DecodeConfig()) == [(n, 1) for n, _ in loops(cfg)]
+    assert loops(cfg) == [(n, min(n, 2)) for n, _ in loops(cfg)] and loops(cfg)
+    with pytest.raises(ValueError, match="layers_per_iteration"):
+        jtilert.DecodeConfig(layers_per_iteration=0)
 
 
 def test_xla_options_reach_the_decode_steps_only(tiny_random, gen):

@@ -684,7 +684,8 @@ class Transformer(nnx.Module):
         return self.moe(ops, f, i - lay.num_dense, residual=h), cache, topk
 
     def _layers(self, ops, lo: int, hi: int, ffn: str, carry, cos, sin, positions, start):
-        """Layers lo..hi-1: one loop (one compiled body), or unrolled (`DecodeConfig.layer_loop`)."""
+        """Layers lo..hi-1: one loop (one compiled body of `DecodeConfig.layers_per_iteration` layers), or
+        unrolled (`DecodeConfig.layer_loop`)."""
         def body(i, c):
             x, cache, topk = c
             return self._layer(ops, i, ffn, x, cos, sin, positions, start, cache, topk)
@@ -693,7 +694,9 @@ class Transformer(nnx.Module):
             for i in range(lo, hi):
                 carry = body(jnp.int32(i), carry)
             return carry
-        return jax.lax.fori_loop(lo, hi, body, carry) if hi > lo else carry
+        if hi <= lo:
+            return carry
+        return jax.lax.fori_loop(lo, hi, body, carry, unroll=min(ops.config.layers_per_iteration, hi - lo))
 
     # --- the model -------------------------------------------------------------------------------
     def logits(self, ops: Ops, h, norm: RMSNorm):

@@ -61,6 +61,10 @@ class DecodeConfig:
     layer_loop: how a step runs the layers of a stack. "loop": one `lax.fori_loop` per stack (one
         compiled body: fast to compile); "unrolled": one copy of the layer per layer, the layer index
         a constant (no loop between the layers' kernels). Both read the same stacked arrays.
+    layers_per_iteration: with layer_loop "loop", the layers in one loop iteration (the loop's unroll):
+        each iteration of a loop captured in the step's CUDA graph evaluates its condition on the device
+        (two kernels and a conditional node), so fewer iterations cost less, and the body compiles
+        this many copies of the layer.
     xla_options: XLA compile options of the decode-shaped steps only (decode, MTP verify and draft, their
         device loops; prefill chunks keep XLA's defaults), as (name, value) pairs or a dict. The default
         (`STEP_XLA_OPTIONS`) records the layer loops into the step's CUDA graph too (command buffers
@@ -77,6 +81,7 @@ class DecodeConfig:
     split_indexer: bool = False
     engine_topk: bool = True
     layer_loop: str = "loop"
+    layers_per_iteration: int = 1
     xla_options: tuple[tuple[str, str], ...] = STEP_XLA_OPTIONS
 
     def __post_init__(self):
@@ -86,6 +91,8 @@ class DecodeConfig:
             raise ValueError(f"unknown backend {self.backend!r}; expected one of {BACKENDS}")
         if self.layer_loop not in LAYER_LOOPS:
             raise ValueError(f"unknown layer_loop {self.layer_loop!r}; expected one of {LAYER_LOOPS}")
+        if not isinstance(self.layers_per_iteration, int) or self.layers_per_iteration < 1:
+            raise ValueError(f"layers_per_iteration must be an integer >= 1, got {self.layers_per_iteration!r}")
 
 
 def _option_value(v):
