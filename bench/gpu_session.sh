@@ -189,12 +189,14 @@ for part in "$@"; do
       (cd .baseline && PYTHONPATH=$PWD step ab_base 200 $DEC --layers 61 --backend pallas --kernels --samples 6 \
         --out "$WORK/ab_base.json")
       [ "$part" = ab ] && step ab_this 200 $DEC --layers 61 --backend pallas --kernels --samples 6 --out "$WORK/ab_this.json" ;;
-    trees)  # each carried tree in TREES, then this checkout, back to back on one machine
-      for t in ${TREES:-.baseline}; do
-        (cd "$t" && PYTHONPATH=$PWD step "tree_$(basename "$t" | tr -d .)" 200 $DEC --layers 61 --backend pallas \
-          --kernels --samples 6 --out "$WORK/tree_$(basename "$t" | tr -d .).json")
-      done
-      step tree_this 200 $DEC --layers 61 --backend pallas --kernels --samples 6 --out "$WORK/tree_this.json" ;;
+    trees)  # each carried tree in TREES, then this checkout, back to back on one machine (a part given
+      # twice runs twice: its files get the round's number, tree_<name>_<round>)
+      TREES_ROUND=$(( ${TREES_ROUND:-0} + 1 ))
+      for t in ${TREES:-.baseline} .; do
+        n=tree_$( [ "$t" = . ] && echo this || basename "$t" | tr -d .)_$TREES_ROUND
+        (cd "$t" && PYTHONPATH=$PWD step "$n" 200 $DEC --layers 61 --backend pallas --kernels --samples 6 \
+          --out "$WORK/$n.json")
+      done ;;
     unroll)  # the layer loops with one and with two layers per iteration, one process
       step unroll 300 $DEC --layers 61 --backend pallas --layer-loop loop,loop/2 --kernels --samples 6 \
         --out "$WORK/unroll.json" ;;
