@@ -48,11 +48,13 @@
 #                git archive ba89fb0 | tar -x -C .baseline) then this checkout, pallas and reference (~10 min)
 #   ab           bench.decode 61 layers, pallas, kernel profiles: .baseline (another tree, carried) then this checkout
 #   base         the first half of ab alone (.baseline), for a "decode" part right after it
-#   unroll       bench.decode 61 layers, pallas: one and two layers per loop iteration (DecodeConfig.layers_per_iteration)
+#   unroll       bench.decode 61 layers, pallas: one and two layers per loop iteration (DecodeConfig.layers_per_iteration;
+#                UNROLLS picks the --layer-loop list, default loop,loop/2)
 #   defaults     bench.decode 61 layers, pallas, without XLA_FLAGS: DecodeConfig's default options against
 #                CONCURRENT scheduling alone (XLA's own command-buffer kinds: the layer loops not captured)
 #   trees        the same for every tree in TREES (carried folders, default .baseline), then this checkout: a
-#                bisection on one machine under this script's XLA flags (each tree ~1 min)
+#                bisection on one machine under this script's XLA flags (each tree ~1 min; TREE_ARGS: more
+#                bench.decode arguments for every tree)
 #   mtp          bench.decode 61 layers, pallas, plain and MTP speculative step (verify 2 + draft)
 #   mtp_glm5     the same for glm5-tp8-shard (all its layers)
 #   prefill      bench.prefill 61 layers: 1024 and 1100 prompt tokens, chunks 256, 1024+64 and 1024+128, grouped MoE
@@ -195,10 +197,10 @@ for part in "$@"; do
       for t in ${TREES:-.baseline} .; do
         n=tree_$( [ "$t" = . ] && echo this || basename "$t" | tr -d .)_$TREES_ROUND
         (cd "$t" && PYTHONPATH=$PWD step "$n" 200 $DEC --layers 61 --backend pallas --kernels --samples 6 \
-          --out "$WORK/$n.json")
+          ${TREE_ARGS:-} --out "$WORK/$n.json")
       done ;;
     unroll)  # the layer loops with one and with two layers per iteration, one process
-      step unroll 300 $DEC --layers 61 --backend pallas --layer-loop loop,loop/2 --kernels --samples 6 \
+      step unroll 300 $DEC --layers 61 --backend pallas --layer-loop "${UNROLLS:-loop,loop/2}" --kernels --samples 6 \
         --out "$WORK/unroll.json" ;;
     defaults)  # what a user gets: no XLA_FLAGS, DecodeConfig's default options, then the options before
       # the layer loops were captured by default (CONCURRENT scheduling alone), back to back

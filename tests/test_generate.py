@@ -302,10 +302,11 @@ def test_next_token_from_head_candidates(tiny_random):
 
 
 def test_layers_per_iteration_gives_the_same_tokens_with_fewer_loop_iterations(tiny_random, gen):
-    """DecodeConfig.layers_per_iteration=2: the layer loops run half the iterations (two layers in
-    each body) and the tokens do not change; 0 is refused."""
-    cfg = jtilert.DecodeConfig(layers_per_iteration=2)
-    g = jtilert.Generator(tiny_random, max_seq_len=256, config=cfg)
+    """DecodeConfig.layers_per_iteration (default 2): the layer loops run half the iterations (two
+    layers in each body) of one layer per iteration, and the tokens do not change; 0 is refused."""
+    cfg = jtilert.DecodeConfig()
+    assert cfg.layers_per_iteration == 2 and gen.engine.config == cfg
+    g = jtilert.Generator(tiny_random, max_seq_len=256, config=jtilert.DecodeConfig(layers_per_iteration=1))
     assert g.generate(PROMPT, 12, stop_tokens=[]) == gen.generate(PROMPT, 12, stop_tokens=[])
 
     def loops(config):   # (length, layers per iteration) of each layer loop of the step
@@ -313,7 +314,7 @@ def test_layers_per_iteration_gives_the_same_tokens_with_fewer_loop_iterations(t
         cache = init_cache(tiny_random.cfg, 64, tiny_random.dtype)
         jaxpr = jax.make_jaxpr(lambda t, c: tiny_random.hidden(ops, t, jnp.int32(3), c))(jnp.zeros(1, jnp.int32), cache)
         return [(e.params["length"], e.params["unroll"]) for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
-    assert loops(jtilert.DecodeConfig()) == [(n, 1) for n, _ in loops(cfg)]
+    assert loops(jtilert.DecodeConfig(layers_per_iteration=1)) == [(n, 1) for n, _ in loops(cfg)]
     assert loops(cfg) == [(n, min(n, 2)) for n, _ in loops(cfg)] and loops(cfg)
     with pytest.raises(ValueError, match="layers_per_iteration"):
         jtilert.DecodeConfig(layers_per_iteration=0)
