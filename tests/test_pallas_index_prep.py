@@ -53,7 +53,7 @@ def _case(name, tokens, start):
     nw = (1 + 0.1 * jax.random.normal(k[2], (NL, d))).astype(BF16)
     nb = (0.1 * jax.random.normal(k[3], (NL, d))).astype(BF16)
     cos, sin = reference.rope_cos_sin(cfg, start + jnp.arange(tokens, dtype=jnp.int32))
-    w = jax.random.normal(k[4], (4, tokens, hi), F32) / 2   # the head weights' partial sums
+    w = jax.random.normal(k[4], (tokens, hi), F32) * (hi**-0.5 * d**-0.5)
     return cfg, (q_x, k_x, nw, nb, cos, sin, w), q_col, k_col
 
 
@@ -81,7 +81,7 @@ def _fp8_step(x):
 def check_q_w(q8, w8, want_q8, want_w, pre, l1, w):
     """q8 / w8 (kernel) against the reference's (want_q8, want_w), given the reference's fp32 values
     before quantisation `pre` [T, H, D], each row's Σ_d |q_d|·D^-0.5 `l1` [T, H] and the head weights
-    w [T, H] (summed and scaled): the tolerance of the module docstring. Returns the number of fp8 values that differ."""
+    w: the tolerance of the module docstring. Returns the number of fp8 values that differ."""
     amax = np.abs(pre).max(-1)
     r = np.maximum(amax, 1e-4) / FP8_MAX
     near_pow2 = np.abs(r / 2.0 ** np.round(np.log2(r)) - 1) <= NOISE * l1 / amax
@@ -120,8 +120,7 @@ def test_index_prep_matches_reference(name, tokens, start, layer):
     assert k.shape == want[2].shape == (tokens, d) and k.dtype == want[2].dtype == F32
     bound = NOISE * np.abs(k32).sum(-1, keepdims=True) * d**-0.5   # the module docstring's k tolerance
     assert (np.abs(k - want[2]) <= bound).all(), np.abs(k - want[2]).max()
-    differ = check_q_w(q8, w8, want[0], want[1], pre, np.abs(q32).sum(-1) * d**-0.5,
-                       np.asarray(reference.index_head_weight_sum(cfg, args[-1])))
+    differ = check_q_w(q8, w8, want[0], want[1], pre, np.abs(q32).sum(-1) * d**-0.5, np.asarray(args[-1]))
     assert differ <= q8.size // 100, differ
 
 
@@ -179,27 +178,3 @@ def test_matrices_are_the_split_and_the_rotation():
         else:
             np.testing.assert_array_equal(xs, x)
         np.testing.assert_allclose(xs @ hp, x @ signs, rtol=1e-5, atol=1e-4)
-
-
-@pytest.mark.parametrize("tokens,with_norm", [(1, True), (3, True), (2, False)])
-def test_head_weights_match_reference(tokens, with_norm):
-    """The head weights' FMA GEMV on stacks at a traced layer, the RMSNorm in the kernel (or x already
-    normed): its partial sums add up to the reference's projection (fp32; the kernel rounds x · norm
-    weight to bf16 and applies 1/rms after the sum, the reference rounds x · 1/rms first: ≈ 2^-8 apart
-    per term)."""
-    hidden, heads = 1024, 64
-    k = jax.random.split(jax.random.key(np.random.randint(1 << 30)), 3)
-    x = (jax.random.normal(k[0], (tokens, hidden)) * 3).astype(BF16)
-    nw = (1 + 0.1 * jax.random.normal(k[1], (NL, hidden))).astype(BF16) if with_norm else None
-    w = jax.random.normal(k[2], (NL, heads, hidden), F32) * hidden**-0.5
-    layer = 1
-
-    def f(x, nw, w, layer):
-        return ip.head_weights(x, nw, 1e-6, w, layer=layer)
-
-    parts = run_one_kernel(f, x, nw, w, jnp.int32(layer))
-    assert parts.shape == (ip.HEAD_WEIGHTS_SPLIT, tokens, heads) and parts.dtype == F32
-    want = np.asarray(reference.index_head_weights(x, None if nw is None else nw[layer], 1e-6, w[layer]))
-    assert want.shape == (1, tokens, heads)
-    got = parts.sum(0)
-    assert np.linalg.norm(got - want[0]) / np.linalg.norm(want[0]) < (1e-2 if with_norm else 1e-5)

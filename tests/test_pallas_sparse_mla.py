@@ -125,7 +125,7 @@ def test_fp8_cache_in_model_pallas_equals_reference(monkeypatch):
         norm = model.layers.input_layernorm
 
         def indexer(qr, q, k, c):
-            return model.indexers(ops, layer, x, norm, layer, qr, cos, sin, pos, jnp.int32(start), c, q, k)
+            return model.indexers(ops, layer, norm(x, layer), qr, cos, sin, pos, jnp.int32(start), c, q, k)
 
         return model.layers.self_attn(ops, layer, x, norm, cos, sin, pos, jnp.int32(start), cache, indexer)
 

@@ -249,22 +249,16 @@ class Indexer(nnx.Module):
         self.k_norm = LayerNorm(cfg.index_head_dim, rngs=rngs, dtype=norm_dtype)
         self.weights_proj = Linear(cfg.hidden_size, cfg.index_n_heads, rngs=rngs, fmt="fp32", quantizable=False)
 
-    def __call__(self, ops: Ops, slot, x, norm: RMSNorm, layer, qr, cos, sin, positions, start, cache, q=None,
-                 k=None):
-        """(top-k indices [T, k] (-1: masked), cache) for indexer `slot` of the stack, from the input x
-        of layer `layer` (normed by its `norm`) and normed q_a output qr. `q`, `k`: (array, column) where
-        the caller computed the query projection wq_b(qr) and the key projection wk(norm(x)): the decode
-        model's merged GEMVs' whole outputs, each projection at its column (qr is then None)."""
+    def __call__(self, ops: Ops, slot, x, qr, cos, sin, positions, start, cache, q=None, k=None):
+        """(top-k indices [T, k] (-1: masked), cache) for indexer `slot` of the stack, from the layer's
+        normed input x and normed q_a output qr. `q`, `k`: (array, column) where the caller computed the
+        query projection wq_b(qr) and the key projection wk(x): the decode model's merged GEMVs' whole
+        outputs, each projection at its column (qr is then None)."""
         cfg = self.cfg
         q_x, q_col = (self.wq_b(ops, qr, slot), 0) if q is None else q
-        k_x, k_col = (self.wk(ops, norm(x, layer), slot), 0) if k is None else k
-        # the head weights (before their scale, which index_prep applies): one GEMV with the norm in it
-        # where the indexer is the layer's own (slot is the layer index), else of the normed input
-        wp = self.weights_proj.weight[...]
-        if slot is layer:
-            w = ops("index_head_weights", x, norm.weight[...], norm.eps, wp, layer=slot)
-        else:
-            w = ops("index_head_weights", norm(x, layer), None, norm.eps, wp, layer=slot)
+        k_x, k_col = (self.wk(ops, x, slot), 0) if k is None else k
+        w = reference.linear(x.astype(F32), self.weights_proj.weight[...][slot].astype(F32))
+        w = w * (cfg.index_n_heads**-0.5 * cfg.index_head_dim**-0.5)
         # the key's norm, rope on q and k, their Hadamard rotation and q's fp8 quantisation (one kernel;
         # the projections' outputs are read in place): k comes out rotated, fp32 in fp8 mode
         q, w, k = ops("index_prep", cfg, q_x, q_col, k_x, k_col, self.k_norm.weight[...], self.k_norm.bias[...],
@@ -675,7 +669,7 @@ class Transformer(nnx.Module):
 
         def indexer(qr, q, k, c):
             def run(c, slot):   # the indexer's head weights (and wk where not merged) read the normed input
-                return self.indexers(ops, slot, x, blk.input_layernorm, i, qr, cos, sin, positions, start, c, q, k)
+                return self.indexers(ops, slot, blk.input_layernorm(x, i), qr, cos, sin, positions, start, c, q, k)
             if lay.all_full:   # slot is the layer index itself: no index arithmetic (in a layer loop
                 return run(c, slot)   # it is a kernel)
             return jax.lax.cond(slot >= 0, lambda c: run(c, jnp.maximum(slot, 0)), lambda c: (topk, c), c)

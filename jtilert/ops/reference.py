@@ -8,7 +8,6 @@ run in fp32.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -186,35 +185,16 @@ def indexer_query(cfg: ModelConfig, q: jax.Array, w: jax.Array):
     return q8, w * qs[..., 0]
 
 
-def index_head_weights(x: jax.Array, norm_weight: jax.Array | None, eps: float, w: jax.Array) -> jax.Array:
-    """The indexer's head weights before their H^-0.5 · D^-0.5, as partial sums [S, T, W ≥ H] fp32
-    (here S = 1 and W = H; the kernel's W may be padded; `index_prep` adds the first H columns in
-    order): the layer's normed input (`rms_norm` of x with norm_weight; x itself with None) times
-    w [H, hidden] in fp32."""
-    if norm_weight is not None:
-        x = rms_norm(x, norm_weight, eps)
-    return linear(x.astype(F32), w.astype(F32))[None]
-
-
-def index_head_weight_sum(cfg: ModelConfig, w: jax.Array) -> jax.Array:
-    """The head weights [T, H] fp32 from their partial sums [S, T, W ≥ H] (the first H columns):
-    added in order, times H^-0.5 · D^-0.5."""
-    h = cfg.index_n_heads
-    return functools.reduce(jnp.add, list(w[..., :h])) * (h**-0.5 * cfg.index_head_dim**-0.5)
-
-
 def index_prep(cfg: ModelConfig, q_x: jax.Array, q_col: int, k_x: jax.Array, k_col: int, norm_weight: jax.Array,
                norm_bias: jax.Array, eps: float, cos: jax.Array, sin: jax.Array, w: jax.Array):
     """What a layer's indexer computes between its projections and the scoring: q_x [T, ·] holds the
     index queries (H = index_n_heads heads of D = index_head_dim) at columns q_col.., k_x [T, ·] the key
     [D] at column k_col; the key LayerNormed (norm_weight, norm_bias [D]), rope (`indexer_rope_interleaved`)
     on the first R = 2·cos.shape[-1] columns of every query head and of the key, then `indexer_query`
-    with the head weights (w: `index_head_weights`' partial sums [S, T, W ≥ H] fp32, see
-    `index_head_weight_sum`) and `indexer_key_rotated` → (q [T, H, D], w [T, H], k [T, D]: fp32 Hadamard-rotated
-    in fp8 mode, else in k_x's dtype)."""
+    with the head weights w [T, H] (fp32) and `indexer_key_rotated` → (q [T, H, D], w [T, H], k [T, D]:
+    fp32 Hadamard-rotated in fp8 mode, else in k_x's dtype)."""
     t, r = q_x.shape[0], 2 * cos.shape[-1]
     h, d = cfg.index_n_heads, cfg.index_head_dim
-    w = index_head_weight_sum(cfg, w)
     q = q_x[:, q_col:q_col + h * d].reshape(t, h, d)
     k = layer_norm(k_x[:, k_col:k_col + d], norm_weight, norm_bias, eps)
     rot = cfg.indexer_rope_interleaved

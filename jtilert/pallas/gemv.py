@@ -238,10 +238,8 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
                 out_dtype=BF16, config: GemvConfig | None = None, ids=None, heads: int = 0, layer=None,
                 scale_block: int = QBLOCK, prefix: bool = False, stride: int = 0, partials: bool = False):
     """Core: x [T, K] (T ≤ 8) against P = len(ws) weights [N, K] with shared x; see module doc.
-    `partials` (one weight, kind "linear", fp32, no residual): the split-K partial sums [split, T, N']
-    unsummed (each scaled by a norm's 1/rms), for a consumer that adds them itself ([1, T, N'] without
-    split-K); N' = N rounded up to whole 64-column blocks, the columns past N are padding (not cut
-    off: a slice would be an XLA copy in front of the consumer).
+    `partials` (one weight, kind "linear", fp32, no norm or residual): the split-K partial sums
+    [split, T, N] unsummed, for a consumer that adds them itself ([1, T, N] without split-K).
     fp8 weights carry one fp32 scale per `scale_block`² block (128: the checkpoint's; 64: copies
     whose blocks are finer than the checkpoint's, see `transformer.head_weights`). `prefix`: x is
     [T, W ≥ K] (W a multiple of 8: TMA's row stride) and each row's first K columns are the input
@@ -262,8 +260,8 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
     token are experts 0..H-1, head j's input at columns j·D of the token's row)."""
     t, kx = x.shape
     p = len(ws)
-    if partials and (p != 1 or kind != "linear" or out_dtype != F32 or residual is not None):
-        raise ValueError("GEMV partials: one weight, kind linear, fp32 out, no residual")
+    if partials and (p != 1 or kind != "linear" or out_dtype != F32 or norm is not None or residual is not None):
+        raise ValueError("GEMV partials: one weight, kind linear, fp32 out, no norm or residual")
     if heads and ids is not None:
         raise ValueError("GEMV expert mode: ids or heads, not both")
     experts = ids is not None or heads > 0
@@ -554,10 +552,9 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
         args.append(norm)
     if residual is not None and in_kernel_epilogue:
         args.append(residual)
-    out = call(*args)
+    out = call(*args)[..., :n]
     if partials:
         return out[None] if in_kernel_epilogue else out[:, 0]
-    out = out[..., :n]
     if in_kernel_epilogue:
         return out
     part = out.sum(0)                                  # [P, T, N]: one XLA fusion with the epilogue

@@ -1,9 +1,7 @@
 """The DSA indexer's glue between the projections and the indexer kernel, one launch per layer (Pallas
 Mosaic-GPU): the key's LayerNorm, rope on the first R columns of every index-query head and of the
-key, the Hadamard rotation of both, the head weights' partial sums added and scaled, the queries' fp8
-quantisation with each row's scale folded into its head weight. Contract of
-`jtilert.ops.reference.index_prep`. `head_weights` makes those partial sums: the FMA GEMV of the
-layer's input with its RMSNorm in the kernel (`jtilert.ops.reference.index_head_weights`).
+key, the Hadamard rotation of both, the queries' fp8 quantisation with each row's scale folded into its
+head weight. Contract of `jtilert.ops.reference.index_prep`.
 
 One warpgroup per CTA, one CTA per 64-row tile: the query tiles (T·H heads of D values, gathered by
 one TMA per token from the projection's output read as rows of D) and, beside them, the keys' tile
@@ -27,7 +25,6 @@ from jax import lax
 import jtilert.pallas.interpret as _interp
 from jtilert.ops.quant import hadamard, pow2_scale
 from jtilert.pallas import _hopper as hw
-from jtilert.pallas import gemv
 from jtilert.pallas._hopper import BF16, F32, FP8
 
 TILE = 64          # wgmma M: rows per tile
@@ -35,20 +32,6 @@ MAX_TOKENS = 4     # decode / MTP verify (the op table runs the reference for pr
 DIM = 128          # index_head_dim: one 128-wide fp8 quantisation block per head
 # 32 columns of 64 bytes per swizzle row: the halves of a rope dim of 64 are whole tiles
 TF = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(64))
-HEAD_WEIGHTS_SPLIT = 16   # split-K of the head weights' GEMV where K/64 allows: 16 CTAs, 16 partial sums
-
-
-def head_weights(x, norm_weight, eps: float, w, *, layer):
-    """Drop-in for `jtilert.ops.reference.index_head_weights` on stacks read at `layer` (an int32 scalar,
-    may be traced): norm_weight [L, K] (or None: x is the normed input), w [L, H, K] fp32 or bf16 →
-    the partial sums [S, T, W] fp32 of the FMA GEMV (S = HEAD_WEIGHTS_SPLIT where it divides K/64) (W: H rounded up to 64, the
-    columns past H padding), the norm's weight in its
-    prologue and 1/rms in its epilogue; `index_prep` adds them."""
-    nw = None if norm_weight is None else norm_weight.astype(BF16)   # the reference multiplies in bf16
-    split = HEAD_WEIGHTS_SPLIT if (x.shape[-1] // gemv.KGRAIN) % HEAD_WEIGHTS_SPLIT == 0 else 0   # 0: the GEMV's choice
-    cfg = gemv.GemvConfig(engine="fma", split_k=split)
-    return gemv._projection(x, (w,), (None,), norm=nw, eps=eps, out_dtype=F32, layer=layer, config=cfg,  # noqa: SLF001
-                            partials=True)
 
 
 def matrices(d: int, r: int, interleaved: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -88,9 +71,8 @@ def unsupported(tokens: int, heads: int, dim: int, rope: int, quant: str, q_widt
 def index_prep(cfg, q_x, q_col: int, k_x, k_col: int, norm_weight, norm_bias, eps: float, cos, sin, w, *, layer):
     """Drop-in for `jtilert.ops.reference.index_prep` with the k_norm stacks [L, D] and `layer` an int32
     scalar (may be traced): q_x [T, ·] holds the index queries (H heads of D) at columns q_col..,
-    k_x [T, ·] the key [D] at column k_col, cos / sin [T, R/2] fp32, w the head weights' partial sums
-    [S, T, W ≥ H] fp32 (the first H columns are read) → (q [T, H, D] fp8, Σ w · H^-0.5 · D^-0.5 · the queries' scales [T, H] fp32, k [T, D]
-    fp32 normed, roped (bf16) and Hadamard-rotated).
+    k_x [T, ·] the key [D] at column k_col, cos / sin [T, R/2] fp32, w [T, H] fp32 → (q [T, H, D] fp8,
+    w · the queries' scales [T, H] fp32, k [T, D] fp32 normed, roped (bf16) and Hadamard-rotated).
     Shapes `unsupported` names raise ValueError."""
     T = q_x.shape[0]
     H, D = cfg.index_n_heads, cfg.index_head_dim
@@ -100,14 +82,9 @@ def index_prep(cfg, q_x, q_col: int, k_x, k_col: int, norm_weight, norm_bias, ep
     why = unsupported(T, H, D, R, cfg.index_quant, q_x.shape[-1], q_col, k_x.shape[-1], k_col, dtype)
     if why is None and (norm_weight.ndim != 2 or norm_bias.ndim != 2 or norm_weight.shape[-1] != D):
         why = f"k_norm {norm_weight.shape} / {norm_bias.shape}: layer stacks [L, {D}] are needed"
-    if why is None and (w.ndim != 3 or w.shape[1] != T or w.shape[2] < H or w.shape[2] % 4
-                        or not 1 <= w.shape[0] <= 64):
-        why = f"head weights {list(w.shape)}: 1..64 partial sums [S, {T}, W ≥ {H}] (W a multiple of 4) are needed"
     if why:
         raise ValueError(f"index_prep kernel: {why}")
     n_q = T * H
-    n_w, w_row = w.shape[0], w.shape[2]   # the head weights' partial sums, and their row width
-    w_scale = np.float32(H**-0.5 * D**-0.5)
     nq_tiles = pl.cdiv(n_q, TILE)
     kt = nq_tiles                  # the key's CTA, after the query tiles'
     per_row = q_x.shape[-1] // D   # q_x as rows of D: token t's heads are rows t·per_row + q_col/D ..
@@ -122,12 +99,10 @@ def index_prep(cfg, q_x, q_col: int, k_x, k_col: int, norm_weight, norm_bias, ep
             if lo < hi:
                 out.append((t, lo - t * H, hi - lo))
         return out
-    # a query CTA's copies (the busiest's): per token its gather and the head weights' n_w pieces, the
-    # rope tables and matrices
-    arrivals = 4 + (1 + n_w) * max(len(gathers(g)) for g in range(nq_tiles))
+    arrivals = 5 + max(len(gathers(g)) for g in range(nq_tiles))   # a query CTA's copies (the most)
 
     def body(q_ref, k_ref, nw_ref, nb_ref, cos_ref, sin_ref, w_ref, p_ref, hp_ref, layer_ref,
-             q_out, w_out, k_out, stage, a1, a2, q8_s, wp_s, w_s, k_s, cs, sn, p_s, hp_s, bar):
+             q_out, w_out, k_out, stage, a1, a2, q8_s, w_s, k_s, cs, sn, p_s, hp_s, bar):
         cta = lax.axis_index("g")
         row_in_tile = plgpu.broadcasted_iota(jnp.int32, (TILE,), 0, layout=wl.reduce(1))
 
@@ -161,24 +136,16 @@ def index_prep(cfg, q_x, q_col: int, k_x, k_col: int, norm_weight, norm_bias, ep
                                             stage.at[pl.ds(r, n)], bar)
                     r += n
                 first, n_rows = g * TILE, min(n_q - g * TILE, TILE)
-                r = 0
-                for t, h0, n in rows:    # per token, each partial sum's H weights are consecutive
-                    for s in range(n_w):
-                        plgpu.copy_gmem_to_smem(w_ref.at[s, pl.ds(t * w_row + h0, n)], wp_s.at[s, pl.ds(r, n)], bar)
-                    r += n
+                plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(first, n_rows)], w_s.at[pl.ds(0, n_rows)], bar)
                 rope_loads()
-                for _ in range(arrivals - 4 - (1 + n_w) * len(rows)):   # the barrier counts the busiest tile's copies
+                for _ in range(arrivals - 5 - len(rows)):   # the barrier counts the busiest tile's copies
                     plgpu.barrier_arrive(bar)
                 plgpu.barrier_wait(bar)
                 y = rope((row_in_tile + first) // H)   # each row's token: query rows are t·H + h
                 # quant.act_quant of the rotated rows: a power-of-two scale per row, folded into w
                 sc = pow2_scale(jnp.max(jnp.abs(y), axis=1))
                 q8_s[...] = (y / lax.broadcast_in_dim(sc, (TILE, D), [0])).astype(FP8)
-                # the head weights: their partial sums added in order, scaled as the reference scales them
-                w_sum = plgpu.load(wp_s.at[0], layout=wl.reduce(1), optimized=False)
-                for s in range(1, n_w):
-                    w_sum = w_sum + plgpu.load(wp_s.at[s], layout=wl.reduce(1), optimized=False)
-                w_s[...] = w_sum * w_scale * sc
+                w_s[...] = plgpu.load(w_s, layout=wl.reduce(1), optimized=False) * sc
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(q8_s.at[pl.ds(0, n_rows)], q_out.at[pl.ds(first, n_rows)])
                 plgpu.copy_smem_to_gmem(w_s.at[pl.ds(0, n_rows)], w_out.at[pl.ds(first, n_rows)])
@@ -211,7 +178,6 @@ def index_prep(cfg, q_x, q_col: int, k_x, k_col: int, norm_weight, norm_bias, ep
         plgpu.SMEM((TILE, D), BF16, transforms=TF),
         plgpu.SMEM((TILE, D), BF16, transforms=TF),
         plgpu.SMEM((TILE, D), FP8),
-        plgpu.SMEM((n_w, TILE), F32),
         plgpu.SMEM((TILE,), F32),
         plgpu.SMEM((TILE, D), F32),
         *hw.rope_smem(T, half, D, TF),
@@ -229,5 +195,5 @@ def index_prep(cfg, q_x, q_col: int, k_x, k_col: int, norm_weight, norm_bias, ep
     p, hp = matrices(D, R, cfg.indexer_rope_interleaved)
     q_rows = q_x.reshape(T * per_row, D)   # a free reshape: the queries as rows of D
     q8, w8, k = kernel(q_rows, k_x, norm_weight, norm_bias, cos.astype(F32), sin.astype(F32),
-                       w.astype(F32).reshape(n_w, T * w_row), jnp.asarray(p), jnp.asarray(hp), hw.layer_operand(layer))
+                       w.astype(F32).reshape(n_q), jnp.asarray(p), jnp.asarray(hp), hw.layer_operand(layer))
     return q8.reshape(T, H, D), w8.reshape(T, H), k

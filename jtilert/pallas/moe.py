@@ -311,9 +311,8 @@ def router_partials(x, gate, *, layer=None):
         raise ValueError(f"router_partials: a stacked gate must be fp32 or bf16, got {gate.dtype}")
     cfg = GemvConfig(engine="fma")
     x = x.astype(BF16) if x.dtype != BF16 else x
-    e = w.shape[-2]   # (the GEMV's partials are padded to whole 64-column blocks: cut where E is not)
     chunks = [gemv._projection(x[i:i + hw.MAX_TOKENS], (w,), (None,), out_dtype=F32, layer=layer, config=cfg,
-                               partials=True)[..., :e] for i in range(0, x.shape[0], hw.MAX_TOKENS)]
+                               partials=True) for i in range(0, x.shape[0], hw.MAX_TOKENS)]
     if len(chunks) == 1:
         return chunks[0]
     return jnp.concatenate([ffi_route.logits_of(c)[None] for c in chunks], axis=1)   # [1, T, E]
