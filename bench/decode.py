@@ -227,9 +227,10 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
     step's host loop in the forms of `call_variant_loops` (tp = 1)."""
     opts = {} if xla_options is None else {"xla_options": xla_options}
     loop, _, per = layer_loop.partition("/")   # "loop/2": DecodeConfig.layers_per_iteration = 2
+    if per:                                    # (else DecodeConfig's default)
+        opts["layers_per_iteration"] = int(per)
     eng = Engine(model, mesh=mesh, config=DecodeConfig(backend=backend, engine_all_reduce=engine,
-                                                       split_indexer=split_indexer, layer_loop=loop,
-                                                       layers_per_iteration=int(per or 1), **opts))
+                                                       split_indexer=split_indexer, layer_loop=loop, **opts))
     host_steps = steps * samples
     rows = cache_rows(context, steps + host_steps)
     cache = random_cache(eng, rows)
@@ -273,7 +274,8 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
     if engine:  # an "engine" run whose library did not load ran psum: say which one ran
         from jtilert import ffi
         engine = ffi.available()
-    result = {"backend": backend, "layer_loop": layer_loop, "xla_options": dict(eng.config.xla_options), "mtp": mtp, "tp": eng.tp, "all_reduce": "engine" if engine else "psum",
+    result = {"backend": backend, "layer_loop": layer_loop, "layers_per_iteration": eng.config.layers_per_iteration,
+              "xla_options": dict(eng.config.xla_options), "mtp": mtp, "tp": eng.tp, "all_reduce": "engine" if engine else "psum",
               "split_indexer": split_indexer,
               "step_ms_median": device_s * 1e3, "step_ms_p90": float(np.percentile(per_step, 90)) * 1e3,
               "tok_s": 1.0 / device_s, "compile_s": compile_s, "steps_timed": 3 * steps * samples,

@@ -344,9 +344,10 @@ def test_stacked_argument_errors():
 
 
 def _engine(model, mesh, **config):
+    """An Engine with one layer per loop iteration (the lowering tests count calls per loop body)."""
     from jtilert.runtime.generate import Engine
     from jtilert.ops.table import DecodeConfig
-    return Engine(model, mesh=mesh, config=DecodeConfig(**config))
+    return Engine(model, mesh=mesh, config=DecodeConfig(**{"layers_per_iteration": 1, **config}))
 
 
 def _lower_forward_for_cuda(eng, rows):

@@ -302,10 +302,11 @@ def test_next_token_from_head_candidates(tiny_random):
 
 
 def test_layers_per_iteration_gives_the_same_tokens_with_fewer_loop_iterations(tiny_random, gen):
-    """DecodeConfig.layers_per_iteration (default 2): the layer loops run half the iterations (two
-    layers in each body) of one layer per iteration, and the tokens do not change; 0 is refused."""
+    """DecodeConfig.layers_per_iteration (default 4): each layer loop's body holds that many layers (the
+    loop's unroll), and the tokens equal one layer per iteration's; 0 is refused."""
     cfg = jtilert.DecodeConfig()
-    assert cfg.layers_per_iteration == 2 and gen.engine.config == cfg
+    per = cfg.layers_per_iteration
+    assert per == 4 and gen.engine.config == cfg
     g = jtilert.Generator(tiny_random, max_seq_len=256, config=jtilert.DecodeConfig(layers_per_iteration=1))
     assert g.generate(PROMPT, 12, stop_tokens=[]) == gen.generate(PROMPT, 12, stop_tokens=[])
 
@@ -315,7 +316,7 @@ def test_layers_per_iteration_gives_the_same_tokens_with_fewer_loop_iterations(t
         jaxpr = jax.make_jaxpr(lambda t, c: tiny_random.hidden(ops, t, jnp.int32(3), c))(jnp.zeros(1, jnp.int32), cache)
         return [(e.params["length"], e.params["unroll"]) for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
     assert loops(jtilert.DecodeConfig(layers_per_iteration=1)) == [(n, 1) for n, _ in loops(cfg)]
-    assert loops(cfg) == [(n, min(n, 2)) for n, _ in loops(cfg)] and loops(cfg)
+    assert loops(cfg) == [(n, min(n, per)) for n, _ in loops(cfg)] and max(u for _, u in loops(cfg)) > 1
     with pytest.raises(ValueError, match="layers_per_iteration"):
         jtilert.DecodeConfig(layers_per_iteration=0)
 

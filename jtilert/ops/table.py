@@ -64,7 +64,7 @@ class DecodeConfig:
     layers_per_iteration: with layer_loop "loop", the layers in one loop iteration (the loop's unroll):
         each iteration of a loop captured in the step's CUDA graph evaluates its condition on the device
         (two kernels and a conditional node), so fewer iterations cost less, and the body compiles
-        this many copies of the layer.
+        this many copies of the layer (bench/RESULTS.md, session 14, measures 1, 2 and 4).
     xla_options: XLA compile options of the decode-shaped steps only (decode, MTP verify and draft, their
         device loops; prefill chunks keep XLA's defaults), as (name, value) pairs or a dict. The default
         (`STEP_XLA_OPTIONS`) records the layer loops into the step's CUDA graph too (command buffers
@@ -81,7 +81,7 @@ class DecodeConfig:
     split_indexer: bool = False
     engine_topk: bool = True
     layer_loop: str = "loop"
-    layers_per_iteration: int = 2
+    layers_per_iteration: int = 4
     xla_options: tuple[tuple[str, str], ...] = STEP_XLA_OPTIONS
 
     def __post_init__(self):
@@ -199,14 +199,6 @@ def _index_prep_unsupported(cfg, q_x, q_col, k_x, k_col, norm_weight, norm_bias,
                                   q_x.dtype if q_x.dtype == k_x.dtype else k_x.dtype)
 
 
-def _head_weights_unsupported(x, norm_weight, eps, w) -> str | None:
-    if x.dtype != BF16 or x.shape[-1] % KGRAIN or w.shape[-1] != x.shape[-1] or w.dtype not in (F32, BF16):
-        return f"x {x.dtype}{list(x.shape)}, weights {w.dtype}{list(w.shape)} (bf16 x, K a multiple of {KGRAIN})"
-    if x.shape[0] > MAX_DECODE_TOKENS:
-        return f"{x.shape[0]} tokens (at most {MAX_DECODE_TOKENS})"
-    return None
-
-
 @dataclasses.dataclass(frozen=True)
 class Op:
     """One op: its reference, its kernel ("module:function" under jtilert, taking `layer=`), which
@@ -245,9 +237,6 @@ OPS: dict[str, Op] = {
     "mla_prep": Op(reference.mla_prep, "pallas.mla_prep:mla_prep", (5, 9, 10), _mla_prep_unsupported, in_place=True),
     # the indexer's key norm, q and k rope, their Hadamard rotation, q's fp8 quantisation (its scales into w)
     "index_prep": Op(reference.index_prep, "pallas.index_prep:index_prep", (5, 6), _index_prep_unsupported),
-    # the head weights' projection of the layer's input, its norm in the FMA GEMV (partial sums out)
-    "index_head_weights": Op(reference.index_head_weights, "pallas.index_prep:head_weights", (1, 3),
-                             _head_weights_unsupported),
     "lm_head_topk": Op(reference.lm_head_topk, "pallas.lm_head:lm_head_topk", (), _lm_head_unsupported),
     "topk_positions": Op(reference.topk_positions, "ffi.select:topk", ()),
 }
