@@ -36,6 +36,7 @@ def test_decode_bench_writes_every_field(tmp_path, monkeypatch):
     assert run["step_ms_p90"] >= run["step_ms_median"] > 0 and run["steps_timed"] == 12
     assert "call_overhead_ms" in run and run["timing"]
     assert run["xla_options"] == {"xla_gpu_command_buffer_unroll_loops": True}
+    assert run["layer_loop"] == "loop" and run["layers_per_iteration"] == 4   # DecodeConfig's default
     assert set(run["call_variants"]) == {"shipped", "no_host_output", "host_output_on_device"}
     assert all(v["enqueue_ms"] > 0 and v["host_loop_ms"] > 0 for v in run["call_variants"].values())
     assert (tmp_path / "c.png").stat().st_size > 1000
