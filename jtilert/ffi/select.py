@@ -26,6 +26,7 @@ from jax.interpreters import mlir
 
 from jtilert.ffi import _lib
 from jtilert.ffi import ops as _ops
+from jtilert.ops import reference
 
 SORTED, CANONICAL_ZERO, EMPTY_AS_MINUS_ONE = 1, 2, 4   # mode bits, cuda/include/jtilert/engine.h (JT_TOPK_*)
 MAX_ROWS = 8
@@ -46,7 +47,7 @@ def top_k_reference(scores, k, mode=SORTED):
         order = jnp.argsort(idx, axis=-1)
         vals, idx = jnp.take_along_axis(vals, order, -1), jnp.take_along_axis(idx, order, -1)
     if mode & EMPTY_AS_MINUS_ONE:
-        idx = jnp.where(vals > -jnp.inf, idx, -1)
+        idx = reference.empty_as_minus_one(vals, idx)
     return vals, idx
 
 

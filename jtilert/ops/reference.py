@@ -298,13 +298,17 @@ def _indexer_block_scores(q, w, k_cache, k_scale, positions, first):
     return jnp.where(visible, scores, -jnp.inf)
 
 
+def empty_as_minus_one(vals: jax.Array, idx: jax.Array) -> jax.Array:
+    """A top-k's positions idx with -1 where its score vals is not above -inf (a masked position)."""
+    return jnp.where(vals > -jnp.inf, idx.astype(jnp.int32), -1)
+
+
 def topk_positions(scores: jax.Array, k: int) -> jax.Array:
     """Top-k cache rows per token from scores [T, S]: indices [T, k] int32. Ties go to the lower
     position; a row whose score is -inf (past the causal limit) comes back as -1, which
     `sparse_mla` masks."""
     k = min(k, scores.shape[-1])
-    vals, idx = jax.lax.top_k(scores, k)
-    return jnp.where(vals > -jnp.inf, idx.astype(jnp.int32), -1)
+    return empty_as_minus_one(*jax.lax.top_k(scores, k))
 
 
 def lm_head_topk(x: jax.Array, w: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:

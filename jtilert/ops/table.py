@@ -436,7 +436,7 @@ class Ops:
         if num is None:
             return self("topk_positions", scores, cfg.index_topk), k_cache, k_scale
         vals, idx = ffi.split_topk(scores[0], cfg.index_topk, self.axis)
-        return jnp.where(vals > -jnp.inf, idx, -1)[None], k_cache, k_scale
+        return reference.empty_as_minus_one(vals, idx)[None], k_cache, k_scale
 
     def all_gather_last(self, x):
         """Concatenate the ranks' slices of the last axis (vocab-split logits)."""

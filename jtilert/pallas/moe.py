@@ -125,8 +125,9 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
         s_idx = lax.axis_index("s")
         k0 = s_idx * kc
         row0 = n_idx * bn
-        if res_in_kernel:   # the residual's rows of this block, while the weights stream (zero fill past T)
-            plgpu.copy_gmem_to_smem(res_gmem.at[pl.ds(n_idx * 0, MAX_TOKENS), pl.ds(row0, bn)], res_smem,
+        if res_in_kernel:   # the residual's rows of this block, while the weights stream
+            zero = n_idx * 0   # a traced 0: the TMA box may then overhang T (zero fill)
+            plgpu.copy_gmem_to_smem(res_gmem.at[pl.ds(zero, MAX_TOKENS), pl.ds(row0, bn)], res_smem,
                                     res_bar.at[0])
         srow = row0 // QBLOCK
         # stack entries (expert ids, + layer·E), scalars read once
@@ -302,7 +303,8 @@ def reference_moe_with_shared(x, weights, ids, packed, shared_raw):
 def router_partials(x, gate, *, layer=None):
     """x · Wgᵀ in fp32 (the reference's precision) with the FMA engine, as its split-K partial sums
     [S, T, E] (the logits are their sum in order: `jtilert.ffi.route.logits_of`), Wg [E, H] fp32 (or
-    bf16); with `layer`, Wg [L, E, H] fp32 or bf16 (a stack is never cast per call)."""
+    bf16); with `layer`, Wg [L, E, H] fp32 or bf16 (a stack is never cast per call). More than
+    MAX_TOKENS tokens run in chunks, each chunk's partials summed: [1, T, E]."""
     if gate.dtype in (F32, BF16):
         w = gate
     elif layer is None:
@@ -311,11 +313,12 @@ def router_partials(x, gate, *, layer=None):
         raise ValueError(f"router_partials: a stacked gate must be fp32 or bf16, got {gate.dtype}")
     cfg = GemvConfig(engine="fma")
     x = x.astype(BF16) if x.dtype != BF16 else x
-    chunks = [gemv._projection(x[i:i + hw.MAX_TOKENS], (w,), (None,), out_dtype=F32, layer=layer, config=cfg,
-                               partials=True) for i in range(0, x.shape[0], hw.MAX_TOKENS)]
-    if len(chunks) == 1:
-        return chunks[0]
-    return jnp.concatenate([ffi_route.logits_of(c)[None] for c in chunks], axis=1)   # [1, T, E]
+
+    def partials(xc, _=None):
+        return gemv._projection(xc, (w,), (None,), out_dtype=F32, layer=layer, config=cfg, partials=True)
+    if x.shape[0] <= hw.MAX_TOKENS:
+        return partials(x)
+    return hw.token_chunks(x, lambda xc, _: ffi_route.logits_of(partials(xc)))[None]
 
 
 def route(cfg, x, gate, bias, *, layer=None):
