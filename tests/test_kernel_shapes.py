@@ -276,6 +276,18 @@ def test_explicit_split_shrinks_the_pipeline_or_refuses():
         _resolved(7168, 14336, 2, split_k=2)
 
 
+@pytest.mark.parametrize("n,k,split,stages", [(11264, 1536, 1, 3),    # q_b | wq_b merged: 176 CTAs
+                                               (2240, 7168, 4, 3),     # q_a | wk | kv_a merged: 140 CTAs
+                                               (7168, 2048, 1, 4)])    # o_proj: 112 CTAs, one per SM
+def test_a_grid_beyond_the_sms_gets_two_ctas_per_sm(n, k, split, stages):
+    """dsv32-tp8-shard's projections at one token on 132 SMs: a grid of more CTAs than SMs gets a
+    pipeline shallow enough for two CTAs per SM (one wave); one that fits in a wave keeps four stages."""
+    cfg = _resolved(n, k, 1)
+    assert (cfg.split_k, cfg.stages) == (split, stages)
+    smem = hw.smem_bytes(gemv.projection_smem(cfg, k=k, p=1, itemsize=1, tb=1))
+    assert (smem <= hw.SMEM_HALF_SM) == (-(-n // 64) * split > 132)
+
+
 # ---- the accounting against Mosaic's own count ---------------------------------------------------
 
 def _lowered_smem(monkeypatch, f, *specs) -> tuple[hw.Scope, int]:
@@ -307,6 +319,14 @@ KERNELS = {   # one launch each, at the shapes and configurations the dsv32 shar
     "GEMV router, fp32 FMA": (lambda x, w: moe.router_partials(x, w), (S((4, 7168), BF16), S((256, 7168), F32))),
     "GEMV experts' gate/up": (lambda x, i, g, gs, u, us: moe.expert_gate_up(x, i, g, gs, u, us),
                               (S((2, 7168), BF16), S((2, 8), jnp.int32), *_q(256, 256, 7168), *_q(256, 256, 7168))),
+    "GEMV experts' gate/up partials": (lambda x, i, g, gs, u, us: moe.expert_gate_up(x, i, g, gs, u, us, partials=True),
+                                       (S((1, 7168), BF16), S((1, 8), jnp.int32), *_q(256, 256, 7168),
+                                        *_q(256, 256, 7168))),
+    "GEMV q_b | wq_b, two CTAs per SM": (lambda x, nw, w, s: gemv.rmsnorm_linear(x, nw, 1e-6, w, s),
+                                         (S((1, 2240), BF16), S((1536,), BF16), *_q(11264, 1536))),
+    "MoE down from gate/up partials": (lambda h, w, i, d, ds: moe.expert_down(h, w, i, d, ds),
+                                       (S((4, 2, 8, 256), F32), S((1, 8), F32), S((1, 8), jnp.int32),
+                                        *_q(256, 7168, 256))),
     "MoE down": (lambda h, w, i, d, ds: moe.expert_down(h, w, i, d, ds),
                  (S((32, 256), BF16), S((4, 8), F32), S((4, 8), jnp.int32), *_q(256, 7168, 256))),
     "lm head": (lambda x, w: lm_head.lm_head_topk(x, w, 8), (S((1, 7168), BF16), S((16160, 7168), BF16))),

@@ -23,6 +23,8 @@ QBLOCK = 128          # fp8 block-scale granularity (both dims)
 KGRAIN = 64           # K granularity: one 128-byte swizzle row of bf16
 MAX_TOKENS = 8        # wgmma N: tokens per kernel call
 SMEM_BYTES = 227 * 1024   # shared memory per block on the H200 (and Mosaic's bound without a GPU)
+# the most a block may take for two blocks to share an SM (228 KB per SM, 1 KB of it reserved per block)
+SMEM_HALF_SM = 113 * 1024
 
 # Register layout for the [8, 64·m] token tile in SMEM (tiling (8, 64), 128-byte swizzle): each
 # warp owns two rows, each lane four consecutive bf16 of a row, so one wavefront covers one

@@ -109,10 +109,22 @@ class GemvConfig:
         # narrower blocks (an explicit split, or K that no split brings into SMEM)
         for cfg in cands + [c for c0 in cands for c in c0._smaller(k, w_itemsize, divides)]:
             if hw.smem_bytes(layout(cfg)) <= SMEM_BYTES:
-                return cfg
+                return cfg._two_per_sm(-(-n // self.block_n) * cfg.split_k, sms, layout)
         need = hw.smem_bytes(layout(cands[0]))
         raise ValueError(f"GEMV kernel: config {cands[0]} needs {need} B of shared memory (> {SMEM_BYTES}) "
                          "and no smaller configuration fits")
+
+    def _two_per_sm(self, ctas: int, sms: int, layout) -> "GemvConfig":
+        """A grid of more CTAs than SMs (but not more than two per SM) with the pipeline only as deep as
+        lets two CTAs share an SM (at least two stages): one wave instead of a second, partial one that
+        streams on a few SMs after the rest are done."""
+        if not sms < ctas <= 2 * sms or hw.smem_bytes(layout(self)) <= hw.SMEM_HALF_SM:
+            return self
+        for stages in range(self.stages - 1, 1, -1):
+            cfg = dataclasses.replace(self, stages=stages)
+            if hw.smem_bytes(layout(cfg)) <= hw.SMEM_HALF_SM:
+                return cfg
+        return self
 
     def _shaped(self, split: int, k: int, w_itemsize: int, divides: int | None) -> "GemvConfig | None":
         """This config at split-K `split`: the widest block_k ≤ block_k (≤ 16 KB of weights per step
