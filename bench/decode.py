@@ -20,8 +20,10 @@ import argparse
 import datetime
 import functools
 import json
+import pathlib
 import re
 import statistics
+import tempfile
 import time
 
 import jax
@@ -37,10 +39,11 @@ from jtilert.runtime.generate import Engine
 from jtilert.model.transformer import Layout, _no_topk, decode_weights, init_cache
 from jtilert.ops.table import DecodeConfig
 
-from bench import provenance
+from bench import provenance, timeline
 
 
 CPU_COPY_BYTES = 256 << 20   # the array copy_bandwidth passes over on a CPU (the tests shrink it)
+TIMELINE_STEPS = 4           # steps of the call --timeline traces (bench/timeline.py reads its second whole step)
 
 
 def copy_bandwidth() -> float:
@@ -222,9 +225,13 @@ def breakdown(model, backend, context, steps, samples, mesh, engine) -> dict:
 
 def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samples: int, mesh=None,
                   engine: bool = False, host: bool = True, kernels: bool = False, split_indexer: bool = False,
-                  layer_loop: str = "loop", xla_options: tuple | None = None, call_variants: bool = False) -> dict:
+                  layer_loop: str = "loop", xla_options: tuple | None = None, call_variants: bool = False,
+                  trace_timeline: bool = False) -> dict:
     """xla_options: DecodeConfig.xla_options (None: its default). call_variants: also time the plain
-    step's host loop in the forms of `call_variant_loops` (tp = 1)."""
+    step's host loop in the forms of `call_variant_loops` (tp = 1). trace_timeline: right after the
+    timed loops (and their CUPTI profile), one call of the loop of TIMELINE_STEPS steps under JAX's
+    profiler: the kernels' start and end times in one step (bench/timeline.py's summary, the result's
+    "timeline"); no CUPTI profile may follow it (the one-step kernel profile is left out)."""
     opts = {} if xla_options is None else {"xla_options": xla_options}
     loop, _, per = layer_loop.partition("/")   # "loop/2": DecodeConfig.layers_per_iteration = 2
     if per:                                    # (else DecodeConfig's default)
@@ -271,6 +278,18 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
         # does not show whether kernels overlap; this one does (busy > step: they ran concurrently).
         loop_profile = kernel_profile(lambda: timed(n1), steps)
         loop_profile["gaps_ms"] = device_s * 1e3 - loop_profile["busy_ms"]
+    step_timeline = None
+    if trace_timeline and not mtp:
+        # Now, while the loop's CUDA graphs are live: a command buffer XLA has to make anew under the
+        # profiler (after another program's, the steps' below) it runs thunk by thunk, one kernel after
+        # another. After JAX's profiler CUPTI drops the records of graphs made before, so no Mosaic
+        # CUPTI profile may follow (bench/timeline.py's trace_step).
+        n_trace = eng.place(jnp.int32(TIMELINE_STEPS))
+        with tempfile.TemporaryDirectory() as folder:
+            step_timeline = timeline.trace_step(lambda: timed(n_trace), folder)
+        step_timeline["untraced_step_us"] = device_s * 1e6   # the profiler slows the step: compare
+        if loop_profile is not None:
+            step_timeline["loop_profile_kernels"] = loop_profile["kernels"]   # per step, without the profiler
     if engine:  # an "engine" run whose library did not load ran psum: say which one ran
         from jtilert import ffi
         engine = ffi.available()
@@ -291,7 +310,7 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
             cache = carry[0]
     else:
         carry = (cache, token, pos, key)
-    if kernels and jax.default_backend() == "gpu" and not mtp:
+    if kernels and jax.default_backend() == "gpu" and not mtp and step_timeline is None:
         holder = [jax.block_until_ready(eng.decode(eng.state, *carry[:4], params))]
 
         def one_step():
@@ -301,6 +320,8 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
         result["kernel_profile"]["gaps_ms"] = device_s * 1e3 - result["kernel_profile"]["busy_ms"]
     if loop_profile is not None:
         result["loop_kernel_profile"] = {k: loop_profile[k] for k in ("kernels", "busy_ms", "gaps_ms", "groups")}
+    if step_timeline is not None:
+        result["timeline"] = step_timeline
     stats = jax.devices()[0].memory_stats() or {}
     result["peak_device_bytes"] = int(stats.get("peak_bytes_in_use", 0))
     return result
@@ -368,16 +389,11 @@ def traced_calls(call, carry, n: int, top: int = 40):
     events (XLA's runtime TraceMe annotations: execute, buffer donation, command-buffer update and
     launch, ...) summed by name and divided by n: [(name, µs per call, events per call)], the
     largest first; nested events each count. Returns (that list, the carried arrays)."""
-    import gzip
-    import pathlib
-    import tempfile
     folder = tempfile.mkdtemp()
     with jax.profiler.trace(folder, create_perfetto_trace=True):
         _, _, carry = call_loop(call, tuple(carry) + (None,), len(carry), n)
-    trace = json.load(gzip.open(next(pathlib.Path(folder).rglob("perfetto_trace.json.gz"))))
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    events = timeline.load_trace(folder)
+    names = timeline.process_names(events)
     totals: dict[str, list] = {}
     for e in events:
         if e.get("ph") == "X" and "GPU" not in names.get(e.get("pid"), "") and "dur" in e:
@@ -415,6 +431,11 @@ def main(argv=None) -> dict:
     p.add_argument("--kernels", action="store_true", help="CUPTI profile of one step: kernel count, busy time, groups")
     p.add_argument("--breakdown", action="store_true",
                    help="time variants without attention / without MLP to split the step (first all-reduce only)")
+    p.add_argument("--timeline", action="store_true",
+                   help="after the first pallas run's timed loops, one call of that loop (4 steps) under JAX's profiler: "
+                        "each kernel's start and end in one step, per layer (the run's \"timeline\"; with --out, a Gantt "
+                        "chart of layers 4-7 in <out stem>-timeline.png); no --kernels profile after it (that run's "
+                        "loop profile only)")
     p.add_argument("--call-variants", action="store_true",
                    help="also time the plain step's host loop with its host output in device memory and without it "
                         "(what a call's enqueue costs; tp=1)")
@@ -446,16 +467,21 @@ def main(argv=None) -> dict:
                 json.dump(result, f, indent=1)
 
     ars = a.all_reduce.split(",")
+    traced = False   # a run traced its timeline: later runs take no CUPTI kernel profile (bench/timeline.py)
     for backend, loop in ((b, lp) for lp in a.layer_loop.split(",") for b in a.backend.split(",")):
         for ar in ars:
             for mtp in (False, True) if a.mtp else (False,):
+                if a.kernels and not mtp and traced:
+                    print(f"{backend}: no kernel profile after the timeline's trace (CUPTI would drop records)")
                 r = bench_backend(model, backend, a.context, mtp, a.steps, a.samples, mesh, ar == "engine",
-                                  kernels=a.kernels and not mtp, split_indexer=a.split_indexer, layer_loop=loop,
-                                  xla_options=tuple(tuple(kv.split("=", 1)) for kv in a.xla_option) or None,
-                                  call_variants=a.call_variants)
+                                  kernels=a.kernels and not mtp and not traced, split_indexer=a.split_indexer,
+                                  layer_loop=loop, xla_options=tuple(tuple(kv.split("=", 1)) for kv in a.xla_option) or None,
+                                  call_variants=a.call_variants,
+                                  trace_timeline=a.timeline and backend == "pallas" and not mtp and not traced)
+                traced = traced or "timeline" in r
                 r["step_over_floor"] = r["step_ms_median"] / floor_ms
                 result["runs"].append(r)
-                print(json.dumps({k: v for k, v in r.items() if k != "kernel_profile"}), flush=True)
+                print(json.dumps({k: v for k, v in r.items() if k not in ("kernel_profile", "timeline")}), flush=True)
                 save()
         if a.breakdown:
             result.setdefault("breakdown", {})[backend] = breakdown(model, backend, a.context, a.steps, a.samples,
@@ -494,6 +520,20 @@ def main(argv=None) -> dict:
         print(f"{backend}: attention {attn:.3f} ms ({attn / cfg.num_hidden_layers * 1e3:.1f} us/layer), "
               f"MLP/MoE {mlp:.3f} ms ({mlp / cfg.num_hidden_layers * 1e3:.1f} us/layer), "
               f"embedding + head + sampling {rest:.3f} ms, of {f:.3f} ms")
+    for r in result["runs"]:
+        tl = r.get("timeline")   # bench/timeline.py's summary of one step
+        if tl is None:
+            continue
+        if not tl.get("kernels"):
+            print(f"{r['backend']} timeline: {tl.get('note')}")
+        else:
+            print(f"{r['backend']} timeline of one step: span {tl['span_us']:.1f} us, busy {tl['busy_us']:.1f} us, "
+                  f"idle {tl['idle_us']:.1f} us, {tl['kernels']} kernels, {tl['layers_found']} layers (median span "
+                  f"{tl['layer_span_us_median']} us); a chain of {tl['chain']['records']} records one after another: "
+                  f"{tl['chain']['busy_us']:.1f} us running, {tl['chain']['wait_us']:.1f} us between them")
+        if a.out:
+            out = pathlib.Path(a.out)
+            timeline.plot(tl, out.with_name(out.stem + "-timeline.png"))
     save()
     if a.plot:
         plot(result, a.plot)

@@ -13,6 +13,9 @@
 #   sweep        the same with the config sweeps (longer: the MoE sweep alone filled 5 minutes)
 #   attention    bench/attention.py (issue 5)
 #   decode       bench.decode: dsv32-tp8-shard, 61 layers, context 4096, CUPTI kernel profile (issue 7)
+#   timeline     the same, pallas only, with --timeline: one 4-step call under JAX's profiler, each kernel's start
+#                and end in its second step (bench/timeline.py) → timeline.json ("timeline" in the run),
+#                timeline.png (Gantt chart of layers 4-7), timeline.log
 #   contexts     the same, pallas only, at contexts 32K and 128K (issue 14's long-context targets)
 #   breakdown    bench.decode at 8 layers with the attention / MLP timing variants (issue 7)
 #   checkpoint   a 4-layer bf16 dsv32-tp8-shard HF checkpoint at $CK (on the CPU), for the comparison with
@@ -106,10 +109,13 @@ step() {  # step NAME LIMIT_S COMMAND...
   local rc=$?
   echo "[$(date -u +%T) +$(( $(date +%s) - T0 ))s] $name rc=$rc" >> "$WORK/session.txt"
   grep -v "Warning\|^\s*$" "$WORK/$name.log" | tail -30
+  pack
+  return $rc
+}
+pack() {  # with SAVE_TO: $WORK into $SAVE_TO/session.tgz
   if [ -n "${SAVE_TO:-}" ]; then   # the raw HLO dumps stay out (hundreds of MB): part hlodump packs what is kept
     tar czf "$SAVE_TO/session.tgz" -C "$WORK" --exclude=xla_cache --exclude=./hlo --exclude=./hlo_base --exclude=./hlo_mtp . 2>/dev/null
   fi
-  return $rc
 }
 DEC="python3 -m bench.decode --preset dsv32-tp8-shard --context 4096"
 VS="python3 -m bench.vs_transformers $CK ${VS_ARGS:---context 1024 --new 64 --samples 10}"
@@ -135,6 +141,9 @@ for part in "$@"; do
     golden) JAX_PLATFORMS=cuda step golden 400 python3 -m pytest -q -p no:cacheprovider -x tests/test_golden_kernels.py ;;
     decode) step decode 480 $DEC --layers 61 --backend "$B" --kernels --samples 10 \
               --out "$WORK/decode.json" --plot "$WORK/decode.png" ;;
+    timeline)  # bench.decode writes the chart as <out stem>-timeline.png: renamed to timeline.png
+      step timeline 480 $DEC --layers 61 --backend pallas --kernels --samples 10 --timeline --out "$WORK/timeline.json"
+      [ -f "$WORK/timeline-timeline.png" ] && mv "$WORK/timeline-timeline.png" "$WORK/timeline.png" && pack ;;
     contexts)  # issue 14's long-context targets: the 61-layer pallas step at 32K and 128K, kernel profiles
       for c in 32768 131072; do
         step "decode_$c" 300 python3 -m bench.decode --preset dsv32-tp8-shard --context $c --layers 61 \

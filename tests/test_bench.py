@@ -154,3 +154,144 @@ def test_decode_bench_cache_lets_the_indexer_kernel_apply():
         assert indexer.unsupported(1, 64, k, jax.ShapeDtypeStruct((rows,), jnp.float32)) is None
     k = jax.ShapeDtypeStruct((4252, 128), jnp.float8_e4m3fn)   # the unrounded row count of a GPU run
     assert indexer.unsupported(1, 64, k, jax.ShapeDtypeStruct((4252,), jnp.float32)) is not None
+
+
+def _perfetto_trace() -> dict:
+    """A trace as XLA's profiler writes it (perfetto_trace.json.gz; bench/timeline.py's docstring):
+    GPU 0 (pid 1) with two streams and a CUPTI overhead line, the host's threads (pid 701). Four
+    steps end with the lm head's top-k at 100, 300, 500, 700 µs; the step read (the second whole
+    one, 310–510 µs) has a head (sampling, a copy), three layers (each opened by mla_prep, with
+    kernels on the second stream overlapping), idle gaps of 3, 10, 1, 5 and 20 µs, and a kernel that
+    starts while the top-k runs."""
+    def meta(pid, name, tid=None):
+        e = {"ph": "M", "pid": pid, "name": "thread_name" if tid is not None else "process_name",
+             "args": {"name": name}}
+        return e if tid is None else {**e, "tid": tid}
+
+    def gpu(name, ts, dur, tid=14, arg="kernel_details"):   # a node of a CUDA graph, but for the copy
+        return {"ph": "X", "pid": 1, "tid": tid, "ts": ts, "dur": dur, "name": name,
+                "args": {arg: "regs:32 static_shared:0 grid:1,1,1 block:128,1,1", "correlation_id": "7",
+                         **({} if arg == "memcpy_details" else {"cuda_graph_node_id": "12"})}}
+    topk, prep = "jtilert_lm_head_topk_mosaic_gpu_kernel", "jtilert_mla_prep_mosaic_gpu_kernel"
+    events = [meta(1, "/device:GPU:0"), meta(701, "/host:CPU"), meta(1, "Stream #14(MemcpyD2D,Compute)", 14),
+              meta(1, "Stream #15(Compute)", 15), meta(1, "CUPTI overhead", 99), meta(701, "Host Threads/7", 7)]
+    events += [gpu(prep, 20, 10), gpu(topk, 100, 10),                      # step 0
+               gpu("loop_or_fusion", 120, 5), gpu(topk, 300, 10),
+               gpu("loop_or_fusion", 310, 1),                                # starts as the top-k ends: step 0's
+               gpu("loop_multiply_fusion", 312, 3),                          # the step read: head
+               gpu("MemcpyD2D", 315, 2, arg="memcpy_details"),
+               gpu(prep, 320, 10), gpu("jtilert_index_prep_mosaic_gpu_kernel", 321, 5, tid=15),       # layer 0
+               gpu("jtilert_sparse_mla_mosaic_gpu_kernel", 330, 20), gpu("jtilert_gemv_wgmma_mosaic_gpu_kernel", 360, 10),
+               gpu(prep, 370, 10),                                                                     # layer 1
+               gpu("void jt::(anonymous namespace)::topk_cluster_kernel<jt::(anonymous namespace)::Sel>(float const*, int)",
+                   372, 4, tid=15),
+               gpu("jtilert_moe_down_mosaic_gpu_kernel", 381, 19),
+               gpu(prep, 400, 50), gpu("loop_add_fusion", 455, 5), gpu("input_reduce_fusion", 460, 20),  # layer 2
+               gpu(topk, 500, 10), gpu("loop_convert_fusion", 505, 4, tid=15),                         # tail
+               gpu("loop_multiply_fusion", 512, 3), gpu(topk, 700, 10)]                                # step 3
+    # not GPU records: host events (TraceMe, CUDA API) with kernel names, one even with a kernel's
+    # arg, in the step read; a CUPTI overhead record on the GPU; the writer's closing {}
+    events += [{"ph": "X", "pid": 701, "tid": 7, "ts": 330, "dur": 3, "name": prep, "args": {"hlo_op": "custom-call"}},
+               {"ph": "X", "pid": 701, "tid": 7, "ts": 340, "dur": 3, "name": topk, "args": {"kernel_details": "x"}},
+               {"ph": "X", "pid": 701, "tid": 7, "ts": 350, "dur": 1, "name": "cuGraphLaunch"},
+               {"ph": "X", "pid": 1, "tid": 99, "ts": 352, "dur": 2, "name": "CUPTI overhead"}, {}]
+    return {"displayTimeUnit": "ns", "traceEvents": events}
+
+
+def test_timeline_reads_gpu_records_of_one_step(tmp_path):
+    import gzip
+    from bench import timeline
+    folder = tmp_path / "plugins" / "profile" / "2026_01_01_00_00_00"
+    folder.mkdir(parents=True)
+    with gzip.open(folder / "perfetto_trace.json.gz", "wt") as f:
+        json.dump(_perfetto_trace(), f)
+    events = timeline.kernel_events(timeline.load_trace(tmp_path))
+    assert len(events) == 21 and [e["start_us"] for e in events] == sorted(e["start_us"] for e in events)
+    assert {e["kind"] for e in events} == {"kernel", "memcpy"}
+    assert [e["name"] for e in events if e["kind"] == "memcpy"] == ["MemcpyD2D"]
+    assert all(e["device"] == "/device:GPU:0" and e["stream"].startswith("Stream #") for e in events)
+
+    step = timeline.one_step(events)   # the second whole step: after 310 µs, up to the top-k ending at 510
+    assert (min(e["start_us"] for e in step), len(step)) == (312, 14)
+    assert [e["start_us"] for e in timeline.one_step(events, index=0)] == [120, 300, 310]
+    assert [e["start_us"] for e in timeline.one_step(events, index=2)] == [512, 700]
+    with pytest.raises(ValueError, match="needs 5"):
+        timeline.one_step(events, index=3)
+    assert timeline.step_kernel_counts(events) == [3, 13, 2]
+    r = timeline.read_step(events)
+    assert (r["step_index"], r["step_kernels"], r["trace_kernels"], r["markers"], r["kernels"]) == (1, [3, 13, 2], 20, 4, 13)
+    assert len(r["kernel_list"]) == 4   # the head and the tail: layers 4-11 only by default
+    assert r["note"].startswith("1 of 14 records ran outside CUDA graphs")   # the copy
+    r = timeline.read_step(events, index=0)   # fewer kernels than step 1: records dropped, step 1 read
+    assert r["step_index"] == 1 and r["span_us"] == 198 and r["note"].startswith("step 0 has 3 kernels, step 1 13")
+    assert timeline.read_step(events, index=3)["kernels"] == 0
+    assert timeline.read_step([e for e in events if e["kind"] == "memcpy"]) == {
+        "kernels": 0, "note": "no GPU kernel events in the trace"}
+
+    s = timeline.summary(step)
+    assert (s["span_us"], s["busy_us"], s["idle_us"]) == (198, 159, 39)
+    assert (s["records"], s["kernels"], s["memcpy"], s["memset"], s["graph_records"]) == (14, 13, 1, 0, 13)
+    assert s["streams"] == ["Stream #14(MemcpyD2D,Compute)", "Stream #15(Compute)"]
+    assert [k["idle_before_us"] for k in s["kernel_list"]] == [0, 0, 3, 0, 0, 10, 0, 0, 1, 0, 5, 0, 20, 0]
+    assert [k["layer"] for k in s["kernel_list"]] == ["head"] * 2 + [0] * 4 + [1] * 3 + [2] * 3 + ["tail"] * 2
+    assert [(k["start_us"], k["dur_us"]) for k in s["kernel_list"][:3]] == [(0, 3), (3, 2), (8, 10)]
+    assert [{k: layer[k] for k in ("layer", "start_us", "span_us", "records", "idle_us")} for layer in s["layers"]] == [
+        {"layer": 0, "start_us": 8, "span_us": 50, "records": 4, "idle_us": 13},
+        {"layer": 1, "start_us": 58, "span_us": 30, "records": 3, "idle_us": 1},
+        {"layer": 2, "start_us": 88, "span_us": 100, "records": 3, "idle_us": 5}]   # to the top-k's start
+    assert s["layers"][1]["sequence"] == [["mla_prep", 0, 10], ["topk_cluster_kernel", 2, 4], ["moe_down", 11, 19]]
+    assert (s["layers_found"], s["layer_span_us_median"]) == (3, 50)
+    assert s["head"] == {"records": 2, "span_us": 8} and s["tail"] == {"records": 2, "span_us": 10}
+    # the chain back from the top-k: every record but the three that overlapped others
+    assert s["chain"] == {"records": 11, "busy_us": 159, "wait_us": 39}
+    assert [k["name"][:22] for k in s["kernel_list"] if not k["on_chain"]] == [
+        "jtilert_index_prep_mos", "void jt::(anonymous na", "loop_convert_fusion"]
+    assert s["idle_gaps"][0] == {"before": "lm_head_topk", "layer": "tail", "at_us": 188, "idle_us": 20}
+    assert [g["idle_us"] for g in s["idle_gaps"]] == [20, 10, 5, 3, 1]
+    assert s["idle_by_kernel"][:2] == [{"kernel": "lm_head_topk", "count": 1, "idle_us": 20},
+                                       {"kernel": "gemv_wgmma", "count": 1, "idle_us": 10}]
+    json.dumps(s)
+
+    # the detail layers only: their kernels and sequences, the head and the tail
+    d = timeline.summary(step, detail=(1, 2))
+    assert [k["layer"] for k in d["kernel_list"]] == ["head"] * 2 + [1] * 3 + ["tail"] * 2
+    assert ["sequence" in layer for layer in d["layers"]] == [False, True, False]
+    assert d["layers"][1] == {k: v for k, v in s["layers"][1].items()}
+
+    timeline.plot(s, tmp_path / "t.png", layers=(0, 3))
+    assert (tmp_path / "t.png").stat().st_size > 1000
+    timeline.plot({"kernels": 0, "note": "no GPU kernel events in the trace"}, tmp_path / "none.png")
+    assert (tmp_path / "none.png").stat().st_size > 1000
+
+
+def test_decode_bench_timeline_on_the_cpu(tiny_fp8):
+    """The traced call of bench_backend on the CPU: no GPU records, a summary that says so."""
+    r = decode.bench_backend(tiny_fp8, "reference", 40, False, 2, 1, host=False, trace_timeline=True)
+    assert {k: r["timeline"][k] for k in ("kernels", "note")} == {"kernels": 0, "note": "no GPU kernel events in the trace"}
+    assert r["timeline"]["untraced_step_us"] == r["step_ms_median"] * 1e3
+    assert "timeline" not in decode.bench_backend(tiny_fp8, "reference", 40, False, 2, 1, host=False)
+
+
+def test_decode_bench_timeline_flag(tmp_path, monkeypatch):
+    """--timeline: the first pallas run (not the reference, not MTP) traces; its summary under the
+    run's "timeline" in the JSON, its chart in <out stem>-timeline.png."""
+    from bench import timeline
+    calls = []
+    summary = timeline.summary(timeline.one_step(timeline.kernel_events(_perfetto_trace())), detail=(0, 3))
+
+    def fake_backend(model, backend, context, mtp, *args, trace_timeline=False, **kw):
+        calls.append((backend, mtp, trace_timeline))
+        r = {"backend": backend, "layer_loop": "loop", "all_reduce": "psum", "mtp": mtp, "step_ms_median": 1.0,
+             "step_ms_p90": 1.0, "tok_s": 1e3, "host_overhead_frac": 0.0, "compile_s": 0.0}
+        return {**r, "timeline": summary} if trace_timeline else r
+    monkeypatch.setattr(decode, "bench_backend", fake_backend)
+    out = tmp_path / "t.json"
+    decode.main(["--preset", "tiny", "--layers", "2", "--fmt", "fp8", "--context", "40", "--steps", "2", "--samples", "2",
+                 "--backend", "reference,pallas", "--all-reduce", "psum,engine", "--mtp", "--timeline", "--out", str(out)])
+    assert calls == [("reference", False, False), ("reference", True, False), ("reference", False, False),
+                     ("reference", True, False), ("pallas", False, True), ("pallas", True, False),
+                     ("pallas", False, False), ("pallas", True, False)]
+    runs = json.loads(out.read_text())["runs"]
+    assert [("timeline" in r) for r in runs] == [False] * 4 + [True] + [False] * 3
+    assert runs[4]["timeline"]["span_us"] == 198
+    assert (tmp_path / "t-timeline.png").stat().st_size > 1000
