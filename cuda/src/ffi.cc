@@ -20,6 +20,7 @@ JT_EXPORT XLA_FFI_Error* JtGemvAllReduce(XLA_FFI_CallFrame* call_frame);
 JT_EXPORT XLA_FFI_Error* JtMergeTopk(XLA_FFI_CallFrame* call_frame);
 JT_EXPORT XLA_FFI_Error* JtTopkSelect(XLA_FFI_CallFrame* call_frame);
 JT_EXPORT XLA_FFI_Error* JtRouteSelect(XLA_FFI_CallFrame* call_frame);
+JT_EXPORT XLA_FFI_Error* JtPrefetchL2(XLA_FFI_CallFrame* call_frame);
 JT_EXPORT XLA_FFI_Error* JtExpertDownAllReduce(XLA_FFI_CallFrame* call_frame);
 JT_EXPORT XLA_FFI_Error* JtGemvAllReduceStacked(XLA_FFI_CallFrame* call_frame);
 JT_EXPORT XLA_FFI_Error* JtExpertDownAllReduceStacked(
@@ -398,6 +399,75 @@ ffi::Error RouteSelectImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> partials,
   return ffi::Error::Success();
 }
 
+
+// True for the element types XLA packs several to a byte (their buffers are
+// smaller than element_count() bytes, so a layer's byte range is not known).
+bool packed_subbyte(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::S1:
+    case ffi::DataType::S2:
+    case ffi::DataType::S4:
+    case ffi::DataType::U1:
+    case ffi::DataType::U2:
+    case ffi::DataType::U4:
+    case ffi::DataType::F4E2M1FN:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// L2 prefetch of layer `layer` (int32 [1], on the device) of every remaining
+// operand, each a stack [L, ...] (L its leading dimension, one layer = its
+// bytes / L). `after` is not read: it only makes XLA run the call after the
+// op that produces it. The token (int32 [1]) is written 0 by the kernel.
+// Everything the launch needs comes from the buffers' addresses and shapes:
+// the same work on every call.
+ffi::Error PrefetchL2Impl(cudaStream_t stream, int32_t dev,
+                          ffi::AnyBuffer layer, ffi::AnyBuffer after,
+                          ffi::RemainingArgs arrays,
+                          ffi::Result<ffi::AnyBuffer> token) {
+  (void)after;
+  const int32_t* l = nullptr;
+  ffi::Error err = layer_operand(layer, "prefetch_l2", &l);
+  if (!err.success()) return err;
+  if (token->element_type() != ffi::DataType::S32 ||
+      token->element_count() != 1)
+    return ffi::Error::InvalidArgument(
+        "jtilert prefetch_l2: the token must be one int32");
+  const size_t n = arrays.size();
+  if (n < 1 || n > JT_PREFETCH_MAX_ARRAYS)
+    return ffi::Error::InvalidArgument(
+        "jtilert prefetch_l2: 1 to " + std::to_string(JT_PREFETCH_MAX_ARRAYS) +
+        " arrays, got " + std::to_string(n));
+  const void* bases[JT_PREFETCH_MAX_ARRAYS];
+  int64_t layer_bytes[JT_PREFETCH_MAX_ARRAYS];
+  int32_t layers[JT_PREFETCH_MAX_ARRAYS];
+  for (size_t a = 0; a < n; ++a) {
+    ffi::ErrorOr<ffi::AnyBuffer> b = arrays.get<ffi::AnyBuffer>(a);
+    if (!b.has_value()) return b.error();
+    auto dims = b->dimensions();
+    if (dims.size() < 2 || dims[0] < 1 || packed_subbyte(b->element_type())) {
+      std::string shape = "[";
+      for (size_t d = 0; d < dims.size(); ++d)
+        shape += (d ? ", " : "") + std::to_string(dims[d]);
+      return ffi::Error::InvalidArgument(
+          "jtilert prefetch_l2: array " + std::to_string(a) + " of shape " +
+          shape + "] is not a layer stack [L, ...] (at least 2-D, L >= 1, a "
+          "whole-byte type)");
+    }
+    bases[a] = b->untyped_data();
+    layers[a] = (int32_t)dims[0];
+    layer_bytes[a] = (int64_t)(b->size_bytes() / (size_t)dims[0]);
+  }
+  cudaError_t e = ensure_device(dev);
+  if (e != cudaSuccess) return cuda_error(e, "set device");
+  e = jt_prefetch_l2(stream, l, (int)n, bases, layer_bytes, layers,
+                     static_cast<int32_t*>(token->untyped_data()));
+  if (e != cudaSuccess) return cuda_error(e, "prefetch_l2 launch");
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JtAllReduce, AllReduceImpl,
@@ -527,4 +597,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JtRouteSelect, RouteSelectImpl,
                                   .Attr<int32_t>("topk_group")
                                   .Attr<int32_t>("norm")
                                   .Attr<float>("scaling"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+// L2 prefetch: the layer index, the ordering operand, then 1 to
+// JT_PREFETCH_MAX_ARRAYS layer stacks; no attributes.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JtPrefetchL2, PrefetchL2Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()  // layer
+                                  .Arg<ffi::AnyBuffer>()  // after
+                                  .RemainingArgs()        // the stacks
+                                  .Ret<ffi::AnyBuffer>(),  // token
                               {ffi::Traits::kCmdBufferCompatible});

@@ -10,6 +10,9 @@
 - ``merge_topk``, ``top_k`` / ``topk`` / ``split_topk``: exact top-k (``jtilert.ffi.select``).
 - ``route.select_experts(cfg, logits, bias, layer)``: the MoE router's selection in one launch
   (``jtilert.ffi.route``).
+- ``prefetch_l2(layer, after, *stacks)``: L2 prefetch of one layer of up to 8 weight stacks, issued
+  after ``after``; ``ordered(x, token)`` orders a consumer after it (``jtilert.ffi.prefetch``; a
+  no-op without the engine).
 
 Without the library (``python -m jtilert.ffi.build``, or built on first use) or a GPU, every op
 falls back to the XLA path with one warning. Environment: JTILERT_FFI_DISABLE=1, JTILERT_FFI_LIB,
@@ -21,6 +24,7 @@ from jtilert.ffi.build import build
 from jtilert.ffi.ops import (all_reduce, dequantize, expert_down_all_reduce, expert_down_reference,
                              gemv, gemv_all_reduce, gemv_reference, merge_topk, merge_topk_reference)
 from jtilert.ffi.plan import GemvPlan, build_gemv_plan, check_gemv_plan
+from jtilert.ffi.prefetch import ordered, prefetch_l2
 from jtilert.ffi.select import split_topk, top_k, topk
 
 
@@ -39,6 +43,6 @@ def unavailable_reason() -> str:
 __all__ = [
     "GemvPlan", "all_reduce", "available", "build", "build_gemv_plan", "check_gemv_plan",
     "dequantize", "expert_down_all_reduce", "expert_down_reference", "gemv", "gemv_all_reduce",
-    "gemv_reference", "merge_topk", "merge_topk_reference", "split_topk", "top_k", "topk",
-    "unavailable_reason",
+    "gemv_reference", "merge_topk", "merge_topk_reference", "ordered", "prefetch_l2", "split_topk",
+    "top_k", "topk", "unavailable_reason",
 ]

@@ -200,6 +200,20 @@ cudaError_t jt_route_select(cudaStream_t stream, const float* partials, int S,
                             float scaling, int norm, float* out_w,
                             int32_t* out_ids);
 
+// ---- L2 prefetch of one layer of stacked weights (src/prefetch.cu) ----
+#define JT_PREFETCH_MAX_ARRAYS 8
+// For each array a < n (1 <= n <= JT_PREFETCH_MAX_ARRAYS), a stack of
+// layers[a] layers of layer_bytes[a] bytes at bases[a]: prefetches that
+// array's bytes [l * layer_bytes[a], (l + 1) * layer_bytes[a]) into L2, l the
+// int32 at `layer` (device memory, read by the kernel; negative from the end,
+// then clamped into [0, layers[a])). One launch that only issues the requests
+// (cp.async.bulk.prefetch.L2) and writes token[0] = 0 (device int32): nothing
+// waits for the lines to land and no result changes. The launch depends on
+// the shapes only, not on the layer: safe in CUDA graphs.
+cudaError_t jt_prefetch_l2(cudaStream_t stream, const int32_t* layer, int n,
+                           const void* const* bases, const int64_t* layer_bytes,
+                           const int32_t* layers, int32_t* token);
+
 // Largest list length m that jt_merge_topk supports for `world` ranks on `dev`.
 int jt_merge_topk_max_k(int dev, int world);
 

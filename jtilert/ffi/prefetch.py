@@ -1,0 +1,102 @@
+"""L2 prefetch of one layer of stacked weights: the engine's ``prefetch_l2`` (cuda/src/prefetch.cu).
+
+At batch 1 a decode layer's GEMVs stream their weights from HBM, while the attention chain before
+them (indexer, top-k, sparse MLA) is latency bound and leaves HBM mostly idle. ``prefetch_l2(layer,
+after, *stacks)`` issues, in one launch, L2 prefetches of layer ``layer`` of each stack ([L, ...],
+up to MAX_ARRAYS of them, e.g. o_proj's fp8 weights and scales, the router's gate) and returns a
+token (int32[1]); the kernel only issues the requests and the lines land in L2 while later kernels
+run. ``after`` is any array, not read: the call runs after the op that produces it (that is where
+the prefetch starts). ``ordered(x, token)`` is ``x`` with a data dependency on the token, so a
+consumer of the result (the GEMV) runs after the prefetch was issued, and XLA keeps the call (an
+unused token lets XLA drop it).
+
+The prefetch is a cache hint: no result changes. The stacks are read where they are (the layer is
+read on the device, like the engine's stacked GEMVs): pass the stacks themselves, not a slice or a
+reshape that XLA would have to materialise. Where the engine does not run (a CPU; a GPU without the
+library, with one warning per reason) the call lowers to a zero token and does nothing.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+
+from jtilert.ffi import _lib
+from jtilert.ffi import ops as _ops
+
+MAX_ARRAYS = 8   # JT_PREFETCH_MAX_ARRAYS
+# element types XLA packs several to a byte: a layer's byte range is not whole bytes
+_PACKED = {"int2", "uint2", "int4", "uint4", "float4_e2m1fn"}
+
+prefetch_l2_p = Primitive("jtilert_prefetch_l2")
+
+
+def _abstract(layer, after, *arrays):
+    aval = layer.update(shape=(1,), dtype=np.dtype(np.int32))
+    mat = getattr(layer, "mat", None)
+    if mat is not None:   # inside shard_map: varying along every axis an operand varies along
+        vma = frozenset().union(*(_ops._vma(a) for a in (layer, after, *arrays)))  # noqa: SLF001
+        aval = aval.update(manual_axis_type=mat.update(varying=vma))
+    return aval
+
+
+prefetch_l2_p.def_abstract_eval(_abstract)
+# outside jit: the primitive compiled on its own (the lowering below decides what runs)
+_eager = jax.jit(lambda *args: prefetch_l2_p.bind(*args))
+prefetch_l2_p.def_impl(_eager)
+
+
+def _no_op(ctx, layer, after, *arrays):
+    """The token where no kernel runs: a zero int32[1], nothing prefetched."""
+    return mlir.lower_fun(lambda *_: jnp.zeros((1,), jnp.int32), multiple_results=False)(
+        ctx, layer, after, *arrays)
+
+
+def _lower_cuda(ctx, layer, after, *arrays):
+    if not _ops._TEST_FORCE_EMIT:  # noqa: SLF001
+        lib, why = _lib.load()
+        if lib is None:
+            _lib.warn_once("prefetch:" + why, f"jtilert.ffi: L2 prefetch not issued ({why}); "
+                           "prefetch_l2 is a no-op")
+            return _no_op(ctx, layer, after, *arrays)
+    return jax.ffi.ffi_lowering("jtilert_prefetch_l2")(ctx, layer, after, *arrays)
+
+
+mlir.register_lowering(prefetch_l2_p, _no_op)
+mlir.register_lowering(prefetch_l2_p, _lower_cuda, platform="cuda")
+
+
+def check_stacks(arrays) -> None:
+    """ValueError unless ``arrays`` are 1..MAX_ARRAYS layer stacks [L ≥ 1, ...] of at least two
+    dimensions (a per-layer array under the layer axis) and of a whole-byte element type."""
+    if not 1 <= len(arrays) <= MAX_ARRAYS:
+        raise ValueError(f"prefetch_l2: 1 to {MAX_ARRAYS} stacks, got {len(arrays)} "
+                         f"({[tuple(jnp.shape(a)) for a in arrays]})")
+    for i, a in enumerate(arrays):
+        shape, dtype = tuple(jnp.shape(a)), jnp.result_type(a)
+        if len(shape) < 2 or shape[0] < 1 or dtype.name in _PACKED:
+            raise ValueError(f"prefetch_l2: array {i} {dtype}{list(shape)} is not a layer stack [L, ...] "
+                             "(at least 2-D with a leading layer axis L ≥ 1, a whole-byte dtype)")
+
+
+def prefetch_l2(layer, after, *arrays):
+    """Issues L2 prefetches of ``arrays[j][layer]`` for every stack ``arrays[j]`` ([L, ...]; the
+    layer an integer scalar, may be traced: negative from the end, then clamped, like ``w[layer]``),
+    after ``after`` is computed (any array, not read; None: no constraint). Returns the token, an
+    int32[1] (zero); order the consumer after it with ``ordered``."""
+    check_stacks(arrays)
+    layer = jnp.asarray(layer)
+    if layer.shape != () or not jnp.issubdtype(layer.dtype, jnp.integer):
+        raise ValueError(f"prefetch_l2: layer must be an integer scalar, got {layer.dtype}{list(layer.shape)}")
+    layer = layer.astype(jnp.int32).reshape(1)
+    return prefetch_l2_p.bind(layer, layer if after is None else after, *arrays)
+
+
+def ordered(x, token):
+    """``x`` unchanged, with a data dependency on ``token`` (any array or pytree): a consumer of the
+    result runs after ``token`` is computed, and nothing of the token is read."""
+    x, _ = jax.lax.optimization_barrier((x, token))
+    return x
