@@ -36,14 +36,13 @@ from golden import kernel_models  # tests/golden/kernel_models.py (tests/ is on 
 MODELS = sorted(kernel_models.CONFIGS)
 ATOL = 0.2
 # every op with a kernel, except the two that need the CUDA engine (expert_hidden: tp > 1 with the
-# engine's all-reduce; topk_positions: the engine's top-k), swiglu_hidden (tp > 1: without tp the FFNs
-# run swiglu_residual), the head, which only greedy decoding runs,
+# engine's all-reduce; topk_positions: the engine's top-k), the head, which only greedy decoding runs,
 # the plain linear (without tp every projection of a layer folds a norm or the residual in),
 # mla_prep: these models' rope rows of 16 values (32 bytes) are narrower than its 128-byte TMA rows, and
 # index_prep: their index queries (64 wide) are not quantised, the kernel quantises 128-wide heads to fp8
-DECODE_OPS = {op for op, o in table.OPS.items() if o.kernel and op not in ("expert_hidden", "swiglu_hidden",
-                                                                              "topk_positions", "lm_head_topk",
-                                                                              "linear", "mla_prep", "index_prep")}
+DECODE_OPS = {op for op, o in table.OPS.items() if o.kernel and op not in ("expert_hidden", "topk_positions",
+                                                                              "lm_head_topk", "linear", "mla_prep",
+                                                                              "index_prep")}
 
 
 @pytest.fixture(scope="module", params=MODELS)

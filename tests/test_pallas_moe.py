@@ -97,28 +97,6 @@ def test_expert_down_finishes_the_gate_up_partials(layer):
         moe.expert_down(hp[:, :1], w, ids, d, ds, layer=li)
 
 
-@pytest.mark.parametrize("tokens,fmt,layer,width", [(1, "fp8", 1, 256), (9, "bf16", None, 256), (2, "bf16", 1, 64)])
-def test_swiglu_residual(tokens, fmt, layer, width):
-    """A dense SwiGLU plus the residual as two kernels (the down kernel finishes the gate/up GEMV's
-    partial sums, kind "swiglu": gate and up rounded to bf16 first): the reference's result within
-    bf16 / fp8 rounding, at a traced layer of stacks and over two token chunks; a width of 64 (the
-    golden models') through the GEMVs' own epilogues."""
-    hidden = 1024
-    stack = (lambda a: a) if layer is None else (lambda a: None if a is None else jnp.stack([a * 0.5, a]))
-    g, gs = _w((width, hidden), fmt)
-    u, us = _w((width, hidden), fmt)
-    d, ds = _w((hidden, width), fmt)
-    arrays = tuple(stack(a) for a in (g, gs, u, us, d, ds))
-    x = jax.random.normal(_key(), (tokens, hidden), F32).astype(BF16)
-    residual = (4 * jax.random.normal(_key(), (tokens, hidden), F32)).astype(BF16)
-    li = None if layer is None else jnp.int32(layer)
-    got = _run(jax.jit(lambda x, r: moe.swiglu_residual(x, *arrays, r, layer=li)), x, residual)
-    want = reference.swiglu_residual(x, g, gs, u, us, d, ds, residual)
-    assert got.shape == (tokens, hidden) and got.dtype == BF16
-    assert _rel(np.asarray(got, np.float32) - np.asarray(residual, np.float32),
-                np.asarray(want, np.float32) - np.asarray(residual, np.float32)) < 2e-2
-
-
 def test_moe_with_shared_expert():
     e, width, hidden, k = 5, 128, 128, 2
     routed = _experts(e, width, hidden, "fp8")

@@ -73,12 +73,6 @@ def swiglu(x, gate, gate_scale, up, up_scale, down, down_scale):
     return linear(swiglu_hidden(x, gate, gate_scale, up, up_scale), down, down_scale)
 
 
-def swiglu_residual(x, gate, gate_scale, up, up_scale, down, down_scale, residual):
-    """residual + swiglu(x, ...), added as `linear_residual` adds (a dense MLP or the shared expert
-    with the layer's residual)."""
-    return linear_residual(swiglu_hidden(x, gate, gate_scale, up, up_scale), down, down_scale, residual)
-
-
 def rmsnorm_linear(x: jax.Array, norm_weight: jax.Array, eps: float, w: jax.Array,
                    scale: jax.Array | None = None) -> jax.Array:
     """linear(rms_norm(x[..., :K], norm_weight, eps), w, scale), K = norm_weight's width: a norm

@@ -143,14 +143,6 @@ def _swiglu_unsupported(x, gate, gate_scale, up, up_scale) -> str | None:
     return _gemv_unsupported(x, gate, gate_scale) or _gemv_unsupported(x, up, up_scale)
 
 
-def _swiglu_residual_unsupported(x, gate, gate_scale, up, up_scale, down, down_scale, residual) -> str | None:
-    if residual.dtype != BF16 or residual.shape != (*x.shape[:-1], down.shape[-2]):
-        return f"residual {residual.dtype}{list(residual.shape)}, the kernel takes bfloat16 [T, {down.shape[-2]}]"
-    return (_swiglu_unsupported(x, gate, gate_scale, up, up_scale)
-            or (None if down.dtype == gate.dtype and (down.dtype == FP8) == (down_scale is not None)
-                else f"down weights {down.dtype}, gate/up {gate.dtype}"))
-
-
 def _heads_unsupported(x, w, scale, block, head_dim=None) -> str | None:
     k = w.shape[-1]
     d = x.shape[-1] if head_dim is None else head_dim
@@ -228,9 +220,6 @@ OPS: dict[str, Op] = {
     "linear_residual": Op(reference.linear_residual, "pallas.gemv:linear_residual", (1, 2), _residual_gemv_unsupported),
     "heads_linear": Op(reference.heads_linear, "pallas.gemv:heads_linear", (1, 2), _heads_unsupported),
     "swiglu_hidden": Op(reference.swiglu_hidden, "pallas.gemv:swiglu_pair", (1, 2, 3, 4), _swiglu_unsupported),
-    # the gate/up GEMV's split-K sums and SwiGLU finished in the down kernel, the residual in its epilogue
-    "swiglu_residual": Op(reference.swiglu_residual, "pallas.moe:swiglu_residual", (1, 2, 3, 4, 5, 6),
-                          _swiglu_residual_unsupported),
     "route": Op(reference.route, "pallas.moe:route", (2, 3),
                 lambda cfg, x, gate, bias: None if x.dtype == BF16 and x.shape[-1] % KGRAIN == 0
                 else f"activations {x.dtype}, K={x.shape[-1]}"),
@@ -394,27 +383,26 @@ class Ops:
         """Dense SwiGLU of one layer (arrays: gate, gate_scale, up, up_scale, down, down_scale), plus
         `residual` where given."""
         g, gs, u, us, d, ds = arrays
-        if residual is not None and self.axis is None:
-            return self("swiglu_residual", x, g, gs, u, us, d, ds, residual, layer=layer)
         hidden = self("swiglu_hidden", x, g, gs, u, us, layer=layer)
         return self.linear_all_reduce(hidden, d, ds, layer, residual=residual)
 
     def moe(self, x, weights, ids, experts: tuple, shared: tuple, layer=None, residual=None):
         """all_reduce(Σ_j weights[t,j] · Expert_{ids[t,j]}(x[t]) + Shared(x[t])) for this rank's slices,
-        plus `residual` where given. Without tp the shared expert runs as a dense MLP with the residual
-        (`mlp`) and that sum goes into the routed down's epilogue (no add of its own). With the engine,
+        plus `residual` where given. Without tp the residual goes into the shared expert's down
+        projection and that sum into the routed down's epilogue (no add of its own). With the engine,
         one decode token runs the experts' gate/up, then one kernel for the routed down projections,
         their weighted sum, the shared expert's down and the all-reduce."""
         g, gs, u, us, d, ds = experts
         sg, sgs, su, sus, sd, sds = shared
-        if self.axis is None:
-            return self("moe_experts", x, weights, ids, *experts, self.mlp(x, shared, layer, residual), layer=layer)
         hs = self("swiglu_hidden", x, sg, sgs, su, sus, layer=layer)
-        if self.config.engine_all_reduce and x.shape[0] == 1:
+        if self.axis is not None and self.config.engine_all_reduce and x.shape[0] == 1:
             h = self("expert_hidden", x, ids, g, gs, u, us, layer=layer)
             out = ffi.expert_down_all_reduce(h, weights[0], ids[0], d, ds, hs[0], sd, sds, self.axis,
                                              layer=layer)[None]
             return out if residual is None else residual + out
+        if self.axis is None:
+            base = self.linear_all_reduce(hs, sd, sds, layer, residual=residual)
+            return self("moe_experts", x, weights, ids, *experts, base, layer=layer)
         routed = self("moe_experts", x, weights, ids, *experts, None, layer=layer)
         out = self.all_reduce(routed + self.linear(hs, sd, sds, layer))
         return out if residual is None else residual + out

@@ -54,13 +54,12 @@ def expert_gate_up(x, ids, gate, gate_scale, up, up_scale, *, layer=None, config
 # ---- down + weighted sum ------------------------------------------------------------------------
 
 def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16, residual=None,
-                config: GemvConfig | None = None, hidden_kind: str = "swiglu_f32"):
+                config: GemvConfig | None = None):
     """y[t] = Σ_j weights[t, j] · h[t·k + j] · down[ids[t, j]]ᵀ  (fp32 accumulation), + residual [T, H]
     where given (y rounded to bf16 first, the add in fp32: `gemv.linear_residual`'s rounding).
     h [T·k, I] bf16, or the gate/up GEMV's partial sums [S, 2, T·k, I] fp32 (`expert_gate_up(...,
-    partials=True)`): each CTA then adds them and applies the SwiGLU while it builds its B operand, as
-    the gate/up kernel's epilogue of kind `hidden_kind` would (`gemv.finish`: "swiglu_f32" for the
-    routed experts, "swiglu" for a dense SwiGLU, which rounds gate and up to bf16 first). weights [T, k] fp32, ids [T, k]
+    partials=True)`): each CTA then adds them and applies the SwiGLU (fp32, rounded to bf16 as the
+    gate/up kernel's epilogue rounds h) while it builds its B operand. weights [T, k] fp32, ids [T, k]
     int32, down [E, H, I] (fp8 + scales or bf16); with `layer`, down [L, E, H, I] (scales
     [L, E, ., .]) and layer `layer`'s experts."""
     t, kper = ids.shape
@@ -158,7 +157,7 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
             gu = [functools.reduce(lambda a, b: a + b, [plgpu.load(h_gmem.at[s, j, sel, cols], optimized=False)
                                                         for s in range(h.shape[0])])
                   for j in range(2)]
-            return gemv.finish(gu, kind=hidden_kind, residual=None, out_dtype=BF16).astype(F32)
+            return gemv.finish(gu, kind="swiglu_f32", residual=None, out_dtype=BF16).astype(F32)
 
         def build_b():
             """B[tok, kpos] = h[sel, ·] · w_sel · s[ids_sel, row block, k block] · f, where sel owns
@@ -289,30 +288,6 @@ def moe_experts(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scal
     h = expert_gate_up(x, ids, gate, gate_scale, up, up_scale, layer=layer, config=gate_up_config, partials=True)
     return expert_down(h, weights, ids, down, down_scale, layer=layer, out_dtype=x.dtype, residual=residual,
                        config=down_config)
-
-
-def swiglu_residual(x, gate, gate_scale, up, up_scale, down, down_scale, residual, *, layer=None):
-    """jtilert.ops.reference.swiglu_residual (a dense SwiGLU, the shared expert, plus the layer's
-    residual) in two kernels: the gate/up GEMV's partial sums [S, 2, T, I], then `expert_down` with
-    the one down projection as its stack of one expert (weight 1), which finishes them in its B build
-    and adds the residual in its epilogue (no XLA kernel between or after). Any number of tokens
-    (chunks of MAX_TOKENS); gate/up [I, H], down [H, I] ([L, ...] with layer=), fp8 + scales or bf16.
-    A width I that is no multiple of 128 (the down kernel's B blocks) runs `gemv.swiglu_pair` and
-    `gemv.linear_residual` instead (XLA adds their split-K sums)."""
-    if gate.dtype != up.dtype or gate.dtype not in (FP8, BF16):
-        raise ValueError(f"swiglu_residual kernel: gate {gate.dtype} and up {up.dtype} must both be fp8 or bf16")
-    if down.shape[-1] % QBLOCK:
-        h = gemv.swiglu_pair(x, gate, gate_scale, up, up_scale, layer=layer)
-        return gemv.linear_residual(h, down, down_scale, residual, layer=layer)
-    one = (lambda a: None if a is None else a[:, None]) if layer is not None else (lambda a: None if a is None else a[None])
-    res2 = residual.reshape(-1, residual.shape[-1])
-
-    def chunk(xc, rows):
-        t = xc.shape[0]
-        hp = gemv._projection(xc, (gate, up), (gate_scale, up_scale), kind="swiglu", layer=layer, partials=True)
-        return expert_down(hp, jnp.ones((t, 1), F32), jnp.zeros((t, 1), jnp.int32), one(down), one(down_scale),
-                           layer=layer, out_dtype=residual.dtype, residual=res2[rows], hidden_kind="swiglu")
-    return hw.token_chunks(x, chunk)
 
 
 def pack_shared_expert(gate, gate_scale, up, up_scale, down, down_scale,
