@@ -288,14 +288,6 @@ def test_a_grid_beyond_the_sms_gets_two_ctas_per_sm(n, k, split, stages):
     assert (smem <= hw.SMEM_HALF_SM) == (-(-n // 64) * split > 132)
 
 
-def test_the_fma_router_splits_k_into_slices_of_four_steps():
-    """dsv32's router (256 experts × 7168, fp32, FMA engine: 64 columns per step) at one token: split-K
-    16 (K slices of 448, 64 CTAs), where the wgmma engine's 512-column floor would stop at 8."""
-    cfg = _resolved(256, 7168, 1, itemsize=4)
-    assert (cfg.engine, cfg.split_k, cfg.block_k) == ("fma", 16, 64)
-    assert _resolved(256, 7168, 1).split_k == 8    # fp8 on the wgmma engine: slices of 896, no narrower
-
-
 # ---- the accounting against Mosaic's own count ---------------------------------------------------
 
 def _lowered_smem(monkeypatch, f, *specs) -> tuple[hw.Scope, int]:

@@ -96,11 +96,9 @@ class GemvConfig:
         else:
             row_blocks = -(-n // self.block_n)
             split = 1
-            # Grow split-K until the grid about fills the machine, keeping K slices of at least two
-            # steps of the wgmma engine's fp8 pipeline (512) or four of the FMA engine's (256).
-            min_slice = 256 if engine == "fma" else 512
+            # Grow split-K until the grid about fills the machine, keeping K slices ≥ 512.
             while (occupancy and row_blocks * split < 0.7 * sms and split < 16 and valid(2 * split)
-                   and k // (2 * split) >= min_slice):
+                   and k // (2 * split) >= 512):
                 split *= 2
             splits = [s for s in range(split, kgrains + 1) if valid(s)]
         cands = [base._shaped(s, k, w_itemsize, divides) for s in splits]
