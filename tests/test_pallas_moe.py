@@ -69,34 +69,6 @@ def test_moe_experts(t, fmt):
     assert _rel(got, reference.moe_experts(x, w, ids, g, gs, u, us, d, ds)) < 1e-2
 
 
-@pytest.mark.parametrize("layer", [None, 1])
-def test_expert_down_finishes_the_gate_up_partials(layer):
-    """The gate/up GEMV's split-K partial sums given to the down kernel, which adds them and applies
-    the SwiGLU while it builds its operand: bit for bit the down kernel on the finished hidden (two
-    slices: their sum does not depend on the order), and the reference within fp8 rounding."""
-    e, width, hidden, k, tokens, layers = 5, 128, 1024, 3, 2, 2
-    stack = (lambda a: a) if layer is None else (lambda a: jnp.stack([a * 0.5, a]))
-    g, gs, u, us, d, ds = (None if a is None else stack(a) for a in _experts(e, width, hidden, "fp8"))
-    x = jax.random.normal(_key(), (tokens, hidden), F32).astype(BF16)
-    ids = jax.random.randint(_key(), (tokens, k), 0, e).astype(jnp.int32)
-    w = jax.random.uniform(_key(), (tokens, k), minval=0.2, maxval=1.5)
-    cfg = GemvConfig(split_k=2)
-    li = None if layer is None else jnp.int32(layer)
-
-    def both(x):
-        hp = moe.expert_gate_up(x, ids, g, gs, u, us, layer=li, config=cfg, partials=True)
-        h = moe.expert_gate_up(x, ids, g, gs, u, us, layer=li, config=cfg)
-        return (hp, moe.expert_down(hp, w, ids, d, ds, layer=li), moe.expert_down(h, w, ids, d, ds, layer=li))
-    hp, got, plain = _run(jax.jit(both), x)
-    assert hp.shape == (2, 2, tokens * k, width) and hp.dtype == np.float32
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(plain, np.float32))
-    at = (lambda a: a) if layer is None else (lambda a: a[layer])
-    ref = reference.moe_experts(x, w, ids, *(at(a) for a in (g, gs, u, us, d, ds)))
-    assert _rel(got, ref) < 1e-2
-    with pytest.raises(ValueError, match="partials"):
-        moe.expert_down(hp[:, :1], w, ids, d, ds, layer=li)
-
-
 def test_moe_with_shared_expert():
     e, width, hidden, k = 5, 128, 128, 2
     routed = _experts(e, width, hidden, "fp8")

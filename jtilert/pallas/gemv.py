@@ -155,14 +155,14 @@ class GemvConfig:
 
 
 def projection_scratch(cfg: GemvConfig, *, k: int, p: int, itemsize: int, tb: int, out_dtype=BF16,
-                       residual_dtype=None, partials: bool = False) -> list:
+                       residual_dtype=None) -> list:
     """The scratch buffers of `_projection` (in the kernel's order) under a resolved config: the
     token slice (FMA: fp32 rows; wgmma: the B operand(s) and the bf16 staging tile, [8, K / split]
     each), the fp8 range factors, the output tile, two barriers, the A double buffer (fp8 with A
     from SMEM) and the residual tile (residual epilogue without split-K)."""
     kc = k // cfg.split_k
     fp8 = itemsize == 1
-    in_kernel = cfg.split_k == 1 and not partials
+    in_kernel = cfg.split_k == 1
     if cfg.engine == "fma":
         scratch = [plgpu.SMEM((tb, kc), F32)]
     else:
@@ -184,14 +184,14 @@ def _weight_dtype(itemsize: int):
 
 
 def projection_smem(cfg: GemvConfig, *, k: int, p: int, itemsize: int, tb: int, out_dtype=BF16,
-                    residual_dtype=None, partials: bool = False) -> hw.Scope:
+                    residual_dtype=None) -> hw.Scope:
     """`_projection`'s shared memory: its scratch, and inside, the weight pipeline's `stages` tiles
     per weight (the fp8 B build at step 0 reduces in there); the epilogue reduces outside."""
     pipe = hw.Scope(tuple(plgpu.SMEM((cfg.stages, cfg.block_n, cfg.block_k), _weight_dtype(itemsize))
                           for _ in range(p)) + (plgpu.Barrier(num_barriers=cfg.stages),),
                     reduces=itemsize == 1 and cfg.engine == "wgmma")
     scratch = projection_scratch(cfg, k=k, p=p, itemsize=itemsize, tb=tb, out_dtype=out_dtype,
-                                 residual_dtype=residual_dtype, partials=partials)
+                                 residual_dtype=residual_dtype)
     return hw.Scope(tuple(scratch), (pipe,), reduces=True)
 
 
@@ -206,7 +206,7 @@ def add_residual(y, residual, out_dtype):
     return (y.astype(BF16).astype(F32) + residual.astype(F32)).astype(out_dtype)
 
 
-def finish(ys, *, kind, residual, out_dtype):
+def _finish(ys, *, kind, residual, out_dtype):
     """ys: P fp32 arrays (one token's rows, or [.., T, N]), already scaled by a norm's 1/rms."""
     if kind == "swiglu":
         # The reference rounds both projections to bf16, then computes silu(g)·u in fp32.
@@ -250,9 +250,8 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
                 out_dtype=BF16, config: GemvConfig | None = None, ids=None, heads: int = 0, layer=None,
                 scale_block: int = QBLOCK, prefix: bool = False, stride: int = 0, partials: bool = False):
     """Core: x [T, K] (T ≤ 8) against P = len(ws) weights [N, K] with shared x; see module doc.
-    `partials` (no residual): no epilogue; the fp32 sums of each split-K slice, [split, P, rows, N]
-    ([1, P, rows, N] without split-K; with a norm each already scaled by 1/rms), for a consumer that
-    adds them and applies the epilogue itself (the router's selection, the MoE down kernel).
+    `partials` (one weight, kind "linear", fp32, no norm or residual): the split-K partial sums
+    [split, T, N] unsummed, for a consumer that adds them itself ([1, T, N] without split-K).
     fp8 weights carry one fp32 scale per `scale_block`² block (128: the checkpoint's; 64: copies
     whose blocks are finer than the checkpoint's, see `transformer.head_weights`). `prefix`: x is
     [T, W ≥ K] (W a multiple of 8: TMA's row stride) and each row's first K columns are the input
@@ -273,8 +272,8 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
     token are experts 0..H-1, head j's input at columns j·D of the token's row)."""
     t, kx = x.shape
     p = len(ws)
-    if partials and residual is not None:
-        raise ValueError("GEMV partials: no residual (the consumer adds it)")
+    if partials and (p != 1 or kind != "linear" or out_dtype != F32 or norm is not None or residual is not None):
+        raise ValueError("GEMV partials: one weight, kind linear, fp32 out, no norm or residual")
     if heads and ids is not None:
         raise ValueError("GEMV expert mode: ids or heads, not both")
     experts = ids is not None or heads > 0
@@ -328,7 +327,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
     itemsize = ws[0].dtype.itemsize
     res_dtype = residual.dtype if residual is not None else None
     layout = functools.partial(projection_smem, k=k, p=p, itemsize=itemsize, tb=tb, out_dtype=out_dtype,
-                               residual_dtype=res_dtype, partials=partials)
+                               residual_dtype=res_dtype)
     # K slices of whole scale blocks under split-K (64-blocks: any slice of the 64 grain)
     cfg = (config or GemvConfig()).resolved(n * (nsel if experts else 1), k, t, p, itemsize, hw.num_sms(),
                                             layout=layout, slice_unit=KGRAIN if scale_block == KGRAIN else None)
@@ -344,7 +343,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
     w_tr, sub = hw.weight_transforms(bk, itemsize)    # sub: one swizzle row, ≤ one scale block
     nsub = bk // sub
     a_regs = cfg.a_in_registers
-    in_kernel_epilogue = split == 1 and not partials
+    in_kernel_epilogue = split == 1
     out_rows = 1 if in_kernel_epilogue else p
     o_dtype = out_dtype if in_kernel_epilogue else F32
     row_blocks = -(-n // bn)
@@ -531,7 +530,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
                 cols = [c * rms for c in cols]
             if in_kernel_epilogue:
                 res = res_smem.at[tok][...] if res_smem is not None else None
-                o_smem.at[0, tok][...] = finish(cols, kind=kind, residual=res, out_dtype=o_dtype)
+                o_smem.at[0, tok][...] = _finish(cols, kind=kind, residual=res, out_dtype=o_dtype)
             else:
                 for j in range(p):
                     o_smem.at[j, tok][...] = cols[j]
@@ -544,7 +543,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
         plgpu.wait_smem_to_gmem(0)
 
     scratch = projection_scratch(cfg, k=k, p=p, itemsize=itemsize, tb=tb, out_dtype=out_dtype,
-                                 residual_dtype=res_dtype, partials=partials)
+                                 residual_dtype=res_dtype)
     # Each CTA stores whole 64-column rows. On the GPU, a TMA store of a row that overhangs the
     # output's N columns runs on into the next row (the next token's or head's), so the output rows
     # are padded to whole blocks and cut back to N after the kernel (no padding when N % 64 == 0).
@@ -567,11 +566,11 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
         args.append(residual)
     out = call(*args)[..., :n]
     if partials:
-        return out
+        return out[None] if in_kernel_epilogue else out[:, 0]
     if in_kernel_epilogue:
         return out
     part = out.sum(0)                                  # [P, T, N]: one XLA fusion with the epilogue
-    return finish([part[j] for j in range(p)], kind=kind, residual=residual, out_dtype=out_dtype)
+    return _finish([part[j] for j in range(p)], kind=kind, residual=residual, out_dtype=out_dtype)
 
 
 def _prep_weight(w, scale, layer=None):

@@ -3,8 +3,7 @@
 Only the chosen experts' weights are read, steered by expert ids that stay on the device:
 
 * `expert_gate_up`: the `gemv` kernel in expert mode: grid (row block, split, selection); each CTA
-  reads ids[selection] and TMA-streams that expert's gate and up rows (SwiGLU epilogue, fp32; in
-  `moe_experts` the split-K sums and the SwiGLU are left to `expert_down`, which reads them anyway).
+  reads ids[selection] and TMA-streams that expert's gate and up rows (SwiGLU epilogue, fp32).
 * `expert_down`: y[t] = Σ_i w_i · down[ids_i] · h_i as ONE GEMV over the gathered (selection, I)
   axis: each K step's expert id picks the weight tile; w_i, the fp8 block scale and h_i are folded
   into the B operand, so the weighted sum is the tensor core's accumulation; a residual (the
@@ -40,15 +39,12 @@ MOE_LAYOUT_VERSION = "jtilert-moe-v1: experts stacked [E(+1 shared), out, in] in
 
 # ---- gate/up ------------------------------------------------------------------------------------
 
-def expert_gate_up(x, ids, gate, gate_scale, up, up_scale, *, layer=None, config: GemvConfig | None = None,
-                   partials: bool = False):
+def expert_gate_up(x, ids, gate, gate_scale, up, up_scale, *, layer=None, config: GemvConfig | None = None):
     """h[i] = silu(x[tok_i] · gate[ids_i]ᵀ) · (x[tok_i] · up[ids_i]ᵀ), fp32 math, bf16 result.
     x [T, H] bf16, ids [T, k] int32, gate/up [E, I, H] (fp8 + scales [E, ., .], or bf16); with
-    `layer`, [L, E, I, H] (scales [L, E, ., .]) and layer `layer`'s experts. `partials`: instead of h,
-    the GEMV's unfinished fp32 sums [S, 2, T·k, I] (S split-K slices; gate, then up), which
-    `expert_down` finishes while it builds its operand (no kernel of their own for the sum and SwiGLU)."""
+    `layer`, [L, E, I, H] (scales [L, E, ., .]) and layer `layer`'s experts."""
     return gemv._projection(x, (gate, up), (gate_scale, up_scale), kind="swiglu_f32",
-                            ids=ids.reshape(-1), layer=layer, config=config, partials=partials)
+                            ids=ids.reshape(-1), layer=layer, config=config)
 
 
 # ---- down + weighted sum ------------------------------------------------------------------------
@@ -57,14 +53,10 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
                 config: GemvConfig | None = None):
     """y[t] = Σ_j weights[t, j] · h[t·k + j] · down[ids[t, j]]ᵀ  (fp32 accumulation), + residual [T, H]
     where given (y rounded to bf16 first, the add in fp32: `gemv.linear_residual`'s rounding).
-    h [T·k, I] bf16, or the gate/up GEMV's partial sums [S, 2, T·k, I] fp32 (`expert_gate_up(...,
-    partials=True)`): each CTA then adds them and applies the SwiGLU (fp32, rounded to bf16 as the
-    gate/up kernel's epilogue rounds h) while it builds its B operand. weights [T, k] fp32, ids [T, k]
-    int32, down [E, H, I] (fp8 + scales or bf16); with `layer`, down [L, E, H, I] (scales
-    [L, E, ., .]) and layer `layer`'s experts."""
+    h [T·k, I] bf16, weights [T, k] fp32, ids [T, k] int32, down [E, H, I] (fp8 + scales or bf16);
+    with `layer`, down [L, E, H, I] (scales [L, E, ., .]) and layer `layer`'s experts."""
     t, kper = ids.shape
     nsel = t * kper
-    from_partials = h.ndim == 4
     per_layer = 0
     if layer is not None:
         if down.ndim != 4:
@@ -74,9 +66,8 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
         if down_scale is not None:
             down_scale = down_scale.reshape(-1, *down_scale.shape[2:])
     e, n, i_dim = down.shape
-    if (h.shape[1:] != (2, nsel, i_dim) or h.dtype != F32) if from_partials else h.shape != (nsel, i_dim):
-        raise ValueError(f"expert_down: h {h.dtype}{list(h.shape)} does not match ids {ids.shape} and down "
-                         f"{down.shape} (want [T·k, I], or fp32 partials [S, 2, T·k, I])")
+    if h.shape != (nsel, i_dim):
+        raise ValueError(f"expert_down: h {h.shape} does not match ids {ids.shape} and down {down.shape}")
     if t > MAX_TOKENS:
         raise ValueError(f"expert_down: at most {MAX_TOKENS} tokens per call, got {t}")
     fp8 = down.dtype == FP8
@@ -150,15 +141,6 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
                 out = jnp.where(i == ii, vals[ii], out)
             return out
 
-        def hidden(sel, cols):
-            """h[sel, cols] in fp32: read, or summed from the gate/up partials and finished here."""
-            if not from_partials:
-                return plgpu.load(h_gmem.at[sel, cols], optimized=False).astype(F32)
-            gu = [functools.reduce(lambda a, b: a + b, [plgpu.load(h_gmem.at[s, j, sel, cols], optimized=False)
-                                                        for s in range(h.shape[0])])
-                  for j in range(2)]
-            return gemv.finish(gu, kind="swiglu_f32", residual=None, out_dtype=BF16).astype(F32)
-
         def build_b():
             """B[tok, kpos] = h[sel, ·] · w_sel · s[ids_sel, row block, k block] · f, where sel owns
             kpos and tok is sel's token (other rows 0); f is a power of two for f16 range."""
@@ -168,7 +150,7 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
                 kpos = k0 + b * QBLOCK
                 sel = kpos // i_dim
                 part = (kpos % i_dim) // QBLOCK
-                hv = hidden(sel, pl.ds(part * QBLOCK, QBLOCK))
+                hv = plgpu.load(h_gmem.at[sel, pl.ds(part * QBLOCK, QBLOCK)], optimized=False).astype(F32)
                 c = pick(w_v, sel)
                 if fp8:
                     c = c * s_gmem[pick(ids_v, sel), srow, part]
@@ -237,7 +219,7 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
                 else jax.ShapeDtypeStruct((split, t, n), F32))
     call = plgpu.kernel(kernel, out_type=out_type, grid=(row_blocks, split), grid_names=("n", "s"),
                         scratch_types=scratch, interpret=_interp.params(), kernel_name="jtilert_moe_down")
-    args = [h if from_partials else h.astype(BF16), weights.astype(F32), ids.reshape(-1).astype(jnp.int32)]
+    args = [h.astype(BF16), weights.astype(F32), ids.reshape(-1).astype(jnp.int32)]
     args += ([hw.layer_operand(layer)] if layer is not None else []) + [down]
     if fp8:
         args.append(down_scale.astype(F32))
@@ -280,12 +262,11 @@ def expert_down_smem(cfg: GemvConfig, *, k: int, itemsize: int, out_dtype=BF16, 
 def moe_experts(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale, residual=None, *, layer=None,
                 gate_up_config: GemvConfig | None = None, down_config: GemvConfig | None = None):
     """jtilert.ops.reference.moe_experts for decode (T ≤ 8): two kernels, only the selected experts read;
-    the gate/up GEMV's split-K sums and SwiGLU finished in the down kernel, the residual (where given)
-    added in its epilogue."""
+    the residual (where given) added in the second's epilogue."""
     t = x.shape[0]
     if t > MAX_TOKENS:
         raise ValueError(f"moe_experts kernel: at most {MAX_TOKENS} tokens, got {t}")
-    h = expert_gate_up(x, ids, gate, gate_scale, up, up_scale, layer=layer, config=gate_up_config, partials=True)
+    h = expert_gate_up(x, ids, gate, gate_scale, up, up_scale, layer=layer, config=gate_up_config)
     return expert_down(h, weights, ids, down, down_scale, layer=layer, out_dtype=x.dtype, residual=residual,
                        config=down_config)
 
@@ -334,7 +315,7 @@ def router_partials(x, gate, *, layer=None):
     x = x.astype(BF16) if x.dtype != BF16 else x
 
     def partials(xc, _=None):
-        return gemv._projection(xc, (w,), (None,), out_dtype=F32, layer=layer, config=cfg, partials=True)[:, 0]
+        return gemv._projection(xc, (w,), (None,), out_dtype=F32, layer=layer, config=cfg, partials=True)
     if x.shape[0] <= hw.MAX_TOKENS:
         return partials(x)
     return hw.token_chunks(x, lambda xc, _: ffi_route.logits_of(partials(xc)))[None]
