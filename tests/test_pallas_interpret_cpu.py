@@ -1,5 +1,5 @@
 """backend="pallas" end to end on a CPU box with ONE device (issue 14): `Generator(load("tiny"),
-backend="pallas")` decodes in GPU interpret mode, the attention kernels (indexer scoring and the
+backend="pallas")` decodes (generate and stream) in GPU interpret mode, the attention kernels (indexer scoring and the
 4-warpgroup sparse MLA) interpreted, and its greedy tokens are the reference's. It runs in a
 subprocess: conftest's 8 host devices would size XLA:CPU's thread pool for the interpreter and hide
 a hang (see jtilert.pallas.interpret), and a hang must fail the test, not stall it."""
@@ -42,8 +42,11 @@ gen = lambda backend: jtilert.Generator(model, max_seq_len=64, backend=backend)
 prompt = np.asarray(PROMPT)
 pallas = gen("pallas").generate(prompt, N, stop_tokens=[])
 kernel_launches = launches[0] // 2
+# stream's one step per call (Engine.decode, its token for the host) on the same kernels
+streamed = [int(t) for t in gen("pallas").stream(prompt, 2, stop_tokens=[])]
 print("RESULT", json.dumps(dict(devices=jax.device_count(), pool=interpret.cpu_pool_threads(jax.device_count()), traced=traced,
-                                launches=kernel_launches, layers=model.cfg.num_hidden_layers, pallas=pallas)))
+                                launches=kernel_launches, layers=model.cfg.num_hidden_layers, pallas=pallas,
+                                streamed=streamed)))
 """
 
 
@@ -76,3 +79,4 @@ def test_pallas_backend_decodes_on_one_cpu_device():
     # compilation cache may already hold its steps, which test_compile_cache compiles)
     reference = jtilert.Generator(jtilert.load("tiny"), max_seq_len=64).generate(PROMPT, n, stop_tokens=[])
     assert r["pallas"] == reference, (r, reference)
+    assert r["streamed"] == reference[:2], (r, reference)   # Generator.stream, one step per call

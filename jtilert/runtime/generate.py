@@ -111,8 +111,12 @@ class Engine:
         self.draft = Compiled(self._wrap(self._draft), (1,), "draft", self)   # MTP prefill: chunk-shaped
         opts = self.step_options   # the decode-shaped steps: DecodeConfig.xla_options
         # What `stream` reads after every step (the token; MTP: the emitted tokens and their count) the
-        # step itself writes into pinned host memory, so reading it starts no transfer of its own.
-        host = self.sharding.with_memory_kind("pinned_host")
+        # step itself writes into pinned host memory, so reading it starts no transfer of its own. Not
+        # where the kernels run in GPU interpret mode: their ordered host callbacks add an effect token
+        # to the step's outputs, which jax 0.11.2 leaves out when it lowers the outputs' memory kinds
+        # (a failed zip); there the token stays in device memory and `_HostCopy` copies it.
+        interpreted = config.backend == "pallas" and interpret.params() is not None
+        host = None if interpreted else self.sharding.with_memory_kind("pinned_host")
         self.decode = Compiled(self._wrap(self._decode), (1, 2, 3, 4), "decode", self, opts,
                                out_shardings=(None,) * 4 + (host,))
         self.speculate = Compiled(self._wrap(self._speculate), (1, 2, 3, 4, 5), "speculate", self, opts,
