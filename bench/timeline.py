@@ -24,16 +24,16 @@ trace_events_to_json.cc, xplane_to_trace_events.cc; xla/backends/profiler/gpu/cu
   `memset_details`; lines of other records ("CUPTI overhead") and events without those args are
   left out here; a record of a CUDA graph's node carries `cuda_graph_node_id`;
 - kernels of a CUDA graph (XLA's command buffers) are recorded one by one, per graph node; CUPTI
-  puts each branch of the graph on a stream id of its own (an 8-layer step of the pallas backend on
-  an H200: 269 kernels on 23 streams), so a stream is no lane of the program;
+  puts each branch of the graph on a stream id of its own (a step has dozens of them), so a stream is
+  no lane of the program;
 - a command buffer XLA makes anew under an active profiler (its graphs were evicted when another
   program's were made) it runs thunk by thunk, one kernel after another on one stream, not as a
-  graph (so on an H200 also with xla_enable_command_buffers_during_profiling among the program's
-  compile options); one whose graph is live runs as the graph: trace a program right after its
-  untraced calls. summary's graph_records tells.
+  graph (xla_enable_command_buffers_during_profiling among the program's compile options does not
+  change that); one whose graph is live runs as the graph: trace a program right after its untraced
+  calls. summary's graph_records tells.
 
-What the profiler does to the step (seen on an H200, 8 layers): the traced step is slower than the
-timed one (CUPTI's per-kernel records; the run's untraced_step_us beside the span says by how much),
+What the profiler does to the step: the traced step is slower than the timed one (each captured
+loop iteration waits before its first kernel) (CUPTI's per-kernel records; the run's untraced_step_us beside the span says by how much),
 and CUPTI can drop records (see `trace_step`): `step_kernel_counts` tells a step that lost some.
 """
 
@@ -375,7 +375,7 @@ def trace_step(call, folder, marker: str = MARKER, index: int = 1, detail: tuple
     trace under `folder`; its step `index` read (`read_step`). `options`: jax.profiler.ProfileOptions
     (None: no Python tracing, JAX's default host tracing).
 
-    What an H200 showed: CUPTI (here through XLA's profiler) must have been attached to the process
+    CUPTI (here through XLA's profiler) must have been attached to the process
     before the traced program's CUDA graphs were made, else it drops most of their kernels' records
     (bench.decode's copy bandwidth, measured first with Mosaic's CUPTI profiler, attaches it); the
     program's graphs must be live (its untraced calls just before, no other program's in between),
