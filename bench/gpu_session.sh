@@ -58,6 +58,8 @@
 #   trees        the same for every tree in TREES (carried folders, default .baseline), then this checkout: a
 #                bisection on one machine under this script's XLA flags (each tree ~1 min; TREE_ARGS: more
 #                bench.decode arguments for every tree)
+#   prefetch     tests/gpu/prefetch_check.py (o_proj's and the router's GEMV cold against after an L2 prefetch, after
+#                build), then bench.decode 61 layers, pallas, without and with --l2-prefetch, back to back
 #   mtp          bench.decode 61 layers, pallas, plain and MTP speculative step (verify 2 + draft)
 #   mtp_glm5     the same for glm5-tp8-shard (all its layers)
 #   prefill      bench.prefill 61 layers: 1024 and 1100 prompt tokens, chunks 256, 1024+64 and 1024+128, grouped MoE
@@ -220,6 +222,11 @@ for part in "$@"; do
     mtp_glm5) step mtp_glm5 540 python3 -m bench.decode --preset glm5-tp8-shard --context 4096 --backend pallas \
                 --mtp --samples 6 --out "$WORK/mtp_glm5.json" ;;
     mtp) step mtp 540 $DEC --layers 61 --backend pallas --mtp --samples 6 --out "$WORK/mtp.json" ;;
+    prefetch)
+      step prefetch_check 150 python3 tests/gpu/prefetch_check.py --calls 30 --out "$WORK/prefetch_check.json"
+      step prefetch_off 200 $DEC --layers 61 --backend pallas --kernels --samples 6 --out "$WORK/prefetch_off.json"
+      step prefetch_on 200 $DEC --layers 61 --backend pallas --kernels --samples 6 --l2-prefetch \
+        --out "$WORK/prefetch_on.json" ;;
     prefill) step prefill 540 python3 -m bench.prefill --layers 61 --lengths 1024,1100 --chunks 256,1024+64,1024+128 \
                --moe grouped,dense --samples 3 --out "$WORK/prefill.json" ;;
     prefill32k) step prefill32k 540 python3 -m bench.prefill --layers 61 --lengths 32768 --chunks 1024+128,2048 \

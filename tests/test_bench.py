@@ -295,3 +295,19 @@ def test_decode_bench_timeline_flag(tmp_path, monkeypatch):
     assert [("timeline" in r) for r in runs] == [False] * 4 + [True] + [False] * 3
     assert runs[4]["timeline"]["span_us"] == 198
     assert (tmp_path / "t-timeline.png").stat().st_size > 1000
+
+
+def test_l2_prefetch_flag_reaches_the_decode_config(monkeypatch):
+    """--l2-prefetch: every run's Engine gets DecodeConfig(l2_prefetch=True); without it, False."""
+    seen = []
+
+    class FakeEngine:
+        def __init__(self, model, mesh=None, config=None):
+            seen.append(config.l2_prefetch)
+            raise RuntimeError("stop here")   # the config is what this test reads
+    monkeypatch.setattr(decode, "Engine", FakeEngine)
+    for flag, want in (([], False), (["--l2-prefetch"], True)):
+        with pytest.raises(RuntimeError, match="stop here"):
+            decode.main(["--preset", "tiny", "--layers", "2", "--fmt", "fp8", "--context", "40", "--steps", "2",
+                         "--samples", "2", "--backend", "pallas", *flag])
+        assert seen[-1] is want

@@ -186,3 +186,47 @@ def test_kernel_issues_bulk_l2_prefetches(tmp_path):
     assert "cp.async.bulk.prefetch.L2.global" in text
     assert "prefetch.global.L2" in text
     assert len(re.findall(r"^\s*st\.global", text, flags=re.M)) == 1   # token[0] = 0
+
+
+# ---- in the decode step: DecodeConfig.l2_prefetch ------------------------------------------------
+
+def _prefetches(jaxpr, found):
+    """Every prefetch_l2 equation in a jaxpr (loop and jit bodies included), and the optimization
+    barriers that consume a token."""
+    from decode_jaxprs import sub_jaxprs   # tests/decode_jaxprs.py
+    for e in jaxpr.eqns:
+        if e.primitive is prefetch.prefetch_l2_p:
+            found["prefetch"].append(e)
+        elif e.primitive.name == "optimization_barrier":
+            found["barrier"].append(e)
+        for inner in sub_jaxprs(e):
+            _prefetches(inner, found)
+    return found
+
+
+@pytest.mark.parametrize("on", [False, True])
+def test_the_decode_step_prefetches_o_proj_once_per_layer_when_asked(on):
+    """dsv32-tp8-shard's one-token pallas step: with l2_prefetch, every layer issues one prefetch of
+    o_proj's fp8 weight and scale stacks at its layer index, after the query projections, and its
+    token orders o_proj's input; without it (the default) there is none."""
+    from decode_jaxprs import decode_step
+    from jtilert.ops.table import DecodeConfig, Ops
+    from jtilert.pallas import interpret as interp
+    ops = Ops(DecodeConfig(backend="pallas", l2_prefetch=on))
+    step, state, cache = decode_step("dsv32-tp8-shard", 5, ops)
+    with interp.compile_for_gpu():
+        jaxpr = jax.make_jaxpr(step)(state, cache).jaxpr
+    found = _prefetches(jaxpr, {"prefetch": [], "barrier": []})
+    if not on:
+        assert not found["prefetch"]
+        return
+    # one in each layer-loop body (dense, MoE): one per layer
+    assert len(found["prefetch"]) == 2, len(found["prefetch"])
+    for e in found["prefetch"]:
+        layer, after, *stacks = e.invars
+        # the attention stacks hold the 5 layers and the MTP block's
+        assert [(tuple(s.aval.shape), s.aval.dtype) for s in stacks] == [
+            ((6, 7168, 2048), jnp.float8_e4m3fn), ((6, 56, 16), jnp.float32)]
+        assert after.aval.shape[-1] == 3072 + 8192   # q_b | wq_b merged: the query projections' output
+    tokens = {e.outvars[0] for e in found["prefetch"]}
+    assert sum(any(v in tokens for v in b.invars) for b in found["barrier"]) == len(found["prefetch"])

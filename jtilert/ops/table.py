@@ -74,6 +74,10 @@ class DecodeConfig:
         MLA's query path, the shared expert beside the routed ones); () gives XLA's own options
         (bench/gpu_session.sh parts graphs and defaults measure them). XLA checks the names and values
         when it compiles.
+    l2_prefetch: backend "pallas" with the CUDA engine: each layer, once its query projections are
+        done, prefetches o_proj's weights into L2 (`jtilert.ffi.prefetch_l2`) while the indexer, the
+        top-k and sparse MLA run, so o_proj reads them from L2. Off by default: bench/RESULTS.md has
+        not measured it in the step yet.
     """
 
     backend: str = "reference"
@@ -83,6 +87,7 @@ class DecodeConfig:
     layer_loop: str = "loop"
     layers_per_iteration: int = 4
     xla_options: tuple[tuple[str, str], ...] = STEP_XLA_OPTIONS
+    l2_prefetch: bool = False
 
     def __post_init__(self):
         opts = self.xla_options.items() if isinstance(self.xla_options, dict) else self.xla_options
@@ -358,6 +363,19 @@ class Ops:
 
     def linear(self, x, w, scale, layer=None):
         return self("linear", x, w, scale, layer=layer)
+
+    def prefetch(self, layer, after, *stacks):
+        """`DecodeConfig.l2_prefetch`: the token of an L2 prefetch of layer `layer` of the weight stacks
+        (None entries skipped), issued once `after` is computed; None where it is off or there is no
+        traced layer (then `ordered` passes its array through)."""
+        if not self.config.l2_prefetch or self.config.backend != "pallas" or layer is None:
+            return None
+        return ffi.prefetch_l2(layer, after, *[a for a in stacks if a is not None])
+
+    @staticmethod
+    def ordered(x, token):
+        """x, with its consumers ordered after the prefetch that made `token` (x itself where None)."""
+        return x if token is None else ffi.ordered(x, token)
 
     def all_reduce(self, x):
         """Sum of the ranks' partial results: THE all-reduce of the model (identity without tp)."""
