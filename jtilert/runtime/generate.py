@@ -96,6 +96,8 @@ class Engine:
             if not pallas.available():
                 raise RuntimeError("backend='pallas': jax.experimental.pallas.mosaic_gpu does not import here")
         self.mesh = mesh
+        # the kernels run in GPU interpret mode (host callbacks): no program cache, no host output
+        self._interpreted = config.backend == "pallas" and interpret.params() is not None
         self.tp = tp = sharding.mesh_tp(mesh)
         sharding.check_tp(self.cfg, tp)
         self.graphdef, state = nnx.split(decode_weights(model, tp=tp, backend=config.backend))
@@ -115,8 +117,7 @@ class Engine:
         # where the kernels run in GPU interpret mode: their ordered host callbacks add an effect token
         # to the step's outputs, which jax 0.11.2 leaves out when it lowers the outputs' memory kinds
         # (a failed zip); there the token stays in device memory and `_HostCopy` copies it.
-        interpreted = config.backend == "pallas" and interpret.params() is not None
-        host = None if interpreted else self.sharding.with_memory_kind("pinned_host")
+        host = None if self._interpreted else self.sharding.with_memory_kind("pinned_host")
         self.decode = Compiled(self._wrap(self._decode), (1, 2, 3, 4), "decode", self, opts,
                                out_shardings=(None,) * 4 + (host,))
         self.speculate = Compiled(self._wrap(self._speculate), (1, 2, 3, 4, 5), "speculate", self, opts,
@@ -134,7 +135,7 @@ class Engine:
         loaded (its ops lower to plain XLA where it did not), and what the op table runs (an op
         replaced in `OPS`, as a benchmark's variant does, is another program). None (not cached) where
         the kernels run in GPU interpret mode: their host callbacks cannot be stored."""
-        if self.config.backend == "pallas" and interpret.params() is not None:
+        if self._interpreted:
             return None
         mesh = None if self.mesh is None else (self.mesh.axis_names, self.mesh.devices.shape,
                                               tuple(int(d.id) for d in self.mesh.devices.flat))
