@@ -329,10 +329,10 @@ class Attention(nnx.Module):
             qr = self.q_a_layernorm(qa, i)
             q = q_x = self.q_b_proj(ops, qr, i)
         heads = q.shape[-1] // cfg.qk_head_dim  # local heads under tp
-        # rope on q_pe and k_pe, the latent's norm and both cache rows (one kernel): q_x and the
-        # x projections' whole output (kv_a at its column) are read in place
         # o_proj's weights into L2 while the attention chain below runs (DecodeConfig.l2_prefetch)
         token = ops.prefetch(i, q_x, *self.o_proj.arrays())
+        # rope on q_pe and k_pe, the latent's norm and both cache rows (one kernel): q_x and the
+        # x projections' whole output (kv_a at its column) are read in place
         kv_x, kv_col = (xp, self.x_proj.parts[-1][0]) if self.x_proj is not None else (kva, 0)
         q_pe, kv, pe = ops("mla_prep", q_x, kv_x, kv_col, heads, cfg.qk_head_dim, self.kv_a_layernorm.weight[...],
                            self.kv_a_layernorm.eps, cos, sin, cache["kv"], cache.get("pe"), start, layer=i)
