@@ -11,8 +11,8 @@
 - ``route.select_experts(cfg, logits, bias, layer)``: the MoE router's selection in one launch
   (``jtilert.ffi.route``).
 - ``prefetch_l2(layer, after, *stacks)``: L2 prefetch of one layer of up to 8 weight stacks, issued
-  after ``after``; ``ordered(x, token)`` orders a consumer after it (``jtilert.ffi.prefetch``; a
-  no-op without the engine).
+  after ``after``, kept without a consumer (a side-effecting call); ``ordered(x, token)`` orders a
+  consumer after a token where one must wait (``jtilert.ffi.prefetch``; a no-op without the engine).
 
 Without the library (``python -m jtilert.ffi.build``, or built on first use) or a GPU, every op
 falls back to the XLA path with one warning. Environment: JTILERT_FFI_DISABLE=1, JTILERT_FFI_LIB,

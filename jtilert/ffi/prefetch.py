@@ -6,9 +6,9 @@ after, *stacks)`` issues, in one launch, L2 prefetches of layer ``layer`` of eac
 up to MAX_ARRAYS of them, e.g. o_proj's fp8 weights and scales, the router's gate) and returns a
 token (int32[1]); the kernel only issues the requests and the lines land in L2 while later kernels
 run. ``after`` is any array, not read: the call runs after the op that produces it (that is where
-the prefetch starts). ``ordered(x, token)`` is ``x`` with a data dependency on the token, so a
-consumer of the result (the GEMV) runs after the prefetch was issued, and XLA keeps the call (an
-unused token lets XLA drop it).
+the prefetch starts). The custom call is marked side-effecting, so XLA keeps it with its token
+unused; in a captured graph it then runs beside the chain that follows ``after``. ``ordered(x,
+token)`` is ``x`` with a data dependency on the token, for a consumer that must wait for it.
 
 The prefetch is a cache hint: no result changes. The stacks are read where they are (the layer is
 read on the device, like the engine's stacked GEMVs): pass the stacks themselves, not a slice or a
@@ -21,6 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src.ffi import _FfiEffect
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
@@ -43,7 +44,9 @@ def _abstract(layer, after, *arrays):
     return aval
 
 
-prefetch_l2_p.def_abstract_eval(_abstract)
+# JAX's effect of a side-effecting FFI call (what jax.ffi.ffi_call(has_side_effect=True) carries):
+# without it JAX drops an equation whose token nobody reads before XLA sees it
+prefetch_l2_p.def_effectful_abstract_eval(lambda *avals: (_abstract(*avals), {_FfiEffect}))
 # outside jit: the primitive compiled on its own (the lowering below decides what runs)
 _eager = jax.jit(lambda *args: prefetch_l2_p.bind(*args))
 prefetch_l2_p.def_impl(_eager)
@@ -62,7 +65,7 @@ def _lower_cuda(ctx, layer, after, *arrays):
             _lib.warn_once("prefetch:" + why, f"jtilert.ffi: L2 prefetch not issued ({why}); "
                            "prefetch_l2 is a no-op")
             return _no_op(ctx, layer, after, *arrays)
-    return jax.ffi.ffi_lowering("jtilert_prefetch_l2")(ctx, layer, after, *arrays)
+    return jax.ffi.ffi_lowering("jtilert_prefetch_l2", has_side_effect=True)(ctx, layer, after, *arrays)
 
 
 mlir.register_lowering(prefetch_l2_p, _no_op)
@@ -95,8 +98,28 @@ def prefetch_l2(layer, after, *arrays):
     return prefetch_l2_p.bind(layer, layer if after is None else after, *arrays)
 
 
+# bits no float arithmetic produces (hardware NaNs are canonical) and no token is: ``ordered``'s select
+_NEVER = np.int32(0x7FBADBAD)
+
+
 def ordered(x, token):
-    """``x`` unchanged, with a data dependency on ``token`` (any array or pytree): a consumer of the
-    result runs after ``token`` is computed, and nothing of the token is read."""
-    x, _ = jax.lax.optimization_barrier((x, token))
-    return x
+    """``x`` unchanged, with a data dependency on ``token`` (any array or pytree) that XLA cannot
+    remove: each leaf of ``x`` is a select on the token's first word, which is never ``_NEVER``. (An
+    optimization barrier does not order anything: XLA drops its unused outputs and what fed them.)
+    It costs an elementwise pass over ``x``, fused into its consumer where XLA can."""
+    words = [_first_word(t) for t in jax.tree.leaves(token)]
+    if not words:
+        return x
+    keep = jnp.all(jnp.stack(words) != _NEVER)
+    return jax.tree.map(lambda a: jnp.where(keep, a, jnp.zeros_like(a)), x)
+
+
+def _first_word(t):
+    """The first element of ``t`` as int32 bits (widened or bit-cast)."""
+    v = jnp.ravel(jnp.asarray(t))[0]
+    if v.dtype.itemsize == 4:
+        return jax.lax.bitcast_convert_type(v, jnp.int32)
+    if jnp.issubdtype(v.dtype, jnp.floating):
+        v = v.astype(jnp.float32)
+        return jax.lax.bitcast_convert_type(v, jnp.int32)
+    return v.astype(jnp.int32)

@@ -330,7 +330,7 @@ class Attention(nnx.Module):
             q = q_x = self.q_b_proj(ops, qr, i)
         heads = q.shape[-1] // cfg.qk_head_dim  # local heads under tp
         # o_proj's weights into L2 while the attention chain below runs (DecodeConfig.l2_prefetch)
-        token = ops.prefetch(i, q_x, *self.o_proj.arrays())
+        ops.prefetch(i, q_x, *self.o_proj.arrays())
         # rope on q_pe and k_pe, the latent's norm and both cache rows (one kernel): q_x and the
         # x projections' whole output (kv_a at its column) are read in place
         kv_x, kv_col = (xp, self.x_proj.parts[-1][0]) if self.x_proj is not None else (kva, 0)
@@ -343,7 +343,7 @@ class Attention(nnx.Module):
         q_lat = ops("heads_linear", q_x, *w_uk_t, cfg.qk_head_dim, layer=at)
         o_lat = ops("sparse_mla", q_lat, q_pe, cache["kv"], cache.get("pe"), topk, cfg.softmax_scale, x.dtype,
                     layer=i)
-        o = ops.ordered(ops("heads_linear", o_lat, *w_uv, layer=at).reshape(t, heads * cfg.v_head_dim), token)
+        o = ops("heads_linear", o_lat, *w_uv, layer=at).reshape(t, heads * cfg.v_head_dim)
         return ops.linear_all_reduce(o, *self.o_proj.arrays(), i, residual=x), cache, topk
 
     def _absorption(self, i, dtype):

@@ -365,17 +365,12 @@ class Ops:
         return self("linear", x, w, scale, layer=layer)
 
     def prefetch(self, layer, after, *stacks):
-        """`DecodeConfig.l2_prefetch`: the token of an L2 prefetch of layer `layer` of the weight stacks
-        (None entries skipped), issued once `after` is computed; None where it is off or there is no
-        traced layer (then `ordered` passes its array through)."""
-        if not self.config.l2_prefetch or self.config.backend != "pallas" or layer is None:
-            return None
-        return ffi.prefetch_l2(layer, after, *[a for a in stacks if a is not None])
-
-    @staticmethod
-    def ordered(x, token):
-        """x, with its consumers ordered after the prefetch that made `token` (x itself where None)."""
-        return x if token is None else ffi.ordered(x, token)
+        """`DecodeConfig.l2_prefetch`: an L2 prefetch of layer `layer` of the weight stacks (None
+        entries skipped), issued once `after` is computed; nothing where it is off or there is no
+        traced layer. The call is side-effecting: it stays in the step without a consumer and runs
+        beside the kernels that follow `after`."""
+        if self.config.l2_prefetch and self.config.backend == "pallas" and layer is not None:
+            ffi.prefetch_l2(layer, after, *[a for a in stacks if a is not None])
 
     def all_reduce(self, x):
         """Sum of the ranks' partial results: THE all-reduce of the model (identity without tp)."""
