@@ -58,6 +58,8 @@
 #   trees        the same for every tree in TREES (carried folders, default .baseline), then this checkout: a
 #                bisection on one machine under this script's XLA flags (each tree ~1 min; TREE_ARGS: more
 #                bench.decode arguments for every tree)
+#   gemvbound    bench/experiments/gemv_bound.py: o_proj's fp8 GEMV cold and from L2 under tuning configs, K 256..2048,
+#                bf16 weights (what bounds the GEMV kernel)
 #   prefetch     tests/gpu/prefetch_check.py (o_proj's and the router's GEMV cold against after an L2 prefetch, after
 #                build), then bench.decode 61 layers, pallas, without and with --l2-prefetch, back to back
 #   mtp          bench.decode 61 layers, pallas, plain and MTP speculative step (verify 2 + draft)
@@ -222,6 +224,8 @@ for part in "$@"; do
     mtp_glm5) step mtp_glm5 540 python3 -m bench.decode --preset glm5-tp8-shard --context 4096 --backend pallas \
                 --mtp --samples 6 --out "$WORK/mtp_glm5.json" ;;
     mtp) step mtp 540 $DEC --layers 61 --backend pallas --mtp --samples 6 --out "$WORK/mtp.json" ;;
+    gemvbound)
+      step gemvbound 300 python3 -m bench.experiments.gemv_bound --out "$WORK/gemvbound.json" ;;
     prefetch)
       step prefetch_check 150 python3 tests/gpu/prefetch_check.py --calls 30 --out "$WORK/prefetch_check.json"
       step prefetch_off 200 $DEC --layers 61 --backend pallas --kernels --samples 6 --out "$WORK/prefetch_off.json"
