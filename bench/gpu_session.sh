@@ -226,6 +226,8 @@ for part in "$@"; do
     mtp) step mtp 540 $DEC --layers 61 --backend pallas --mtp --samples 6 --out "$WORK/mtp.json" ;;
     gemvbound)
       step gemvbound 300 python3 -m bench.experiments.gemv_bound --out "$WORK/gemvbound.json" ;;
+    inflight)
+      step inflight 150 python3 -m bench.experiments.gemv_bound --in-flight --out "$WORK/inflight.json" ;;
     prefetch)
       step prefetch_check 150 python3 tests/gpu/prefetch_check.py --calls 30 --out "$WORK/prefetch_check.json"
       step prefetch_off 200 $DEC --layers 61 --backend pallas --kernels --samples 6 --out "$WORK/prefetch_off.json"

@@ -12,6 +12,7 @@ import argparse
 import json
 
 import jax
+import numpy as np
 
 from bench.kernels import Shape, args_bytes, gemv_args, gemv_fns, time_op
 from jtilert.pallas import gemv
@@ -21,10 +22,15 @@ def measure(sh: Shape, cfg=None) -> dict:
     key = jax.random.key(7)
     make = lambda i: gemv_args(sh, jax.random.fold_in(key, i))
     nbytes = args_bytes(make(0))
-    fn, _ = gemv_fns(sh, cfg)
+    fn, ref = gemv_fns(sh, cfg)
+    args = make(0)
+    got, want = (np.asarray(jax.jit(f)(*args), np.float64) for f in (fn, ref))
+    err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+    if not err < 2e-2:
+        raise SystemExit(f"{sh.name} {cfg}: relative error {err:.3g} against XLA's")
     cold = time_op(fn, make, nbytes)
     warm = time_op(fn, make, nbytes, copies=1)
-    row = dict(shape=sh.name, n=sh.n, k=sh.k, fmt=sh.fmt, config=str(cfg or "auto"), mb=nbytes / 1e6,
+    row = dict(shape=sh.name, n=sh.n, k=sh.k, fmt=sh.fmt, config=str(cfg or "auto"), mb=nbytes / 1e6, rel_err=err,
                cold_us=cold["us"], warm_us=warm["us"], cold_kernels=cold["per_kernel"],
                warm_kernels=warm["per_kernel"])
     print(f"{sh.name:28s} {row['config']:60s} {nbytes / 1e6:6.1f} MB  cold {cold['us']:6.2f} us"
@@ -35,10 +41,19 @@ def measure(sh: Shape, cfg=None) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gemv_bound.json")
+    ap.add_argument("--in-flight", action="store_true", help="only o_proj with 0 and 1 wgmma groups in flight")
     a = ap.parse_args(argv)
     o_proj = Shape("o_proj (+residual)", 7168, 2048, kind="residual")
     C = gemv.GemvConfig
     rows = []
+    if a.in_flight:
+        for cfg in (None, C(in_flight=1), None, C(in_flight=1)):
+            rows.append(measure(o_proj, cfg))
+        for cfg in (None, C(in_flight=1)):
+            rows.append(measure(Shape("x_proj (rmsnorm)", 1536 + 128 + 576, 7168, kind="norm"), cfg))
+        with open(a.out, "w") as f:
+            json.dump(dict(device=jax.devices()[0].device_kind, rows=rows), f, indent=1)
+        return 0
     for cfg in (None, C(stages=2), C(block_k=512, stages=2), C(split_k=4),
                 C(accumulators=2), C(accumulators=4), C(accumulators=4, block_k=512, stages=2),
                 C(accumulators=8, block_k=512, stages=2), C(accumulators=4, split_k=4)):

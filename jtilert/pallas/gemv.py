@@ -48,6 +48,7 @@ class GemvConfig:
     engine: str = "auto"     # "fma": CUDA-core FMAs; "wgmma": tensor cores; "auto": fma for fp32 weights
     a_in_registers: bool | None = None   # wgmma engine, fp8: A from registers (None: GPU yes, interpret no)
     accumulators: int = 1    # wgmma engine: independent accumulators per weight, taking K chunks in turn
+    in_flight: int = 0       # wgmma engine, fp8 A from registers: wgmma groups left running into the next step
 
     def resolved(self, n: int, k: int, t: int, n_weights: int, w_itemsize: int, sms: int, *,
                  layout=None, slice_unit: int | None = None, divides: int | None = None,
@@ -498,7 +499,9 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
                 hw.wgmma_fp8_step(accs if nacc > 1 else accs[0], w_smems[j],
                                   lambda c, w, j=j: xb.at[j, :, pl.ds(kk + c, w)].T, nsub=nsub, sub=sub,
                                   a_buf_of=None if a_regs else (lambda i, j=j: a_bufs.at[j, i]))
-            plgpu.wgmma_wait(0)
+            # A from registers: the weight slot is read once the tile is in registers, so the step's
+            # wgmmas may run on while the next step converts (`in_flight`); from SMEM they must end
+            plgpu.wgmma_wait(cfg.in_flight if fp8 and a_regs else 0)
             return acc_refs
 
         def w_spec():
@@ -517,6 +520,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
         else:
             def run(*acc_refs):
                 pipeline(body_wgmma, acc_refs)
+                plgpu.wgmma_wait(0)
                 return tuple(sum(a[...] for a in acc_refs[j * nacc:(j + 1) * nacc]) for j in range(p))
             ys = pl.run_scoped(run, *[plgpu.ACC((bn, MAX_TOKENS), F32) for _ in range(p * nacc)])
             col_id = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (bn, MAX_TOKENS), 1), plgpu.Layout.WGMMA)
