@@ -300,12 +300,11 @@ class Attention(nnx.Module):
         self.kv_b_proj = Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), rngs=rngs, fmt=fmt)
         self.o_proj = Linear(h * cfg.v_head_dim, cfg.hidden_size, rngs=rngs, fmt=fmt)
 
-    def __call__(self, ops: Ops, i, x, norm: RMSNorm, cos, sin, positions, start, cache, indexer, ffn_weights=None):
+    def __call__(self, ops: Ops, i, x, norm: RMSNorm, cos, sin, positions, start, cache, indexer):
         """Layer i's attention on its input x normed by `norm`, added to x: (x + output, cache, top-k).
         `indexer(qr, q, k, cache)` gives (top-k, cache) from the normed q_a output qr, or from the
         indexer's query and key projections q, k where the merged GEMVs computed them: (the GEMV's whole
-        output, the projection's column), else None. `ffn_weights` (layer, stacks): the FFN weights
-        that the L2 prefetch loads beside o_proj's."""
+        output, the projection's column), else None."""
         cfg = self.cfg
         t = x.shape[0]
         index_q = index_k = None
@@ -330,11 +329,8 @@ class Attention(nnx.Module):
             qr = self.q_a_layernorm(qa, i)
             q = q_x = self.q_b_proj(ops, qr, i)
         heads = q.shape[-1] // cfg.qk_head_dim  # local heads under tp
-        # o_proj's and the FFN's first weights into L2 while the attention chain below runs
-        # (DecodeConfig.l2_prefetch)
+        # o_proj's weights into L2 while the attention chain below runs (DecodeConfig.l2_prefetch)
         ops.prefetch(i, q_x, *self.o_proj.arrays())
-        if ffn_weights is not None:
-            ops.prefetch(ffn_weights[0], q_x, *ffn_weights[1])
         # rope on q_pe and k_pe, the latent's norm and both cache rows (one kernel): q_x and the
         # x projections' whole output (kv_a at its column) are read in place
         kv_x, kv_col = (xp, self.x_proj.parts[-1][0]) if self.x_proj is not None else (kva, 0)
@@ -680,15 +676,7 @@ class Transformer(nnx.Module):
                 return run(c, slot)   # it is a kernel)
             return jax.lax.cond(slot >= 0, lambda c: run(c, jnp.maximum(slot, 0)), lambda c: (topk, c), c)
 
-        # what a MoE layer reads before its routing is known: the router and the shared expert's
-        # gate/up (a dense layer's gate/up would not fit in L2 beside o_proj's)
-        ffn_weights = None
-        if ffn == "moe":
-            shared = self.moe.shared_experts
-            ffn_weights = (i - lay.num_dense,
-                           (self.moe.gate.weight[...],) + shared.gate_proj.arrays() + shared.up_proj.arrays())
-        h, cache, topk = blk.self_attn(ops, i, x, blk.input_layernorm, cos, sin, positions, start, cache, indexer,
-                                       ffn_weights)
+        h, cache, topk = blk.self_attn(ops, i, x, blk.input_layernorm, cos, sin, positions, start, cache, indexer)
         # the FFN's norm: one XLA computation that its readers share (in a MoE layer the router, the
         # experts' and the shared expert's gate/up; folded into each of them it costs more, see
         # bench/RESULTS.md, session 13); the residual add goes into the FFN's down projections
