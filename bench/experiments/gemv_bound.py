@@ -1,7 +1,7 @@
 """What bounds the fp8 GEMV kernel at batch 1 (GPU only): o_proj's shape (7168 × 2048, residual
 epilogue) streamed from HBM (cold) and from L2 (warm: the same weights call after call), under
-tuning configurations (the independent accumulators among them); K from 256 to 2048 at N = 7168 (the
-time per K step against the fixed time); bf16 weights (no e4m3 → f16 conversion, twice the bytes).
+tuning configurations; K from 256 to 2048 at N = 7168 (the time per K step against the fixed time);
+bf16 weights (no e4m3 → f16 conversion, twice the bytes).
 
     python -m bench.experiments.gemv_bound --out gemv_bound.json
 """
@@ -41,32 +41,24 @@ def measure(sh: Shape, cfg=None) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gemv_bound.json")
-    ap.add_argument("--in-flight", action="store_true", help="only o_proj with 0 and 1 wgmma groups in flight")
+    ap.add_argument("--in-flight", action="store_true", help="only o_proj and x_proj, 0 and 1 wgmma groups in flight")
     a = ap.parse_args(argv)
     o_proj = Shape("o_proj (+residual)", 7168, 2048, kind="residual")
+    x_proj = Shape("x_proj (rmsnorm)", 1536 + 128 + 576, 7168, kind="norm")
     C = gemv.GemvConfig
     rows = []
     if a.in_flight:
-        for cfg in (None, C(in_flight=1), None, C(in_flight=1)):
+        for sh, cfg in ((o_proj, None), (o_proj, C(in_flight=1)), (o_proj, None), (o_proj, C(in_flight=1)),
+                        (x_proj, None), (x_proj, C(in_flight=1))):
+            rows.append(measure(sh, cfg))
+    else:
+        for cfg in (None, C(stages=2), C(stages=8), C(block_k=128), C(block_k=512, stages=2), C(split_k=2),
+                    C(split_k=4)):
             rows.append(measure(o_proj, cfg))
-        for cfg in (None, C(in_flight=1)):
-            rows.append(measure(Shape("x_proj (rmsnorm)", 1536 + 128 + 576, 7168, kind="norm"), cfg))
-        with open(a.out, "w") as f:
-            json.dump(dict(device=jax.devices()[0].device_kind, rows=rows), f, indent=1)
-        return 0
-    for cfg in (None, C(stages=2), C(block_k=512, stages=2), C(split_k=4),
-                C(accumulators=2), C(accumulators=4), C(accumulators=4, block_k=512, stages=2),
-                C(accumulators=8, block_k=512, stages=2), C(accumulators=4, split_k=4)):
-        rows.append(measure(o_proj, cfg))
-    for k in (256, 512, 1024, 2048):
-        for cfg in (None, C(accumulators=4)):
-            rows.append(measure(Shape(f"linear K={k}", 7168, k), cfg))
-    o_bf16 = Shape("o_proj bf16 (+residual)", 7168, 2048, fmt="bf16", kind="residual")
-    for cfg in (None, C(accumulators=4)):
-        rows.append(measure(o_bf16, cfg))
-    x_proj = Shape("x_proj (rmsnorm)", 1536 + 128 + 576, 7168, kind="norm")
-    for cfg in (None, C(accumulators=4)):
-        rows.append(measure(x_proj, cfg))
+        for k in (256, 512, 1024, 2048):
+            rows.append(measure(Shape(f"linear K={k}", 7168, k)))
+        rows.append(measure(Shape("o_proj bf16 (+residual)", 7168, 2048, fmt="bf16", kind="residual")))
+        rows.append(measure(x_proj))
     with open(a.out, "w") as f:
         json.dump(dict(device=jax.devices()[0].device_kind, rows=rows), f, indent=1)
     return 0

@@ -154,16 +154,11 @@ def f16_range_factor(abs_tiles):
 
 
 def wgmma_fp8_step(acc, w_smem, b_of, *, nsub: int, sub: int, a_buf_of=None):
-    """acc += Σ_h f16(w_smem[:, h·sub : (h+1)·sub]) · b_of(h · sub, sub) for one pipeline step of fp8
-    weights. The e4m3 tile is converted in registers (one cvt per pair) and fed as wgmma's A from
-    registers (GPU: `a_buf_of` None) or through the SMEM double buffer `a_buf_of(h % 2)` (interpret
-    mode, whose wgmma reads A only from SMEM). `acc`: one accumulator, or a tuple of them: then each
-    swizzle row is cut into KGRAIN-wide chunks that go to the accumulators in turn, so consecutive
-    wgmmas do not wait for each other's sums (the caller adds the accumulators up)."""
-    accs = acc if isinstance(acc, tuple) else (acc,)
-    width = sub if len(accs) == 1 else KGRAIN
+    """acc += Σ_h f16(w_smem[:, h·sub : (h+1)·sub]) · b_of(h) for one pipeline step of fp8 weights.
+    The e4m3 tile is converted in registers (one cvt per pair) and fed as wgmma's A from registers
+    (GPU: `a_buf_of` None) or through the SMEM double buffer `a_buf_of(h % 2)` (interpret mode,
+    whose wgmma reads A only from SMEM)."""
     a_regs = a_buf_of is None
-    c = 0
     for h in range(nsub):
         a = w_smem.at[:, pl.ds(h * sub, sub)][...].astype(F16)
         if not a_regs:
@@ -171,10 +166,7 @@ def wgmma_fp8_step(acc, w_smem, b_of, *, nsub: int, sub: int, a_buf_of=None):
             buf[...] = a
             plgpu.commit_smem()
             a = buf
-        for off in range(0, sub, width):
-            part = a if width == sub else (a[:, off:off + width] if a_regs else a.at[:, pl.ds(off, width)])
-            plgpu.wgmma(accs[c % len(accs)], part, b_of(h * sub + off, width))
-            c += 1
+        plgpu.wgmma(acc, a, b_of(h))
         if not a_regs:
             plgpu.wgmma_wait(0)
 

@@ -47,7 +47,6 @@ class GemvConfig:
     stages: int = 4          # TMA pipeline depth (steps in flight), at most
     engine: str = "auto"     # "fma": CUDA-core FMAs; "wgmma": tensor cores; "auto": fma for fp32 weights
     a_in_registers: bool | None = None   # wgmma engine, fp8: A from registers (None: GPU yes, interpret no)
-    accumulators: int = 1    # wgmma engine: independent accumulators per weight, taking K chunks in turn
     in_flight: int = 0       # wgmma engine, fp8 A from registers: wgmma groups left running into the next step
 
     def resolved(self, n: int, k: int, t: int, n_weights: int, w_itemsize: int, sms: int, *,
@@ -68,8 +67,6 @@ class GemvConfig:
         ValueError if nothing fits."""
         if k % KGRAIN:
             raise ValueError(f"GEMV kernel: K={k} must be a multiple of {KGRAIN}")
-        if self.accumulators < 1:
-            raise ValueError(f"GEMV kernel: accumulators must be ≥ 1, got {self.accumulators}")
         if self.block_n != 64:
             raise ValueError("GEMV kernel: block_n must be 64 (one warpgroup)")
         engine = self.engine
@@ -347,7 +344,6 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
     w_tr, sub = hw.weight_transforms(bk, itemsize)    # sub: one swizzle row, ≤ one scale block
     nsub = bk // sub
     a_regs = cfg.a_in_registers
-    nacc = 1 if fma else cfg.accumulators
     in_kernel_epilogue = split == 1
     out_rows = 1 if in_kernel_epilogue else p
     o_dtype = out_dtype if in_kernel_epilogue else F32
@@ -488,16 +484,11 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
                 build_b(xstage, svals)
 
             for j in range(p):
-                accs = acc_refs[j * nacc:(j + 1) * nacc]   # weight j's accumulators
                 if not fp8:
-                    if nacc == 1:
-                        plgpu.wgmma(accs[0], w_smems[j], xb.at[0, :, pl.ds(kk, bk)].T)
-                    for h in range(nsub if nacc > 1 else 0):   # one swizzle row per accumulator in turn
-                        plgpu.wgmma(accs[h % nacc], w_smems[j].at[:, pl.ds(h * sub, sub)],
-                                    xb.at[0, :, pl.ds(kk + h * sub, sub)].T)
+                    plgpu.wgmma(acc_refs[j], w_smems[j], xb.at[0, :, pl.ds(kk, bk)].T)
                     continue
-                hw.wgmma_fp8_step(accs if nacc > 1 else accs[0], w_smems[j],
-                                  lambda c, w, j=j: xb.at[j, :, pl.ds(kk + c, w)].T, nsub=nsub, sub=sub,
+                hw.wgmma_fp8_step(acc_refs[j], w_smems[j], lambda h, j=j: xb.at[j, :, pl.ds(kk + h * sub, sub)].T,
+                                  nsub=nsub, sub=sub,
                                   a_buf_of=None if a_regs else (lambda i, j=j: a_bufs.at[j, i]))
             # A from registers: the weight slot is read once the tile is in registers, so the step's
             # wgmmas may run on while the next step converts (`in_flight`); from SMEM they must end
@@ -521,8 +512,8 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
             def run(*acc_refs):
                 pipeline(body_wgmma, acc_refs)
                 plgpu.wgmma_wait(0)
-                return tuple(sum(a[...] for a in acc_refs[j * nacc:(j + 1) * nacc]) for j in range(p))
-            ys = pl.run_scoped(run, *[plgpu.ACC((bn, MAX_TOKENS), F32) for _ in range(p * nacc)])
+                return tuple(a[...] for a in acc_refs)
+            ys = pl.run_scoped(run, *[plgpu.ACC((bn, MAX_TOKENS), F32) for _ in range(p)])
             col_id = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (bn, MAX_TOKENS), 1), plgpu.Layout.WGMMA)
 
             def cols_of(tok):

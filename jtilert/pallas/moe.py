@@ -184,7 +184,7 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
             if not fp8:
                 plgpu.wgmma(acc, w_smem, xb.at[:, pl.ds(kk, bk)].T)
             else:
-                hw.wgmma_fp8_step(acc, w_smem, lambda c, w: xb.at[:, pl.ds(kk + c, w)].T, nsub=nsub,
+                hw.wgmma_fp8_step(acc, w_smem, lambda hh: xb.at[:, pl.ds(kk + hh * sub, sub)].T, nsub=nsub,
                                   sub=sub, a_buf_of=None if a_regs else (lambda i: a_bufs.at[i]))
             plgpu.wgmma_wait(0)
             return acc
