@@ -60,6 +60,9 @@
 #                bench.decode arguments for every tree)
 #   gemvbound    bench/experiments/gemv_bound.py: o_proj's fp8 GEMV cold and from L2 under tuning configs, K 256..2048,
 #                bf16 weights (what bounds the GEMV kernel)
+#   inflight     the same, o_proj and x_proj with GemvConfig.in_flight 0 and 1 only
+#   w8a8         bench/experiments/gemv_w8a8.py: the fp8-activation GEMV against the shipped one (o_proj, x_proj,
+#                q_b | wq_b; cold, warm; its error against its reference and against bf16 activations)
 #   prefetch     tests/gpu/prefetch_check.py (o_proj's and the router's GEMV cold against after an L2 prefetch, after
 #                build), then bench.decode 61 layers, pallas, without and with --l2-prefetch, back to back
 #   mtp          bench.decode 61 layers, pallas, plain and MTP speculative step (verify 2 + draft)
@@ -226,6 +229,8 @@ for part in "$@"; do
     mtp) step mtp 540 $DEC --layers 61 --backend pallas --mtp --samples 6 --out "$WORK/mtp.json" ;;
     gemvbound)
       step gemvbound 300 python3 -m bench.experiments.gemv_bound --out "$WORK/gemvbound.json" ;;
+    w8a8)
+      step w8a8 200 python3 -m bench.experiments.gemv_w8a8 --out "$WORK/w8a8.json" ;;
     inflight)
       step inflight 150 python3 -m bench.experiments.gemv_bound --in-flight --out "$WORK/inflight.json" ;;
     prefetch)

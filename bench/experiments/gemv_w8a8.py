@@ -1,0 +1,145 @@
+"""An fp8-activation GEMV for batch-1 decode (W8A8, as DeepSeek's own inference and transformers'
+fine-grained fp8 layers compute): does wgmma with both operands e4m3 in shared memory stream the
+weights faster than the shipped GEMV, which converts each weight tile to f16 in registers?
+
+x [T ≤ 8, K] is quantised outside the kernel (`quant.act_quant`: one power-of-two scale per token and
+128 columns). Each CTA owns 64 output rows and the whole K: the tokens' fp8 rows [8, K] go to shared
+memory once, the weights stream through a TMA pipeline in the checkpoint layout, and every 128-column
+block is one chain of four m64n8k32 wgmmas into a scratch accumulator whose sums are then scaled by
+x's block scale (per token) times the weights' block scale and added to the running sums (the
+promotion DeepGEMM does). No split-K: a short N (x_proj's 2240 rows: 35 CTAs) leaves most SMs idle.
+Not wired into the model: this measures the kernel alone.
+
+    python -m bench.experiments.gemv_w8a8 --out gemv_w8a8.json      (GPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import jtilert.pallas.interpret as _interp
+from jtilert.ops.quant import BLOCK, act_quant
+
+F32, BF16, FP8 = jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn
+ROWS, STEP, TOKENS = 64, 256, 8   # output rows per CTA, K per pipeline step, B's rows
+
+
+def reference(x, w, w_scale):
+    """y = Σ_blocks (x_q · w_q) · x_scale · w_scale in fp32, x quantised by `act_quant` ([T, N] bf16)."""
+    xq, xs = act_quant(x)
+    t, k = x.shape
+    n = w.shape[0]
+    nb = k // BLOCK
+    xb = xq.astype(F32).reshape(t, nb, BLOCK)
+    wb = w.astype(F32).reshape(n, nb, BLOCK)
+    part = jnp.einsum("tbk,nbk->tnb", xb, wb, precision=lax.Precision.HIGHEST)
+    ws = jnp.repeat(w_scale, BLOCK, axis=0)[:n]                     # [N, nb]
+    return jnp.einsum("tnb,tb,nb->tn", part, xs, ws, precision=lax.Precision.HIGHEST).astype(BF16)
+
+
+def linear_w8a8(xq, xs, w, w_scale, *, stages: int = 4):
+    """xq [T, K] fp8 and its scales xs [T, K / 128] (`act_quant`), w [N, K] fp8 with 128-block scales
+    → [T, N] bf16. K a multiple of 256, N of 64."""
+    t, k = xq.shape
+    n = w.shape[0]
+    if t > TOKENS or k % STEP or n % ROWS:
+        raise ValueError(f"gemv_w8a8: T ≤ {TOKENS}, K % {STEP}, N % {ROWS}; got x {xq.shape}, w {w.shape}")
+    steps = k // STEP
+    stages = min(stages, steps)
+    tiles = (plgpu.TilingTransform((8, BLOCK)), plgpu.SwizzleTransform(128))   # 128 fp8 = one swizzle row
+
+    def kernel(xq_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem, xq_smem, o_smem, bar):
+        n_idx = lax.axis_index("n")
+        row0 = n_idx * ROWS
+        rb = row0 // BLOCK
+        plgpu.copy_gmem_to_smem(xq_gmem, xq_smem, bar.at[0])
+        col_id = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (ROWS, TOKENS), 1), plgpu.Layout.WGMMA)
+        zeros = jnp.where(col_id < 0, 1.0, 0.0).astype(F32)
+        plgpu.barrier_wait(bar.at[0])
+
+        def factor(blk):
+            """[64, 8] in the accumulator's layout: column c holds x's scale of token c times the
+            weights' scale, for 128-column block `blk`."""
+            ws = ws_gmem[rb, blk]
+            f = zeros
+            for tok in range(t):
+                f = jnp.where(col_id == tok, xs_gmem[tok, blk] * ws, f)
+            return f
+
+        def body(idx, w_smem, acc):
+            (step,) = idx
+
+            def blocks(tmp0, tmp1):
+                for h, tmp in enumerate((tmp0, tmp1)):
+                    col = pl.multiple_of((step * 2 + h) * BLOCK, BLOCK)
+                    plgpu.wgmma(tmp, w_smem.at[:, pl.ds(h * BLOCK, BLOCK)], xq_smem.at[:, pl.ds(col, BLOCK)].T)
+                plgpu.wgmma_wait(0)
+                return tmp0[...], tmp1[...]
+            p0, p1 = pl.run_scoped(blocks, plgpu.ACC((ROWS, TOKENS), F32), plgpu.ACC((ROWS, TOKENS), F32))
+            return acc + p0 * factor(step * 2) + p1 * factor(step * 2 + 1)
+
+        spec = plgpu.BlockSpec((ROWS, STEP), lambda s: (n_idx, s), transforms=tiles)
+        acc = plgpu.emit_pipeline(body, grid=(steps,), in_specs=[spec], max_concurrent_steps=stages,
+                                  init_carry=zeros)(w_gmem)
+        for tok in range(t):
+            o_smem.at[tok][...] = jnp.sum(jnp.where(col_id == tok, acc, 0.0), axis=1).astype(BF16)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, t)], out_gmem.at[:, pl.ds(row0, ROWS)])
+        plgpu.wait_smem_to_gmem(0)
+
+    xq8 = jnp.pad(xq, ((0, TOKENS - t), (0, 0)))
+    call = plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((t, n), BF16), grid=(n // ROWS,), grid_names=("n",),
+                        scratch_types=[plgpu.SMEM((TOKENS, k), FP8, transforms=tiles),
+                                       plgpu.SMEM((TOKENS, ROWS), BF16), plgpu.Barrier(num_barriers=1)],
+                        interpret=_interp.params(), kernel_name="jtilert_gemv_w8a8")
+    return call(xq8, xs.astype(F32), w, w_scale.astype(F32))
+
+
+def w8a8(x, w, w_scale):
+    """act_quant (one XLA fusion) then the kernel."""
+    xq, xs = act_quant(x)
+    return linear_w8a8(xq, xs, w, w_scale)
+
+
+def main(argv=None) -> int:  # pragma: no cover - GPU only
+    from bench.kernels import Shape, args_bytes, gemv_args, time_op
+    from jtilert.ops import reference as ref_ops
+    from jtilert.pallas import gemv
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="gemv_w8a8.json")
+    a = ap.parse_args(argv)
+    rows = []
+    for name, n, k in (("o_proj", 7168, 2048), ("x_proj", 2240, 7168), ("q_b|wq_b", 11264, 1536)):
+        sh = Shape(name, n, k)
+        key = jax.random.key(11)
+        make = lambda i, sh=sh: gemv_args(sh, jax.random.fold_in(key, i))
+        x, w, s = make(0)
+        exact = np.asarray(ref_ops.linear(x, w, s), np.float64)
+        want = np.asarray(reference(x, w, s), np.float64)
+        got = np.asarray(jax.jit(w8a8)(x, w, s), np.float64)
+        err_own = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+        err_bf16 = float(np.linalg.norm(got - exact) / np.linalg.norm(exact))
+        nbytes = args_bytes((x, w, s))
+        r = dict(shape=name, n=n, k=k, mb=nbytes / 1e6, rel_err_w8a8_reference=err_own,
+                 rel_err_bf16_activations=err_bf16)
+        for label, fn in (("w8a8", w8a8), ("shipped", lambda x, w, s: gemv.linear(x, w, s))):
+            cold = time_op(fn, make, nbytes)
+            warm = time_op(fn, make, nbytes, copies=1)
+            r[label] = dict(cold_us=cold["us"], warm_us=warm["us"], kernels=cold["per_kernel"])
+        print(json.dumps(r), flush=True)
+        rows.append(r)
+    with open(a.out, "w") as f:
+        json.dump(dict(device=jax.devices()[0].device_kind, rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
