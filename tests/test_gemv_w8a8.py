@@ -10,7 +10,7 @@ import pytest
 
 from bench.experiments import gemv_w8a8 as g
 from jtilert.ops import reference
-from jtilert.ops.quant import quantize_weight
+from jtilert.ops.quant import act_quant, quantize_weight
 from jtilert.pallas import interpret as interp
 
 
@@ -19,13 +19,13 @@ def _rel(a, b):
     return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
-@pytest.mark.parametrize("t,n,k", [(1, 128, 512), (3, 192, 768)])
-def test_matches_its_reference(t, n, k):
+@pytest.mark.parametrize("t,n,k,split", [(1, 128, 512, 1), (3, 192, 768, 1), (2, 64, 1024, 2)])
+def test_matches_its_reference(t, n, k, split):
     kx, kw = jax.random.split(jax.random.key(100 + t))
     x = (jax.random.normal(kx, (t, k), jnp.float32) * 3).astype(jnp.bfloat16)
     w, s = quantize_weight(jax.random.normal(kw, (n, k), jnp.float32) * k**-0.5)
     with interp.interpret(detect_races=True):
-        got = g.w8a8(x, w, s)
+        got = g.linear_w8a8(*act_quant(x), w, s, split=split)
         assert not interp.races_found()
     assert got.shape == (t, n) and got.dtype == jnp.bfloat16
     assert _rel(got, g.reference(x, w, s)) < 1e-2
@@ -34,14 +34,18 @@ def test_matches_its_reference(t, n, k):
 
 
 def test_refuses_shapes_it_does_not_tile():
+    with pytest.raises(ValueError, match="slices"):
+        g.linear_w8a8(jnp.zeros((1, 768), jnp.float8_e4m3fn), jnp.ones((1, 6)), jnp.zeros((64, 768), jnp.float8_e4m3fn),
+                      jnp.ones((1, 6)), split=2)
     with pytest.raises(ValueError, match="K % 256"):
         g.linear_w8a8(jnp.zeros((1, 384), jnp.float8_e4m3fn), jnp.ones((1, 3)), jnp.zeros((64, 384), jnp.float8_e4m3fn),
                       jnp.ones((1, 3)))
 
 
-def test_cross_lowers_for_cuda():
+@pytest.mark.parametrize("n,k", [(7168, 2048), (2240, 7168)])   # o_proj; x_proj (split-K)
+def test_cross_lowers_for_cuda(n, k):
     S = jax.ShapeDtypeStruct
     with interp.compile_for_gpu():
-        txt = jax.jit(g.w8a8).trace(S((1, 2048), jnp.bfloat16), S((7168, 2048), jnp.float8_e4m3fn),
-                                    S((56, 16), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+        txt = jax.jit(g.w8a8).trace(S((1, k), jnp.bfloat16), S((n, k), jnp.float8_e4m3fn),
+                                    S((-(-n // 128), k // 128), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
     assert "jtilert_gemv_w8a8" in txt

@@ -7,8 +7,8 @@ x [T ≤ 8, K] is quantised outside the kernel (`quant.act_quant`: one power-of-
 memory once, the weights stream through a TMA pipeline in the checkpoint layout, and every 128-column
 block is one chain of four m64n8k32 wgmmas into a scratch accumulator whose sums are then scaled by
 x's block scale (per token) times the weights' block scale and added to the running sums (the
-promotion DeepGEMM does). No split-K: a short N (x_proj's 2240 rows: 35 CTAs) leaves most SMs idle.
-Not wired into the model: this measures the kernel alone.
+promotion DeepGEMM does). A short N (x_proj's 2240 rows: 35 row blocks) splits K over more CTAs,
+whose partial sums XLA adds. Not wired into the model: this measures the kernel alone.
 
     python -m bench.experiments.gemv_w8a8 --out gemv_w8a8.json      (GPU)
 """
@@ -27,6 +27,7 @@ from jax import lax
 
 import jtilert.pallas.interpret as _interp
 from jtilert.ops.quant import BLOCK, act_quant
+from jtilert.pallas import _hopper as hw
 
 F32, BF16, FP8 = jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn
 ROWS, STEP, TOKENS = 64, 256, 8   # output rows per CTA, K per pipeline step, B's rows
@@ -45,22 +46,33 @@ def reference(x, w, w_scale):
     return jnp.einsum("tnb,tb,nb->tn", part, xs, ws, precision=lax.Precision.HIGHEST).astype(BF16)
 
 
-def linear_w8a8(xq, xs, w, w_scale, *, stages: int = 4):
+def linear_w8a8(xq, xs, w, w_scale, *, stages: int = 4, split: int | None = None):
     """xq [T, K] fp8 and its scales xs [T, K / 128] (`act_quant`), w [N, K] fp8 with 128-block scales
-    → [T, N] bf16. K a multiple of 256, N of 64."""
+    → [T, N] bf16. K a multiple of 256, N of 64. `split` CTAs share a row block's K (None: double it
+    while the grid stays within two CTAs per SM and each K slice keeps 1024 columns); their fp32 partial
+    sums are added by XLA."""
     t, k = xq.shape
     n = w.shape[0]
     if t > TOKENS or k % STEP or n % ROWS:
         raise ValueError(f"gemv_w8a8: T ≤ {TOKENS}, K % {STEP}, N % {ROWS}; got x {xq.shape}, w {w.shape}")
-    steps = k // STEP
+    if split is None:
+        split = 1
+        while n // ROWS * split * 2 <= 2 * hw.num_sms() and k % (2 * split * STEP) == 0 and k // (2 * split) >= 1024:
+            split *= 2
+    if k % (split * STEP):
+        raise ValueError(f"gemv_w8a8: K={k} does not split into {split} slices of whole {STEP}-column steps")
+    kc = k // split
+    steps = kc // STEP
     stages = min(stages, steps)
+    out_dtype = BF16 if split == 1 else F32
     tiles = (plgpu.TilingTransform((8, BLOCK)), plgpu.SwizzleTransform(128))   # 128 fp8 = one swizzle row
 
     def kernel(xq_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem, xq_smem, o_smem, bar):
-        n_idx = lax.axis_index("n")
+        n_idx, s_idx = lax.axis_index("n"), lax.axis_index("s")
         row0 = n_idx * ROWS
         rb = row0 // BLOCK
-        plgpu.copy_gmem_to_smem(xq_gmem, xq_smem, bar.at[0])
+        blk0 = s_idx * (kc // BLOCK)          # the slice's first 128-column block
+        plgpu.copy_gmem_to_smem(xq_gmem.at[:, pl.ds(s_idx * kc, kc)], xq_smem, bar.at[0])
         col_id = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (ROWS, TOKENS), 1), plgpu.Layout.WGMMA)
         zeros = jnp.where(col_id < 0, 1.0, 0.0).astype(F32)
         plgpu.barrier_wait(bar.at[0])
@@ -84,23 +96,25 @@ def linear_w8a8(xq, xs, w, w_scale, *, stages: int = 4):
                 plgpu.wgmma_wait(0)
                 return tmp0[...], tmp1[...]
             p0, p1 = pl.run_scoped(blocks, plgpu.ACC((ROWS, TOKENS), F32), plgpu.ACC((ROWS, TOKENS), F32))
-            return acc + p0 * factor(step * 2) + p1 * factor(step * 2 + 1)
+            return acc + p0 * factor(blk0 + step * 2) + p1 * factor(blk0 + step * 2 + 1)
 
-        spec = plgpu.BlockSpec((ROWS, STEP), lambda s: (n_idx, s), transforms=tiles)
+        spec = plgpu.BlockSpec((ROWS, STEP), lambda s: (n_idx, s_idx * steps + s), transforms=tiles)
         acc = plgpu.emit_pipeline(body, grid=(steps,), in_specs=[spec], max_concurrent_steps=stages,
                                   init_carry=zeros)(w_gmem)
         for tok in range(t):
-            o_smem.at[tok][...] = jnp.sum(jnp.where(col_id == tok, acc, 0.0), axis=1).astype(BF16)
+            o_smem.at[tok][...] = jnp.sum(jnp.where(col_id == tok, acc, 0.0), axis=1).astype(out_dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, t)], out_gmem.at[:, pl.ds(row0, ROWS)])
+        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, t)], out_gmem.at[s_idx, :, pl.ds(row0, ROWS)])
         plgpu.wait_smem_to_gmem(0)
 
     xq8 = jnp.pad(xq, ((0, TOKENS - t), (0, 0)))
-    call = plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((t, n), BF16), grid=(n // ROWS,), grid_names=("n",),
-                        scratch_types=[plgpu.SMEM((TOKENS, k), FP8, transforms=tiles),
-                                       plgpu.SMEM((TOKENS, ROWS), BF16), plgpu.Barrier(num_barriers=1)],
+    call = plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((split, t, n), out_dtype), grid=(n // ROWS, split),
+                        grid_names=("n", "s"),
+                        scratch_types=[plgpu.SMEM((TOKENS, kc), FP8, transforms=tiles),
+                                       plgpu.SMEM((TOKENS, ROWS), out_dtype), plgpu.Barrier(num_barriers=1)],
                         interpret=_interp.params(), kernel_name="jtilert_gemv_w8a8")
-    return call(xq8, xs.astype(F32), w, w_scale.astype(F32))
+    out = call(xq8, xs.astype(F32), w, w_scale.astype(F32))
+    return out[0] if split == 1 else out.sum(0).astype(BF16)
 
 
 def w8a8(x, w, w_scale):
