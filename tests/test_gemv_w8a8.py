@@ -33,6 +33,25 @@ def test_matches_its_reference(t, n, k, split):
     assert 1e-3 < _rel(got, reference.linear(x, w, s)) < 6e-2
 
 
+@pytest.mark.parametrize("t", [1, 4])
+def test_two_halves_keep_bf16_accuracy(t):
+    """act_quant_hilo: a bf16 value's 8 significant bits are two 4-bit e4m3 halves, so the two halves
+    reproduce the bf16-activation reference (up to the fp32 summation order and the output's bf16
+    rounding), where one fp8 half is 2-3 % off."""
+    kx, kw = jax.random.split(jax.random.key(200 + t))
+    x = (jax.random.normal(kx, (t, 512), jnp.float32) * 3).astype(jnp.bfloat16)
+    w, s = quantize_weight(jax.random.normal(kw, (128, 512), jnp.float32) * 512**-0.5)
+    exact = reference.linear(x, w, s)
+    with interp.interpret(detect_races=True):
+        two = g.w8a8_hilo(x, w, s)
+        one = g.w8a8(x, w, s)
+        assert not interp.races_found()
+    assert two.shape == (t, 128)
+    assert _rel(two, exact) < 1e-3 and _rel(one, exact) > 1e-2
+    with pytest.raises(ValueError):   # 2 × 5 rows do not fit 8 columns
+        g.w8a8_hilo(jnp.ones((5, 512), jnp.bfloat16), w, s)
+
+
 def test_refuses_shapes_it_does_not_tile():
     with pytest.raises(ValueError, match="slices"):
         g.linear_w8a8(jnp.zeros((1, 768), jnp.float8_e4m3fn), jnp.ones((1, 6)), jnp.zeros((64, 768), jnp.float8_e4m3fn),
