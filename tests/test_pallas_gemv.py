@@ -84,6 +84,57 @@ def test_linear(t, n, k, fmt, split, engine):
     assert _rel(got, reference.linear(x, w, s)) < TOL
 
 
+@pytest.mark.parametrize("t,n,k,split", [(1, 96, 256, 1), (3, 130, 512, 2), (8, 64, 1024, 1)])
+def test_fp8x2_engine_matches_the_reference(t, n, k, split):
+    """engine "fp8x2" (both wgmma operands e4m3, x as two e4m3 halves): the bf16-activation GEMV's
+    numerics across tokens, split-K and uneven N; activations far from 1 and non-power-of-two block
+    scales too."""
+    for xs, pow2 in ((1.0, True), (3e3, False), (1e-4, True)):
+        x = _x(t, k, xs)
+        w, s = _weight((n, k), "fp8", pow2=pow2)
+        got = _run(functools.partial(gemv.linear, config=gemv.GemvConfig(engine="fp8x2", split_k=split)), x, w, s)
+        assert got.shape == (t, n)
+        # power-of-two scales: the reference's bf16 weights are exact, and so is x in two halves;
+        # other scales: the reference rounds each scaled weight to bf16, the kernel scales in fp32
+        assert _rel(got, reference.linear(x, w, s)) < (2e-3 if pow2 else TOL)
+
+
+def test_fp8x2_engine_fused_variants_and_experts():
+    """The norm prologue, the residual epilogue, the SwiGLU pair and expert mode with the fp8x2 engine."""
+    from jtilert.pallas import moe
+    cfg = gemv.GemvConfig(engine="fp8x2")
+    x = _x(2, 512)
+    w, s = _weight((192, 512), "fp8")
+    u, us = _weight((192, 512), "fp8")
+    nw = (1 + 0.1 * jax.random.normal(_key(), (512,))).astype(BF16)
+    r = _x(2, 192)
+    got = _run(functools.partial(gemv.rmsnorm_linear, config=cfg), x, nw, 1e-6, w, s)
+    assert _rel(got, reference.linear(reference.rms_norm(x, nw, 1e-6), w, s)) < TOL
+    got = _run(functools.partial(gemv.linear_residual, config=cfg), x, w, s, r)
+    assert _rel(got, reference.linear_residual(x, w, s, r)) < TOL
+    got = _run(functools.partial(gemv.swiglu_pair, config=cfg), x, w, s, u, us)
+    ref = (jax.nn.silu(reference.linear(x, w, s).astype(F32)) * reference.linear(x, u, us).astype(F32))
+    assert _rel(got, ref) < TOL
+    ew, es = _weight((4, 128, 512), "fp8")
+    eu, eus = _weight((4, 128, 512), "fp8")
+    ids = jnp.array([[3, 0], [1, 3]], jnp.int32)
+    got = _run(lambda *a: moe.expert_gate_up(*a, config=cfg), x, ids, ew, es, eu, eus)
+    want = _run(moe.expert_gate_up, x, ids, ew, es, eu, eus)
+    assert _rel(got, want) < TOL
+
+
+def test_fp8x2_engine_refuses_what_it_cannot_take():
+    x = _x(1, 256)
+    cfg = gemv.GemvConfig(engine="fp8x2")
+    with pytest.raises(ValueError, match="fp8x2 takes fp8 weights"):
+        gemv.linear(x, *_weight((64, 256), "bf16"), config=cfg)
+    with pytest.raises(ValueError, match="K a multiple of 128"):
+        gemv.linear(_x(1, 192), *_weight((64, 192), "fp8"), config=cfg)
+    q, s64 = _blocked_fp8((2, 64, 256), 64)
+    with pytest.raises(ValueError, match="fp8x2 engine takes 128-blocks"):
+        gemv.heads_linear(_x(2, 256).reshape(1, 2, 256), q, s64, 64, config=cfg)
+
+
 def test_linear_fp8_scaling_is_robust():
     """Non-power-of-two block scales and activations far from 1 (the f16 B operand is rescaled)."""
     for xs in (3e3, 1e-4):
@@ -246,6 +297,13 @@ def test_cross_lowering_dsv32_shapes():
     _lower(gemv.linear_residual, S((2, 2048), BF16), *q(7168, 2048), S((2, 7168), BF16))
     _lower(gemv.swiglu_pair, x, *q(2304, 7168), *q(2304, 7168))
     _lower(lambda x, w: gemv.linear(x, w, config=gemv.GemvConfig(engine="fma")), x, S((256, 7168), BF16))
+    for f, args in ((lambda x, w, s, r: gemv.linear_residual(x, w, s, r, config=gemv.GemvConfig(engine="fp8x2")),
+                     (S((1, 2048), BF16), *q(7168, 2048), S((1, 7168), BF16))),
+                    (lambda x, nw, w, s: gemv.rmsnorm_linear(x, nw, 1e-6, w, s, config=gemv.GemvConfig(engine="fp8x2")),
+                     (x, S((7168,), BF16), *q(2240, 7168))),
+                    (lambda x, w, s, u, us: gemv.swiglu_pair(x, w, s, u, us, config=gemv.GemvConfig(engine="fp8x2")),
+                     (S((2, 7168), BF16), *q(2304, 7168), *q(2304, 7168)))):
+        _lower(f, *args)   # the fp8x2 engine: e4m3 B written from registers, both operands from SMEM
     # a wgmma group left running into the next step (A from registers: what the interpreter does not run)
     cfg = gemv.GemvConfig(in_flight=1)
     _lower(lambda x, w, s, r: gemv.linear_residual(x, w, s, r, config=cfg), S((1, 2048), BF16), *q(7168, 2048),

@@ -32,6 +32,8 @@ SMEM_HALF_SM = 113 * 1024
 X_LAYOUT = plgpu.Layout.TILED(plgpu.Tiling(((8, 64), (2, 64), (4,))),
                               warp_dims=(-5,), lane_dims=(-3, -2), vector_dim=-1)
 X_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+# The e4m3 token tile [8, 128·m] (wgmma's B with e4m3 weights), written from X_LAYOUT registers
+X8_TRANSFORMS = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
 
 
 def token_chunks(x, fn):
@@ -151,6 +153,16 @@ def f16_range_factor(abs_tiles):
     amax = jnp.maximum(jnp.max(jnp.max(m, axis=1), axis=0), 1e-30)
     # max|B| ≤ 2^15 even if the approximate log2 is off by one.
     return jnp.exp2(13.0 - lax.round(jnp.log2(amax) - 0.5))
+
+
+def fp8_pair_scale(abs_tiles):
+    """Power of two s with max|x|/s in 2^5..2^8 (≤ 448, e4m3's largest, even if the approximate
+    log2 is off by one), from elementwise |x| tiles: x/s in e4m3 (hi) and the rest at s/16 (lo)."""
+    m = None
+    for a in abs_tiles:
+        m = a if m is None else jnp.maximum(m, a)
+    amax = jnp.maximum(jnp.max(jnp.max(m, axis=1), axis=0), 1e-30)
+    return jnp.exp2(lax.round(jnp.log2(amax) - 0.5) - 6.0)
 
 
 def wgmma_fp8_step(acc, w_smem, b_of, *, nsub: int, sub: int, a_buf_of=None):

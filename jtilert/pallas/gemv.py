@@ -45,7 +45,8 @@ class GemvConfig:
     block_k: int = 256       # K per pipeline step, at most (multiple of 128 for fp8, 64 for bf16)
     split_k: int = 0         # CTAs sharing one row block; 0 = pick from the shape
     stages: int = 4          # TMA pipeline depth (steps in flight), at most
-    engine: str = "auto"     # "fma": CUDA-core FMAs; "wgmma": tensor cores; "auto": fma for fp32 weights
+    engine: str = "auto"     # "fma": CUDA-core FMAs; "wgmma": tensor cores; "fp8x2": tensor cores on e4m3
+                             # weights and x as two e4m3 halves; "auto": fma for fp32 weights, else wgmma
     a_in_registers: bool | None = None   # wgmma engine, fp8: A from registers (None: GPU yes, interpret no)
     in_flight: int = 0       # wgmma engine, fp8 A from registers: wgmma groups left running into the next step
 
@@ -72,8 +73,11 @@ class GemvConfig:
         engine = self.engine
         if engine == "auto":
             engine = "fma" if w_itemsize == 4 else "wgmma"
-        if engine not in ("fma", "wgmma"):
+        if engine not in ("fma", "wgmma", "fp8x2"):
             raise ValueError(f"GEMV kernel: unknown engine {engine!r}")
+        if engine == "fp8x2" and (w_itemsize != 1 or k % QBLOCK):
+            raise ValueError(f"GEMV kernel: engine fp8x2 takes fp8 weights and K a multiple of {QBLOCK}, "
+                             f"got {w_itemsize}-byte weights, K={k}")
         layout = layout or functools.partial(projection_smem, k=k, p=n_weights, itemsize=w_itemsize, tb=t)
         kgrains = k // KGRAIN
 
@@ -166,13 +170,17 @@ def projection_scratch(cfg: GemvConfig, *, k: int, p: int, itemsize: int, tb: in
     in_kernel = cfg.split_k == 1
     if cfg.engine == "fma":
         scratch = [plgpu.SMEM((tb, kc), F32)]
+    elif cfg.engine == "fp8x2":   # x's two e4m3 halves, the staging tile, x's scale
+        scratch = [plgpu.SMEM((2, MAX_TOKENS, kc), FP8, transforms=hw.X8_TRANSFORMS),
+                   plgpu.SMEM((MAX_TOKENS, kc), BF16, transforms=X_TRANSFORMS),
+                   plgpu.SMEM((1,), F32)]
     else:
         scratch = [plgpu.SMEM((p if fp8 else 1, MAX_TOKENS, kc), F16 if fp8 else BF16, transforms=X_TRANSFORMS),
                    plgpu.SMEM((MAX_TOKENS, kc), BF16, transforms=X_TRANSFORMS),
                    plgpu.SMEM((p,), F32)]
     scratch += [plgpu.SMEM((1 if in_kernel else p, MAX_TOKENS, cfg.block_n), out_dtype if in_kernel else F32),
                 plgpu.Barrier(num_barriers=2)]
-    if fp8 and cfg.engine != "fma" and not cfg.a_in_registers:
+    if fp8 and cfg.engine == "wgmma" and not cfg.a_in_registers:
         _, sub = hw.weight_transforms(cfg.block_k, itemsize)
         scratch.append(plgpu.SMEM((p, 2, cfg.block_n, sub), F16, transforms=X_TRANSFORMS))
     if residual_dtype is not None and in_kernel:
@@ -190,7 +198,7 @@ def projection_smem(cfg: GemvConfig, *, k: int, p: int, itemsize: int, tb: int, 
     per weight (the fp8 B build at step 0 reduces in there); the epilogue reduces outside."""
     pipe = hw.Scope(tuple(plgpu.SMEM((cfg.stages, cfg.block_n, cfg.block_k), _weight_dtype(itemsize))
                           for _ in range(p)) + (plgpu.Barrier(num_barriers=cfg.stages),),
-                    reduces=itemsize == 1 and cfg.engine == "wgmma")
+                    reduces=itemsize == 1 and cfg.engine in ("wgmma", "fp8x2"))
     scratch = projection_scratch(cfg, k=k, p=p, itemsize=itemsize, tb=tb, out_dtype=out_dtype,
                                  residual_dtype=residual_dtype)
     return hw.Scope(tuple(scratch), (pipe,), reduces=True)
@@ -335,10 +343,11 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
     hw.check_smem("GEMV kernel", layout(cfg), cfg)
     if itemsize == 4 and cfg.engine != "fma":
         raise ValueError("GEMV kernel: fp32 weights need the FMA engine")
-    if fp8 and cfg.engine == "fma" and scale_block != QBLOCK:
-        raise ValueError("GEMV kernel: the FMA engine takes 128-blocks of scales only")
+    if fp8 and cfg.engine in ("fma", "fp8x2") and scale_block != QBLOCK:
+        raise ValueError(f"GEMV kernel: the {cfg.engine} engine takes 128-blocks of scales only")
     bn, bk, split, stages = cfg.block_n, cfg.block_k, cfg.split_k, cfg.stages
     fma = cfg.engine == "fma"
+    x8 = cfg.engine == "fp8x2"
     kc = k // split
     steps = kc // bk
     w_tr, sub = hw.weight_transforms(bk, itemsize)    # sub: one swizzle row, ≤ one scale block
@@ -367,7 +376,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
         invf = next(it) if not fma else None
         xf = next(it) if fma else None
         o_smem, bar = next(it), next(it)
-        a_bufs = next(it) if (fp8 and not fma and not a_regs) else None
+        a_bufs = next(it) if (fp8 and cfg.engine == "wgmma" and not a_regs) else None
         res_smem = next(it) if res_gmem is not None else None
 
         n_idx = lax.axis_index("n")
@@ -418,6 +427,18 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
                     v = v * plgpu.layout_cast(lax.broadcast_in_dim(nwv, (MAX_TOKENS, bw), (1,)), X_LAYOUT)
                 return v
 
+            if x8:
+                # x = hi·s + lo·s/16 with one power-of-two s for the slice: bf16's 8 significant bits
+                # are two 4-bit e4m3 halves (elements far below the largest lose the low ones)
+                sx = hw.fp8_pair_scale(jnp.abs(block(b)) for b in range(nblk))
+                for b in range(nblk):
+                    v = block(b)
+                    hi = (v * (1.0 / sx)).astype(FP8)
+                    xb.at[0, :, pl.ds(b * bw, bw)][...] = hi
+                    xb.at[1, :, pl.ds(b * bw, bw)][...] = ((v - hi.astype(F32) * sx) * (16.0 / sx)).astype(FP8)
+                invf[0] = sx
+                plgpu.commit_smem()
+                return
             for j in range(p if fp8 else 1):
                 if not fp8:
                     for b in range(nblk):
@@ -443,7 +464,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
             # weight tiles are already in flight by then.
             plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(row8, MAX_TOKENS), pl.ds(c0 + k0, kc)], xstage, bar.at[0])
             svals = ([[scale_at(j, (k0 + b * bw) // scale_block) for b in range(nblk)] for j in range(p)]
-                     if fp8 else None)
+                     if fp8 and not x8 else None)
         if res_smem is not None:
             plgpu.copy_gmem_to_smem(res_gmem.at[pl.ds(zero, MAX_TOKENS), pl.ds(row0, bn)], res_smem, bar.at[1])
 
@@ -495,6 +516,36 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
             plgpu.wgmma_wait(cfg.in_flight if fp8 and a_regs else 0)
             return acc_refs
 
+        def body_x8(idx, *args):
+            """Both operands e4m3 from SMEM: per 128-column block, hi and lo into scratch accumulators,
+            then added to the sums scaled by the weights' block scale and x's (the promotion)."""
+            w_smems, (accs, scs) = args[:p], args[p]
+            (step,) = idx
+            kk = step * bk
+
+            @pl.when(step == 0)
+            def _():
+                build_b(xstage, None)
+
+            nxt = scales_at(step + 1)
+            sx = invf[0]
+            out = []
+            for j in range(p):
+                def blocks(*tmps, j=j):
+                    for h in range(nsub):
+                        a = w_smems[j].at[:, pl.ds(h * sub, sub)]
+                        for half in range(2):
+                            plgpu.wgmma(tmps[2 * h + half], a, xb.at[half, :, pl.ds(kk + h * sub, sub)].T)
+                    plgpu.wgmma_wait(0)
+                    return tuple(t[...] for t in tmps)
+                parts = pl.run_scoped(blocks, *[plgpu.ACC((bn, MAX_TOKENS), F32) for _ in range(2 * nsub)])
+                acc = accs[j]
+                for h in range(nsub):
+                    f = scs[j][h] * sx
+                    acc = acc + parts[2 * h] * f + parts[2 * h + 1] * (f * (1.0 / 16.0))
+                out.append(acc)
+            return tuple(out), nxt
+
         def w_spec():
             if stacked:
                 return plgpu.BlockSpec((None, bn, bk), lambda s: (wid, n_idx, s_idx * steps + s), transforms=w_tr)
@@ -504,7 +555,12 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
             return plgpu.emit_pipeline(body, grid=(steps,), in_specs=[w_spec() for _ in range(p)],
                                        max_concurrent_steps=stages, init_carry=carry)(*w_gmems)
 
-        if fma:
+        if x8:
+            col_id = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (bn, MAX_TOKENS), 1), plgpu.Layout.WGMMA)
+            zeros = jnp.where(col_id < 0, 1.0, 0.0).astype(F32)
+            ys, _ = pipeline(body_x8, (tuple(zeros for _ in range(p)), scales_at(0)))
+            cols_of = lambda tok: [jnp.sum(jnp.where(col_id == col0 + tok, y, 0.0), axis=1) for y in ys]
+        elif fma:
             zeros = plgpu.layout_cast(jnp.zeros((bn, sub), F32), w_layout)
             accs, _ = pipeline(body_fma, (tuple(tuple(zeros for _ in range(tb)) for _ in range(p)), scales_at(0)))
             cols_of = lambda tok: [jnp.sum(accs[j][tok], axis=1) for j in range(p)]
