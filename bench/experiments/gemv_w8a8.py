@@ -13,6 +13,9 @@ x's block scale (per token) times the weights' block scale and added to the runn
 promotion DeepGEMM does). A short N (x_proj's 2240 rows: 35 row blocks) splits K over more CTAs,
 whose partial sums XLA adds. Not wired into the model: this measures the kernel alone.
 
+The shipped GEMV's engine "fp8x2" (GemvConfig) is the two-halves form inside the kernel, x split per
+CTA slice while the first weight tiles arrive; it is timed here too.
+
     python -m bench.experiments.gemv_w8a8 --out gemv_w8a8.json      (GPU)
 """
 
@@ -171,7 +174,11 @@ def main(argv=None) -> int:  # pragma: no cover - GPU only
                  rel_err_bf16_activations=err_bf16)
         got_hilo = np.asarray(jax.jit(w8a8_hilo)(x, w, s), np.float64)
         r["rel_err_hilo_bf16_activations"] = float(np.linalg.norm(got_hilo - exact) / np.linalg.norm(exact))
-        for label, fn in (("w8a8", w8a8), ("w8a8_hilo", w8a8_hilo), ("shipped", lambda x, w, s: gemv.linear(x, w, s))):
+        fp8x2 = gemv.GemvConfig(engine="fp8x2")
+        got_x2 = np.asarray(jax.jit(lambda x, w, s: gemv.linear(x, w, s, config=fp8x2))(x, w, s), np.float64)
+        r["rel_err_fp8x2_engine"] = float(np.linalg.norm(got_x2 - exact) / np.linalg.norm(exact))
+        for label, fn in (("w8a8", w8a8), ("w8a8_hilo", w8a8_hilo), ("shipped", lambda x, w, s: gemv.linear(x, w, s)),
+                          ("shipped_fp8x2", lambda x, w, s: gemv.linear(x, w, s, config=fp8x2))):
             cold = time_op(fn, make, nbytes)
             warm = time_op(fn, make, nbytes, copies=1)
             r[label] = dict(cold_us=cold["us"], warm_us=warm["us"], kernels=cold["per_kernel"])
