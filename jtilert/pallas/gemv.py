@@ -6,12 +6,12 @@ block scales, fp32 accumulation. Fused variants: `rmsnorm_linear` (RMSNorm prolo
 Each CTA owns 64 output rows and a 1/split_k share of K and streams its weights through a TMA
 pipeline in the checkpoint layout. "wgmma" engine: rows are wgmma's M, tokens its N (rows ≥ T are
 TMA's zero fill); for fp8 the block scales (and the norm weight) are folded into the f16 B operand
-with a power-of-two rescale, so the weight tile only needs e4m3 → f16. "fp8x2" engine (fp8 weights in
-128-blocks): x split into two e4m3 halves (a bf16 value's 8 significant bits), both wgmma operands
-e4m3 from SMEM, each 128-column block's sums scaled by its weight and x scales: no conversion of the
-weights at all. "fma" engine: CUDA-core fp32 FMAs, for fp32 weights (the router). split_k > 1 writes fp32 partials (with a norm, each
-already scaled by 1/rms, computed in the kernel) and XLA's finish is their sum in one fusion with
-the epilogue (cast, residual, SwiGLU).
+with a power-of-two rescale, so the weight tile only needs e4m3 → f16. "fp8x2" engine (fp8 weights
+in 128-blocks): x split into two e4m3 halves (a bf16 value's 8 significant bits), both wgmma
+operands e4m3 from SMEM, each 128-column block's sums scaled by its weight and x scales: no
+conversion of the weights at all. "fma" engine: CUDA-core fp32 FMAs, for fp32 weights (the router).
+split_k > 1 writes fp32 partials (with a norm, each already scaled by 1/rms, computed in the kernel)
+and XLA's finish is their sum in one fusion with the epilogue (cast, residual, SwiGLU).
 `layer=`: the weights are stacks [L, N, K] and the traced layer index, read on the device, steers
 the weight TMA (no slice of the stack outside the kernel). Expert mode (`ids`, used by `moe`): the
 selected experts' rows of a stack [E, N, K] (or [L, E, N, K]) are read the same way; `heads_linear`
