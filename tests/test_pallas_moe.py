@@ -146,6 +146,10 @@ def test_cross_lowering_dsv32_moe():
         jax.jit(moe.moe_experts).trace(S((1, hidden), BF16), S((1, 8), F32), S((1, 8), jnp.int32),
                                        *q(e, width, hidden), *q(e, width, hidden), *q(e, hidden, width)
                                        ).lower(lowering_platforms=("cuda",))
+        # the down projection on the fp8x2 engine (what the interpreter cannot check: its layouts)
+        jax.jit(lambda h, w, ids, d, ds: moe.expert_down(h, w, ids, d, ds, config=GemvConfig(engine="fp8x2"))).trace(
+            S((8, width), BF16), S((1, 8), F32), S((1, 8), jnp.int32), *q(e, hidden, width)
+        ).lower(lowering_platforms=("cuda",))
 
 
 @pytest.mark.parametrize("tokens", [1, 2])
@@ -174,19 +178,27 @@ def test_moe_experts_with_the_residual_through_the_op_table(tokens):
     assert _rel(out[0], out[1]) < 1e-2
 
 
-@pytest.mark.parametrize("split", [1, 2])
-def test_expert_down_adds_the_residual(split):
+@pytest.mark.parametrize("split,engine", [(1, "auto"), (2, "auto"), (1, "fp8x2"), (2, "fp8x2")])
+def test_expert_down_adds_the_residual(split, engine):
     """With and without split-K (the residual added in the kernel's epilogue, or in XLA's finish), to
-    the bf16-rounded sum as linear_residual adds it."""
+    the bf16-rounded sum as linear_residual adds it; on both tensor-core engines (fp8x2: h in two
+    e4m3 halves, the routing weights and block scales applied to the block sums)."""
     e, width, hidden, tokens = 4, 256, 192, 2
     d, ds = _w((e, hidden, width), "fp8")
     h = jax.random.normal(_key(), (tokens * 2, width), F32).astype(BF16)
     ids = jnp.array([[3, 0], [0, 2]], jnp.int32)
     w = jax.random.uniform(_key(), (tokens, 2), minval=0.2, maxval=1.5)
     residual = (4 * jax.random.normal(_key(), (tokens, hidden), F32)).astype(BF16)
-    cfg = GemvConfig(split_k=split)
+    cfg = GemvConfig(split_k=split, engine=engine)
     got = _run(jax.jit(lambda h, r: moe.expert_down(h, w, ids, d, ds, residual=r, config=cfg)), h, residual)
     plain = _run(jax.jit(lambda h: moe.expert_down(h, w, ids, d, ds, config=cfg)), h)
     want = (np.asarray(plain, np.float32) + np.asarray(residual, np.float32)).astype(BF16)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     assert _rel(got, residual + reference.expert_down(h, w, ids, d, ds)) < 1e-2
+
+
+def test_expert_down_fp8x2_takes_fp8_weights_only():
+    d = jnp.zeros((2, 64, 128), BF16)
+    with pytest.raises(ValueError, match="fp8x2 with fp8 weights"):
+        moe.expert_down(jnp.zeros((2, 128), BF16), jnp.ones((1, 2)), jnp.array([[0, 1]], jnp.int32), d, None,
+                        config=GemvConfig(engine="fp8x2"))

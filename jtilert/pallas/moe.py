@@ -79,14 +79,17 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
         raise ValueError(f"expert_down: scales {down_scale.shape} do not match {down.shape}")
     ktot = nsel * i_dim
     base = config or GemvConfig(engine="wgmma")
-    if base.engine == "fma":
-        raise ValueError("expert_down runs on the wgmma engine")
+    engine = "wgmma" if base.engine == "auto" else base.engine
+    if engine not in ("wgmma", "fp8x2") or (engine == "fp8x2" and not fp8):
+        raise ValueError(f"expert_down runs on the wgmma engine, or fp8x2 with fp8 weights; got {base.engine!r} "
+                         f"with {down.dtype} weights")
+    x8 = engine == "fp8x2"
     bk_cap = min(base.block_k, i_dim, 16384 // (base.block_n * down.dtype.itemsize))
     bk = QBLOCK
     while bk * 2 <= bk_cap and i_dim % (bk * 2) == 0:
         bk *= 2
     cfg = GemvConfig(block_n=base.block_n, block_k=bk, split_k=base.split_k, stages=base.stages,
-                     engine="wgmma", a_in_registers=base.a_in_registers)
+                     engine=engine, a_in_registers=base.a_in_registers)
     # K slices of whole 128-column blocks (B is built per block); a pipeline step inside one
     # expert (block_k divides the expert width). One slice per row block unless the token slice
     # [8, K / split] does not fit in SMEM (K = T·k·I grows with the tokens and experts).
@@ -119,7 +122,7 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
         s_gmem = next(it) if fp8 else None
         res_gmem = next(it) if res_in_kernel else None
         out_gmem, xb, invf, o_smem = next(it), next(it), next(it), next(it)
-        a_bufs = next(it) if (fp8 and not a_regs) else None
+        a_bufs = next(it) if (fp8 and not x8 and not a_regs) else None
         res_smem, res_bar = (next(it), next(it)) if res_in_kernel else (None, None)
         n_idx = lax.axis_index("n")
         s_idx = lax.axis_index("s")
@@ -141,9 +144,16 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
                 out = jnp.where(i == ii, vals[ii], out)
             return out
 
+        def block_factor(kpos):
+            """The routing weight times the weights' block scale of the 128 columns at kpos."""
+            sel = kpos // i_dim
+            c = pick(w_v, sel)
+            return c * s_gmem[pick(ids_v, sel), srow, (kpos % i_dim) // QBLOCK] if fp8 else c
+
         def build_b():
             """B[tok, kpos] = h[sel, ·] · w_sel · s[ids_sel, row block, k block] · f, where sel owns
-            kpos and tok is sel's token (other rows 0); f is a power of two for f16 range."""
+            kpos and tok is sel's token (other rows 0); f is a power of two for f16 range. fp8x2: B is
+            h alone in two e4m3 halves (hi, lo) and the factors are applied to the block sums."""
             row_id = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (MAX_TOKENS, QBLOCK), 0), X_LAYOUT)
 
             def block(b):
@@ -151,14 +161,20 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
                 sel = kpos // i_dim
                 part = (kpos % i_dim) // QBLOCK
                 hv = plgpu.load(h_gmem.at[sel, pl.ds(part * QBLOCK, QBLOCK)], optimized=False).astype(F32)
-                c = pick(w_v, sel)
-                if fp8:
-                    c = c * s_gmem[pick(ids_v, sel), srow, part]
-                v = plgpu.layout_cast(lax.broadcast_in_dim(hv * c, (MAX_TOKENS, QBLOCK), (1,)), X_LAYOUT)
+                if not x8:
+                    hv = hv * block_factor(kpos)
+                v = plgpu.layout_cast(lax.broadcast_in_dim(hv, (MAX_TOKENS, QBLOCK), (1,)), X_LAYOUT)
                 return jnp.where(row_id == sel // kper, v, 0.0)
 
             vals = [block(b) for b in range(nblk)]
-            if fp8:
+            if x8:
+                sx = hw.fp8_pair_scale(jnp.abs(v) for v in vals)
+                for b, v in enumerate(vals):
+                    hi = (v * (1.0 / sx)).astype(FP8)
+                    xb.at[0, :, pl.ds(b * QBLOCK, QBLOCK)][...] = hi
+                    xb.at[1, :, pl.ds(b * QBLOCK, QBLOCK)][...] = ((v - hi.astype(F32) * sx) * (16.0 / sx)).astype(FP8)
+                invf[0] = sx
+            elif fp8:
                 f = hw.f16_range_factor(jnp.abs(v) for v in vals)
                 for b, v in enumerate(vals):
                     xb.at[:, pl.ds(b * QBLOCK, QBLOCK)][...] = (v * f).astype(F16)
@@ -189,20 +205,57 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
             plgpu.wgmma_wait(0)
             return acc
 
-        def run(acc):
-            plgpu.emit_pipeline(
-                body, grid=(steps,),
+        def factors(step):
+            """The block factors of a pipeline step's sub-blocks (read a step ahead)."""
+            return tuple(block_factor(k0 + jnp.minimum(step, steps - 1) * bk + hh * sub) for hh in range(nsub))
+
+        def body_x8(idx, w_smem, carry):
+            """Both operands e4m3 from SMEM: each sub-block's hi and lo sums, scaled by its factor and
+            x's scale, added to the running sums."""
+            acc, fs = carry
+            (step,) = idx
+
+            @pl.when(step == 0)
+            def _():
+                build_b()
+
+            nxt = factors(step + 1)
+            sx = invf[0]
+            kk = step * bk
+
+            def blocks(*tmps):
+                for hh in range(nsub):
+                    a = w_smem.at[:, pl.ds(hh * sub, sub)]
+                    for half in range(2):
+                        plgpu.wgmma(tmps[2 * hh + half], a, xb.at[half, :, pl.ds(kk + hh * sub, sub)].T)
+                plgpu.wgmma_wait(0)
+                return tuple(t[...] for t in tmps)
+            parts = pl.run_scoped(blocks, *[plgpu.ACC((bn, MAX_TOKENS), F32) for _ in range(2 * nsub)])
+            for hh in range(nsub):
+                f = fs[hh] * sx
+                acc = acc + parts[2 * hh] * f + parts[2 * hh + 1] * (f * (1.0 / 16.0))
+            return acc, nxt
+
+        def pipeline(fn, carry):
+            return plgpu.emit_pipeline(
+                fn, grid=(steps,),
                 in_specs=[plgpu.BlockSpec((None, bn, bk), lambda s: w_index(s), transforms=w_tr)],
-                max_concurrent_steps=stages, init_carry=acc)(d_gmem)
+                max_concurrent_steps=stages, init_carry=carry)(d_gmem)
+
+        def run(acc):
+            pipeline(body, acc)
             return acc[...]
 
-        y = pl.run_scoped(run, plgpu.ACC((bn, MAX_TOKENS), F32))
         col_id = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (bn, MAX_TOKENS), 1), plgpu.Layout.WGMMA)
+        if x8:
+            y, _ = pipeline(body_x8, (jnp.where(col_id < 0, 1.0, 0.0).astype(F32), factors(0)))
+        else:
+            y = pl.run_scoped(run, plgpu.ACC((bn, MAX_TOKENS), F32))
         if res_in_kernel:
             plgpu.barrier_wait(res_bar.at[0])
         for tok in range(t):
             col = jnp.sum(jnp.where(col_id == tok, y, 0.0), axis=1)
-            if fp8:
+            if fp8 and not x8:
                 col = col * invf[0]
             if res_in_kernel:
                 o_smem.at[tok][...] = gemv.add_residual(col, res_smem.at[tok][...], o_dtype)
@@ -233,14 +286,16 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
 
 
 def expert_down_scratch(cfg: GemvConfig, *, k: int, itemsize: int, out_dtype=BF16, residual_dtype=None) -> list:
-    """`expert_down`'s scratch buffers under a resolved config: the B operand [8, K / split], the
-    fp8 range factor, the output tile, the A double buffer (fp8 with A from SMEM), and the residual
+    """`expert_down`'s scratch buffers under a resolved config: the B operand [8, K / split] (fp8x2:
+    its two e4m3 halves), the fp8 range factor (fp8x2: x's scale), the output tile, the A double buffer (fp8 with A from SMEM), and the residual
     tile with its barrier (a residual without split-K)."""
     fp8 = itemsize == 1
-    scratch = [plgpu.SMEM((MAX_TOKENS, k // cfg.split_k), F16 if fp8 else BF16, transforms=X_TRANSFORMS),
-               plgpu.SMEM((1,), F32),
+    kc = k // cfg.split_k
+    b_operand = (plgpu.SMEM((2, MAX_TOKENS, kc), FP8, transforms=hw.X8_TRANSFORMS) if cfg.engine == "fp8x2" else
+                 plgpu.SMEM((MAX_TOKENS, kc), F16 if fp8 else BF16, transforms=X_TRANSFORMS))
+    scratch = [b_operand, plgpu.SMEM((1,), F32),
                plgpu.SMEM((MAX_TOKENS, cfg.block_n), out_dtype if cfg.split_k == 1 else F32)]
-    if fp8 and not cfg.a_in_registers:
+    if fp8 and cfg.engine == "wgmma" and not cfg.a_in_registers:
         _, sub = hw.weight_transforms(cfg.block_k, itemsize)
         scratch.append(plgpu.SMEM((2, cfg.block_n, sub), F16, transforms=X_TRANSFORMS))
     if residual_dtype is not None and cfg.split_k == 1:
