@@ -144,25 +144,54 @@ def num_sms() -> int:
         return 132
 
 
+def _log2_amax(abs_tiles):
+    """floor(log2 max) over elementwise |x| tiles, approximately (the log2 may be off by one)."""
+    m = None
+    for a in abs_tiles:
+        m = a if m is None else jnp.maximum(m, a)
+    amax = jnp.maximum(jnp.max(jnp.max(m, axis=1), axis=0), 1e-30)
+    return lax.round(jnp.log2(amax) - 0.5)
+
+
 def f16_range_factor(abs_tiles):
     """Power of two f with max|B|·f in 2^13..2^15 (f16 keeps bf16's 8 mantissa bits for every
     element that matters), from elementwise |B| tiles; the epilogue multiplies by 1/f."""
-    m = None
-    for a in abs_tiles:
-        m = a if m is None else jnp.maximum(m, a)
-    amax = jnp.maximum(jnp.max(jnp.max(m, axis=1), axis=0), 1e-30)
     # max|B| ≤ 2^15 even if the approximate log2 is off by one.
-    return jnp.exp2(13.0 - lax.round(jnp.log2(amax) - 0.5))
+    return jnp.exp2(13.0 - _log2_amax(abs_tiles))
 
 
-def fp8_pair_scale(abs_tiles):
-    """Power of two s with max|x|/s in 2^5..2^8 (≤ 448, e4m3's largest, even if the approximate
-    log2 is off by one), from elementwise |x| tiles: x/s in e4m3 (hi) and the rest at s/16 (lo)."""
-    m = None
-    for a in abs_tiles:
-        m = a if m is None else jnp.maximum(m, a)
-    amax = jnp.maximum(jnp.max(jnp.max(m, axis=1), axis=0), 1e-30)
-    return jnp.exp2(lax.round(jnp.log2(amax) - 0.5) - 6.0)
+def store_fp8_pair(xb, tile, n: int, width: int):
+    """x as two e4m3 halves into xb [2, 8, n·width] (X8_TRANSFORMS): hi = x/s in xb[0] and the rest
+    at s/16 in xb[1], for the f32 X_LAYOUT tiles tile(0..n-1) of x's columns (tile(b) is called twice:
+    once for the scale, once to store). One power of two s with max|x|/s in 2^5..2^8 (≤ 448, e4m3's
+    largest, even if the approximate log2 is off by one); hi·s + lo·s/16 = x for bf16 x (8
+    significant bits), but for elements more than about 2^-11 below the largest (hi subnormal),
+    whose error stays below s·2^-14. Returns s."""
+    s = jnp.exp2(_log2_amax(jnp.abs(tile(b)) for b in range(n)) - 6.0)
+    for b in range(n):
+        v = tile(b)
+        hi = (v * (1.0 / s)).astype(FP8)
+        xb.at[0, :, pl.ds(b * width, width)][...] = hi
+        xb.at[1, :, pl.ds(b * width, width)][...] = ((v - hi.astype(F32) * s) * (16.0 / s)).astype(FP8)
+    return s
+
+
+def wgmma_fp8_pair_step(acc, w_smem, xb, col, factors, *, nsub: int, sub: int):
+    """acc + Σ_h (w_h · hi_h + w_h · lo_h / 16) · factors[h] for one pipeline step of e4m3 weights and
+    x's halves in xb (`store_fp8_pair`): w_h the step's sub-block h (`sub` columns, one scale block),
+    hi_h / lo_h xb's columns col + h·sub..; both operands from SMEM, each product into its own
+    scratch accumulator, then scaled and added (the promotion)."""
+    def blocks(*tmps):
+        for h in range(nsub):
+            a = w_smem.at[:, pl.ds(h * sub, sub)]
+            for half in range(2):
+                plgpu.wgmma(tmps[2 * h + half], a, xb.at[half, :, pl.ds(col + h * sub, sub)].T)
+        plgpu.wgmma_wait(0)
+        return tuple(t[...] for t in tmps)
+    parts = pl.run_scoped(blocks, *[plgpu.ACC(acc.shape, F32) for _ in range(2 * nsub)])
+    for h in range(nsub):
+        acc = acc + parts[2 * h] * factors[h] + parts[2 * h + 1] * (factors[h] * (1.0 / 16.0))
+    return acc
 
 
 def wgmma_fp8_step(acc, w_smem, b_of, *, nsub: int, sub: int, a_buf_of=None):

@@ -429,16 +429,8 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
                     v = v * plgpu.layout_cast(lax.broadcast_in_dim(nwv, (MAX_TOKENS, bw), (1,)), X_LAYOUT)
                 return v
 
-            if x8:
-                # x = hi·s + lo·s/16 with one power-of-two s for the slice: bf16's 8 significant bits
-                # are two 4-bit e4m3 halves (elements far below the largest lose the low ones)
-                sx = hw.fp8_pair_scale(jnp.abs(block(b)) for b in range(nblk))
-                for b in range(nblk):
-                    v = block(b)
-                    hi = (v * (1.0 / sx)).astype(FP8)
-                    xb.at[0, :, pl.ds(b * bw, bw)][...] = hi
-                    xb.at[1, :, pl.ds(b * bw, bw)][...] = ((v - hi.astype(F32) * sx) * (16.0 / sx)).astype(FP8)
-                invf[0] = sx
+            if x8:   # x's two e4m3 halves, one scale for the slice
+                invf[0] = hw.store_fp8_pair(xb, block, nblk, bw)
                 plgpu.commit_smem()
                 return
             for j in range(p if fp8 else 1):
@@ -531,22 +523,8 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
 
             nxt = scales_at(step + 1)
             sx = invf[0]
-            out = []
-            for j in range(p):
-                def blocks(*tmps, j=j):
-                    for h in range(nsub):
-                        a = w_smems[j].at[:, pl.ds(h * sub, sub)]
-                        for half in range(2):
-                            plgpu.wgmma(tmps[2 * h + half], a, xb.at[half, :, pl.ds(kk + h * sub, sub)].T)
-                    plgpu.wgmma_wait(0)
-                    return tuple(t[...] for t in tmps)
-                parts = pl.run_scoped(blocks, *[plgpu.ACC((bn, MAX_TOKENS), F32) for _ in range(2 * nsub)])
-                acc = accs[j]
-                for h in range(nsub):
-                    f = scs[j][h] * sx
-                    acc = acc + parts[2 * h] * f + parts[2 * h + 1] * (f * (1.0 / 16.0))
-                out.append(acc)
-            return tuple(out), nxt
+            return tuple(hw.wgmma_fp8_pair_step(accs[j], w_smems[j], xb, kk, [f * sx for f in scs[j]],
+                                                nsub=nsub, sub=sub) for j in range(p)), nxt
 
         def w_spec():
             if stacked:

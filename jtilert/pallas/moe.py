@@ -168,12 +168,7 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
 
             vals = [block(b) for b in range(nblk)]
             if x8:
-                sx = hw.fp8_pair_scale(jnp.abs(v) for v in vals)
-                for b, v in enumerate(vals):
-                    hi = (v * (1.0 / sx)).astype(FP8)
-                    xb.at[0, :, pl.ds(b * QBLOCK, QBLOCK)][...] = hi
-                    xb.at[1, :, pl.ds(b * QBLOCK, QBLOCK)][...] = ((v - hi.astype(F32) * sx) * (16.0 / sx)).astype(FP8)
-                invf[0] = sx
+                invf[0] = hw.store_fp8_pair(xb, vals.__getitem__, nblk, QBLOCK)
             elif fp8:
                 f = hw.f16_range_factor(jnp.abs(v) for v in vals)
                 for b, v in enumerate(vals):
@@ -221,19 +216,7 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
 
             nxt = factors(step + 1)
             sx = invf[0]
-            kk = step * bk
-
-            def blocks(*tmps):
-                for hh in range(nsub):
-                    a = w_smem.at[:, pl.ds(hh * sub, sub)]
-                    for half in range(2):
-                        plgpu.wgmma(tmps[2 * hh + half], a, xb.at[half, :, pl.ds(kk + hh * sub, sub)].T)
-                plgpu.wgmma_wait(0)
-                return tuple(t[...] for t in tmps)
-            parts = pl.run_scoped(blocks, *[plgpu.ACC((bn, MAX_TOKENS), F32) for _ in range(2 * nsub)])
-            for hh in range(nsub):
-                f = fs[hh] * sx
-                acc = acc + parts[2 * hh] * f + parts[2 * hh + 1] * (f * (1.0 / 16.0))
+            acc = hw.wgmma_fp8_pair_step(acc, w_smem, xb, step * bk, [f * sx for f in fs], nsub=nsub, sub=sub)
             return acc, nxt
 
         def pipeline(fn, carry):
@@ -287,8 +270,9 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
 
 def expert_down_scratch(cfg: GemvConfig, *, k: int, itemsize: int, out_dtype=BF16, residual_dtype=None) -> list:
     """`expert_down`'s scratch buffers under a resolved config: the B operand [8, K / split] (fp8x2:
-    its two e4m3 halves), the fp8 range factor (fp8x2: x's scale), the output tile, the A double buffer (fp8 with A from SMEM), and the residual
-    tile with its barrier (a residual without split-K)."""
+    its two e4m3 halves), the fp8 range factor (fp8x2: x's scale), the output tile, the A double
+    buffer (fp8 with A from SMEM), and the residual tile with its barrier (a residual without
+    split-K)."""
     fp8 = itemsize == 1
     kc = k // cfg.split_k
     b_operand = (plgpu.SMEM((2, MAX_TOKENS, kc), FP8, transforms=hw.X8_TRANSFORMS) if cfg.engine == "fp8x2" else
