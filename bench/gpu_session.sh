@@ -60,6 +60,8 @@
 #                bench.decode arguments for every tree)
 #   gemvbound    bench/experiments/gemv_bound.py: o_proj's fp8 GEMV cold and from L2 under tuning configs, K 256..2048,
 #                bf16 weights (what bounds the GEMV kernel)
+#   swap         bench/experiments/gemv_swap.py: the fp8 GEMV with the weights as wgmma's B and x's halves as A,
+#                against the shipped one (o_proj, x_proj, q_b | wq_b; cold, warm, error against bf16 activations)
 #   inflight     the same, o_proj and x_proj with GemvConfig.in_flight 0 and 1 only
 #   w8a8         bench/experiments/gemv_w8a8.py: the fp8-activation GEMV against the shipped one (o_proj, x_proj,
 #                q_b | wq_b; cold, warm; its error against its reference and against bf16 activations)
@@ -231,6 +233,8 @@ for part in "$@"; do
       step gemvbound 300 python3 -m bench.experiments.gemv_bound --out "$WORK/gemvbound.json" ;;
     w8a8)
       step w8a8 200 python3 -m bench.experiments.gemv_w8a8 --out "$WORK/w8a8.json" ;;
+    swap)
+      step swap 420 python3 -m bench.experiments.gemv_swap --out "$WORK/swap.json" ;;
     inflight)
       step inflight 150 python3 -m bench.experiments.gemv_bound --in-flight --out "$WORK/inflight.json" ;;
     prefetch)

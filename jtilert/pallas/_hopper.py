@@ -160,19 +160,19 @@ def f16_range_factor(abs_tiles):
     return jnp.exp2(13.0 - _log2_amax(abs_tiles))
 
 
-def store_fp8_pair(xb, tile, n: int, width: int):
-    """x as two e4m3 halves into xb [2, 8, n·width] (X8_TRANSFORMS): hi = x/s in xb[0] and the rest
-    at s/16 in xb[1], for the f32 X_LAYOUT tiles tile(0..n-1) of x's columns (tile(b) is called twice:
-    once for the scale, once to store). One power of two s with max|x|/s in 2^5..2^8 (≤ 448, e4m3's
-    largest, even if the approximate log2 is off by one); hi·s + lo·s/16 = x for bf16 x (8
-    significant bits), but for elements more than about 2^-11 below the largest (hi subnormal),
-    whose error stays below s·2^-14. Returns s."""
+def store_fp8_pair(dest, tile, n: int):
+    """x as two e4m3 halves: hi = x/s into dest(0, b) and the rest at s/16 into dest(1, b), for the
+    f32 X_LAYOUT tiles tile(0..n-1) of x's columns (tile(b) is called twice: once for the scale, once
+    to store) and dest(half, b) an e4m3 SMEM view of the tile's shape (X8_TRANSFORMS). One power of
+    two s with max|x|/s in 2^5..2^8 (≤ 448, e4m3's largest, even if the approximate log2 is off by
+    one); hi·s + lo·s/16 = x for bf16 x (8 significant bits), but for elements more than about 2^-11
+    below the largest (hi subnormal), whose error stays below s·2^-14. Returns s."""
     s = jnp.exp2(_log2_amax(jnp.abs(tile(b)) for b in range(n)) - 6.0)
     for b in range(n):
         v = tile(b)
         hi = (v * (1.0 / s)).astype(FP8)
-        xb.at[0, :, pl.ds(b * width, width)][...] = hi
-        xb.at[1, :, pl.ds(b * width, width)][...] = ((v - hi.astype(F32) * s) * (16.0 / s)).astype(FP8)
+        dest(0, b)[...] = hi
+        dest(1, b)[...] = ((v - hi.astype(F32) * s) * (16.0 / s)).astype(FP8)
     return s
 
 

@@ -430,7 +430,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
                 return v
 
             if x8:   # x's two e4m3 halves, one scale for the slice
-                invf[0] = hw.store_fp8_pair(xb, block, nblk, bw)
+                invf[0] = hw.store_fp8_pair(lambda h, b: xb.at[h, :, pl.ds(b * bw, bw)], block, nblk)
                 plgpu.commit_smem()
                 return
             for j in range(p if fp8 else 1):

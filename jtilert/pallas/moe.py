@@ -168,7 +168,7 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
 
             vals = [block(b) for b in range(nblk)]
             if x8:
-                invf[0] = hw.store_fp8_pair(xb, vals.__getitem__, nblk, QBLOCK)
+                invf[0] = hw.store_fp8_pair(lambda h, b: xb.at[h, :, pl.ds(b * QBLOCK, QBLOCK)], vals.__getitem__, nblk)
             elif fp8:
                 f = hw.f16_range_factor(jnp.abs(v) for v in vals)
                 for b, v in enumerate(vals):
