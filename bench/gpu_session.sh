@@ -64,7 +64,8 @@
 #                against the shipped one (o_proj, x_proj, q_b | wq_b; cold, warm, error against bf16 activations)
 #   inflight     the same, o_proj and x_proj with GemvConfig.in_flight 0 and 1 only
 #   w8a8         bench/experiments/gemv_w8a8.py: the fp8-activation GEMV against the shipped one (o_proj, x_proj,
-#                q_b | wq_b; cold, warm; its error against its reference and against bf16 activations)
+#                q_b | wq_b; cold, warm; its error against its reference and against bf16 activations;
+#                W8A8_ONLY: the forms timed, e.g. shipped,shipped_fp8x2)
 #   prefetch     tests/gpu/prefetch_check.py (o_proj's and the router's GEMV cold against after an L2 prefetch, after
 #                build), then bench.decode 61 layers, pallas, without and with --l2-prefetch, back to back
 #   mtp          bench.decode 61 layers, pallas, plain and MTP speculative step (verify 2 + draft)
@@ -232,7 +233,7 @@ for part in "$@"; do
     gemvbound)
       step gemvbound 300 python3 -m bench.experiments.gemv_bound --out "$WORK/gemvbound.json" ;;
     w8a8)
-      step w8a8 200 python3 -m bench.experiments.gemv_w8a8 --out "$WORK/w8a8.json" ;;
+      step w8a8 300 python3 -m bench.experiments.gemv_w8a8 ${W8A8_ONLY:+--only $W8A8_ONLY} --out "$WORK/w8a8.json" ;;
     swap)
       step swap 420 python3 -m bench.experiments.gemv_swap --out "$WORK/swap.json" ;;
     inflight)

@@ -157,7 +157,9 @@ def main(argv=None) -> int:  # pragma: no cover - GPU only
     from jtilert.pallas import gemv
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gemv_w8a8.json")
+    ap.add_argument("--only", default="w8a8,w8a8_hilo,shipped,shipped_fp8x2", help="the forms timed")
     a = ap.parse_args(argv)
+    only = a.only.split(",")
     rows = []
     for name, n, k in (("o_proj", 7168, 2048), ("x_proj", 2240, 7168), ("q_b|wq_b", 11264, 1536)):
         sh = Shape(name, n, k)
@@ -179,6 +181,8 @@ def main(argv=None) -> int:  # pragma: no cover - GPU only
         r["rel_err_fp8x2_engine"] = float(np.linalg.norm(got_x2 - exact) / np.linalg.norm(exact))
         for label, fn in (("w8a8", w8a8), ("w8a8_hilo", w8a8_hilo), ("shipped", lambda x, w, s: gemv.linear(x, w, s)),
                           ("shipped_fp8x2", lambda x, w, s: gemv.linear(x, w, s, config=fp8x2))):
+            if label not in only:
+                continue
             cold = time_op(fn, make, nbytes)
             warm = time_op(fn, make, nbytes, copies=1)
             r[label] = dict(cold_us=cold["us"], warm_us=warm["us"], kernels=cold["per_kernel"])

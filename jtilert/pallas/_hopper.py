@@ -176,22 +176,41 @@ def store_fp8_pair(dest, tile, n: int):
     return s
 
 
+PAIR_COLS = 2 * MAX_TOKENS   # wgmma N of the fp8x2 engines: x's hi rows 0..7, lo rows 8..15
+
+
+def pair_operand(kc: int):
+    """SMEM type of x's two e4m3 halves over a K slice of kc columns: [16, kc], hi of token t in row t,
+    lo in row 8 + t (`store_fp8_pair` with `pair_rows`), one wgmma B operand of N = 16."""
+    return plgpu.SMEM((PAIR_COLS, kc), FP8, transforms=X8_TRANSFORMS)
+
+
+def pair_rows(xb, width: int):
+    """`store_fp8_pair`'s destination in a `pair_operand` buffer: half h of column tile b."""
+    return lambda h, b: xb.at[pl.ds(h * MAX_TOKENS, MAX_TOKENS), pl.ds(b * width, width)]
+
+
 def wgmma_fp8_pair_step(acc, w_smem, xb, col, factors, *, nsub: int, sub: int):
-    """acc + Σ_h (w_h · hi_h + w_h · lo_h / 16) · factors[h] for one pipeline step of e4m3 weights and
-    x's halves in xb (`store_fp8_pair`): w_h the step's sub-block h (`sub` columns, one scale block),
-    hi_h / lo_h xb's columns col + h·sub..; both operands from SMEM, each product into its own
-    scratch accumulator, then scaled and added (the promotion)."""
+    """acc + Σ_h (w_h · [hi; lo]_h) · factors[h] for one pipeline step of e4m3 weights and x's halves
+    in xb (`pair_operand`): w_h the step's sub-block h (`sub` columns, one scale block), one N = 16
+    wgmma per sub-block with both operands from SMEM into a scratch accumulator, then scaled and
+    added (the promotion). acc [rows, 16]: column t is token t's hi sum, 8 + t its lo sum
+    (`pair_column` combines them)."""
     def blocks(*tmps):
-        for h in range(nsub):
-            a = w_smem.at[:, pl.ds(h * sub, sub)]
-            for half in range(2):
-                plgpu.wgmma(tmps[2 * h + half], a, xb.at[half, :, pl.ds(col + h * sub, sub)].T)
+        for h, tmp in enumerate(tmps):
+            plgpu.wgmma(tmp, w_smem.at[:, pl.ds(h * sub, sub)], xb.at[:, pl.ds(col + h * sub, sub)].T)
         plgpu.wgmma_wait(0)
         return tuple(t[...] for t in tmps)
-    parts = pl.run_scoped(blocks, *[plgpu.ACC(acc.shape, F32) for _ in range(2 * nsub)])
-    for h in range(nsub):
-        acc = acc + parts[2 * h] * factors[h] + parts[2 * h + 1] * (factors[h] * (1.0 / 16.0))
+    parts = pl.run_scoped(blocks, *[plgpu.ACC(acc.shape, F32) for _ in range(nsub)])
+    for part, f in zip(parts, factors):
+        acc = acc + part * f
     return acc
+
+
+def pair_column(acc, col_id, tok):
+    """Token `tok`'s sums from a `wgmma_fp8_pair_step` accumulator: its hi column plus its lo column / 16."""
+    both = jnp.where(col_id == tok, acc, jnp.where(col_id == tok + MAX_TOKENS, acc * (1.0 / 16.0), 0.0))
+    return jnp.sum(both, axis=1)
 
 
 def wgmma_fp8_step(acc, w_smem, b_of, *, nsub: int, sub: int, a_buf_of=None):

@@ -8,8 +8,9 @@ pipeline in the checkpoint layout. "wgmma" engine: rows are wgmma's M, tokens it
 TMA's zero fill); for fp8 the block scales (and the norm weight) are folded into the f16 B operand
 with a power-of-two rescale, so the weight tile only needs e4m3 → f16. "fp8x2" engine (fp8 weights
 in 128-blocks): x split into two e4m3 halves (a bf16 value's 8 significant bits), both wgmma
-operands e4m3 from SMEM, each 128-column block's sums scaled by its weight and x scales: no
-conversion of the weights at all. "fma" engine: CUDA-core fp32 FMAs, for fp32 weights (the router).
+operands e4m3 from SMEM (x's halves one B of 16 columns: hi rows 0..7, lo rows 8..15), each
+128-column block's sums scaled by its weight and x scales: no conversion of the weights at all, and
+one wgmma per 128 × 32 weights (the f16 path takes two, from registers). "fma" engine: CUDA-core fp32 FMAs, for fp32 weights (the router).
 split_k > 1 writes fp32 partials (with a norm, each already scaled by 1/rms, computed in the kernel)
 and XLA's finish is their sum in one fusion with the epilogue (cast, residual, SwiGLU).
 `layer=`: the weights are stacks [L, N, K] and the traced layer index, read on the device, steers
@@ -173,7 +174,7 @@ def projection_scratch(cfg: GemvConfig, *, k: int, p: int, itemsize: int, tb: in
     if cfg.engine == "fma":
         scratch = [plgpu.SMEM((tb, kc), F32)]
     elif cfg.engine == "fp8x2":   # x's two e4m3 halves, the staging tile, x's scale
-        scratch = [plgpu.SMEM((2, MAX_TOKENS, kc), FP8, transforms=hw.X8_TRANSFORMS),
+        scratch = [hw.pair_operand(kc),
                    plgpu.SMEM((MAX_TOKENS, kc), BF16, transforms=X_TRANSFORMS),
                    plgpu.SMEM((1,), F32)]
     else:
@@ -430,7 +431,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
                 return v
 
             if x8:   # x's two e4m3 halves, one scale for the slice
-                invf[0] = hw.store_fp8_pair(lambda h, b: xb.at[h, :, pl.ds(b * bw, bw)], block, nblk)
+                invf[0] = hw.store_fp8_pair(hw.pair_rows(xb, bw), block, nblk)
                 plgpu.commit_smem()
                 return
             for j in range(p if fp8 else 1):
@@ -511,8 +512,8 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
             return acc_refs
 
         def body_x8(idx, *args):
-            """Both operands e4m3 from SMEM: per 128-column block, hi and lo into scratch accumulators,
-            then added to the sums scaled by the weights' block scale and x's (the promotion)."""
+            """Both operands e4m3 from SMEM: per 128-column block, hi and lo (one B) into a scratch
+            accumulator, then added to the sums scaled by the weights' block scale and x's (the promotion)."""
             w_smems, (accs, scs) = args[:p], args[p]
             (step,) = idx
             kk = step * bk
@@ -536,10 +537,10 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
                                        max_concurrent_steps=stages, init_carry=carry)(*w_gmems)
 
         if x8:
-            col_id = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (bn, MAX_TOKENS), 1), plgpu.Layout.WGMMA)
+            col_id = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (bn, hw.PAIR_COLS), 1), plgpu.Layout.WGMMA)
             zeros = jnp.where(col_id < 0, 1.0, 0.0).astype(F32)
             ys, _ = pipeline(body_x8, (tuple(zeros for _ in range(p)), scales_at(0)))
-            cols_of = lambda tok: [jnp.sum(jnp.where(col_id == col0 + tok, y, 0.0), axis=1) for y in ys]
+            cols_of = lambda tok: [hw.pair_column(y, col_id, col0 + tok) for y in ys]
         elif fma:
             zeros = plgpu.layout_cast(jnp.zeros((bn, sub), F32), w_layout)
             accs, _ = pipeline(body_fma, (tuple(tuple(zeros for _ in range(tb)) for _ in range(p)), scales_at(0)))

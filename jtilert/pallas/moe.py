@@ -168,7 +168,7 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
 
             vals = [block(b) for b in range(nblk)]
             if x8:
-                invf[0] = hw.store_fp8_pair(lambda h, b: xb.at[h, :, pl.ds(b * QBLOCK, QBLOCK)], vals.__getitem__, nblk)
+                invf[0] = hw.store_fp8_pair(hw.pair_rows(xb, QBLOCK), vals.__getitem__, nblk)
             elif fp8:
                 f = hw.f16_range_factor(jnp.abs(v) for v in vals)
                 for b, v in enumerate(vals):
@@ -229,7 +229,8 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
             pipeline(body, acc)
             return acc[...]
 
-        col_id = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (bn, MAX_TOKENS), 1), plgpu.Layout.WGMMA)
+        cols = hw.PAIR_COLS if x8 else MAX_TOKENS
+        col_id = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (bn, cols), 1), plgpu.Layout.WGMMA)
         if x8:
             y, _ = pipeline(body_x8, (jnp.where(col_id < 0, 1.0, 0.0).astype(F32), factors(0)))
         else:
@@ -237,7 +238,7 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
         if res_in_kernel:
             plgpu.barrier_wait(res_bar.at[0])
         for tok in range(t):
-            col = jnp.sum(jnp.where(col_id == tok, y, 0.0), axis=1)
+            col = hw.pair_column(y, col_id, tok) if x8 else jnp.sum(jnp.where(col_id == tok, y, 0.0), axis=1)
             if fp8 and not x8:
                 col = col * invf[0]
             if res_in_kernel:
@@ -275,7 +276,7 @@ def expert_down_scratch(cfg: GemvConfig, *, k: int, itemsize: int, out_dtype=BF1
     split-K)."""
     fp8 = itemsize == 1
     kc = k // cfg.split_k
-    b_operand = (plgpu.SMEM((2, MAX_TOKENS, kc), FP8, transforms=hw.X8_TRANSFORMS) if cfg.engine == "fp8x2" else
+    b_operand = (hw.pair_operand(kc) if cfg.engine == "fp8x2" else
                  plgpu.SMEM((MAX_TOKENS, kc), F16 if fp8 else BF16, transforms=X_TRANSFORMS))
     scratch = [b_operand, plgpu.SMEM((1,), F32),
                plgpu.SMEM((MAX_TOKENS, cfg.block_n), out_dtype if cfg.split_k == 1 else F32)]
