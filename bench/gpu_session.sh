@@ -65,7 +65,7 @@
 #   inflight     the same, o_proj and x_proj with GemvConfig.in_flight 0 and 1 only
 #   w8a8         bench/experiments/gemv_w8a8.py: the fp8-activation GEMV against the shipped one (o_proj, x_proj,
 #                q_b | wq_b; cold, warm; its error against its reference and against bf16 activations;
-#                W8A8_ONLY: the forms timed, e.g. shipped,shipped_fp8x2)
+#                W8A8_ONLY: the forms timed, e.g. shipped,shipped_wgmma)
 #   prefetch     tests/gpu/prefetch_check.py (o_proj's and the router's GEMV cold against after an L2 prefetch, after
 #                build), then bench.decode 61 layers, pallas, without and with --l2-prefetch, back to back
 #   mtp          bench.decode 61 layers, pallas, plain and MTP speculative step (verify 2 + draft)

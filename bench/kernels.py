@@ -212,6 +212,41 @@ def args_bytes(args):
     return sum(a.size * a.dtype.itemsize for a in args if a is not None)
 
 
+# The decode step's largest fp8 GEMVs (dsv32-tp8-shard), for the GEMV experiments
+DECODE_GEMVS = (("o_proj", 7168, 2048), ("x_proj", 2240, 7168), ("q_b|wq_b", 11264, 1536))
+
+
+def time_gemv_forms(forms, out, shapes=DECODE_GEMVS, extra=None):
+    """Each form fn(x, w, s) of the fp8 GEMV at each shape (T = 1): its relative error against the
+    bf16-activation reference, cold and warm µs (`time_op`) and µs per kernel; a form that raises at a
+    shape gets its error message instead. `extra(x, w, s, exact)`: more fields for a shape's row. The
+    rows are printed as JSON lines as they finish and written to `out` with the device."""
+    rows = []
+    for name, n, k in shapes:
+        sh = Shape(name, n, k)
+        key = jax.random.key(11)
+        make = lambda i, sh=sh: gemv_args(sh, jax.random.fold_in(key, i))
+        x, w, s = make(0)
+        exact = np.asarray(reference.linear(x, w, s), np.float64)
+        nbytes = args_bytes((x, w, s))
+        r = dict(shape=name, n=n, k=k, mb=nbytes / 1e6, errors={}, **(extra(x, w, s, exact) if extra else {}))
+        for label, fn in forms.items():
+            try:
+                got = np.asarray(jax.jit(fn)(x, w, s), np.float64)
+            except Exception as e:  # noqa: BLE001 - a form that does not apply at this shape
+                r[label] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
+                continue
+            r["errors"][label] = float(np.linalg.norm(got - exact) / np.linalg.norm(exact))
+            cold = time_op(fn, make, nbytes)
+            warm = time_op(fn, make, nbytes, copies=1)
+            r[label] = dict(cold_us=cold["us"], warm_us=warm["us"], kernels=cold["per_kernel"])
+        print(json.dumps(r), flush=True)
+        rows.append(r)
+    with open(out, "w") as f:
+        json.dump(dict(device=jax.devices()[0].device_kind, rows=rows), f, indent=1)
+    return rows
+
+
 def run_gemv(copy_tbs, sweep, quick):
     from jtilert.pallas import gemv
     key = jax.random.key(1)

@@ -135,6 +135,20 @@ def test_fp8x2_engine_refuses_what_it_cannot_take():
         gemv.heads_linear(_x(2, 256).reshape(1, 2, 256), q, s64, 64, config=cfg)
 
 
+def test_auto_engine_by_weights():
+    """The default engine: fp8x2 for fp8 weights with K in whole 128-blocks, wgmma for bf16 weights,
+    for K off the 128 grain and for 64-block scales (K slices of 64 columns), fma for fp32 weights."""
+    from jtilert.pallas import _hopper as hw
+    auto = gemv.GemvConfig()
+    with interp.interpret():
+        sms = hw.num_sms()
+        assert auto.resolved(7168, 2048, 1, 1, 1, sms).engine == "fp8x2"
+        assert auto.resolved(7168, 2048, 1, 1, 2, sms).engine == "wgmma"
+        assert auto.resolved(64, 192, 1, 1, 1, sms).engine == "wgmma"
+        assert auto.resolved(64, 512, 1, 1, 1, sms, slice_unit=hw.KGRAIN).engine == "wgmma"
+        assert auto.resolved(256, 7168, 1, 1, 4, sms).engine == "fma"
+
+
 def test_linear_fp8_scaling_is_robust():
     """Non-power-of-two block scales and activations far from 1 (the f16 B operand is rescaled)."""
     for xs in (3e3, 1e-4):

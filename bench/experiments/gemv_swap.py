@@ -24,13 +24,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 
 import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 import jtilert.pallas.interpret as _interp
@@ -146,39 +144,16 @@ CONFIGS = {"n128k128": SwapConfig(), "n128k256": SwapConfig(block_k=256),
 
 
 def main(argv=None) -> int:  # pragma: no cover - GPU only
-    from bench.kernels import Shape, args_bytes, gemv_args, time_op
-    from jtilert.ops import reference as ref_ops
+    from bench.kernels import time_gemv_forms
     from jtilert.pallas import gemv
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gemv_swap.json")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     a = ap.parse_args(argv)
-    rows = []
-    for name, n, k in (("o_proj", 7168, 2048), ("x_proj", 2240, 7168), ("q_b|wq_b", 11264, 1536)):
-        sh = Shape(name, n, k)
-        key = jax.random.key(11)
-        make = lambda i, sh=sh: gemv_args(sh, jax.random.fold_in(key, i))
-        x, w, s = make(0)
-        exact = np.asarray(ref_ops.linear(x, w, s), np.float64)
-        nbytes = args_bytes((x, w, s))
-        r = dict(shape=name, n=n, k=k, mb=nbytes / 1e6, errors={})
-        fns = {"shipped": gemv.linear}
-        for c in a.configs.split(","):
-            fns["swap_" + c] = lambda x, w, s, cfg=CONFIGS[c]: linear(x, w, s, cfg)
-        for label, fn in fns.items():
-            try:
-                got = np.asarray(jax.jit(fn)(x, w, s), np.float64)
-            except Exception as e:  # noqa: BLE001 - a config that does not apply at this shape
-                r[label] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
-                continue
-            r["errors"][label] = float(np.linalg.norm(got - exact) / np.linalg.norm(exact))
-            cold = time_op(fn, make, nbytes)
-            warm = time_op(fn, make, nbytes, copies=1)
-            r[label] = dict(cold_us=cold["us"], warm_us=warm["us"], kernels=cold["per_kernel"])
-        print(json.dumps(r), flush=True)
-        rows.append(r)
-    with open(a.out, "w") as f:
-        json.dump(dict(device=jax.devices()[0].device_kind, rows=rows), f, indent=1)
+    forms = {"shipped": gemv.linear}
+    for c in a.configs.split(","):
+        forms["swap_" + c] = lambda x, w, s, cfg=CONFIGS[c]: linear(x, w, s, cfg)
+    time_gemv_forms(forms, a.out)
     return 0
 
 

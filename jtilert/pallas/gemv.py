@@ -6,11 +6,12 @@ block scales, fp32 accumulation. Fused variants: `rmsnorm_linear` (RMSNorm prolo
 Each CTA owns 64 output rows and a 1/split_k share of K and streams its weights through a TMA
 pipeline in the checkpoint layout. "wgmma" engine: rows are wgmma's M, tokens its N (rows ≥ T are
 TMA's zero fill); for fp8 the block scales (and the norm weight) are folded into the f16 B operand
-with a power-of-two rescale, so the weight tile only needs e4m3 → f16. "fp8x2" engine (fp8 weights
-in 128-blocks): x split into two e4m3 halves (a bf16 value's 8 significant bits), both wgmma
-operands e4m3 from SMEM (x's halves one B of 16 columns: hi rows 0..7, lo rows 8..15), each
-128-column block's sums scaled by its weight and x scales: no conversion of the weights at all, and
-one wgmma per 128 × 32 weights (the f16 path takes two, from registers). "fma" engine: CUDA-core fp32 FMAs, for fp32 weights (the router).
+with a power-of-two rescale, so the weight tile only needs e4m3 → f16. "fp8x2" engine (the default
+for fp8 weights in 128-blocks): x split into two e4m3 halves (a bf16 value's 8 significant bits),
+both wgmma operands e4m3 from SMEM (x's halves one B of 16 columns: hi rows 0..7, lo rows 8..15),
+each 128-column block's sums scaled by its weight and x scales: no conversion of the weights at
+all, and one wgmma per 64 × 32 weights where the f16 path takes two. "fma" engine: CUDA-core fp32
+FMAs, for fp32 weights (the router).
 split_k > 1 writes fp32 partials (with a norm, each already scaled by 1/rms, computed in the kernel)
 and XLA's finish is their sum in one fusion with the epilogue (cast, residual, SwiGLU).
 `layer=`: the weights are stacks [L, N, K] and the traced layer index, read on the device, steers
@@ -49,7 +50,8 @@ class GemvConfig:
     split_k: int = 0         # CTAs sharing one row block; 0 = pick from the shape
     stages: int = 4          # TMA pipeline depth (steps in flight), at most
     engine: str = "auto"     # "fma": CUDA-core FMAs; "wgmma": tensor cores; "fp8x2": tensor cores on e4m3
-                             # weights and x as two e4m3 halves; "auto": fma for fp32 weights, else wgmma
+                             # weights and x as two e4m3 halves; "auto": fma for fp32 weights, fp8x2 for
+                             # fp8 weights (K in whole 128-blocks, whole-block K slices), else wgmma
     a_in_registers: bool | None = None   # wgmma engine, fp8: A from registers (None: GPU yes, interpret no)
     in_flight: int = 0       # wgmma engine, fp8 A from registers: wgmma groups left running into the next step
 
@@ -75,7 +77,8 @@ class GemvConfig:
             raise ValueError("GEMV kernel: block_n must be 64 (one warpgroup)")
         engine = self.engine
         if engine == "auto":
-            engine = "fma" if w_itemsize == 4 else "wgmma"
+            engine = ("fma" if w_itemsize == 4 else
+                      "fp8x2" if w_itemsize == 1 and k % QBLOCK == 0 and slice_unit is None else "wgmma")
         if engine not in ("fma", "wgmma", "fp8x2"):
             raise ValueError(f"GEMV kernel: unknown engine {engine!r}")
         if engine == "fp8x2" and (w_itemsize != 1 or k % QBLOCK):
