@@ -62,6 +62,9 @@
 #                bf16 weights (what bounds the GEMV kernel)
 #   swap         bench/experiments/gemv_swap.py: the fp8 GEMV with the weights as wgmma's B and x's halves as A,
 #                against the shipped one (o_proj, x_proj, q_b | wq_b; cold, warm, error against bf16 activations)
+#   phases       bench/experiments/gemv_phases.py: each GEMV form's phases CTA by CTA (Mosaic's on-device profiler:
+#                x's wait and preparation, the steps and the waits between them, the epilogue), o_proj, x_proj,
+#                q_b | wq_b, the fp8x2 and wgmma engines and the w8a8 kernel fed x split
 #   inflight     the same, o_proj and x_proj with GemvConfig.in_flight 0 and 1 only
 #   w8a8         bench/experiments/gemv_w8a8.py: the fp8-activation GEMV against the shipped one (o_proj, x_proj,
 #                q_b | wq_b; cold, warm; its error against its reference and against bf16 activations;
@@ -236,6 +239,8 @@ for part in "$@"; do
       step w8a8 300 python3 -m bench.experiments.gemv_w8a8 ${W8A8_ONLY:+--only $W8A8_ONLY} --out "$WORK/w8a8.json" ;;
     swap)
       step swap 420 python3 -m bench.experiments.gemv_swap --out "$WORK/swap.json" ;;
+    phases)
+      step phases 300 python3 -m bench.experiments.gemv_phases --out "$WORK/phases.json" ;;
     inflight)
       step inflight 150 python3 -m bench.experiments.gemv_bound --in-flight --out "$WORK/inflight.json" ;;
     prefetch)

@@ -76,6 +76,7 @@ def linear_w8a8(xq, xs, w, w_scale, *, halves: int = 1, stages: int = 4, split: 
     out_dtype = BF16 if split == 1 else F32
     tiles = (plgpu.TilingTransform((8, BLOCK)), plgpu.SwizzleTransform(128))   # 128 fp8 = one swizzle row
 
+    @hw.phase("cta")
     def kernel(xq_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem, xq_smem, o_smem, bar):
         n_idx, s_idx = lax.axis_index("n"), lax.axis_index("s")
         row0 = n_idx * ROWS
@@ -84,7 +85,8 @@ def linear_w8a8(xq, xs, w, w_scale, *, halves: int = 1, stages: int = 4, split: 
         plgpu.copy_gmem_to_smem(xq_gmem.at[:, pl.ds(s_idx * kc, kc)], xq_smem, bar.at[0])
         col_id = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (ROWS, TOKENS), 1), plgpu.Layout.WGMMA)
         zeros = jnp.where(col_id < 0, 1.0, 0.0).astype(F32)
-        plgpu.barrier_wait(bar.at[0])
+        with jax.named_scope("x_wait"):
+            plgpu.barrier_wait(bar.at[0])
 
         def factor(blk):
             """[64, 8] in the accumulator's layout: column c holds x's scale of token c times the
@@ -95,6 +97,7 @@ def linear_w8a8(xq, xs, w, w_scale, *, halves: int = 1, stages: int = 4, split: 
                 f = jnp.where(col_id == row, xs_gmem[row, blk] * ws, f)
             return f
 
+        @hw.phase("step")
         def body(idx, w_smem, acc):
             (step,) = idx
 
@@ -110,12 +113,13 @@ def linear_w8a8(xq, xs, w, w_scale, *, halves: int = 1, stages: int = 4, split: 
         spec = plgpu.BlockSpec((ROWS, STEP), lambda s: (n_idx, s_idx * steps + s), transforms=tiles)
         acc = plgpu.emit_pipeline(body, grid=(steps,), in_specs=[spec], max_concurrent_steps=stages,
                                   init_carry=zeros)(w_gmem)
-        for tok in range(t):   # a token's columns: its halves
-            mine = functools.reduce(jnp.logical_or, [col_id == h * t + tok for h in range(halves)])
-            o_smem.at[tok][...] = jnp.sum(jnp.where(mine, acc, 0.0), axis=1).astype(out_dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, t)], out_gmem.at[s_idx, :, pl.ds(row0, ROWS)])
-        plgpu.wait_smem_to_gmem(0)
+        with jax.named_scope("epilogue"):
+            for tok in range(t):   # a token's columns: its halves
+                mine = functools.reduce(jnp.logical_or, [col_id == h * t + tok for h in range(halves)])
+                o_smem.at[tok][...] = jnp.sum(jnp.where(mine, acc, 0.0), axis=1).astype(out_dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, t)], out_gmem.at[s_idx, :, pl.ds(row0, ROWS)])
+            plgpu.wait_smem_to_gmem(0)
 
     xq8 = jnp.pad(xq, ((0, TOKENS - rows), (0, 0)))
     call = plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((split, t, n), out_dtype), grid=(n // ROWS, split),

@@ -7,6 +7,7 @@ memory accounting every kernel checks its configuration with (`Scope`, `smem_byt
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -43,6 +44,19 @@ def token_chunks(x, fn):
     outs = [fn(x2[i:i + MAX_TOKENS], slice(i, i + MAX_TOKENS)) for i in range(0, x2.shape[0], MAX_TOKENS)]
     y = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
     return y.reshape(*lead, y.shape[-1])
+
+
+def phase(name: str):
+    """Decorator: the function's kernel code in `jax.named_scope(name)`, a range of Mosaic's on-device
+    profile where one is collected (CompilerParams.profile_space; bench/experiments/gemv_phases.py)
+    and nothing otherwise."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            with jax.named_scope(name):
+                return fn(*args, **kwargs)
+        return run
+    return wrap
 
 
 def layer_operand(layer):

@@ -367,6 +367,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
     w_layout = hw.w_layout(sub, itemsize) if fma else None
     x_col_layout = hw.x_col_layout(sub, itemsize) if fma else None
 
+    @hw.phase("cta")
     def kernel(*refs):
         it = iter(refs)
         x_gmem = next(it)
@@ -418,13 +419,15 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
         bw = QBLOCK if kc % QBLOCK == 0 and scale_block == QBLOCK else KGRAIN
         nblk = kc // bw
 
+        @hw.phase("x_prep")
         def build_b(xstage, svals):
             """B operand(s) for wgmma: the tokens' K slice, [8, kc] (rows ≥ T are TMA's zero fill).
             bf16 weights: B = x (· norm weight) in bf16. fp8 weights: B_j = f16(x · w_norm · s_j[row
             block, k block] · f_j), the block scales of the CTA's row block folded into x (exact
             for the checkpoint's power-of-two scales) and f_j = `hw.f16_range_factor`; the
             epilogue multiplies by 1/f_j (kept in `invf`). The weights then only need e4m3 → f16."""
-            plgpu.barrier_wait(bar.at[0])
+            with jax.named_scope("x_wait"):
+                plgpu.barrier_wait(bar.at[0])
 
             def block(b):
                 v = plgpu.load(xstage.at[:, pl.ds(b * bw, bw)], layout=X_LAYOUT).astype(F32)
@@ -476,6 +479,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
                                  for h in range(nsub)))
             return tuple(out)
 
+        @hw.phase("step")
         def body_fma(idx, *args):
             w_smems, (accs, scs) = args[:p], args[p]
             (step,) = idx
@@ -493,6 +497,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
                         accs[j][tok] = accs[j][tok] + w * xbc
             return tuple(tuple(a) for a in accs), nxt
 
+        @hw.phase("step")
         def body_wgmma(idx, *args):
             w_smems, acc_refs = args[:p], args[p]
             (step,) = idx
@@ -514,6 +519,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
             plgpu.wgmma_wait(cfg.in_flight if fp8 and a_regs else 0)
             return acc_refs
 
+        @hw.phase("step")
         def body_x8(idx, *args):
             """Both operands e4m3 from SMEM: per 128-column block, hi and lo (one B) into a scratch
             accumulator, then added to the sums scaled by the weights' block scale and x's (the promotion)."""
@@ -565,26 +571,27 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
             plgpu.barrier_wait(bar.at[1])
 
         # Epilogue: one row vector per token.
-        for tok in range(tb):
-            cols = cols_of(tok)
-            if norm is not None:
-                # the norm's 1/rms over the token's K columns (every CTA reads them from GMEM; with
-                # split-K each scales its partial sums, so XLA's finish is only their sum)
-                rms = lax.rsqrt(sum_squares(x_gmem.at[tok], k) / k + eps)
-                cols = [c * rms for c in cols]
-            if in_kernel_epilogue:
-                res = res_smem.at[tok][...] if res_smem is not None else None
-                o_smem.at[0, tok][...] = _finish(cols, kind=kind, residual=res, out_dtype=o_dtype)
-            else:
-                for j in range(p):
-                    o_smem.at[j, tok][...] = cols[j]
-        plgpu.commit_smem()
-        orow = pl.ds(e_idx, 1) if experts else slice(None)
-        for j in range(out_rows):
-            dst = (out_gmem.at[orow, pl.ds(row0, bn)] if in_kernel_epilogue
-                   else out_gmem.at[s_idx, j, orow, pl.ds(row0, bn)])
-            plgpu.copy_smem_to_gmem(o_smem.at[j, pl.ds(0, tb)], dst)
-        plgpu.wait_smem_to_gmem(0)
+        with jax.named_scope("epilogue"):
+            for tok in range(tb):
+                cols = cols_of(tok)
+                if norm is not None:
+                    # the norm's 1/rms over the token's K columns (every CTA reads them from GMEM; with
+                    # split-K each scales its partial sums, so XLA's finish is only their sum)
+                    rms = lax.rsqrt(sum_squares(x_gmem.at[tok], k) / k + eps)
+                    cols = [c * rms for c in cols]
+                if in_kernel_epilogue:
+                    res = res_smem.at[tok][...] if res_smem is not None else None
+                    o_smem.at[0, tok][...] = _finish(cols, kind=kind, residual=res, out_dtype=o_dtype)
+                else:
+                    for j in range(p):
+                        o_smem.at[j, tok][...] = cols[j]
+            plgpu.commit_smem()
+            orow = pl.ds(e_idx, 1) if experts else slice(None)
+            for j in range(out_rows):
+                dst = (out_gmem.at[orow, pl.ds(row0, bn)] if in_kernel_epilogue
+                       else out_gmem.at[s_idx, j, orow, pl.ds(row0, bn)])
+                plgpu.copy_smem_to_gmem(o_smem.at[j, pl.ds(0, tb)], dst)
+            plgpu.wait_smem_to_gmem(0)
 
     scratch = projection_scratch(cfg, k=k, p=p, itemsize=itemsize, tb=tb, out_dtype=out_dtype,
                                  residual_dtype=res_dtype)

@@ -1,0 +1,52 @@
+"""bench/experiments/gemv_phases.py: the GEMV kernels lower for CUDA with Mosaic's on-device profiler
+around their named phases, and a CTA's trace reads back into the phases it recorded."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from bench.experiments import gemv_phases as ph
+from bench.experiments import gemv_w8a8
+from jtilert.pallas import gemv
+from jtilert.pallas import interpret as interp
+
+
+def _events(tid, start_us, ranges):
+    """Mosaic's trace events of one CTA: (name, begin, end) in cycles since its first event."""
+    ev = []
+    for name, b, e in ranges:
+        ev += [dict(name=name, ph="B", ts=start_us + b / 1e3, pid=1, tid=tid, at=b, order=0),
+               dict(name=name, ph="E", ts=start_us + e / 1e3, pid=1, tid=tid, at=e, order=1)]
+    ev.sort(key=lambda x: (x["at"], x["order"]))
+    return ev
+
+
+def test_a_cta_trace_reads_back_into_its_phases():
+    ranges = [("cta", 0, 9000), ("step", 1500, 2000), ("x_prep", 600, 1400), ("x_wait", 600, 900),
+              ("step", 2600, 3000), ("step", 3500, 3900), ("epilogue", 8000, 9000)]
+    c = ph.cta_phases(_events(1, 100.0, ranges))
+    assert c["to_first_step"] == pytest.approx(1500)
+    assert c["x_wait"] == pytest.approx(300) and c["x_prep"] == pytest.approx(800)
+    assert c["steps"] == pytest.approx([500, 400, 400]) and c["gaps"] == pytest.approx([600, 500])
+    assert c["epilogue"] == pytest.approx(1000) and c["span"] == pytest.approx(9000)
+    other = ph.cta_phases(_events(2, 100.5, [("cta", 0, 7000), ("step", 1000, 1500)]))
+    s = ph.summarise([[c, other]], mhz=1000.0)
+    assert s["start_spread_us"] == pytest.approx(0.5)
+    assert s["span"] == pytest.approx(8000) and s["us_at_sm_clock"]["span"] == pytest.approx(8.0)
+    assert s["step"] == pytest.approx(450) and s["x_prep"] == pytest.approx(400)
+
+
+@pytest.mark.parametrize("form", ["fp8x2", "wgmma", "w8a8_hilo"])
+def test_profiled_kernels_lower_for_cuda(form, tmp_path):
+    """With the profiler on (as on the GPU), each form's kernel lowers with its phase ranges: Mosaic
+    lowers the kernel first, then jax lowers the host callback that writes its trace, which needs a
+    CUDA backend (none here) — so reaching that error means the profiled kernel lowered."""
+    S = jax.ShapeDtypeStruct
+    fns = {"fp8x2": gemv.linear, "wgmma": lambda x, w, s: gemv.linear(x, w, s, config=gemv.GemvConfig(engine="wgmma")),
+           "w8a8_hilo": gemv_w8a8.w8a8_hilo}
+    specs = (S((1, 2048), jnp.bfloat16), S((7168, 2048), jnp.float8_e4m3fn), S((56, 16), jnp.float32))
+    with interp.compile_for_gpu(), ph.kernel_profiles(str(tmp_path)):
+        with pytest.raises(ValueError, match="backend cpu is different from the lowering platform cuda"):
+            jax.jit(fns[form]).trace(*specs).lower(lowering_platforms=("cuda",))
