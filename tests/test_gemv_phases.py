@@ -35,7 +35,8 @@ def test_a_cta_trace_reads_back_into_its_phases():
     s = ph.summarise([[c, other]], mhz=1000.0)
     assert s["start_spread_us"] == pytest.approx(0.5)
     assert s["span"] == pytest.approx(8000) and s["us_at_sm_clock"]["span"] == pytest.approx(8.0)
-    assert s["step"] == pytest.approx(450) and s["x_prep"] == pytest.approx(400)
+    assert s["first_step"] == pytest.approx(500) and s["step"] == pytest.approx(400)
+    assert s["x_prep"] == pytest.approx(400)
 
 
 @pytest.mark.parametrize("form", ["fp8x2", "wgmma", "w8a8_hilo"])

@@ -7,12 +7,13 @@ The GEMV kernels mark their phases with `jax.named_scope` (`hw.phase`): "cta" (t
 tile) and "epilogue". With `CompilerParams.profile_space` set, Mosaic records each range's entry and
 exit in SM cycles (`%clock`) and each CTA's start on the global timer (ns); one trace per kernel call
 is written as JSON. This script collects them for the forms below at o_proj's shape, each called on
-`copies` weight copies in one program (so every call streams from HBM), and summarises per form:
+`copies` weight copies, one program each (so every call streams from HBM), and summarises per form:
 
   start_spread_us  how far apart the CTAs start (global timer)
   to_first_step    cycles from the CTA's first event to its first step
-  x_wait, x_prep   cycles of those phases
-  step, gap        median cycles of a step and of the wait between two steps
+  x_wait, x_prep   cycles of those phases (in fp8x2 and wgmma inside the first step)
+  first_step       cycles of the first step
+  step, gap        median cycles of the other steps and of the wait between two steps
   epilogue, span   cycles of the epilogue and of the CTA's first to last event
 
 medians over CTAs and calls, with the 90th percentile of span. Cycles become µs at the SM clock that
@@ -98,12 +99,13 @@ def summarise(calls: list[list[dict]], mhz: float | None) -> dict:
                                     for call in calls]),
                to_first_step=med([c["to_first_step"] for c in ctas if c["to_first_step"] is not None]),
                x_wait=med([c["x_wait"] for c in ctas]), x_prep=med([c["x_prep"] for c in ctas]),
-               step=med([s for c in ctas for s in c["steps"]]), gap=med([g for c in ctas for g in c["gaps"]]),
+               first_step=med([c["steps"][0] for c in ctas if c["steps"]]),
+               step=med([s for c in ctas for s in c["steps"][1:]]), gap=med([g for c in ctas for g in c["gaps"]]),
                steps_per_cta=med([len(c["steps"]) for c in ctas]), epilogue=med([c["epilogue"] for c in ctas]),
                span=med([c["span"] for c in ctas]),
                span_p90=float(np.percentile([c["span"] for c in ctas], 90)) if ctas else None)
     if mhz:
-        out["us_at_sm_clock"] = {k: out[k] / mhz for k in ("to_first_step", "x_wait", "x_prep", "step", "gap",
+        out["us_at_sm_clock"] = {k: out[k] / mhz for k in ("to_first_step", "x_wait", "x_prep", "first_step", "step", "gap",
                                                            "epilogue", "span", "span_p90") if out[k] is not None}
     return out
 
@@ -123,7 +125,7 @@ def main(argv=None) -> int:  # pragma: no cover - GPU only
     from jtilert.pallas import gemv
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gemv_phases.json")
-    ap.add_argument("--copies", type=int, default=6)
+    ap.add_argument("--copies", type=int, default=4)
     a = ap.parse_args(argv)
     wgmma = gemv.GemvConfig(engine="wgmma")
     forms = {"fp8x2": gemv.linear, "wgmma": lambda x, w, s: gemv.linear(x, w, s, config=wgmma),
@@ -135,8 +137,10 @@ def main(argv=None) -> int:  # pragma: no cover - GPU only
         for label, fn in forms.items():
             with tempfile.TemporaryDirectory() as d:
                 with kernel_profiles(d):
-                    run = jax.jit(lambda argsets, fn=fn: [fn(*x) for x in argsets])
-                    jax.block_until_ready(run(args))
+                    # one program per call: a program writes one trace per kernel it lowered (identical
+                    # calls in one program share a lowering, and so a trace file)
+                    for x, w, s in args:
+                        jax.block_until_ready(jax.jit(lambda x, w, s, fn=fn: fn(x, w, s))(x, w, s))
                     jax.effects_barrier()   # the traces are written by host callbacks
                     mhz = sm_clock_mhz()
                 traces = glob.glob(os.path.join(d, "*-trace.json"))
