@@ -68,3 +68,17 @@ def test_cross_lowers_for_cuda(n, k):
         txt = jax.jit(g.w8a8).trace(S((1, k), jnp.bfloat16), S((n, k), jnp.float8_e4m3fn),
                                     S((-(-n // 128), k // 128), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
     assert "jtilert_gemv_w8a8" in txt
+
+
+def test_cluster_sum_lowers_for_cuda_and_refuses_bad_splits():
+    """The split-K partials added in the kernel through the cluster's shared memory (what the
+    interpreter does not run: remote refs) lower for CUDA at x_proj's shape; a split outside 2..8
+    (a portable cluster) is refused."""
+    S = jax.ShapeDtypeStruct
+    with interp.compile_for_gpu():
+        txt = jax.jit(g.w8a8_cluster2).trace(S((1, 7168), jnp.bfloat16), S((2240, 7168), jnp.float8_e4m3fn),
+                                             S((18, 56), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "jtilert_gemv_w8a8_cluster" in txt
+    with pytest.raises(ValueError, match="cluster_sum needs a split of 2..8"):
+        g.linear_w8a8(jnp.zeros((1, 512), jnp.float8_e4m3fn), jnp.ones((1, 4)), jnp.zeros((64, 512), jnp.float8_e4m3fn),
+                      jnp.ones((1, 4)), split=1, cluster_sum=True)

@@ -53,12 +53,16 @@ def reference(x, w, w_scale):
     return jnp.einsum("tnb,tb,nb->tn", part, xs, ws, precision=lax.Precision.HIGHEST).astype(BF16)
 
 
-def linear_w8a8(xq, xs, w, w_scale, *, halves: int = 1, stages: int = 4, split: int | None = None):
+def linear_w8a8(xq, xs, w, w_scale, *, halves: int = 1, stages: int = 4, split: int | None = None,
+                cluster_sum: bool = False):
     """xq [H·T, K] fp8 and its scales xs [H·T, K / 128] (`act_quant`, or `act_quant_hilo` with H = 2
     halves: row h·T + t is token t's half h, and the result sums a token's halves), w [N, K] fp8 with
     128-block scales → [T, N] bf16. K a multiple of 256, N of 64. `split` CTAs share a row block's K
     (None: double it while the grid stays within two CTAs per SM and each K slice keeps 1024 columns);
-    their fp32 partial sums are added by XLA."""
+    their fp32 partial sums are added by XLA, or with `cluster_sum` inside the kernel: the split CTAs of
+    a row block are one cluster, each leaves its partial sums in its shared memory, and after a cluster
+    barrier the first reads the others' through distributed shared memory, adds them and stores the
+    row block (a second barrier keeps the others' shared memory alive until it has)."""
     rows, k = xq.shape
     t = rows // halves
     n = w.shape[0]
@@ -68,16 +72,18 @@ def linear_w8a8(xq, xs, w, w_scale, *, halves: int = 1, stages: int = 4, split: 
         split = 1
         while n // ROWS * split * 2 <= 2 * hw.num_sms() and k % (2 * split * STEP) == 0 and k // (2 * split) >= 1024:
             split *= 2
+    if cluster_sum and not 1 < split <= 8:
+        raise ValueError(f"gemv_w8a8: cluster_sum needs a split of 2..8 CTAs (a portable cluster), got {split}")
     if k % (split * STEP):
         raise ValueError(f"gemv_w8a8: K={k} does not split into {split} slices of whole {STEP}-column steps")
     kc = k // split
     steps = kc // STEP
     stages = min(stages, steps)
-    out_dtype = BF16 if split == 1 else F32
+    out_dtype = BF16 if split == 1 or cluster_sum else F32
     tiles = (plgpu.TilingTransform((8, BLOCK)), plgpu.SwizzleTransform(128))   # 128 fp8 = one swizzle row
 
     @hw.phase("cta")
-    def kernel(xq_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem, xq_smem, o_smem, bar):
+    def kernel(xq_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem, xq_smem, o_smem, bar, *cluster):
         n_idx, s_idx = lax.axis_index("n"), lax.axis_index("s")
         row0 = n_idx * ROWS
         rb = row0 // BLOCK
@@ -113,20 +119,55 @@ def linear_w8a8(xq, xs, w, w_scale, *, halves: int = 1, stages: int = 4, split: 
         spec = plgpu.BlockSpec((ROWS, STEP), lambda s: (n_idx, s_idx * steps + s), transforms=tiles)
         acc = plgpu.emit_pipeline(body, grid=(steps,), in_specs=[spec], max_concurrent_steps=stages,
                                   init_carry=zeros)(w_gmem)
+        def sums(tok):   # a token's columns: its halves
+            mine = functools.reduce(jnp.logical_or, [col_id == h * t + tok for h in range(halves)])
+            return jnp.sum(jnp.where(mine, acc, 0.0), axis=1)
+
         with jax.named_scope("epilogue"):
-            for tok in range(t):   # a token's columns: its halves
-                mine = functools.reduce(jnp.logical_or, [col_id == h * t + tok for h in range(halves)])
-                o_smem.at[tok][...] = jnp.sum(jnp.where(mine, acc, 0.0), axis=1).astype(out_dtype)
+            if not cluster_sum:
+                for tok in range(t):
+                    o_smem.at[tok][...] = sums(tok).astype(out_dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, t)], out_gmem.at[s_idx, :, pl.ds(row0, ROWS)])
+                plgpu.wait_smem_to_gmem(0)
+                return
+            parts, cbar = cluster   # one [64] buffer per token: Mosaic maps whole buffers into the cluster
+            for tok in range(t):
+                parts[tok][...] = sums(tok)
+            # commit_smem's warpgroup barrier orders every thread's stores before the arrive; Mosaic's
+            # remote arrive is mbarrier.arrive at its default (release, CTA scope), so whether the
+            # first CTA then reads the others' partials is what the GPU run's error tells
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, t)], out_gmem.at[s_idx, :, pl.ds(row0, ROWS)])
-            plgpu.wait_smem_to_gmem(0)
+            plgpu.barrier_arrive(cbar.at[0])      # this CTA's partials are in place
+            plgpu.barrier_wait(cbar.at[0])        # and so are the others'
+
+            @pl.when(s_idx == 0)
+            def _():
+                for tok in range(t):
+                    total = sums(tok)
+                    for j in range(1, split):
+                        total = total + plgpu.cluster_ref(parts[tok], {"s": j})[...]
+                    o_smem.at[tok][...] = total.astype(out_dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, t)], out_gmem.at[:, pl.ds(row0, ROWS)])
+                plgpu.wait_smem_to_gmem(0)
+
+            plgpu.barrier_arrive(cbar.at[1])      # the first CTA has read every partial
+            plgpu.barrier_wait(cbar.at[1])
 
     xq8 = jnp.pad(xq, ((0, TOKENS - rows), (0, 0)))
+    scratch = [plgpu.SMEM((TOKENS, kc), FP8, transforms=tiles), plgpu.SMEM((TOKENS, ROWS), out_dtype),
+               plgpu.Barrier(num_barriers=1)]
+    if cluster_sum:
+        call = plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((t, n), BF16), grid=(n // ROWS,), grid_names=("n",),
+                            cluster=(split,), cluster_names=("s",),
+                            scratch_types=scratch + [[plgpu.SMEM((ROWS,), F32) for _ in range(t)],
+                                                     plgpu.ClusterBarrier(collective_axes=("s",), num_barriers=2)],
+                            interpret=_interp.params(), kernel_name="jtilert_gemv_w8a8_cluster")
+        return call(xq8, xs.astype(F32), w, w_scale.astype(F32))
     call = plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((split, t, n), out_dtype), grid=(n // ROWS, split),
-                        grid_names=("n", "s"),
-                        scratch_types=[plgpu.SMEM((TOKENS, kc), FP8, transforms=tiles),
-                                       plgpu.SMEM((TOKENS, ROWS), out_dtype), plgpu.Barrier(num_barriers=1)],
-                        interpret=_interp.params(), kernel_name="jtilert_gemv_w8a8")
+                        grid_names=("n", "s"), scratch_types=scratch, interpret=_interp.params(),
+                        kernel_name="jtilert_gemv_w8a8")
     out = call(xq8, xs.astype(F32), w, w_scale.astype(F32))
     return out[0] if split == 1 else out.sum(0).astype(BF16)
 
@@ -155,15 +196,27 @@ def w8a8_hilo(x, w, w_scale):
     return linear_w8a8(*act_quant_hilo(x), w, w_scale, halves=2)
 
 
+def w8a8_split2(x, w, w_scale):
+    """w8a8 with two CTAs per row block, XLA adding their partial sums."""
+    return linear_w8a8(*act_quant(x), w, w_scale, split=2)
+
+
+def w8a8_cluster2(x, w, w_scale):
+    """The same two CTAs as one cluster, adding their partial sums in the kernel."""
+    return linear_w8a8(*act_quant(x), w, w_scale, split=2, cluster_sum=True)
+
+
 def main(argv=None) -> int:  # pragma: no cover - GPU only
     from bench.kernels import time_gemv_forms
     from jtilert.pallas import gemv
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gemv_w8a8.json")
-    ap.add_argument("--only", default="w8a8,w8a8_hilo,shipped,shipped_wgmma", help="the forms timed")
+    ap.add_argument("--only", default="w8a8,w8a8_hilo,w8a8_split2,w8a8_cluster2,shipped,shipped_wgmma",
+                    help="the forms timed")
     a = ap.parse_args(argv)
     wgmma = gemv.GemvConfig(engine="wgmma")
-    forms = {"w8a8": w8a8, "w8a8_hilo": w8a8_hilo, "shipped": gemv.linear,
+    forms = {"w8a8": w8a8, "w8a8_hilo": w8a8_hilo, "w8a8_split2": w8a8_split2, "w8a8_cluster2": w8a8_cluster2,
+             "shipped": gemv.linear,
              "shipped_wgmma": lambda x, w, s: gemv.linear(x, w, s, config=wgmma)}
 
     def own_error(x, w, s, exact):
