@@ -425,7 +425,8 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
             bf16 weights: B = x (· norm weight) in bf16. fp8 weights: B_j = f16(x · w_norm · s_j[row
             block, k block] · f_j), the block scales of the CTA's row block folded into x (exact
             for the checkpoint's power-of-two scales) and f_j = `hw.f16_range_factor`; the
-            epilogue multiplies by 1/f_j (kept in `invf`). The weights then only need e4m3 → f16."""
+            epilogue multiplies by 1/f_j (kept in `invf`). The weights then only need e4m3 → f16.
+            fp8x2: B is x's two e4m3 halves, [16, kc] (`hw.pair_operand`), and `invf` x's scale."""
             with jax.named_scope("x_wait"):
                 plgpu.barrier_wait(bar.at[0])
 
