@@ -1,27 +1,17 @@
 """Block-scaled GEMV for batch-1 decode on Hopper (Pallas Mosaic-GPU).
 
-y[t] = x[t] · Wᵀ for T ≤ 8 tokens, W [N, K] bf16 or fp8 e4m3 with the checkpoint's 128×128 fp32
-block scales, fp32 accumulation. Fused variants: `rmsnorm_linear` (RMSNorm prologue),
-`linear_residual` (residual epilogue), `swiglu_pair` (gate and up in one pass, silu(g)·u epilogue).
-Each CTA owns 64 output rows and a 1/split_k share of K and streams its weights through a TMA
-pipeline in the checkpoint layout. "wgmma" engine: rows are wgmma's M, tokens its N (rows ≥ T are
-TMA's zero fill); for fp8 the block scales (and the norm weight) are folded into the f16 B operand
-with a power-of-two rescale, so the weight tile only needs e4m3 → f16. "fp8x2" engine (the default
-for fp8 weights in 128-blocks): x split into two e4m3 halves (a bf16 value's 8 significant bits),
-both wgmma operands e4m3 from SMEM (x's halves one B of 16 columns: hi rows 0..7, lo rows 8..15),
-each 128-column block's sums scaled by its weight and x scales: no conversion of the weights at
-all, and one wgmma per 64 × 32 weights where the f16 path takes two. "fma" engine: CUDA-core fp32
-FMAs, for fp32 weights (the router).
-split_k > 1 writes fp32 partials (with a norm, each already scaled by 1/rms, computed in the kernel)
-and XLA's finish is their sum in one fusion with the epilogue (cast, residual, SwiGLU).
-`layer=`: the weights are stacks [L, N, K] and the traced layer index, read on the device, steers
-the weight TMA (no slice of the stack outside the kernel). Expert mode (`ids`, used by `moe`): the
-selected experts' rows of a stack [E, N, K] (or [L, E, N, K]) are read the same way; `heads_linear`
-runs it with the attention heads as the experts (MLA's absorption: every head its own weight).
-`prefix`: x may be wider than K and the kernel reads its window of it (the first K columns; in expert
-mode `stride` apart per selection of a token): a slice passed to a kernel becomes a DynamicSliceFusion
-in XLA, which keeps XLA from capturing the layer loop as one CUDA graph.
-K must be a multiple of 64; any N; larger T is chunked by 8.
+y[t] = x[t] · Wᵀ for T ≤ 8 tokens (more are chunked), W [N, K] bf16 or fp8 e4m3 with 128×128 fp32
+block scales, fp32 accumulation; fused `rmsnorm_linear`, `linear_residual`, `swiglu_pair`. Each CTA
+owns 64 output rows and a 1/split_k share of K and streams its weights through a TMA pipeline in the
+checkpoint layout; split-K partials are summed by XLA with the epilogue. Engines (`GemvConfig`):
+"fp8x2", the default for fp8 weights in 128-blocks: x as two e4m3 halves (exact for bf16) in one
+wgmma B of 16 columns, both operands e4m3 from SMEM, each block's sums scaled by its weight and x
+scales; "wgmma": the block scales folded into an f16 B, each weight tile converted e4m3 → f16; "fma":
+CUDA-core FMAs, for fp32 weights (the router). `layer=`: stacked weights [L, N, K] addressed on the
+device by the layer index (no slice outside the kernel); expert mode (`ids`: `moe`, `heads_linear`)
+reads the selected experts' or heads' rows the same way; `prefix`: the kernel reads its window of a
+wider x (a slice outside becomes a DynamicSliceFusion, which keeps XLA from capturing the layer loop
+as one CUDA graph). K a multiple of 64, any N.
 """
 
 from __future__ import annotations

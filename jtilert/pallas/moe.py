@@ -1,6 +1,5 @@
-"""MoE decode path (Pallas Mosaic-GPU): router, selected experts' gate/up/SiLU, down + weighted sum.
-
-Only the chosen experts' weights are read, steered by expert ids that stay on the device:
+"""MoE decode path (Pallas Mosaic-GPU): router, selected experts' gate/up/SiLU, down + weighted sum;
+only the chosen experts' weights are read, steered by expert ids that stay on the device:
 
 * `expert_gate_up`: the `gemv` kernel in expert mode: grid (row block, split, selection); each CTA
   reads ids[selection] and TMA-streams that expert's gate and up rows (SwiGLU epilogue, fp32).
