@@ -179,7 +179,10 @@ def act_quant_hilo(x):
     their block's largest (hi subnormal: x/s < 2^-6). For T ≤ 4 both halves fit wgmma's 8 columns."""
     hi, s = act_quant(x)
     t, k = x.shape
-    rest = x.astype(F32).reshape(t, -1, BLOCK) - hi.astype(F32).reshape(t, -1, BLOCK) * s[..., None]
+    # The barrier keeps XLA from folding f32 → e4m3 → f32 into the identity (on the GPU the lo half
+    # came out zero without it, suspected: XLA's excess-precision simplification of convert pairs)
+    hi_f = lax.optimization_barrier(hi).astype(F32)
+    rest = x.astype(F32).reshape(t, -1, BLOCK) - hi_f.reshape(t, -1, BLOCK) * s[..., None]
     s_lo = s / 16
     lo = (rest / s_lo[..., None]).astype(FP8).reshape(t, k)
     return jnp.concatenate([hi, lo]), jnp.concatenate([s, s_lo])
