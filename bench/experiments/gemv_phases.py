@@ -125,7 +125,7 @@ def main(argv=None) -> int:  # pragma: no cover - GPU only
     from jtilert.pallas import gemv
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gemv_phases.json")
-    ap.add_argument("--copies", type=int, default=4)
+    ap.add_argument("--copies", type=int, default=3)
     a = ap.parse_args(argv)
     wgmma = gemv.GemvConfig(engine="wgmma")
     forms = {"fp8x2": gemv.linear, "wgmma": lambda x, w, s: gemv.linear(x, w, s, config=wgmma),
