@@ -65,6 +65,8 @@
 #   phases       bench/experiments/gemv_phases.py: each GEMV form's phases CTA by CTA (Mosaic's on-device profiler:
 #                x's wait and preparation, the steps and the waits between them, the epilogue), o_proj, x_proj,
 #                q_b | wq_b, the fp8x2 and wgmma engines and the w8a8 kernel fed x split
+#   ctas         bench/experiments/kernel_ctas.py: every Mosaic kernel of one 4-layer pallas decode step, CTA by CTA
+#                (Mosaic's on-device profiler): the CTAs' start spread, spans, and the tail after the median CTA
 #   inflight     the same, o_proj and x_proj with GemvConfig.in_flight 0 and 1 only
 #   w8a8         bench/experiments/gemv_w8a8.py: the fp8-activation GEMV against the shipped one (o_proj, x_proj,
 #                q_b | wq_b; cold, warm; its error against its reference and against bf16 activations;
@@ -241,6 +243,8 @@ for part in "$@"; do
       step swap 420 python3 -m bench.experiments.gemv_swap --out "$WORK/swap.json" ;;
     phases)
       step phases 300 python3 -m bench.experiments.gemv_phases --out "$WORK/phases.json" ;;
+    ctas)
+      step ctas 300 python3 -m bench.experiments.kernel_ctas --out "$WORK/ctas.json" ;;
     inflight)
       step inflight 150 python3 -m bench.experiments.gemv_bound --in-flight --out "$WORK/inflight.json" ;;
     prefetch)

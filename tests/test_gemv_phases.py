@@ -1,5 +1,6 @@
-"""bench/experiments/gemv_phases.py: the GEMV kernels lower for CUDA with Mosaic's on-device profiler
-around their named phases, and a CTA's trace reads back into the phases it recorded."""
+"""bench/cta_profile.py and bench/experiments/gemv_phases.py: the GEMV kernels lower for CUDA with
+Mosaic's on-device profiler around their named phases, and a CTA's trace reads back into its ranges and
+the GEMV's phases."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from bench import cta_profile
 from bench.experiments import gemv_phases as ph
 from bench.experiments import gemv_w8a8
 from jtilert.pallas import gemv
@@ -26,12 +28,12 @@ def _events(tid, start_us, ranges):
 def test_a_cta_trace_reads_back_into_its_phases():
     ranges = [("cta", 0, 9000), ("step", 1500, 2000), ("x_prep", 600, 1400), ("x_wait", 600, 900),
               ("step", 2600, 3000), ("step", 3500, 3900), ("epilogue", 8000, 9000)]
-    c = ph.cta_phases(_events(1, 100.0, ranges))
+    c = ph.cta_phases(cta_profile.cta(_events(1, 100.0, ranges)))
     assert c["to_first_step"] == pytest.approx(1500)
     assert c["x_wait"] == pytest.approx(300) and c["x_prep"] == pytest.approx(800)
     assert c["steps"] == pytest.approx([500, 400, 400]) and c["gaps"] == pytest.approx([600, 500])
     assert c["epilogue"] == pytest.approx(1000) and c["span"] == pytest.approx(9000)
-    other = ph.cta_phases(_events(2, 100.5, [("cta", 0, 7000), ("step", 1000, 1500)]))
+    other = ph.cta_phases(cta_profile.cta(_events(2, 100.5, [("cta", 0, 7000), ("step", 1000, 1500)])))
     s = ph.summarise([[c, other]], mhz=1000.0)
     assert s["start_spread_us"] == pytest.approx(0.5)
     assert s["span"] == pytest.approx(8000) and s["us_at_sm_clock"]["span"] == pytest.approx(8.0)
@@ -48,6 +50,35 @@ def test_profiled_kernels_lower_for_cuda(form, tmp_path):
     fns = {"fp8x2": gemv.linear, "wgmma": lambda x, w, s: gemv.linear(x, w, s, config=gemv.GemvConfig(engine="wgmma")),
            "w8a8_hilo": gemv_w8a8.w8a8_hilo}
     specs = (S((1, 2048), jnp.bfloat16), S((7168, 2048), jnp.float8_e4m3fn), S((56, 16), jnp.float32))
-    with interp.compile_for_gpu(), ph.kernel_profiles(str(tmp_path)):
+    with interp.compile_for_gpu(), cta_profile.kernel_profiles(str(tmp_path)):
         with pytest.raises(ValueError, match="backend cpu is different from the lowering platform cuda"):
             jax.jit(fns[form]).trace(*specs).lower(lowering_platforms=("cuda",))
+
+
+def test_a_trace_file_names_its_kernel(tmp_path):
+    """The outermost range of every CTA is the kernel's name (kernel_profiles wraps the body in it)."""
+    import json
+    ev = (_events(1, 10.0, [("jtilert_moe_down", 0, 900), ("step", 100, 400)])
+          + _events(2, 10.2, [("jtilert_moe_down", 0, 1200)]))
+    path = tmp_path / "kernel-1-trace.json"
+    path.write_text(json.dumps({"traceEvents": ev}))
+    name, ctas = cta_profile.read_trace(str(path))
+    assert name == "jtilert_moe_down" and [c.span for c in ctas] == pytest.approx([900, 1200])
+    from bench.experiments.kernel_ctas import kernel_summary
+    s = kernel_summary(name, ctas, mhz=1000.0)
+    assert s["ctas"] == 2 and s["start_spread_us"] == pytest.approx(0.2)
+    assert s["span_max_us"] == pytest.approx(1.2) and s["kernel_us"] == pytest.approx(1.4)
+
+
+@pytest.mark.parametrize("name", ["MoE down", "lm head", "GEMV router, fp32 FMA", "indexer, fp8 append",
+                                  "sparse MLA, fp8 cache", "sparse MLA combine"])
+def test_every_kind_of_kernel_lowers_profiled(name, tmp_path):
+    """kernel_ctas profiles every kernel of the step: each kind (warpgroup and lane semantics) lowers
+    for CUDA with the profiler and its named body (then the trace's host callback needs a CUDA
+    backend, as above)."""
+    from tests.test_kernel_shapes import KERNELS
+    f, specs = KERNELS[name]
+    jax.clear_caches()
+    with interp.compile_for_gpu(), cta_profile.kernel_profiles(str(tmp_path)):
+        with pytest.raises(ValueError, match="backend cpu is different from the lowering platform cuda"):
+            jax.jit(f).trace(*specs).lower(lowering_platforms=("cuda",))

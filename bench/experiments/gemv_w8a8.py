@@ -82,7 +82,6 @@ def linear_w8a8(xq, xs, w, w_scale, *, halves: int = 1, stages: int = 4, split: 
     out_dtype = BF16 if split == 1 or cluster_sum else F32
     tiles = (plgpu.TilingTransform((8, BLOCK)), plgpu.SwizzleTransform(128))   # 128 fp8 = one swizzle row
 
-    @hw.phase("cta")
     def kernel(xq_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem, xq_smem, o_smem, bar, *cluster):
         n_idx, s_idx = lax.axis_index("n"), lax.axis_index("s")
         row0 = n_idx * ROWS

@@ -48,8 +48,8 @@ def token_chunks(x, fn):
 
 def phase(name: str):
     """Decorator: the function's kernel code in `jax.named_scope(name)`, a range of Mosaic's on-device
-    profile where one is collected (CompilerParams.profile_space; bench/experiments/gemv_phases.py)
-    and nothing otherwise."""
+    profile where one is collected (CompilerParams.profile_space; bench/cta_profile.py) and nothing
+    otherwise."""
     def wrap(fn):
         @functools.wraps(fn)
         def run(*args, **kwargs):

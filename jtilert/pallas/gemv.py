@@ -357,7 +357,6 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
     w_layout = hw.w_layout(sub, itemsize) if fma else None
     x_col_layout = hw.x_col_layout(sub, itemsize) if fma else None
 
-    @hw.phase("cta")
     def kernel(*refs):
         it = iter(refs)
         x_gmem = next(it)
