@@ -70,8 +70,7 @@ def test_a_trace_file_names_its_kernel(tmp_path):
     assert s["span_max_us"] == pytest.approx(1.2) and s["kernel_us"] == pytest.approx(1.4)
 
 
-@pytest.mark.parametrize("name", ["MoE down", "lm head", "GEMV router, fp32 FMA", "indexer, fp8 append",
-                                  "sparse MLA, fp8 cache", "sparse MLA combine"])
+@pytest.mark.parametrize("name", ["MoE down", "indexer, fp8 append", "sparse MLA combine"])
 def test_every_kind_of_kernel_lowers_profiled(name, tmp_path):
     """kernel_ctas profiles every kernel of the step: each kind (warpgroup and lane semantics) lowers
     for CUDA with the profiler and its named body (then the trace's host callback needs a CUDA
