@@ -60,6 +60,7 @@
 #                bench.decode arguments for every tree)
 #   gemvbound    bench/experiments/gemv_bound.py: o_proj's fp8 GEMV cold and from L2 under tuning configs, K 256..2048,
 #                bf16 weights (what bounds the GEMV kernel)
+#   inflight     the same, o_proj and x_proj with GemvConfig.in_flight 0 and 1 only
 #   swap         bench/experiments/gemv_swap.py: the fp8 GEMV with the weights as wgmma's B and x's halves as A,
 #                against the shipped one (o_proj, x_proj, q_b | wq_b; cold, warm, error against bf16 activations)
 #   phases       bench/experiments/gemv_phases.py: each GEMV form's phases CTA by CTA (Mosaic's on-device profiler:
@@ -67,7 +68,6 @@
 #                q_b | wq_b, the fp8x2 and wgmma engines and the w8a8 kernel fed x split
 #   ctas         bench/experiments/kernel_ctas.py: every Mosaic kernel of one 4-layer pallas decode step, CTA by CTA
 #                (Mosaic's on-device profiler): the CTAs' start spread, spans, and the tail after the median CTA
-#   inflight     the same, o_proj and x_proj with GemvConfig.in_flight 0 and 1 only
 #   w8a8         bench/experiments/gemv_w8a8.py: the fp8-activation GEMV against the shipped one (o_proj, x_proj,
 #                q_b | wq_b; cold, warm; its error against its reference and against bf16 activations;
 #                W8A8_ONLY: the forms timed, e.g. shipped,shipped_wgmma)
