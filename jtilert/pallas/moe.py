@@ -30,7 +30,7 @@ from jtilert.ffi import route as ffi_route
 from jtilert.ops import reference
 from jtilert.pallas import _hopper as hw
 from jtilert.pallas import gemv
-from jtilert.pallas._hopper import BF16, F16, F32, FP8, KGRAIN, MAX_TOKENS, QBLOCK, X_LAYOUT, X_TRANSFORMS
+from jtilert.pallas._hopper import BF16, F16, F32, FP8, MAX_TOKENS, QBLOCK, X_LAYOUT, X_TRANSFORMS
 from jtilert.pallas.gemv import GemvConfig
 
 MOE_LAYOUT_VERSION = "jtilert-moe-v1: experts stacked [E(+1 shared), out, in] in the HF [out, in] layout"
