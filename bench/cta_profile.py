@@ -20,12 +20,14 @@ import subprocess
 import jax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
+import jtilert.pallas._hopper as hw
+
 
 @contextlib.contextmanager
 def kernel_profiles(path: str, events: int = 64):
     """Mosaic-GPU kernels built inside collect an on-device profile of up to `events` ranges per
     warpgroup, their body in a range named after the kernel, and write it under `path`."""
-    build = plgpu.kernel
+    build, limit = plgpu.kernel, hw.SMEM_BYTES
 
     def kernel(body, *args, compiler_params=None, kernel_name=None, **kwargs):
         params = dataclasses.replace(compiler_params or plgpu.CompilerParams(), profile_space=events,
@@ -38,11 +40,14 @@ def kernel_profiles(path: str, events: int = 64):
 
         return build(named, *args, compiler_params=params, kernel_name=kernel_name, **kwargs)
 
-    plgpu.kernel = kernel
+    # Mosaic puts the profile buffer (events 32-bit entries per warp, up to 16 warps) after the
+    # kernel's own shared memory, on a 1 KiB boundary: the kernels that size themselves to the limit
+    # (the GEMV's pipeline depth) are given that much less.
+    plgpu.kernel, hw.SMEM_BYTES = kernel, limit - (events * 4 * 16 + hw.SMEM_ALIGN)
     try:
         yield
     finally:
-        plgpu.kernel = build
+        plgpu.kernel, hw.SMEM_BYTES = build, limit
 
 
 @dataclasses.dataclass

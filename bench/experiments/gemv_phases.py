@@ -2,12 +2,14 @@
 (`bench/cta_profile.py`) around the GEMV kernels' named phases (`hw.phase`): "x_wait" (the token
 tile's TMA), "x_prep" (B built from x: the f16 rescale or fp8x2's two halves), "step" (one pipeline
 step's tensor work; the time between two steps is the wait for the next weight tile), "epilogue".
-For each form below at the three decode shapes, `copies` calls (one program each, so every call
+For each form (fp8x2, wgmma, w8a8_hilo fed x split, fp8x2_norm: fp8x2 with the RMSNorm's 1/rms)
+at the three decode shapes, `copies` calls (one program each, so every call
 streams from HBM), summarised per form:
 
   start_spread_us  how far apart the CTAs start (global timer)
   to_first_step    cycles from the CTA's first event to its first step
-  x_wait, x_prep   cycles of those phases (in fp8x2 and wgmma inside the first step)
+  x_wait, x_prep   cycles of those phases (fp8x2, wgmma: before the first step, while the first
+                   weight tiles arrive)
   first_step       cycles of the first step
   step, gap        median cycles of the other steps and of the wait between two steps
   epilogue, span   cycles of the epilogue and of the CTA's first to last event
@@ -70,8 +72,10 @@ def main(argv=None) -> int:  # pragma: no cover - GPU only
     ap.add_argument("--copies", type=int, default=3)
     a = ap.parse_args(argv)
     wgmma = gemv.GemvConfig(engine="wgmma")
+    norm = lambda x: jax.random.uniform(jax.random.key(7), x.shape[-1:], minval=0.5, maxval=1.5).astype(x.dtype)
     forms = {"fp8x2": gemv.linear, "wgmma": lambda x, w, s: gemv.linear(x, w, s, config=wgmma),
-             "w8a8_hilo": w8a8_hilo}
+             "w8a8_hilo": w8a8_hilo,
+             "fp8x2_norm": lambda x, w, s: gemv.rmsnorm_linear(x, norm(x), 1e-6, w, s)}
     rows = []
     for name, n, k in DECODE_GEMVS:
         key = jax.random.key(5)

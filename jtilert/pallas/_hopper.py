@@ -59,6 +59,42 @@ def phase(name: str):
     return wrap
 
 
+def stream_tiles(body, *, steps: int, stages: int, tiles, shape, dtype, transforms, carry, first=None):
+    """An input pipeline over `steps` steps, `stages` tiles in flight (Pallas' emit_pipeline, one
+    barrier per slot), that runs `first()` after it has asked for its first tiles and before it waits
+    for them: work that needs no weight tile (the token tile's preparation, the norm's sum of squares)
+    then overlaps their arrival. tiles[j](step) is the GMEM view of input j's tile at `step` (every
+    tile `shape`, `dtype`, stored with `transforms`); body(step, *tile_refs, carry) -> carry runs once the
+    step's tiles have landed and must be done reading them when it returns (a step's slot is
+    refilled with step + stages right after). Returns (first()'s result, the last carry)."""
+    stages = min(stages, steps)
+    bufs = [plgpu.SMEM((stages, *shape), dtype, transforms=transforms) for _ in tiles]
+
+    def scoped(*refs):
+        smems, bar = refs[:-1], refs[-1]
+
+        def fetch(step, slot):
+            for tile, smem in zip(tiles, smems):
+                plgpu.copy_gmem_to_smem(tile(step), smem.at[slot], bar.at[slot])
+
+        for s in range(stages):
+            fetch(s, s)
+        head = first() if first is not None else None
+
+        def loop(step, c):
+            slot = lax.rem(step, stages)
+            plgpu.barrier_wait(bar.at[slot])
+            c = body(step, *[smem.at[slot] for smem in smems], c)
+
+            @pl.when(step + stages < steps)
+            def _():
+                fetch(step + stages, slot)
+            return c
+        return head, lax.fori_loop(0, steps, loop, carry)
+
+    return pl.run_scoped(scoped, *bufs, plgpu.Barrier(num_arrivals=len(tiles), num_barriers=stages))
+
+
 def layer_operand(layer):
     """A layer index (int scalar, may be traced) as a kernel's int32 [1] input: the kernel reads it
     on the device and steers its weight TMA with it, so a stack [L, ...] is never sliced outside."""

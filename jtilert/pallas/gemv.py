@@ -30,7 +30,7 @@ import jtilert.pallas.interpret as _interp
 from jtilert.ops.quant import quantize_weight
 from jtilert.pallas import _hopper as hw
 from jtilert.pallas._hopper import (BF16, F16, F32, FP8, KGRAIN, MAX_TOKENS, QBLOCK,  # noqa: F401
-                                    SMEM_BYTES, X_LAYOUT, X_TRANSFORMS)
+                                    X_LAYOUT, X_TRANSFORMS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +49,7 @@ class GemvConfig:
                  layout=None, slice_unit: int | None = None, divides: int | None = None,
                  occupancy: bool = True) -> "GemvConfig":
         """The configuration a kernel runs for N output rows (for the grid), K, T tokens and P
-        weights of `w_itemsize` bytes on `sms` SMs, its shared memory within SMEM_BYTES.
+        weights of `w_itemsize` bytes on `sms` SMs, its shared memory within hw.SMEM_BYTES.
         `layout(cfg)`: the kernel's SMEM (`hw.Scope`) under a candidate configuration (default:
         `_projection`'s, linear epilogue); `slice_unit`: the K slices must be multiples of it
         (default: whole 128-column scale blocks for fp8 with split-K, else 64); `divides`: block_k
@@ -109,10 +109,10 @@ class GemvConfig:
         # the full pipeline depth with the smallest split that fits, then shallower pipelines and
         # narrower blocks (an explicit split, or K that no split brings into SMEM)
         for cfg in cands + [c for c0 in cands for c in c0._smaller(k, w_itemsize, divides)]:
-            if hw.smem_bytes(layout(cfg)) <= SMEM_BYTES:
+            if hw.smem_bytes(layout(cfg)) <= hw.SMEM_BYTES:
                 return cfg._two_per_sm(-(-n // self.block_n) * cfg.split_k, sms, layout)
         need = hw.smem_bytes(layout(cands[0]))
-        raise ValueError(f"GEMV kernel: config {cands[0]} needs {need} B of shared memory (> {SMEM_BYTES}) "
+        raise ValueError(f"GEMV kernel: config {cands[0]} needs {need} B of shared memory (> {hw.SMEM_BYTES}) "
                          "and no smaller configuration fits")
 
     def _two_per_sm(self, ctas: int, sms: int, layout) -> "GemvConfig":
@@ -191,7 +191,7 @@ def _weight_dtype(itemsize: int):
 def projection_smem(cfg: GemvConfig, *, k: int, p: int, itemsize: int, tb: int, out_dtype=BF16,
                     residual_dtype=None) -> hw.Scope:
     """`_projection`'s shared memory: its scratch, and inside, the weight pipeline's `stages` tiles
-    per weight (the fp8 B build at step 0 reduces in there); the epilogue reduces outside."""
+    per weight (the fp8 B build, before step 0, reduces in there); the epilogue reduces outside."""
     pipe = hw.Scope(tuple(plgpu.SMEM((cfg.stages, cfg.block_n, cfg.block_k), _weight_dtype(itemsize))
                           for _ in range(p)) + (plgpu.Barrier(num_barriers=cfg.stages),),
                     reduces=itemsize == 1 and cfg.engine in ("wgmma", "fp8x2"))
@@ -451,8 +451,8 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
                         xr = xr * load_piece(norm_at(k0 + c, size), layout).astype(F32)
                     xf.at[tok, pl.ds(c, size)][...] = xr.astype(BF16).astype(F32)
         else:
-            # The token TMA now; B is built at step 0 of the weight pipeline, whose first `stages`
-            # weight tiles are already in flight by then.
+            # The token TMA now; B is built once the weight stream has asked for its first tiles
+            # (`first` below), while they arrive.
             plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(row8, MAX_TOKENS), pl.ds(c0 + k0, kc)], xstage, bar.at[0])
             svals = ([[scale_at(j, (k0 + b * bw) // scale_block) for b in range(nblk)] for j in range(p)]
                      if fp8 and not x8 else None)
@@ -470,9 +470,8 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
             return tuple(out)
 
         @hw.phase("step")
-        def body_fma(idx, *args):
+        def body_fma(step, *args):
             w_smems, (accs, scs) = args[:p], args[p]
-            (step,) = idx
             nxt = scales_at(step + 1)
             kk = step * bk
             accs = [list(a) for a in accs]
@@ -488,15 +487,9 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
             return tuple(tuple(a) for a in accs), nxt
 
         @hw.phase("step")
-        def body_wgmma(idx, *args):
+        def body_wgmma(step, *args):
             w_smems, acc_refs = args[:p], args[p]
-            (step,) = idx
             kk = step * bk
-
-            @pl.when(step == 0)
-            def _():
-                build_b(xstage, svals)
-
             for j in range(p):
                 if not fp8:
                     plgpu.wgmma(acc_refs[j], w_smems[j], xb.at[0, :, pl.ds(kk, bk)].T)
@@ -510,46 +503,54 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
             return acc_refs
 
         @hw.phase("step")
-        def body_x8(idx, *args):
+        def body_x8(step, *args):
             """Both operands e4m3 from SMEM: per 128-column block, hi and lo (one B) into a scratch
             accumulator, then added to the sums scaled by the weights' block scale and x's (the promotion)."""
             w_smems, (accs, scs) = args[:p], args[p]
-            (step,) = idx
             kk = step * bk
-
-            @pl.when(step == 0)
-            def _():
-                build_b(xstage, None)
-
             nxt = scales_at(step + 1)
             sx = invf[0]
             return tuple(hw.wgmma_fp8_pair_step(accs[j], w_smems[j], xb, kk, [f * sx for f in scs[j]],
                                                 nsub=nsub, sub=sub) for j in range(p)), nxt
 
-        def w_spec():
-            if stacked:
-                return plgpu.BlockSpec((None, bn, bk), lambda s: (wid, n_idx, s_idx * steps + s), transforms=w_tr)
-            return plgpu.BlockSpec((bn, bk), lambda s: (n_idx, s_idx * steps + s), transforms=w_tr)
+        def tile_of(w_gmem):
+            def tile(step):
+                rows, cols = pl.ds(row0, bn), pl.ds(k0 + step * bk, bk)
+                return w_gmem.at[wid, rows, cols] if stacked else w_gmem.at[rows, cols]
+            return tile
 
-        def pipeline(body, carry):
-            return plgpu.emit_pipeline(body, grid=(steps,), in_specs=[w_spec() for _ in range(p)],
-                                       max_concurrent_steps=stages, init_carry=carry)(*w_gmems)
+        def pipeline(body, carry, first=None):
+            """The weight stream; `first` (x's preparation) runs while its first tiles are on the way."""
+            return hw.stream_tiles(body, steps=steps, stages=stages, tiles=[tile_of(w) for w in w_gmems],
+                                   shape=(bn, bk), dtype=w_gmems[0].dtype, transforms=w_tr, carry=carry,
+                                   first=first)
+
+        def first():
+            """What needs no weight tile, done while the first ones arrive: the norm's 1/rms of each
+            token over its K columns (read from GMEM while x's TMA lands; with split-K every CTA
+            scales its partial sums, so XLA's finish is only their sum), then B from x (wgmma engines)."""
+            rms = () if norm is None else tuple(lax.rsqrt(sum_squares(x_gmem.at[tok], k) / k + eps)
+                                                for tok in range(tb))
+            if not fma:
+                build_b(xstage, svals)
+            return rms
 
         if x8:
             col_id = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (bn, hw.PAIR_COLS), 1), plgpu.Layout.WGMMA)
             zeros = jnp.where(col_id < 0, 1.0, 0.0).astype(F32)
-            ys, _ = pipeline(body_x8, (tuple(zeros for _ in range(p)), scales_at(0)))
+            rms, (ys, _) = pipeline(body_x8, (tuple(zeros for _ in range(p)), scales_at(0)), first)
             cols_of = lambda tok: [hw.pair_column(y, col_id, col0 + tok) for y in ys]
         elif fma:
             zeros = plgpu.layout_cast(jnp.zeros((bn, sub), F32), w_layout)
-            accs, _ = pipeline(body_fma, (tuple(tuple(zeros for _ in range(tb)) for _ in range(p)), scales_at(0)))
+            rms, (accs, _) = pipeline(body_fma, (tuple(tuple(zeros for _ in range(tb)) for _ in range(p)),
+                                                 scales_at(0)), first)
             cols_of = lambda tok: [jnp.sum(accs[j][tok], axis=1) for j in range(p)]
         else:
             def run(*acc_refs):
-                pipeline(body_wgmma, acc_refs)
+                head, _ = pipeline(body_wgmma, acc_refs, first)
                 plgpu.wgmma_wait(0)
-                return tuple(a[...] for a in acc_refs)
-            ys = pl.run_scoped(run, *[plgpu.ACC((bn, MAX_TOKENS), F32) for _ in range(p)])
+                return head, tuple(a[...] for a in acc_refs)
+            rms, ys = pl.run_scoped(run, *[plgpu.ACC((bn, MAX_TOKENS), F32) for _ in range(p)])
             col_id = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (bn, MAX_TOKENS), 1), plgpu.Layout.WGMMA)
 
             def cols_of(tok):
@@ -565,10 +566,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
             for tok in range(tb):
                 cols = cols_of(tok)
                 if norm is not None:
-                    # the norm's 1/rms over the token's K columns (every CTA reads them from GMEM; with
-                    # split-K each scales its partial sums, so XLA's finish is only their sum)
-                    rms = lax.rsqrt(sum_squares(x_gmem.at[tok], k) / k + eps)
-                    cols = [c * rms for c in cols]
+                    cols = [c * rms[tok] for c in cols]
                 if in_kernel_epilogue:
                     res = res_smem.at[tok][...] if res_smem is not None else None
                     o_smem.at[0, tok][...] = _finish(cols, kind=kind, residual=res, out_dtype=o_dtype)

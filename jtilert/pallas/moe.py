@@ -178,18 +178,13 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
                     xb.at[:, pl.ds(b * QBLOCK, QBLOCK)][...] = v.astype(BF16)
             plgpu.commit_smem()
 
-        def w_index(s):
+        def tile(s):
+            """The down weights' tile of step s: the expert that owns columns k0 + s·bk, its rows of
+            this block."""
             kpos = k0 + s * bk
-            sel = kpos // i_dim
-            return (pick(ids_v, sel), n_idx, (kpos % i_dim) // bk)
+            return d_gmem.at[pick(ids_v, kpos // i_dim), pl.ds(row0, bn), pl.ds(kpos % i_dim, bk)]
 
-        def body(idx, w_smem, acc):
-            (step,) = idx
-
-            @pl.when(step == 0)
-            def _():
-                build_b()
-
+        def body(step, w_smem, acc):
             kk = step * bk
             if not fp8:
                 plgpu.wgmma(acc, w_smem, xb.at[:, pl.ds(kk, bk)].T)
@@ -203,26 +198,20 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
             """The block factors of a pipeline step's sub-blocks (read a step ahead)."""
             return tuple(block_factor(k0 + jnp.minimum(step, steps - 1) * bk + hh * sub) for hh in range(nsub))
 
-        def body_x8(idx, w_smem, carry):
+        def body_x8(step, w_smem, carry):
             """Both operands e4m3 from SMEM: each sub-block's hi and lo sums, scaled by its factor and
             x's scale, added to the running sums."""
             acc, fs = carry
-            (step,) = idx
-
-            @pl.when(step == 0)
-            def _():
-                build_b()
-
             nxt = factors(step + 1)
             sx = invf[0]
             acc = hw.wgmma_fp8_pair_step(acc, w_smem, xb, step * bk, [f * sx for f in fs], nsub=nsub, sub=sub)
             return acc, nxt
 
         def pipeline(fn, carry):
-            return plgpu.emit_pipeline(
-                fn, grid=(steps,),
-                in_specs=[plgpu.BlockSpec((None, bn, bk), lambda s: w_index(s), transforms=w_tr)],
-                max_concurrent_steps=stages, init_carry=carry)(d_gmem)
+            """The down weights' stream; B is built from h while its first tiles arrive."""
+            _, out = hw.stream_tiles(fn, steps=steps, stages=stages, tiles=[tile], shape=(bn, bk),
+                                     dtype=down.dtype, transforms=w_tr, carry=carry, first=build_b)
+            return out
 
         def run(acc):
             pipeline(body, acc)
