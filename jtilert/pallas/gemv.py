@@ -189,12 +189,13 @@ def _weight_dtype(itemsize: int):
 
 
 def projection_smem(cfg: GemvConfig, *, k: int, p: int, itemsize: int, tb: int, out_dtype=BF16,
-                    residual_dtype=None) -> hw.Scope:
+                    residual_dtype=None, norm: bool = False) -> hw.Scope:
     """`_projection`'s shared memory: its scratch, and inside, the weight pipeline's `stages` tiles
-    per weight (the fp8 B build, before step 0, reduces in there); the epilogue reduces outside."""
+    per weight (the fp8 B build and a norm's sum of squares, before step 0, reduce in there); the
+    epilogue reduces outside."""
     pipe = hw.Scope(tuple(plgpu.SMEM((cfg.stages, cfg.block_n, cfg.block_k), _weight_dtype(itemsize))
                           for _ in range(p)) + (plgpu.Barrier(num_barriers=cfg.stages),),
-                    reduces=itemsize == 1 and cfg.engine in ("wgmma", "fp8x2"))
+                    reduces=norm or (itemsize == 1 and cfg.engine in ("wgmma", "fp8x2")))
     scratch = projection_scratch(cfg, k=k, p=p, itemsize=itemsize, tb=tb, out_dtype=out_dtype,
                                  residual_dtype=residual_dtype)
     return hw.Scope(tuple(scratch), (pipe,), reduces=True)
@@ -332,7 +333,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
     itemsize = ws[0].dtype.itemsize
     res_dtype = residual.dtype if residual is not None else None
     layout = functools.partial(projection_smem, k=k, p=p, itemsize=itemsize, tb=tb, out_dtype=out_dtype,
-                               residual_dtype=res_dtype)
+                               residual_dtype=res_dtype, norm=norm is not None)
     # K slices of whole scale blocks under split-K (64-blocks: any slice of the 64 grain)
     cfg = (config or GemvConfig()).resolved(n * (nsel if experts else 1), k, t, p, itemsize, hw.num_sms(),
                                             layout=layout, slice_unit=KGRAIN if scale_block == KGRAIN else None)
