@@ -160,8 +160,9 @@ class Scope:
 def _count(scope: Scope) -> tuple[int, int]:
     data = barriers = 0
     for b in scope.buffers:
-        if isinstance(b, plgpu.Barrier):
-            barriers += math.prod(b.num_barriers)
+        if isinstance(b, (plgpu.Barrier, plgpu.ClusterBarrier)):
+            n = b.num_barriers
+            barriers += n if isinstance(n, int) else math.prod(n)
         else:
             data += -(-math.prod(b.shape) * jnp.dtype(b.dtype).itemsize // SMEM_ALIGN) * SMEM_ALIGN
     inner = [_count(s) for s in scope.inner]

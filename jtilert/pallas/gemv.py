@@ -3,7 +3,8 @@
 y[t] = x[t] · Wᵀ for T ≤ 8 tokens (more are chunked), W [N, K] bf16 or fp8 e4m3 with 128×128 fp32
 block scales, fp32 accumulation; fused `rmsnorm_linear`, `linear_residual`, `swiglu_pair`. Each CTA
 owns 64 output rows and a 1/split_k share of K and streams its weights through a TMA pipeline in the
-checkpoint layout; split-K partials are summed by XLA with the epilogue. Engines (`GemvConfig`):
+checkpoint layout; split-K partials are summed in the kernel by the row block's CTAs as one cluster
+(on the GPU, 2..8 splits) or by XLA with the epilogue. Engines (`GemvConfig`):
 "fp8x2", the default for fp8 weights in 128-blocks: x as two e4m3 halves (exact for bf16) in one
 wgmma B of 16 columns, both operands e4m3 from SMEM, each block's sums scaled by its weight and x
 scales; "wgmma": the block scales folded into an f16 B, each weight tile converted e4m3 → f16; "fma":
@@ -32,6 +33,8 @@ from jtilert.pallas import _hopper as hw
 from jtilert.pallas._hopper import (BF16, F16, F32, FP8, KGRAIN, MAX_TOKENS, QBLOCK,  # noqa: F401
                                     X_LAYOUT, X_TRANSFORMS)
 
+CLUSTER_MAX = 8   # CTAs in a portable cluster: the most split-K CTAs that can sum in one
+
 
 @dataclasses.dataclass(frozen=True)
 class GemvConfig:
@@ -44,17 +47,22 @@ class GemvConfig:
                              # fp8 weights (K in whole 128-blocks, whole-block K slices), else wgmma
     a_in_registers: bool | None = None   # wgmma engine, fp8: A from registers (None: GPU yes, interpret no)
     in_flight: int = 0       # wgmma engine, fp8 A from registers: wgmma groups left running into the next step
+    split_sum: str = "auto"  # split-K partials summed by "cluster": the split CTAs of a row block as one
+                             # cluster, through its distributed shared memory, the epilogue in the kernel;
+                             # "xla": after the kernel, with the epilogue; "auto": cluster on the GPU for
+                             # 2..8 splits (interpret mode runs no remote refs), else xla
 
     def resolved(self, n: int, k: int, t: int, n_weights: int, w_itemsize: int, sms: int, *,
                  layout=None, slice_unit: int | None = None, divides: int | None = None,
-                 occupancy: bool = True) -> "GemvConfig":
+                 occupancy: bool = True, cluster_sum: bool = False) -> "GemvConfig":
         """The configuration a kernel runs for N output rows (for the grid), K, T tokens and P
         weights of `w_itemsize` bytes on `sms` SMs, its shared memory within hw.SMEM_BYTES.
         `layout(cfg)`: the kernel's SMEM (`hw.Scope`) under a candidate configuration (default:
         `_projection`'s, linear epilogue); `slice_unit`: the K slices must be multiples of it
         (default: whole 128-column scale blocks for fp8 with split-K, else 64); `divides`: block_k
         must divide it too; `occupancy`: with split_k = 0, grow split-K until the grid about fills
-        the machine (else only as far as shared memory needs).
+        the machine (else only as far as shared memory needs); `cluster_sum`: the kernel can sum its
+        split-K partials in a cluster (else split_sum resolves to "xla").
 
         split_k = 0: the occupancy rule's split, or the next larger split that cuts K into valid
         slices, the first whose SMEM fits at the full pipeline depth (the token slice [8, K / split]
@@ -85,8 +93,14 @@ class GemvConfig:
         def valid(split):
             return kgrains % split == 0 and (k // split) % unit(split) == 0
 
+        if self.split_sum not in ("auto", "cluster", "xla"):
+            raise ValueError(f"GEMV kernel: unknown split_sum {self.split_sum!r}")
+        if self.split_sum == "cluster" and (not cluster_sum or _interp.active()):
+            raise ValueError("GEMV kernel: split_sum='cluster' needs the GPU (interpret mode runs no remote "
+                             "refs) and a kernel that sums in the cluster (not the partials or MoE down forms)")
         a_regs = _interp.a_in_registers() if self.a_in_registers is None else self.a_in_registers
-        base = dataclasses.replace(self, engine=engine, a_in_registers=a_regs)
+        base = dataclasses.replace(self, engine=engine, a_in_registers=a_regs,
+                                   split_sum=self.split_sum if cluster_sum and not _interp.active() else "xla")
         if self.split_k > 0:
             if kgrains % self.split_k:
                 raise ValueError(f"GEMV kernel: split_k={self.split_k} must divide K/{KGRAIN}={kgrains}")
@@ -102,6 +116,11 @@ class GemvConfig:
                    and k // (2 * split) >= 512):
                 split *= 2
             splits = [s for s in range(split, kgrains + 1) if valid(s)]
+        if self.split_sum == "cluster":
+            splits = [s for s in splits if s <= CLUSTER_MAX]
+            if not splits:
+                raise ValueError(f"GEMV kernel: split_sum='cluster' takes at most {CLUSTER_MAX} splits (a portable "
+                                 f"cluster); K={k} needs more (split_k={self.split_k})")
         cands = [base._shaped(s, k, w_itemsize, divides) for s in splits]
         cands = [c for c in cands if c is not None]
         if not cands:
@@ -140,7 +159,9 @@ class GemvConfig:
             bk -= grain
         if bk < grain:
             return None
-        return dataclasses.replace(self, block_k=bk, split_k=split, stages=max(1, min(self.stages, kc // bk)))
+        sum_by = ("cluster" if self.split_sum in ("auto", "cluster") and 1 < split <= CLUSTER_MAX else "xla")
+        return dataclasses.replace(self, block_k=bk, split_k=split, stages=max(1, min(self.stages, kc // bk)),
+                                   split_sum=sum_by)
 
     def _smaller(self, k: int, w_itemsize: int, divides: int | None):
         """Configurations with less SMEM than this one, most preferred first: fewer stages, then
@@ -160,10 +181,13 @@ def projection_scratch(cfg: GemvConfig, *, k: int, p: int, itemsize: int, tb: in
     """The scratch buffers of `_projection` (in the kernel's order) under a resolved config: the
     token slice (FMA: fp32 rows; wgmma: the B operand(s) and the bf16 staging tile, [8, K / split]
     each), the fp8 range factors, the output tile, two barriers, the A double buffer (fp8 with A
-    from SMEM) and the residual tile (residual epilogue without split-K)."""
+    from SMEM), the residual tile (epilogue in the kernel) and, where the split-K partials are
+    summed in a cluster, one [block_n] fp32 buffer per weight and token (the partials the first CTA
+    reads; whole buffers, which Mosaic maps into the cluster) and two cluster barriers."""
     kc = k // cfg.split_k
     fp8 = itemsize == 1
-    in_kernel = cfg.split_k == 1
+    cluster = cfg.split_k > 1 and cfg.split_sum == "cluster"
+    in_kernel = cfg.split_k == 1 or cluster
     if cfg.engine == "fma":
         scratch = [plgpu.SMEM((tb, kc), F32)]
     elif cfg.engine == "fp8x2":   # x's two e4m3 halves, the staging tile, x's scale
@@ -181,6 +205,9 @@ def projection_scratch(cfg: GemvConfig, *, k: int, p: int, itemsize: int, tb: in
         scratch.append(plgpu.SMEM((p, 2, cfg.block_n, sub), F16, transforms=X_TRANSFORMS))
     if residual_dtype is not None and in_kernel:
         scratch.append(plgpu.SMEM((MAX_TOKENS, cfg.block_n), residual_dtype))
+    if cluster:
+        scratch += [[plgpu.SMEM((cfg.block_n,), F32) for _ in range(p * tb)],
+                    plgpu.ClusterBarrier(collective_axes=("s",), num_barriers=2)]
     return scratch
 
 
@@ -198,7 +225,8 @@ def projection_smem(cfg: GemvConfig, *, k: int, p: int, itemsize: int, tb: int, 
                     reduces=norm or (itemsize == 1 and cfg.engine in ("wgmma", "fp8x2")))
     scratch = projection_scratch(cfg, k=k, p=p, itemsize=itemsize, tb=tb, out_dtype=out_dtype,
                                  residual_dtype=residual_dtype)
-    return hw.Scope(tuple(scratch), (pipe,), reduces=True)
+    flat = [b for entry in scratch for b in (entry if isinstance(entry, list) else [entry])]
+    return hw.Scope(tuple(flat), (pipe,), reduces=True)
 
 
 # ---- the epilogue, shared by the kernel (split_k = 1) and the XLA finish (split_k > 1) ----------
@@ -336,7 +364,8 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
                                residual_dtype=res_dtype, norm=norm is not None)
     # K slices of whole scale blocks under split-K (64-blocks: any slice of the 64 grain)
     cfg = (config or GemvConfig()).resolved(n * (nsel if experts else 1), k, t, p, itemsize, hw.num_sms(),
-                                            layout=layout, slice_unit=KGRAIN if scale_block == KGRAIN else None)
+                                            layout=layout, slice_unit=KGRAIN if scale_block == KGRAIN else None,
+                                            cluster_sum=not partials)
     hw.check_smem("GEMV kernel", layout(cfg), cfg)
     if itemsize == 4 and cfg.engine != "fma":
         raise ValueError("GEMV kernel: fp32 weights need the FMA engine")
@@ -350,7 +379,8 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
     w_tr, sub = hw.weight_transforms(bk, itemsize)    # sub: one swizzle row, ≤ one scale block
     nsub = bk // sub
     a_regs = cfg.a_in_registers
-    in_kernel_epilogue = split == 1
+    cluster = split > 1 and cfg.split_sum == "cluster"
+    in_kernel_epilogue = split == 1 or cluster
     out_rows = 1 if in_kernel_epilogue else p
     o_dtype = out_dtype if in_kernel_epilogue else F32
     row_blocks = -(-n // bn)
@@ -375,6 +405,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
         o_smem, bar = next(it), next(it)
         a_bufs = next(it) if (fp8 and cfg.engine == "wgmma" and not a_regs) else None
         res_smem = next(it) if res_gmem is not None else None
+        parts, cbar = (next(it), next(it)) if cluster else (None, None)
 
         n_idx = lax.axis_index("n")
         s_idx = lax.axis_index("s")
@@ -562,12 +593,10 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
         if res_smem is not None:
             plgpu.barrier_wait(bar.at[1])
 
-        # Epilogue: one row vector per token.
-        with jax.named_scope("epilogue"):
-            for tok in range(tb):
-                cols = cols_of(tok)
-                if norm is not None:
-                    cols = [c * rms[tok] for c in cols]
+        def store(sums):
+            """The output rows of this block: sums[tok][j] is weight j's row vector for token tok
+            (the epilogue applied here, or the partials left for XLA's finish)."""
+            for tok, cols in enumerate(sums):
                 if in_kernel_epilogue:
                     res = res_smem.at[tok][...] if res_smem is not None else None
                     o_smem.at[0, tok][...] = _finish(cols, kind=kind, residual=res, out_dtype=o_dtype)
@@ -582,6 +611,42 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
                 plgpu.copy_smem_to_gmem(o_smem.at[j, pl.ds(0, tb)], dst)
             plgpu.wait_smem_to_gmem(0)
 
+        # Epilogue: one row vector per token and weight.
+        with jax.named_scope("epilogue"):
+            sums = []
+            for tok in range(tb):
+                cols = cols_of(tok)
+                sums.append([c * rms[tok] for c in cols] if norm is not None else cols)
+            if not cluster:
+                store(sums)
+            else:
+                # The split-K sum in the cluster (the `split` CTAs of this row block): each CTA leaves
+                # its partials in its own shared memory and arrives on cluster barrier 0; once all
+                # have, CTA 0 reads the others' through the cluster's distributed shared memory, adds
+                # them in split order and stores the block with the epilogue.
+                # commit_smem's warpgroup barrier orders every thread's stores before its CTA's
+                # arrive (a release); barrier 1 keeps the others' shared memory alive until CTA 0
+                # has read it.
+                for tok, cols in enumerate(sums):
+                    for j, c in enumerate(cols):
+                        parts[j * tb + tok][...] = c
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(cbar.at[0])
+                plgpu.barrier_wait(cbar.at[0])
+
+                def added(c, buf):
+                    for r in range(1, split):
+                        c = c + plgpu.cluster_ref(buf, {"s": r})[...]
+                    return c
+
+                @pl.when(s_idx == 0)
+                def _():
+                    store([[added(c, parts[j * tb + tok]) for j, c in enumerate(cols)]
+                           for tok, cols in enumerate(sums)])
+
+                plgpu.barrier_arrive(cbar.at[1])
+                plgpu.barrier_wait(cbar.at[1])
+
     scratch = projection_scratch(cfg, k=k, p=p, itemsize=itemsize, tb=tb, out_dtype=out_dtype,
                                  residual_dtype=res_dtype)
     # Each CTA stores whole 64-column rows. On the GPU, a TMA store of a row that overhangs the
@@ -590,10 +655,11 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
     n_out = row_blocks * bn
     out_type = (jax.ShapeDtypeStruct((nsel, n_out), o_dtype) if in_kernel_epilogue
                 else jax.ShapeDtypeStruct((split, p, nsel, n_out), F32))
-    grid, names = (row_blocks, split), ("n", "s")
+    grid, names = ((row_blocks,), ("n",)) if cluster else ((row_blocks, split), ("n", "s"))
     if experts:
         grid, names = grid + (nsel,), names + ("e",)
-    call = plgpu.kernel(kernel, out_type=out_type, grid=grid, grid_names=names,
+    clusters = dict(cluster=(split,), cluster_names=("s",)) if cluster else {}
+    call = plgpu.kernel(kernel, out_type=out_type, grid=grid, grid_names=names, **clusters,
                         scratch_types=scratch, interpret=_interp.params(),
                         kernel_name=f"jtilert_gemv_{cfg.engine}")
     args = [x] + ([ids.astype(jnp.int32)] if ids is not None else [])
