@@ -148,8 +148,8 @@ BARRIER_BYTES = 8
 
 @dataclasses.dataclass(frozen=True)
 class Scope:
-    """One SMEM allocation of a kernel: `buffers` (plgpu.SMEM / plgpu.Barrier types, as passed to
-    plgpu.kernel or pl.run_scoped), `inner`: the allocations opened one after another inside it,
+    """One SMEM allocation of a kernel: `buffers` (plgpu.SMEM / plgpu.Barrier types, or lists of them,
+    as passed to plgpu.kernel or pl.run_scoped), `inner`: the allocations opened one after another inside it,
     `reduces`: whether a cross-lane reduction runs in it (outside the inner ones)."""
 
     buffers: tuple = ()
@@ -159,7 +159,7 @@ class Scope:
 
 def _count(scope: Scope) -> tuple[int, int]:
     data = barriers = 0
-    for b in scope.buffers:
+    for b in jax.tree.leaves(list(scope.buffers), is_leaf=lambda b: not isinstance(b, (list, tuple))):
         if isinstance(b, (plgpu.Barrier, plgpu.ClusterBarrier)):
             n = b.num_barriers
             barriers += n if isinstance(n, int) else math.prod(n)

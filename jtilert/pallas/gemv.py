@@ -225,8 +225,7 @@ def projection_smem(cfg: GemvConfig, *, k: int, p: int, itemsize: int, tb: int, 
                     reduces=norm or (itemsize == 1 and cfg.engine in ("wgmma", "fp8x2")))
     scratch = projection_scratch(cfg, k=k, p=p, itemsize=itemsize, tb=tb, out_dtype=out_dtype,
                                  residual_dtype=residual_dtype)
-    flat = [b for entry in scratch for b in (entry if isinstance(entry, list) else [entry])]
-    return hw.Scope(tuple(flat), (pipe,), reduces=True)
+    return hw.Scope(tuple(scratch), (pipe,), reduces=True)
 
 
 # ---- the epilogue, shared by the kernel (split_k = 1) and the XLA finish (split_k > 1) ----------
