@@ -2,17 +2,16 @@
 
 y[t] = x[t] · Wᵀ for T ≤ 8 tokens (more are chunked), W [N, K] bf16 or fp8 e4m3 with 128×128 fp32
 block scales, fp32 accumulation; fused `rmsnorm_linear`, `linear_residual`, `swiglu_pair`. Each CTA
-owns 64 output rows and a 1/split_k share of K and streams its weights through a TMA pipeline in the
-checkpoint layout; split-K partials are summed in the kernel by the row block's CTAs as one cluster
-(on the GPU, 2..8 splits) or by XLA with the epilogue. Engines (`GemvConfig`):
-"fp8x2", the default for fp8 weights in 128-blocks: x as two e4m3 halves (exact for bf16) in one
-wgmma B of 16 columns, both operands e4m3 from SMEM, each block's sums scaled by its weight and x
-scales; "wgmma": the block scales folded into an f16 B, each weight tile converted e4m3 → f16; "fma":
-CUDA-core FMAs, for fp32 weights (the router). `layer=`: stacked weights [L, N, K] addressed on the
-device by the layer index (no slice outside the kernel); expert mode (`ids`: `moe`, `heads_linear`)
-reads the selected experts' or heads' rows the same way; `prefix`: the kernel reads its window of a
-wider x (a slice outside becomes a DynamicSliceFusion, which keeps XLA from capturing the layer loop
-as one CUDA graph). K a multiple of 64, any N.
+owns 64 output rows and a 1/split_k share of K, streams its weights through a TMA pipeline in the
+checkpoint layout and prepares x while the first tiles arrive; split-K partials are summed by the
+row block's CTAs as one cluster (GPU, 2..8 splits) or by XLA. Engines (`GemvConfig`): "fp8x2", the
+default for fp8 weights in 128-blocks: x as two e4m3 halves (exact for bf16) in one wgmma B of 16
+columns, each block's sums scaled by its weight and x scales; "wgmma": the block scales folded into
+an f16 B, each weight tile converted e4m3 → f16; "fma": CUDA-core FMAs, for fp32 weights (the
+router). `layer=`: stacked weights [L, N, K] addressed on the device by the layer index; expert mode
+(`ids`: `moe`, `heads_linear`) reads the selected experts' or heads' rows the same way; `prefix`: the
+kernel reads its window of a wider x (a slice outside would become a DynamicSliceFusion, which keeps
+XLA from capturing the layer loop as one CUDA graph). K a multiple of 64, any N.
 """
 
 from __future__ import annotations
