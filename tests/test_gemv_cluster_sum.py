@@ -1,8 +1,8 @@
 """The GEMV's split-K partials summed in the kernel by the row block's CTAs as one cluster
-(`GemvConfig.split_sum`). GPU interpret mode runs no remote refs, so on the CPU the cluster form is
+(`GemvConfig(split_sum="cluster")`, opt-in: "auto" sums in XLA). GPU interpret mode runs no remote refs, so on the CPU the cluster form is
 lowered for the GPU and its structure checked (a cluster of `split` CTAs, no XLA sum after the kernel,
 the shared memory Mosaic counts); the interpreter runs the XLA sum, whose numbers the other GEMV tests
-check. tests/gpu/decode_check.py and the golden models run the cluster form on the GPU."""
+check. bench/RESULTS.md (session 18) has its GPU check and timing."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def _norm_linear(x, nw, w, s, config=None):
 
 
 def test_split_k_sums_in_a_cluster_on_the_gpu():
-    cfg = gemv.GemvConfig(split_k=4)
+    cfg = gemv.GemvConfig(split_k=4, split_sum="cluster")
     with interp.compile_for_gpu():
         jaxpr = _traced(_norm_linear, X_PROJ, cfg)
         (mesh,) = _kernels(jaxpr, [])
@@ -52,7 +52,10 @@ def test_split_k_sums_in_a_cluster_on_the_gpu():
     assert jaxpr.outvars[0].aval.shape == (1, 2240)
 
 
-def test_interpret_mode_and_the_partials_form_sum_in_xla():
+def test_auto_interpret_mode_and_the_partials_form_sum_in_xla():
+    with interp.compile_for_gpu():
+        (mesh,) = _kernels(_traced(_norm_linear, X_PROJ, gemv.GemvConfig(split_k=4)), [])
+        assert not tuple(mesh.cluster or ()) and tuple(mesh.grid) == (2240 // 64, 4)
     with interp.interpret():
         (mesh,) = _kernels(_traced(_norm_linear, X_PROJ, gemv.GemvConfig(split_k=4)), [])
         assert not tuple(mesh.cluster or ()) and tuple(mesh.grid) == (2240 // 64, 4)
@@ -60,6 +63,9 @@ def test_interpret_mode_and_the_partials_form_sum_in_xla():
             _traced(_norm_linear, X_PROJ, gemv.GemvConfig(split_k=4, split_sum="cluster"))
     with interp.compile_for_gpu():
         # the router's form returns the split-K partials for its consumer to sum: never a cluster
+        with pytest.raises(ValueError, match="split_sum='cluster' needs the GPU"):
+            gemv._projection(jnp.zeros((1, 7168), BF16), (jnp.zeros((256, 7168), F32),), (None,), out_dtype=F32,
+                             partials=True, config=gemv.GemvConfig(split_sum="cluster", engine="fma"))
         meshes = _kernels(jax.make_jaxpr(moe.router_partials)(S((1, 7168), BF16), S((256, 7168), F32)).jaxpr, [])
         assert meshes and all(not tuple(m.cluster or ()) for m in meshes), meshes
         assert any(tuple(m.grid)[1] > 1 for m in meshes), meshes   # split-K (else nothing is checked)
@@ -71,9 +77,9 @@ def test_cluster_bounds_and_names():
             _traced(_norm_linear, X_PROJ, gemv.GemvConfig(split_k=14, split_sum="cluster"))
         with pytest.raises(ValueError, match="unknown split_sum"):
             _traced(_norm_linear, X_PROJ, gemv.GemvConfig(split_sum="gmem"))
-        # more splits than a portable cluster: XLA sums them
-        (mesh,) = _kernels(_traced(_norm_linear, X_PROJ, gemv.GemvConfig(split_k=14)), [])
-        assert not tuple(mesh.cluster or ()) and tuple(mesh.grid)[1] == 14
+        # the split search keeps to a portable cluster
+        (mesh,) = _kernels(_traced(_norm_linear, X_PROJ, gemv.GemvConfig(split_sum="cluster")), [])
+        assert 1 < tuple(mesh.cluster)[0] <= gemv.CLUSTER_MAX, mesh
 
 
 def test_the_cluster_buffers_are_counted():

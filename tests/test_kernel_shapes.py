@@ -314,6 +314,9 @@ def _q(*shape):
 ROWS = 4096
 KERNELS = {   # one launch each, at the shapes and configurations the dsv32 shard resolves to
     "GEMV eh_proj fp8, split-K": (gemv.linear, (S((2, 14336), BF16), *_q(7168, 14336))),
+    "GEMV x_proj rmsnorm fp8, split-K summed in a cluster": (
+        lambda x, nw, w, s: gemv.rmsnorm_linear(x, nw, 1e-6, w, s, config=gemv.GemvConfig(split_sum="cluster")),
+        (S((1, 7168), BF16), S((7168,), BF16), *_q(2240, 7168))),
     "GEMV o_proj + residual fp8": (gemv.linear_residual, (S((2, 2048), BF16), *_q(7168, 2048), S((2, 7168), BF16))),
     "GEMV gate/up pair fp8": (gemv.swiglu_pair, (S((1, 7168), BF16), *_q(2304, 7168), *_q(2304, 7168))),
     "GEMV rmsnorm bf16": (lambda x, nw, w: gemv.rmsnorm_linear(x, nw, 1e-6, w),

@@ -3,8 +3,8 @@
 y[t] = x[t] · Wᵀ for T ≤ 8 tokens (more are chunked), W [N, K] bf16 or fp8 e4m3 with 128×128 fp32
 block scales, fp32 accumulation; fused `rmsnorm_linear`, `linear_residual`, `swiglu_pair`. Each CTA
 owns 64 output rows and a 1/split_k share of K, streams its weights through a TMA pipeline in the
-checkpoint layout and prepares x while the first tiles arrive; split-K partials are summed by the
-row block's CTAs as one cluster (GPU, 2..8 splits) or by XLA. Engines (`GemvConfig`): "fp8x2", the
+checkpoint layout and prepares x while the first tiles arrive; split-K partials are summed by XLA
+(or, `split_sum="cluster"`, by the row block's CTAs as one cluster). Engines (`GemvConfig`): "fp8x2", the
 default for fp8 weights in 128-blocks: x as two e4m3 halves (exact for bf16) in one wgmma B of 16
 columns, each block's sums scaled by its weight and x scales; "wgmma": the block scales folded into
 an f16 B, each weight tile converted e4m3 → f16; "fma": CUDA-core FMAs, for fp32 weights (the
@@ -47,9 +47,10 @@ class GemvConfig:
     a_in_registers: bool | None = None   # wgmma engine, fp8: A from registers (None: GPU yes, interpret no)
     in_flight: int = 0       # wgmma engine, fp8 A from registers: wgmma groups left running into the next step
     split_sum: str = "auto"  # split-K partials summed by "cluster": the split CTAs of a row block as one
-                             # cluster, through its distributed shared memory, the epilogue in the kernel;
-                             # "xla": after the kernel, with the epilogue; "auto": cluster on the GPU for
-                             # 2..8 splits (interpret mode runs no remote refs), else xla
+                             # cluster, through its distributed shared memory, the epilogue in the kernel
+                             # (GPU only, 2..8 splits: one launch fewer, but the clustered grid runs
+                             # slower in the decode step); "xla" and "auto": after the kernel, with the
+                             # epilogue
 
     def resolved(self, n: int, k: int, t: int, n_weights: int, w_itemsize: int, sms: int, *,
                  layout=None, slice_unit: int | None = None, divides: int | None = None,
@@ -158,7 +159,7 @@ class GemvConfig:
             bk -= grain
         if bk < grain:
             return None
-        sum_by = ("cluster" if self.split_sum in ("auto", "cluster") and 1 < split <= CLUSTER_MAX else "xla")
+        sum_by = "cluster" if self.split_sum == "cluster" and 1 < split <= CLUSTER_MAX else "xla"
         return dataclasses.replace(self, block_k=bk, split_k=split, stages=max(1, min(self.stages, kc // bk)),
                                    split_sum=sum_by)
 
