@@ -1,8 +1,9 @@
 """The GEMV's split-K partials summed in the kernel by the row block's CTAs as one cluster
-(`GemvConfig(split_sum="cluster")`, opt-in: "auto" sums in XLA). GPU interpret mode runs no remote refs, so on the CPU the cluster form is
-lowered for the GPU and its structure checked (a cluster of `split` CTAs, no XLA sum after the kernel,
-the shared memory Mosaic counts); the interpreter runs the XLA sum, whose numbers the other GEMV tests
-check. bench/RESULTS.md (session 18) has its GPU check and timing."""
+(`GemvConfig(split_sum="cluster")`, opt-in: "auto" sums in XLA). GPU interpret mode runs no remote
+refs, so on the CPU the cluster form is lowered for the GPU and its structure checked (a cluster of
+`split` CTAs, no XLA sum after the kernel; test_kernel_shapes checks its shared memory against
+Mosaic's count); the interpreter runs the XLA sum, whose numbers the other GEMV tests check.
+bench/RESULTS.md (session 18) has its GPU check and timing."""
 
 from __future__ import annotations
 

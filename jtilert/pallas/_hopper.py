@@ -1,8 +1,9 @@
 """Hopper (Mosaic-GPU) building blocks shared by the projection kernels (`gemv`, `moe`, `lm_head`):
 dtypes and granularities, the token tile's SMEM transforms and register layouts, the weight tiles'
 swizzle, the SM count, token chunking, the layer-index operand of stacked weights, the
-power-of-two rescale that puts the f16 B operand in range, and the fp8 wgmma step; and the shared
-memory accounting every kernel checks its configuration with (`Scope`, `smem_bytes`, `check_smem`)."""
+power-of-two rescale that puts the f16 B operand in range, the weight stream (`stream_tiles`) and the
+fp8 wgmma step; and the shared memory accounting every kernel checks its configuration with (`Scope`,
+`smem_bytes`, `check_smem`)."""
 
 from __future__ import annotations
 
