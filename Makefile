@@ -26,6 +26,6 @@ install: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(VENV)/bin/jtilert generate --model tiny --mtp --max-new-tokens $(NEW) --prompt "$$PROMPT"
 
-# the tests in one worker process per core (pytest-xdist), each file's tests in one worker
+# the tests spread over one worker process per core (pytest-xdist)
 test: $(VENV)/.installed
-	$(PY) -m pytest -p no:cacheprovider -n auto --dist loadfile
+	$(PY) -m pytest -p no:cacheprovider -n auto --dist load
