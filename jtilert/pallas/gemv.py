@@ -62,7 +62,7 @@ class GemvConfig:
         (default: whole 128-column scale blocks for fp8 with split-K, else 64); `divides`: block_k
         must divide it too; `occupancy`: with split_k = 0, grow split-K until the grid about fills
         the machine (else only as far as shared memory needs); `cluster_sum`: the kernel can sum its
-        split-K partials in a cluster (else split_sum resolves to "xla").
+        split-K partials in a cluster (else split_sum="cluster" is refused).
 
         split_k = 0: the occupancy rule's split, or the next larger split that cuts K into valid
         slices, the first whose SMEM fits at the full pipeline depth (the token slice [8, K / split]
@@ -99,8 +99,7 @@ class GemvConfig:
             raise ValueError("GEMV kernel: split_sum='cluster' needs the GPU (interpret mode runs no remote "
                              "refs) and a kernel that sums in the cluster (not the partials or MoE down forms)")
         a_regs = _interp.a_in_registers() if self.a_in_registers is None else self.a_in_registers
-        base = dataclasses.replace(self, engine=engine, a_in_registers=a_regs,
-                                   split_sum=self.split_sum if cluster_sum and not _interp.active() else "xla")
+        base = dataclasses.replace(self, engine=engine, a_in_registers=a_regs)
         if self.split_k > 0:
             if kgrains % self.split_k:
                 raise ValueError(f"GEMV kernel: split_k={self.split_k} must divide K/{KGRAIN}={kgrains}")
