@@ -239,7 +239,7 @@ def add_residual(y, residual, out_dtype):
 
 
 def _finish(ys, *, kind, residual, out_dtype):
-    """ys: P fp32 arrays (one token's rows, or [.., T, N]), already scaled by a norm's 1/rms."""
+    """ys: P fp32 arrays (one token's rows, or [.., T, N])."""
     if kind == "swiglu":
         # The reference rounds both projections to bf16, then computes silu(g)·u in fp32.
         g = ys[0].astype(BF16).astype(F32)
@@ -282,8 +282,10 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
                 out_dtype=BF16, config: GemvConfig | None = None, ids=None, heads: int = 0, layer=None,
                 scale_block: int = QBLOCK, prefix: bool = False, stride: int = 0, partials: bool = False):
     """Core: x [T, K] (T ≤ 8) against P = len(ws) weights [N, K] with shared x; see module doc.
-    `partials` (one weight, kind "linear", fp32, no norm or residual): the split-K partial sums
+    `partials` (one weight, kind "linear", fp32, no residual): the split-K partial sums
     [split, T, N] unsummed, for a consumer that adds them itself ([1, T, N] without split-K).
+    `norm` (weight [K]) and `eps`: the product is with x normed as `jtilert.ops.reference.rms_norm`
+    rounds it, bf16(x · 1/rms) then bf16(· weight), each token's rms over its K columns.
     fp8 weights carry one fp32 scale per `scale_block`² block (128: the checkpoint's; 64: copies
     whose blocks are finer than the checkpoint's, see `transformer.head_weights`). `prefix`: x is
     [T, W ≥ K] (W a multiple of 8: TMA's row stride) and each row's first K columns are the input
@@ -304,8 +306,8 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
     token are experts 0..H-1, head j's input at columns j·D of the token's row)."""
     t, kx = x.shape
     p = len(ws)
-    if partials and (p != 1 or kind != "linear" or out_dtype != F32 or norm is not None or residual is not None):
-        raise ValueError("GEMV partials: one weight, kind linear, fp32 out, no norm or residual")
+    if partials and (p != 1 or kind != "linear" or out_dtype != F32 or residual is not None):
+        raise ValueError("GEMV partials: one weight, kind linear, fp32 out, no residual")
     if heads and ids is not None:
         raise ValueError("GEMV expert mode: ids or heads, not both")
     experts = ids is not None or heads > 0
@@ -321,14 +323,15 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
         if ws[0].ndim != 3 or (ids is not None and (ids.ndim != 1 or ids.shape[0] % t)):
             raise ValueError(f"GEMV expert mode: weights {ws[0].shape}, ids {None if ids is None else ids.shape}, "
                              f"tokens {t}")
-        if norm is not None or residual is not None:
-            raise ValueError("GEMV expert mode has no norm prologue / residual epilogue")
+        if residual is not None or (norm is not None and (prefix or heads)):
+            raise ValueError("GEMV expert mode has no residual epilogue, and a norm only over whole rows of x "
+                             "(not with prefix or heads)")
     elif layer is not None and ws[0].ndim != 3:
         raise ValueError(f"GEMV layer mode: weights must be stacked [L, N, K], got {ws[0].shape}")
     elif layer is None and ws[0].ndim != 2:
         raise ValueError(f"GEMV kernel: weights must be [N, K], got {ws[0].shape} (stacks need layer=)")
     n, k = ws[0].shape[-2:]
-    if norm is not None and norm.shape != ((ws[0].shape[0], k) if layer is not None else (k,)):
+    if norm is not None and norm.shape != ((ws[0].shape[0] // per_layer, k) if layer is not None else (k,)):
         raise ValueError(f"GEMV kernel: norm weight {norm.shape} does not match weights {ws[0].shape}")
     nsel = ids.shape[0] if ids is not None else t * heads if heads else t
     kper = nsel // t
@@ -438,22 +441,34 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
         bw = QBLOCK if kc % QBLOCK == 0 and scale_block == QBLOCK else KGRAIN
         nblk = kc // bw
 
+        def normed(v, r, nwv):
+            """The reference's RMSNorm of x's values v (fp32 of bf16) with 1/rms r: bf16(v · r), then
+            bf16(· norm weight nwv): the input the reference's projection sees, to the rounding."""
+            return ((v * r).astype(BF16).astype(F32) * nwv).astype(BF16).astype(F32)
+
         @hw.phase("x_prep")
-        def build_b(xstage, svals):
-            """B operand(s) for wgmma: the tokens' K slice, [8, kc] (rows ≥ T are TMA's zero fill).
-            bf16 weights: B = x (· norm weight) in bf16. fp8 weights: B_j = f16(x · w_norm · s_j[row
-            block, k block] · f_j), the block scales of the CTA's row block folded into x (exact
-            for the checkpoint's power-of-two scales) and f_j = `hw.f16_range_factor`; the
-            epilogue multiplies by 1/f_j (kept in `invf`). The weights then only need e4m3 → f16.
-            fp8x2: B is x's two e4m3 halves, [16, kc] (`hw.pair_operand`), and `invf` x's scale."""
+        def build_b(xstage, svals, rms):
+            """B operand(s) for wgmma: the tokens' K slice, [8, kc] (rows ≥ T are TMA's zero fill),
+            normed where the kernel has a norm (`normed`, each token's row by its 1/rms in `rms`).
+            bf16 weights: B = x in bf16. fp8 weights: B_j = f16(x · s_j[row block, k block] · f_j),
+            the block scales of the CTA's row block folded into x (exact for the checkpoint's
+            power-of-two scales) and f_j = `hw.f16_range_factor`; the epilogue multiplies by 1/f_j
+            (kept in `invf`). The weights then only need e4m3 → f16. fp8x2: B is x's two e4m3
+            halves, [16, kc] (`hw.pair_operand`), and `invf` x's scale."""
             with jax.named_scope("x_wait"):
                 plgpu.barrier_wait(bar.at[0])
+            if nw_gmem is not None:   # each staged row's 1/rms (0 for rows no token of this CTA uses)
+                rows = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (MAX_TOKENS, bw), 0), X_LAYOUT)
+                r_rows = jnp.where(rows == col0, rms[0], 0.0)
+                for tok in range(1, tb):
+                    r_rows = jnp.where(rows == col0 + tok, rms[tok], r_rows)
 
             def block(b):
                 v = plgpu.load(xstage.at[:, pl.ds(b * bw, bw)], layout=X_LAYOUT).astype(F32)
                 if nw_gmem is not None:
                     nwv = plgpu.load(norm_at(k0 + b * bw, bw), optimized=False).astype(F32)
-                    v = v * plgpu.layout_cast(lax.broadcast_in_dim(nwv, (MAX_TOKENS, bw), (1,)), X_LAYOUT)
+                    v = normed(v, r_rows, plgpu.layout_cast(lax.broadcast_in_dim(nwv, (MAX_TOKENS, bw), (1,)),
+                                                            X_LAYOUT))
                 return v
 
             if x8:   # x's two e4m3 halves, one scale for the slice
@@ -471,18 +486,19 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
                 invf[j] = 1.0 / f
             plgpu.commit_smem()
 
-        # Prologue: this CTA's slice of the tokens into SMEM.
-        if fma:
-            # FMA engine: fp32 rows [T, kc] (x · norm weight, rounded to bf16 like the wgmma path).
+        def fill_xf(rms):
+            """FMA engine: this CTA's slice of the tokens as fp32 rows [T, kc] (normed where the
+            kernel has a norm)."""
             for tok in range(tb):
                 for c, size, layout in row_pieces(kc):
                     xr = load_piece(x_gmem.at[tok0 + tok, pl.ds(c0 + k0 + c, size)], layout).astype(F32)
                     if nw_gmem is not None:
-                        xr = xr * load_piece(norm_at(k0 + c, size), layout).astype(F32)
-                    xf.at[tok, pl.ds(c, size)][...] = xr.astype(BF16).astype(F32)
-        else:
-            # The token TMA now; B is built once the weight stream has asked for its first tiles
-            # (`first` below), while they arrive.
+                        xr = normed(xr, rms[tok], load_piece(norm_at(k0 + c, size), layout).astype(F32))
+                    xf.at[tok, pl.ds(c, size)][...] = xr
+
+        # Prologue: the token TMA now (wgmma engines); x is prepared once the weight stream has asked
+        # for its first tiles (`first` below), while they arrive.
+        if not fma:
             plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(row8, MAX_TOKENS), pl.ds(c0 + k0, kc)], xstage, bar.at[0])
             svals = ([[scale_at(j, (k0 + b * bw) // scale_block) for b in range(nblk)] for j in range(p)]
                      if fp8 and not x8 else None)
@@ -514,6 +530,8 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
                         xc = xcols[tok] * scs[j][h] if fp8 else xcols[tok]
                         xbc = plgpu.layout_cast(lax.broadcast_in_dim(xc, (bn, sub), (1,)), w_layout)
                         accs[j][tok] = accs[j][tok] + w * xbc
+            # every warp done reading the slot before one thread's TMA refills it
+            plgpu.commit_smem()
             return tuple(tuple(a) for a in accs), nxt
 
         @hw.phase("step")
@@ -557,30 +575,32 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
 
         def first():
             """What needs no weight tile, done while the first ones arrive: the norm's 1/rms of each
-            token over its K columns (read from GMEM while x's TMA lands; with split-K every CTA
-            scales its partial sums, so XLA's finish is only their sum), then B from x (wgmma engines)."""
-            rms = () if norm is None else tuple(lax.rsqrt(sum_squares(x_gmem.at[tok], k) / k + eps)
+            token over its K columns (read from GMEM while x's TMA lands), then x's slice prepared
+            (B for the wgmma engines, fp32 rows for FMA)."""
+            rms = () if norm is None else tuple(lax.rsqrt(sum_squares(x_gmem.at[tok0 + tok], k) / k + eps)
                                                 for tok in range(tb))
-            if not fma:
-                build_b(xstage, svals)
-            return rms
+            if fma:
+                fill_xf(rms)
+            else:
+                build_b(xstage, svals, rms)
+            return ()
 
         if x8:
             col_id = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (bn, hw.PAIR_COLS), 1), plgpu.Layout.WGMMA)
             zeros = jnp.where(col_id < 0, 1.0, 0.0).astype(F32)
-            rms, (ys, _) = pipeline(body_x8, (tuple(zeros for _ in range(p)), scales_at(0)), first)
+            _, (ys, _) = pipeline(body_x8, (tuple(zeros for _ in range(p)), scales_at(0)), first)
             cols_of = lambda tok: [hw.pair_column(y, col_id, col0 + tok) for y in ys]
         elif fma:
             zeros = plgpu.layout_cast(jnp.zeros((bn, sub), F32), w_layout)
-            rms, (accs, _) = pipeline(body_fma, (tuple(tuple(zeros for _ in range(tb)) for _ in range(p)),
-                                                 scales_at(0)), first)
+            _, (accs, _) = pipeline(body_fma, (tuple(tuple(zeros for _ in range(tb)) for _ in range(p)),
+                                               scales_at(0)), first)
             cols_of = lambda tok: [jnp.sum(accs[j][tok], axis=1) for j in range(p)]
         else:
             def run(*acc_refs):
-                head, _ = pipeline(body_wgmma, acc_refs, first)
+                pipeline(body_wgmma, acc_refs, first)
                 plgpu.wgmma_wait(0)
-                return head, tuple(a[...] for a in acc_refs)
-            rms, ys = pl.run_scoped(run, *[plgpu.ACC((bn, MAX_TOKENS), F32) for _ in range(p)])
+                return tuple(a[...] for a in acc_refs)
+            ys = pl.run_scoped(run, *[plgpu.ACC((bn, MAX_TOKENS), F32) for _ in range(p)])
             col_id = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (bn, MAX_TOKENS), 1), plgpu.Layout.WGMMA)
 
             def cols_of(tok):
@@ -611,10 +631,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
 
         # Epilogue: one row vector per token and weight.
         with jax.named_scope("epilogue"):
-            sums = []
-            for tok in range(tb):
-                cols = cols_of(tok)
-                sums.append([c * rms[tok] for c in cols] if norm is not None else cols)
+            sums = [cols_of(tok) for tok in range(tb)]
             if not cluster:
                 store(sums)
             else:
@@ -712,26 +729,38 @@ def linear_residual(x, w, scale, residual, *, layer=None, config: GemvConfig | N
                                                  out_dtype=residual.dtype, config=config))
 
 
+def norm_operand(norm_weight, x, layer, k=None):
+    """A norm weight as the kernels take it ([K], [L, K] with layer=; bf16: the reference multiplies
+    in x's dtype), or None."""
+    if norm_weight is None:
+        return None
+    k = x.shape[-1] if k is None else k
+    if norm_weight.ndim != (1 if layer is None else 2) or norm_weight.shape[-1] != k or x.shape[-1] < k:
+        raise ValueError(f"norm weight {norm_weight.shape} does not match x {x.shape}")
+    return norm_weight.astype(BF16)
+
+
 def rmsnorm_linear(x, norm_weight, eps, w, scale=None, *, layer=None, config: GemvConfig | None = None):
     """linear(rms_norm(x[..., :K], norm_weight, eps), w, scale) in one kernel (norm_weight [K], [L, K]
     with layer=): x may be wider than K (another projection's output, its first K columns the input)."""
     w, scale = _prep_weight(w, scale, layer)
     k = norm_weight.shape[-1]
-    if norm_weight.ndim != (1 if layer is None else 2) or x.shape[-1] < k:
-        raise ValueError(f"norm weight {norm_weight.shape} does not match x {x.shape}")
-    nw = norm_weight.astype(BF16)  # the reference multiplies in x.dtype
+    nw = norm_operand(norm_weight, x, layer, k)
     return hw.token_chunks(x, lambda xc, _: _projection(xc, (w,), (scale,), norm=nw, eps=eps, layer=layer,
                                                 config=config, prefix=x.shape[-1] > k))
 
 
-def swiglu_pair(x, gate, gate_scale, up, up_scale, *, layer=None, config: GemvConfig | None = None):
-    """silu(linear(x, gate)) · linear(x, up) (fp32 math, bf16 result) in one pass over both weights."""
+def swiglu_pair(x, gate, gate_scale, up, up_scale, norm_weight=None, eps=0.0, *, layer=None,
+                config: GemvConfig | None = None):
+    """silu(linear(x, gate)) · linear(x, up) (fp32 math, bf16 result) in one pass over both weights;
+    x normed in the kernel where a norm weight is given (`jtilert.ops.reference.swiglu_hidden`)."""
     gate, gate_scale = _prep_weight(gate, gate_scale, layer)
     up, up_scale = _prep_weight(up, up_scale, layer)
     if gate.dtype != up.dtype:
         raise ValueError("gate and up must have the same format")
+    nw = norm_operand(norm_weight, x, layer)
     return hw.token_chunks(x, lambda xc, _: _projection(xc, (gate, up), (gate_scale, up_scale), kind="swiglu",
-                                                layer=layer, config=config))
+                                                norm=nw, eps=eps, layer=layer, config=config))
 
 
 def swiglu(x, gate, gate_scale, up, up_scale, down, down_scale, *, layer=None,
