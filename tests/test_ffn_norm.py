@@ -1,6 +1,6 @@
 """The FFN's norm applied by its ops' kernels (`FFNNorm`): the router's FMA GEMV, the shared and dense
 experts' gate/up GEMV and the routed experts' gate/up (expert mode) norm x themselves while their first
-weight tiles arrive, rounding as `reference.rms_norm` does (bf16(x / rms), then bf16(· weight)). In GPU
+weight tiles arrive (x · weight into B, the sums times 1/rms, as `rmsnorm_linear` does). In GPU
 interpret mode on the CPU, at a traced layer of the stacks, against the reference ops (which are the
 composition rms_norm → op bit for bit), on fresh seeded inputs; and the decode model's layout of the
 norm (each FFN stack holds its layers' post-attention norm weights)."""
@@ -66,11 +66,11 @@ def _both(name, args, layer):
 
 
 @pytest.mark.parametrize("tokens", [1, 2])
-def test_router_logits_norm_x_as_the_reference_rounds_it(tokens):
-    """The router's fp32 logits from x normed in the kernel equal the reference's fp32 product of
-    rms_norm(x) to fp32 summation order (1e-5), far below what the norm's rounding alone moves them
-    (checked: the logits of x normed without the bf16 roundings are ≥ 100× further). K of several
-    pipeline steps: the FMA engine's slots are refilled while the test's race detection watches."""
+def test_router_logits_of_the_normed_input(tokens):
+    """The router's fp32 logits from x normed in the kernel: within the norm's bf16 rounding of the
+    reference's fp32 product of rms_norm(x) (the kernel applies 1/rms to the sums), and far from the
+    logits of x un-normed. K of several pipeline steps: the FMA engine's slots are refilled while
+    the test's race detection watches."""
     e, k, layers, layer = 64, 512, 3, 1
     x, nw = _x((tokens, k)), _norm(layers, k)
     gate = jax.random.normal(_key(), (layers, e, k), F32) * k ** -0.5
@@ -79,11 +79,8 @@ def test_router_logits_norm_x_as_the_reference_rounds_it(tokens):
         assert not interp.races_found()
     got = np.asarray(parts, np.float64).sum(0)
     want = reference.linear(reference.rms_norm(x, nw[layer], EPS).astype(F32), gate[layer])
-    err = _rel(got, want)
-    assert err < 1e-5, err
-    x32 = x.astype(F32)
-    unrounded = (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + EPS)) * nw[layer].astype(F32)
-    assert _rel(reference.linear(unrounded, gate[layer]), want) > 100 * err
+    assert _rel(got, want) < 3e-3
+    assert _rel(reference.linear(x.astype(F32), gate[layer]), want) > 0.5
 
 
 def test_route_selects_the_reference_experts_from_the_un_normed_input():
@@ -97,20 +94,19 @@ def test_route_selects_the_reference_experts_from_the_un_normed_input():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="jtilert: the CUDA engine")
         (w_got, ids_got), (w_ref, ids_ref) = _both("route", (cfg, x, gate, bias, nw, EPS), layer)
-    # eagerly, the reference rounds the normed x to bf16 as the kernel does: the same weights to fp32
-    # summation order; jitted, XLA drops those roundings (its excess-precision simplification)
+    # the reference op jitted (XLA drops the norm's bf16 roundings: its excess-precision
+    # simplification) and eager (rounded): the same experts, weights within the norm's rounding
     w_eager, ids_eager = reference.route(cfg, reference.rms_norm(x, nw[layer], EPS), gate[layer], bias[layer])
     np.testing.assert_array_equal(ids_got, ids_ref)
     np.testing.assert_array_equal(ids_got, np.asarray(ids_eager))
-    np.testing.assert_allclose(w_got, np.asarray(w_eager), rtol=1e-5)
+    np.testing.assert_allclose(w_got, np.asarray(w_eager), rtol=2e-3)
     np.testing.assert_allclose(w_got, w_ref, rtol=2e-3)
 
 
 @pytest.mark.parametrize("tokens", [1, 2])
 def test_swiglu_hidden_norms_x_in_the_kernel(tokens):
     """The dense / shared experts' gate and up with the norm: within bf16 rounding of the reference op,
-    which is swiglu_hidden(rms_norm(x)) bit for bit (jitted, XLA drops the norm's bf16 roundings,
-    which the kernel keeps: bf16-level differences)."""
+    which is swiglu_hidden(rms_norm(x)) bit for bit."""
     n, k, layers, layer = 128, 512, 3, 2
     (g, gs), (u, us) = _fp8((layers, n, k)), _fp8((layers, n, k))
     x, nw = _x((tokens, k)), _norm(layers, k)

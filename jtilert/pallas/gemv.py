@@ -239,7 +239,7 @@ def add_residual(y, residual, out_dtype):
 
 
 def _finish(ys, *, kind, residual, out_dtype):
-    """ys: P fp32 arrays (one token's rows, or [.., T, N])."""
+    """ys: P fp32 arrays (one token's rows, or [.., T, N]), already scaled by a norm's 1/rms."""
     if kind == "swiglu":
         # The reference rounds both projections to bf16, then computes silu(g)·u in fp32.
         g = ys[0].astype(BF16).astype(F32)
@@ -284,8 +284,9 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
     """Core: x [T, K] (T ≤ 8) against P = len(ws) weights [N, K] with shared x; see module doc.
     `partials` (one weight, kind "linear", fp32, no residual): the split-K partial sums
     [split, T, N] unsummed, for a consumer that adds them itself ([1, T, N] without split-K).
-    `norm` (weight [K]) and `eps`: the product is with x normed as `jtilert.ops.reference.rms_norm`
-    rounds it, bf16(x · 1/rms) then bf16(· weight), each token's rms over its K columns.
+    `norm` (weight [K]) and `eps`: the product is with rms_norm(x): B = x · weight, the sums times
+    each token's 1/rms over its K columns (the reference rounds x / rms, then its product with the
+    weight, to bf16: bf16-level differences).
     fp8 weights carry one fp32 scale per `scale_block`² block (128: the checkpoint's; 64: copies
     whose blocks are finer than the checkpoint's, see `transformer.head_weights`). `prefix`: x is
     [T, W ≥ K] (W a multiple of 8: TMA's row stride) and each row's first K columns are the input
@@ -441,34 +442,22 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
         bw = QBLOCK if kc % QBLOCK == 0 and scale_block == QBLOCK else KGRAIN
         nblk = kc // bw
 
-        def normed(v, r, nwv):
-            """The reference's RMSNorm of x's values v (fp32 of bf16) with 1/rms r: bf16(v · r), then
-            bf16(· norm weight nwv): the input the reference's projection sees, to the rounding."""
-            return ((v * r).astype(BF16).astype(F32) * nwv).astype(BF16).astype(F32)
-
         @hw.phase("x_prep")
-        def build_b(xstage, svals, rms):
-            """B operand(s) for wgmma: the tokens' K slice, [8, kc] (rows ≥ T are TMA's zero fill),
-            normed where the kernel has a norm (`normed`, each token's row by its 1/rms in `rms`).
-            bf16 weights: B = x in bf16. fp8 weights: B_j = f16(x · s_j[row block, k block] · f_j),
-            the block scales of the CTA's row block folded into x (exact for the checkpoint's
-            power-of-two scales) and f_j = `hw.f16_range_factor`; the epilogue multiplies by 1/f_j
-            (kept in `invf`). The weights then only need e4m3 → f16. fp8x2: B is x's two e4m3
-            halves, [16, kc] (`hw.pair_operand`), and `invf` x's scale."""
+        def build_b(xstage, svals):
+            """B operand(s) for wgmma: the tokens' K slice, [8, kc] (rows ≥ T are TMA's zero fill).
+            bf16 weights: B = x (· norm weight) in bf16. fp8 weights: B_j = f16(x · w_norm · s_j[row
+            block, k block] · f_j), the block scales of the CTA's row block folded into x (exact
+            for the checkpoint's power-of-two scales) and f_j = `hw.f16_range_factor`; the
+            epilogue multiplies by 1/f_j (kept in `invf`). The weights then only need e4m3 → f16.
+            fp8x2: B is x's two e4m3 halves, [16, kc] (`hw.pair_operand`), and `invf` x's scale."""
             with jax.named_scope("x_wait"):
                 plgpu.barrier_wait(bar.at[0])
-            if nw_gmem is not None:   # each staged row's 1/rms (0 for rows no token of this CTA uses)
-                rows = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (MAX_TOKENS, bw), 0), X_LAYOUT)
-                r_rows = jnp.where(rows == col0, rms[0], 0.0)
-                for tok in range(1, tb):
-                    r_rows = jnp.where(rows == col0 + tok, rms[tok], r_rows)
 
             def block(b):
                 v = plgpu.load(xstage.at[:, pl.ds(b * bw, bw)], layout=X_LAYOUT).astype(F32)
                 if nw_gmem is not None:
                     nwv = plgpu.load(norm_at(k0 + b * bw, bw), optimized=False).astype(F32)
-                    v = normed(v, r_rows, plgpu.layout_cast(lax.broadcast_in_dim(nwv, (MAX_TOKENS, bw), (1,)),
-                                                            X_LAYOUT))
+                    v = v * plgpu.layout_cast(lax.broadcast_in_dim(nwv, (MAX_TOKENS, bw), (1,)), X_LAYOUT)
                 return v
 
             if x8:   # x's two e4m3 halves, one scale for the slice
@@ -486,15 +475,15 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
                 invf[j] = 1.0 / f
             plgpu.commit_smem()
 
-        def fill_xf(rms):
-            """FMA engine: this CTA's slice of the tokens as fp32 rows [T, kc] (normed where the
-            kernel has a norm)."""
+        def fill_xf():
+            """FMA engine: this CTA's slice of the tokens as fp32 rows [T, kc] (x · norm weight,
+            rounded to bf16 like the wgmma path)."""
             for tok in range(tb):
                 for c, size, layout in row_pieces(kc):
                     xr = load_piece(x_gmem.at[tok0 + tok, pl.ds(c0 + k0 + c, size)], layout).astype(F32)
                     if nw_gmem is not None:
-                        xr = normed(xr, rms[tok], load_piece(norm_at(k0 + c, size), layout).astype(F32))
-                    xf.at[tok, pl.ds(c, size)][...] = xr
+                        xr = xr * load_piece(norm_at(k0 + c, size), layout).astype(F32)
+                    xf.at[tok, pl.ds(c, size)][...] = xr.astype(BF16).astype(F32)
 
         # Prologue: the token TMA now (wgmma engines); x is prepared once the weight stream has asked
         # for its first tiles (`first` below), while they arrive.
@@ -575,32 +564,33 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
 
         def first():
             """What needs no weight tile, done while the first ones arrive: the norm's 1/rms of each
-            token over its K columns (read from GMEM while x's TMA lands), then x's slice prepared
-            (B for the wgmma engines, fp32 rows for FMA)."""
-            rms = () if norm is None else tuple(lax.rsqrt(sum_squares(x_gmem.at[tok0 + tok], k) / k + eps)
-                                                for tok in range(tb))
+            token over its K columns (read from GMEM while x's TMA lands; the epilogue applies it, so
+            nothing waits for it here; with split-K every CTA scales its partial sums), then x's slice
+            prepared (B for the wgmma engines, fp32 rows for FMA)."""
+            rows = [x_gmem.at[tok0 + tok] if experts else x_gmem.at[tok] for tok in range(tb)]
+            rms = () if norm is None else tuple(lax.rsqrt(sum_squares(row, k) / k + eps) for row in rows)
             if fma:
-                fill_xf(rms)
+                fill_xf()
             else:
-                build_b(xstage, svals, rms)
-            return ()
+                build_b(xstage, svals)
+            return rms
 
         if x8:
             col_id = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (bn, hw.PAIR_COLS), 1), plgpu.Layout.WGMMA)
             zeros = jnp.where(col_id < 0, 1.0, 0.0).astype(F32)
-            _, (ys, _) = pipeline(body_x8, (tuple(zeros for _ in range(p)), scales_at(0)), first)
+            rms, (ys, _) = pipeline(body_x8, (tuple(zeros for _ in range(p)), scales_at(0)), first)
             cols_of = lambda tok: [hw.pair_column(y, col_id, col0 + tok) for y in ys]
         elif fma:
             zeros = plgpu.layout_cast(jnp.zeros((bn, sub), F32), w_layout)
-            _, (accs, _) = pipeline(body_fma, (tuple(tuple(zeros for _ in range(tb)) for _ in range(p)),
-                                               scales_at(0)), first)
+            rms, (accs, _) = pipeline(body_fma, (tuple(tuple(zeros for _ in range(tb)) for _ in range(p)),
+                                                 scales_at(0)), first)
             cols_of = lambda tok: [jnp.sum(accs[j][tok], axis=1) for j in range(p)]
         else:
             def run(*acc_refs):
-                pipeline(body_wgmma, acc_refs, first)
+                head, _ = pipeline(body_wgmma, acc_refs, first)
                 plgpu.wgmma_wait(0)
-                return tuple(a[...] for a in acc_refs)
-            ys = pl.run_scoped(run, *[plgpu.ACC((bn, MAX_TOKENS), F32) for _ in range(p)])
+                return head, tuple(a[...] for a in acc_refs)
+            rms, ys = pl.run_scoped(run, *[plgpu.ACC((bn, MAX_TOKENS), F32) for _ in range(p)])
             col_id = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (bn, MAX_TOKENS), 1), plgpu.Layout.WGMMA)
 
             def cols_of(tok):
@@ -631,7 +621,10 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
 
         # Epilogue: one row vector per token and weight.
         with jax.named_scope("epilogue"):
-            sums = [cols_of(tok) for tok in range(tb)]
+            sums = []
+            for tok in range(tb):
+                cols = cols_of(tok)
+                sums.append([c * rms[tok] for c in cols] if norm is not None else cols)
             if not cluster:
                 store(sums)
             else:
