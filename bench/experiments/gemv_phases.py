@@ -10,6 +10,7 @@ streams from HBM), summarised per form:
   to_first_step    cycles from the CTA's first event to its first step
   x_wait, x_prep   cycles of those phases (fp8x2, wgmma: before the first step, while the first
                    weight tiles arrive)
+  rms              cycles of the norm's 1/rms (fp8x2_norm: the token's row read and reduced, before x_prep)
   first_step       cycles of the first step
   step, gap        median cycles of the other steps and of the wait between two steps
   epilogue, span   cycles of the epilogue and of the CTA's first to last event
@@ -38,7 +39,8 @@ def cta_phases(c) -> dict:
     """One CTA's (`cta_profile.Cta`) GEMV phases in cycles."""
     steps = c.all("step")
     return dict(start_us=c.start_us, to_first_step=steps[0][0] if steps else None,
-                x_wait=c.total("x_wait"), x_prep=c.total("x_prep"), epilogue=c.total("epilogue"),
+                x_wait=c.total("x_wait"), x_prep=c.total("x_prep"), rms=c.total("rms"),
+                epilogue=c.total("epilogue"),
                 steps=[e - b for b, e in steps], gaps=[b1 - e0 for (_, e0), (b1, _) in zip(steps, steps[1:])],
                 span=c.span)
 
@@ -52,14 +54,16 @@ def summarise(calls: list[list[dict]], mhz: float | None) -> dict:
                                     for call in calls]),
                to_first_step=med([c["to_first_step"] for c in ctas if c["to_first_step"] is not None]),
                x_wait=med([c["x_wait"] for c in ctas]), x_prep=med([c["x_prep"] for c in ctas]),
+               rms=med([c["rms"] for c in ctas]),
                first_step=med([c["steps"][0] for c in ctas if c["steps"]]),
                step=med([s for c in ctas for s in c["steps"][1:]]), gap=med([g for c in ctas for g in c["gaps"]]),
                steps_per_cta=med([len(c["steps"]) for c in ctas]), epilogue=med([c["epilogue"] for c in ctas]),
                span=med([c["span"] for c in ctas]),
                span_p90=float(np.percentile([c["span"] for c in ctas], 90)) if ctas else None)
     if mhz:
-        out["us_at_sm_clock"] = {k: out[k] / mhz for k in ("to_first_step", "x_wait", "x_prep", "first_step", "step",
-                                                           "gap", "epilogue", "span", "span_p90") if out[k] is not None}
+        out["us_at_sm_clock"] = {k: out[k] / mhz for k in ("to_first_step", "x_wait", "x_prep", "rms", "first_step",
+                                                           "step", "gap", "epilogue", "span", "span_p90")
+                                 if out[k] is not None}
     return out
 
 

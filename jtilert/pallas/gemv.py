@@ -562,13 +562,18 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
                                    shape=(bn, bk), dtype=w_gmems[0].dtype, transforms=w_tr, carry=carry,
                                    first=first)
 
+        @hw.phase("rms")
+        def inv_rms():
+            """Each token's 1/rms over its K columns (its row read from GMEM)."""
+            rows = [x_gmem.at[tok0 + tok] if experts else x_gmem.at[tok] for tok in range(tb)]
+            return tuple(lax.rsqrt(sum_squares(row, k) / k + eps) for row in rows)
+
         def first():
             """What needs no weight tile, done while the first ones arrive: the norm's 1/rms of each
             token over its K columns (read from GMEM while x's TMA lands; the epilogue applies it, so
             nothing waits for it here; with split-K every CTA scales its partial sums), then x's slice
             prepared (B for the wgmma engines, fp32 rows for FMA)."""
-            rows = [x_gmem.at[tok0 + tok] if experts else x_gmem.at[tok] for tok in range(tb)]
-            rms = () if norm is None else tuple(lax.rsqrt(sum_squares(row, k) / k + eps) for row in rows)
+            rms = () if norm is None else inv_rms()
             if fma:
                 fill_xf()
             else:
