@@ -443,21 +443,21 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
         nblk = kc // bw
 
         @hw.phase("x_prep")
-        def build_b(xstage, svals):
+        def build_b(xstage, svals, nws):
             """B operand(s) for wgmma: the tokens' K slice, [8, kc] (rows ≥ T are TMA's zero fill).
             bf16 weights: B = x (· norm weight) in bf16. fp8 weights: B_j = f16(x · w_norm · s_j[row
             block, k block] · f_j), the block scales of the CTA's row block folded into x (exact
             for the checkpoint's power-of-two scales) and f_j = `hw.f16_range_factor`; the
             epilogue multiplies by 1/f_j (kept in `invf`). The weights then only need e4m3 → f16.
-            fp8x2: B is x's two e4m3 halves, [16, kc] (`hw.pair_operand`), and `invf` x's scale."""
+            fp8x2: B is x's two e4m3 halves, [16, kc] (`hw.pair_operand`), and `invf` x's scale.
+            nws: the norm weight's values of each 128-column block (loaded in `first`), or None."""
             with jax.named_scope("x_wait"):
                 plgpu.barrier_wait(bar.at[0])
 
             def block(b):
                 v = plgpu.load(xstage.at[:, pl.ds(b * bw, bw)], layout=X_LAYOUT).astype(F32)
                 if nw_gmem is not None:
-                    nwv = plgpu.load(norm_at(k0 + b * bw, bw), optimized=False).astype(F32)
-                    v = v * plgpu.layout_cast(lax.broadcast_in_dim(nwv, (MAX_TOKENS, bw), (1,)), X_LAYOUT)
+                    v = v * plgpu.layout_cast(lax.broadcast_in_dim(nws[b], (MAX_TOKENS, bw), (1,)), X_LAYOUT)
                 return v
 
             if x8:   # x's two e4m3 halves, one scale for the slice
@@ -573,11 +573,14 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
             token over its K columns (read from GMEM while x's TMA lands; the epilogue applies it, so
             nothing waits for it here; with split-K every CTA scales its partial sums), then x's slice
             prepared (B for the wgmma engines, fp32 rows for FMA)."""
+            # the norm weight's slice first: its loads are in flight while 1/rms is computed
+            nws = ([plgpu.load(norm_at(k0 + b * bw, bw), optimized=False).astype(F32) for b in range(nblk)]
+                   if nw_gmem is not None and not fma else None)
             rms = () if norm is None else inv_rms()
             if fma:
                 fill_xf()
             else:
-                build_b(xstage, svals)
+                build_b(xstage, svals, nws)
             return rms
 
         if x8:
