@@ -39,10 +39,8 @@ from bench import provenance
 from jtilert.store import checkpoint
 
 
-def dense_moe(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale, residual=None, norm_weight=None,
-              eps=0.0):
+def dense_moe(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale, residual=None):
     """The MoE before grouping: every token through every expert, mixed by a dense [T, E] matrix."""
-    x = reference.normed(x, norm_weight, eps)
     t, k = ids.shape
     if t * k < gate.shape[0]:
         out = reference.expert_down(reference.expert_hidden(x, ids, gate, gate_scale, up, up_scale),

@@ -128,9 +128,8 @@ def _layer_bodies(name: str) -> list[dict]:
 # three GEMVs that read it, it cost more than its two XLA kernels, bench/RESULTS.md session 13.) The
 # router GEMV's split-K partials summed by the engine's selection: 1 glue op fewer in the MoE body.
 # The top-k writes -1 for masked positions and sparse MLA masks idx < 0 (no valid flags): 1 fewer in each.
-# The FFN's norm applied by its ops' kernels (`FFNNorm`): 6 glue ops fewer in each body.
-BUDGET = {"dsv32-tp8-shard": [{"kernels": 13, "glue": 32}, {"kernels": 17, "glue": 40}],
-          "glm5-tp8-shard": [{"kernels": 12, "glue": 45}, {"kernels": 16, "glue": 53}]}
+BUDGET = {"dsv32-tp8-shard": [{"kernels": 13, "glue": 38}, {"kernels": 17, "glue": 46}],
+          "glm5-tp8-shard": [{"kernels": 12, "glue": 51}, {"kernels": 16, "glue": 59}]}
 
 
 @pytest.mark.parametrize("name", sorted(BUDGET))

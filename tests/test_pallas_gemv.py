@@ -69,6 +69,9 @@ TOL = 1e-2
     (2, 64, 192, "bf16", 1, "wgmma"),    # K not a multiple of 128
     (1, 72, 256, "fp8", 2, "fma"),       # CUDA-core engine
     (2, 64, 128, "f32", 1, "fma"),       # fp32 weights (router precision)
+    # more steps than stages (block_k 128, 4 stages): every slot refilled, the refill after every
+    # warp's reads of it (the race detection sees each warp's loads against the one thread's TMA)
+    (2, 64, 1024, "f32", 1, "fma"),
 ])
 def test_linear(t, n, k, fmt, split, engine):
     x = _x(t, k)
@@ -208,7 +211,8 @@ def test_heads_linear(t, heads, n, k, d, fmt, block, extra):
     (2, 96, 256, 1, 0, "auto"), (1, 64, 512, 2, 0, "auto"),
     # x wider than K (qr_proj reading q_a as the first columns of x_proj's output): the extra
     # columns large, so a norm or product that reads them shows
-    (2, 96, 256, 1, 136, "auto"), (1, 64, 512, 2, 64, "auto"), (2, 64, 256, 1, 64, "fma")])
+    (2, 96, 256, 1, 136, "auto"), (1, 64, 512, 2, 64, "auto"), (2, 64, 256, 1, 64, "fma"),
+    (1, 64, 1024, 1, 0, "fma")])   # the FMA engine's x prepared while more steps than stages stream
 def test_rmsnorm_linear(t, n, k, split, extra, engine):
     x = jnp.concatenate([_x(t, k, 3.0), _x(t, extra, 100.0)], axis=1)
     nw = (1 + 0.1 * jax.random.normal(_key(), (k,))).astype(BF16)

@@ -36,12 +36,6 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight.astype(x.dtype) * y.astype(x.dtype)
 
 
-def normed(x: jax.Array, norm_weight: jax.Array | None, eps: float) -> jax.Array:
-    """rms_norm(x, norm_weight, eps), or x where no norm weight is given: the ops that read a layer's
-    normed input (its FFN's) take the norm's weight and eps, so that their kernels norm x themselves."""
-    return x if norm_weight is None else rms_norm(x, norm_weight, eps)
-
-
 def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float = 1e-6) -> jax.Array:
     x32 = x.astype(F32)
     mu = jnp.mean(x32, axis=-1, keepdims=True)
@@ -69,10 +63,8 @@ def heads_linear(x: jax.Array, w: jax.Array, scale: jax.Array | None = None, blo
     return dot("thk,hnk->thn", x[..., :k], dequantize(w, scale, x.dtype, block)).astype(x.dtype)
 
 
-def swiglu_hidden(x, gate, gate_scale, up, up_scale, norm_weight=None, eps=0.0):
-    """silu(gate(x)) · up(x): both projections rounded to x.dtype, the product in fp32, in x.dtype;
-    x `normed` first where a norm weight is given."""
-    x = normed(x, norm_weight, eps)
+def swiglu_hidden(x, gate, gate_scale, up, up_scale):
+    """silu(gate(x)) · up(x): both projections rounded to x.dtype, the product in fp32, in x.dtype."""
     h = jax.nn.silu(linear(x, gate, gate_scale).astype(F32)) * linear(x, up, up_scale).astype(F32)
     return h.astype(x.dtype)
 
@@ -389,11 +381,8 @@ def sparse_mla(q_lat: jax.Array, q_pe: jax.Array, kv_cache: jax.Array, pe_cache:
 
 # ---- MoE router -----------------------------------------------------------------------------
 
-def route(cfg: ModelConfig, x: jax.Array, gate: jax.Array, bias: jax.Array, norm_weight: jax.Array | None = None,
-          eps: float = 0.0) -> tuple[jax.Array, jax.Array]:
-    """Sigmoid group-limited routing: (weights [T, k] fp32, expert ids [T, k] int32); x `normed` first
-    where a norm weight is given."""
-    x = normed(x, norm_weight, eps)
+def route(cfg: ModelConfig, x: jax.Array, gate: jax.Array, bias: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Sigmoid group-limited routing: (weights [T, k] fp32, expert ids [T, k] int32)."""
     return select_experts(cfg, jnp.einsum("th,eh->te", x.astype(F32), gate.astype(F32)), bias)
 
 
@@ -433,15 +422,12 @@ def _descending_ranks(v: jax.Array) -> jax.Array:
 
 
 def moe_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, gate, gate_scale, up, up_scale,
-                down, down_scale, residual: jax.Array | None = None, norm_weight: jax.Array | None = None,
-                eps: float = 0.0) -> jax.Array:
-    """Σ_k weights[t,k] · Expert_{ids[t,k]}(x[t]) (+ residual, added like `linear_residual`), x `normed`
-    first where a norm weight is given (the result in x's dtype). Expert
+                down, down_scale, residual: jax.Array | None = None) -> jax.Array:
+    """Σ_k weights[t,k] · Expert_{ids[t,k]}(x[t]) (+ residual, added like `linear_residual`). Expert
     weights are stacked [E, out, in] (with optional block scales [E, ., .]). Few tokens (T·k < E: decode)
     gather the chosen experts' weights once per (token, choice); more (prefill) group the choices by
     expert (`moe_grouped`), so each chosen expert's weights are read about once per call and no token
     runs an expert it did not choose."""
-    x = normed(x, norm_weight, eps)
     t, k = ids.shape
     if t * k < gate.shape[0]:
         h = expert_hidden(x, ids, gate, gate_scale, up, up_scale)
@@ -499,12 +485,9 @@ def _pick(w, s, sel):
     return w[sel], (None if s is None else s[sel])
 
 
-def expert_hidden(x: jax.Array, ids: jax.Array, gate, gate_scale, up, up_scale, norm_weight=None,
-                  eps: float = 0.0) -> jax.Array:
+def expert_hidden(x: jax.Array, ids: jax.Array, gate, gate_scale, up, up_scale) -> jax.Array:
     """h [T·k, I] = silu(x[t] · gate[ids[t,j]]ᵀ) · (x[t] · up[ids[t,j]]ᵀ) for the chosen experts only,
-    fp32 math, in x.dtype (the first half of `moe_experts` for few tokens); x `normed` first where a
-    norm weight is given."""
-    x = normed(x, norm_weight, eps)
+    fp32 math, in x.dtype (the first half of `moe_experts` for few tokens)."""
     sel = ids.reshape(-1)
     g, gs = _pick(gate, gate_scale, sel)
     u, us = _pick(up, up_scale, sel)

@@ -142,7 +142,7 @@ def _residual_gemv_unsupported(x, w, scale, residual) -> str | None:
     return _gemv_unsupported(x, w, scale)
 
 
-def _swiglu_unsupported(x, gate, gate_scale, up, up_scale, *norm) -> str | None:
+def _swiglu_unsupported(x, gate, gate_scale, up, up_scale) -> str | None:
     if gate.dtype != up.dtype:
         return "gate and up differ in format"
     return _gemv_unsupported(x, gate, gate_scale) or _gemv_unsupported(x, up, up_scale)
@@ -168,8 +168,7 @@ def _experts_unsupported(x, gate, gate_scale, up) -> str | None:
     return None
 
 
-def _moe_unsupported(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale, residual=None,
-                     *norm) -> str | None:
+def _moe_unsupported(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale, residual=None) -> str | None:
     if residual is not None and (residual.dtype != BF16 or residual.shape != (x.shape[0], down.shape[-2])):
         return f"residual {residual.dtype}{list(residual.shape)}, the kernel takes bfloat16 [T, {down.shape[-2]}]"
     return (_experts_unsupported(x, gate, gate_scale, up)
@@ -225,16 +224,14 @@ OPS: dict[str, Op] = {
     "rmsnorm_linear": Op(reference.rmsnorm_linear, "pallas.gemv:rmsnorm_linear", (1, 3, 4), _rmsnorm_gemv_unsupported),
     "linear_residual": Op(reference.linear_residual, "pallas.gemv:linear_residual", (1, 2), _residual_gemv_unsupported),
     "heads_linear": Op(reference.heads_linear, "pallas.gemv:heads_linear", (1, 2), _heads_unsupported),
-    # The FFN's ops take its norm's weight and eps after their other arguments (None: x is normed
-    # already): the kernels norm x while their first weight tiles arrive, no norm kernel before them.
-    "swiglu_hidden": Op(reference.swiglu_hidden, "pallas.gemv:swiglu_pair", (1, 2, 3, 4, 5), _swiglu_unsupported),
-    "route": Op(reference.route, "pallas.moe:route", (2, 3, 4),
-                lambda cfg, x, gate, bias, *norm: None if x.dtype == BF16 and x.shape[-1] % KGRAIN == 0
+    "swiglu_hidden": Op(reference.swiglu_hidden, "pallas.gemv:swiglu_pair", (1, 2, 3, 4), _swiglu_unsupported),
+    "route": Op(reference.route, "pallas.moe:route", (2, 3),
+                lambda cfg, x, gate, bias: None if x.dtype == BF16 and x.shape[-1] % KGRAIN == 0
                 else f"activations {x.dtype}, K={x.shape[-1]}"),
-    # the residual (may be None) added in the down kernel's epilogue
-    "moe_experts": Op(reference.moe_experts, "pallas.moe:moe_experts", (3, 4, 5, 6, 7, 8, 10), _moe_unsupported),
-    "expert_hidden": Op(reference.expert_hidden, "pallas.moe:expert_gate_up", (2, 3, 4, 5, 6),
-                        lambda x, ids, g, gs, u, us, *norm: _experts_unsupported(x, g, gs, u)),
+    # the residual (last argument, may be None) added in the down kernel's epilogue
+    "moe_experts": Op(reference.moe_experts, "pallas.moe:moe_experts", (3, 4, 5, 6, 7, 8), _moe_unsupported),
+    "expert_hidden": Op(reference.expert_hidden, "pallas.moe:expert_gate_up", (2, 3, 4, 5),
+                        lambda x, ids, g, gs, u, us: _experts_unsupported(x, g, gs, u)),
     # its reference path is in Ops.indexer_topk (an in-place write into the stack, then the scores)
     # the kernel's own choice: one launch that appends and scores, or (split indexer, key rows shorter
     # than a 128-byte TMA) XLA's in-place append and the scoring kernel
@@ -395,32 +392,31 @@ class Ops:
             y = self.all_reduce(self.linear(x, w, scale, layer))
         return y if residual is None else residual + y
 
-    def mlp(self, x, arrays, layer=None, residual=None, norm=(None, 0.0)):
-        """Dense SwiGLU of one layer (arrays: gate, gate_scale, up, up_scale, down, down_scale) on x
-        normed by `norm` (its weight stack and eps; weight None: x as given), plus `residual` where
-        given."""
+    def mlp(self, x, arrays, layer=None, residual=None):
+        """Dense SwiGLU of one layer (arrays: gate, gate_scale, up, up_scale, down, down_scale), plus
+        `residual` where given."""
         g, gs, u, us, d, ds = arrays
-        hidden = self("swiglu_hidden", x, g, gs, u, us, *norm, layer=layer)
+        hidden = self("swiglu_hidden", x, g, gs, u, us, layer=layer)
         return self.linear_all_reduce(hidden, d, ds, layer, residual=residual)
 
-    def moe(self, x, weights, ids, experts: tuple, shared: tuple, layer=None, residual=None, norm=(None, 0.0)):
+    def moe(self, x, weights, ids, experts: tuple, shared: tuple, layer=None, residual=None):
         """all_reduce(Σ_j weights[t,j] · Expert_{ids[t,j]}(x[t]) + Shared(x[t])) for this rank's slices,
-        x normed by `norm` (as in `mlp`), plus `residual` where given. Without tp the residual goes into the shared expert's down
+        plus `residual` where given. Without tp the residual goes into the shared expert's down
         projection and that sum into the routed down's epilogue (no add of its own). With the engine,
         one decode token runs the experts' gate/up, then one kernel for the routed down projections,
         their weighted sum, the shared expert's down and the all-reduce."""
         g, gs, u, us, d, ds = experts
         sg, sgs, su, sus, sd, sds = shared
-        hs = self("swiglu_hidden", x, sg, sgs, su, sus, *norm, layer=layer)
+        hs = self("swiglu_hidden", x, sg, sgs, su, sus, layer=layer)
         if self.axis is not None and self.config.engine_all_reduce and x.shape[0] == 1:
-            h = self("expert_hidden", x, ids, g, gs, u, us, *norm, layer=layer)
+            h = self("expert_hidden", x, ids, g, gs, u, us, layer=layer)
             out = ffi.expert_down_all_reduce(h, weights[0], ids[0], d, ds, hs[0], sd, sds, self.axis,
                                              layer=layer)[None]
             return out if residual is None else residual + out
         if self.axis is None:
             base = self.linear_all_reduce(hs, sd, sds, layer, residual=residual)
-            return self("moe_experts", x, weights, ids, *experts, base, *norm, layer=layer)
-        routed = self("moe_experts", x, weights, ids, *experts, None, *norm, layer=layer)
+            return self("moe_experts", x, weights, ids, *experts, base, layer=layer)
+        routed = self("moe_experts", x, weights, ids, *experts, None, layer=layer)
         out = self.all_reduce(routed + self.linear(hs, sd, sds, layer))
         return out if residual is None else residual + out
 

@@ -282,7 +282,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
                 out_dtype=BF16, config: GemvConfig | None = None, ids=None, heads: int = 0, layer=None,
                 scale_block: int = QBLOCK, prefix: bool = False, stride: int = 0, partials: bool = False):
     """Core: x [T, K] (T ≤ 8) against P = len(ws) weights [N, K] with shared x; see module doc.
-    `partials` (one weight, kind "linear", fp32, no residual): the split-K partial sums
+    `partials` (one weight, kind "linear", fp32, no norm or residual): the split-K partial sums
     [split, T, N] unsummed, for a consumer that adds them itself ([1, T, N] without split-K).
     `norm` (weight [K]) and `eps`: the product is with rms_norm(x): B = x · weight, the sums times
     each token's 1/rms over its K columns (the reference rounds x / rms, then its product with the
@@ -307,8 +307,8 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
     token are experts 0..H-1, head j's input at columns j·D of the token's row)."""
     t, kx = x.shape
     p = len(ws)
-    if partials and (p != 1 or kind != "linear" or out_dtype != F32 or residual is not None):
-        raise ValueError("GEMV partials: one weight, kind linear, fp32 out, no residual")
+    if partials and (p != 1 or kind != "linear" or out_dtype != F32 or norm is not None or residual is not None):
+        raise ValueError("GEMV partials: one weight, kind linear, fp32 out, no norm or residual")
     if heads and ids is not None:
         raise ValueError("GEMV expert mode: ids or heads, not both")
     experts = ids is not None or heads > 0
@@ -324,15 +324,14 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
         if ws[0].ndim != 3 or (ids is not None and (ids.ndim != 1 or ids.shape[0] % t)):
             raise ValueError(f"GEMV expert mode: weights {ws[0].shape}, ids {None if ids is None else ids.shape}, "
                              f"tokens {t}")
-        if residual is not None or (norm is not None and (prefix or heads)):
-            raise ValueError("GEMV expert mode has no residual epilogue, and a norm only over whole rows of x "
-                             "(not with prefix or heads)")
+        if norm is not None or residual is not None:
+            raise ValueError("GEMV expert mode has no norm prologue / residual epilogue")
     elif layer is not None and ws[0].ndim != 3:
         raise ValueError(f"GEMV layer mode: weights must be stacked [L, N, K], got {ws[0].shape}")
     elif layer is None and ws[0].ndim != 2:
         raise ValueError(f"GEMV kernel: weights must be [N, K], got {ws[0].shape} (stacks need layer=)")
     n, k = ws[0].shape[-2:]
-    if norm is not None and norm.shape != ((ws[0].shape[0] // per_layer, k) if layer is not None else (k,)):
+    if norm is not None and norm.shape != ((ws[0].shape[0], k) if layer is not None else (k,)):
         raise ValueError(f"GEMV kernel: norm weight {norm.shape} does not match weights {ws[0].shape}")
     nsel = ids.shape[0] if ids is not None else t * heads if heads else t
     kper = nsel // t
@@ -565,8 +564,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
         @hw.phase("rms")
         def inv_rms():
             """Each token's 1/rms over its K columns (its row read from GMEM)."""
-            rows = [x_gmem.at[tok0 + tok] if experts else x_gmem.at[tok] for tok in range(tb)]
-            return tuple(lax.rsqrt(sum_squares(row, k) / k + eps) for row in rows)
+            return tuple(lax.rsqrt(sum_squares(x_gmem.at[tok], k) / k + eps) for tok in range(tb))
 
         def first():
             """What needs no weight tile, done while the first ones arrive: the norm's 1/rms of each
@@ -730,38 +728,26 @@ def linear_residual(x, w, scale, residual, *, layer=None, config: GemvConfig | N
                                                  out_dtype=residual.dtype, config=config))
 
 
-def norm_operand(norm_weight, x, layer, k=None):
-    """A norm weight as the kernels take it ([K], [L, K] with layer=; bf16: the reference multiplies
-    in x's dtype), or None."""
-    if norm_weight is None:
-        return None
-    k = x.shape[-1] if k is None else k
-    if norm_weight.ndim != (1 if layer is None else 2) or norm_weight.shape[-1] != k or x.shape[-1] < k:
-        raise ValueError(f"norm weight {norm_weight.shape} does not match x {x.shape}")
-    return norm_weight.astype(BF16)
-
-
 def rmsnorm_linear(x, norm_weight, eps, w, scale=None, *, layer=None, config: GemvConfig | None = None):
     """linear(rms_norm(x[..., :K], norm_weight, eps), w, scale) in one kernel (norm_weight [K], [L, K]
     with layer=): x may be wider than K (another projection's output, its first K columns the input)."""
     w, scale = _prep_weight(w, scale, layer)
     k = norm_weight.shape[-1]
-    nw = norm_operand(norm_weight, x, layer, k)
+    if norm_weight.ndim != (1 if layer is None else 2) or x.shape[-1] < k:
+        raise ValueError(f"norm weight {norm_weight.shape} does not match x {x.shape}")
+    nw = norm_weight.astype(BF16)  # the reference multiplies in x.dtype
     return hw.token_chunks(x, lambda xc, _: _projection(xc, (w,), (scale,), norm=nw, eps=eps, layer=layer,
                                                 config=config, prefix=x.shape[-1] > k))
 
 
-def swiglu_pair(x, gate, gate_scale, up, up_scale, norm_weight=None, eps=0.0, *, layer=None,
-                config: GemvConfig | None = None):
-    """silu(linear(x, gate)) · linear(x, up) (fp32 math, bf16 result) in one pass over both weights;
-    x normed in the kernel where a norm weight is given (`jtilert.ops.reference.swiglu_hidden`)."""
+def swiglu_pair(x, gate, gate_scale, up, up_scale, *, layer=None, config: GemvConfig | None = None):
+    """silu(linear(x, gate)) · linear(x, up) (fp32 math, bf16 result) in one pass over both weights."""
     gate, gate_scale = _prep_weight(gate, gate_scale, layer)
     up, up_scale = _prep_weight(up, up_scale, layer)
     if gate.dtype != up.dtype:
         raise ValueError("gate and up must have the same format")
-    nw = norm_operand(norm_weight, x, layer)
     return hw.token_chunks(x, lambda xc, _: _projection(xc, (gate, up), (gate_scale, up_scale), kind="swiglu",
-                                                norm=nw, eps=eps, layer=layer, config=config))
+                                                layer=layer, config=config))
 
 
 def swiglu(x, gate, gate_scale, up, up_scale, down, down_scale, *, layer=None,

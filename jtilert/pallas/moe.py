@@ -38,14 +38,12 @@ MOE_LAYOUT_VERSION = "jtilert-moe-v1: experts stacked [E(+1 shared), out, in] in
 
 # ---- gate/up ------------------------------------------------------------------------------------
 
-def expert_gate_up(x, ids, gate, gate_scale, up, up_scale, norm_weight=None, eps=0.0, *, layer=None,
-                   config: GemvConfig | None = None):
+def expert_gate_up(x, ids, gate, gate_scale, up, up_scale, *, layer=None, config: GemvConfig | None = None):
     """h[i] = silu(x[tok_i] · gate[ids_i]ᵀ) · (x[tok_i] · up[ids_i]ᵀ), fp32 math, bf16 result.
     x [T, H] bf16, ids [T, k] int32, gate/up [E, I, H] (fp8 + scales [E, ., .], or bf16); with
-    `layer`, [L, E, I, H] (scales [L, E, ., .]) and layer `layer`'s experts. x normed in the kernel
-    where a norm weight is given ([H], [L, H] with `layer`; `jtilert.ops.reference.expert_hidden`)."""
-    return gemv._projection(x, (gate, up), (gate_scale, up_scale), kind="swiglu_f32", ids=ids.reshape(-1),
-                            norm=gemv.norm_operand(norm_weight, x, layer), eps=eps, layer=layer, config=config)
+    `layer`, [L, E, I, H] (scales [L, E, ., .]) and layer `layer`'s experts."""
+    return gemv._projection(x, (gate, up), (gate_scale, up_scale), kind="swiglu_f32",
+                            ids=ids.reshape(-1), layer=layer, config=config)
 
 
 # ---- down + weighted sum ------------------------------------------------------------------------
@@ -289,16 +287,14 @@ def expert_down_smem(cfg: GemvConfig, *, k: int, itemsize: int, out_dtype=BF16, 
 
 # ---- public wrappers ----------------------------------------------------------------------------
 
-def moe_experts(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale, residual=None, norm_weight=None,
-                eps=0.0, *, layer=None, gate_up_config: GemvConfig | None = None,
-                down_config: GemvConfig | None = None):
+def moe_experts(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale, residual=None, *, layer=None,
+                gate_up_config: GemvConfig | None = None, down_config: GemvConfig | None = None):
     """jtilert.ops.reference.moe_experts for decode (T ≤ 8): two kernels, only the selected experts read;
-    x normed in the first where a norm weight is given, the residual (where given) added in the
-    second's epilogue."""
+    the residual (where given) added in the second's epilogue."""
     t = x.shape[0]
     if t > MAX_TOKENS:
         raise ValueError(f"moe_experts kernel: at most {MAX_TOKENS} tokens, got {t}")
-    h = expert_gate_up(x, ids, gate, gate_scale, up, up_scale, norm_weight, eps, layer=layer, config=gate_up_config)
+    h = expert_gate_up(x, ids, gate, gate_scale, up, up_scale, layer=layer, config=gate_up_config)
     return expert_down(h, weights, ids, down, down_scale, layer=layer, out_dtype=x.dtype, residual=residual,
                        config=down_config)
 
@@ -332,12 +328,11 @@ def reference_moe_with_shared(x, weights, ids, packed, shared_raw):
 
 # ---- router -------------------------------------------------------------------------------------
 
-def router_partials(x, gate, norm_weight=None, eps=0.0, *, layer=None):
+def router_partials(x, gate, *, layer=None):
     """x · Wgᵀ in fp32 (the reference's precision) with the FMA engine, as its split-K partial sums
     [S, T, E] (the logits are their sum in order: `jtilert.ffi.route.logits_of`), Wg [E, H] fp32 (or
-    bf16); with `layer`, Wg [L, E, H] fp32 or bf16 (a stack is never cast per call). x normed in the
-    kernel where a norm weight is given. More than MAX_TOKENS tokens run in chunks, each chunk's
-    partials summed: [1, T, E]."""
+    bf16); with `layer`, Wg [L, E, H] fp32 or bf16 (a stack is never cast per call). More than
+    MAX_TOKENS tokens run in chunks, each chunk's partials summed: [1, T, E]."""
     if gate.dtype in (F32, BF16):
         w = gate
     elif layer is None:
@@ -346,24 +341,21 @@ def router_partials(x, gate, norm_weight=None, eps=0.0, *, layer=None):
         raise ValueError(f"router_partials: a stacked gate must be fp32 or bf16, got {gate.dtype}")
     cfg = GemvConfig(engine="fma")
     x = x.astype(BF16) if x.dtype != BF16 else x
-    nw = gemv.norm_operand(norm_weight, x, layer)
 
     def partials(xc, _=None):
-        return gemv._projection(xc, (w,), (None,), norm=nw, eps=eps, out_dtype=F32, layer=layer, config=cfg,
-                                partials=True)
+        return gemv._projection(xc, (w,), (None,), out_dtype=F32, layer=layer, config=cfg, partials=True)
     if x.shape[0] <= hw.MAX_TOKENS:
         return partials(x)
     return hw.token_chunks(x, lambda xc, _: ffi_route.logits_of(partials(xc)))[None]
 
 
-def route(cfg, x, gate, bias, norm_weight=None, eps=0.0, *, layer=None):
-    """jtilert.ops.reference.route with the logits GEMV in Pallas (gate [L, E, H], bias [L, E] with layer=;
-    x normed in it where a norm weight is given) and, with layer=, the selection in one launch of the
-    CUDA engine (`jtilert.ffi.route`; the reference's XLA ops where the engine is not loaded, with a
-    warning)."""
+def route(cfg, x, gate, bias, *, layer=None):
+    """jtilert.ops.reference.route with the logits GEMV in Pallas (gate [L, E, H], bias [L, E] with layer=)
+    and, with layer=, the selection in one launch of the CUDA engine (`jtilert.ffi.route`; the
+    reference's XLA ops where the engine is not loaded, with a warning)."""
     if x.dtype != BF16:
         raise ValueError(f"route kernel: activations {x.dtype} {list(x.shape)} (bf16 only)")
-    partials = router_partials(x, gate, norm_weight, eps, layer=layer)
+    partials = router_partials(x, gate, layer=layer)
     if layer is None:
         return reference.select_experts(cfg, ffi_route.logits_of(partials), bias)
     return ffi_route.select_experts(cfg, partials, bias, layer)
