@@ -449,7 +449,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
             for the checkpoint's power-of-two scales) and f_j = `hw.f16_range_factor`; the
             epilogue multiplies by 1/f_j (kept in `invf`). The weights then only need e4m3 → f16.
             fp8x2: B is x's two e4m3 halves, [16, kc] (`hw.pair_operand`), and `invf` x's scale.
-            nws: the norm weight's values of each 128-column block (loaded in `first`), or None."""
+            nws: the norm weight's values of each column block (loaded in `first`), or None."""
             with jax.named_scope("x_wait"):
                 plgpu.barrier_wait(bar.at[0])
 
