@@ -328,6 +328,23 @@ def test_cross_lowering_dsv32_shapes():
            S((1, 7168), BF16))
 
 
+def test_kernel_names_tell_the_projections_apart():
+    """Each GEMV kernel is named by its engine, forms and N × K (what CUPTI's per-kernel times show):
+    the layer's projections are told apart in a decode step's profile."""
+    S = jax.ShapeDtypeStruct
+    q = lambda n, k: (S((n, k), FP8), S((-(-n // 128), k // 128), F32))
+    txt = _lower(lambda x, nw, w, s: gemv.rmsnorm_linear(x, nw, 1e-6, w, s), S((1, 7168), BF16), S((7168,), BF16),
+                 *q(2240, 7168))
+    assert "jtilert_gemv_fp8x2_norm_2240x7168" in txt
+    txt = _lower(gemv.linear_residual, S((1, 2048), BF16), *q(7168, 2048), S((1, 7168), BF16))
+    assert "jtilert_gemv_fp8x2_residual_7168x2048" in txt
+    txt = _lower(gemv.swiglu_pair, S((1, 7168), BF16), *q(256, 7168), *q(256, 7168))
+    assert "jtilert_gemv_fp8x2_swiglu_256x7168" in txt
+    txt = _lower(lambda x, w: gemv.linear(x, w, config=gemv.GemvConfig(engine="fma")), S((1, 7168), BF16),
+                 S((256, 7168), F32))
+    assert "jtilert_gemv_fma_256x7168" in txt
+
+
 @pytest.mark.parametrize("heads, nope, v, block", [(16, 128, 128, 128), (8, 192, 256, 64)])
 def test_cross_lowering_absorption_shapes(heads, nope, v, block):
     """MLA's two absorptions at the dsv32- / glm5-tp8-shard shapes (2 tokens: more rows than 8), kv_b per

@@ -675,7 +675,8 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
     clusters = dict(cluster=(split,), cluster_names=("s",)) if cluster else {}
     call = plgpu.kernel(kernel, out_type=out_type, grid=grid, grid_names=names, **clusters,
                         scratch_types=scratch, interpret=_interp.params(),
-                        kernel_name=f"jtilert_gemv_{cfg.engine}")
+                        kernel_name=_kernel_name(cfg.engine, kind, n, k, heads=heads > 0, experts=ids is not None,
+                                                 norm=norm is not None, residual=residual is not None))
     args = [x] + ([ids.astype(jnp.int32)] if ids is not None else [])
     args += ([hw.layer_operand(layer)] if layer is not None else []) + list(ws)
     if fp8:
@@ -691,6 +692,16 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
         return out
     part = out.sum(0)                                  # [P, T, N]: one XLA fusion with the epilogue
     return _finish([part[j] for j in range(p)], kind=kind, residual=residual, out_dtype=out_dtype)
+
+
+def _kernel_name(engine: str, kind: str, n: int, k: int, **forms: bool) -> str:
+    """The kernel's name, which profiles (CUPTI, bench.decode's kernel groups) show: the engine, the
+    forms it runs (heads, experts, norm, the SwiGLU epilogues, residual) and its N × K, so that each
+    projection of a layer is told apart, e.g. jtilert_gemv_fp8x2_norm_2240x7168."""
+    parts = ["jtilert_gemv", engine] + [f for f, on in forms.items() if on]
+    if kind != "linear":
+        parts.append(kind)
+    return "_".join(parts + [f"{n}x{k}"])
 
 
 def _prep_weight(w, scale, layer=None):
