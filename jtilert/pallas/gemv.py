@@ -568,9 +568,9 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
 
         def first():
             """What needs no weight tile, done while the first ones arrive: the norm's 1/rms of each
-            token over its K columns (read from GMEM while x's TMA lands; the epilogue applies it, so
-            nothing waits for it here; with split-K every CTA scales its partial sums), then x's slice
-            prepared (B for the wgmma engines, fp32 rows for FMA)."""
+            token over its K columns (its row read from GMEM and reduced while x's TMA lands, before
+            B is built; only the epilogue uses it: with split-K every CTA scales its partial sums),
+            then x's slice prepared (B for the wgmma engines, fp32 rows for FMA)."""
             # the norm weight's slice first: its loads are in flight while 1/rms is computed
             nws = ([plgpu.load(norm_at(k0 + b * bw, bw), optimized=False).astype(F32) for b in range(nblk)]
                    if nw_gmem is not None and not fma else None)
