@@ -212,7 +212,9 @@ def test_heads_linear(t, heads, n, k, d, fmt, block, extra):
     # x wider than K (qr_proj reading q_a as the first columns of x_proj's output): the extra
     # columns large, so a norm or product that reads them shows
     (2, 96, 256, 1, 136, "auto"), (1, 64, 512, 2, 64, "auto"), (2, 64, 256, 1, 64, "fma"),
-    (1, 64, 1024, 1, 0, "fma")])   # the FMA engine's x prepared while more steps than stages stream
+    (1, 64, 1024, 1, 0, "fma"),   # the FMA engine's x prepared while more steps than stages stream
+    # rows too long to hold in registers while B is built (gemv.HELD_ROW_VALUES): 1/rms reduced first
+    (3, 64, 3072, 2, 0, "auto")])
 def test_rmsnorm_linear(t, n, k, split, extra, engine):
     x = jnp.concatenate([_x(t, k, 3.0), _x(t, extra, 100.0)], axis=1)
     nw = (1 + 0.1 * jax.random.normal(_key(), (k,))).astype(BF16)

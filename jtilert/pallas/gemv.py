@@ -269,13 +269,24 @@ def load_piece(ref, layout):
     return ref[...] if layout is None else plgpu.load(ref, layout=layout, optimized=False)
 
 
-def sum_squares(row, k: int):
-    """Σ row[:k]² in fp32 (a bf16 GMEM row)."""
+def row_values(row, k: int) -> list:
+    """row[:k] (a bf16 GMEM row) as the `row_pieces` values: the loads are issued here, and waited
+    for where the values are first used (`sum_squares`)."""
+    return [load_piece(row.at[pl.ds(c, size)], layout) for c, size, layout in row_pieces(k)]
+
+
+def sum_squares(values: list):
+    """Σ v² in fp32 over a row's `row_values`."""
     total = jnp.float32(0.0)
-    for c, size, layout in row_pieces(k):
-        xr = load_piece(row.at[pl.ds(c, size)], layout).astype(F32)
-        total = total + jnp.sum(xr * xr)
+    for v in values:
+        v = v.astype(F32)
+        total = total + jnp.sum(v * v)
     return total
+
+
+# Row values (bf16) per thread of the warpgroup up to which a norm's rows are held in registers
+# while B is built (above it, 1/rms is reduced first): 32 registers.
+HELD_ROW_VALUES = 64
 
 
 def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="linear",
@@ -562,23 +573,29 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
                                    first=first)
 
         @hw.phase("rms")
-        def inv_rms():
-            """Each token's 1/rms over its K columns (its row read from GMEM)."""
-            return tuple(lax.rsqrt(sum_squares(x_gmem.at[tok], k) / k + eps) for tok in range(tb))
+        def inv_rms(rows):
+            """Each token's 1/rms over its K columns, from its row's `row_values`."""
+            return tuple(lax.rsqrt(sum_squares(r) / k + eps) for r in rows)
 
         def first():
             """What needs no weight tile, done while the first ones arrive: the norm's 1/rms of each
-            token over its K columns (its row read from GMEM and reduced while x's TMA lands, before
-            B is built; only the epilogue uses it: with split-K every CTA scales its partial sums),
-            then x's slice prepared (B for the wgmma engines, fp32 rows for FMA)."""
-            # the norm weight's slice first: its loads are in flight while 1/rms is computed
+            token over its K columns (its whole row read from GMEM; only the epilogue uses it: with
+            split-K every CTA scales its partial sums) and x's slice prepared (B for the wgmma
+            engines, fp32 rows for FMA). The wgmma engines issue the rows' loads first and, where
+            the rows fit in registers (`HELD_ROW_VALUES`), reduce them after B's build, so that the
+            loads land while x's TMA is awaited and B is built."""
+            # the norm weight's slice and the rows first: their loads are in flight together
             nws = ([plgpu.load(norm_at(k0 + b * bw, bw), optimized=False).astype(F32) for b in range(nblk)]
                    if nw_gmem is not None and not fma else None)
-            rms = () if norm is None else inv_rms()
+            rows = [row_values(x_gmem.at[tok], k) for tok in range(tb)] if norm is not None else []
+            held = not fma and tb * k <= HELD_ROW_VALUES * 128
+            rms = inv_rms(rows) if rows and not held else None
             if fma:
                 fill_xf()
             else:
                 build_b(xstage, svals, nws)
+            if rms is None:
+                rms = inv_rms(rows) if rows else ()
             return rms
 
         if x8:
