@@ -39,10 +39,11 @@ ATOL = 0.2
 # engine's all-reduce; topk_positions: the engine's top-k), the head, which only greedy decoding runs,
 # the plain linear (without tp every projection of a layer folds a norm or the residual in),
 # mla_prep: these models' rope rows of 16 values (32 bytes) are narrower than its 128-byte TMA rows, and
-# index_prep: their index queries (64 wide) are not quantised, the kernel quantises 128-wide heads to fp8
+# index_prep: their index queries (64 wide) are not quantised, the kernel quantises 128-wide heads to fp8;
+# route: the decode model's MoE routes with norm_route (the router's kernel applies the FFN's norm)
 DECODE_OPS = {op for op, o in table.OPS.items() if o.kernel and op not in ("expert_hidden", "topk_positions",
                                                                               "lm_head_topk", "linear", "mla_prep",
-                                                                              "index_prep")}
+                                                                              "index_prep", "route")}
 
 
 @pytest.fixture(scope="module", params=MODELS)

@@ -190,8 +190,9 @@ def test_decode_weights_lay_kv_b_out_per_head_and_share_the_rest(tiny_fp8):
     merged = {f"{m}.{p}" for m in ("layers.self_attn.q_a_proj", "layers.self_attn.kv_a_proj_with_mqa", "indexers.wk",
                                    "layers.self_attn.q_b_proj", "indexers.wq_b", "layers.self_attn.kv_b_proj")
               for p in ("weight", "scale")}
-    assert set(a) - set(b) == merged
+    assert set(a) - set(b) == merged | {"layers.post_attention_layernorm.weight"}
     copies = {f"layers.self_attn.{m}.{p}" for m in ("x_proj", "qr_proj") for p in ("weight", "scale")}
+    copies |= {"dense.norm.weight", "moe.norm.weight"}   # the FFN stacks' rows of the post-attention norm
     assert set(b) - set(a) == copies | {"layers.self_attn.absorb_q.weight", "layers.self_attn.absorb_o.weight"}
     assert all(a[k] is b[k] for k in b if "absorb" not in k and k not in copies)
     ids = np.random.default_rng(5).integers(0, 256, 20)

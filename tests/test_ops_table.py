@@ -43,8 +43,9 @@ def _decisions(name: str, layers: int, tokens: int, mtp: bool) -> dict[str, set[
 def test_every_kernel_runs_at_decode_shapes(name, tokens, mtp):
     chosen = _decisions(name, 4, tokens, mtp)
     # the head's top-k runs in next_token, expert_hidden only with the engine's all-reduce (tp > 1); a
-    # plain linear without tp only in the MTP block (eh_proj: the FFNs' down projections add the residual)
-    skip = ("lm_head_topk", "expert_hidden") + (() if mtp else ("linear",))
+    # plain linear without tp only in the MTP block (eh_proj: the FFNs' down projections add the residual);
+    # route only in a model whose FFN stacks do not hold their norm (the decode model's MoE: norm_route)
+    skip = ("lm_head_topk", "expert_hidden", "route") + (() if mtp else ("linear",))
     expected = {op for op, o in OPS.items() if o.kernel is not None and op not in skip}
     assert expected <= set(chosen), expected - set(chosen)
     assert all(chosen[op] == {True} for op in expected), {op: chosen[op] for op in expected}
@@ -128,8 +129,9 @@ def _layer_bodies(name: str) -> list[dict]:
 # three GEMVs that read it, it cost more than its two XLA kernels, bench/RESULTS.md session 13.) The
 # router GEMV's split-K partials summed by the engine's selection: 1 glue op fewer in the MoE body.
 # The top-k writes -1 for masked positions and sparse MLA masks idx < 0 (no valid flags): 1 fewer in each.
-BUDGET = {"dsv32-tp8-shard": [{"kernels": 13, "glue": 38}, {"kernels": 17, "glue": 46}],
-          "glm5-tp8-shard": [{"kernels": 12, "glue": 51}, {"kernels": 16, "glue": 59}]}
+# The FFN's norm applied by its ops' kernels (`FFNNorm`): 6 glue ops fewer in each body.
+BUDGET = {"dsv32-tp8-shard": [{"kernels": 13, "glue": 32}, {"kernels": 17, "glue": 40}],
+          "glm5-tp8-shard": [{"kernels": 12, "glue": 45}, {"kernels": 16, "glue": 53}]}
 
 
 @pytest.mark.parametrize("name", sorted(BUDGET))

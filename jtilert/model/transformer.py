@@ -110,6 +110,20 @@ class RowsLinear(Linear):
         return y
 
 
+class FFNNorm(nnx.Module):
+    """An FFN stack's input norm (the layers' post-attention RMSNorm, stacked like the FFN), which
+    the FFN's first kernel applies (`decode_weights`) while its first weight tiles arrive, so no norm
+    kernel runs before it."""
+
+    def __init__(self, weight, eps: float):
+        self.weight = nnx.Param(weight)
+        self.eps = eps
+
+    def args(self) -> tuple:
+        """The ops' norm arguments: (weight stack, eps)."""
+        return self.weight[...], self.eps
+
+
 class HeadsLinear(nnx.Module):
     """One projection per attention head (op "heads_linear": y[t, h] = x[t, h, :K] · W[h]ᵀ): weight
     [H, N, K] (in a layer stack [L, H, N, K]) in a float format, or fp8 with one scale per `block`²
@@ -182,13 +196,21 @@ class LayerNorm(nnx.Module):
         return reference.layer_norm(x, _at(self.weight[...], layer), _at(self.bias[...], layer), SUBLAYER_EPS)
 
 
+def _norm_args(norm: FFNNorm | None) -> tuple:
+    """An FFN's norm arguments for its ops: (weight stack, eps), or (None, 0.0): x is normed already."""
+    return (None, 0.0) if norm is None else norm.args()
+
+
 def _swiglu_arrays(gate: Linear, up: Linear, down: Linear) -> tuple:
     """(gate, gate_scale, up, up_scale, down, down_scale): the argument order of the SwiGLU ops."""
     return gate.arrays() + up.arrays() + down.arrays()
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) · up(x)); under tp each rank holds a slice of the intermediate dim."""
+    """SwiGLU: down(silu(gate(x)) · up(x)); under tp each rank holds a slice of the intermediate dim.
+    In the decode model (`decode_weights`) a layer stack's `norm` is its input norm, applied by its ops."""
+
+    norm: FFNNorm | None = None
 
     def __init__(self, cfg: ModelConfig, width: int, *, rngs, fmt):
         self.gate_proj = Linear(cfg.hidden_size, width, rngs=rngs, fmt=fmt)
@@ -199,8 +221,9 @@ class MLP(nnx.Module):
         return _swiglu_arrays(self.gate_proj, self.up_proj, self.down_proj)
 
     def __call__(self, ops: Ops, x, layer=None, residual=None):
-        """SwiGLU(x), plus `residual` where given (added in the down projection's epilogue)."""
-        return ops.mlp(x, self.arrays(), layer, residual=residual)
+        """SwiGLU(x) (x normed first where the stack has its `norm`), plus `residual` where given (added
+        in the down projection's epilogue)."""
+        return ops.mlp(x, self.arrays(), layer, residual=residual, norm=_norm_args(self.norm))
 
 
 class Router(nnx.Module):
@@ -224,6 +247,11 @@ class Experts(nnx.Module):
 
 
 class MoE(nnx.Module):
+    """Routed experts and the shared expert; `norm` as in `MLP`, applied by the router's kernel, which
+    writes the normed x that the experts' and the shared expert's kernels read (op "norm_route")."""
+
+    norm: FFNNorm | None = None
+
     def __init__(self, cfg: ModelConfig, *, rngs, fmt):
         self.cfg = cfg
         self.gate = Router(cfg, rngs=rngs)
@@ -231,9 +259,13 @@ class MoE(nnx.Module):
         self.shared_experts = MLP(cfg, cfg.moe_intermediate_size * cfg.n_shared_experts, rngs=rngs, fmt=fmt)
 
     def __call__(self, ops: Ops, x, layer=None, residual=None):
-        """MoE(x), plus `residual` where given (added in the down projections' epilogues)."""
-        weights, ids = ops("route", self.cfg, x, self.gate.weight[...], self.gate.e_score_correction_bias[...],
-                           layer=layer)
+        """MoE(x) (x normed first where the stack has its `norm`), plus `residual` where given (added in
+        the down projections' epilogues)."""
+        gate = (self.gate.weight[...], self.gate.e_score_correction_bias[...])
+        if self.norm is None:
+            weights, ids = ops("route", self.cfg, x, *gate, layer=layer)
+        else:
+            x, weights, ids = ops("norm_route", self.cfg, x, *self.norm.args(), *gate, layer=layer)
         return ops.moe(x, weights, ids, self.experts.arrays(), self.shared_experts.arrays(), layer,
                        residual=residual)
 
@@ -478,16 +510,20 @@ def decode_weights(model: Transformer, merge: bool = True, tp: int = 1, backend:
         (replicated) — one `RowsLinear` (`Attention.qr_proj`): one GEMV launch per layer instead of
         two. Its rows are one block per rank (the rank's q_b rows, then all of wq_b): per GPU a copy
         of q_b / tp + wq_b, ≈ 1.05 GB over DeepSeek-V3.2's 61 layers at tp = 8 (fp8).
+      - the layers' post-attention norm as each FFN stack's `norm` (`FFNNorm`, stacked like the FFN),
+        applied by the FFN's first kernel (the dense gate/up GEMV, the MoE's router, which writes
+        the normed x for the experts) instead of by an XLA norm before them.
     With the norms fused into those GEMVs (`rmsnorm_linear`), the same values the step would compute;
     the other weights are shared with `model`, not copied, and `model` is untouched. Idempotent for
-    one tp. `merge=False`: without the merged GEMVs (the separate projections, for comparisons)."""
+    one tp. `merge=False`: without the merged GEMVs and the FFN norms moved (for comparisons)."""
     attn = model.layers.self_attn
     if attn.qr_proj is not None and attn.qr_proj.ranks != tp:
         raise ValueError(f"this decode model's merged q_b | wq_b is laid out for tp={attn.qr_proj.ranks}, "
                          f"not tp={tp}: build it from the model itself")
     heads = attn.absorb_q is None
+    ffn_norm = merge and model.layers.post_attention_layernorm is not None
     merge = merge and attn.x_proj is None
-    if not (heads or merge):
+    if not (heads or merge or ffn_norm):
         return model
     out = nnx.clone(model)
     if heads:
@@ -523,7 +559,21 @@ def decode_weights(model: Transformer, merge: bool = True, tp: int = 1, backend:
             out.layers.self_attn.qr_proj = _rows_linear([attn.q_b_proj, model.indexers.wq_b], (True, False), tp)
             out.layers.self_attn.q_b_proj = None
             out.indexers.wq_b = None
+    if ffn_norm:
+        norm = model.layers.post_attention_layernorm
+        lay = model.layout
+        for name, lo, hi in (("dense", 0, lay.num_dense), ("moe", lay.num_dense, lay.num_layers)):
+            if getattr(out, name) is not None:
+                getattr(out, name).norm = FFNNorm(_stack_rows(norm.weight.get_value(), lo, hi), norm.eps)
+        out.layers.post_attention_layernorm = None
     return out
+
+
+def _stack_rows(w, lo: int, hi: int):
+    """Entries lo..hi-1 of a stacked array (or of an abstract one, `abstract_model`)."""
+    if isinstance(w, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct((hi - lo, *w.shape[1:]), w.dtype, sharding=w.sharding)
+    return w[lo:hi]
 
 
 def _same_format(a: Linear, b: Linear) -> bool:
@@ -677,13 +727,12 @@ class Transformer(nnx.Module):
             return jax.lax.cond(slot >= 0, lambda c: run(c, jnp.maximum(slot, 0)), lambda c: (topk, c), c)
 
         h, cache, topk = blk.self_attn(ops, i, x, blk.input_layernorm, cos, sin, positions, start, cache, indexer)
-        # the FFN's norm: one XLA computation that its readers share (in a MoE layer the router, the
-        # experts' and the shared expert's gate/up; folded into each of them it costs more, see
-        # bench/RESULTS.md, session 13); the residual add goes into the FFN's down projections
-        f = blk.post_attention_layernorm(h, i)
-        if ffn == "dense":
-            return self.dense(ops, f, i, residual=h), cache, topk
-        return self.moe(ops, f, i - lay.num_dense, residual=h), cache, topk
+        # the FFN's norm: in the decode model its first kernel applies it (the dense gate/up, or the
+        # router, which writes the normed x for the experts), else one XLA computation here; the
+        # residual add goes into the FFN's down projections
+        stack, j = (self.dense, i) if ffn == "dense" else (self.moe, i - lay.num_dense)
+        f = h if stack.norm is not None else blk.post_attention_layernorm(h, i)
+        return stack(ops, f, j, residual=h), cache, topk
 
     def _layers(self, ops, lo: int, hi: int, ffn: str, carry, cos, sin, positions, start):
         """Layers lo..hi-1: one loop (one compiled body of `DecodeConfig.layers_per_iteration` layers), or

@@ -36,6 +36,12 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight.astype(x.dtype) * y.astype(x.dtype)
 
 
+def normed(x: jax.Array, norm_weight: jax.Array | None, eps: float) -> jax.Array:
+    """rms_norm(x, norm_weight, eps), or x where no norm weight is given (the dense FFN's gate/up take
+    the norm's weight and eps, so that its kernel norms x itself)."""
+    return x if norm_weight is None else rms_norm(x, norm_weight, eps)
+
+
 def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float = 1e-6) -> jax.Array:
     x32 = x.astype(F32)
     mu = jnp.mean(x32, axis=-1, keepdims=True)
@@ -63,8 +69,10 @@ def heads_linear(x: jax.Array, w: jax.Array, scale: jax.Array | None = None, blo
     return dot("thk,hnk->thn", x[..., :k], dequantize(w, scale, x.dtype, block)).astype(x.dtype)
 
 
-def swiglu_hidden(x, gate, gate_scale, up, up_scale):
-    """silu(gate(x)) · up(x): both projections rounded to x.dtype, the product in fp32, in x.dtype."""
+def swiglu_hidden(x, gate, gate_scale, up, up_scale, norm_weight=None, eps=0.0):
+    """silu(gate(x)) · up(x): both projections rounded to x.dtype, the product in fp32, in x.dtype;
+    x `normed` first where a norm weight is given."""
+    x = normed(x, norm_weight, eps)
     h = jax.nn.silu(linear(x, gate, gate_scale).astype(F32)) * linear(x, up, up_scale).astype(F32)
     return h.astype(x.dtype)
 
@@ -384,6 +392,14 @@ def sparse_mla(q_lat: jax.Array, q_pe: jax.Array, kv_cache: jax.Array, pe_cache:
 def route(cfg: ModelConfig, x: jax.Array, gate: jax.Array, bias: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Sigmoid group-limited routing: (weights [T, k] fp32, expert ids [T, k] int32)."""
     return select_experts(cfg, jnp.einsum("th,eh->te", x.astype(F32), gate.astype(F32)), bias)
+
+
+def norm_route(cfg: ModelConfig, x: jax.Array, norm_weight: jax.Array, eps: float, gate: jax.Array,
+               bias: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(f, weights, ids): f = rms_norm(x, norm_weight, eps), the MoE's input, and `route` of f (the
+    router is the first reader of a MoE layer's normed input; its kernel writes f for the others)."""
+    f = rms_norm(x, norm_weight, eps)
+    return (f, *route(cfg, f, gate, bias))
 
 
 def select_experts(cfg: ModelConfig, logits: jax.Array, bias: jax.Array) -> tuple[jax.Array, jax.Array]:

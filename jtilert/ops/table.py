@@ -142,7 +142,7 @@ def _residual_gemv_unsupported(x, w, scale, residual) -> str | None:
     return _gemv_unsupported(x, w, scale)
 
 
-def _swiglu_unsupported(x, gate, gate_scale, up, up_scale) -> str | None:
+def _swiglu_unsupported(x, gate, gate_scale, up, up_scale, *norm) -> str | None:
     if gate.dtype != up.dtype:
         return "gate and up differ in format"
     return _gemv_unsupported(x, gate, gate_scale) or _gemv_unsupported(x, up, up_scale)
@@ -166,6 +166,10 @@ def _experts_unsupported(x, gate, gate_scale, up) -> str | None:
     if gate.shape[1] % QBLOCK:
         return f"expert width {gate.shape[1]} is not a multiple of {QBLOCK}"
     return None
+
+
+def _route_unsupported(x) -> str | None:
+    return None if x.dtype == BF16 and x.shape[-1] % KGRAIN == 0 else f"activations {x.dtype}, K={x.shape[-1]}"
 
 
 def _moe_unsupported(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale, residual=None) -> str | None:
@@ -224,10 +228,13 @@ OPS: dict[str, Op] = {
     "rmsnorm_linear": Op(reference.rmsnorm_linear, "pallas.gemv:rmsnorm_linear", (1, 3, 4), _rmsnorm_gemv_unsupported),
     "linear_residual": Op(reference.linear_residual, "pallas.gemv:linear_residual", (1, 2), _residual_gemv_unsupported),
     "heads_linear": Op(reference.heads_linear, "pallas.gemv:heads_linear", (1, 2), _heads_unsupported),
-    "swiglu_hidden": Op(reference.swiglu_hidden, "pallas.gemv:swiglu_pair", (1, 2, 3, 4), _swiglu_unsupported),
-    "route": Op(reference.route, "pallas.moe:route", (2, 3),
-                lambda cfg, x, gate, bias: None if x.dtype == BF16 and x.shape[-1] % KGRAIN == 0
-                else f"activations {x.dtype}, K={x.shape[-1]}"),
+    # the dense FFN's norm (weight and eps after the other arguments; None: x is normed already)
+    # applied by the kernel while its first weight tiles arrive
+    "swiglu_hidden": Op(reference.swiglu_hidden, "pallas.gemv:swiglu_pair", (1, 2, 3, 4, 5), _swiglu_unsupported),
+    "route": Op(reference.route, "pallas.moe:route", (2, 3), lambda cfg, x, gate, bias: _route_unsupported(x)),
+    # a MoE layer's norm applied by the router's kernel, which writes the normed x for the experts
+    "norm_route": Op(reference.norm_route, "pallas.moe:norm_route", (2, 4, 5),
+                     lambda cfg, x, nw, eps, gate, bias: _route_unsupported(x)),
     # the residual (last argument, may be None) added in the down kernel's epilogue
     "moe_experts": Op(reference.moe_experts, "pallas.moe:moe_experts", (3, 4, 5, 6, 7, 8), _moe_unsupported),
     "expert_hidden": Op(reference.expert_hidden, "pallas.moe:expert_gate_up", (2, 3, 4, 5),
@@ -392,11 +399,12 @@ class Ops:
             y = self.all_reduce(self.linear(x, w, scale, layer))
         return y if residual is None else residual + y
 
-    def mlp(self, x, arrays, layer=None, residual=None):
-        """Dense SwiGLU of one layer (arrays: gate, gate_scale, up, up_scale, down, down_scale), plus
-        `residual` where given."""
+    def mlp(self, x, arrays, layer=None, residual=None, norm=(None, 0.0)):
+        """Dense SwiGLU of one layer (arrays: gate, gate_scale, up, up_scale, down, down_scale) on x
+        normed by `norm` (its weight stack and eps; weight None: x as given), plus `residual` where
+        given."""
         g, gs, u, us, d, ds = arrays
-        hidden = self("swiglu_hidden", x, g, gs, u, us, layer=layer)
+        hidden = self("swiglu_hidden", x, g, gs, u, us, *norm, layer=layer)
         return self.linear_all_reduce(hidden, d, ds, layer, residual=residual)
 
     def moe(self, x, weights, ids, experts: tuple, shared: tuple, layer=None, residual=None):

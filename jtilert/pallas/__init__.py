@@ -22,7 +22,7 @@ from jtilert.pallas.interpret import interpret as interpret_mode  # noqa: F401
 from jtilert.pallas.gemv import (GemvConfig, linear, linear_residual, rmsnorm_linear,  # noqa: F401
                                  swiglu, swiglu_pair)
 from jtilert.pallas.moe import (expert_down, expert_gate_up, moe_experts, moe_with_shared,  # noqa: F401
-                                pack_shared_expert, route, router_partials)
+                                norm_route, norm_router_partials, pack_shared_expert, route, router_partials)
 from jtilert.pallas.lm_head import lm_head_argmax, lm_head_candidates, lm_head_topk  # noqa: F401
 
 

@@ -291,13 +291,17 @@ HELD_ROW_VALUES = 64
 
 def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="linear",
                 out_dtype=BF16, config: GemvConfig | None = None, ids=None, heads: int = 0, layer=None,
-                scale_block: int = QBLOCK, prefix: bool = False, stride: int = 0, partials: bool = False):
+                scale_block: int = QBLOCK, prefix: bool = False, stride: int = 0, partials: bool = False,
+                normed_out: bool = False):
     """Core: x [T, K] (T ≤ 8) against P = len(ws) weights [N, K] with shared x; see module doc.
-    `partials` (one weight, kind "linear", fp32, no norm or residual): the split-K partial sums
+    `partials` (one weight, kind "linear", fp32, no residual): the split-K partial sums
     [split, T, N] unsummed, for a consumer that adds them itself ([1, T, N] without split-K).
-    `norm` (weight [K]) and `eps`: the product is with rms_norm(x): B = x · weight, the sums times
-    each token's 1/rms over its K columns (the reference rounds x / rms, then its product with the
-    weight, to bf16: bf16-level differences).
+    `norm` (weight [K]) and `eps`: the product is with rms_norm(x). The wgmma engines build B = x ·
+    weight and multiply the sums by each token's 1/rms over its K columns (the reference rounds x /
+    rms, then its product with the weight, to bf16: bf16-level differences); the FMA engine computes
+    1/rms first and rounds x as the reference does. `normed_out` (FMA engine with a norm, not in
+    expert mode): the result is (y, rms_norm(x) [T, K] bf16), each K slice written by the CTAs of
+    the first row block, so that the norm's other readers need no norm of their own.
     fp8 weights carry one fp32 scale per `scale_block`² block (128: the checkpoint's; 64: copies
     whose blocks are finer than the checkpoint's, see `transformer.head_weights`). `prefix`: x is
     [T, W ≥ K] (W a multiple of 8: TMA's row stride) and each row's first K columns are the input
@@ -318,8 +322,8 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
     token are experts 0..H-1, head j's input at columns j·D of the token's row)."""
     t, kx = x.shape
     p = len(ws)
-    if partials and (p != 1 or kind != "linear" or out_dtype != F32 or norm is not None or residual is not None):
-        raise ValueError("GEMV partials: one weight, kind linear, fp32 out, no norm or residual")
+    if partials and (p != 1 or kind != "linear" or out_dtype != F32 or residual is not None):
+        raise ValueError("GEMV partials: one weight, kind linear, fp32 out, no residual")
     if heads and ids is not None:
         raise ValueError("GEMV expert mode: ids or heads, not both")
     experts = ids is not None or heads > 0
@@ -381,6 +385,9 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
     hw.check_smem("GEMV kernel", layout(cfg), cfg)
     if itemsize == 4 and cfg.engine != "fma":
         raise ValueError("GEMV kernel: fp32 weights need the FMA engine")
+    if normed_out and (norm is None or cfg.engine != "fma"):
+        raise ValueError(f"GEMV kernel: the normed x comes out of the FMA engine with a norm, not engine "
+                         f"{cfg.engine}{' without a norm' if norm is None else ''}")
     if fp8 and cfg.engine in ("fma", "fp8x2") and scale_block != QBLOCK:
         raise ValueError(f"GEMV kernel: the {cfg.engine} engine takes 128-blocks of scales only")
     bn, bk, split, stages = cfg.block_n, cfg.block_k, cfg.split_k, cfg.stages
@@ -410,6 +417,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
         nw_gmem = next(it) if norm is not None else None
         res_gmem = next(it) if residual is not None and in_kernel_epilogue else None
         out_gmem = next(it)
+        nx_gmem = next(it) if normed_out else None
         xb = next(it) if not fma else None
         xstage = next(it) if not fma else None
         invf = next(it) if not fma else None
@@ -485,15 +493,22 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
                 invf[j] = 1.0 / f
             plgpu.commit_smem()
 
-        def fill_xf():
-            """FMA engine: this CTA's slice of the tokens as fp32 rows [T, kc] (x · norm weight,
-            rounded to bf16 like the wgmma path)."""
+        def fill_xf(rms):
+            """FMA engine: this CTA's slice of the tokens as fp32 rows [T, kc]: x, or with a norm
+            rms_norm(x) rounded as the reference rounds it (bf16(x / rms), then its bf16 product
+            with the weight), also written to the normed output by the first row block's CTAs."""
             for tok in range(tb):
                 for c, size, layout in row_pieces(kc):
                     xr = load_piece(x_gmem.at[tok0 + tok, pl.ds(c0 + k0 + c, size)], layout).astype(F32)
                     if nw_gmem is not None:
-                        xr = xr * load_piece(norm_at(k0 + c, size), layout).astype(F32)
-                    xf.at[tok, pl.ds(c, size)][...] = xr.astype(BF16).astype(F32)
+                        nwv = load_piece(norm_at(k0 + c, size), layout).astype(F32)
+                        xr = (xr * rms[tok]).astype(BF16).astype(F32) * nwv
+                    xr = xr.astype(BF16)
+                    xf.at[tok, pl.ds(c, size)][...] = xr.astype(F32)
+                    if nx_gmem is not None:
+                        @pl.when(n_idx == 0)
+                        def _():
+                            nx_gmem.at[tok, pl.ds(k0 + c, size)][...] = xr
 
         # Prologue: the token TMA now (wgmma engines); x is prepared once the weight stream has asked
         # for its first tiles (`first` below), while they arrive.
@@ -579,11 +594,11 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
 
         def first():
             """What needs no weight tile, done while the first ones arrive: the norm's 1/rms of each
-            token over its K columns (its whole row read from GMEM; only the epilogue uses it: with
-            split-K every CTA scales its partial sums) and x's slice prepared (B for the wgmma
-            engines, fp32 rows for FMA). The wgmma engines issue the rows' loads first and, where
-            the rows fit in registers (`HELD_ROW_VALUES`), reduce them after B's build, so that the
-            loads land while x's TMA is awaited and B is built."""
+            token over its K columns (its whole row read from GMEM; with split-K every CTA reduces
+            it) and x's slice prepared (B for the wgmma engines, fp32 rows for FMA, which norm them
+            with it). In the wgmma engines only the epilogue uses 1/rms: they issue the rows' loads
+            first and, where the rows fit in registers (`HELD_ROW_VALUES`), reduce them after B's
+            build, so that the loads land while x's TMA is awaited and B is built."""
             # the norm weight's slice and the rows first: their loads are in flight together
             nws = ([plgpu.load(norm_at(k0 + b * bw, bw), optimized=False).astype(F32) for b in range(nblk)]
                    if nw_gmem is not None and not fma else None)
@@ -591,7 +606,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
             held = not fma and tb * k <= HELD_ROW_VALUES * 128
             rms = inv_rms(rows) if rows and not held else None
             if fma:
-                fill_xf()
+                fill_xf(rms)
             else:
                 build_b(xstage, svals, nws)
             if rms is None:
@@ -647,7 +662,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
             sums = []
             for tok in range(tb):
                 cols = cols_of(tok)
-                sums.append([c * rms[tok] for c in cols] if norm is not None else cols)
+                sums.append([c * rms[tok] for c in cols] if norm is not None and not fma else cols)
             if not cluster:
                 store(sums)
             else:
@@ -686,6 +701,8 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
     n_out = row_blocks * bn
     out_type = (jax.ShapeDtypeStruct((nsel, n_out), o_dtype) if in_kernel_epilogue
                 else jax.ShapeDtypeStruct((split, p, nsel, n_out), F32))
+    if normed_out:
+        out_type = (out_type, jax.ShapeDtypeStruct((t, k), BF16))
     grid, names = ((row_blocks,), ("n",)) if cluster else ((row_blocks, split), ("n", "s"))
     if experts:
         grid, names = grid + (nsel,), names + ("e",)
@@ -702,7 +719,16 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
         args.append(norm)
     if residual is not None and in_kernel_epilogue:
         args.append(residual)
-    out = call(*args)[..., :n]
+    out = call(*args)
+    if normed_out:
+        out, x_normed = out
+        return _projection_result(out[..., :n], in_kernel_epilogue, partials, p, kind, residual, out_dtype), x_normed
+    return _projection_result(out[..., :n], in_kernel_epilogue, partials, p, kind, residual, out_dtype)
+
+
+def _projection_result(out, in_kernel_epilogue, partials, p, kind, residual, out_dtype):
+    """`_projection`'s result from its kernel's output (N columns): the partials as asked, the rows
+    as stored, or the split-K partials summed by XLA with the epilogue."""
     if partials:
         return out[None] if in_kernel_epilogue else out[:, 0]
     if in_kernel_epilogue:
@@ -756,26 +782,38 @@ def linear_residual(x, w, scale, residual, *, layer=None, config: GemvConfig | N
                                                  out_dtype=residual.dtype, config=config))
 
 
+def norm_operand(norm_weight, x, layer, k=None):
+    """A norm weight as the kernels take it ([K], [L, K] with layer=; bf16: the reference multiplies
+    in x's dtype), or None."""
+    if norm_weight is None:
+        return None
+    k = x.shape[-1] if k is None else k
+    if norm_weight.ndim != (1 if layer is None else 2) or norm_weight.shape[-1] != k or x.shape[-1] < k:
+        raise ValueError(f"norm weight {norm_weight.shape} does not match x {x.shape}")
+    return norm_weight.astype(BF16)
+
+
 def rmsnorm_linear(x, norm_weight, eps, w, scale=None, *, layer=None, config: GemvConfig | None = None):
     """linear(rms_norm(x[..., :K], norm_weight, eps), w, scale) in one kernel (norm_weight [K], [L, K]
     with layer=): x may be wider than K (another projection's output, its first K columns the input)."""
     w, scale = _prep_weight(w, scale, layer)
     k = norm_weight.shape[-1]
-    if norm_weight.ndim != (1 if layer is None else 2) or x.shape[-1] < k:
-        raise ValueError(f"norm weight {norm_weight.shape} does not match x {x.shape}")
-    nw = norm_weight.astype(BF16)  # the reference multiplies in x.dtype
+    nw = norm_operand(norm_weight, x, layer, k)
     return hw.token_chunks(x, lambda xc, _: _projection(xc, (w,), (scale,), norm=nw, eps=eps, layer=layer,
                                                 config=config, prefix=x.shape[-1] > k))
 
 
-def swiglu_pair(x, gate, gate_scale, up, up_scale, *, layer=None, config: GemvConfig | None = None):
-    """silu(linear(x, gate)) · linear(x, up) (fp32 math, bf16 result) in one pass over both weights."""
+def swiglu_pair(x, gate, gate_scale, up, up_scale, norm_weight=None, eps=0.0, *, layer=None,
+                config: GemvConfig | None = None):
+    """silu(linear(x, gate)) · linear(x, up) (fp32 math, bf16 result) in one pass over both weights;
+    x normed in the kernel where a norm weight is given (`jtilert.ops.reference.swiglu_hidden`)."""
     gate, gate_scale = _prep_weight(gate, gate_scale, layer)
     up, up_scale = _prep_weight(up, up_scale, layer)
     if gate.dtype != up.dtype:
         raise ValueError("gate and up must have the same format")
+    nw = norm_operand(norm_weight, x, layer)
     return hw.token_chunks(x, lambda xc, _: _projection(xc, (gate, up), (gate_scale, up_scale), kind="swiglu",
-                                                layer=layer, config=config))
+                                                norm=nw, eps=eps, layer=layer, config=config))
 
 
 def swiglu(x, gate, gate_scale, up, up_scale, down, down_scale, *, layer=None,

@@ -10,7 +10,9 @@ only the chosen experts' weights are read, steered by expert ids that stay on th
   (`pack_shared_expert`) rides along with weight 1.
 * `route`: fp32 logits with the FMA engine of `gemv` (the reference's precision, so near-ties
   select the same experts), then the selection on the [T, E] logits: with a layer index, one
-  launch of the CUDA engine (`jtilert.ffi.route`), else the reference's in plain JAX.
+  launch of the CUDA engine (`jtilert.ffi.route`), else the reference's in plain JAX. `norm_route`:
+  the same with the FFN's RMSNorm applied by the router's kernel, which writes the normed x out for
+  the experts' and the shared expert's kernels.
 `layer=` (a traced int32 scalar): the weights are stacks [L, E, ...] taken as [L·E, ...] (a free
 reshape); the kernels read the layer on the device and add layer·E to the expert ids.
 """
@@ -333,6 +335,18 @@ def router_partials(x, gate, *, layer=None):
     [S, T, E] (the logits are their sum in order: `jtilert.ffi.route.logits_of`), Wg [E, H] fp32 (or
     bf16); with `layer`, Wg [L, E, H] fp32 or bf16 (a stack is never cast per call). More than
     MAX_TOKENS tokens run in chunks, each chunk's partials summed: [1, T, E]."""
+    return _router(x, gate, None, 0.0, layer)[0]
+
+
+def norm_router_partials(x, norm_weight, eps, gate, *, layer=None):
+    """(router_partials(f, gate), f) for f = rms_norm(x, norm_weight, eps) (norm_weight [H], [L, H]
+    with `layer`): the router's kernel norms x as the reference rounds it and writes f out, so the
+    FFN's other kernels read f and no norm kernel runs before the router."""
+    return _router(x, gate, gemv.norm_operand(norm_weight, x, layer), eps, layer)
+
+
+def _router(x, gate, norm, eps, layer):
+    """(partials, f or None): `router_partials`, of x normed by `norm` (a kernel norm operand) if given."""
     if gate.dtype in (F32, BF16):
         w = gate
     elif layer is None:
@@ -342,20 +356,38 @@ def router_partials(x, gate, *, layer=None):
     cfg = GemvConfig(engine="fma")
     x = x.astype(BF16) if x.dtype != BF16 else x
 
-    def partials(xc, _=None):
-        return gemv._projection(xc, (w,), (None,), out_dtype=F32, layer=layer, config=cfg, partials=True)
+    def run(xc):
+        out = gemv._projection(xc, (w,), (None,), norm=norm, eps=eps, out_dtype=F32, layer=layer, config=cfg,
+                               partials=True, normed_out=norm is not None)
+        return out if norm is not None else (out, None)
     if x.shape[0] <= hw.MAX_TOKENS:
-        return partials(x)
-    return hw.token_chunks(x, lambda xc, _: ffi_route.logits_of(partials(xc)))[None]
+        return run(x)
+    chunks = [run(x[i:i + MAX_TOKENS]) for i in range(0, x.shape[0], MAX_TOKENS)]
+    logits = jnp.concatenate([ffi_route.logits_of(c) for c, _ in chunks])[None]
+    return logits, None if norm is None else jnp.concatenate([f for _, f in chunks])
 
 
 def route(cfg, x, gate, bias, *, layer=None):
     """jtilert.ops.reference.route with the logits GEMV in Pallas (gate [L, E, H], bias [L, E] with layer=)
     and, with layer=, the selection in one launch of the CUDA engine (`jtilert.ffi.route`; the
     reference's XLA ops where the engine is not loaded, with a warning)."""
+    return _select(cfg, router_partials(_bf16_activations(x), gate, layer=layer), bias, layer)
+
+
+def norm_route(cfg, x, norm_weight, eps, gate, bias, *, layer=None):
+    """jtilert.ops.reference.norm_route: (f, weights, ids) with f = rms_norm(x) computed and written by
+    the router's kernel (`norm_router_partials`), then the selection as in `route`."""
+    partials, f = norm_router_partials(_bf16_activations(x), norm_weight, eps, gate, layer=layer)
+    return (f, *_select(cfg, partials, bias, layer))
+
+
+def _bf16_activations(x):
     if x.dtype != BF16:
         raise ValueError(f"route kernel: activations {x.dtype} {list(x.shape)} (bf16 only)")
-    partials = router_partials(x, gate, layer=layer)
+    return x
+
+
+def _select(cfg, partials, bias, layer):
     if layer is None:
         return reference.select_experts(cfg, ffi_route.logits_of(partials), bias)
     return ffi_route.select_experts(cfg, partials, bias, layer)
