@@ -1,6 +1,6 @@
-"""The FFN's norm applied by the FFN's first kernel (`FFNNorm`): a MoE layer's router (FMA GEMV) norms
-x as the reference rounds it and writes the normed x for the experts' and the shared expert's kernels
-(op "norm_route"); a dense layer's gate/up GEMV norms x while its first weight tiles arrive (x · weight
+"""The FFN's norm applied by the FFN's first kernels (`FFNNorm`): a MoE layer's router (FMA GEMV) norms x
+as the reference rounds it and writes the normed x for the routed experts' kernels (op "norm_route");
+the dense and the shared expert's gate/up GEMV norm x while their first weight tiles arrive (x · weight
 into B, the sums times 1/rms, as `rmsnorm_linear` does). In GPU interpret mode on the CPU, at a traced
 layer of the stacks, against the reference ops, on fresh seeded inputs; and the decode model's layout
 of the norm (each FFN stack holds its layers' post-attention norm weights)."""
@@ -117,7 +117,7 @@ def test_norm_route_gives_the_reference_experts_and_normed_x():
 
 @pytest.mark.parametrize("tokens", [1, 2])
 def test_swiglu_hidden_norms_x_in_the_kernel(tokens):
-    """The dense FFN's gate and up with the norm: within bf16 rounding of the reference op,
+    """The dense and the shared expert's gate and up with the norm: within bf16 rounding of the reference op,
     which is swiglu_hidden(rms_norm(x)) bit for bit."""
     n, k, layers, layer = 128, 512, 3, 2
     (g, gs), (u, us) = _fp8((layers, n, k)), _fp8((layers, n, k))
@@ -127,6 +127,17 @@ def test_swiglu_hidden_norms_x_in_the_kernel(tokens):
                                                          us[i]))(jnp.int32(layer))
     np.testing.assert_array_equal(ref, np.asarray(composed, np.float32))
     assert _rel(got, ref) < 1e-2
+
+
+def test_moe_takes_a_norm_only_with_the_routers_normed_input():
+    """Ops.moe: the routed experts have no norm of their own, so a norm without the normed x the
+    router wrote (or that x without a norm) is refused."""
+    ops = Ops(DecodeConfig(backend="reference"))
+    x = _x((1, 64))
+    with pytest.raises(ValueError, match="normed input"):
+        ops.moe(x, None, None, (None,) * 6, (None,) * 6, norm=(_norm(1, 64)[0], EPS))
+    with pytest.raises(ValueError, match="normed input"):
+        ops.moe(x, None, None, (None,) * 6, (None,) * 6, normed=x)
 
 
 def test_the_decode_model_holds_each_ffn_stacks_norm():

@@ -50,6 +50,7 @@ def test_pallas_backend_greedy_equals_reference(tiny_fp8, monkeypatch):
             "heads_linear"} <= set(calls), f"a kernel was not used: {set(calls)}"
     # the decode model's fused GEMVs, each kernel signature traced once (the dense and MoE bodies share
     # the attention's; prefill chunks run the reference): x_proj and qr_proj with their norms, and the
-    # FFN's norm in the dense gate/up and in the router (which writes the normed x for the experts);
-    # o_proj, the dense down and the shared expert's down with the residual
-    assert calls.count("gemv+norm") == 4 and calls.count("gemv+residual") == 3, calls
+    # FFN's norm in the dense gate/up, the router (which writes the normed x for the routed experts)
+    # and the shared expert's gate/up; o_proj, the dense down and the shared expert's down with the
+    # residual
+    assert calls.count("gemv+norm") == 5 and calls.count("gemv+residual") == 3, calls

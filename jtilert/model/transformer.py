@@ -112,8 +112,8 @@ class RowsLinear(Linear):
 
 class FFNNorm(nnx.Module):
     """An FFN stack's input norm (the layers' post-attention RMSNorm, stacked like the FFN), which
-    the FFN's first kernel applies (`decode_weights`) while its first weight tiles arrive, so no norm
-    kernel runs before it."""
+    the FFN's first kernels apply (`decode_weights`) while their first weight tiles arrive, so no norm
+    kernel runs before them."""
 
     def __init__(self, weight, eps: float):
         self.weight = nnx.Param(weight)
@@ -248,7 +248,8 @@ class Experts(nnx.Module):
 
 class MoE(nnx.Module):
     """Routed experts and the shared expert; `norm` as in `MLP`, applied by the router's kernel, which
-    writes the normed x that the experts' and the shared expert's kernels read (op "norm_route")."""
+    writes the normed x that the routed experts' kernels read (op "norm_route"), and by the shared
+    expert's gate/up kernel, which runs beside the router."""
 
     norm: FFNNorm | None = None
 
@@ -262,12 +263,12 @@ class MoE(nnx.Module):
         """MoE(x) (x normed first where the stack has its `norm`), plus `residual` where given (added in
         the down projections' epilogues)."""
         gate = (self.gate.weight[...], self.gate.e_score_correction_bias[...])
+        arrays = (self.experts.arrays(), self.shared_experts.arrays(), layer)
         if self.norm is None:
             weights, ids = ops("route", self.cfg, x, *gate, layer=layer)
-        else:
-            x, weights, ids = ops("norm_route", self.cfg, x, *self.norm.args(), *gate, layer=layer)
-        return ops.moe(x, weights, ids, self.experts.arrays(), self.shared_experts.arrays(), layer,
-                       residual=residual)
+            return ops.moe(x, weights, ids, *arrays, residual=residual)
+        f, weights, ids = ops("norm_route", self.cfg, x, *self.norm.args(), *gate, layer=layer)
+        return ops.moe(x, weights, ids, *arrays, residual=residual, norm=self.norm.args(), normed=f)
 
 
 class Indexer(nnx.Module):
@@ -511,8 +512,9 @@ def decode_weights(model: Transformer, merge: bool = True, tp: int = 1, backend:
         two. Its rows are one block per rank (the rank's q_b rows, then all of wq_b): per GPU a copy
         of q_b / tp + wq_b, ≈ 1.05 GB over DeepSeek-V3.2's 61 layers at tp = 8 (fp8).
       - the layers' post-attention norm as each FFN stack's `norm` (`FFNNorm`, stacked like the FFN),
-        applied by the FFN's first kernel (the dense gate/up GEMV, the MoE's router, which writes
-        the normed x for the experts) instead of by an XLA norm before them.
+        applied by the FFN's first kernels (the dense gate/up GEMV; in the MoE the router, which
+        writes the normed x for the routed experts, and the shared expert's gate/up) instead of by
+        an XLA norm before them.
     With the norms fused into those GEMVs (`rmsnorm_linear`), the same values the step would compute;
     the other weights are shared with `model`, not copied, and `model` is untouched. Idempotent for
     one tp. `merge=False`: without the merged GEMVs and the FFN norms moved (for comparisons)."""
@@ -727,9 +729,9 @@ class Transformer(nnx.Module):
             return jax.lax.cond(slot >= 0, lambda c: run(c, jnp.maximum(slot, 0)), lambda c: (topk, c), c)
 
         h, cache, topk = blk.self_attn(ops, i, x, blk.input_layernorm, cos, sin, positions, start, cache, indexer)
-        # the FFN's norm: in the decode model its first kernel applies it (the dense gate/up, or the
-        # router, which writes the normed x for the experts), else one XLA computation here; the
-        # residual add goes into the FFN's down projections
+        # the FFN's norm: in the decode model its first kernels apply it (the dense gate/up; the
+        # router, which writes the normed x for the routed experts, and the shared gate/up), else
+        # one XLA computation here; the residual add goes into the FFN's down projections
         stack, j = (self.dense, i) if ffn == "dense" else (self.moe, i - lay.num_dense)
         f = h if stack.norm is not None else blk.post_attention_layernorm(h, i)
         return stack(ops, f, j, residual=h), cache, topk

@@ -407,24 +407,31 @@ class Ops:
         hidden = self("swiglu_hidden", x, g, gs, u, us, *norm, layer=layer)
         return self.linear_all_reduce(hidden, d, ds, layer, residual=residual)
 
-    def moe(self, x, weights, ids, experts: tuple, shared: tuple, layer=None, residual=None):
-        """all_reduce(Σ_j weights[t,j] · Expert_{ids[t,j]}(x[t]) + Shared(x[t])) for this rank's slices,
-        plus `residual` where given. Without tp the residual goes into the shared expert's down
-        projection and that sum into the routed down's epilogue (no add of its own). With the engine,
-        one decode token runs the experts' gate/up, then one kernel for the routed down projections,
-        their weighted sum, the shared expert's down and the all-reduce."""
+    def moe(self, x, weights, ids, experts: tuple, shared: tuple, layer=None, residual=None, norm=(None, 0.0),
+            normed=None):
+        """all_reduce(Σ_j weights[t,j] · Expert_{ids[t,j]}(f[t]) + Shared(f[t])) for this rank's slices,
+        plus `residual` where given, where f is x normed by `norm` (as in `mlp`). With a norm, `normed`
+        is f as another kernel wrote it (the router's, `norm_route`), which the routed experts read;
+        the shared expert norms x itself, so it runs while the router and the selection do. Without
+        tp the residual goes into the shared expert's down projection and that sum into the routed
+        down's epilogue (no add of its own). With the engine, one decode token runs the experts'
+        gate/up, then one kernel for the routed down projections, their weighted sum, the shared
+        expert's down and the all-reduce."""
+        if (norm[0] is None) != (normed is None):
+            raise ValueError("moe: a norm goes with the normed input the router wrote, and only with it")
+        f = x if normed is None else normed
         g, gs, u, us, d, ds = experts
         sg, sgs, su, sus, sd, sds = shared
-        hs = self("swiglu_hidden", x, sg, sgs, su, sus, layer=layer)
+        hs = self("swiglu_hidden", x, sg, sgs, su, sus, *norm, layer=layer)
         if self.axis is not None and self.config.engine_all_reduce and x.shape[0] == 1:
-            h = self("expert_hidden", x, ids, g, gs, u, us, layer=layer)
+            h = self("expert_hidden", f, ids, g, gs, u, us, layer=layer)
             out = ffi.expert_down_all_reduce(h, weights[0], ids[0], d, ds, hs[0], sd, sds, self.axis,
                                              layer=layer)[None]
             return out if residual is None else residual + out
         if self.axis is None:
             base = self.linear_all_reduce(hs, sd, sds, layer, residual=residual)
-            return self("moe_experts", x, weights, ids, *experts, base, layer=layer)
-        routed = self("moe_experts", x, weights, ids, *experts, None, layer=layer)
+            return self("moe_experts", f, weights, ids, *experts, base, layer=layer)
+        routed = self("moe_experts", f, weights, ids, *experts, None, layer=layer)
         out = self.all_reduce(routed + self.linear(hs, sd, sds, layer))
         return out if residual is None else residual + out
 
