@@ -125,11 +125,11 @@ def _layer_bodies(name: str) -> list[dict]:
 # selection as one engine launch (`jtilert.ffi.route`): 1 launch more, 39 glue ops fewer (dsv32; glm5's
 # one group: 20). The layer's residual add in its FFN's down projections and the key's Hadamard rotation
 # in index_prep (with q's), the indexer's traced offsets as operands of their own (no stack of them): 4
-# glue ops fewer in the dense body, 5 in the MoE body. (The FFN's norm stays in XLA: folded into the
-# three GEMVs that read it, it cost more than its two XLA kernels, bench/RESULTS.md session 13.) The
-# router GEMV's split-K partials summed by the engine's selection: 1 glue op fewer in the MoE body.
-# The top-k writes -1 for masked positions and sparse MLA masks idx < 0 (no valid flags): 1 fewer in each.
-# The FFN's norm applied by its ops' kernels (`FFNNorm`): 6 glue ops fewer in each body.
+# glue ops fewer in the dense body, 5 in the MoE body. The router GEMV's split-K partials summed by
+# the engine's selection: 1 glue op fewer in the MoE body. The top-k writes -1 for masked positions and
+# sparse MLA masks idx < 0 (no valid flags): 1 fewer in each. The FFN's norm applied by its first
+# kernels (`FFNNorm`: the dense gate/up; the router, which writes the normed x, and the shared gate/up):
+# 6 glue ops fewer in each body.
 BUDGET = {"dsv32-tp8-shard": [{"kernels": 13, "glue": 32}, {"kernels": 17, "glue": 40}],
           "glm5-tp8-shard": [{"kernels": 12, "glue": 45}, {"kernels": 16, "glue": 53}]}
 
