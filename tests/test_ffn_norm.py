@@ -137,7 +137,7 @@ def test_moe_takes_a_norm_only_with_the_routers_normed_input():
     with pytest.raises(ValueError, match="normed input"):
         ops.moe(x, None, None, (None,) * 6, (None,) * 6, norm=(_norm(1, 64)[0], EPS))
     with pytest.raises(ValueError, match="normed input"):
-        ops.moe(x, None, None, (None,) * 6, (None,) * 6, normed=x)
+        ops.moe(x, None, None, (None,) * 6, (None,) * 6, x_normed=x)
 
 
 def test_the_decode_model_holds_each_ffn_stacks_norm():

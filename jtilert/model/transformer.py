@@ -268,7 +268,7 @@ class MoE(nnx.Module):
             weights, ids = ops("route", self.cfg, x, *gate, layer=layer)
             return ops.moe(x, weights, ids, *arrays, residual=residual)
         f, weights, ids = ops("norm_route", self.cfg, x, *self.norm.args(), *gate, layer=layer)
-        return ops.moe(x, weights, ids, *arrays, residual=residual, norm=self.norm.args(), normed=f)
+        return ops.moe(x, weights, ids, *arrays, residual=residual, norm=self.norm.args(), x_normed=f)
 
 
 class Indexer(nnx.Module):

@@ -408,18 +408,18 @@ class Ops:
         return self.linear_all_reduce(hidden, d, ds, layer, residual=residual)
 
     def moe(self, x, weights, ids, experts: tuple, shared: tuple, layer=None, residual=None, norm=(None, 0.0),
-            normed=None):
+            x_normed=None):
         """all_reduce(Σ_j weights[t,j] · Expert_{ids[t,j]}(f[t]) + Shared(f[t])) for this rank's slices,
-        plus `residual` where given, where f is x normed by `norm` (as in `mlp`). With a norm, `normed`
+        plus `residual` where given, where f is x normed by `norm` (as in `mlp`). With a norm, `x_normed`
         is f as another kernel wrote it (the router's, `norm_route`), which the routed experts read;
         the shared expert norms x itself, so it runs while the router and the selection do. Without
         tp the residual goes into the shared expert's down projection and that sum into the routed
         down's epilogue (no add of its own). With the engine, one decode token runs the experts'
         gate/up, then one kernel for the routed down projections, their weighted sum, the shared
         expert's down and the all-reduce."""
-        if (norm[0] is None) != (normed is None):
+        if (norm[0] is None) != (x_normed is None):
             raise ValueError("moe: a norm goes with the normed input the router wrote, and only with it")
-        f = x if normed is None else normed
+        f = x if x_normed is None else x_normed
         g, gs, u, us, d, ds = experts
         sg, sgs, su, sus, sd, sds = shared
         hs = self("swiglu_hidden", x, sg, sgs, su, sus, *norm, layer=layer)
