@@ -397,7 +397,8 @@ def route(cfg: ModelConfig, x: jax.Array, gate: jax.Array, bias: jax.Array) -> t
 def norm_route(cfg: ModelConfig, x: jax.Array, norm_weight: jax.Array, eps: float, gate: jax.Array,
                bias: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(f, weights, ids): f = rms_norm(x, norm_weight, eps), the MoE's input, and `route` of f (the
-    router is the first reader of a MoE layer's normed input; its kernel writes f for the others)."""
+    router is the first reader of a MoE layer's normed input; its kernel writes f for the routed
+    experts)."""
     f = rms_norm(x, norm_weight, eps)
     return (f, *route(cfg, f, gate, bias))
 

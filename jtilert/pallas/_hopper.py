@@ -39,12 +39,13 @@ X8_TRANSFORMS = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
 
 
 def token_chunks(x, fn):
-    """fn(chunk, rows) over x [..., K] in chunks of ≤ MAX_TOKENS tokens, the results concatenated."""
+    """fn(chunk, rows) over x [..., K] in chunks of ≤ MAX_TOKENS tokens, the results (an array, or a
+    pytree of arrays of one row per token) concatenated."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     outs = [fn(x2[i:i + MAX_TOKENS], slice(i, i + MAX_TOKENS)) for i in range(0, x2.shape[0], MAX_TOKENS)]
-    y = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
-    return y.reshape(*lead, y.shape[-1])
+    y = outs[0] if len(outs) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a, axis=0), *outs)
+    return jax.tree.map(lambda a: a.reshape(*lead, a.shape[-1]), y)
 
 
 def phase(name: str):

@@ -12,7 +12,7 @@ only the chosen experts' weights are read, steered by expert ids that stay on th
   select the same experts), then the selection on the [T, E] logits: with a layer index, one
   launch of the CUDA engine (`jtilert.ffi.route`), else the reference's in plain JAX. `norm_route`:
   the same with the FFN's RMSNorm applied by the router's kernel, which writes the normed x out for
-  the experts' and the shared expert's kernels.
+  the routed experts' kernels.
 `layer=` (a traced int32 scalar): the weights are stacks [L, E, ...] taken as [L·E, ...] (a free
 reshape); the kernels read the layer on the device and add layer·E to the expert ids.
 """
@@ -362,9 +362,12 @@ def _router(x, gate, norm, eps, layer):
         return out if norm is not None else (out, None)
     if x.shape[0] <= hw.MAX_TOKENS:
         return run(x)
-    chunks = [run(x[i:i + MAX_TOKENS]) for i in range(0, x.shape[0], MAX_TOKENS)]
-    logits = jnp.concatenate([ffi_route.logits_of(c) for c, _ in chunks])[None]
-    return logits, None if norm is None else jnp.concatenate([f for _, f in chunks])
+
+    def logits(xc, _):
+        partials, f = run(xc)
+        return ffi_route.logits_of(partials), f
+    summed, f = hw.token_chunks(x, logits)
+    return summed[None], f
 
 
 def route(cfg, x, gate, bias, *, layer=None):
