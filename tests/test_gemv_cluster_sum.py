@@ -1,5 +1,6 @@
 """The GEMV's split-K partials summed in the kernel by the row block's CTAs as one cluster
-(`GemvConfig(split_sum="cluster")`, opt-in: "auto" sums in XLA). GPU interpret mode runs no remote
+(`GemvConfig(split_sum="cluster")`; "auto" does so on the GPU for a projection whose own split is
+2..8, not in expert mode and not for the FMA engine or the partials form). GPU interpret mode runs no remote
 refs, so on the CPU the cluster form is lowered for the GPU and its structure checked (a cluster of
 `split` CTAs, no XLA sum after the kernel; test_kernel_shapes checks its shared memory against
 Mosaic's count); the interpreter runs the XLA sum, whose numbers the other GEMV tests check.
@@ -53,10 +54,25 @@ def test_split_k_sums_in_a_cluster_on_the_gpu():
     assert jaxpr.outvars[0].aval.shape == (1, 2240)
 
 
-def test_auto_interpret_mode_and_the_partials_form_sum_in_xla():
+def test_auto_sums_a_projection_in_a_cluster_on_the_gpu():
     with interp.compile_for_gpu():
         (mesh,) = _kernels(_traced(_norm_linear, X_PROJ, gemv.GemvConfig(split_k=4)), [])
-        assert not tuple(mesh.cluster or ()) and tuple(mesh.grid) == (2240 // 64, 4)
+        assert tuple(mesh.cluster) == (4,) and tuple(mesh.grid) == (2240 // 64,), mesh
+        # x_proj's own split (the occupancy rule) is within a portable cluster
+        (mesh,) = _kernels(_traced(_norm_linear, X_PROJ), [])
+        assert 1 < tuple(mesh.cluster)[0] <= gemv.CLUSTER_MAX, mesh
+        # a split the shape needs beyond a cluster is kept, summed by XLA
+        (mesh,) = _kernels(_traced(_norm_linear, X_PROJ, gemv.GemvConfig(split_k=14)), [])
+        assert not tuple(mesh.cluster or ()) and tuple(mesh.grid) == (2240 // 64, 14), mesh
+        # expert mode (the routed experts' gate/up) sums in XLA
+        xe = (S((1, 7168), BF16), S((8,), jnp.int32)) + (S((256, 256, 7168), FP8), S((256, 2, 56), F32)) * 2
+        meshes = _kernels(jax.make_jaxpr(lambda x, ids, g, gs, u, us: moe.expert_gate_up(x, ids, g, gs, u, us))(
+            *xe).jaxpr, [])
+        assert meshes and all(not tuple(m.cluster or ()) for m in meshes), meshes
+        assert any(len(tuple(m.grid)) > 1 and tuple(m.grid)[1] > 1 for m in meshes), meshes  # split-K
+
+
+def test_auto_interpret_mode_and_the_partials_form_sum_in_xla():
     with interp.interpret():
         (mesh,) = _kernels(_traced(_norm_linear, X_PROJ, gemv.GemvConfig(split_k=4)), [])
         assert not tuple(mesh.cluster or ()) and tuple(mesh.grid) == (2240 // 64, 4)

@@ -3,8 +3,9 @@
 y[t] = x[t] · Wᵀ for T ≤ 8 tokens (more are chunked), W [N, K] bf16 or fp8 e4m3 with 128×128 fp32
 block scales, fp32 accumulation; fused `rmsnorm_linear`, `linear_residual`, `swiglu_pair`. Each CTA
 owns 64 output rows and a 1/split_k share of K, streams its weights through a TMA pipeline in the
-checkpoint layout and prepares x while the first tiles arrive; split-K partials are summed by XLA
-(or, `split_sum="cluster"`, by the row block's CTAs as one cluster). Engines (`GemvConfig`): "fp8x2", the
+checkpoint layout and prepares x while the first tiles arrive; split-K partials are summed by XLA,
+or by the row block's CTAs as one cluster (`split_sum`: on the GPU by default for a projection of 2..8
+splits, not in expert mode). Engines (`GemvConfig`): "fp8x2", the
 default for fp8 weights in 128-blocks: x as two e4m3 halves (exact for bf16) in one wgmma B of 16
 columns, each block's sums scaled by its weight and x scales; "wgmma": the block scales folded into
 an f16 B, each weight tile converted e4m3 → f16; "fma": CUDA-core FMAs, for fp32 weights (the
@@ -48,13 +49,14 @@ class GemvConfig:
     in_flight: int = 0       # wgmma engine, fp8 A from registers: wgmma groups left running into the next step
     split_sum: str = "auto"  # split-K partials summed by "cluster": the split CTAs of a row block as one
                              # cluster, through its distributed shared memory, the epilogue in the kernel
-                             # (GPU only, 2..8 splits: one launch fewer, but the clustered grid runs
-                             # slower in the decode step); "xla" and "auto": after the kernel, with the
-                             # epilogue
+                             # (GPU only, 2..8 splits: one launch fewer); "xla": after the kernel, with
+                             # the epilogue; "auto": "cluster" on the GPU where the shape's own split is
+                             # 2..8 and the caller prefers it (`cluster_auto`), else "xla"
 
     def resolved(self, n: int, k: int, t: int, n_weights: int, w_itemsize: int, sms: int, *,
                  layout=None, slice_unit: int | None = None, divides: int | None = None,
-                 occupancy: bool = True, cluster_sum: bool = False) -> "GemvConfig":
+                 occupancy: bool = True, cluster_sum: bool = False,
+                 cluster_auto: bool = False) -> "GemvConfig":
         """The configuration a kernel runs for N output rows (for the grid), K, T tokens and P
         weights of `w_itemsize` bytes on `sms` SMs, its shared memory within hw.SMEM_BYTES.
         `layout(cfg)`: the kernel's SMEM (`hw.Scope`) under a candidate configuration (default:
@@ -62,7 +64,9 @@ class GemvConfig:
         (default: whole 128-column scale blocks for fp8 with split-K, else 64); `divides`: block_k
         must divide it too; `occupancy`: with split_k = 0, grow split-K until the grid about fills
         the machine (else only as far as shared memory needs); `cluster_sum`: the kernel can sum its
-        split-K partials in a cluster (else split_sum="cluster" is refused).
+        split-K partials in a cluster (else split_sum="cluster" is refused); `cluster_auto`: "auto"
+        sums in the cluster where the split chosen for the shape is 2..CLUSTER_MAX and the SMEM fits
+        (not the FMA engine; the split is never narrowed for it).
 
         split_k = 0: the occupancy rule's split, or the next larger split that cuts K into valid
         slices, the first whose SMEM fits at the full pipeline depth (the token slice [8, K / split]
@@ -128,6 +132,11 @@ class GemvConfig:
         # narrower blocks (an explicit split, or K that no split brings into SMEM)
         for cfg in cands + [c for c0 in cands for c in c0._smaller(k, w_itemsize, divides)]:
             if hw.smem_bytes(layout(cfg)) <= hw.SMEM_BYTES:
+                if (self.split_sum == "auto" and cluster_sum and cluster_auto and engine != "fma"
+                        and 1 < cfg.split_k <= CLUSTER_MAX and not _interp.active()):
+                    clustered = dataclasses.replace(cfg, split_sum="cluster")
+                    if hw.smem_bytes(layout(clustered)) <= hw.SMEM_BYTES:
+                        cfg = clustered
                 return cfg._two_per_sm(-(-n // self.block_n) * cfg.split_k, sms, layout)
         need = hw.smem_bytes(layout(cands[0]))
         raise ValueError(f"GEMV kernel: config {cands[0]} needs {need} B of shared memory (> {hw.SMEM_BYTES}) "
@@ -381,7 +390,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
     # K slices of whole scale blocks under split-K (64-blocks: any slice of the 64 grain)
     cfg = (config or GemvConfig()).resolved(n * (nsel if experts else 1), k, t, p, itemsize, hw.num_sms(),
                                             layout=layout, slice_unit=KGRAIN if scale_block == KGRAIN else None,
-                                            cluster_sum=not partials)
+                                            cluster_sum=not partials, cluster_auto=not experts)
     hw.check_smem("GEMV kernel", layout(cfg), cfg)
     if itemsize == 4 and cfg.engine != "fma":
         raise ValueError("GEMV kernel: fp32 weights need the FMA engine")
