@@ -10,7 +10,10 @@
 // One CTA per token row, one thread per expert (E <= 1024). Ranks are counted
 // over every pair, four values per shared-memory load (E <= 1024 comparisons
 // per thread): no sort, and each rank's expert writes its own output slot.
-// Summing the partials here saves the GEMV its own finishing kernel.
+// Summing the partials here saves the GEMV its own finishing kernel; a thread
+// issues its partial loads (up to kPartialsBatch) and its bias load at once,
+// so the sum waits for one round trip to L2. Groups of 32 experts (one per
+// warp) take their two largest by two warp max-reductions.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -20,6 +23,18 @@
 
 namespace jt {
 namespace {
+
+constexpr int kPartialsBatch = 16;  // partial loads in flight per thread
+
+// An order-preserving unsigned key of a float (larger float, larger key) and
+// back: warp max-reductions work on unsigned integers.
+__device__ __forceinline__ uint32_t float_key(float f) {
+  const uint32_t u = __float_as_uint(f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ float key_float(uint32_t k) {
+  return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
 
 // Places before v in descending order among vals[0..n) (ties: lower index
 // first). vals is 16-byte aligned; with n % 4 == 0 it is read as float4, so
@@ -52,16 +67,31 @@ __global__ void route_select_kernel(const float* __restrict__ partials, int S,
   float* group_score = biased + ((E + 3) & ~3);   // [n_group], 16-byte aligned
   float* chosen = group_score + n_group;           // [k]: s of the expert at each rank
   const int t = blockIdx.x, i = threadIdx.x;
+  const float bias_i = bias[(size_t)layer[0] * E + i];
   float logit = 0.f;
-#pragma unroll 4
-  for (int p = 0; p < S; ++p) logit += partials[((size_t)p * T + t) * E + i];
+  for (int p0 = 0; p0 < S; p0 += kPartialsBatch) {
+    float part[kPartialsBatch];
+#pragma unroll
+    for (int j = 0; j < kPartialsBatch; ++j)
+      part[j] = p0 + j < S ? partials[((size_t)(p0 + j) * T + t) * E + i] : 0.f;
+#pragma unroll
+    for (int j = 0; j < kPartialsBatch; ++j)
+      if (p0 + j < S) logit += part[j];  // in the order of s, as the reference adds them
+  }
   const float s = 1.f / (1.f + expf(-logit));
-  float b = s + bias[(size_t)layer[0] * E + i];
+  float b = s + bias_i;
   biased[i] = b;
   __syncthreads();
   const int gs = E / n_group;
   if (n_group > 1) {
-    if (i < n_group) {  // the sum of group i's two largest (ties need no order)
+    if (gs == 32) {  // group i / 32 is warp i / 32: its two largest, the first max's lane left out
+      const unsigned full = 0xffffffffu;
+      const uint32_t key = float_key(b);
+      const uint32_t m1 = __reduce_max_sync(full, key);
+      const int first = __ffs(__ballot_sync(full, key == m1)) - 1;
+      const uint32_t m2 = __reduce_max_sync(full, (i & 31) == first ? 0u : key);
+      if ((i & 31) == 0) group_score[i >> 5] = key_float(m1) + key_float(m2);
+    } else if (i < n_group) {  // the sum of group i's two largest (ties need no order)
       float m1 = -INFINITY, m2 = -INFINITY;
       for (int j = i * gs; j < (i + 1) * gs; ++j) {
         const float x = biased[j];
