@@ -45,6 +45,8 @@
 #   prep         tests/gpu/prep_check.py: the mla_prep and index_prep kernels vs their references at
 #                dsv32/glm5-tp8-shard shapes
 #   route        tests/gpu/route_check.py: the engine's router selection vs the reference, and their times
+#   ncu          Nsight Compute on the router's selection and the indexer's top-k launched alone
+#                (bench/experiments/engine_ncu.py): speed of light, launch, occupancy, warp stalls
 #   unrolled     bench.decode 61 layers, pallas, the unrolled layer loop, CUPTI profile with kernel names
 #   scale8       bench.decode 8 layers, pallas, layer loop, CUPTI profile: enqueue and kernels vs layers
 #   before_after bench.decode 61 layers with kernel profiles: the code before issue 13 (.baseline, carried:
@@ -294,6 +296,16 @@ for part in "$@"; do
         ${GOLDEN_MODELS:+--models $GOLDEN_MODELS} ;;
     prep) step prep 300 python3 tests/gpu/prep_check.py --out "$WORK/prep.json" ;;
     route) step route 200 python3 tests/gpu/route_check.py --out "$WORK/route.json" ;;
+    ncu)  # Nsight Compute on the engine's small kernels, this checkout's and each tree's in NCU_TREES (carried
+      # folders; the driver is this checkout's, the kernels the tree's; NCU_ARGS: the driver's arguments)
+      root=$PWD
+      for t in . ${NCU_TREES:-}; do
+        n=ncu_$( [ "$t" = . ] && echo this || basename "$t" | tr -d .)
+        (cd "$t" && PYTHONPATH=$PWD XLA_FLAGS="--xla_gpu_enable_command_buffer=" step "$n" 240 \
+          ncu --kernel-name regex:'route_select|topk_' --section SpeedOfLight --section LaunchStats \
+          --section Occupancy --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+          python3 "$root/bench/experiments/engine_ncu.py" ${NCU_ARGS:-})
+      done ;;
     pdl)
       XLA_FLAGS="$XLA_FLAGS" step pdl_cmdbuf 120 python3 -m bench.pdl_probe --out "$WORK/pdl_cmdbuf.json"
       XLA_FLAGS="$XLA_FLAGS --xla_gpu_enable_command_buffer=" step pdl_stream 120 python3 -m bench.pdl_probe \
