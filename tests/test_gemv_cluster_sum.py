@@ -1,6 +1,6 @@
 """The GEMV's split-K partials summed in the kernel by the row block's CTAs as one cluster
-(`GemvConfig(split_sum="cluster")`; "auto" does so on the GPU for a projection whose own split is
-2..8, not in expert mode and not for the FMA engine or the partials form). GPU interpret mode runs no remote
+(`GemvConfig(split_sum="cluster")`; "auto" does so on the GPU for a one-weight projection whose own
+split is 2..8: not a gate/up pair, not in expert mode, not for the FMA engine or the partials form). GPU interpret mode runs no remote
 refs, so on the CPU the cluster form is lowered for the GPU and its structure checked (a cluster of
 `split` CTAs, no XLA sum after the kernel; test_kernel_shapes checks its shared memory against
 Mosaic's count); the interpreter runs the XLA sum, whose numbers the other GEMV tests check.
@@ -64,6 +64,11 @@ def test_auto_sums_a_projection_in_a_cluster_on_the_gpu():
         # a split the shape needs beyond a cluster is kept, summed by XLA
         (mesh,) = _kernels(_traced(_norm_linear, X_PROJ, gemv.GemvConfig(split_k=14)), [])
         assert not tuple(mesh.cluster or ()) and tuple(mesh.grid) == (2240 // 64, 14), mesh
+        # a gate/up pair (the shared expert's: split 8) sums in XLA
+        pair = (S((1, 7168), BF16), S((7168,), BF16)) + (S((256, 7168), FP8), S((2, 56), F32)) * 2
+        (mesh,) = _kernels(jax.make_jaxpr(lambda x, nw, g, gs, u, us: gemv.swiglu_pair(
+            x, g, gs, u, us, nw, 1e-6))(*pair).jaxpr, [])
+        assert not tuple(mesh.cluster or ()) and tuple(mesh.grid)[1] > 1, mesh
         # expert mode (the routed experts' gate/up) sums in XLA
         xe = (S((1, 7168), BF16), S((8,), jnp.int32)) + (S((256, 256, 7168), FP8), S((256, 2, 56), F32)) * 2
         meshes = _kernels(jax.make_jaxpr(lambda x, ids, g, gs, u, us: moe.expert_gate_up(x, ids, g, gs, u, us))(

@@ -4,8 +4,8 @@ y[t] = x[t] · Wᵀ for T ≤ 8 tokens (more are chunked), W [N, K] bf16 or fp8 
 block scales, fp32 accumulation; fused `rmsnorm_linear`, `linear_residual`, `swiglu_pair`. Each CTA
 owns 64 output rows and a 1/split_k share of K, streams its weights through a TMA pipeline in the
 checkpoint layout and prepares x while the first tiles arrive; split-K partials are summed by XLA,
-or by the row block's CTAs as one cluster (`split_sum`: on the GPU by default for a projection of 2..8
-splits, not in expert mode). Engines (`GemvConfig`): "fp8x2", the
+or by the row block's CTAs as one cluster (`split_sum`: on the GPU by default for a one-weight
+projection of 2..8 splits outside expert mode, e.g. x_proj). Engines (`GemvConfig`): "fp8x2", the
 default for fp8 weights in 128-blocks: x as two e4m3 halves (exact for bf16) in one wgmma B of 16
 columns, each block's sums scaled by its weight and x scales; "wgmma": the block scales folded into
 an f16 B, each weight tile converted e4m3 → f16; "fma": CUDA-core FMAs, for fp32 weights (the
@@ -390,7 +390,10 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
     # K slices of whole scale blocks under split-K (64-blocks: any slice of the 64 grain)
     cfg = (config or GemvConfig()).resolved(n * (nsel if experts else 1), k, t, p, itemsize, hw.num_sms(),
                                             layout=layout, slice_unit=KGRAIN if scale_block == KGRAIN else None,
-                                            cluster_sum=not partials, cluster_auto=not experts)
+                                            # by default a cluster sums one weight's partials only: the
+                                            # gate/up pair's and the experts' clustered grids ran slower,
+                                            # and slowed the kernels beside them, than XLA's sum after them
+                                            cluster_sum=not partials, cluster_auto=not experts and p == 1)
     hw.check_smem("GEMV kernel", layout(cfg), cfg)
     if itemsize == 4 and cfg.engine != "fma":
         raise ValueError("GEMV kernel: fp32 weights need the FMA engine")
