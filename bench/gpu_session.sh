@@ -298,13 +298,19 @@ for part in "$@"; do
     route) step route 200 python3 tests/gpu/route_check.py --out "$WORK/route.json" ;;
     ncu)  # Nsight Compute on the engine's small kernels, this checkout's and each tree's in NCU_TREES (carried
       # folders; the driver is this checkout's, the kernels the tree's; NCU_ARGS: the driver's arguments)
+      # (the top-k's cluster kernel hung under ncu's kernel replay: it runs under application replay, the
+      # driver once per pass, with fewer sections)
       root=$PWD
       for t in . ${NCU_TREES:-}; do
         n=ncu_$( [ "$t" = . ] && echo this || basename "$t" | tr -d .)
-        (cd "$t" && PYTHONPATH=$PWD XLA_FLAGS="--xla_gpu_enable_command_buffer=" step "$n" 240 \
-          ncu --kernel-name regex:'route_select|topk_' --section SpeedOfLight --section LaunchStats \
+        (cd "$t" && PYTHONPATH=$PWD XLA_FLAGS="--xla_gpu_enable_command_buffer=" step "${n}_route" 150 \
+          ncu --kernel-name regex:route_select --section SpeedOfLight --section LaunchStats \
           --section Occupancy --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
-          python3 "$root/bench/experiments/engine_ncu.py" ${NCU_ARGS:-})
+          python3 "$root/bench/experiments/engine_ncu.py" --only route ${NCU_ARGS:-})
+        (cd "$t" && PYTHONPATH=$PWD XLA_FLAGS="--xla_gpu_enable_command_buffer=" step "${n}_topk" 240 \
+          ncu --replay-mode application --kernel-name regex:topk_ --launch-count 2 --section SpeedOfLight \
+          --section WarpStateStats --section SchedulerStats \
+          python3 "$root/bench/experiments/engine_ncu.py" --only topk --repeat 1 ${NCU_ARGS:-})
       done ;;
     pdl)
       XLA_FLAGS="$XLA_FLAGS" step pdl_cmdbuf 120 python3 -m bench.pdl_probe --out "$WORK/pdl_cmdbuf.json"

@@ -26,6 +26,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ctas", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--only", choices=("route", "topk"), default=None)
     a = ap.parse_args(argv)
     cfg = presets.preset("dsv32-tp8-shard")
     key = jax.random.key(0)
@@ -35,9 +36,9 @@ def main(argv=None) -> int:
     scores = jax.random.normal(jax.random.key(2), (1, 4160), jnp.float32)
     rows = {"normal": scores, "bf16": scores.astype(jnp.bfloat16).astype(jnp.float32)}
     top = jax.jit(lambda s: select.top_k(s, 2048, sorted=False, empty_as_minus_one=True, ctas=a.ctas))
-    for _ in range(a.repeat):
+    for _ in range(a.repeat if a.only != "topk" else 0):
         jax.block_until_ready(sel(partials, bias, jnp.int32(7)))
-    for name, s in rows.items():
+    for name, s in rows.items() if a.only != "route" else ():
         for _ in range(a.repeat):
             jax.block_until_ready(top(s))
         print(name, "done", flush=True)
