@@ -731,11 +731,9 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
         args.append(norm)
     if residual is not None and in_kernel_epilogue:
         args.append(residual)
-    out = call(*args)
-    if normed_out:
-        out, x_normed = out
-        return _projection_result(out[..., :n], in_kernel_epilogue, partials, p, kind, residual, out_dtype), x_normed
-    return _projection_result(out[..., :n], in_kernel_epilogue, partials, p, kind, residual, out_dtype)
+    out, x_normed = call(*args) if normed_out else (call(*args), None)
+    y = _projection_result(out[..., :n], in_kernel_epilogue, partials, p, kind, residual, out_dtype)
+    return (y, x_normed) if normed_out else y
 
 
 def _projection_result(out, in_kernel_epilogue, partials, p, kind, residual, out_dtype):
