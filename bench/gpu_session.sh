@@ -60,6 +60,8 @@
 #   trees        the same for every tree in TREES (carried folders, default .baseline), then this checkout: a
 #                bisection on one machine under this script's XLA flags (each tree ~1 min; TREE_ARGS: more
 #                bench.decode arguments for every tree)
+#   chain        bench/experiments/gemv_chain.cu: a chain of 32 fp8 GEMVs, one launch each against one
+#                persistent launch with and without its weight stream running ahead (CUDA, no JAX)
 #   gemvbound    bench/experiments/gemv_bound.py: o_proj's fp8 GEMV cold and from L2 under tuning configs, K 256..2048,
 #                bf16 weights (what bounds the GEMV kernel)
 #   inflight     the same, o_proj and x_proj with GemvConfig.in_flight 0 and 1 only
@@ -237,6 +239,11 @@ for part in "$@"; do
     mtp_glm5) step mtp_glm5 540 python3 -m bench.decode --preset glm5-tp8-shard --context 4096 --backend pallas \
                 --mtp --samples 6 --out "$WORK/mtp_glm5.json" ;;
     mtp) step mtp 540 $DEC --layers 61 --backend pallas --mtp --samples 6 --out "$WORK/mtp.json" ;;
+    chain)  # bench/experiments/gemv_chain.cu: 32 dependent fp8 GEMVs as 32 launches, one persistent launch,
+      # and one persistent launch whose weight stream runs ahead of the activations
+      step chain_build 120 "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)" -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a \
+        bench/experiments/gemv_chain.cu -o "$WORK/gemv_chain"
+      step chain 120 "$WORK/gemv_chain" --json "$WORK/chain.json" ;;
     gemvbound)
       step gemvbound 300 python3 -m bench.experiments.gemv_bound --out "$WORK/gemvbound.json" ;;
     w8a8)

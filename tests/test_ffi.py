@@ -71,6 +71,15 @@ def test_cuda_sources_compile_warnings_as_errors(tmp_path):
         assert " cudaMalloc\n" not in syms
 
 
+@pytest.mark.skipif(_nvcc() is None, reason="nvcc not found: the CUDA sources cannot be compiled here")
+def test_gemv_chain_experiment_compiles_warnings_as_errors(tmp_path):
+    """bench/experiments/gemv_chain.cu (GPU part `chain`) builds as the session script builds it."""
+    r = subprocess.run([_nvcc(), "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-Werror=all-warnings",
+                        "-Xcompiler=-Wall,-Wextra,-Werror", str(ROOT / "bench" / "experiments" / "gemv_chain.cu"),
+                        "-o", str(tmp_path / "gemv_chain")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+
+
 def test_no_multicast_anywhere():
     """NVLink multicast can take a shared host's GPUs down: it must never appear in the engine."""
     banned = ("multimem", "cuMulticast", "multicast_ref", "NVLS", "cudaMulticast")

@@ -1,0 +1,360 @@
+// What a persistent kernel with a weight stream that runs ahead of the
+// activations buys over one launch per GEMV (GPU only; issue 14's question).
+//
+// The chain: 32 dependent fp8 GEMVs y_p = diag(scale_p) W_p y_{p-1}, the shapes
+// alternating 2048 x 7168 and 7168 x 2048 (14.7 MB each, every W distinct, so
+// the chain streams 470 MB from HBM), x the fp32 output of the GEMV before.
+// One kernel body, three ways to run it, each captured in one CUDA graph:
+//   launches    one launch per GEMV (the step's form today; each streams its
+//               weights from its start, its input being there);
+//   persistent  one launch for the chain, CTAs meeting at a counter per GEMV,
+//               each CTA's weight loads for GEMV p issued once GEMV p's input
+//               is there (a launch boundary without the launch);
+//   prefetch    the same, the weight loads issued as soon as ring space frees,
+//               so GEMV p+1's weights stream in while the CTAs wait for GEMV
+//               p's last rows (what the fused layer kernels would do).
+// Against the copy rate of the same bytes (cudaMemcpy device to device).
+//
+// Kernel: 128 CTAs (one per SM), each owning N/128 rows of every GEMV (a
+// contiguous slab of the row-major W). Warp 8 issues the slab's chunks (whole
+// rows, <= 16 KB) into a ring of kSlots shared-memory slots with
+// cp.async.bulk, one full and one empty mbarrier per slot. Warps 0-7 wait for
+// the GEMV's input (its producers' counter), copy it to shared memory, then
+// reduce each chunk's rows (fp8 -> fp32, one row split over 8/R warps) into
+// per-row sums, write their rows and count the CTA in.
+//
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a
+//        bench/experiments/gemv_chain.cu -o gemv_chain && ./gemv_chain [--json out.json]
+// (bench/gpu_session.sh part `chain`)
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace {
+
+constexpr int kCtas = 128;
+constexpr int kConsumerWarps = 8;
+constexpr int kThreads = (kConsumerWarps + 1) * 32;
+constexpr int kSlots = 12;
+constexpr int kSlotBytes = 16384;
+constexpr int kPhases = 32;
+constexpr int kBig = 7168, kSmall = 2048;
+constexpr int kMaxRowsPerCta = kBig / kCtas;
+
+#define CHECK(x)                                                              \
+  do {                                                                        \
+    cudaError_t e_ = (x);                                                     \
+    if (e_ != cudaSuccess) {                                                  \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x,          \
+                   cudaGetErrorString(e_));                                   \
+      std::exit(1);                                                           \
+    }                                                                         \
+  } while (0)
+
+struct Chain {
+  const uint8_t* w[kPhases];     // [N_p, K_p] e4m3, row-major
+  const float* scale[kPhases];   // [N_p]
+  float* y[kPhases + 1];         // y[0] = x; y[p + 1] = GEMV p's output
+  unsigned* done;                // [kPhases] CTAs that wrote GEMV p's rows
+  int n[kPhases], k[kPhases];
+};
+
+__host__ __device__ inline int rows_per_chunk(int k) {
+  int r = kSlotBytes / k;
+  return r >= 8 ? 8 : r >= 4 ? 4 : r >= 2 ? 2 : 1;
+}
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+  return (unsigned)__cvta_generic_to_shared(p);
+}
+__device__ __forceinline__ void mbar_init(uint64_t* b, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(b)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* b) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(b)) : "memory");
+}
+__device__ __forceinline__ void mbar_expect(uint64_t* b, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(b)), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* b, unsigned parity) {
+  asm volatile(
+      "{\n\t.reg .pred p;\n\t"
+      "W_%=:\n\t"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n\t"
+      "@!p bra W_%=;\n\t}" ::"r"(smem_u32(b)),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned bytes, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+          smem_u32(dst)),
+      "l"(src), "r"(bytes), "r"(smem_u32(bar))
+      : "memory");
+}
+__device__ __forceinline__ void consumers_sync() {  // warps 0..7 only
+  asm volatile("bar.sync 1, %0;" ::"n"(kConsumerWarps * 32) : "memory");
+}
+
+// GEMVs [p0, p1) of the chain; lookahead: the producer may run into GEMVs
+// whose input is not there yet.
+__global__ void __launch_bounds__(kThreads, 1)
+chain_kernel(Chain c, int p0, int p1, int lookahead) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint8_t* ring = smem;                                              // kSlots x kSlotBytes
+  float* xs = reinterpret_cast<float*>(ring + kSlots * kSlotBytes);  // [kBig]
+  float* acc = xs + kBig;                                            // [kMaxRowsPerCta]
+  uint64_t* full = reinterpret_cast<uint64_t*>(acc + kMaxRowsPerCta);
+  uint64_t* empty = full + kSlots;
+  volatile int* started = reinterpret_cast<volatile int*>(empty + kSlots);  // GEMV the consumers are on
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, cta = blockIdx.x;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kSlots; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], kConsumerWarps);
+    }
+    *started = p0 - 1;
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp == kConsumerWarps) {  // the producer: every chunk of every GEMV, in order
+    if (lane != 0) return;
+    int slot = 0, round = 0;
+    for (int p = p0; p < p1; ++p) {
+      if (!lookahead)
+        while (*started < p) {
+        }
+      const int n = c.n[p], k = c.k[p], rows = n / kCtas, rpc = rows_per_chunk(k);
+      const uint8_t* slab = c.w[p] + (size_t)cta * rows * k;
+      for (int r = 0; r < rows; r += rpc) {
+        if (round > 0) mbar_wait(&empty[slot], (round - 1) & 1);
+        const unsigned bytes = (unsigned)(min(rpc, rows - r) * k);
+        mbar_expect(&full[slot], bytes);
+        bulk_load(ring + slot * kSlotBytes, slab + (size_t)r * k, bytes, &full[slot]);
+        if (++slot == kSlots) {
+          slot = 0;
+          ++round;
+        }
+      }
+    }
+    return;
+  }
+
+  int slot = 0, round = 0;
+  for (int p = p0; p < p1; ++p) {
+    const int n = c.n[p], k = c.k[p], rows = n / kCtas, rpc = rows_per_chunk(k);
+    const int wpr = kConsumerWarps / rpc;  // warps per row of a chunk
+    if (threadIdx.x == 0 && p > 0) {       // GEMV p's input: every CTA's rows of GEMV p - 1
+      while (*(volatile unsigned*)&c.done[p - 1] < (unsigned)kCtas) {
+      }
+      __threadfence();
+    }
+    consumers_sync();
+    for (int i = threadIdx.x; i < k; i += kConsumerWarps * 32) xs[i] = __ldcg(c.y[p] + i);
+    for (int i = threadIdx.x; i < rows; i += kConsumerWarps * 32) acc[i] = 0.f;
+    consumers_sync();
+    if (threadIdx.x == 0) *started = p;
+    const int row_in_chunk = warp / wpr, part = warp % wpr, span = k / wpr;
+    for (int r = 0; r < rows; r += rpc) {
+      mbar_wait(&full[slot], round & 1);
+      const int rr = r + row_in_chunk;
+      if (rr < rows) {
+        const uint8_t* wrow = ring + slot * kSlotBytes + (size_t)row_in_chunk * k + part * span;
+        const float* xrow = xs + part * span;
+        float v = 0.f;
+        for (int j = lane * 16; j < span; j += 32 * 16) {
+          const uint4 q = *reinterpret_cast<const uint4*>(wrow + j);
+          const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+          for (int h = 0; h < 4; ++h) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const __half2_raw hr = __nv_cvt_fp8x2_to_halfraw2(
+                  (__nv_fp8x2_storage_t)(words[h] >> (16 * e)), __NV_E4M3);
+              const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&hr));
+              v += f.x * xrow[j + 4 * h + 2 * e] + f.y * xrow[j + 4 * h + 2 * e + 1];
+            }
+          }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        if (lane == 0) atomicAdd(&acc[rr], v);
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&empty[slot]);
+      if (++slot == kSlots) {
+        slot = 0;
+        ++round;
+      }
+    }
+    consumers_sync();
+    const int row0 = cta * rows;
+    for (int i = threadIdx.x; i < rows; i += kConsumerWarps * 32)
+      c.y[p + 1][row0 + i] = acc[i] * c.scale[p][row0 + i];
+    __threadfence();
+    consumers_sync();
+    if (threadIdx.x == 0) atomicAdd(&c.done[p], 1u);
+  }
+}
+
+constexpr size_t kSmemBytes = (size_t)kSlots * kSlotBytes + (kBig + kMaxRowsPerCta) * sizeof(float) +
+                              2 * kSlots * sizeof(uint64_t) + 16;
+
+float fp8_to_float(uint8_t b) {
+  __nv_fp8_e4m3 v;
+  v.__x = b;
+  return (float)v;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const char* json = nullptr;
+  for (int i = 1; i < argc; ++i)
+    if (!std::strcmp(argv[i], "--json") && i + 1 < argc) json = argv[++i];
+  cudaDeviceProp prop;
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+  if (prop.multiProcessorCount < kCtas) {
+    std::fprintf(stderr, "needs %d SMs, the GPU has %d\n", kCtas, prop.multiProcessorCount);
+    return 1;
+  }
+  Chain c{};
+  std::vector<std::vector<uint8_t>> hw(kPhases);
+  std::vector<std::vector<float>> hs(kPhases);
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal;
+  size_t total = 0;
+  for (int p = 0; p < kPhases; ++p) {
+    c.n[p] = p % 2 ? kBig : kSmall;
+    c.k[p] = p % 2 ? kSmall : kBig;
+    const size_t nk = (size_t)c.n[p] * c.k[p];
+    hw[p].resize(nk);
+    for (auto& b : hw[p]) b = __nv_fp8_e4m3(normal(rng)).__x;
+    hs[p].resize(c.n[p]);
+    for (auto& s : hs[p]) s = (1.f + 0.1f * normal(rng)) / std::sqrt((float)c.k[p]);
+    uint8_t* dw;
+    float* ds;
+    CHECK(cudaMalloc(&dw, nk));
+    CHECK(cudaMemcpy(dw, hw[p].data(), nk, cudaMemcpyHostToDevice));
+    CHECK(cudaMalloc(&ds, c.n[p] * sizeof(float)));
+    CHECK(cudaMemcpy(ds, hs[p].data(), c.n[p] * sizeof(float), cudaMemcpyHostToDevice));
+    c.w[p] = dw;
+    c.scale[p] = ds;
+    total += nk;
+  }
+  std::vector<float> hx(kBig);
+  for (auto& v : hx) v = normal(rng);
+  for (int p = 0; p <= kPhases; ++p) CHECK(cudaMalloc(&c.y[p], kBig * sizeof(float)));
+  CHECK(cudaMemcpy(c.y[0], hx.data(), kBig * sizeof(float), cudaMemcpyHostToDevice));
+  CHECK(cudaMalloc(&c.done, kPhases * sizeof(unsigned)));
+
+  // the reference chain on the host (fp32 rows, double accumulation)
+  std::vector<std::vector<float>> ref(kPhases + 1);
+  ref[0].assign(hx.begin(), hx.begin() + c.k[0]);
+  for (int p = 0; p < kPhases; ++p) {
+    ref[p + 1].resize(c.n[p]);
+    for (int r = 0; r < c.n[p]; ++r) {
+      double s = 0;
+      const uint8_t* row = hw[p].data() + (size_t)r * c.k[p];
+      for (int j = 0; j < c.k[p]; ++j) s += (double)fp8_to_float(row[j]) * ref[p][j];
+      ref[p + 1][r] = (float)(s * hs[p][r]);
+    }
+  }
+
+  CHECK(cudaFuncSetAttribute(chain_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kSmemBytes));
+  cudaStream_t st;
+  CHECK(cudaStreamCreate(&st));
+  struct Form {
+    const char* name;
+    bool one_launch;
+    int lookahead;
+  } forms[] = {{"launches", false, 0}, {"persistent", true, 0}, {"prefetch", true, 1}};
+  std::string out = "{\"device\": \"" + std::string(prop.name) + "\", \"gemvs\": " + std::to_string(kPhases) +
+                    ", \"mb_per_gemv\": " + std::to_string(total / kPhases / 1e6);
+  bool ok = true;
+  const int iters = 20;
+  cudaEvent_t e0, e1;
+  CHECK(cudaEventCreate(&e0));
+  CHECK(cudaEventCreate(&e1));
+  for (const Form& f : forms) {
+    cudaGraph_t g;
+    cudaGraphExec_t ge;
+    CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+    CHECK(cudaMemsetAsync(c.done, 0, kPhases * sizeof(unsigned), st));
+    if (f.one_launch) {
+      chain_kernel<<<kCtas, kThreads, kSmemBytes, st>>>(c, 0, kPhases, f.lookahead);
+    } else {
+      // each launch's input is there when it starts: its weights stream from its first instruction
+      for (int p = 0; p < kPhases; ++p) chain_kernel<<<kCtas, kThreads, kSmemBytes, st>>>(c, p, p + 1, 1);
+    }
+    CHECK(cudaStreamEndCapture(st, &g));
+    CHECK(cudaGraphInstantiate(&ge, g, 0));
+    for (int p = 1; p <= kPhases; ++p) CHECK(cudaMemset(c.y[p], 0, kBig * sizeof(float)));
+    CHECK(cudaGraphLaunch(ge, st));
+    CHECK(cudaStreamSynchronize(st));
+    double worst = 0;
+    for (int p = 1; p <= kPhases; ++p) {
+      std::vector<float> got(c.n[p - 1]);
+      CHECK(cudaMemcpy(got.data(), c.y[p], got.size() * sizeof(float), cudaMemcpyDeviceToHost));
+      double num = 0, den = 0;
+      for (size_t i = 0; i < got.size(); ++i) {
+        num += (got[i] - ref[p][i]) * (double)(got[i] - ref[p][i]);
+        den += (double)ref[p][i] * ref[p][i];
+      }
+      worst = std::max(worst, std::sqrt(num / den));
+    }
+    for (int i = 0; i < 3; ++i) CHECK(cudaGraphLaunch(ge, st));
+    CHECK(cudaEventRecord(e0, st));
+    for (int i = 0; i < iters; ++i) CHECK(cudaGraphLaunch(ge, st));
+    CHECK(cudaEventRecord(e1, st));
+    CHECK(cudaEventSynchronize(e1));
+    float ms;
+    CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    const double us = ms * 1e3 / iters / kPhases;
+    const bool good = worst < 1e-4;
+    ok &= good;
+    std::printf("%-11s %7.2f us a GEMV   worst relative error %.2e %s\n", f.name, us, worst, good ? "" : "FAIL");
+    out += ", \"" + std::string(f.name) + "_us\": " + std::to_string(us) + ", \"" + f.name +
+           "_rel_err\": " + std::to_string(worst);
+    CHECK(cudaGraphExecDestroy(ge));
+    CHECK(cudaGraphDestroy(g));
+  }
+  // the copy rate of the chain's bytes (one buffer to a second, device to device)
+  uint8_t *a, *b;
+  const size_t cb = total / 2;
+  CHECK(cudaMalloc(&a, cb));
+  CHECK(cudaMalloc(&b, cb));
+  CHECK(cudaMemcpyAsync(b, a, cb, cudaMemcpyDeviceToDevice, st));
+  CHECK(cudaEventRecord(e0, st));
+  for (int i = 0; i < 5; ++i) CHECK(cudaMemcpyAsync(b, a, cb, cudaMemcpyDeviceToDevice, st));
+  CHECK(cudaEventRecord(e1, st));
+  CHECK(cudaEventSynchronize(e1));
+  float ms;
+  CHECK(cudaEventElapsedTime(&ms, e0, e1));
+  // read + write bytes a second, as bench.decode.copy_bandwidth counts them; the floor is a GEMV's
+  // bytes at that rate, as bench.decode's floor is the step's
+  const double gbs = 2.0 * cb * 5 / (ms * 1e-3) / 1e9;
+  const double floor_us = total / kPhases / (gbs * 1e9) * 1e6;
+  std::printf("copy %.0f GB/s; a GEMV's bytes at that rate: %.2f us\n", gbs, floor_us);
+  out += ", \"copy_GBs\": " + std::to_string(gbs) + ", \"floor_us\": " + std::to_string(floor_us) +
+         ", \"ok\": " + (ok ? "true" : "false") + "}";
+  if (json) {
+    FILE* fp = std::fopen(json, "w");
+    if (fp) {
+      std::fprintf(fp, "%s\n", out.c_str());
+      std::fclose(fp);
+    }
+  }
+  std::printf("%s\n", ok ? "ok" : "FAIL");
+  return ok ? 0 : 1;
+}
