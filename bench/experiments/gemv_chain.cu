@@ -26,6 +26,7 @@
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a
 //        bench/experiments/gemv_chain.cu -o gemv_chain && ./gemv_chain [--json out.json]
 // (bench/gpu_session.sh part `chain`)
+#include <cuda/ptx>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
@@ -39,6 +40,8 @@
 #include <vector>
 
 namespace {
+
+namespace ptx = cuda::ptx;
 
 constexpr int kCtas = 128;
 constexpr int kConsumerWarps = 8;
@@ -72,34 +75,9 @@ __host__ __device__ inline int rows_per_chunk(int k) {
   return r >= 8 ? 8 : r >= 4 ? 4 : r >= 2 ? 2 : 1;
 }
 
-__device__ __forceinline__ unsigned smem_u32(const void* p) {
-  return (unsigned)__cvta_generic_to_shared(p);
-}
-__device__ __forceinline__ void mbar_init(uint64_t* b, unsigned count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(b)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* b) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(b)) : "memory");
-}
-__device__ __forceinline__ void mbar_expect(uint64_t* b, unsigned bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(b)), "r"(bytes)
-               : "memory");
-}
 __device__ __forceinline__ void mbar_wait(uint64_t* b, unsigned parity) {
-  asm volatile(
-      "{\n\t.reg .pred p;\n\t"
-      "W_%=:\n\t"
-      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n\t"
-      "@!p bra W_%=;\n\t}" ::"r"(smem_u32(b)),
-      "r"(parity)
-      : "memory");
-}
-__device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned bytes, uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-          smem_u32(dst)),
-      "l"(src), "r"(bytes), "r"(smem_u32(bar))
-      : "memory");
+  while (!ptx::mbarrier_try_wait_parity(b, parity)) {
+  }
 }
 __device__ __forceinline__ void consumers_sync() {  // warps 0..7 only
   asm volatile("bar.sync 1, %0;" ::"n"(kConsumerWarps * 32) : "memory");
@@ -119,11 +97,11 @@ chain_kernel(Chain c, int p0, int p1, int lookahead) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, cta = blockIdx.x;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kSlots; ++s) {
-      mbar_init(&full[s], 1);
-      mbar_init(&empty[s], kConsumerWarps);
+      ptx::mbarrier_init(&full[s], 1);
+      ptx::mbarrier_init(&empty[s], kConsumerWarps);
     }
     *started = p0 - 1;
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    ptx::fence_mbarrier_init(ptx::sem_release, ptx::scope_cluster);
   }
   __syncthreads();
 
@@ -139,8 +117,9 @@ chain_kernel(Chain c, int p0, int p1, int lookahead) {
       for (int r = 0; r < rows; r += rpc) {
         if (round > 0) mbar_wait(&empty[slot], (round - 1) & 1);
         const unsigned bytes = (unsigned)(min(rpc, rows - r) * k);
-        mbar_expect(&full[slot], bytes);
-        bulk_load(ring + slot * kSlotBytes, slab + (size_t)r * k, bytes, &full[slot]);
+        ptx::mbarrier_arrive_expect_tx(ptx::sem_release, ptx::scope_cta, ptx::space_shared, &full[slot], bytes);
+        ptx::cp_async_bulk(ptx::space_cluster, ptx::space_global, ring + slot * kSlotBytes, slab + (size_t)r * k,
+                           bytes, &full[slot]);
         if (++slot == kSlots) {
           slot = 0;
           ++round;
@@ -191,7 +170,7 @@ chain_kernel(Chain c, int p0, int p1, int lookahead) {
         if (lane == 0) atomicAdd(&acc[rr], v);
       }
       __syncwarp();
-      if (lane == 0) mbar_arrive(&empty[slot]);
+      if (lane == 0) (void)ptx::mbarrier_arrive(&empty[slot]);
       if (++slot == kSlots) {
         slot = 0;
         ++round;
