@@ -60,8 +60,9 @@
 #   trees        the same for every tree in TREES (carried folders, default .baseline), then this checkout: a
 #                bisection on one machine under this script's XLA flags (each tree ~1 min; TREE_ARGS: more
 #                bench.decode arguments for every tree)
-#   chain        bench/experiments/gemv_chain.cu: a chain of 32 fp8 GEMVs, one launch each against one
-#                persistent launch with and without its weight stream running ahead (CUDA, no JAX)
+#   chain        bench/experiments/gemv_chain.cu: a chain of 32 fp8 GEMVs (14.7 MB each; then 128 of 1 MB),
+#                one launch each against one persistent launch with and without its weight stream
+#                running ahead (CUDA, no JAX)
 #   gemvbound    bench/experiments/gemv_bound.py: o_proj's fp8 GEMV cold and from L2 under tuning configs, K 256..2048,
 #                bf16 weights (what bounds the GEMV kernel)
 #   inflight     the same, o_proj and x_proj with GemvConfig.in_flight 0 and 1 only
@@ -243,7 +244,8 @@ for part in "$@"; do
       # and one persistent launch whose weight stream runs ahead of the activations
       step chain_build 120 "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)" -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a \
         bench/experiments/gemv_chain.cu -o "$WORK/gemv_chain"
-      step chain 120 "$WORK/gemv_chain" --json "$WORK/chain.json" ;;
+      step chain 120 "$WORK/gemv_chain" --json "$WORK/chain.json"
+      step chain_1mb 120 "$WORK/gemv_chain" --dims 1024,1024 --gemvs 128 --json "$WORK/chain_1mb.json" ;;
     gemvbound)
       step gemvbound 300 python3 -m bench.experiments.gemv_bound --out "$WORK/gemvbound.json" ;;
     w8a8)

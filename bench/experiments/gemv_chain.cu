@@ -1,9 +1,11 @@
 // What a persistent kernel with a weight stream that runs ahead of the
 // activations buys over one launch per GEMV (GPU only; issue 14's question).
 //
-// The chain: 32 dependent fp8 GEMVs y_p = diag(scale_p) W_p y_{p-1}, the shapes
-// alternating 2048 x 7168 and 7168 x 2048 (14.7 MB each, every W distinct, so
-// the chain streams 470 MB from HBM), x the fp32 output of the GEMV before.
+// The chain: P dependent fp8 GEMVs y_p = diag(scale_p) W_p y_{p-1}, the shapes
+// alternating SMALL x BIG and BIG x SMALL (by default 32 of 2048 x 7168, 14.7
+// MB each, every W distinct, so the chain streams 470 MB from HBM; --dims
+// 1024,1024 --gemvs 128: 1 MB GEMVs, where the per-GEMV fixed cost shows), x
+// the fp32 output of the GEMV before.
 // One kernel body, three ways to run it, each captured in one CUDA graph:
 //   launches    one launch per GEMV (the step's form today; each streams its
 //               weights from its start, its input being there);
@@ -48,8 +50,8 @@ constexpr int kConsumerWarps = 8;
 constexpr int kThreads = (kConsumerWarps + 1) * 32;
 constexpr int kSlots = 12;
 constexpr int kSlotBytes = 16384;
-constexpr int kPhases = 32;
-constexpr int kBig = 7168, kSmall = 2048;
+constexpr int kMaxPhases = 128;
+constexpr int kBig = 7168;  // the widest x and the most rows a GEMV may have
 constexpr int kMaxRowsPerCta = kBig / kCtas;
 
 #define CHECK(x)                                                              \
@@ -63,11 +65,11 @@ constexpr int kMaxRowsPerCta = kBig / kCtas;
   } while (0)
 
 struct Chain {
-  const uint8_t* w[kPhases];     // [N_p, K_p] e4m3, row-major
-  const float* scale[kPhases];   // [N_p]
-  float* y[kPhases + 1];         // y[0] = x; y[p + 1] = GEMV p's output
-  unsigned* done;                // [kPhases] CTAs that wrote GEMV p's rows
-  int n[kPhases], k[kPhases];
+  const uint8_t* w[kMaxPhases];     // [N_p, K_p] e4m3, row-major
+  const float* scale[kMaxPhases];   // [N_p]
+  float* y[kMaxPhases + 1];         // y[0] = x; y[p + 1] = GEMV p's output
+  unsigned* done;                   // [phases] CTAs that wrote GEMV p's rows
+  int n[kMaxPhases], k[kMaxPhases];
 };
 
 __host__ __device__ inline int rows_per_chunk(int k) {
@@ -86,7 +88,8 @@ __device__ __forceinline__ void consumers_sync() {  // warps 0..7 only
 // GEMVs [p0, p1) of the chain; lookahead: the producer may run into GEMVs
 // whose input is not there yet.
 __global__ void __launch_bounds__(kThreads, 1)
-chain_kernel(Chain c, int p0, int p1, int lookahead) {
+chain_kernel(const Chain* __restrict__ chain, int p0, int p1, int lookahead) {
+  const Chain& c = *chain;  // in device memory: too large for the kernel's parameters
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* ring = smem;                                              // kSlots x kSlotBytes
   float* xs = reinterpret_cast<float*>(ring + kSlots * kSlotBytes);  // [kBig]
@@ -199,8 +202,23 @@ float fp8_to_float(uint8_t b) {
 
 int main(int argc, char** argv) {
   const char* json = nullptr;
-  for (int i = 1; i < argc; ++i)
+  int big = kBig, small = 2048, phases = 32;  // --dims BIG,SMALL --gemvs P
+  for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--json") && i + 1 < argc) json = argv[++i];
+    else if (!std::strcmp(argv[i], "--dims") && i + 1 < argc) std::sscanf(argv[++i], "%d,%d", &big, &small);
+    else if (!std::strcmp(argv[i], "--gemvs") && i + 1 < argc) phases = std::atoi(argv[++i]);
+  }
+  for (int p = 0; p < 2; ++p) {  // each shape (N, K): rows per CTA in whole chunks, a warp's span in 16 bytes
+    const int n = p ? big : small, k = p ? small : big, rpc = rows_per_chunk(k);
+    if (n < kCtas || n > kBig || k > kBig || n % kCtas || (n / kCtas) % rpc || (k / (kConsumerWarps / rpc)) % 16) {
+      std::fprintf(stderr, "--dims %d,%d: multiples of %d up to %d, in whole chunks of rows\n", big, small, kCtas, kBig);
+      return 1;
+    }
+  }
+  if (phases < 2 || phases > kMaxPhases || phases % 2) {
+    std::fprintf(stderr, "--gemvs %d: even, 2..%d\n", phases, kMaxPhases);
+    return 1;
+  }
   cudaDeviceProp prop;
   CHECK(cudaGetDeviceProperties(&prop, 0));
   if (prop.multiProcessorCount < kCtas) {
@@ -208,14 +226,14 @@ int main(int argc, char** argv) {
     return 1;
   }
   Chain c{};
-  std::vector<std::vector<uint8_t>> hw(kPhases);
-  std::vector<std::vector<float>> hs(kPhases);
+  std::vector<std::vector<uint8_t>> hw(phases);
+  std::vector<std::vector<float>> hs(phases);
   std::mt19937 rng(7);
   std::normal_distribution<float> normal;
   size_t total = 0;
-  for (int p = 0; p < kPhases; ++p) {
-    c.n[p] = p % 2 ? kBig : kSmall;
-    c.k[p] = p % 2 ? kSmall : kBig;
+  for (int p = 0; p < phases; ++p) {
+    c.n[p] = p % 2 ? big : small;
+    c.k[p] = p % 2 ? small : big;
     const size_t nk = (size_t)c.n[p] * c.k[p];
     hw[p].resize(nk);
     for (auto& b : hw[p]) b = __nv_fp8_e4m3(normal(rng)).__x;
@@ -233,14 +251,17 @@ int main(int argc, char** argv) {
   }
   std::vector<float> hx(kBig);
   for (auto& v : hx) v = normal(rng);
-  for (int p = 0; p <= kPhases; ++p) CHECK(cudaMalloc(&c.y[p], kBig * sizeof(float)));
+  for (int p = 0; p <= phases; ++p) CHECK(cudaMalloc(&c.y[p], kBig * sizeof(float)));
   CHECK(cudaMemcpy(c.y[0], hx.data(), kBig * sizeof(float), cudaMemcpyHostToDevice));
-  CHECK(cudaMalloc(&c.done, kPhases * sizeof(unsigned)));
+  CHECK(cudaMalloc(&c.done, phases * sizeof(unsigned)));
+  Chain* dc;
+  CHECK(cudaMalloc(&dc, sizeof(Chain)));
+  CHECK(cudaMemcpy(dc, &c, sizeof(Chain), cudaMemcpyHostToDevice));
 
   // the reference chain on the host (fp32 rows, double accumulation)
-  std::vector<std::vector<float>> ref(kPhases + 1);
+  std::vector<std::vector<float>> ref(phases + 1);
   ref[0].assign(hx.begin(), hx.begin() + c.k[0]);
-  for (int p = 0; p < kPhases; ++p) {
+  for (int p = 0; p < phases; ++p) {
     ref[p + 1].resize(c.n[p]);
     for (int r = 0; r < c.n[p]; ++r) {
       double s = 0;
@@ -258,8 +279,9 @@ int main(int argc, char** argv) {
     bool one_launch;
     int lookahead;
   } forms[] = {{"launches", false, 0}, {"persistent", true, 0}, {"prefetch", true, 1}};
-  std::string out = "{\"device\": \"" + std::string(prop.name) + "\", \"gemvs\": " + std::to_string(kPhases) +
-                    ", \"mb_per_gemv\": " + std::to_string(total / kPhases / 1e6);
+  std::string out = "{\"device\": \"" + std::string(prop.name) + "\", \"gemvs\": " + std::to_string(phases) +
+                    ", \"dims\": [" + std::to_string(big) + ", " + std::to_string(small) + "]" +
+                    ", \"mb_per_gemv\": " + std::to_string(total / phases / 1e6);
   bool ok = true;
   const int iters = 20;
   cudaEvent_t e0, e1;
@@ -269,20 +291,20 @@ int main(int argc, char** argv) {
     cudaGraph_t g;
     cudaGraphExec_t ge;
     CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-    CHECK(cudaMemsetAsync(c.done, 0, kPhases * sizeof(unsigned), st));
+    CHECK(cudaMemsetAsync(c.done, 0, phases * sizeof(unsigned), st));
     if (f.one_launch) {
-      chain_kernel<<<kCtas, kThreads, kSmemBytes, st>>>(c, 0, kPhases, f.lookahead);
+      chain_kernel<<<kCtas, kThreads, kSmemBytes, st>>>(dc, 0, phases, f.lookahead);
     } else {
       // each launch's input is there when it starts: its weights stream from its first instruction
-      for (int p = 0; p < kPhases; ++p) chain_kernel<<<kCtas, kThreads, kSmemBytes, st>>>(c, p, p + 1, 1);
+      for (int p = 0; p < phases; ++p) chain_kernel<<<kCtas, kThreads, kSmemBytes, st>>>(dc, p, p + 1, 1);
     }
     CHECK(cudaStreamEndCapture(st, &g));
     CHECK(cudaGraphInstantiate(&ge, g, 0));
-    for (int p = 1; p <= kPhases; ++p) CHECK(cudaMemset(c.y[p], 0, kBig * sizeof(float)));
+    for (int p = 1; p <= phases; ++p) CHECK(cudaMemset(c.y[p], 0, kBig * sizeof(float)));
     CHECK(cudaGraphLaunch(ge, st));
     CHECK(cudaStreamSynchronize(st));
     double worst = 0;
-    for (int p = 1; p <= kPhases; ++p) {
+    for (int p = 1; p <= phases; ++p) {
       std::vector<float> got(c.n[p - 1]);
       CHECK(cudaMemcpy(got.data(), c.y[p], got.size() * sizeof(float), cudaMemcpyDeviceToHost));
       double num = 0, den = 0;
@@ -299,7 +321,7 @@ int main(int argc, char** argv) {
     CHECK(cudaEventSynchronize(e1));
     float ms;
     CHECK(cudaEventElapsedTime(&ms, e0, e1));
-    const double us = ms * 1e3 / iters / kPhases;
+    const double us = ms * 1e3 / iters / phases;
     const bool good = worst < 1e-4;
     ok &= good;
     std::printf("%-11s %7.2f us a GEMV   worst relative error %.2e %s\n", f.name, us, worst, good ? "" : "FAIL");
@@ -323,7 +345,7 @@ int main(int argc, char** argv) {
   // read + write bytes a second, as bench.decode.copy_bandwidth counts them; the floor is a GEMV's
   // bytes at that rate, as bench.decode's floor is the step's
   const double gbs = 2.0 * cb * 5 / (ms * 1e-3) / 1e9;
-  const double floor_us = total / kPhases / (gbs * 1e9) * 1e6;
+  const double floor_us = total / phases / (gbs * 1e9) * 1e6;
   std::printf("copy %.0f GB/s; a GEMV's bytes at that rate: %.2f us\n", gbs, floor_us);
   out += ", \"copy_GBs\": " + std::to_string(gbs) + ", \"floor_us\": " + std::to_string(floor_us) +
          ", \"ok\": " + (ok ? "true" : "false") + "}";
