@@ -259,6 +259,8 @@ int main(int argc, char** argv) {
   CHECK(cudaMemcpy(dc, &c, sizeof(Chain), cudaMemcpyHostToDevice));
 
   // the reference chain on the host (fp32 rows, double accumulation)
+  float lut[256];  // e4m3 byte -> float
+  for (int b = 0; b < 256; ++b) lut[b] = fp8_to_float((uint8_t)b);
   std::vector<std::vector<float>> ref(phases + 1);
   ref[0].assign(hx.begin(), hx.begin() + c.k[0]);
   for (int p = 0; p < phases; ++p) {
@@ -266,7 +268,7 @@ int main(int argc, char** argv) {
     for (int r = 0; r < c.n[p]; ++r) {
       double s = 0;
       const uint8_t* row = hw[p].data() + (size_t)r * c.k[p];
-      for (int j = 0; j < c.k[p]; ++j) s += (double)fp8_to_float(row[j]) * ref[p][j];
+      for (int j = 0; j < c.k[p]; ++j) s += (double)lut[row[j]] * ref[p][j];
       ref[p + 1][r] = (float)(s * hs[p][r]);
     }
   }
