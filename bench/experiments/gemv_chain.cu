@@ -207,6 +207,10 @@ int main(int argc, char** argv) {
       }
     }
     else if (!std::strcmp(argv[i], "--gemvs") && i + 1 < argc) phases = std::atoi(argv[++i]);
+    else {
+      std::fprintf(stderr, "%s: unknown argument (--dims BIG,SMALL --gemvs P --json FILE)\n", argv[i]);
+      return 1;
+    }
   }
   for (int p = 0; p < 2; ++p) {  // each shape (N, K): rows per CTA in whole chunks, a warp's span in 16 bytes
     const int n = p ? big : small, k = p ? small : big, rpc = rows_per_chunk(k);
@@ -286,7 +290,7 @@ int main(int argc, char** argv) {
     const char* name;
     bool one_launch;
     int lookahead;
-  } forms[] = {{"launches", false, 0}, {"persistent", true, 0}, {"prefetch", true, 1}};
+  } forms[] = {{"launches", false, 1}, {"persistent", true, 0}, {"prefetch", true, 1}};
   std::string out = "{\"device\": \"" + std::string(prop.name) + "\", \"gemvs\": " + std::to_string(phases) +
                     ", \"dims\": [" + std::to_string(big) + ", " + std::to_string(small) + "]" +
                     ", \"mb_per_gemv\": " + std::to_string(total / phases / 1e6);
@@ -303,8 +307,8 @@ int main(int argc, char** argv) {
     if (f.one_launch) {
       chain_kernel<<<kCtas, kThreads, kSmemBytes, st>>>(dc, 0, phases, f.lookahead);
     } else {
-      // each launch's input is there when it starts: its weights stream from its first instruction
-      for (int p = 0; p < phases; ++p) chain_kernel<<<kCtas, kThreads, kSmemBytes, st>>>(dc, p, p + 1, 1);
+      // each launch's input is there when it starts (lookahead 1: its weights stream from its start)
+      for (int p = 0; p < phases; ++p) chain_kernel<<<kCtas, kThreads, kSmemBytes, st>>>(dc, p, p + 1, f.lookahead);
     }
     CHECK(cudaStreamEndCapture(st, &g));
     CHECK(cudaGraphInstantiate(&ge, g, 0));
@@ -360,9 +364,9 @@ int main(int argc, char** argv) {
          ", \"ok\": " + (ok ? "true" : "false") + "}";
   if (json) {
     FILE* fp = std::fopen(json, "w");
-    if (fp) {
-      std::fprintf(fp, "%s\n", out.c_str());
-      std::fclose(fp);
+    if (!fp || std::fprintf(fp, "%s\n", out.c_str()) < 0 || std::fclose(fp) != 0) {
+      std::fprintf(stderr, "--json %s: cannot write the results\n", json);
+      return 1;
     }
   }
   std::printf("%s\n", ok ? "ok" : "FAIL");
