@@ -17,8 +17,15 @@
 //               p's last rows (what the fused layer kernels would do);
 //   tags        prefetch, each CTA learning that its input is complete from
 //               the input's own tags instead of a fence and a counter;
+//   flags       prefetch, each CTA raising a flag of its own once its rows are
+//               written (a fence and a release store, no atomic), readers
+//               polling the 128 flags with acquire loads, then reading the
+//               input as plain fp32 (half the bytes of a tagged element);
 //   ring        tags with no arithmetic: the weight stream and the handoffs
-//               alone, the floor of this kernel's structure.
+//               alone, the floor of this kernel's structure;
+//   ring-flags  the same with flags;
+//   stream      the weight stream alone: no inputs, no outputs, no handoffs.
+// Every persistent form loads a GEMV's row scales before it waits for its input.
 // Against the copy rate of the same bytes (cudaMemcpy device to device).
 //
 // Kernel: 128 CTAs (one per SM), each owning N/128 rows of every GEMV (a
@@ -62,6 +69,8 @@ constexpr int kBig = 7168;  // the widest x and the most rows a GEMV may have
 constexpr int kMaxRowsPerCta = kBig / kCtas;
 constexpr int kMaxWords = 8;                 // 4-byte weight words a lane reduces in a row
 constexpr int kStage = kBig / kConsumers;    // x elements a consumer thread stages
+static_assert(kMaxRowsPerCta <= kConsumers, "a consumer thread writes at most one row");
+static_assert(kCtas <= kConsumers, "a consumer thread polls at most one flag");
 
 #define CHECK(x)                                                              \
   do {                                                                        \
@@ -81,12 +90,14 @@ struct Chain {
   const uint8_t* w[kMaxPhases];       // [N_p, K_p] e4m3, row-major
   const float* scale[kMaxPhases];     // [N_p]
   unsigned long long* y[kMaxPhases + 1];  // y[0] = x; y[p + 1] = GEMV p's output
+  float* yf[kMaxPhases + 1];          // the same untagged (the flags sync)
   unsigned* done;                     // [phases] CTAs that wrote GEMV p's rows (the counter sync)
+  unsigned* flags;                    // [phases][kCtas] the tag of the GEMV a CTA last wrote (the flags sync)
   const unsigned* epoch;              // one per run of the chain: tags never repeat
   int n[kMaxPhases], k[kMaxPhases];
 };
 
-enum Sync { kCounter, kTags };
+enum Sync { kCounter, kTags, kFlags, kNone };
 
 __host__ __device__ inline int rows_per_chunk(int k) {
   int r = kSlotBytes / k;
@@ -102,6 +113,14 @@ __device__ __forceinline__ unsigned long long load_relaxed(const unsigned long l
 __device__ __forceinline__ void store_relaxed(unsigned long long* a, unsigned long long v) {
   asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" ::"l"(a), "l"(v) : "memory");
 }
+__device__ __forceinline__ unsigned load_acquire(const unsigned* a) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(a) : "memory");
+  return v;
+}
+__device__ __forceinline__ void store_release(unsigned* a, unsigned v) {
+  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(a), "r"(v) : "memory");
+}
 __device__ __forceinline__ void mbar_wait(uint64_t* b, unsigned parity) {
   while (!ptx::mbarrier_try_wait_parity(b, parity)) {
   }
@@ -114,7 +133,8 @@ __device__ __forceinline__ void consumers_sync() {  // the consumer warps only
 //   lookahead  the producer may run into GEMVs whose input is not there yet;
 //   sync       how a CTA learns that GEMV p's input is complete: kCounter, a
 //              counter every CTA adds to after a fence; kTags, the input's own
-//              tags (each thread re-polls the elements it stages);
+//              tags (each thread re-polls the elements it stages); kFlags, a
+//              flag per CTA; kNone, no input and no output (the stream alone);
 //   math       false: the consumers release each chunk unread (the ring alone).
 // GEMV p0's input is complete at the launch (stream order): nobody waits for it.
 __global__ void __launch_bounds__(kThreads, 1)
@@ -124,7 +144,8 @@ chain_kernel(const Chain* __restrict__ chain, int p0, int p1, int lookahead, int
   uint8_t* ring = smem;                                              // kSlots x kSlotBytes
   float* xs = reinterpret_cast<float*>(ring + kSlots * kSlotBytes);  // [kBig] the staged input
   float* acc = xs + kBig;                                            // [kMaxRowsPerCta] row sums
-  uint64_t* full = reinterpret_cast<uint64_t*>(acc + kMaxRowsPerCta);
+  float* scales = acc + kMaxRowsPerCta;                              // [kMaxRowsPerCta] their scales
+  uint64_t* full = reinterpret_cast<uint64_t*>(scales + kMaxRowsPerCta);
   uint64_t* empty = full + kSlots;
   volatile int* started = reinterpret_cast<volatile int*>(empty + kSlots);  // GEMV the consumers are on
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, cta = blockIdx.x;
@@ -170,26 +191,43 @@ chain_kernel(const Chain* __restrict__ chain, int p0, int p1, int lookahead, int
     const int n = c.n[p], k = c.k[p], rows = n / kCtas, rpc = rows_per_chunk(k), chunks = rows / rpc;
     const int wpr = kGroupWarps / rpc, span = k / wpr, words = span / 128;  // a row is wpr warps' spans
     const bool wait = p > p0;
+    const int row0 = cta * rows;
+    // the scale of this thread's row, loaded before the wait (rows <= kConsumers)
+    const float row_scale = sync != kNone && threadIdx.x < rows ? c.scale[p][row0 + threadIdx.x] : 0.f;
+    const unsigned want = tag_of(epoch, p);
     if (wait && sync == kCounter && threadIdx.x == 0) {
       while (*(volatile unsigned*)&c.done[p - 1] < (unsigned)kCtas) {
       }
       __threadfence();
     }
-    if (sync == kCounter) consumers_sync();
-    // stage GEMV p's input: every load in flight before any is checked
-    unsigned long long v[kStage];
-#pragma unroll
-    for (int s = 0; s < kStage; ++s)
-      if (threadIdx.x + s * kConsumers < k) v[s] = load_relaxed(c.y[p] + threadIdx.x + s * kConsumers);
-    const unsigned want = tag_of(epoch, p);
-#pragma unroll
-    for (int s = 0; s < kStage; ++s) {
-      const int i = threadIdx.x + s * kConsumers;
-      if (i < k) {
-        while (wait && sync == kTags && (unsigned)(v[s] >> 32) != want) v[s] = load_relaxed(c.y[p] + i);
-        xs[i] = __uint_as_float((unsigned)v[s]);
+    if (wait && sync == kFlags && threadIdx.x < kCtas) {
+      while (load_acquire(c.flags + (p - 1) * kCtas + threadIdx.x) != want) {
       }
     }
+    if (sync == kCounter || sync == kFlags) consumers_sync();
+    // stage GEMV p's input: every load in flight before any is checked
+    if (sync == kFlags) {
+      // L2 loads (ld.global.cg), four elements each, ordered after the flags by the barrier above
+#pragma unroll
+      for (int j = 0; j < kStage / 4 + 1; ++j) {
+        const int i = threadIdx.x + j * kConsumers;
+        if (4 * i < k) reinterpret_cast<float4*>(xs)[i] = __ldcg(reinterpret_cast<const float4*>(c.yf[p]) + i);
+      }
+    } else if (sync != kNone) {
+      unsigned long long v[kStage];
+#pragma unroll
+      for (int s = 0; s < kStage; ++s)
+        if (threadIdx.x + s * kConsumers < k) v[s] = load_relaxed(c.y[p] + threadIdx.x + s * kConsumers);
+#pragma unroll
+      for (int s = 0; s < kStage; ++s) {
+        const int i = threadIdx.x + s * kConsumers;
+        if (i < k) {
+          while (wait && sync == kTags && (unsigned)(v[s] >> 32) != want) v[s] = load_relaxed(c.y[p] + i);
+          xs[i] = __uint_as_float((unsigned)v[s]);
+        }
+      }
+    }
+    if (threadIdx.x < rows) scales[threadIdx.x] = row_scale;  // out of the registers the chunks need
     consumers_sync();
     if (threadIdx.x == 0) *started = p;
     // this warp's part of a row: words consecutive-lane 4-byte words, x in registers for the whole GEMV
@@ -228,13 +266,22 @@ chain_kernel(const Chain* __restrict__ chain, int p0, int p1, int lookahead, int
     }
     chunk0 += chunks;
     consumers_sync();
-    // this CTA's rows, tagged; each thread zeroes the sums it read (the next GEMV's adds
-    // come after its staging barrier)
-    const int row0 = cta * rows;
-    const unsigned long long tag = (unsigned long long)tag_of(epoch, p + 1) << 32;
-    for (int i = threadIdx.x; i < rows; i += kConsumers) {
-      store_relaxed(c.y[p + 1] + row0 + i, tag | __float_as_uint(acc[i] * c.scale[p][row0 + i]));
-      acc[i] = 0.f;
+    if (sync == kNone) continue;
+    // this CTA's rows (tagged, or then flagged); each thread zeroes the sum it read (the
+    // next GEMV's adds come after its staging barrier)
+    const unsigned next = tag_of(epoch, p + 1);
+    if (threadIdx.x < rows) {
+      const float y = acc[threadIdx.x] * scales[threadIdx.x];
+      if (sync == kFlags) c.yf[p + 1][row0 + threadIdx.x] = y;
+      else store_relaxed(c.y[p + 1] + row0 + threadIdx.x, (unsigned long long)next << 32 | __float_as_uint(y));
+      acc[threadIdx.x] = 0.f;
+    }
+    if (sync == kFlags) {
+      consumers_sync();
+      if (threadIdx.x == 0) {
+        __threadfence();
+        store_release(c.flags + p * kCtas + cta, next);
+      }
     }
     if (sync == kCounter) {
       __threadfence();
@@ -246,7 +293,7 @@ chain_kernel(const Chain* __restrict__ chain, int p0, int p1, int lookahead, int
 
 __global__ void next_epoch(unsigned* epoch) { ++*epoch; }
 
-constexpr size_t kSmemBytes = (size_t)kSlots * kSlotBytes + (kBig + kMaxRowsPerCta) * sizeof(float) +
+constexpr size_t kSmemBytes = (size_t)kSlots * kSlotBytes + (kBig + 2 * kMaxRowsPerCta) * sizeof(float) +
                               2 * kSlots * sizeof(uint64_t) + 16;
 
 unsigned host_bits(float v) {
@@ -330,10 +377,16 @@ int main(int argc, char** argv) {
   for (auto& v : hx) v = normal(rng);
   std::vector<unsigned long long> hx_tagged(kBig);  // tag 0: GEMV 0 never checks its input's tags
   for (int i = 0; i < kBig; ++i) hx_tagged[i] = host_bits(hx[i]);
-  const size_t ybytes = kBig * sizeof(unsigned long long);
-  for (int p = 0; p <= phases; ++p) CHECK(cudaMalloc(&c.y[p], ybytes));
+  const size_t ybytes = kBig * sizeof(unsigned long long), yfbytes = kBig * sizeof(float);
+  for (int p = 0; p <= phases; ++p) {
+    CHECK(cudaMalloc(&c.y[p], ybytes));
+    CHECK(cudaMalloc(&c.yf[p], yfbytes));
+  }
   CHECK(cudaMemcpy(c.y[0], hx_tagged.data(), ybytes, cudaMemcpyHostToDevice));
+  CHECK(cudaMemcpy(c.yf[0], hx.data(), yfbytes, cudaMemcpyHostToDevice));
   CHECK(cudaMalloc(&c.done, phases * sizeof(unsigned)));
+  CHECK(cudaMalloc(&c.flags, phases * kCtas * sizeof(unsigned)));
+  CHECK(cudaMemset(c.flags, 0, phases * kCtas * sizeof(unsigned)));  // no GEMV's tag is 0
   unsigned* epoch;
   const unsigned first_epoch = 1;  // y's zeroed tags are never a GEMV's
   CHECK(cudaMalloc(&epoch, sizeof(unsigned)));
@@ -373,7 +426,8 @@ int main(int argc, char** argv) {
     int lookahead, sync, math;
   } forms[] = {{"launches", false, 1, kCounter, 1}, {"persistent", true, 0, kCounter, 1},
                {"prefetch", true, 1, kCounter, 1},  {"tags", true, 1, kTags, 1},
-               {"ring", true, 1, kTags, 0}};
+               {"flags", true, 1, kFlags, 1},       {"ring", true, 1, kTags, 0},
+               {"ring-flags", true, 1, kFlags, 0},  {"stream", true, 1, kNone, 0}};
   std::string out = "{\"device\": \"" + std::string(prop.name) + "\", \"gemvs\": " + std::to_string(phases) +
                     ", \"dims\": [" + std::to_string(big) + ", " + std::to_string(small) + "]" +
                     ", \"mb_per_gemv\": " + std::to_string(total / phases / 1e6);
@@ -397,21 +451,26 @@ int main(int argc, char** argv) {
     next_epoch<<<1, 1, 0, st>>>(epoch);
     CHECK(cudaStreamEndCapture(st, &g));
     CHECK(cudaGraphInstantiate(&ge, g, 0));
-    for (int p = 1; p <= phases; ++p) CHECK(cudaMemset(c.y[p], 0, ybytes));
+    for (int p = 1; p <= phases; ++p) {
+      CHECK(cudaMemset(c.y[p], 0, ybytes));
+      CHECK(cudaMemset(c.yf[p], 0, yfbytes));
+    }
     unsigned run_epoch;
     CHECK(cudaMemcpy(&run_epoch, epoch, sizeof(unsigned), cudaMemcpyDeviceToHost));
     CHECK(cudaGraphLaunch(ge, st));
     CHECK(cudaStreamSynchronize(st));
-    double worst = 0;  // the ring form computes nothing: its outputs are not checked
+    double worst = 0;  // the forms without math compute nothing: their outputs are not checked
     for (int p = 1; p <= phases && f.math; ++p) {
       std::vector<unsigned long long> got(c.n[p - 1]);
+      std::vector<float> gotf(c.n[p - 1]);
       CHECK(cudaMemcpy(got.data(), c.y[p], got.size() * sizeof(got[0]), cudaMemcpyDeviceToHost));
+      CHECK(cudaMemcpy(gotf.data(), c.yf[p], gotf.size() * sizeof(float), cudaMemcpyDeviceToHost));
       double num = 0, den = 0;
       for (size_t i = 0; i < got.size(); ++i) {
-        const float v = host_float((unsigned)got[i]);
+        const float v = f.sync == kFlags ? gotf[i] : host_float((unsigned)got[i]);
         num += (v - ref[p][i]) * (double)(v - ref[p][i]);
         den += (double)ref[p][i] * ref[p][i];
-        if ((unsigned)(got[i] >> 32) != tag_of(run_epoch, p)) num = NAN;  // a row written without its tag
+        if (f.sync != kFlags && (unsigned)(got[i] >> 32) != tag_of(run_epoch, p)) num = NAN;  // untagged row
       }
       const double e = std::sqrt(num / den);
       if (!(e <= worst)) worst = e;  // a NaN stays
@@ -429,7 +488,7 @@ int main(int argc, char** argv) {
     if (f.math)
       std::printf("%-11s %7.2f us a GEMV   worst relative error %.2e %s\n", f.name, us, worst, good ? "" : "FAIL");
     else
-      std::printf("%-11s %7.2f us a GEMV   (the ring alone: not checked)\n", f.name, us);
+      std::printf("%-11s %7.2f us a GEMV   (no math: not checked)\n", f.name, us);
     out += ", \"" + std::string(f.name) + "_us\": " + std::to_string(us) + ", \"" + f.name +
            "_rel_err\": " + (f.math && std::isfinite(worst) ? std::to_string(worst) : std::string("null"));
     CHECK(cudaGraphExecDestroy(ge));
