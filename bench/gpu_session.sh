@@ -45,6 +45,8 @@
 #   prep         tests/gpu/prep_check.py: the mla_prep and index_prep kernels vs their references at
 #                dsv32/glm5-tp8-shard shapes
 #   route        tests/gpu/route_check.py: the engine's router selection vs the reference, and their times
+#   moe          tests/gpu/moe_check.py: the engine's one-launch MoE vs the reference and the pallas path, and
+#                their times per MoE in a dependent chain
 #   ncu          Nsight Compute on the router's selection and the indexer's top-k launched alone
 #                (bench/experiments/engine_ncu.py): speed of light, launch, occupancy, warp stalls
 #   unrolled     bench.decode 61 layers, pallas, the unrolled layer loop, CUPTI profile with kernel names
@@ -305,6 +307,7 @@ for part in "$@"; do
         ${GOLDEN_MODELS:+--models $GOLDEN_MODELS} ;;
     prep) step prep 300 python3 tests/gpu/prep_check.py --out "$WORK/prep.json" ;;
     route) step route 200 python3 tests/gpu/route_check.py --out "$WORK/route.json" ;;
+    moe) step moe 400 python3 tests/gpu/moe_check.py --out "$WORK/moe.json" ;;
     ncu)  # Nsight Compute on the engine's small kernels, this checkout's and each tree's in NCU_TREES (carried
       # folders; the driver is this checkout's, the kernels the tree's; NCU_ARGS: the driver's arguments)
       # (the top-k's cluster kernel hung under ncu's kernel replay: it runs under application replay, the

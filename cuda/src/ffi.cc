@@ -21,6 +21,7 @@ JT_EXPORT XLA_FFI_Error* JtMergeTopk(XLA_FFI_CallFrame* call_frame);
 JT_EXPORT XLA_FFI_Error* JtTopkSelect(XLA_FFI_CallFrame* call_frame);
 JT_EXPORT XLA_FFI_Error* JtRouteSelect(XLA_FFI_CallFrame* call_frame);
 JT_EXPORT XLA_FFI_Error* JtPrefetchL2(XLA_FFI_CallFrame* call_frame);
+JT_EXPORT XLA_FFI_Error* JtMoeDecode(XLA_FFI_CallFrame* call_frame);
 JT_EXPORT XLA_FFI_Error* JtExpertDownAllReduce(XLA_FFI_CallFrame* call_frame);
 JT_EXPORT XLA_FFI_Error* JtGemvAllReduceStacked(XLA_FFI_CallFrame* call_frame);
 JT_EXPORT XLA_FFI_Error* JtExpertDownAllReduceStacked(
@@ -400,6 +401,52 @@ ffi::Error RouteSelectImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> partials,
 }
 
 
+// A MoE layer's experts for one decode token (src/moe.cu): f [1, H] bf16,
+// weights [1, k] f32, ids [1, k] s32, the routed gate/up [L, E, I, H] and down
+// [L, E, H, I] fp8 with their f32 block scales, the shared expert's [L, I, H] /
+// [L, H, I] likewise, residual [1, H] bf16, layer s32 [1] -> out [1, H] bf16.
+ffi::Error MoeDecodeImpl(cudaStream_t stream, ffi::AnyBuffer f, ffi::Buffer<ffi::F32> weights,
+                         ffi::Buffer<ffi::S32> ids, ffi::AnyBuffer gate, ffi::Buffer<ffi::F32> gate_scale,
+                         ffi::AnyBuffer up, ffi::Buffer<ffi::F32> up_scale, ffi::AnyBuffer down,
+                         ffi::Buffer<ffi::F32> down_scale, ffi::AnyBuffer shared_gate,
+                         ffi::Buffer<ffi::F32> shared_gate_scale, ffi::AnyBuffer shared_up,
+                         ffi::Buffer<ffi::F32> shared_up_scale, ffi::AnyBuffer shared_down,
+                         ffi::Buffer<ffi::F32> shared_down_scale, ffi::AnyBuffer residual,
+                         ffi::AnyBuffer layer, ffi::Result<ffi::AnyBuffer> out) {
+  const int32_t* l = nullptr;
+  ffi::Error err = layer_operand(layer, "moe_decode", &l);
+  if (!err.success()) return err;
+  auto gd = gate.dimensions(), dd = down.dimensions(), sd = shared_gate.dimensions();
+  if (gd.size() != 4 || dd.size() != 4 || sd.size() != 3)
+    return ffi::Error::InvalidArgument("jtilert moe_decode: gate/up/down [L, E, ., .], shared [L, ., .]");
+  const int64_t L = gd[0], E = gd[1], I = gd[2], H = gd[3], k = (int64_t)ids.element_count();
+  auto count = [](const auto& b) { return (int64_t)b.element_count(); };
+  const int64_t ib = blocks128(I), hb = blocks128(H);
+  bool ok = f.element_type() == ffi::DataType::BF16 && residual.element_type() == ffi::DataType::BF16 &&
+            out->element_type() == ffi::DataType::BF16 && count(f) == H &&
+            count(residual) == H && count(*out) == H && count(weights) == k;
+  for (const ffi::AnyBuffer* w : {&gate, &up, &down, &shared_gate, &shared_up, &shared_down})
+    ok = ok && w->element_type() == ffi::DataType::F8E4M3FN;
+  ok = ok && count(up) == count(gate) && dd[0] == L && dd[1] == E && dd[2] == H && dd[3] == I &&
+       sd[0] == L && sd[1] == I && sd[2] == H && count(shared_up) == count(shared_gate) &&
+       count(shared_down) == count(shared_gate) &&
+       count(gate_scale) == L * E * ib * hb && count(up_scale) == L * E * ib * hb &&
+       count(down_scale) == L * E * hb * ib && count(shared_gate_scale) == L * ib * hb &&
+       count(shared_up_scale) == L * ib * hb && count(shared_down_scale) == L * hb * ib;
+  if (!ok) return ffi::Error::InvalidArgument("jtilert moe_decode: shape or dtype mismatch");
+  if (const char* why = jt_moe_unsupported((int)H, (int)I, (int)k))
+    return ffi::Error::InvalidArgument(std::string("jtilert moe_decode: ") + why);
+  auto u8 = [](const ffi::AnyBuffer& b) { return static_cast<const uint8_t*>(b.untyped_data()); };
+  const JtMoeArgs a{f.untyped_data(), weights.typed_data(), ids.typed_data(), u8(gate), u8(up), u8(down),
+                    u8(shared_gate), u8(shared_up), u8(shared_down), gate_scale.typed_data(),
+                    up_scale.typed_data(), down_scale.typed_data(), shared_gate_scale.typed_data(),
+                    shared_up_scale.typed_data(), shared_down_scale.typed_data(), residual.untyped_data(), l,
+                    out->untyped_data()};
+  cudaError_t e = jt_moe_decode(stream, &a, (int)L, (int)E, (int)H, (int)I, (int)k);
+  if (e != cudaSuccess) return cuda_error(e, "moe_decode launch");
+  return ffi::Error::Success();
+}
+
 // True for the element types XLA packs several to a byte (their buffers are
 // smaller than element_count() bytes, so a layer's byte range is not known).
 bool packed_subbyte(ffi::DataType t) {
@@ -597,6 +644,29 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JtRouteSelect, RouteSelectImpl,
                                   .Attr<int32_t>("topk_group")
                                   .Attr<int32_t>("norm")
                                   .Attr<float>("scaling"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JtMoeDecode, MoeDecodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()               // f
+                                  .Arg<ffi::Buffer<ffi::F32>>()        // weights
+                                  .Arg<ffi::Buffer<ffi::S32>>()        // ids
+                                  .Arg<ffi::AnyBuffer>()               // gate
+                                  .Arg<ffi::Buffer<ffi::F32>>()        // gate scale
+                                  .Arg<ffi::AnyBuffer>()               // up
+                                  .Arg<ffi::Buffer<ffi::F32>>()        // up scale
+                                  .Arg<ffi::AnyBuffer>()               // down
+                                  .Arg<ffi::Buffer<ffi::F32>>()        // down scale
+                                  .Arg<ffi::AnyBuffer>()               // shared gate
+                                  .Arg<ffi::Buffer<ffi::F32>>()        // its scale
+                                  .Arg<ffi::AnyBuffer>()               // shared up
+                                  .Arg<ffi::Buffer<ffi::F32>>()        // its scale
+                                  .Arg<ffi::AnyBuffer>()               // shared down
+                                  .Arg<ffi::Buffer<ffi::F32>>()        // its scale
+                                  .Arg<ffi::AnyBuffer>()               // residual
+                                  .Arg<ffi::AnyBuffer>()               // layer
+                                  .Ret<ffi::AnyBuffer>(),              // out
                               {ffi::Traits::kCmdBufferCompatible});
 
 // L2 prefetch: the layer index, the ordering operand, then 1 to

@@ -23,6 +23,7 @@ TARGETS = {
     "jtilert_merge_topk": "JtMergeTopk",
     "jtilert_topk_select": "JtTopkSelect",
     "jtilert_route_select": "JtRouteSelect",
+    "jtilert_moe_decode": "JtMoeDecode",
     "jtilert_prefetch_l2": "JtPrefetchL2",
     "jtilert_expert_down_all_reduce": "JtExpertDownAllReduce",
     # stacked [L, ...] weights + the layer index operand (ops.py, STACKED_SUFFIX)

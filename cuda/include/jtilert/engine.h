@@ -200,6 +200,36 @@ cudaError_t jt_route_select(cudaStream_t stream, const float* partials, int S,
                             float scaling, int norm, float* out_w,
                             int32_t* out_ids);
 
+// ---- a MoE layer's experts for one decode token (src/moe.cu) ----
+#define JT_MOE_CTAS 128          // one persistent launch of this many CTAs (all resident)
+#define JT_MOE_MAX_VEC 8192      // H and (k + 1) * I at most
+#define JT_MOE_MAX_SEGMENTS 16   // k routed experts + the shared one
+// The operands, all in device memory. fp8 (e4m3) weights with fp32 128 x 128
+// block scales, stacked over L layers: gate/up [L, E, I, H] (scales
+// [L, E, I/128, H/128]), down [L, E, H, I] (scales [L, E, H/128, I/128]); the
+// shared expert's the same without E. f, residual, out: [H] bf16 (one token);
+// weights [k] fp32 and ids [k] int32 (the router's); layer: an int32.
+typedef struct JtMoeArgs {
+  const void* f;
+  const float* weights;
+  const int32_t* ids;
+  const uint8_t *gate, *up, *down, *shared_gate, *shared_up, *shared_down;
+  const float *gate_scale, *up_scale, *down_scale, *shared_gate_scale, *shared_up_scale, *shared_down_scale;
+  const void* residual;
+  const int32_t* layer;
+  void* out;
+} JtMoeArgs;
+// Why the kernel does not take these shapes (a static string), or NULL.
+const char* jt_moe_unsupported(int H, int I, int k);
+// out = residual + sum_j weights[j] Down[ids[j]] h_j + SharedDown h_s with
+// h_e = bf16(silu(bf16(f Gate_e^T)) * bf16(f Up_e^T)), at layer *layer (negative
+// from the end, then clamped; ids clamped into [0, E)). One launch of
+// JT_MOE_CTAS CTAs, which wait for each other: the GPU needs that many SMs
+// free of other long work, and calls on one device must not overlap (they
+// share the library's scratch vector). cudaErrorInvalidValue for shapes
+// jt_moe_unsupported refuses.
+cudaError_t jt_moe_decode(cudaStream_t stream, const JtMoeArgs* args, int L, int E, int H, int I, int k);
+
 // ---- L2 prefetch of one layer of stacked weights (src/prefetch.cu) ----
 #define JT_PREFETCH_MAX_ARRAYS 8
 // For each array a < n (1 <= n <= JT_PREFETCH_MAX_ARRAYS), a stack of
