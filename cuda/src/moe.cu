@@ -56,6 +56,7 @@ constexpr int kMaxRows = 64;                   // output rows of a CTA
 constexpr int kBlock = 128;                    // fp8 scale block
 constexpr int kMaxIBlocks = 8;                 // I / 128
 constexpr int kStage = (kMaxVec + kConsumers - 1) / kConsumers;
+constexpr int kMaxPer = 8;  // scale blocks a warp reduces in one row of a chunk
 
 __device__ unsigned long long g_hidden[kMaxVec];  // phase 1's h, tagged
 __device__ unsigned g_epoch;                     // the last call's tag
@@ -138,11 +139,19 @@ __device__ __forceinline__ void reduce_chunk(const uint8_t* chunk, int rows, int
   for (int item = gw; item < rows * parts; item += kGroupWarps) {
     const int r = item / parts, b0 = (item % parts) * per;
     const uint32_t* w = reinterpret_cast<const uint32_t*>(chunk + (size_t)r * blocks * kBlock);
+    // every load of the item issued before the arithmetic (per <= kMaxPer)
+    uint32_t q[kMaxPer];
+    float4 xv[kMaxPer];
+#pragma unroll
+    for (int j = 0; j < kMaxPer; ++j)
+      if (j < per) {
+        q[j] = w[(b0 + j) * 32 + lane];
+        xv[j] = reinterpret_cast<const float4*>(x + (b0 + j) * kBlock)[lane];
+      }
     float sum = 0.f;
-    for (int b = b0; b < b0 + per; ++b) {
-      const float4 xv = reinterpret_cast<const float4*>(x + b * kBlock)[lane];
-      sum += scale(r, b) * dot4(w[b * 32 + lane], xv);
-    }
+#pragma unroll
+    for (int j = 0; j < kMaxPer; ++j)
+      if (j < per) sum += scale(r, b0 + j) * dot4(q[j], xv[j]);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
     if (lane == 0) atomicAdd(&acc[r], sum * mult);
@@ -241,7 +250,10 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(const JtMoeArgs
   for (int j = 0; j < kStage; ++j) {
     const int i = threadIdx.x + j * kConsumers;
     if (i < vec) {
-      while ((unsigned)(v[j] >> 32) != tag) v[j] = load_relaxed(g_hidden + i);
+      while ((unsigned)(v[j] >> 32) != tag) {  // backing off: the stragglers' streams share L2 with the polls
+        __nanosleep(64);
+        v[j] = load_relaxed(g_hidden + i);
+      }
       sm.x[i] = __uint_as_float((unsigned)v[j]);
     }
   }
