@@ -47,6 +47,7 @@
 #   route        tests/gpu/route_check.py: the engine's router selection vs the reference, and their times
 #   moe          tests/gpu/moe_check.py: the engine's one-launch MoE vs the reference and the pallas path, and
 #                their times per MoE in a dependent chain
+#   ncumoe       ncu on the one-launch MoE: speed of light, warp stalls, memory, source counters
 #   ncu          Nsight Compute on the router's selection and the indexer's top-k launched alone
 #                (bench/experiments/engine_ncu.py): speed of light, launch, occupancy, warp stalls
 #   unrolled     bench.decode 61 layers, pallas, the unrolled layer loop, CUPTI profile with kernel names
@@ -308,6 +309,11 @@ for part in "$@"; do
     prep) step prep 300 python3 tests/gpu/prep_check.py --out "$WORK/prep.json" ;;
     route) step route 200 python3 tests/gpu/route_check.py --out "$WORK/route.json" ;;
     moe) step moe 400 python3 tests/gpu/moe_check.py --out "$WORK/moe.json" ;;
+    ncumoe)  # Nsight Compute on the one-launch MoE (bench/experiments/engine_ncu.py --only moe)
+      XLA_FLAGS="--xla_gpu_enable_command_buffer=" step ncumoe 200 ncu --kernel-name regex:moe_decode --launch-skip 1 \
+        --launch-count 1 --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
+        --section SchedulerStats --section MemoryWorkloadAnalysis --section SourceCounters \
+        python3 -m bench.experiments.engine_ncu --only moe --repeat 3 ;;
     ncu)  # Nsight Compute on the engine's small kernels, this checkout's and each tree's in NCU_TREES (carried
       # folders; the driver is this checkout's, the kernels the tree's; NCU_ARGS: the driver's arguments)
       # (the top-k's cluster kernel hung under ncu's kernel replay: it runs under application replay, the

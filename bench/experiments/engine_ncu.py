@@ -4,7 +4,8 @@ Runs, a few times each and outside any CUDA graph, the launches that sit on the 
 critical chain and are short enough that their fixed costs dominate: the router's selection
 (dsv32-tp8-shard: 256 experts in 8 groups, 4 kept, 8 chosen, 16 split-K partials) and the indexer's
 top-k (2,048 of 4,160 positions, position order, -1 where empty) on normal scores and on scores
-rounded to bf16 (many equal keys). `ncu` then says where each kernel's time goes (part `ncu` of
+rounded to bf16 (many equal keys); `--only moe`: the one-launch MoE (`jtilert.ffi.moe`) at
+dsv32-tp8-shard's shapes on tests/gpu/moe_check.py's random stacks. `ncu` then says where each kernel's time goes (part `ncu` of
 bench/gpu_session.sh: launch, speed of light, warp stall reasons). `--ctas` picks the top-k's plan
 as `jtilert.ffi.select.top_k` takes it.
 
@@ -26,8 +27,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ctas", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--only", choices=("route", "topk"), default=None)
+    ap.add_argument("--only", choices=("route", "topk", "moe"), default=None)
     a = ap.parse_args(argv)
+    if a.only == "moe":
+        return _moe(a.repeat)
     cfg = presets.preset("dsv32-tp8-shard")
     key = jax.random.key(0)
     partials = jax.random.normal(key, (16, 1, cfg.n_routed_experts), jnp.float32) * 0.3
@@ -42,6 +45,22 @@ def main(argv=None) -> int:
         for _ in range(a.repeat):
             jax.block_until_ready(top(s))
         print(name, "done", flush=True)
+    return 0
+
+
+def _moe(repeat: int) -> int:
+    import sys
+    sys.path.insert(0, "tests/gpu")
+    import moe_check  # noqa: PLC0415 - tests/gpu holds the random stacks
+    from jtilert.ffi import moe
+
+    moe_check.L = 2
+    ex, sh = moe_check._stacks(0, True)   # noqa: SLF001
+    f, res, w, ids = moe_check._token(0)   # noqa: SLF001
+    run = jax.jit(lambda *a: moe.moe_decode(*a))
+    for _ in range(repeat):
+        jax.block_until_ready(run(f, w[0], ids[0], ex, sh, res, jnp.int32(1)))
+    print("moe done", flush=True)
     return 0
 
 
