@@ -310,7 +310,7 @@ for part in "$@"; do
     route) step route 200 python3 tests/gpu/route_check.py --out "$WORK/route.json" ;;
     moe) step moe 400 python3 tests/gpu/moe_check.py --out "$WORK/moe.json" ;;
     ncumoe)  # Nsight Compute on the one-launch MoE (bench/experiments/engine_ncu.py --only moe)
-      XLA_FLAGS="--xla_gpu_enable_command_buffer=" step ncumoe 200 ncu --kernel-name regex:moe_decode --launch-skip 1 \
+      XLA_FLAGS="--xla_gpu_enable_command_buffer=" step ncumoe 200 ncu --clock-control none --kernel-name regex:moe_decode --launch-skip 1 \
         --launch-count 1 --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
         --section SchedulerStats --section MemoryWorkloadAnalysis --section SourceCounters \
         python3 -m bench.experiments.engine_ncu --only moe --repeat 3 ;;
@@ -322,11 +322,11 @@ for part in "$@"; do
       for t in . ${NCU_TREES:-}; do
         n=ncu_$( [ "$t" = . ] && echo this || basename "$t" | tr -d .)
         (cd "$t" && PYTHONPATH=$PWD XLA_FLAGS="--xla_gpu_enable_command_buffer=" step "${n}_route" 150 \
-          ncu --kernel-name regex:route_select --section SpeedOfLight --section LaunchStats \
+          ncu --clock-control none --kernel-name regex:route_select --section SpeedOfLight --section LaunchStats \
           --section Occupancy --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
           python3 "$root/bench/experiments/engine_ncu.py" --only route ${NCU_ARGS:-})
         (cd "$t" && PYTHONPATH=$PWD XLA_FLAGS="--xla_gpu_enable_command_buffer=" step "${n}_topk" 240 \
-          ncu --replay-mode application --kernel-name regex:topk_ --launch-count 2 --section SpeedOfLight \
+          ncu --clock-control none --replay-mode application --kernel-name regex:topk_ --launch-count 2 --section SpeedOfLight \
           --section WarpStateStats --section SchedulerStats \
           python3 "$root/bench/experiments/engine_ncu.py" --only topk --repeat 1 ${NCU_ARGS:-})
       done ;;

@@ -8,6 +8,11 @@ linear(swiglu_hidden(f, shared gate/up), shared down)`` at layer ``layer`` of th
 residual in one persistent kernel, where the pallas path runs four kernels and XLA's adds. Elsewhere
 (no GPU, no library) XLA runs the reference, with one warning per reason; `unsupported` says which
 shapes the kernel takes.
+
+The decode step does not call it: its consumers reduce the weight chunks with CUDA-core FMAs, which
+bounds the kernel by the SMs' issue rate below the pallas path's tensor-core GEMVs
+(bench/RESULTS.md, session 24). It is the persistent structure (weight ring, tagged handoff, layer
+stacks addressed on the device) that a tensor-core consumer is to plug into.
 """
 
 from __future__ import annotations

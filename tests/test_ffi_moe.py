@@ -1,0 +1,107 @@
+"""The engine's one-launch MoE (`jtilert.ffi.moe`, cuda/src/moe.cu): wiring, the shapes it takes, the
+XLA lowering of its primitive against `reference_moe`, the CUDA lowering's custom call on the whole
+layer stacks, and the fallback without an engine (the kernel itself runs on the GPU:
+tests/gpu/moe_check.py)."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jtilert.ffi import _lib, moe
+from jtilert.ffi import ops as ffi_ops
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+H, I, K, E, L = 1024, 128, 7, 8, 3   # (K + 1) * I = 1024: 8 gate/up pairs and 8 output rows a CTA
+
+
+def _fp8(key, shape):
+    kw, ks = jax.random.split(key)
+    w = (jax.random.normal(kw, shape) * 4).astype(jnp.float8_e4m3fn)
+    s = jnp.exp(jax.random.uniform(ks, (*shape[:-2], shape[-2] // 128, shape[-1] // 128), minval=-7, maxval=-4))
+    return w, s
+
+
+def _inputs(seed=0):
+    k = jax.random.split(jax.random.key(seed), 10)
+    experts = (*_fp8(k[0], (L, E, I, H)), *_fp8(k[1], (L, E, I, H)), *_fp8(k[2], (L, E, H, I)))
+    shared = (*_fp8(k[3], (L, I, H)), *_fp8(k[4], (L, I, H)), *_fp8(k[5], (L, H, I)))
+    f = jax.random.normal(k[6], (1, H), jnp.bfloat16)
+    res = (jax.random.normal(k[7], (1, H)) * 4).astype(jnp.bfloat16)
+    w = jax.random.uniform(k[8], (1, K), minval=0.1, maxval=1.0)
+    ids = jax.random.permutation(k[9], E)[:K][None].astype(jnp.int32)
+    return f, w, ids, experts, shared, res
+
+
+def test_moe_decode_is_built_and_exported():
+    assert "src/moe.cu" in (ROOT / "cuda" / "CMakeLists.txt").read_text()
+    assert "JtMoeDecode" in (ROOT / "cuda" / "src" / "ffi.cc").read_text()
+    assert _lib.TARGETS["jtilert_moe_decode"] == "JtMoeDecode"
+
+
+def test_unsupported_names_what_the_kernel_does_not_take():
+    f, w, ids, ex, sh, res = _inputs()
+    assert moe.unsupported(f, w, ids, ex, sh, res) is None
+    assert "bf16" in moe.unsupported(f.astype(jnp.float32), w, ids, ex, sh, res)
+    assert "one token" in moe.unsupported(jnp.concatenate([f, f]), w, ids, ex, sh, res)
+    assert "residual" in moe.unsupported(f, w, ids, ex, sh, None)
+    bf16_experts = (ex[0].astype(jnp.bfloat16), *ex[1:])
+    assert "fp8" in moe.unsupported(f, w, ids, bf16_experts, sh, res)
+    wide = (*_fp8(jax.random.key(1), (L, 2 * I, H)), *sh[2:])
+    assert "shared expert of width 256" in moe.unsupported(f, w, ids, ex, wide, res)
+    kk = jax.random.split(jax.random.key(2), 6)   # H = 512: not a multiple of 1024
+    narrow = (*_fp8(kk[0], (L, E, I, 512)), *_fp8(kk[1], (L, E, I, 512)), *_fp8(kk[2], (L, E, 512, I)))
+    narrow_sh = (*_fp8(kk[3], (L, I, 512)), *_fp8(kk[4], (L, I, 512)), *_fp8(kk[5], (L, 512, I)))
+    assert "H=512" in moe.unsupported(f[:, :512], w, ids, narrow, narrow_sh, res[:, :512])
+    with pytest.raises(ValueError, match="moe_decode: .*bf16"):
+        moe.moe_decode(f.astype(jnp.float32), w, ids, ex, sh, res, 0)
+
+
+def test_primitive_lowers_to_the_reference_in_xla():
+    """On a machine without the engine the primitive's XLA lowering is `reference_moe`, bit for bit,
+    at every layer of the stack (a negative index counting from the end)."""
+    f, w, ids, ex, sh, res = _inputs(1)
+    for layer in (0, 2, -1):
+        got = jax.jit(lambda *a: moe.moe_decode_p.bind(*a))(f, w, ids, *ex, *sh, res, jnp.full((1,), layer, jnp.int32))
+        want = moe.reference_moe(f, w, ids, ex, sh, res, layer % L)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_moe_decode_without_the_engine_warns_and_runs_the_reference(monkeypatch):
+    f, w, ids, ex, sh, res = _inputs(2)
+    monkeypatch.setattr(ffi_ops, "engine_status", lambda: (False, "no GPU backend (test)"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = moe.moe_decode(f, w, ids, ex, sh, res, 1)
+    assert any("engine's MoE not used" in str(c.message) for c in caught)
+    np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                  np.asarray(moe.reference_moe(f, w, ids, ex, sh, res, 1), np.float32))
+    # the result is the MoE: residual + routed + shared, not the residual alone
+    assert np.abs(np.asarray(got, np.float32) - np.asarray(res, np.float32)).max() > 0.1
+
+
+def test_cuda_lowering_passes_the_whole_stacks_and_the_layer(monkeypatch):
+    """Cross-lowered for CUDA inside a loop over the layers: one custom call per iteration with 17
+    operands, every weight and scale the loop's own [L, ...] stack (no slice of a layer in front
+    of the call), the layer index last."""
+    monkeypatch.setattr(ffi_ops, "_TEST_FORCE_EMIT", True)
+    f, w, ids, ex, sh, res = _inputs(3)
+
+    def chain(f, w, ids, ex, sh, res):
+        return jax.lax.fori_loop(0, L, lambda i, x: moe.moe_decode(x, w, ids, ex, sh, res, i), f)
+
+    txt = jax.jit(chain).trace(f, w, ids, ex, sh, res).lower(lowering_platforms=("cuda",)).as_text()
+    calls = re.findall(r"custom_call @jtilert_moe_decode\(([^)]*)\)", txt)
+    assert len(calls) == 1, calls
+    ops = [o.strip() for o in calls[0].split(",")]
+    assert len(ops) == 17
+    assert all(o.startswith(("%arg", "%iterArg")) for o in ops[3:15]), ops   # the stacks as they came in
+    line = next(x for x in txt.splitlines() if "custom_call @jtilert_moe_decode" in x)
+    assert f"tensor<{L}x{E}x{I}x{H}xf8E4M3FN>" in line and f"tensor<{L}x{H}x{I}xf8E4M3FN>" in line
+    assert "tensor<1xi32>" in line   # the layer, read on the device
