@@ -16,13 +16,18 @@
 // The weights of both phases are known at the launch (the expert ids are read
 // first), so one producer warp streams every chunk of both phases, in order,
 // into a ring of shared-memory slots (cp.async.bulk, an mbarrier pair per
-// slot): phase 2's weights arrive while the CTAs wait for each other's h. Two
-// groups of 8 consumer warps take the chunks in turn. A chunk is `rows` rows
-// of one weight matrix (phase 1: one row of H bytes; phase 2: R rows of I
-// bytes of one expert's down); a warp step is 32 lanes x 4 bytes, 128 columns:
-// one fp8 scale block. Everything a phase needs that does not depend on the
-// other CTAs (scales, ids, routing weights) is in shared memory before it
-// waits.
+// slot): phase 2's weights arrive while the CTAs wait for each other's h.
+// A chunk is a tile of 8 weight rows x a slice of their K (phase 1: 896
+// columns of 8 gate/up rows; phase 2: three experts' I columns of 8 down rows),
+// each row copied to its own shared-memory row, the rows 16 bytes further
+// apart than their length so that the tensor-core loads below hit 32 banks.
+// Two groups of 8 consumer warps take the chunks in turn; a warp reduces one
+// 128-column scale block of the tile with four fp8 tensor-core MMAs
+// (m16n8k32, e4m3): A holds the input as two e4m3 rows, hi and lo (x ~ hi *
+// s_hi + lo * s_lo, scales per 128-column block), B the 8 weight rows, so the
+// fp32 result's two rows are the tile's dot products with hi and lo. Everything
+// a phase needs that does not depend on the other CTAs (scales, ids, routing
+// weights) is in shared memory before it waits.
 //
 // The scratch vector and the epoch are the library's device globals: the
 // calls on one device must not overlap (a decode step's MoE layers are a
@@ -44,11 +49,14 @@ namespace ptx = cuda::ptx;
 
 constexpr int kCtas = JT_MOE_CTAS;
 constexpr int kGroups = 2;      // consumer warp groups, taking the chunks in turn
-constexpr int kGroupWarps = 8;  // the warps of a group, sharing one chunk
+constexpr int kGroupWarps = 8;  // the warps of a group, one scale block of a chunk each
 constexpr int kConsumers = kGroups * kGroupWarps * 32;
 constexpr int kThreads = kConsumers + 32;  // and the producer warp
 constexpr int kSlots = 20;
 constexpr int kSlotBytes = 8192;
+constexpr int kTile = 8;                       // weight rows of a chunk (the MMA's N)
+constexpr int kPad = 16;                       // bytes between a chunk's rows in shared memory
+constexpr int kMaxSlice = kSlotBytes / kTile - kPad;  // a chunk row's bytes
 constexpr int kMaxVec = JT_MOE_MAX_VEC;        // H and (k + 1) * I
 constexpr int kMaxSegments = JT_MOE_MAX_SEGMENTS;  // k + 1
 constexpr int kMaxPairs = 24;                  // gate/up pairs of a CTA
@@ -56,7 +64,7 @@ constexpr int kMaxRows = 64;                   // output rows of a CTA
 constexpr int kBlock = 128;                    // fp8 scale block
 constexpr int kMaxIBlocks = 8;                 // I / 128
 constexpr int kStage = (kMaxVec + kConsumers - 1) / kConsumers;
-constexpr int kMaxPer = 8;  // scale blocks a warp reduces in one row of a chunk
+constexpr float kE4m3Max = 448.f;
 
 __device__ unsigned long long g_hidden[kMaxVec];  // phase 1's h, tagged
 __device__ unsigned g_epoch;                     // the last call's tag
@@ -64,21 +72,27 @@ __device__ unsigned g_done;                      // CTAs that finished this call
 
 struct Shapes {
   int L, E, H, I, k;
-  int pairs;  // gate/up pairs of a CTA
-  int rows;   // output rows of a CTA
-  int rpc;    // rows of a phase-2 chunk
+  int pairs;   // gate/up pairs of a CTA
+  int rows;    // output rows of a CTA (a multiple of kTile)
+  int slice;   // phase 1: the columns of a chunk (a multiple of 128 dividing H)
+  int spc;     // phase 2: the experts (segments) of a chunk
 };
 
 struct Smem {
   uint8_t ring[kSlots][kSlotBytes];
   float x[kMaxVec];                        // f (phase 1), then h (phase 2)
-  float up_gate_scale[2 * kMaxPairs][kMaxVec / kBlock];  // a row's H / 128 block scales
+  uint8_t x8[2][kMaxVec];                  // the input as e4m3 hi and lo rows
+  float x_scale[2][kMaxVec / kBlock];      // their block scales
+  float up_gate_scale[2 * kMaxPairs][kMaxVec / kBlock];  // row 2q + up of pair q: its H / 128 block scales
   float down_scale[kMaxSegments][2][kMaxIBlocks];        // [segment][row block][I block]
   float acc[kMaxRows];                     // the CTA's row sums
   float weight[kMaxSegments];              // routing weights (1 for the shared expert)
   int id[kMaxSegments];                    // expert ids (clamped), -1 for the shared expert
   uint64_t full[kSlots], empty[kSlots];
 };
+
+static_assert(sizeof(Smem) <= 227 * 1024, "the shared memory of one CTA an SM");
+static_assert(kMaxSlice % 16 == 0 && kPad % 16 == 0, "bulk copies: 16-byte sizes and addresses");
 
 __device__ __forceinline__ unsigned long long load_relaxed(const unsigned long long* a) {
   unsigned long long v;
@@ -119,43 +133,59 @@ __device__ __forceinline__ const float* down_scales(const JtMoeArgs& a, const Sh
   return a.down_scale + (((size_t)layer * s.E + id) * hb + n / kBlock) * ib;
 }
 
-// sum over 4 fp8 weights of w * x (x: 4 consecutive floats in shared memory)
-__device__ __forceinline__ float dot4(uint32_t q, float4 x) {
-  const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)q, __NV_E4M3);
-  const __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(q >> 16), __NV_E4M3);
-  const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&lo));
-  const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&hi));
-  return a.x * x.x + a.y * x.y + b.x * x.z + b.y * x.w;
+// x[0, n) (n a multiple of 128) as two e4m3 rows in x8 with a scale per
+// 128-block each: hi = e4m3(x / s_hi), s_hi = max|x| / 448, then the rest the
+// same way (lo), so hi * s_hi + lo * s_lo keeps about 8 significant bits of
+// each element near its block's largest. One warp a block.
+__device__ __forceinline__ void quantize_input(Smem& sm, int n, int warp, int lane) {
+  for (int b = warp; b < n / kBlock; b += kConsumers / 32) {
+    const float4 v = reinterpret_cast<const float4*>(sm.x + b * kBlock)[lane];
+    float r[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int part = 0; part < 2; ++part) {
+      float m = fmaxf(fmaxf(fabsf(r[0]), fabsf(r[1])), fmaxf(fabsf(r[2]), fabsf(r[3])));
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+      const float sc = m > 0.f ? m / kE4m3Max : 1.f, inv = 1.f / sc;
+      const __nv_fp8x2_storage_t q01 = __nv_cvt_float2_to_fp8x2(make_float2(r[0] * inv, r[1] * inv), __NV_SATFINITE, __NV_E4M3);
+      const __nv_fp8x2_storage_t q23 = __nv_cvt_float2_to_fp8x2(make_float2(r[2] * inv, r[3] * inv), __NV_SATFINITE, __NV_E4M3);
+      reinterpret_cast<uint32_t*>(sm.x8[part] + b * kBlock)[lane] = (uint32_t)q01 | (uint32_t)q23 << 16;
+      if (lane == 0) sm.x_scale[part][b] = sc;
+      const __half2_raw h01 = __nv_cvt_fp8x2_to_halfraw2(q01, __NV_E4M3), h23 = __nv_cvt_fp8x2_to_halfraw2(q23, __NV_E4M3);
+      const float2 f01 = __half22float2(*reinterpret_cast<const __half2*>(&h01));
+      const float2 f23 = __half22float2(*reinterpret_cast<const __half2*>(&h23));
+      r[0] -= f01.x * sc, r[1] -= f01.y * sc, r[2] -= f23.x * sc, r[3] -= f23.y * sc;
+    }
+  }
 }
 
-// One chunk of `rows` rows of `blocks` scale blocks each, reduced by the 8
-// warps of a group into acc[row0 + r] (times mult): a row split over
-// 8 / rows warps where it has fewer than 8 rows, else whole rows per warp.
-// scale(r, b) gives block b of row r; x holds the row's inputs.
-template <class Scale>
-__device__ __forceinline__ void reduce_chunk(const uint8_t* chunk, int rows, int blocks, const float* x, float* acc,
-                                             float mult, int gw, int lane, Scale scale) {
-  const int parts = rows >= kGroupWarps ? 1 : kGroupWarps / rows, per = blocks / parts;
-  for (int item = gw; item < rows * parts; item += kGroupWarps) {
-    const int r = item / parts, b0 = (item % parts) * per;
-    const uint32_t* w = reinterpret_cast<const uint32_t*>(chunk + (size_t)r * blocks * kBlock);
-    // every load of the item issued before the arithmetic (per <= kMaxPer)
-    uint32_t q[kMaxPer];
-    float4 xv[kMaxPer];
+// One 128-column block of a chunk: the 8 rows' dot products with the input's
+// hi and lo rows (columns x_col.. of x8), four MMAs of 32 columns. Returns,
+// in lanes 0..3, the block's unscaled-by-weight sums of rows 2 * lane and
+// 2 * lane + 1 (hi * s_hi + lo * s_lo).
+__device__ __forceinline__ float2 block_dot(const Smem& sm, const uint8_t* rows, int pitch, int col, int x_col,
+                                            int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  float c[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int j = 0; j < kMaxPer; ++j)
-      if (j < per) {
-        q[j] = w[(b0 + j) * 32 + lane];
-        xv[j] = reinterpret_cast<const float4*>(x + (b0 + j) * kBlock)[lane];
-      }
-    float sum = 0.f;
-#pragma unroll
-    for (int j = 0; j < kMaxPer; ++j)
-      if (j < per) sum += scale(r, b0 + j) * dot4(q[j], xv[j]);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    if (lane == 0) atomicAdd(&acc[r], sum * mult);
+  for (int s4 = 0; s4 < kBlock / 32; ++s4) {
+    const int k = s4 * 32 + t * 4;
+    const uint32_t a0 = g < 2 ? *reinterpret_cast<const uint32_t*>(sm.x8[g & 1] + x_col + k) : 0u;
+    const uint32_t a2 = g < 2 ? *reinterpret_cast<const uint32_t*>(sm.x8[g & 1] + x_col + k + 16) : 0u;
+    const uint32_t b0 = *reinterpret_cast<const uint32_t*>(rows + g * pitch + col + k);
+    const uint32_t b1 = *reinterpret_cast<const uint32_t*>(rows + g * pitch + col + k + 16);
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
   }
+  // lanes 0..3 hold row hi, lanes 4..7 row lo, columns (weight rows) 2t and 2t + 1
+  const float sc = sm.x_scale[g & 1][x_col / kBlock];
+  float2 v = make_float2(c[0] * sc, c[1] * sc);
+  v.x += __shfl_xor_sync(0xffffffffu, v.x, 4);
+  v.y += __shfl_xor_sync(0xffffffffu, v.y, 4);
+  return v;
 }
 
 __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(const JtMoeArgs a, const Shapes s) {
@@ -181,34 +211,56 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(const JtMoeArgs
   }
   __syncthreads();
 
-  const int p0 = cta * s.pairs, n0 = cta * s.rows, half_chunks = s.rows / s.rpc;
+  // phase 1: the CTA's 2 * pairs weight rows (row j: pair j / 2's gate or, odd j, up row) in tiles
+  // of 8, each tile in slices of `slice` columns; phase 2: its output rows in tiles of 8, each tile
+  // in groups of spc experts
+  const int p0 = cta * s.pairs, n0 = cta * s.rows, gu_rows = 2 * s.pairs;
+  const int tiles1 = (gu_rows + kTile - 1) / kTile, slices = s.H / s.slice, tiles2 = s.rows / kTile;
+  const int groups2 = segments / s.spc, pitch1 = s.slice + kPad, pitch2 = s.spc * s.I + kPad;
   if (warp == kGroups * kGroupWarps) {  // the producer: every chunk of both phases, in order
     if (lane != 0) return;
     int slot = 0, round = 0;
-    auto push = [&](const uint8_t* src, unsigned bytes) {
+    auto next_slot = [&](unsigned bytes) {
       if (round > 0) mbar_wait(&sm.empty[slot], (round - 1) & 1);
       ptx::mbarrier_arrive_expect_tx(ptx::sem_release, ptx::scope_cta, ptx::space_shared, &sm.full[slot], bytes);
-      ptx::cp_async_bulk(ptx::space_cluster, ptx::space_global, sm.ring[slot], src, bytes, &sm.full[slot]);
+    };
+    auto copy = [&](uint8_t* dst, const uint8_t* src, unsigned bytes) {
+      ptx::cp_async_bulk(ptx::space_cluster, ptx::space_global, dst, src, bytes, &sm.full[slot]);
+    };
+    auto done_slot = [&]() {
       if (++slot == kSlots) {
         slot = 0;
         ++round;
       }
     };
-    for (int q = 0; q < s.pairs; ++q) {
-      const int p = p0 + q, id = sm.id[p / s.I];
-      push(gate_row(a, s, layer, id, false, p % s.I), s.H);
-      push(gate_row(a, s, layer, id, true, p % s.I), s.H);
+    for (int t = 0; t < tiles1; ++t) {
+      const int nr = min(kTile, gu_rows - t * kTile);
+      for (int sl = 0; sl < slices; ++sl) {
+        next_slot(nr * s.slice);
+        for (int r = 0; r < nr; ++r) {
+          const int j = t * kTile + r, p = p0 + j / 2;
+          copy(sm.ring[slot] + r * pitch1, gate_row(a, s, layer, sm.id[p / s.I], j & 1, p % s.I) + sl * s.slice,
+               s.slice);
+        }
+        done_slot();
+      }
     }
-    for (int seg = 0; seg < segments; ++seg)
-      for (int c = 0; c < half_chunks; ++c)
-        push(down_row(a, s, layer, sm.id[seg], n0 + c * s.rpc), s.rpc * s.I);
+    for (int t = 0; t < tiles2; ++t)
+      for (int c = 0; c < groups2; ++c) {
+        next_slot(kTile * s.spc * s.I);
+        for (int r = 0; r < kTile; ++r)
+          for (int u = 0; u < s.spc; ++u)
+            copy(sm.ring[slot] + r * pitch2 + u * s.I, down_row(a, s, layer, sm.id[c * s.spc + u], n0 + t * kTile + r),
+                 s.I);
+        done_slot();
+      }
     return;
   }
 
   // ---- consumers: f and every scale into shared memory, before any wait ----
   const int hb = s.H / kBlock, ib = s.I / kBlock, rb0 = n0 / kBlock;
   for (int i = threadIdx.x; i < s.H; i += kConsumers) sm.x[i] = __bfloat162float(static_cast<const __nv_bfloat16*>(a.f)[i]);
-  for (int i = threadIdx.x; i < 2 * s.pairs * hb; i += kConsumers) {
+  for (int i = threadIdx.x; i < gu_rows * hb; i += kConsumers) {
     const int r = i / hb, b = i % hb, p = p0 + r / 2;
     sm.up_gate_scale[r][b] = __ldg(gate_scales(a, s, layer, sm.id[p / s.I], r & 1, p % s.I) + b);
   }
@@ -219,19 +271,26 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(const JtMoeArgs
   }
   for (int i = threadIdx.x; i < kMaxRows; i += kConsumers) sm.acc[i] = 0.f;
   consumers_sync();
+  quantize_input(sm, s.H, warp, lane);
+  consumers_sync();
 
   const int group = warp / kGroupWarps, gw = warp % kGroupWarps;
   int g = 0;  // chunks taken so far (chunk g sits in slot g % kSlots)
-  // phase 1: chunk 2q is pair q's gate row, 2q + 1 its up row
-  for (; g < 2 * s.pairs; ++g) {
-    if (g % kGroups != group) continue;
-    const int slot = g % kSlots;
-    mbar_wait(&sm.full[slot], (g / kSlots) & 1);
-    const float* sc = sm.up_gate_scale[g];
-    reduce_chunk(sm.ring[slot], 1, hb, sm.x, sm.acc + g, 1.f, gw, lane, [&](int, int b) { return sc[b]; });
-    __syncwarp();
-    if (lane == 0) (void)ptx::mbarrier_arrive(&sm.empty[slot]);
-  }
+  // phase 1: warp gw takes scale block gw of the slice
+  for (int t = 0; t < tiles1; ++t)
+    for (int sl = 0; sl < slices; ++sl, ++g) {
+      if (g % kGroups != group) continue;
+      const int slot = g % kSlots, b = sl * (s.slice / kBlock) + gw;
+      mbar_wait(&sm.full[slot], (g / kSlots) & 1);
+      if (gw < s.slice / kBlock) {
+        const float2 v = block_dot(sm, sm.ring[slot], pitch1, gw * kBlock, b * kBlock, lane);
+        const int j = t * kTile + 2 * lane;
+        if (lane < 4 && j < gu_rows) atomicAdd(&sm.acc[j], v.x * sm.up_gate_scale[j][b]);
+        if (lane < 4 && j + 1 < gu_rows) atomicAdd(&sm.acc[j + 1], v.y * sm.up_gate_scale[j + 1][b]);
+      }
+      __syncwarp();
+      if (lane == 0) (void)ptx::mbarrier_arrive(&sm.empty[slot]);
+    }
   consumers_sync();
   if (threadIdx.x < s.pairs) {  // h of pair q, tagged; its sums zeroed for phase 2
     const int q = threadIdx.x;
@@ -258,18 +317,28 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(const JtMoeArgs
     }
   }
   consumers_sync();
-  // phase 2: chunk (seg, c) holds rows n0 + c * rpc .. of segment seg's down
-  for (int seg = 0; seg < segments; ++seg) {
-    for (int c = 0; c < half_chunks; ++c, ++g) {
+  quantize_input(sm, vec, warp, lane);
+  consumers_sync();
+  // phase 2: chunk (t, c) holds output rows n0 + 8t .. of experts c * spc ..; warp gw takes
+  // block gw of the chunk's spc * I columns (expert c * spc + gw * 128 / I)
+  for (int t = 0; t < tiles2; ++t)
+    for (int c = 0; c < groups2; ++c, ++g) {
       if (g % kGroups != group) continue;
-      const int slot = g % kSlots, r0 = c * s.rpc;
+      const int slot = g % kSlots, col = gw * kBlock;
       mbar_wait(&sm.full[slot], (g / kSlots) & 1);
-      reduce_chunk(sm.ring[slot], s.rpc, ib, sm.x + seg * s.I, sm.acc + r0, sm.weight[seg], gw, lane,
-                   [&](int r, int b) { return sm.down_scale[seg][(n0 + r0 + r) / kBlock - rb0][b]; });
+      if (col < s.spc * s.I) {
+        const int seg = c * s.spc + col / s.I, b = col % s.I / kBlock;
+        const float2 v = block_dot(sm, sm.ring[slot], pitch2, col, c * s.spc * s.I + col, lane);
+        const int r = t * kTile + 2 * lane, rb = (n0 + r) / kBlock - rb0;
+        const float w = sm.weight[seg];
+        if (lane < 4) {
+          atomicAdd(&sm.acc[r], v.x * w * sm.down_scale[seg][rb][b]);
+          atomicAdd(&sm.acc[r + 1], v.y * w * sm.down_scale[seg][(n0 + r + 1) / kBlock - rb0][b]);
+        }
+      }
       __syncwarp();
       if (lane == 0) (void)ptx::mbarrier_arrive(&sm.empty[slot]);
     }
-  }
   consumers_sync();
   if (threadIdx.x < s.rows) {
     const int n = n0 + threadIdx.x;
@@ -291,15 +360,19 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(const JtMoeArgs
 }  // namespace jt
 
 namespace {
-// Rows of a phase-2 chunk: the largest whole share of a CTA's H / kCtas rows
-// that fits a slot; with fewer than 8 rows the warps split a row's I / 128
-// blocks, which must then divide evenly (0: no such share).
-int down_chunk_rows(int H, int I) {
+// Phase 1's chunk columns: the widest multiple of 128 dividing H that fits a
+// slot row (at most 8 blocks: a warp each).
+int gate_up_slice(int H) {
   using namespace jt;
-  const int rows = H / kCtas;
-  for (int r = rows; r >= 1; --r)
-    if (rows % r == 0 && r * I <= kSlotBytes)
-      return r >= kGroupWarps || (kGroupWarps % r == 0 && (I / kBlock) % (kGroupWarps / r) == 0) ? r : 0;
+  for (int c = kMaxSlice / kBlock * kBlock; c >= kBlock; c -= kBlock)
+    if (H % c == 0 && c / kBlock <= kGroupWarps) return c;
+  return 0;
+}
+// Phase 2's experts a chunk: the most that divide k + 1 and fit a slot row.
+int down_experts(int I, int segments) {
+  using namespace jt;
+  for (int e = segments; e >= 1; --e)
+    if (segments % e == 0 && e * I <= kMaxSlice && e * I / kBlock <= kGroupWarps) return e;
   return 0;
 }
 }  // namespace
@@ -308,19 +381,19 @@ extern "C" const char* jt_moe_unsupported(int H, int I, int k) {
   using namespace jt;
   const int segments = k + 1;
   if (k < 1 || segments > kMaxSegments) return "k + 1 experts above JT_MOE_MAX_SEGMENTS";
-  if (H % (kBlock * kGroupWarps) || H > kMaxVec) return "H not a multiple of 1024 up to JT_MOE_MAX_VEC";
-  if (I % kBlock || I / kBlock > kMaxIBlocks) return "I not a multiple of 128 up to 1024";
+  if (H % kBlock || H > kMaxVec) return "H not a multiple of 128 up to JT_MOE_MAX_VEC";
+  if (I % kBlock || I > kMaxSlice) return "I not a multiple of 128 up to 896";
   if (segments * I > kMaxVec) return "(k + 1) * I above JT_MOE_MAX_VEC";
   if ((segments * I) % kCtas || segments * I / kCtas > kMaxPairs) return "(k + 1) * I not split evenly over the CTAs";
-  if (H % kCtas || H / kCtas > kMaxRows) return "H not split evenly over the CTAs";
-  if (down_chunk_rows(H, I) == 0) return "no chunk of down rows fits a ring slot";
+  if (H % (kCtas * kTile) || H / kCtas > kMaxRows) return "H not split over the CTAs in tiles of 8 rows";
+  if (down_experts(I, segments) == 0) return "no group of experts' down rows fits a ring slot";
   return nullptr;
 }
 
 extern "C" cudaError_t jt_moe_decode(cudaStream_t stream, const JtMoeArgs* args, int L, int E, int H, int I, int k) {
   using namespace jt;
   if (jt_moe_unsupported(H, I, k) != nullptr || L < 1 || E < 1) return cudaErrorInvalidValue;
-  const Shapes s{L, E, H, I, k, (k + 1) * I / kCtas, H / kCtas, down_chunk_rows(H, I)};
+  const Shapes s{L, E, H, I, k, (k + 1) * I / kCtas, H / kCtas, gate_up_slice(H), down_experts(I, k + 1)};
   static std::mutex mu;  // the shared-memory limit, raised once per device
   static bool raised[64] = {};
   int dev = 0;

@@ -9,10 +9,8 @@ residual in one persistent kernel, where the pallas path runs four kernels and X
 (no GPU, no library) XLA runs the reference, with one warning per reason; `unsupported` says which
 shapes the kernel takes.
 
-The decode step does not call it: its consumers reduce the weight chunks with CUDA-core FMAs, which
-bounds the kernel by the SMs' issue rate below the pallas path's tensor-core GEMVs
-(bench/RESULTS.md, session 24). It is the persistent structure (weight ring, tagged handoff, layer
-stacks addressed on the device) that a tensor-core consumer is to plug into.
+The decode step does not call it yet: bench/RESULTS.md (session 24) compares it with the pallas
+path's kernels.
 """
 
 from __future__ import annotations
@@ -94,7 +92,7 @@ def unsupported(f, weights, ids, experts, shared, residual) -> str | None:
         return "weights not fp8 e4m3 with block scales"
     if sg.shape[1] != i or sd.shape[1:] != (h, i):
         return f"shared expert of width {sg.shape[1]}, routed {i}"
-    if k + 1 > MAX_SEGMENTS or h % 1024 or h > MAX_VEC or i % 128 or i > 1024 or (k + 1) * i > MAX_VEC:
+    if k + 1 > MAX_SEGMENTS or h % 1024 or h > MAX_VEC or i % 128 or i > 896 or (k + 1) * i > MAX_VEC:
         return f"H={h}, I={i}, k={k}"
     if ((k + 1) * i) % CTAS or (k + 1) * i // CTAS > 24 or h % CTAS or h // CTAS > 64:
         return f"H={h}, (k+1)·I={(k + 1) * i} not split over {CTAS} CTAs"
