@@ -17,17 +17,19 @@
 // first), so one producer warp streams every chunk of both phases, in order,
 // into a ring of shared-memory slots (cp.async.bulk, an mbarrier pair per
 // slot): phase 2's weights arrive while the CTAs wait for each other's h.
-// A chunk is a tile of 8 weight rows x a slice of their K (phase 1: 896
-// columns of 8 gate/up rows; phase 2: three experts' I columns of 8 down rows),
-// each row copied to its own shared-memory row, the rows 16 bytes further
-// apart than their length so that the tensor-core loads below hit 32 banks.
-// Two groups of 8 consumer warps take the chunks in turn; a warp reduces one
-// 128-column scale block of the tile with four fp8 tensor-core MMAs
-// (m16n8k32, e4m3): A holds the input as two e4m3 rows, hi and lo (x ~ hi *
-// s_hi + lo * s_lo, scales per 128-column block), B the 8 weight rows, so the
-// fp32 result's two rows are the tile's dot products with hi and lo. Everything
-// a phase needs that does not depend on the other CTAs (scales, ids, routing
-// weights) is in shared memory before it waits.
+// A chunk is one bulk copy: phase 1, one gate or up row (H bytes); phase 2,
+// 8 consecutive rows of one expert's down (8 x I bytes). The slots are 16
+// bytes longer than 8 KB, so 8 consecutive slots' rows fall on different
+// banks. A tile is 8 weight rows: phase 1, 8 consecutive chunks; phase 2, the
+// k + 1 chunks of 8 rows, one per expert. Two groups of 8 consumer warps take
+// the tiles in turn; each warp reduces its share of the tile's 128-column scale
+// blocks with fp8 tensor-core MMAs (m16n8k32, e4m3): A holds the input as two
+// e4m3 rows, hi and lo (x ~ hi * s_hi + lo * s_lo, scales per 128-column
+// block), B 8 weight rows, so the fp32 result's two rows are the 8 rows' dot
+// products with hi and lo; the warps' partial sums are added in a fixed order
+// (the result does not depend on the warps' timing). Everything a phase needs
+// that does not depend on the other CTAs (scales, ids, routing weights) is in
+// shared memory before it waits.
 //
 // The scratch vector and the epoch are the library's device globals: the
 // calls on one device must not overlap (a decode step's MoE layers are a
@@ -52,18 +54,16 @@ constexpr int kGroups = 2;      // consumer warp groups, taking the chunks in tu
 constexpr int kGroupWarps = 8;  // the warps of a group, one scale block of a chunk each
 constexpr int kConsumers = kGroups * kGroupWarps * 32;
 constexpr int kThreads = kConsumers + 32;  // and the producer warp
-constexpr int kSlots = 20;
-constexpr int kSlotBytes = 8192;
-constexpr int kTile = 8;                       // weight rows of a chunk (the MMA's N)
-constexpr int kPad = 16;                       // bytes between a chunk's rows in shared memory
-constexpr int kMaxSlice = kSlotBytes / kTile - kPad;  // a chunk row's bytes
+constexpr int kSlots = 24;
+constexpr int kSlotBytes = 8192;               // a chunk's bytes at most
+constexpr int kSlotPitch = kSlotBytes + 16;    // consecutive slots 4 banks apart
+constexpr int kTile = 8;                       // weight rows of a tile (the MMA's N)
 constexpr int kMaxVec = JT_MOE_MAX_VEC;        // H and (k + 1) * I
 constexpr int kMaxSegments = JT_MOE_MAX_SEGMENTS;  // k + 1
 constexpr int kMaxPairs = 24;                  // gate/up pairs of a CTA
 constexpr int kMaxRows = 64;                   // output rows of a CTA
 constexpr int kBlock = 128;                    // fp8 scale block
 constexpr int kMaxIBlocks = 8;                 // I / 128
-constexpr int kStage = (kMaxVec + kConsumers - 1) / kConsumers;
 constexpr float kE4m3Max = 448.f;
 
 __device__ unsigned long long g_hidden[kMaxVec];  // phase 1's h, tagged
@@ -72,27 +72,27 @@ __device__ unsigned g_done;                      // CTAs that finished this call
 
 struct Shapes {
   int L, E, H, I, k;
-  int pairs;   // gate/up pairs of a CTA
-  int rows;    // output rows of a CTA (a multiple of kTile)
-  int slice;   // phase 1: the columns of a chunk (a multiple of 128 dividing H)
-  int spc;     // phase 2: the experts (segments) of a chunk
+  int pairs;  // gate/up pairs of a CTA
+  int rows;   // output rows of a CTA (a multiple of kTile)
 };
 
 struct Smem {
-  uint8_t ring[kSlots][kSlotBytes];
-  float x[kMaxVec];                        // f (phase 1), then h (phase 2)
-  uint8_t x8[2][kMaxVec];                  // the input as e4m3 hi and lo rows
+  uint8_t ring[kSlots][kSlotPitch];
+  uint8_t x8[2][kMaxVec];                  // the phase's input as e4m3 hi and lo rows
   float x_scale[2][kMaxVec / kBlock];      // their block scales
   float up_gate_scale[2 * kMaxPairs][kMaxVec / kBlock];  // row 2q + up of pair q: its H / 128 block scales
   float down_scale[kMaxSegments][2][kMaxIBlocks];        // [segment][row block][I block]
   float acc[kMaxRows];                     // the CTA's row sums
+  float part[kGroups][kGroupWarps][kTile]; // a tile's partial sums, by warp
   float weight[kMaxSegments];              // routing weights (1 for the shared expert)
   int id[kMaxSegments];                    // expert ids (clamped), -1 for the shared expert
   uint64_t full[kSlots], empty[kSlots];
 };
 
 static_assert(sizeof(Smem) <= 227 * 1024, "the shared memory of one CTA an SM");
-static_assert(kMaxSlice % 16 == 0 && kPad % 16 == 0, "bulk copies: 16-byte sizes and addresses");
+static_assert(kSlotPitch % 16 == 0, "bulk copies: 16-byte addresses");
+static_assert(kSlots % kTile == 0, "phase-1 tiles of 8 consecutive slots");
+static_assert(2 * kMaxSegments <= kSlots, "both groups' phase-2 tiles in the ring at once");
 
 __device__ __forceinline__ unsigned long long load_relaxed(const unsigned long long* a) {
   unsigned long long v;
@@ -133,13 +133,15 @@ __device__ __forceinline__ const float* down_scales(const JtMoeArgs& a, const Sh
   return a.down_scale + (((size_t)layer * s.E + id) * hb + n / kBlock) * ib;
 }
 
-// x[0, n) (n a multiple of 128) as two e4m3 rows in x8 with a scale per
-// 128-block each: hi = e4m3(x / s_hi), s_hi = max|x| / 448, then the rest the
-// same way (lo), so hi * s_hi + lo * s_lo keeps about 8 significant bits of
-// each element near its block's largest. One warp a block.
-__device__ __forceinline__ void quantize_input(Smem& sm, int n, int warp, int lane) {
+// The phase's input, n elements (n a multiple of 128), as two e4m3 rows in
+// x8 with a scale per 128-block each: hi = e4m3(x / s_hi), s_hi = max|x| /
+// 448, then the rest the same way (lo), so hi * s_hi + lo * s_lo keeps about 8
+// significant bits of each element near its block's largest. One warp a
+// block; load(i) gives elements 4i .. 4i + 3.
+template <class Load>
+__device__ __forceinline__ void quantize_input(Smem& sm, int n, int warp, int lane, Load load) {
   for (int b = warp; b < n / kBlock; b += kConsumers / 32) {
-    const float4 v = reinterpret_cast<const float4*>(sm.x + b * kBlock)[lane];
+    const float4 v = load(b * (kBlock / 4) + lane);
     float r[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
     for (int part = 0; part < 2; ++part) {
@@ -159,12 +161,11 @@ __device__ __forceinline__ void quantize_input(Smem& sm, int n, int warp, int la
   }
 }
 
-// One 128-column block of a chunk: the 8 rows' dot products with the input's
-// hi and lo rows (columns x_col.. of x8), four MMAs of 32 columns. Returns,
-// in lanes 0..3, the block's unscaled-by-weight sums of rows 2 * lane and
-// 2 * lane + 1 (hi * s_hi + lo * s_lo).
-__device__ __forceinline__ float2 block_dot(const Smem& sm, const uint8_t* rows, int pitch, int col, int x_col,
-                                            int lane) {
+// One 128-column block: the dot products of 8 weight rows (row g's 128 bytes
+// at w + g * pitch) with the input's hi and lo rows at columns x_col.., four
+// MMAs of 32 columns. Returns, in lanes 0..3, the sums of rows 2 * lane and
+// 2 * lane + 1 (hi * s_hi + lo * s_lo; the weights' scale not applied).
+__device__ __forceinline__ float2 block_dot(const Smem& sm, const uint8_t* w, int pitch, int x_col, int lane) {
   const int g = lane >> 2, t = lane & 3;
   float c[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
@@ -172,8 +173,8 @@ __device__ __forceinline__ float2 block_dot(const Smem& sm, const uint8_t* rows,
     const int k = s4 * 32 + t * 4;
     const uint32_t a0 = g < 2 ? *reinterpret_cast<const uint32_t*>(sm.x8[g & 1] + x_col + k) : 0u;
     const uint32_t a2 = g < 2 ? *reinterpret_cast<const uint32_t*>(sm.x8[g & 1] + x_col + k + 16) : 0u;
-    const uint32_t b0 = *reinterpret_cast<const uint32_t*>(rows + g * pitch + col + k);
-    const uint32_t b1 = *reinterpret_cast<const uint32_t*>(rows + g * pitch + col + k + 16);
+    const uint32_t b0 = *reinterpret_cast<const uint32_t*>(w + g * pitch + k);
+    const uint32_t b1 = *reinterpret_cast<const uint32_t*>(w + g * pitch + k + 16);
     asm volatile(
         "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
         "{%0, %1, %2, %3};"
@@ -186,6 +187,10 @@ __device__ __forceinline__ float2 block_dot(const Smem& sm, const uint8_t* rows,
   v.x += __shfl_xor_sync(0xffffffffu, v.x, 4);
   v.y += __shfl_xor_sync(0xffffffffu, v.y, 4);
   return v;
+}
+
+__device__ __forceinline__ void group_sync(int group) {  // the 8 warps of a consumer group
+  asm volatile("bar.sync %0, %1;" ::"r"(2 + group), "n"(kGroupWarps * 32) : "memory");
 }
 
 __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(const JtMoeArgs a, const Shapes s) {
@@ -211,55 +216,33 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(const JtMoeArgs
   }
   __syncthreads();
 
-  // phase 1: the CTA's 2 * pairs weight rows (row j: pair j / 2's gate or, odd j, up row) in tiles
-  // of 8, each tile in slices of `slice` columns; phase 2: its output rows in tiles of 8, each tile
-  // in groups of spc experts
+  // phase 1: the CTA's 2 * pairs weight rows (row j: pair j / 2's gate or, odd j, up row), a
+  // chunk each, in tiles of 8; phase 2: its output rows in tiles of 8, a chunk per expert
   const int p0 = cta * s.pairs, n0 = cta * s.rows, gu_rows = 2 * s.pairs;
-  const int tiles1 = (gu_rows + kTile - 1) / kTile, slices = s.H / s.slice, tiles2 = s.rows / kTile;
-  const int groups2 = segments / s.spc, pitch1 = s.slice + kPad, pitch2 = s.spc * s.I + kPad;
+  const int tiles1 = (gu_rows + kTile - 1) / kTile, tiles2 = s.rows / kTile;
   if (warp == kGroups * kGroupWarps) {  // the producer: every chunk of both phases, in order
     if (lane != 0) return;
     int slot = 0, round = 0;
-    auto next_slot = [&](unsigned bytes) {
+    auto push = [&](const uint8_t* src, unsigned bytes) {
       if (round > 0) mbar_wait(&sm.empty[slot], (round - 1) & 1);
       ptx::mbarrier_arrive_expect_tx(ptx::sem_release, ptx::scope_cta, ptx::space_shared, &sm.full[slot], bytes);
-    };
-    auto copy = [&](uint8_t* dst, const uint8_t* src, unsigned bytes) {
-      ptx::cp_async_bulk(ptx::space_cluster, ptx::space_global, dst, src, bytes, &sm.full[slot]);
-    };
-    auto done_slot = [&]() {
+      ptx::cp_async_bulk(ptx::space_cluster, ptx::space_global, sm.ring[slot], src, bytes, &sm.full[slot]);
       if (++slot == kSlots) {
         slot = 0;
         ++round;
       }
     };
-    for (int t = 0; t < tiles1; ++t) {
-      const int nr = min(kTile, gu_rows - t * kTile);
-      for (int sl = 0; sl < slices; ++sl) {
-        next_slot(nr * s.slice);
-        for (int r = 0; r < nr; ++r) {
-          const int j = t * kTile + r, p = p0 + j / 2;
-          copy(sm.ring[slot] + r * pitch1, gate_row(a, s, layer, sm.id[p / s.I], j & 1, p % s.I) + sl * s.slice,
-               s.slice);
-        }
-        done_slot();
-      }
+    for (int j = 0; j < gu_rows; ++j) {
+      const int p = p0 + j / 2;
+      push(gate_row(a, s, layer, sm.id[p / s.I], j & 1, p % s.I), s.H);
     }
     for (int t = 0; t < tiles2; ++t)
-      for (int c = 0; c < groups2; ++c) {
-        next_slot(kTile * s.spc * s.I);
-        for (int r = 0; r < kTile; ++r)
-          for (int u = 0; u < s.spc; ++u)
-            copy(sm.ring[slot] + r * pitch2 + u * s.I, down_row(a, s, layer, sm.id[c * s.spc + u], n0 + t * kTile + r),
-                 s.I);
-        done_slot();
-      }
+      for (int seg = 0; seg < segments; ++seg) push(down_row(a, s, layer, sm.id[seg], n0 + t * kTile), kTile * s.I);
     return;
   }
 
   // ---- consumers: f and every scale into shared memory, before any wait ----
   const int hb = s.H / kBlock, ib = s.I / kBlock, rb0 = n0 / kBlock;
-  for (int i = threadIdx.x; i < s.H; i += kConsumers) sm.x[i] = __bfloat162float(static_cast<const __nv_bfloat16*>(a.f)[i]);
   for (int i = threadIdx.x; i < gu_rows * hb; i += kConsumers) {
     const int r = i / hb, b = i % hb, p = p0 + r / 2;
     sm.up_gate_scale[r][b] = __ldg(gate_scales(a, s, layer, sm.id[p / s.I], r & 1, p % s.I) + b);
@@ -269,76 +252,100 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(const JtMoeArgs
     const int n = min((rb0 + rb) * kBlock, s.H - 1);  // the CTA's rows span at most two row blocks
     sm.down_scale[seg][rb][b] = __ldg(down_scales(a, s, layer, sm.id[seg], n) + b);
   }
-  for (int i = threadIdx.x; i < kMaxRows; i += kConsumers) sm.acc[i] = 0.f;
-  consumers_sync();
-  quantize_input(sm, s.H, warp, lane);
+  quantize_input(sm, s.H, warp, lane, [&](int i) {
+    const uint2 q = __ldg(reinterpret_cast<const uint2*>(a.f) + i);  // 4 bf16
+    const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&q.x));
+    const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&q.y));
+    return make_float4(lo.x, lo.y, hi.x, hi.y);
+  });
   consumers_sync();
 
   const int group = warp / kGroupWarps, gw = warp % kGroupWarps;
-  int g = 0;  // chunks taken so far (chunk g sits in slot g % kSlots)
-  // phase 1: warp gw takes scale block gw of the slice
-  for (int t = 0; t < tiles1; ++t)
-    for (int sl = 0; sl < slices; ++sl, ++g) {
-      if (g % kGroups != group) continue;
-      const int slot = g % kSlots, b = sl * (s.slice / kBlock) + gw;
-      mbar_wait(&sm.full[slot], (g / kSlots) & 1);
-      if (gw < s.slice / kBlock) {
-        const float2 v = block_dot(sm, sm.ring[slot], pitch1, gw * kBlock, b * kBlock, lane);
-        const int j = t * kTile + 2 * lane;
-        if (lane < 4 && j < gu_rows) atomicAdd(&sm.acc[j], v.x * sm.up_gate_scale[j][b]);
-        if (lane < 4 && j + 1 < gu_rows) atomicAdd(&sm.acc[j + 1], v.y * sm.up_gate_scale[j + 1][b]);
-      }
-      __syncwarp();
-      if (lane == 0) (void)ptx::mbarrier_arrive(&sm.empty[slot]);
+  int chunk = 0;  // chunks of the tiles before (chunk c sits in slot c % kSlots)
+  // A tile of `nc` chunks starting at chunk c0, reduced by group `owner`: each warp adds up its
+  // blocks (block(i) for i = gw, gw + 8, .. < nblocks: the slot's row base, its pitch, the input
+  // column, the 8 rows' weight scales), then warp 0 sums the 8 warps' parts in order into out[0..8).
+  auto tile = [&](int owner, int c0, int nc, int nblocks, auto block, auto out) {
+    if (owner != group) return;
+    for (int c = c0; c < c0 + nc; ++c) mbar_wait(&sm.full[c % kSlots], (c / kSlots) & 1);
+    float r0 = 0.f, r1 = 0.f;
+    for (int i = gw; i < nblocks; i += kGroupWarps) {
+      const uint8_t* w;
+      int pitch, x_col;
+      float s0, s1;
+      block(i, w, pitch, x_col, s0, s1);
+      const float2 v = block_dot(sm, w, pitch, x_col, lane);
+      r0 += v.x * s0;
+      r1 += v.y * s1;
     }
+    if (lane < 4) sm.part[group][gw][2 * lane] = r0, sm.part[group][gw][2 * lane + 1] = r1;
+    __syncwarp();
+    if (lane == 0)
+      for (int c = c0; c < c0 + nc; ++c) (void)ptx::mbarrier_arrive(&sm.empty[c % kSlots]);
+    group_sync(group);
+    if (gw == 0 && lane < kTile) {
+      float sum = 0.f;
+      for (int j = 0; j < kGroupWarps; ++j) sum += sm.part[group][j][lane];
+      out(lane, sum);
+    }
+    group_sync(group);  // the parts are free again
+  };
+  int owner = 0;  // the tiles go to the groups in turn
+  for (int t = 0; t < tiles1; ++t, owner ^= 1) {
+    const int nr = min(kTile, gu_rows - t * kTile), c0 = chunk;
+    tile(owner, c0, nr, hb,
+         [&](int i, const uint8_t*& w, int& pitch, int& x_col, float& s0, float& s1) {
+           // block i of all 8 rows: row g in slot c0 + g (rows past nr: another chunk, unused)
+           w = sm.ring[c0 % kSlots] + i * kBlock;
+           pitch = kSlotPitch;  // a phase-1 tile starts at a multiple of 8 chunks: it never wraps
+           x_col = i * kBlock;
+           const int j = t * kTile + 2 * (lane & 3);
+           s0 = j < gu_rows ? sm.up_gate_scale[j][i] : 0.f;
+           s1 = j + 1 < gu_rows ? sm.up_gate_scale[j + 1][i] : 0.f;
+         },
+         [&](int r, float v) {
+           if (t * kTile + r < gu_rows) sm.acc[t * kTile + r] = v;
+         });
+    chunk += nr;
+  }
   consumers_sync();
-  if (threadIdx.x < s.pairs) {  // h of pair q, tagged; its sums zeroed for phase 2
+  if (threadIdx.x < s.pairs) {  // h of pair q, tagged
     const int q = threadIdx.x;
     const float gv = round_bf16(sm.acc[2 * q]), uv = round_bf16(sm.acc[2 * q + 1]);
     const float h = round_bf16(gv / (1.f + __expf(-gv)) * uv);
     store_relaxed(g_hidden + p0 + q, (unsigned long long)tag << 32 | __float_as_uint(h));
-    sm.acc[2 * q] = sm.acc[2 * q + 1] = 0.f;
   }
-  // phase 2's input: the whole h vector, every load in flight before any is checked
-  const int vec = segments * s.I;
-  unsigned long long v[kStage];
+  // phase 2's input: the whole h vector, each warp polling its blocks' elements until their tags
+  // are the call's
+  quantize_input(sm, segments * s.I, warp, lane, [&](int i) {
+    unsigned long long e[4];
 #pragma unroll
-  for (int j = 0; j < kStage; ++j)
-    if (threadIdx.x + j * kConsumers < vec) v[j] = load_relaxed(g_hidden + threadIdx.x + j * kConsumers);
+    for (int u = 0; u < 4; ++u) e[u] = load_relaxed(g_hidden + 4 * i + u);
 #pragma unroll
-  for (int j = 0; j < kStage; ++j) {
-    const int i = threadIdx.x + j * kConsumers;
-    if (i < vec) {
-      while ((unsigned)(v[j] >> 32) != tag) {  // backing off: the stragglers' streams share L2 with the polls
+    for (int u = 0; u < 4; ++u)
+      while ((unsigned)(e[u] >> 32) != tag) {  // backing off: the stragglers' streams share L2 with the polls
         __nanosleep(64);
-        v[j] = load_relaxed(g_hidden + i);
+        e[u] = load_relaxed(g_hidden + 4 * i + u);
       }
-      sm.x[i] = __uint_as_float((unsigned)v[j]);
-    }
+    return make_float4(__uint_as_float((unsigned)e[0]), __uint_as_float((unsigned)e[1]),
+                       __uint_as_float((unsigned)e[2]), __uint_as_float((unsigned)e[3]));
+  });
+  consumers_sync();
+  // phase 2: tile t's chunks hold rows n0 + 8t .. of each expert's down, 8 x I bytes
+  for (int t = 0; t < tiles2; ++t, owner ^= 1) {
+    const int c0 = chunk;
+    tile(owner, c0, segments, segments * ib,
+         [&](int i, const uint8_t*& w, int& pitch, int& x_col, float& s0, float& s1) {
+           const int seg = i / ib, b = i % ib, r = t * kTile + 2 * (lane & 3);
+           w = sm.ring[(c0 + seg) % kSlots] + b * kBlock;
+           pitch = s.I;
+           x_col = seg * s.I + b * kBlock;
+           s0 = sm.weight[seg] * sm.down_scale[seg][(n0 + r) / kBlock - rb0][b];
+           s1 = sm.weight[seg] * sm.down_scale[seg][(n0 + r + 1) / kBlock - rb0][b];
+         },
+         [&](int r, float v) { sm.acc[t * kTile + r] = v; });
+    chunk += segments;
   }
-  consumers_sync();
-  quantize_input(sm, vec, warp, lane);
-  consumers_sync();
-  // phase 2: chunk (t, c) holds output rows n0 + 8t .. of experts c * spc ..; warp gw takes
-  // block gw of the chunk's spc * I columns (expert c * spc + gw * 128 / I)
-  for (int t = 0; t < tiles2; ++t)
-    for (int c = 0; c < groups2; ++c, ++g) {
-      if (g % kGroups != group) continue;
-      const int slot = g % kSlots, col = gw * kBlock;
-      mbar_wait(&sm.full[slot], (g / kSlots) & 1);
-      if (col < s.spc * s.I) {
-        const int seg = c * s.spc + col / s.I, b = col % s.I / kBlock;
-        const float2 v = block_dot(sm, sm.ring[slot], pitch2, col, c * s.spc * s.I + col, lane);
-        const int r = t * kTile + 2 * lane, rb = (n0 + r) / kBlock - rb0;
-        const float w = sm.weight[seg];
-        if (lane < 4) {
-          atomicAdd(&sm.acc[r], v.x * w * sm.down_scale[seg][rb][b]);
-          atomicAdd(&sm.acc[r + 1], v.y * w * sm.down_scale[seg][(n0 + r + 1) / kBlock - rb0][b]);
-        }
-      }
-      __syncwarp();
-      if (lane == 0) (void)ptx::mbarrier_arrive(&sm.empty[slot]);
-    }
   consumers_sync();
   if (threadIdx.x < s.rows) {
     const int n = n0 + threadIdx.x;
@@ -359,41 +366,23 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(const JtMoeArgs
 
 }  // namespace jt
 
-namespace {
-// Phase 1's chunk columns: the widest multiple of 128 dividing H that fits a
-// slot row (at most 8 blocks: a warp each).
-int gate_up_slice(int H) {
-  using namespace jt;
-  for (int c = kMaxSlice / kBlock * kBlock; c >= kBlock; c -= kBlock)
-    if (H % c == 0 && c / kBlock <= kGroupWarps) return c;
-  return 0;
-}
-// Phase 2's experts a chunk: the most that divide k + 1 and fit a slot row.
-int down_experts(int I, int segments) {
-  using namespace jt;
-  for (int e = segments; e >= 1; --e)
-    if (segments % e == 0 && e * I <= kMaxSlice && e * I / kBlock <= kGroupWarps) return e;
-  return 0;
-}
-}  // namespace
-
 extern "C" const char* jt_moe_unsupported(int H, int I, int k) {
   using namespace jt;
   const int segments = k + 1;
   if (k < 1 || segments > kMaxSegments) return "k + 1 experts above JT_MOE_MAX_SEGMENTS";
   if (H % kBlock || H > kMaxVec) return "H not a multiple of 128 up to JT_MOE_MAX_VEC";
-  if (I % kBlock || I > kMaxSlice) return "I not a multiple of 128 up to 896";
+  if (I % kBlock || I / kBlock > kMaxIBlocks || kTile * I > kSlotBytes) return "I not a multiple of 128 up to 1024";
+  if (H > kSlotBytes) return "H above 8192";
   if (segments * I > kMaxVec) return "(k + 1) * I above JT_MOE_MAX_VEC";
   if ((segments * I) % kCtas || segments * I / kCtas > kMaxPairs) return "(k + 1) * I not split evenly over the CTAs";
   if (H % (kCtas * kTile) || H / kCtas > kMaxRows) return "H not split over the CTAs in tiles of 8 rows";
-  if (down_experts(I, segments) == 0) return "no group of experts' down rows fits a ring slot";
   return nullptr;
 }
 
 extern "C" cudaError_t jt_moe_decode(cudaStream_t stream, const JtMoeArgs* args, int L, int E, int H, int I, int k) {
   using namespace jt;
   if (jt_moe_unsupported(H, I, k) != nullptr || L < 1 || E < 1) return cudaErrorInvalidValue;
-  const Shapes s{L, E, H, I, k, (k + 1) * I / kCtas, H / kCtas, gate_up_slice(H), down_experts(I, k + 1)};
+  const Shapes s{L, E, H, I, k, (k + 1) * I / kCtas, H / kCtas};
   static std::mutex mu;  // the shared-memory limit, raised once per device
   static bool raised[64] = {};
   int dev = 0;

@@ -26,7 +26,7 @@ from jtilert.ops import reference
 
 CTAS = 128          # JT_MOE_CTAS: the SMs the kernel needs free at once
 MAX_VEC = 8192      # JT_MOE_MAX_VEC
-MAX_SEGMENTS = 16   # JT_MOE_MAX_SEGMENTS
+MAX_SEGMENTS = 12   # JT_MOE_MAX_SEGMENTS: k + 1
 
 moe_decode_p = Primitive("jtilert_moe_decode")
 
@@ -92,7 +92,7 @@ def unsupported(f, weights, ids, experts, shared, residual) -> str | None:
         return "weights not fp8 e4m3 with block scales"
     if sg.shape[1] != i or sd.shape[1:] != (h, i):
         return f"shared expert of width {sg.shape[1]}, routed {i}"
-    if k + 1 > MAX_SEGMENTS or h % 1024 or h > MAX_VEC or i % 128 or i > 896 or (k + 1) * i > MAX_VEC:
+    if k + 1 > MAX_SEGMENTS or h % 1024 or h > MAX_VEC or i % 128 or i > 1024 or (k + 1) * i > MAX_VEC:
         return f"H={h}, I={i}, k={k}"
     if ((k + 1) * i) % CTAS or (k + 1) * i // CTAS > 24 or h % CTAS or h // CTAS > 64:
         return f"H={h}, (k+1)·I={(k + 1) * i} not split over {CTAS} CTAs"

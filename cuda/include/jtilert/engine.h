@@ -203,7 +203,7 @@ cudaError_t jt_route_select(cudaStream_t stream, const float* partials, int S,
 // ---- a MoE layer's experts for one decode token (src/moe.cu) ----
 #define JT_MOE_CTAS 128          // one persistent launch of this many CTAs (all resident)
 #define JT_MOE_MAX_VEC 8192      // H and (k + 1) * I at most
-#define JT_MOE_MAX_SEGMENTS 16   // k routed experts + the shared one
+#define JT_MOE_MAX_SEGMENTS 12   // k routed experts + the shared one
 // The operands, all in device memory. fp8 (e4m3) weights with fp32 128 x 128
 // block scales, stacked over L layers: gate/up [L, E, I, H] (scales
 // [L, E, I/128, H/128]), down [L, E, H, I] (scales [L, E, H/128, I/128]); the
