@@ -40,6 +40,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <mutex>
 
 #include "jtilert/engine.h"
@@ -74,6 +75,7 @@ struct Shapes {
   int L, E, H, I, k;
   int pairs;  // gate/up pairs of a CTA
   int rows;   // output rows of a CTA (a multiple of kTile)
+  long long timeout_ns;  // the longest a CTA waits for the others' h
 };
 
 struct Smem {
@@ -101,6 +103,11 @@ __device__ __forceinline__ unsigned long long load_relaxed(const unsigned long l
 }
 __device__ __forceinline__ void store_relaxed(unsigned long long* a, unsigned long long v) {
   asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" ::"l"(a), "l"(v) : "memory");
+}
+__device__ __forceinline__ long long global_ns() {
+  long long t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
 }
 __device__ __forceinline__ void mbar_wait(uint64_t* b, unsigned parity) {
   while (!ptx::mbarrier_try_wait_parity(b, parity)) {
@@ -321,11 +328,13 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(const JtMoeArgs
     unsigned long long e[4];
 #pragma unroll
     for (int u = 0; u < 4; ++u) e[u] = load_relaxed(g_hidden + 4 * i + u);
+    const long long since = global_ns();
 #pragma unroll
     for (int u = 0; u < 4; ++u)
       while ((unsigned)(e[u] >> 32) != tag) {  // backing off: the stragglers' streams share L2 with the polls
         __nanosleep(64);
         e[u] = load_relaxed(g_hidden + 4 * i + u);
+        if (global_ns() - since > s.timeout_ns) __trap();  // a CTA that never came: a CUDA error, not a hang
       }
     return make_float4(__uint_as_float((unsigned)e[0]), __uint_as_float((unsigned)e[1]),
                        __uint_as_float((unsigned)e[2]), __uint_as_float((unsigned)e[3]));
@@ -382,7 +391,11 @@ extern "C" const char* jt_moe_unsupported(int H, int I, int k) {
 extern "C" cudaError_t jt_moe_decode(cudaStream_t stream, const JtMoeArgs* args, int L, int E, int H, int I, int k) {
   using namespace jt;
   if (jt_moe_unsupported(H, I, k) != nullptr || L < 1 || E < 1) return cudaErrorInvalidValue;
-  const Shapes s{L, E, H, I, k, (k + 1) * I / kCtas, H / kCtas};
+  static const long long timeout_ns = [] {  // JTILERT_FFI_TIMEOUT_MS, as the engine's other waits
+    const char* v = std::getenv("JTILERT_FFI_TIMEOUT_MS");
+    return (v != nullptr && std::atoll(v) > 0 ? std::atoll(v) : 30000LL) * 1000000LL;
+  }();
+  const Shapes s{L, E, H, I, k, (k + 1) * I / kCtas, H / kCtas, timeout_ns};
   static std::mutex mu;  // the shared-memory limit, raised once per device
   static bool raised[64] = {};
   int dev = 0;
