@@ -106,7 +106,7 @@ __device__ __forceinline__ void store_relaxed(unsigned long long* a, unsigned lo
 }
 __device__ __forceinline__ long long global_ns() {
   long long t;
-  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
 __device__ __forceinline__ void mbar_wait(uint64_t* b, unsigned parity) {
