@@ -55,6 +55,7 @@ def test_unsupported_names_what_the_kernel_does_not_take():
     assert "fp8" in moe.unsupported(f, w, ids, bf16_experts, sh, res)
     wide = (*_fp8(jax.random.key(1), (L, 2 * I, H)), *sh[2:])
     assert "shared expert of width 256" in moe.unsupported(f, w, ids, ex, wide, res)
+    assert "k=0" in moe.unsupported(f, w[:, :0], ids[:, :0], ex, sh, res)   # no routed expert: C refuses it too
     kk = jax.random.split(jax.random.key(2), 6)   # H = 512: not a multiple of 1024
     narrow = (*_fp8(kk[0], (L, E, I, 512)), *_fp8(kk[1], (L, E, I, 512)), *_fp8(kk[2], (L, E, 512, I)))
     narrow_sh = (*_fp8(kk[3], (L, I, 512)), *_fp8(kk[4], (L, I, 512)), *_fp8(kk[5], (L, 512, I)))
@@ -105,3 +106,4 @@ def test_cuda_lowering_passes_the_whole_stacks_and_the_layer(monkeypatch):
     line = next(x for x in txt.splitlines() if "custom_call @jtilert_moe_decode" in x)
     assert f"tensor<{L}x{E}x{I}x{H}xf8E4M3FN>" in line and f"tensor<{L}x{H}x{I}xf8E4M3FN>" in line
     assert "tensor<1xi32>" in line   # the layer, read on the device
+    assert re.search(r"timeout_ms = \d+ : i64", txt), "the wait's bound, JTILERT_FFI_TIMEOUT_MS"

@@ -412,7 +412,7 @@ ffi::Error MoeDecodeImpl(cudaStream_t stream, ffi::AnyBuffer f, ffi::Buffer<ffi:
                          ffi::Buffer<ffi::F32> shared_gate_scale, ffi::AnyBuffer shared_up,
                          ffi::Buffer<ffi::F32> shared_up_scale, ffi::AnyBuffer shared_down,
                          ffi::Buffer<ffi::F32> shared_down_scale, ffi::AnyBuffer residual,
-                         ffi::AnyBuffer layer, ffi::Result<ffi::AnyBuffer> out) {
+                         ffi::AnyBuffer layer, ffi::Result<ffi::AnyBuffer> out, int64_t timeout_ms) {
   const int32_t* l = nullptr;
   ffi::Error err = layer_operand(layer, "moe_decode", &l);
   if (!err.success()) return err;
@@ -442,7 +442,7 @@ ffi::Error MoeDecodeImpl(cudaStream_t stream, ffi::AnyBuffer f, ffi::Buffer<ffi:
                     up_scale.typed_data(), down_scale.typed_data(), shared_gate_scale.typed_data(),
                     shared_up_scale.typed_data(), shared_down_scale.typed_data(), residual.untyped_data(), l,
                     out->untyped_data()};
-  cudaError_t e = jt_moe_decode(stream, &a, (int)L, (int)E, (int)H, (int)I, (int)k);
+  cudaError_t e = jt_moe_decode(stream, &a, (int)L, (int)E, (int)H, (int)I, (int)k, timeout_ms);
   if (e != cudaSuccess) return cuda_error(e, "moe_decode launch");
   return ffi::Error::Success();
 }
@@ -666,7 +666,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JtMoeDecode, MoeDecodeImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()        // its scale
                                   .Arg<ffi::AnyBuffer>()               // residual
                                   .Arg<ffi::AnyBuffer>()               // layer
-                                  .Ret<ffi::AnyBuffer>(),              // out
+                                  .Ret<ffi::AnyBuffer>()               // out
+                                  .Attr<int64_t>("timeout_ms"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 // L2 prefetch: the layer index, the ordering operand, then 1 to

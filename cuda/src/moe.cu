@@ -40,8 +40,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdlib>
-#include <mutex>
 
 #include "jtilert/engine.h"
 
@@ -373,12 +371,19 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(const JtMoeArgs
 
 }  // namespace
 
+// Raises the kernel's dynamic shared-memory limit (jt_prepare_device, once a device).
+int prepare_moe_kernels(int max_smem) {
+  if ((int)sizeof(Smem) > max_smem) return (int)cudaErrorInvalidValue;
+  return (int)cudaFuncSetAttribute(moe_decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   (int)sizeof(Smem));
+}
+
 }  // namespace jt
 
 extern "C" const char* jt_moe_unsupported(int H, int I, int k) {
   using namespace jt;
   const int segments = k + 1;
-  if (k < 1 || segments > kMaxSegments) return "k + 1 experts above JT_MOE_MAX_SEGMENTS";
+  if (k < 1 || segments > kMaxSegments) return "k not in 1 .. JT_MOE_MAX_SEGMENTS - 1";
   if (H % kBlock || H > kMaxVec) return "H not a multiple of 128 up to JT_MOE_MAX_VEC";
   if (I % kBlock || I / kBlock > kMaxIBlocks || kTile * I > kSlotBytes) return "I not a multiple of 128 up to 1024";
   if (H > kSlotBytes) return "H above 8192";
@@ -388,27 +393,11 @@ extern "C" const char* jt_moe_unsupported(int H, int I, int k) {
   return nullptr;
 }
 
-extern "C" cudaError_t jt_moe_decode(cudaStream_t stream, const JtMoeArgs* args, int L, int E, int H, int I, int k) {
+extern "C" cudaError_t jt_moe_decode(cudaStream_t stream, const JtMoeArgs* args, int L, int E, int H, int I, int k,
+                                     int64_t timeout_ms) {
   using namespace jt;
   if (jt_moe_unsupported(H, I, k) != nullptr || L < 1 || E < 1) return cudaErrorInvalidValue;
-  static const long long timeout_ns = [] {  // JTILERT_FFI_TIMEOUT_MS, as the engine's other waits
-    const char* v = std::getenv("JTILERT_FFI_TIMEOUT_MS");
-    return (v != nullptr && std::atoll(v) > 0 ? std::atoll(v) : 30000LL) * 1000000LL;
-  }();
-  const Shapes s{L, E, H, I, k, (k + 1) * I / kCtas, H / kCtas, timeout_ns};
-  static std::mutex mu;  // the shared-memory limit, raised once per device
-  static bool raised[64] = {};
-  int dev = 0;
-  cudaError_t e = cudaGetDevice(&dev);
-  if (e != cudaSuccess || dev < 0 || dev >= 64) return e != cudaSuccess ? e : cudaErrorInvalidDevice;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    if (!raised[dev]) {
-      e = cudaFuncSetAttribute(moe_decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sizeof(Smem));
-      if (e != cudaSuccess) return e;
-      raised[dev] = true;
-    }
-  }
+  const Shapes s{L, E, H, I, k, (k + 1) * I / kCtas, H / kCtas, (long long)timeout_ms * 1000000LL};
   moe_decode_kernel<<<kCtas, kThreads, sizeof(Smem), stream>>>(*args, s);
   return cudaGetLastError();
 }

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
@@ -57,12 +58,18 @@ def _lower_xla(ctx, f, weights, ids, *rest):
 
 
 def _lower_cuda(ctx, *args):
+    # every local GPU's shared-memory limit raised here, in the main thread, before XLA runs anything
     if not _ops._TEST_FORCE_EMIT:  # noqa: SLF001
         lib, why = _lib.load()
-        if lib is None:
-            _warn(why)
+        try:
+            if lib is None:
+                raise RuntimeError(why)
+            for d in jax.local_devices(backend="gpu"):
+                lib.prepare(int(d.local_hardware_id))
+        except Exception as e:  # noqa: BLE001 - any failure means: fall back
+            _warn(f"{type(e).__name__}: {e}")
             return _lower_xla(ctx, *args)
-    return jax.ffi.ffi_lowering("jtilert_moe_decode")(ctx, *args)
+    return jax.ffi.ffi_lowering("jtilert_moe_decode")(ctx, *args, timeout_ms=np.int64(_lib.timeout_ms()))
 
 
 mlir.register_lowering(moe_decode_p, _lower_xla)
@@ -92,7 +99,7 @@ def unsupported(f, weights, ids, experts, shared, residual) -> str | None:
         return "weights not fp8 e4m3 with block scales"
     if sg.shape[1] != i or sd.shape[1:] != (h, i):
         return f"shared expert of width {sg.shape[1]}, routed {i}"
-    if k + 1 > MAX_SEGMENTS or h % 1024 or h > MAX_VEC or i % 128 or i > 1024 or (k + 1) * i > MAX_VEC:
+    if k < 1 or k + 1 > MAX_SEGMENTS or h % 1024 or h > MAX_VEC or i % 128 or i > 1024 or (k + 1) * i > MAX_VEC:
         return f"H={h}, I={i}, k={k}"
     if ((k + 1) * i) % CTAS or (k + 1) * i // CTAS > 24 or h % CTAS or h // CTAS > 64:
         return f"H={h}, (k+1)·I={(k + 1) * i} not split over {CTAS} CTAs"

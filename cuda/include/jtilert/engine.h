@@ -224,11 +224,13 @@ const char* jt_moe_unsupported(int H, int I, int k);
 // out = residual + sum_j weights[j] Down[ids[j]] h_j + SharedDown h_s with
 // h_e = bf16(silu(bf16(f Gate_e^T)) * bf16(f Up_e^T)), at layer *layer (negative
 // from the end, then clamped; ids clamped into [0, E)). One launch of
-// JT_MOE_CTAS CTAs, which wait for each other: the GPU needs that many SMs
-// free of other long work, and calls on one device must not overlap (they
-// share the library's scratch vector). cudaErrorInvalidValue for shapes
-// jt_moe_unsupported refuses.
-cudaError_t jt_moe_decode(cudaStream_t stream, const JtMoeArgs* args, int L, int E, int H, int I, int k);
+// JT_MOE_CTAS CTAs, which wait for each other (at most timeout_ms, then the
+// kernel traps): the GPU needs that many SMs free of other long work, and
+// calls on one device must not overlap (they share the library's scratch
+// vector). Needs jt_prepare_device on the device first.
+// cudaErrorInvalidValue for shapes jt_moe_unsupported refuses.
+cudaError_t jt_moe_decode(cudaStream_t stream, const JtMoeArgs* args, int L, int E, int H, int I, int k,
+                          int64_t timeout_ms);
 
 // ---- L2 prefetch of one layer of stacked weights (src/prefetch.cu) ----
 #define JT_PREFETCH_MAX_ARRAYS 8
