@@ -6,6 +6,7 @@ The GPU side (the kernels running on 2 GPUs, compute-sanitizer, timings) is in t
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import pathlib
@@ -24,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 import jtilert.ffi as jf
 from jtilert.ops import reference
+from jtilert.ffi import moe
 from jtilert.ffi import ops as ffi_ops
 from jtilert.ffi import plan as ffi_plan
 
@@ -69,6 +71,14 @@ def test_cuda_sources_compile_warnings_as_errors(tmp_path):
                   "JtExpertDownAllReduceStacked", "jt_gemv_all_reduce_layer", "jt_expert_down_all_reduce_layer"):
             assert f" {s}\n" in syms, s
         assert " cudaMalloc\n" not in syms
+    # the C and the Python side take the same MoE shapes (moe_decode checks in Python, ffi.cc in C)
+    c = ctypes.CDLL(str(lib))
+    c.jt_moe_unsupported.restype = ctypes.c_char_p
+    shapes = [(h, i, k) for h in (512, 576, 640, 1024, 6144, 7168, 8192, 8320) for i in (128, 256, 384, 512, 768, 1024, 1152)
+              for k in (0, 1, 2, 3, 7, 8, 11, 12)]
+    differ = [s for s in shapes if (c.jt_moe_unsupported(*s) is None) != (moe.shape_unsupported(*s) is None)]
+    assert not differ, differ
+    assert c.jt_moe_unsupported(7168, 256, 8) is None and c.jt_moe_unsupported(7168, 768, 3) is not None
 
 
 @pytest.mark.skipif(_nvcc() is None, reason="nvcc not found: the CUDA sources cannot be compiled here")

@@ -56,10 +56,17 @@ def test_unsupported_names_what_the_kernel_does_not_take():
     wide = (*_fp8(jax.random.key(1), (L, 2 * I, H)), *sh[2:])
     assert "shared expert of width 256" in moe.unsupported(f, w, ids, ex, wide, res)
     assert "k=0" in moe.unsupported(f, w[:, :0], ids[:, :0], ex, sh, res)   # no routed expert: C refuses it too
-    kk = jax.random.split(jax.random.key(2), 6)   # H = 512: not a multiple of 1024
-    narrow = (*_fp8(kk[0], (L, E, I, 512)), *_fp8(kk[1], (L, E, I, 512)), *_fp8(kk[2], (L, E, 512, I)))
-    narrow_sh = (*_fp8(kk[3], (L, I, 512)), *_fp8(kk[4], (L, I, 512)), *_fp8(kk[5], (L, 512, I)))
-    assert "H=512" in moe.unsupported(f[:, :512], w, ids, narrow, narrow_sh, res[:, :512])
+    kk = jax.random.split(jax.random.key(2), 6)
+
+    def stacks(h, i):
+        return ((*_fp8(kk[0], (L, E, i, h)), *_fp8(kk[1], (L, E, i, h)), *_fp8(kk[2], (L, E, h, i))),
+                (*_fp8(kk[3], (L, i, h)), *_fp8(kk[4], (L, i, h)), *_fp8(kk[5], (L, h, i))))
+    assert moe.unsupported(f[:, :512], w, ids, *stacks(512, I), res[:, :512]) is None   # 8 CTAs' output rows
+    assert "H=576" in moe.unsupported(f[:, :576], w, ids, *stacks(576, I), res[:, :576])   # not 128-blocks
+    # I = 768, k = 3: 24 gate/up pairs a CTA, but phase 2's 4 segments x 8 chunks of 8 rows do not fit
+    # the ring's 24 slots; I = 1024, k = 2: 3 x 8 chunks do
+    assert "above the kernel's ring" in moe.unsupported(f, w[:, :3], ids[:, :3], *stacks(H, 768), res)
+    assert moe.unsupported(f, w[:, :2], ids[:, :2], *stacks(H, 1024), res) is None
     with pytest.raises(ValueError, match="moe_decode: .*bf16"):
         moe.moe_decode(f.astype(jnp.float32), w, ids, ex, sh, res, 0)
 
@@ -133,3 +140,36 @@ def test_the_kernels_hi_lo_input_form_keeps_about_8_bits():
     w = (rng.standard_normal((64, x.size)) * 4).astype(e4m3).astype(np.float32)
     exact, got = w.astype(np.float64) @ x, w.astype(np.float64) @ back
     assert np.linalg.norm(got - exact) <= 1e-3 * np.linalg.norm(exact)
+
+
+@pytest.mark.parametrize("shift", [0, 16])
+def test_block_dots_rotated_rows_sum_on_the_diagonal(shift):
+    """moe.cu's block_dot in NumPy, lane by lane with PTX's m16n8k32 fragment layout (A: a0/a2 row g,
+    a1/a3 row g + 8, columns 4t.. and 4t + 16..; B: column g; C: c0/c1 row g, c2/c3 row g + 8, columns
+    2t, 2t + 1): when row g reads its columns rotated by g * shift bytes, and A's rows g and g + 8 hold
+    hi and lo at the same columns, the lane that `holds_row` (lane % 4 == lane / 8) finds row g's dot
+    products with hi and lo on the diagonal, and no other column of C is needed."""
+    rng = np.random.default_rng(shift)
+    hi, lo = rng.standard_normal(128), rng.standard_normal(128)
+    w = rng.standard_normal((8, 128))
+    c = np.zeros((16, 8))
+    for s4 in range(4):
+        a, b = np.full((16, 32), np.nan), np.full((32, 8), np.nan)
+        for lane in range(32):
+            g, t = lane >> 2, lane & 3
+            k0 = (g * shift + s4 * 32 + t * 4) & 127
+            for half, k in ((0, k0), (1, (k0 + 16) & 127)):
+                cols = slice(t * 4 + 16 * half, t * 4 + 16 * half + 4)
+                a[g, cols], a[g + 8, cols], b[cols, g] = hi[k:k + 4], lo[k:k + 4], w[g, k:k + 4]
+        c += a @ b
+    got = {}
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        if t == lane >> 3:   # holds_row: c[g & 1] and c[2 + (g & 1)] are C[g][2t + (g & 1)] = C[g][g]
+            got[g] = (c[g, 2 * t + (g & 1)], c[g + 8, 2 * t + (g & 1)])
+    assert sorted(got) == list(range(8))
+    for g in range(8):
+        np.testing.assert_allclose(got[g], (w[g] @ hi, w[g] @ lo), rtol=1e-12)
+    # the shift spreads phase 2's rows (a multiple of 128 bytes apart) over the 32 banks
+    banks = {(g * 256 + ((g * shift + t * 4) & 127)) // 4 % 32 for g in range(8) for t in range(4)}
+    assert len(banks) == (32 if shift else 4)

@@ -10,26 +10,26 @@
 //      the CTAs; each CTA writes its pairs' h into a scratch vector, every
 //      element tagged with the call's epoch (fp32 value | tag << 32 in one
 //      64-bit store, so a reader that sees the tag sees the value);
-//   2. down: the H output rows split evenly; each CTA polls the whole h vector
-//      until every tag is the call's, reduces its rows over the k + 1 expert
-//      segments and writes residual + sum (bf16).
+//   2. down: the H output rows in slices of kRows2 rows, one slice a CTA (the
+//      first H / kRows2 CTAs); each polls the whole h vector until every tag is
+//      the call's, reduces its rows over the k + 1 expert segments and writes
+//      residual + sum (bf16).
 // The weights of both phases are known at the launch (the expert ids are read
 // first), so one producer warp streams every chunk of both phases, in order,
 // into a ring of shared-memory slots (cp.async.bulk, an mbarrier pair per
-// slot): phase 2's weights arrive while the CTAs wait for each other's h.
-// A chunk is one bulk copy: phase 1, one gate or up row (H bytes); phase 2,
-// 8 consecutive rows of one expert's down (8 x I bytes). The slots are 16
-// bytes longer than 8 KB, so 8 consecutive slots' rows fall on different
-// banks. A tile is 8 weight rows: phase 1, 8 consecutive chunks; phase 2, the
-// k + 1 chunks of 8 rows, one per expert. Two groups of 8 consumer warps take
+// slot): phase 2's weights, which fit the ring, arrive while the CTAs wait for
+// each other's h. A chunk is one bulk copy (each costs the producer thread
+// about as much as its bytes take to arrive, so chunks are large): phase 1,
+// one gate or up row (H bytes); phase 2, R consecutive rows of one expert's
+// down (R x I bytes, R = kSlotBytes / I up to kRows2). The slots are 16 bytes
+// longer than 8 KB, so 8 consecutive slots' rows fall on different banks.
+// A tile is 8 weight rows: phase 1, 8 consecutive chunks; phase 2, 8 rows of
+// each of the k + 1 chunks of one row range. Two groups of 8 consumer warps take
 // the tiles in turn; each warp reduces its share of the tile's 128-column scale
-// blocks with fp8 tensor-core MMAs (m16n8k32, e4m3): A holds the input as two
-// e4m3 rows, hi and lo (x ~ hi * s_hi + lo * s_lo, scales per 128-column
-// block), B 8 weight rows, so the fp32 result's two rows are the 8 rows' dot
-// products with hi and lo; the warps' partial sums are added in a fixed order
-// (the result does not depend on the warps' timing). Everything a phase needs
-// that does not depend on the other CTAs (scales, ids, routing weights) is in
-// shared memory before it waits.
+// blocks with fp8 tensor-core MMAs (block_dot); the warps' partial sums are
+// added in a fixed order (the result does not depend on the warps' timing).
+// Everything a phase needs that does not depend on the other CTAs (scales,
+// ids, routing weights) is loaded with all its loads in flight at once.
 //
 // The scratch vector and the epoch are the library's device globals: the
 // calls on one device must not overlap (a decode step's MoE layers are a
@@ -60,7 +60,7 @@ constexpr int kTile = 8;                       // weight rows of a tile (the MMA
 constexpr int kMaxVec = JT_MOE_MAX_VEC;        // H and (k + 1) * I
 constexpr int kMaxSegments = JT_MOE_MAX_SEGMENTS;  // k + 1
 constexpr int kMaxPairs = 24;                  // gate/up pairs of a CTA
-constexpr int kMaxRows = 64;                   // output rows of a CTA
+constexpr int kRows2 = 64;                     // phase 2's output rows of a CTA
 constexpr int kBlock = 128;                    // fp8 scale block
 constexpr int kMaxIBlocks = 8;                 // I / 128
 constexpr float kE4m3Max = 448.f;
@@ -72,7 +72,7 @@ __device__ unsigned g_done;                      // CTAs that finished this call
 struct Shapes {
   int L, E, H, I, k;
   int pairs;  // gate/up pairs of a CTA
-  int rows;   // output rows of a CTA (a multiple of kTile)
+  int chunk_rows;  // phase 2: the down rows of one chunk (kTile .. kRows2, a power of two)
   long long timeout_ns;  // the longest a CTA waits for the others' h
 };
 
@@ -81,8 +81,8 @@ struct Smem {
   uint8_t x8[2][kMaxVec];                  // the phase's input as e4m3 hi and lo rows
   float x_scale[2][kMaxVec / kBlock];      // their block scales
   float up_gate_scale[2 * kMaxPairs][kMaxVec / kBlock];  // row 2q + up of pair q: its H / 128 block scales
-  float down_scale[kMaxSegments][2][kMaxIBlocks];        // [segment][row block][I block]
-  float acc[kMaxRows];                     // the CTA's row sums
+  float down_scale[kMaxSegments][kMaxIBlocks];           // the CTA's rows' (one row block) [segment][I block]
+  float acc[kRows2];                       // the CTA's row sums (phase 1: its gate/up rows)
   float part[kGroups][kGroupWarps][kTile]; // a tile's partial sums, by warp
   float weight[kMaxSegments];              // routing weights (1 for the shared expert)
   int id[kMaxSegments];                    // expert ids (clamped), -1 for the shared expert
@@ -92,7 +92,8 @@ struct Smem {
 static_assert(sizeof(Smem) <= 227 * 1024, "the shared memory of one CTA an SM");
 static_assert(kSlotPitch % 16 == 0, "bulk copies: 16-byte addresses");
 static_assert(kSlots % kTile == 0, "phase-1 tiles of 8 consecutive slots");
-static_assert(2 * kMaxSegments <= kSlots, "both groups' phase-2 tiles in the ring at once");
+static_assert(2 * kMaxPairs <= kRows2, "phase 1's row sums in acc");
+static_assert(kBlock % kRows2 == 0, "a CTA's phase-2 rows in one scale block");
 
 __device__ __forceinline__ unsigned long long load_relaxed(const unsigned long long* a) {
   unsigned long long v;
@@ -138,16 +139,20 @@ __device__ __forceinline__ const float* down_scales(const JtMoeArgs& a, const Sh
   return a.down_scale + (((size_t)layer * s.E + id) * hb + n / kBlock) * ib;
 }
 
-// The phase's input, n elements (n a multiple of 128), as two e4m3 rows in
-// x8 with a scale per 128-block each: hi = e4m3(x / s_hi), s_hi = max|x| /
-// 448, then the rest the same way (lo), so hi * s_hi + lo * s_lo keeps about 8
-// significant bits of each element near its block's largest. One warp a
-// block; load(i) gives elements 4i .. 4i + 3.
-template <class Load>
-__device__ __forceinline__ void quantize_input(Smem& sm, int n, int warp, int lane, Load load) {
-  for (int b = warp; b < n / kBlock; b += kConsumers / 32) {
-    const float4 v = load(b * (kBlock / 4) + lane);
-    float r[4] = {v.x, v.y, v.z, v.w};
+// The phase's input as two e4m3 rows in x8 with a scale per 128-block each:
+// hi = e4m3(x / s_hi), s_hi = max|x| / 448, then the rest the same way (lo),
+// so hi * s_hi + lo * s_lo keeps about 8 significant bits of each element near
+// its block's largest. One warp a block: the warp's blocks are warp, warp +
+// kWarps, .. < nb, and v[u] holds lane's elements 4 lane .. 4 lane + 3 of its
+// u-th block (the caller loads them all before any is needed).
+constexpr int kWarps = kConsumers / 32;
+constexpr int kBlocksPerWarp = kMaxVec / kBlock / kWarps;
+__device__ __forceinline__ void quantize_input(Smem& sm, int nb, int warp, int lane, const float4 (&v)[kBlocksPerWarp]) {
+#pragma unroll
+  for (int u = 0; u < kBlocksPerWarp; ++u) {
+    const int b = warp + u * kWarps;
+    if (b >= nb) break;
+    float r[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
 #pragma unroll
     for (int part = 0; part < 2; ++part) {
       float m = fmaxf(fmaxf(fabsf(r[0]), fabsf(r[1])), fmaxf(fabsf(r[2]), fabsf(r[3])));
@@ -168,30 +173,37 @@ __device__ __forceinline__ void quantize_input(Smem& sm, int n, int warp, int la
 
 // One 128-column block: the dot products of 8 weight rows (row g's 128 bytes
 // at w + g * pitch) with the input's hi and lo rows at columns x_col.., four
-// MMAs of 32 columns. Returns, in lanes 0..3, the sums of rows 2 * lane and
-// 2 * lane + 1 (hi * s_hi + lo * s_lo; the weights' scale not applied).
-__device__ __forceinline__ float2 block_dot(const Smem& sm, const uint8_t* w, int pitch, int x_col, int lane) {
+// fp8 tensor-core MMAs (m16n8k32, e4m3) of 32 columns. B holds the 8 rows
+// (column g of B: row g); A's rows g and g + 8 hold hi and lo at the columns
+// row g is read at, so the diagonal C[g][g] is row g's dot with hi and C[g +
+// 8][g] with lo. That lets row g read its columns rotated by g * shift bytes
+// within the block (a dot product does not depend on the order of its terms):
+// where the rows' pitch is a multiple of 128 bytes (phase 2), shift 16 puts the
+// 8 rows' 4-byte words on 32 different banks. Returns, in the lane holding
+// row g = lane / 4 (lane % 4 == g / 2, `holds_row`), hi * s_hi + lo * s_lo
+// (the weights' scale not applied); 0 in the other lanes.
+__device__ __forceinline__ bool holds_row(int lane) { return (lane & 3) == (lane >> 3); }
+__device__ __forceinline__ float block_dot(const Smem& sm, const uint8_t* w, int pitch, int x_col, int shift, int lane) {
   const int g = lane >> 2, t = lane & 3;
+  const uint8_t* hi = sm.x8[0] + x_col;
+  const uint8_t* lo = sm.x8[1] + x_col;
+  w += g * pitch;
   float c[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
   for (int s4 = 0; s4 < kBlock / 32; ++s4) {
-    const int k = s4 * 32 + t * 4;
-    const uint32_t a0 = g < 2 ? *reinterpret_cast<const uint32_t*>(sm.x8[g & 1] + x_col + k) : 0u;
-    const uint32_t a2 = g < 2 ? *reinterpret_cast<const uint32_t*>(sm.x8[g & 1] + x_col + k + 16) : 0u;
-    const uint32_t b0 = *reinterpret_cast<const uint32_t*>(w + g * pitch + k);
-    const uint32_t b1 = *reinterpret_cast<const uint32_t*>(w + g * pitch + k + 16);
+    const int k0 = (g * shift + s4 * 32 + t * 4) & (kBlock - 1), k1 = (k0 + 16) & (kBlock - 1);
+    const uint32_t a0 = *reinterpret_cast<const uint32_t*>(hi + k0), a1 = *reinterpret_cast<const uint32_t*>(lo + k0);
+    const uint32_t a2 = *reinterpret_cast<const uint32_t*>(hi + k1), a3 = *reinterpret_cast<const uint32_t*>(lo + k1);
+    const uint32_t b0 = *reinterpret_cast<const uint32_t*>(w + k0), b1 = *reinterpret_cast<const uint32_t*>(w + k1);
     asm volatile(
         "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
         "{%0, %1, %2, %3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
   }
-  // lanes 0..3 hold row hi, lanes 4..7 row lo, columns (weight rows) 2t and 2t + 1
-  const float sc = sm.x_scale[g & 1][x_col / kBlock];
-  float2 v = make_float2(c[0] * sc, c[1] * sc);
-  v.x += __shfl_xor_sync(0xffffffffu, v.x, 4);
-  v.y += __shfl_xor_sync(0xffffffffu, v.y, 4);
-  return v;
+  // lane (g, t) holds C[g][2t], C[g][2t + 1] in c[0], c[1] and C[g + 8][2t], C[g + 8][2t + 1] in c[2], c[3]
+  const int b = x_col / kBlock;
+  return holds_row(lane) ? c[g & 1] * sm.x_scale[0][b] + c[2 + (g & 1)] * sm.x_scale[1][b] : 0.f;
 }
 
 __device__ __forceinline__ void group_sync(int group) {  // the 8 warps of a consumer group
@@ -222,9 +234,11 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(const JtMoeArgs
   __syncthreads();
 
   // phase 1: the CTA's 2 * pairs weight rows (row j: pair j / 2's gate or, odd j, up row), a
-  // chunk each, in tiles of 8; phase 2: its output rows in tiles of 8, a chunk per expert
-  const int p0 = cta * s.pairs, n0 = cta * s.rows, gu_rows = 2 * s.pairs;
-  const int tiles1 = (gu_rows + kTile - 1) / kTile, tiles2 = s.rows / kTile;
+  // chunk each, in tiles of 8; phase 2 (CTAs below H / kRows2): output rows n0 .. n0 + kRows2, in
+  // chunk_rows-row chunks of each expert's down, the segments' chunks of one row range in turn
+  const int p0 = cta * s.pairs, gu_rows = 2 * s.pairs, n0 = cta * kRows2;
+  const bool down = n0 < s.H;
+  const int tiles1 = (gu_rows + kTile - 1) / kTile, ranges = down ? kRows2 / s.chunk_rows : 0;
   if (warp == kGroups * kGroupWarps) {  // the producer: every chunk of both phases, in order
     if (lane != 0) return;
     int slot = 0, round = 0;
@@ -241,51 +255,62 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(const JtMoeArgs
       const int p = p0 + j / 2;
       push(gate_row(a, s, layer, sm.id[p / s.I], j & 1, p % s.I), s.H);
     }
-    for (int t = 0; t < tiles2; ++t)
-      for (int seg = 0; seg < segments; ++seg) push(down_row(a, s, layer, sm.id[seg], n0 + t * kTile), kTile * s.I);
+    for (int r = 0; r < ranges; ++r)
+      for (int seg = 0; seg < segments; ++seg)
+        push(down_row(a, s, layer, sm.id[seg], n0 + r * s.chunk_rows), s.chunk_rows * s.I);
     return;
   }
 
-  // ---- consumers: f and every scale into shared memory, before any wait ----
-  const int hb = s.H / kBlock, ib = s.I / kBlock, rb0 = n0 / kBlock;
-  for (int i = threadIdx.x; i < gu_rows * hb; i += kConsumers) {
-    const int r = i / hb, b = i % hb, p = p0 + r / 2;
-    sm.up_gate_scale[r][b] = __ldg(gate_scales(a, s, layer, sm.id[p / s.I], r & 1, p % s.I) + b);
+  // ---- consumers: phase 1's scales and input, every load in flight before the first is used ----
+  const int hb = s.H / kBlock, ib = s.I / kBlock;
+  {
+    constexpr int kPer = 2 * kMaxPairs * (kMaxVec / kBlock) / kConsumers;
+    float sc[kPer];
+#pragma unroll
+    for (int u = 0; u < kPer; ++u) {
+      const int i = threadIdx.x + u * kConsumers, r = min(i / hb, gu_rows - 1), p = p0 + r / 2;
+      sc[u] = i < gu_rows * hb ? __ldg(gate_scales(a, s, layer, sm.id[p / s.I], r & 1, p % s.I) + i % hb) : 0.f;
+    }
+    float4 v[kBlocksPerWarp];
+#pragma unroll
+    for (int u = 0; u < kBlocksPerWarp; ++u) {
+      const int b = warp + u * kWarps;
+      if (b < hb) {
+        const uint2 q = __ldg(reinterpret_cast<const uint2*>(a.f) + b * (kBlock / 4) + lane);  // 4 bf16
+        const float2 x01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&q.x));
+        const float2 x23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&q.y));
+        v[u] = make_float4(x01.x, x01.y, x23.x, x23.y);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kPer; ++u) {
+      const int i = threadIdx.x + u * kConsumers;
+      if (i < gu_rows * hb) sm.up_gate_scale[i / hb][i % hb] = sc[u];
+    }
+    quantize_input(sm, hb, warp, lane, v);
   }
-  for (int i = threadIdx.x; i < segments * 2 * ib; i += kConsumers) {
-    const int seg = i / (2 * ib), rb = i / ib % 2, b = i % ib;
-    const int n = min((rb0 + rb) * kBlock, s.H - 1);  // the CTA's rows span at most two row blocks
-    sm.down_scale[seg][rb][b] = __ldg(down_scales(a, s, layer, sm.id[seg], n) + b);
-  }
-  quantize_input(sm, s.H, warp, lane, [&](int i) {
-    const uint2 q = __ldg(reinterpret_cast<const uint2*>(a.f) + i);  // 4 bf16
-    const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&q.x));
-    const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&q.y));
-    return make_float4(lo.x, lo.y, hi.x, hi.y);
-  });
   consumers_sync();
 
-  const int group = warp / kGroupWarps, gw = warp % kGroupWarps;
-  int chunk = 0;  // chunks of the tiles before (chunk c sits in slot c % kSlots)
-  // A tile of `nc` chunks starting at chunk c0, reduced by group `owner`: each warp adds up its
-  // blocks (block(i) for i = gw, gw + 8, .. < nblocks: the slot's row base, its pitch, the input
-  // column, the 8 rows' weight scales), then warp 0 sums the 8 warps' parts in order into out[0..8).
-  auto tile = [&](int owner, int c0, int nc, int nblocks, auto block, auto out) {
+  const int group = warp / kGroupWarps, gw = warp % kGroupWarps, g = lane >> 2;
+  // A tile of 8 rows whose blocks are block(i, w, pitch, x_col, shift, scale) for i < nblocks (the
+  // block's 8 rows at w, their pitch, the input's column, block_dot's rotation and row g's weight
+  // scale), reduced by group `owner` once chunks c0 .. c0 + nc have landed: each warp adds up
+  // blocks gw, gw + 8, .., then warp 0 sums the 8 warps' parts in order into out(row, sum). With
+  // `release`, the chunks' slots go back to the producer.
+  auto tile = [&](int owner, int c0, int nc, bool release, int nblocks, auto block, auto out) {
     if (owner != group) return;
     for (int c = c0; c < c0 + nc; ++c) mbar_wait(&sm.full[c % kSlots], (c / kSlots) & 1);
-    float r0 = 0.f, r1 = 0.f;
+    float r = 0.f;
     for (int i = gw; i < nblocks; i += kGroupWarps) {
       const uint8_t* w;
-      int pitch, x_col;
-      float s0, s1;
-      block(i, w, pitch, x_col, s0, s1);
-      const float2 v = block_dot(sm, w, pitch, x_col, lane);
-      r0 += v.x * s0;
-      r1 += v.y * s1;
+      int pitch, x_col, shift;
+      float scale;
+      block(i, w, pitch, x_col, shift, scale);
+      r += block_dot(sm, w, pitch, x_col, shift, lane) * scale;
     }
-    if (lane < 4) sm.part[group][gw][2 * lane] = r0, sm.part[group][gw][2 * lane + 1] = r1;
+    if (holds_row(lane)) sm.part[group][gw][g] = r;
     __syncwarp();
-    if (lane == 0)
+    if (release && lane == 0)
       for (int c = c0; c < c0 + nc; ++c) (void)ptx::mbarrier_arrive(&sm.empty[c % kSlots]);
     group_sync(group);
     if (gw == 0 && lane < kTile) {
@@ -297,21 +322,19 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(const JtMoeArgs
   };
   int owner = 0;  // the tiles go to the groups in turn
   for (int t = 0; t < tiles1; ++t, owner ^= 1) {
-    const int nr = min(kTile, gu_rows - t * kTile), c0 = chunk;
-    tile(owner, c0, nr, hb,
-         [&](int i, const uint8_t*& w, int& pitch, int& x_col, float& s0, float& s1) {
+    const int c0 = t * kTile, nr = min(kTile, gu_rows - c0);
+    tile(owner, c0, nr, true, hb,
+         [&](int i, const uint8_t*& w, int& pitch, int& x_col, int& shift, float& scale) {
            // block i of all 8 rows: row g in slot c0 + g (rows past nr: another chunk, unused)
            w = sm.ring[c0 % kSlots] + i * kBlock;
            pitch = kSlotPitch;  // a phase-1 tile starts at a multiple of 8 chunks: it never wraps
            x_col = i * kBlock;
-           const int j = t * kTile + 2 * (lane & 3);
-           s0 = j < gu_rows ? sm.up_gate_scale[j][i] : 0.f;
-           s1 = j + 1 < gu_rows ? sm.up_gate_scale[j + 1][i] : 0.f;
+           shift = 0;  // the slots' pitch already spreads the rows over the banks
+           scale = c0 + g < gu_rows ? sm.up_gate_scale[c0 + g][i] : 0.f;
          },
          [&](int r, float v) {
-           if (t * kTile + r < gu_rows) sm.acc[t * kTile + r] = v;
+           if (c0 + r < gu_rows) sm.acc[c0 + r] = v;
          });
-    chunk += nr;
   }
   consumers_sync();
   if (threadIdx.x < s.pairs) {  // h of pair q, tagged
@@ -320,44 +343,58 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(const JtMoeArgs
     const float h = round_bf16(gv / (1.f + __expf(-gv)) * uv);
     store_relaxed(g_hidden + p0 + q, (unsigned long long)tag << 32 | __float_as_uint(h));
   }
-  // phase 2's input: the whole h vector, each warp polling its blocks' elements until their tags
-  // are the call's
-  quantize_input(sm, segments * s.I, warp, lane, [&](int i) {
-    unsigned long long e[4];
+  if (down) {
+    // phase 2's scales (the CTA's rows lie in one row block), then its input: the whole h vector,
+    // every element loaded, then each polled until its tag is the call's
+    for (int i = threadIdx.x; i < segments * ib; i += kConsumers)
+      sm.down_scale[i / ib][i % ib] = __ldg(down_scales(a, s, layer, sm.id[i / ib], n0) + i % ib);
+    const int nb = segments * ib;
+    unsigned long long e[kBlocksPerWarp][4];
 #pragma unroll
-    for (int u = 0; u < 4; ++u) e[u] = load_relaxed(g_hidden + 4 * i + u);
-    const long long since = global_ns();
+    for (int u = 0; u < kBlocksPerWarp; ++u)
 #pragma unroll
-    for (int u = 0; u < 4; ++u)
-      while ((unsigned)(e[u] >> 32) != tag) {  // backing off: the stragglers' streams share L2 with the polls
-        __nanosleep(64);
-        e[u] = load_relaxed(g_hidden + 4 * i + u);
-        if (global_ns() - since > s.timeout_ns) __trap();  // a CTA that never came: a CUDA error, not a hang
+      for (int q = 0; q < 4; ++q) {
+        const int b = warp + u * kWarps;
+        e[u][q] = b < nb ? load_relaxed(g_hidden + 4 * (b * (kBlock / 4) + lane) + q) : (unsigned long long)tag << 32;
       }
-    return make_float4(__uint_as_float((unsigned)e[0]), __uint_as_float((unsigned)e[1]),
-                       __uint_as_float((unsigned)e[2]), __uint_as_float((unsigned)e[3]));
-  });
-  consumers_sync();
-  // phase 2: tile t's chunks hold rows n0 + 8t .. of each expert's down, 8 x I bytes
-  for (int t = 0; t < tiles2; ++t, owner ^= 1) {
-    const int c0 = chunk;
-    tile(owner, c0, segments, segments * ib,
-         [&](int i, const uint8_t*& w, int& pitch, int& x_col, float& s0, float& s1) {
-           const int seg = i / ib, b = i % ib, r = t * kTile + 2 * (lane & 3);
-           w = sm.ring[(c0 + seg) % kSlots] + b * kBlock;
-           pitch = s.I;
-           x_col = seg * s.I + b * kBlock;
-           s0 = sm.weight[seg] * sm.down_scale[seg][(n0 + r) / kBlock - rb0][b];
-           s1 = sm.weight[seg] * sm.down_scale[seg][(n0 + r + 1) / kBlock - rb0][b];
-         },
-         [&](int r, float v) { sm.acc[t * kTile + r] = v; });
-    chunk += segments;
-  }
-  consumers_sync();
-  if (threadIdx.x < s.rows) {
-    const int n = n0 + threadIdx.x;
-    const float r = __bfloat162float(static_cast<const __nv_bfloat16*>(a.residual)[n]);
-    static_cast<__nv_bfloat16*>(a.out)[n] = __float2bfloat16(r + sm.acc[threadIdx.x]);
+    const long long since = global_ns();
+    float4 v[kBlocksPerWarp];
+#pragma unroll
+    for (int u = 0; u < kBlocksPerWarp; ++u) {
+#pragma unroll
+      for (int q = 0; q < 4; ++q)
+        while ((unsigned)(e[u][q] >> 32) != tag) {  // backing off: the stragglers' streams share L2 with the polls
+          __nanosleep(64);
+          e[u][q] = load_relaxed(g_hidden + 4 * ((warp + u * kWarps) * (kBlock / 4) + lane) + q);
+          if (global_ns() - since > s.timeout_ns) __trap();  // a CTA that never came: a CUDA error, not a hang
+        }
+      v[u] = make_float4(__uint_as_float((unsigned)e[u][0]), __uint_as_float((unsigned)e[u][1]),
+                         __uint_as_float((unsigned)e[u][2]), __uint_as_float((unsigned)e[u][3]));
+    }
+    quantize_input(sm, nb, warp, lane, v);
+    consumers_sync();
+    // phase 2: tile t is rows n0 + 8t .. of every segment, in range t * 8 / chunk_rows's chunks (which
+    // stay in the ring: the producer pushes nothing after them)
+    for (int t = 0; t < kRows2 / kTile; ++t, owner ^= 1) {
+      const int range = t * kTile / s.chunk_rows, row = t * kTile % s.chunk_rows;
+      const int c0 = gu_rows + range * segments;
+      tile(owner, c0, segments, false, segments * ib,
+           [&](int i, const uint8_t*& w, int& pitch, int& x_col, int& shift, float& scale) {
+             const int seg = i / ib, b = i % ib;
+             w = sm.ring[(c0 + seg) % kSlots] + row * s.I + b * kBlock;
+             pitch = s.I;
+             x_col = seg * s.I + b * kBlock;
+             shift = 16;  // rows a multiple of 128 bytes apart: rotated onto different banks
+             scale = sm.weight[seg] * sm.down_scale[seg][b];
+           },
+           [&](int r, float v) { sm.acc[t * kTile + r] = v; });
+    }
+    consumers_sync();
+    if (threadIdx.x < kRows2) {
+      const int n = n0 + threadIdx.x;
+      const float r = __bfloat162float(static_cast<const __nv_bfloat16*>(a.residual)[n]);
+      static_cast<__nv_bfloat16*>(a.out)[n] = __float2bfloat16(r + sm.acc[threadIdx.x]);
+    }
   }
   if (threadIdx.x == 0) {  // the last CTA to finish publishes the epoch (every CTA read it at entry)
     __threadfence();
@@ -380,16 +417,23 @@ int prepare_moe_kernels(int max_smem) {
 
 }  // namespace jt
 
+// Phase 2's rows of one chunk: the most rows of one expert's down up to kRows2, a power of two, in a slot.
+static int moe_chunk_rows(int I) {
+  int r = jt::kRows2;
+  while (r > jt::kTile && r * I > jt::kSlotBytes) r /= 2;
+  return r;
+}
+
 extern "C" const char* jt_moe_unsupported(int H, int I, int k) {
   using namespace jt;
   const int segments = k + 1;
   if (k < 1 || segments > kMaxSegments) return "k not in 1 .. JT_MOE_MAX_SEGMENTS - 1";
-  if (H % kBlock || H > kMaxVec) return "H not a multiple of 128 up to JT_MOE_MAX_VEC";
+  if (H % kBlock || H > kMaxVec || H > kCtas * kRows2) return "H not a multiple of 128 up to JT_MOE_MAX_VEC";
   if (I % kBlock || I / kBlock > kMaxIBlocks || kTile * I > kSlotBytes) return "I not a multiple of 128 up to 1024";
   if (H > kSlotBytes) return "H above 8192";
   if (segments * I > kMaxVec) return "(k + 1) * I above JT_MOE_MAX_VEC";
   if ((segments * I) % kCtas || segments * I / kCtas > kMaxPairs) return "(k + 1) * I not split evenly over the CTAs";
-  if (H % (kCtas * kTile) || H / kCtas > kMaxRows) return "H not split over the CTAs in tiles of 8 rows";
+  if (kRows2 / moe_chunk_rows(I) * segments > kSlots) return "phase 2's weights of a CTA, (k + 1) x 64 rows x I, above the ring";
   return nullptr;
 }
 
@@ -397,7 +441,7 @@ extern "C" cudaError_t jt_moe_decode(cudaStream_t stream, const JtMoeArgs* args,
                                      int64_t timeout_ms) {
   using namespace jt;
   if (jt_moe_unsupported(H, I, k) != nullptr || L < 1 || E < 1) return cudaErrorInvalidValue;
-  const Shapes s{L, E, H, I, k, (k + 1) * I / kCtas, H / kCtas, (long long)timeout_ms * 1000000LL};
+  const Shapes s{L, E, H, I, k, (k + 1) * I / kCtas, moe_chunk_rows(I), (long long)timeout_ms * 1000000LL};
   moe_decode_kernel<<<kCtas, kThreads, sizeof(Smem), stream>>>(*args, s);
   return cudaGetLastError();
 }

@@ -99,10 +99,21 @@ def unsupported(f, weights, ids, experts, shared, residual) -> str | None:
         return "weights not fp8 e4m3 with block scales"
     if sg.shape[1] != i or sd.shape[1:] != (h, i):
         return f"shared expert of width {sg.shape[1]}, routed {i}"
-    if k < 1 or k + 1 > MAX_SEGMENTS or h % 1024 or h > MAX_VEC or i % 128 or i > 1024 or (k + 1) * i > MAX_VEC:
+    return shape_unsupported(h, i, k)
+
+
+def shape_unsupported(h: int, i: int, k: int) -> str | None:
+    """Why the kernel does not take H = h, I = i, k routed experts (None: it does), as
+    cuda/src/moe.cu's jt_moe_unsupported decides."""
+    if k < 1 or k + 1 > MAX_SEGMENTS or h % 128 or h > MAX_VEC or i % 128 or i > 1024 or (k + 1) * i > MAX_VEC:
         return f"H={h}, I={i}, k={k}"
-    if ((k + 1) * i) % CTAS or (k + 1) * i // CTAS > 24 or h % CTAS or h // CTAS > 64:
-        return f"H={h}, (k+1)·I={(k + 1) * i} not split over {CTAS} CTAs"
+    if ((k + 1) * i) % CTAS or (k + 1) * i // CTAS > 24:
+        return f"(k+1)·I={(k + 1) * i} not split over {CTAS} CTAs"
+    rows = 64   # phase 2: a CTA's 64 output rows of each expert's down, in chunks of `rows` rows of a ring slot
+    while rows > 8 and rows * i > 8192:
+        rows //= 2
+    if 64 // rows * (k + 1) > 24:
+        return f"phase 2's weights of a CTA ((k+1)·64 rows of I={i}) above the kernel's ring"
     return None
 
 
@@ -121,4 +132,4 @@ def moe_decode(f, weights, ids, experts: tuple, shared: tuple, residual, layer):
                              jnp.asarray(layer, jnp.int32).reshape(1))
 
 
-__all__ = ["CTAS", "moe_decode", "reference_moe", "unsupported"]
+__all__ = ["CTAS", "moe_decode", "reference_moe", "shape_unsupported", "unsupported"]

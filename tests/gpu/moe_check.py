@@ -40,25 +40,25 @@ def _fp8(key, shape, pow2):
     return w, s
 
 
-def _stacks(seed, pow2):
+def _stacks(seed, pow2, h=H, i=I, e=E, layers=L):
     k = jax.random.split(jax.random.key(seed), 6)
-    g, gs = _fp8(k[0], (L, E, I, H), pow2)
-    u, us = _fp8(k[1], (L, E, I, H), pow2)
-    d, ds = _fp8(k[2], (L, E, H, I), pow2)
-    sg, sgs = _fp8(k[3], (L, I, H), pow2)
-    su, sus = _fp8(k[4], (L, I, H), pow2)
-    sd, sds = _fp8(k[5], (L, H, I), pow2)
+    g, gs = _fp8(k[0], (layers, e, i, h), pow2)
+    u, us = _fp8(k[1], (layers, e, i, h), pow2)
+    d, ds = _fp8(k[2], (layers, e, h, i), pow2)
+    sg, sgs = _fp8(k[3], (layers, i, h), pow2)
+    su, sus = _fp8(k[4], (layers, i, h), pow2)
+    sd, sds = _fp8(k[5], (layers, h, i), pow2)
     return (g, gs, u, us, d, ds), (sg, sgs, su, sus, sd, sds)
 
 
-def _token(seed, layers=1):
-    """(f, residual, weights [layers, 1, K], ids [layers, 1, K] distinct)."""
+def _token(seed, layers=1, h=H, k=K, e=E):
+    """(f, residual, weights [layers, 1, k], ids [layers, 1, k] distinct)."""
     rng = np.random.default_rng(seed)
-    f = jnp.asarray(rng.standard_normal((1, H)), BF16)
-    res = jnp.asarray(rng.standard_normal((1, H)) * 4, BF16)
-    w = rng.random((layers, 1, K)).astype(np.float32) + 0.1
+    f = jnp.asarray(rng.standard_normal((1, h)), BF16)
+    res = jnp.asarray(rng.standard_normal((1, h)) * 4, BF16)
+    w = rng.random((layers, 1, k)).astype(np.float32) + 0.1
     w = jnp.asarray(w / w.sum(-1, keepdims=True) * 2.5)
-    ids = jnp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(layers)])[:, None], jnp.int32)
+    ids = jnp.asarray(np.stack([rng.choice(e, k, replace=False) for _ in range(layers)])[:, None], jnp.int32)
     return f, res, w, ids
 
 
@@ -107,6 +107,29 @@ def check(rows) -> bool:
             ok &= row["ok"]
             rows.append(row)
             print(row, flush=True)
+    return ok
+
+
+# other shapes the kernel takes (H, I, k): tiny's 8 output-row CTAs, 16- and 8-row phase-2 chunks (I 512,
+# 1024), every CTA in phase 2 (H 8192), GLM-5's tp8 shard (H 6144)
+OTHER_SHAPES = ((1024, 128, 7), (512, 128, 7), (4096, 512, 3), (2048, 1024, 2), (8192, 256, 7), (6144, 256, 8))
+
+
+def check_other_shapes(rows) -> bool:
+    """The engine against the reference at OTHER_SHAPES (power-of-two scales, 2 layers, 16 experts)."""
+    ok = True
+    for n, (h, i, k) in enumerate(OTHER_SHAPES):
+        assert moe.shape_unsupported(h, i, k) is None, (h, i, k)
+        ex, sh = _stacks(100 + n, True, h, i, 16, 2)
+        f, res, w, ids = _token(100 + n, 1, h, k, 16)
+        got, ref = (np.asarray(jax.jit(fn)(f, w[0], ids[0], ex, sh, res, jnp.int32(1)), np.float32)
+                    for fn in (moe.moe_decode, moe.reference_moe))
+        resf = np.asarray(res, np.float32)
+        row = {"shape": {"H": h, "I": i, "k": k}, "engine_rel_err": _rel(got - resf, ref - resf)}
+        row["ok"] = bool(np.isfinite(got).all()) and row["engine_rel_err"] <= 1e-2
+        ok &= row["ok"]
+        rows.append(row)
+        print(row, flush=True)
     return ok
 
 
@@ -159,6 +182,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     rows = []
     ok = check(rows)
+    ok &= check_other_shapes(rows)
     timing(rows)
     mb = (2 * (K + 1) * I * H + (K + 1) * H * I) / 1e6
     result = {"device": jax.devices()[0].device_kind, "shapes": {"H": H, "I": I, "k": K, "E": E, "L": L},
