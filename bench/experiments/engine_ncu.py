@@ -54,8 +54,7 @@ def _moe(repeat: int) -> int:
     import moe_check  # noqa: PLC0415 - tests/gpu holds the random stacks
     from jtilert.ffi import moe
 
-    moe_check.L = 2
-    ex, sh = moe_check._stacks(0, True)   # noqa: SLF001
+    ex, sh = moe_check._stacks(0, True, layers=2)   # noqa: SLF001
     f, res, w, ids = moe_check._token(0)   # noqa: SLF001
     run = jax.jit(lambda *a: moe.moe_decode(*a))
     for _ in range(repeat):

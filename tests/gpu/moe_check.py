@@ -116,16 +116,21 @@ OTHER_SHAPES = ((1024, 128, 7), (512, 128, 7), (4096, 512, 3), (2048, 1024, 2), 
 
 
 def check_other_shapes(rows) -> bool:
-    """The engine against the reference at OTHER_SHAPES (power-of-two scales, 2 layers, 16 experts)."""
+    """The engine against the reference at OTHER_SHAPES (power-of-two scales, 2 layers, 16 experts).
+    The small shapes' MoE output is ~10x smaller than _token's residual (rms 0.16-0.43 against 4), so
+    the bf16 rounding of residual + MoE, which both sides do but on slightly different sums, would
+    dominate the relative error of the MoE part: the residual is scaled to the MoE output's size."""
     ok = True
     for n, (h, i, k) in enumerate(OTHER_SHAPES):
         assert moe.shape_unsupported(h, i, k) is None, (h, i, k)
         ex, sh = _stacks(100 + n, True, h, i, 16, 2)
         f, res, w, ids = _token(100 + n, 1, h, k, 16)
+        res = (res.astype(F32) * 0.05).astype(BF16)
         got, ref = (np.asarray(jax.jit(fn)(f, w[0], ids[0], ex, sh, res, jnp.int32(1)), np.float32)
                     for fn in (moe.moe_decode, moe.reference_moe))
         resf = np.asarray(res, np.float32)
-        row = {"shape": {"H": h, "I": i, "k": k}, "engine_rel_err": _rel(got - resf, ref - resf)}
+        row = {"shape": {"H": h, "I": i, "k": k}, "engine_rel_err": _rel(got - resf, ref - resf),
+               "moe_rms": float(np.sqrt(np.mean((ref - resf) ** 2))), "residual_rms": float(np.sqrt(np.mean(resf ** 2)))}
         row["ok"] = bool(np.isfinite(got).all()) and row["engine_rel_err"] <= 1e-2
         ok &= row["ok"]
         rows.append(row)
