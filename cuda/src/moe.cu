@@ -7,13 +7,16 @@
 //
 // One persistent launch of kCtas CTAs (one per SM, all resident), two phases:
 //   1. gate/up: the (k + 1) * I (gate row, up row) pairs split evenly over
-//      the CTAs; each CTA writes its pairs' h into a scratch vector, every
-//      element tagged with the call's epoch (fp32 value | tag << 32 in one
-//      64-bit store, so a reader that sees the tag sees the value);
+//      the CTAs; each CTA writes its pairs' h into a scratch vector, then adds
+//      one to an arrival counter (a release: its h is visible to whoever sees
+//      the count);
 //   2. down: the H output rows in slices of kRows2 rows, one slice a CTA (the
-//      first H / kRows2 CTAs); each polls the whole h vector until every tag is
-//      the call's, reduces its rows over the k + 1 expert segments and writes
+//      first H / kRows2 CTAs); one thread of each waits until the counter
+//      reaches the call's target (an acquire), then the CTA reads the whole h
+//      vector, reduces its rows over the k + 1 expert segments and writes
 //      residual + sum (bf16).
+// One thread polls one word: polls from every warp of every CTA take the
+// SMs' path to L2 from phase 2's weight copies, which then land late.
 // The weights of both phases are known at the launch (the expert ids are read
 // first), so one producer warp streams every chunk of both phases, in order,
 // into a ring of shared-memory slots (cp.async.bulk, an mbarrier pair per
@@ -65,8 +68,9 @@ constexpr int kBlock = 128;                    // fp8 scale block
 constexpr int kMaxIBlocks = 8;                 // I / 128
 constexpr float kE4m3Max = 448.f;
 
-__device__ unsigned long long g_hidden[kMaxVec];  // phase 1's h, tagged
-__device__ unsigned g_epoch;                     // the last call's tag
+__device__ float4 g_hidden[kMaxVec / 4];        // phase 1's h
+__device__ unsigned g_arrived;                   // CTAs that wrote their h, over all calls (mod 2^32)
+__device__ unsigned g_epoch;                     // the last call's number (mod 2^32)
 __device__ unsigned g_done;                      // CTAs that finished this call
 
 struct Shapes {
@@ -95,13 +99,10 @@ static_assert(kSlots % kTile == 0, "phase-1 tiles of 8 consecutive slots");
 static_assert(2 * kMaxPairs <= kRows2, "phase 1's row sums in acc");
 static_assert(kBlock % kRows2 == 0, "a CTA's phase-2 rows in one scale block");
 
-__device__ __forceinline__ unsigned long long load_relaxed(const unsigned long long* a) {
-  unsigned long long v;
-  asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];" : "=l"(v) : "l"(a) : "memory");
+__device__ __forceinline__ unsigned load_acquire(const unsigned* a) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(a) : "memory");
   return v;
-}
-__device__ __forceinline__ void store_relaxed(unsigned long long* a, unsigned long long v) {
-  asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" ::"l"(a), "l"(v) : "memory");
 }
 __device__ __forceinline__ long long global_ns() {
   long long t;
@@ -218,7 +219,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(const JtMoeArgs
   int layer = __ldg(a.layer);
   if (layer < 0) layer += s.L;
   layer = min(max(layer, 0), s.L - 1);
-  const unsigned tag = *(volatile unsigned*)&g_epoch + 1;
+  const unsigned call = *(volatile unsigned*)&g_epoch + 1;  // this call's number
   if (threadIdx.x < segments) {  // expert ids clamped into [0, E) like an XLA gather
     const int j = threadIdx.x;
     sm.id[j] = j < s.k ? min(max(__ldg(a.ids + j), 0), s.E - 1) : -1;
@@ -337,39 +338,36 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(const JtMoeArgs
          });
   }
   consumers_sync();
-  if (threadIdx.x < s.pairs) {  // h of pair q, tagged
+  if (threadIdx.x < s.pairs) {  // h of pair q
     const int q = threadIdx.x;
     const float gv = round_bf16(sm.acc[2 * q]), uv = round_bf16(sm.acc[2 * q + 1]);
-    const float h = round_bf16(gv / (1.f + __expf(-gv)) * uv);
-    store_relaxed(g_hidden + p0 + q, (unsigned long long)tag << 32 | __float_as_uint(h));
+    reinterpret_cast<float*>(g_hidden)[p0 + q] = round_bf16(gv / (1.f + __expf(-gv)) * uv);
+  }
+  consumers_sync();
+  if (threadIdx.x == 0) {  // the CTA's h, then its arrival (fence + relaxed add: a release)
+    __threadfence();
+    atomicAdd(&g_arrived, 1u);
   }
   if (down) {
-    // phase 2's scales (the CTA's rows lie in one row block), then its input: the whole h vector,
-    // every element loaded, then each polled until its tag is the call's
+    // phase 2's scales (the CTA's rows lie in one row block) while thread 0 waits for every CTA's
+    // arrival in this call, then the whole h vector from L2
     for (int i = threadIdx.x; i < segments * ib; i += kConsumers)
       sm.down_scale[i / ib][i % ib] = __ldg(down_scales(a, s, layer, sm.id[i / ib], n0) + i % ib);
-    const int nb = segments * ib;
-    unsigned long long e[kBlocksPerWarp][4];
-#pragma unroll
-    for (int u = 0; u < kBlocksPerWarp; ++u)
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int b = warp + u * kWarps;
-        e[u][q] = b < nb ? load_relaxed(g_hidden + 4 * (b * (kBlock / 4) + lane) + q) : (unsigned long long)tag << 32;
+    if (threadIdx.x == 0) {
+      const unsigned target = call * kCtas;
+      const long long since = global_ns();
+      while ((int)(load_acquire(&g_arrived) - target) < 0) {
+        __nanosleep(128);
+        if (global_ns() - since > s.timeout_ns) __trap();  // a CTA that never came: a CUDA error, not a hang
       }
-    const long long since = global_ns();
+    }
+    consumers_sync();
+    const int nb = segments * ib;
     float4 v[kBlocksPerWarp];
 #pragma unroll
     for (int u = 0; u < kBlocksPerWarp; ++u) {
-#pragma unroll
-      for (int q = 0; q < 4; ++q)
-        while ((unsigned)(e[u][q] >> 32) != tag) {  // backing off: the stragglers' streams share L2 with the polls
-          __nanosleep(64);
-          e[u][q] = load_relaxed(g_hidden + 4 * ((warp + u * kWarps) * (kBlock / 4) + lane) + q);
-          if (global_ns() - since > s.timeout_ns) __trap();  // a CTA that never came: a CUDA error, not a hang
-        }
-      v[u] = make_float4(__uint_as_float((unsigned)e[u][0]), __uint_as_float((unsigned)e[u][1]),
-                         __uint_as_float((unsigned)e[u][2]), __uint_as_float((unsigned)e[u][3]));
+      const int b = warp + u * kWarps;
+      if (b < nb) v[u] = __ldcg(g_hidden + b * (kBlock / 4) + lane);
     }
     quantize_input(sm, nb, warp, lane, v);
     consumers_sync();
@@ -396,11 +394,11 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(const JtMoeArgs
       static_cast<__nv_bfloat16*>(a.out)[n] = __float2bfloat16(r + sm.acc[threadIdx.x]);
     }
   }
-  if (threadIdx.x == 0) {  // the last CTA to finish publishes the epoch (every CTA read it at entry)
+  if (threadIdx.x == 0) {  // the last CTA to finish publishes the call's number (every CTA read it at entry)
     __threadfence();
     if (atomicAdd(&g_done, 1u) == kCtas - 1) {
       g_done = 0;
-      *(volatile unsigned*)&g_epoch = tag;
+      *(volatile unsigned*)&g_epoch = call;
       __threadfence();
     }
   }
