@@ -113,9 +113,6 @@ __device__ __forceinline__ void mbar_wait(uint64_t* b, unsigned parity) {
   while (!ptx::mbarrier_try_wait_parity(b, parity)) {
   }
 }
-__device__ __forceinline__ void prefetch_l2(const void* src, unsigned bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
-}
 __device__ __forceinline__ void consumers_sync() {
   asm volatile("bar.sync 1, %0;" ::"n"(kConsumers) : "memory");
 }
@@ -255,19 +252,10 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(const JtMoeArgs
         ++round;
       }
     };
-    // phase 2's chunks are asked into L2 once the ring's first round is on its way, so that after
-    // the handoff their copies read L2 rather than queue at HBM behind each other
-    auto prefetch2 = [&] {
-      for (int r = 0; r < ranges; ++r)
-        for (int seg = 0; seg < segments; ++seg)
-          prefetch_l2(down_row(a, s, layer, sm.id[seg], n0 + r * s.chunk_rows), s.chunk_rows * s.I);
-    };
     for (int j = 0; j < gu_rows; ++j) {
-      if (j == kSlots) prefetch2();
       const int p = p0 + j / 2;
       push(gate_row(a, s, layer, sm.id[p / s.I], j & 1, p % s.I), s.H);
     }
-    if (gu_rows <= kSlots) prefetch2();
     for (int r = 0; r < ranges; ++r)
       for (int seg = 0; seg < segments; ++seg)
         push(down_row(a, s, layer, sm.id[seg], n0 + r * s.chunk_rows), s.chunk_rows * s.I);
