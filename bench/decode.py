@@ -226,20 +226,20 @@ def breakdown(model, backend, context, steps, samples, mesh, engine) -> dict:
 def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samples: int, mesh=None,
                   engine: bool = False, host: bool = True, kernels: bool = False, split_indexer: bool = False,
                   layer_loop: str = "loop", xla_options: tuple | None = None, call_variants: bool = False,
-                  trace_timeline: bool = False, l2_prefetch: bool = False) -> dict:
+                  trace_timeline: bool = False, l2_prefetch: bool = False, engine_moe: bool = False) -> dict:
     """xla_options: DecodeConfig.xla_options (None: its default). call_variants: also time the plain
     step's host loop in the forms of `call_variant_loops` (tp = 1). trace_timeline: right after the
     timed loops (and their CUPTI profile), one call of the loop of TIMELINE_STEPS steps under JAX's
     profiler: the kernels' start and end times in one step (bench/timeline.py's summary, the result's
-    "timeline"); no CUPTI profile may follow it (the one-step kernel profile is left out). l2_prefetch:
-    DecodeConfig.l2_prefetch."""
+    "timeline"); no CUPTI profile may follow it (the one-step kernel profile is left out). l2_prefetch,
+    engine_moe: DecodeConfig's."""
     opts = {} if xla_options is None else {"xla_options": xla_options}
     loop, _, per = layer_loop.partition("/")   # "loop/2": DecodeConfig.layers_per_iteration = 2
     if per:                                    # (else DecodeConfig's default)
         opts["layers_per_iteration"] = int(per)
     eng = Engine(model, mesh=mesh, config=DecodeConfig(backend=backend, engine_all_reduce=engine,
                                                        split_indexer=split_indexer, layer_loop=loop,
-                                                       l2_prefetch=l2_prefetch, **opts))
+                                                       l2_prefetch=l2_prefetch, engine_moe=engine_moe, **opts))
     host_steps = steps * samples
     rows = cache_rows(context, steps + host_steps)
     cache = random_cache(eng, rows)
@@ -297,7 +297,7 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
         engine = ffi.available()
     result = {"backend": backend, "layer_loop": layer_loop, "layers_per_iteration": eng.config.layers_per_iteration,
               "xla_options": dict(eng.config.xla_options), "mtp": mtp, "tp": eng.tp, "all_reduce": "engine" if engine else "psum",
-              "split_indexer": split_indexer, "l2_prefetch": l2_prefetch,
+              "split_indexer": split_indexer, "l2_prefetch": l2_prefetch, "engine_moe": engine_moe,
               "step_ms_median": device_s * 1e3, "step_ms_p90": float(np.percentile(per_step, 90)) * 1e3,
               "tok_s": 1.0 / device_s, "compile_s": compile_s, "steps_timed": 3 * steps * samples,
               "call_overhead_ms": (statistics.median(short) - steps * device_s) * 1e3, "timing": timing}
@@ -426,6 +426,8 @@ def main(argv=None) -> dict:
                         "default, CONCURRENT scheduling), repeatable")
     p.add_argument("--l2-prefetch", action="store_true",
                    help="DecodeConfig.l2_prefetch: o_proj's weights prefetched into L2 during the attention chain")
+    p.add_argument("--engine-moe", action="store_true",
+                   help="DecodeConfig.engine_moe: each MoE layer in one launch of the engine's persistent kernel")
     p.add_argument("--split-indexer", action="store_true",
                    help="with --tp: each rank scores 1/tp of the cached positions, top-k lists merged")
     p.add_argument("--steps", type=int, default=10, help="steps per timed sample")
@@ -480,7 +482,7 @@ def main(argv=None) -> dict:
                 r = bench_backend(model, backend, a.context, mtp, a.steps, a.samples, mesh, ar == "engine",
                                   kernels=a.kernels and not mtp and not traced, split_indexer=a.split_indexer,
                                   layer_loop=loop, xla_options=tuple(tuple(kv.split("=", 1)) for kv in a.xla_option) or None,
-                                  call_variants=a.call_variants, l2_prefetch=a.l2_prefetch,
+                                  call_variants=a.call_variants, l2_prefetch=a.l2_prefetch, engine_moe=a.engine_moe,
                                   trace_timeline=a.timeline and backend == "pallas" and not mtp and not traced)
                 traced = traced or "timeline" in r
                 r["step_over_floor"] = r["step_ms_median"] / floor_ms

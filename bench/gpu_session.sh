@@ -13,6 +13,7 @@
 #   sweep        the same with the config sweeps (longer: the MoE sweep alone filled 5 minutes)
 #   attention    bench/attention.py (issue 5)
 #   decode       bench.decode: dsv32-tp8-shard, 61 layers, context 4096, CUPTI kernel profile (issue 7)
+#   decodemoe    the same, pallas only, with DecodeConfig.engine_moe (each MoE layer one launch of the engine)
 #   timeline     the same, pallas only, with --timeline: one 4-step call under JAX's profiler, each kernel's start
 #                and end in its second step (bench/timeline.py) → timeline.json ("timeline" in the run),
 #                timeline.png (Gantt chart of layers 4-7), timeline.log
@@ -164,6 +165,8 @@ for part in "$@"; do
     golden) JAX_PLATFORMS=cuda step golden 400 python3 -m pytest -q -p no:cacheprovider -x tests/test_golden_kernels.py ;;
     decode) step decode 480 $DEC --layers 61 --backend "$B" --kernels --samples 10 \
               --out "$WORK/decode.json" --plot "$WORK/decode.png" ;;
+    decodemoe) step decodemoe 480 $DEC --layers 61 --backend pallas --engine-moe --kernels --samples 10 \
+                 --out "$WORK/decodemoe.json" ;;
     timeline)  # bench.decode writes the chart as <out stem>-timeline.png: renamed to timeline.png
       step timeline 480 $DEC --layers 61 --backend pallas --kernels --samples 10 --timeline --out "$WORK/timeline.json"
       [ -f "$WORK/timeline-timeline.png" ] && mv "$WORK/timeline-timeline.png" "$WORK/timeline.png" && pack ;;

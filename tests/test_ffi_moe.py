@@ -173,3 +173,34 @@ def test_block_dots_rotated_rows_sum_on_the_diagonal(shift):
     # the shift spreads phase 2's rows (a multiple of 128 bytes apart) over the 32 banks
     banks = {(g * 256 + ((g * shift + t * 4) & 127)) // 4 % 32 for g in range(8) for t in range(4)}
     assert len(banks) == (32 if shift else 4)
+
+
+def test_decode_config_engine_moe_runs_the_one_launch_moe(monkeypatch):
+    """`DecodeConfig(engine_moe=True)`: `Ops.moe` of one token with stacked weights and a residual calls
+    `moe_decode` (here, without a GPU, its reference) with the layer, and gives what the reference
+    backend's `moe` gives; off by default."""
+    from jtilert.ops import table
+    assert table.DecodeConfig().engine_moe is False
+    f, w, ids, ex, sh, res = _inputs(4)
+    calls = []
+    real = moe.moe_decode
+    monkeypatch.setattr(table.ffi_moe, "moe_decode", lambda *a: calls.append(a[-1]) or real(*a))
+    ops = table.Ops(table.DecodeConfig(backend="pallas", engine_moe=True))
+    got = jax.jit(lambda *a: ops.moe(*a[:5], layer=a[6], residual=a[5]))(f, w, ids, ex, sh, res, 2)
+    assert len(calls) == 1
+    want = table.Ops(table.DecodeConfig()).moe(f, w, ids, ex, sh, layer=2, residual=res)
+    ref = np.asarray(want, np.float32) - np.asarray(res, np.float32)
+    err = np.linalg.norm(np.asarray(got, np.float32) - np.asarray(want, np.float32)) / np.linalg.norm(ref)
+    assert err < 1e-2, err
+
+
+def test_engine_moe_that_does_not_apply_warns_and_runs_the_pallas_path(monkeypatch):
+    from jtilert.ops import table
+    f, w, ids, ex, sh, res = _inputs(5)
+    monkeypatch.setattr(table.ffi_moe, "moe_decode", lambda *a: pytest.fail("moe_decode called"))
+    monkeypatch.setattr(_lib, "_warned", set())
+    ops = table.Ops(table.DecodeConfig(backend="pallas", engine_moe=True))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ops.moe(f, w, ids, ex, sh, layer=1, residual=None)   # no residual to add into
+    assert any("engine_moe" in str(c.message) and "residual" in str(c.message) for c in caught)

@@ -11,8 +11,8 @@
 - ``route.select_experts(cfg, logits, bias, layer)``: the MoE router's selection in one launch
   (``jtilert.ffi.route``).
 - ``moe.moe_decode(f, weights, ids, experts, shared, residual, layer)``: a MoE layer's routed and
-  shared experts for one token in one persistent launch (``jtilert.ffi.moe``; not called by the
-  decode step: see its docstring).
+  shared experts for one token in one persistent launch (``jtilert.ffi.moe``; the decode step's
+  with ``DecodeConfig.engine_moe``).
 - ``prefetch_l2(layer, after, *stacks)``: L2 prefetch of one layer of up to 8 weight stacks, issued
   after ``after``, kept without a consumer (a side-effecting call); ``ordered(x, token)`` orders a
   consumer after a token where one must wait (``jtilert.ffi.prefetch``; a no-op without the engine).

@@ -9,8 +9,8 @@ residual in one persistent kernel, where the pallas path runs four kernels and X
 (no GPU, no library) XLA runs the reference, with one warning per reason; `unsupported` says which
 shapes the kernel takes.
 
-The decode step does not call it yet: bench/RESULTS.md (session 24) compares it with the pallas
-path's kernels.
+`Ops.moe` calls it with `DecodeConfig(backend="pallas", engine_moe=True)`; bench/RESULTS.md compares
+it with the pallas path's kernels.
 """
 
 from __future__ import annotations

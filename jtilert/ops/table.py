@@ -30,6 +30,7 @@ import numpy as np
 
 from jtilert import ffi
 from jtilert.ffi import _lib
+from jtilert.ffi import moe as ffi_moe
 from jtilert.ops import reference
 from jtilert.pallas import index_prep, indexer, interpret, mla_prep, sparse_mla
 
@@ -78,6 +79,12 @@ class DecodeConfig:
         done, prefetches o_proj's weights into L2 (`jtilert.ffi.prefetch_l2`) while the indexer, the
         top-k and sparse MLA run, so o_proj reads them from L2. Off by default: bench/RESULTS.md has
         not measured it in the step yet.
+    engine_moe: backend "pallas": a decode token's MoE layer without tp (the routed and the shared
+        experts, their weighted sum and the residual) in one launch of the CUDA engine's persistent
+        kernel (`jtilert.ffi.moe.moe_decode`) instead of the pallas path's four kernels. Where it does
+        not apply (tp, more than one token, no residual, shapes the kernel does not take) the pallas
+        path runs, with one warning naming the reason. Off by default: bench/RESULTS.md compares both
+        in the step.
     """
 
     backend: str = "reference"
@@ -88,6 +95,7 @@ class DecodeConfig:
     layers_per_iteration: int = 4
     xla_options: tuple[tuple[str, str], ...] = STEP_XLA_OPTIONS
     l2_prefetch: bool = False
+    engine_moe: bool = False
 
     def __post_init__(self):
         opts = self.xla_options.items() if isinstance(self.xla_options, dict) else self.xla_options
@@ -420,6 +428,8 @@ class Ops:
         if (norm[0] is None) != (x_normed is None):
             raise ValueError("moe: a norm goes with the normed input the router wrote, and only with it")
         f = x if x_normed is None else x_normed
+        if self._engine_moe(f, weights, ids, experts, shared, layer, residual):
+            return ffi_moe.moe_decode(f, weights, ids, experts, shared, residual, _layer_index(layer))
         g, gs, u, us, d, ds = experts
         sg, sgs, su, sus, sd, sds = shared
         hs = self("swiglu_hidden", x, sg, sgs, su, sus, *norm, layer=layer)
@@ -434,6 +444,23 @@ class Ops:
         routed = self("moe_experts", f, weights, ids, *experts, None, layer=layer)
         out = self.all_reduce(routed + self.linear(hs, sd, sds, layer))
         return out if residual is None else residual + out
+
+    def _engine_moe(self, f, weights, ids, experts, shared, layer, residual) -> bool:
+        """Whether `moe` runs the engine's one-launch MoE (`DecodeConfig.engine_moe`); where it was asked
+        for and does not apply, one warning says why."""
+        if not (self.config.engine_moe and self.config.backend == "pallas"):
+            return False
+        if self.axis is not None:
+            why = "tensor parallel (the kernel has no all-reduce)"
+        elif layer is None:
+            why = "weights not stacked by layer"
+        else:
+            why = ffi_moe.unsupported(f, weights, ids, experts, shared, residual)
+        if why is None:
+            return True
+        _lib.warn_once(f"ops:engine_moe:{why}", f"jtilert: engine_moe asked for but the engine's MoE does not apply "
+                       f"to {_shapes((f, *experts[:1]))} ({why}); running the pallas path", UserWarning, stacklevel=4)
+        return False
 
     def indexer_rows(self, rows: int, tokens: int):
         """(first row, count) of this rank's share of the index-key cache when the indexer is split
