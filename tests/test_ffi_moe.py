@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pathlib
 import re
+import shutil
+import subprocess
 import warnings
 
 import jax
@@ -204,3 +206,18 @@ def test_engine_moe_that_does_not_apply_warns_and_runs_the_pallas_path(monkeypat
         warnings.simplefilter("always")
         ops.moe(f, w, ids, ex, sh, layer=1, residual=None)   # no residual to add into
     assert any("engine_moe" in str(c.message) and "residual" in str(c.message) for c in caught)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("git") is None, reason="nvcc or git not found")
+def test_the_trace_patch_applies_to_moe_cu_and_compiles(tmp_path):
+    """bench/experiments/moe_trace.patch (the stamps bench/experiments/moe_trace.py reads) still applies
+    to cuda/src/moe.cu, and the stamped kernel builds."""
+    shutil.copytree(ROOT / "cuda", tmp_path / "cuda")
+    r = subprocess.run(["git", "apply", str(ROOT / "bench" / "experiments" / "moe_trace.patch")], cwd=tmp_path,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "jt_moe_trace" in (tmp_path / "cuda" / "src" / "moe.cu").read_text()
+    r = subprocess.run(["nvcc", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-I", str(tmp_path / "cuda" / "include"),
+                        "-c", str(tmp_path / "cuda" / "src" / "moe.cu"), "-o", str(tmp_path / "moe.o")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
