@@ -189,24 +189,22 @@ __device__ __forceinline__ float block_dot(const Smem& sm, const uint8_t* w, int
   const uint8_t* hi = sm.x8[0] + x_col;
   const uint8_t* lo = sm.x8[1] + x_col;
   w += g * pitch;
-  float c[2][4] = {};  // even and odd steps in two accumulators: two MMA chains of 2, not one of 4
+  float c[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
   for (int s4 = 0; s4 < kBlock / 32; ++s4) {
     const int k0 = (g * shift + s4 * 32 + t * 4) & (kBlock - 1), k1 = (k0 + 16) & (kBlock - 1);
     const uint32_t a0 = *reinterpret_cast<const uint32_t*>(hi + k0), a1 = *reinterpret_cast<const uint32_t*>(lo + k0);
     const uint32_t a2 = *reinterpret_cast<const uint32_t*>(hi + k1), a3 = *reinterpret_cast<const uint32_t*>(lo + k1);
     const uint32_t b0 = *reinterpret_cast<const uint32_t*>(w + k0), b1 = *reinterpret_cast<const uint32_t*>(w + k1);
-    float* acc = c[s4 & 1];
-    asm(  // no side effects: the compiler may interleave it with the next block's loads and MMAs
+    asm volatile(
         "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
         "{%0, %1, %2, %3};"
-        : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
   }
   // lane (g, t) holds C[g][2t], C[g][2t + 1] in c[0], c[1] and C[g + 8][2t], C[g + 8][2t + 1] in c[2], c[3]
   const int b = x_col / kBlock;
-  const float hi_dot = c[0][g & 1] + c[1][g & 1], lo_dot = c[0][2 + (g & 1)] + c[1][2 + (g & 1)];
-  return holds_row(lane) ? hi_dot * sm.x_scale[0][b] + lo_dot * sm.x_scale[1][b] : 0.f;
+  return holds_row(lane) ? c[g & 1] * sm.x_scale[0][b] + c[2 + (g & 1)] * sm.x_scale[1][b] : 0.f;
 }
 
 __device__ __forceinline__ void group_sync(int group) {  // the 8 warps of a consumer group
@@ -304,7 +302,6 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(const JtMoeArgs
     if (owner != group) return;
     for (int c = c0; c < c0 + nc; ++c) mbar_wait(&sm.full[c % kSlots], (c / kSlots) & 1);
     float r = 0.f;
-#pragma unroll 2
     for (int i = gw; i < nblocks; i += kGroupWarps) {
       const uint8_t* w;
       int pitch, x_col, shift;
