@@ -209,14 +209,18 @@ def test_engine_moe_that_does_not_apply_warns_and_runs_the_pallas_path(monkeypat
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("git") is None, reason="nvcc or git not found")
-def test_the_trace_patch_applies_to_moe_cu_and_compiles(tmp_path):
-    """bench/experiments/moe_trace.patch (the stamps bench/experiments/moe_trace.py reads) still applies
-    to cuda/src/moe.cu, and the stamped kernel builds."""
+@pytest.mark.parametrize("patch,marker", [("moe_trace.patch", "jt_moe_trace"), ("moe_f16_mma.patch", "m16n8k16")])
+def test_the_experiment_patches_apply_to_moe_cu_and_compile(tmp_path, patch, marker):
+    """bench/experiments' patches of cuda/src/moe.cu still apply: moe_trace.patch (the stamps
+    bench/experiments/moe_trace.py reads) and moe_f16_mma.patch (the next form of block_dot, with its
+    tests; not yet run on a GPU); and the patched kernel builds."""
     shutil.copytree(ROOT / "cuda", tmp_path / "cuda")
-    r = subprocess.run(["git", "apply", str(ROOT / "bench" / "experiments" / "moe_trace.patch")], cwd=tmp_path,
+    (tmp_path / "tests").mkdir()
+    shutil.copy(ROOT / "tests" / "test_ffi_moe.py", tmp_path / "tests")
+    r = subprocess.run(["git", "apply", str(ROOT / "bench" / "experiments" / patch)], cwd=tmp_path,
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    assert "jt_moe_trace" in (tmp_path / "cuda" / "src" / "moe.cu").read_text()
+    assert marker in (tmp_path / "cuda" / "src" / "moe.cu").read_text()
     r = subprocess.run(["nvcc", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-I", str(tmp_path / "cuda" / "include"),
                         "-c", str(tmp_path / "cuda" / "src" / "moe.cu"), "-o", str(tmp_path / "moe.o")],
                        capture_output=True, text=True)

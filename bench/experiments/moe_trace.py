@@ -1,9 +1,11 @@
 """Where the one-launch MoE's time goes: %globaltimer stamps per CTA of one `moe_decode` launch.
 
 A diagnostic, not shipped: the stamps live in `moe_trace.patch` (cuda/src/moe.cu plus a `g_trace`
-array and the `jt_moe_trace` symbol that copies it out). On a GPU, in a throw-away tree:
+array and the `jt_moe_trace` symbol that copies it out). On a GPU, in a throw-away copy of the
+checkout (`patch`, not `git apply`: inside another repository's folder git apply skips the paths
+outside it without a word):
 
-    git apply bench/experiments/moe_trace.patch
+    patch -p1 < bench/experiments/moe_trace.patch
     PYTHONPATH=. python3 -m jtilert.ffi.build && PYTHONPATH=. python3 bench/experiments/moe_trace.py out.json
 
 Prints, for 5 launches after the first, each stamp's [min, median, max] over the CTAs in µs from the
