@@ -48,6 +48,7 @@
 #   route        tests/gpu/route_check.py: the engine's router selection vs the reference, and their times
 #   moe          tests/gpu/moe_check.py: the engine's one-launch MoE vs the reference and the pallas path, and
 #                their times per MoE in a dependent chain
+#   moepatch     part moe on a copy of this checkout with PATCH applied (default bench/experiments/moe_f16_mma.patch)
 #   ncumoe       ncu on the one-launch MoE: speed of light, warp stalls, memory, source counters
 #   ncu          Nsight Compute on the router's selection and the indexer's top-k launched alone
 #                (bench/experiments/engine_ncu.py): speed of light, launch, occupancy, warp stalls
@@ -138,7 +139,7 @@ step() {  # step NAME LIMIT_S COMMAND...
 }
 pack() {  # with SAVE_TO: $WORK into $SAVE_TO/session.tgz
   if [ -n "${SAVE_TO:-}" ]; then   # the raw HLO dumps stay out (hundreds of MB): part hlodump packs what is kept
-    tar czf "$SAVE_TO/session.tgz" -C "$WORK" --exclude=xla_cache --exclude=./hlo --exclude=./hlo_base --exclude=./hlo_mtp . 2>/dev/null
+    tar czf "$SAVE_TO/session.tgz" -C "$WORK" --exclude=xla_cache --exclude=./patched --exclude=./hlo --exclude=./hlo_base --exclude=./hlo_mtp . 2>/dev/null
   fi
 }
 DEC="python3 -m bench.decode --preset dsv32-tp8-shard --context 4096"
@@ -312,6 +313,14 @@ for part in "$@"; do
     prep) step prep 300 python3 tests/gpu/prep_check.py --out "$WORK/prep.json" ;;
     route) step route 200 python3 tests/gpu/route_check.py --out "$WORK/route.json" ;;
     moe) step moe 400 python3 tests/gpu/moe_check.py --out "$WORK/moe.json" ;;
+    moepatch)  # the one-launch MoE with PATCH (default bench/experiments/moe_f16_mma.patch) applied to a copy of this
+      # checkout (patch -p1: git apply skips the paths outside a repository's subfolder), its library built there, and
+      # tests/gpu/moe_check.py run there: beside part moe's figures for this checkout in the same call
+      p=$(realpath "${PATCH:-bench/experiments/moe_f16_mma.patch}")
+      rm -rf "$WORK/patched" && mkdir -p "$WORK/patched" \
+        && tar -c --exclude=./.git --exclude=./.venv --exclude=./.trees --exclude=./bench/results . | tar -x -C "$WORK/patched" \
+        && (cd "$WORK/patched" && patch -s -p1 < "$p" && PYTHONPATH=$PWD step moepatch_build 240 python3 -m jtilert.ffi.build \
+            && PYTHONPATH=$PWD step moepatch 400 python3 tests/gpu/moe_check.py --out "$WORK/moepatch.json") ;;
     ncumoe)  # Nsight Compute on the one-launch MoE (bench/experiments/engine_ncu.py --only moe)
       XLA_FLAGS="--xla_gpu_enable_command_buffer=" step ncumoe 200 ncu --clock-control none --kernel-name regex:moe_decode --launch-skip 1 \
         --launch-count 1 --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
