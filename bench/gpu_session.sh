@@ -167,7 +167,7 @@ for part in "$@"; do
     decode) step decode 480 $DEC --layers 61 --backend "$B" --kernels --samples 10 \
               --out "$WORK/decode.json" --plot "$WORK/decode.png" ;;
     decodemoe) step decodemoe 480 $DEC --layers 61 --backend pallas --engine-moe --kernels --samples 10 \
-                 --out "$WORK/decodemoe.json" ;;
+                 --out "$WORK/decodemoe.json" --plot "$WORK/decodemoe.png" ;;
     timeline)  # bench.decode writes the chart as <out stem>-timeline.png: renamed to timeline.png
       step timeline 480 $DEC --layers 61 --backend pallas --kernels --samples 10 --timeline --out "$WORK/timeline.json"
       [ -f "$WORK/timeline-timeline.png" ] && mv "$WORK/timeline-timeline.png" "$WORK/timeline.png" && pack ;;

@@ -37,6 +37,7 @@ def test_decode_bench_writes_every_field(tmp_path, monkeypatch):
     assert "call_overhead_ms" in run and run["timing"]
     assert run["xla_options"] == {"xla_gpu_command_buffer_unroll_loops": True}
     assert run["layer_loop"] == "loop" and run["layers_per_iteration"] == 4   # DecodeConfig's default
+    assert run["l2_prefetch"] is False and run["engine_moe"] is False
     assert set(run["call_variants"]) == {"shipped", "no_host_output", "host_output_on_device"}
     assert all(v["enqueue_ms"] > 0 and v["host_loop_ms"] > 0 for v in run["call_variants"].values())
     assert (tmp_path / "c.png").stat().st_size > 1000
@@ -297,17 +298,18 @@ def test_decode_bench_timeline_flag(tmp_path, monkeypatch):
     assert (tmp_path / "t-timeline.png").stat().st_size > 1000
 
 
-def test_l2_prefetch_flag_reaches_the_decode_config(monkeypatch):
-    """--l2-prefetch: every run's Engine gets DecodeConfig(l2_prefetch=True); without it, False."""
+@pytest.mark.parametrize("flag, field", [("--l2-prefetch", "l2_prefetch"), ("--engine-moe", "engine_moe")])
+def test_decode_config_flag_reaches_the_engine(monkeypatch, flag, field):
+    """A DecodeConfig switch's flag: every run's Engine gets DecodeConfig(field=True); without it, False."""
     seen = []
 
     class FakeEngine:
         def __init__(self, model, mesh=None, config=None):
-            seen.append(config.l2_prefetch)
+            seen.append(getattr(config, field))
             raise RuntimeError("stop here")   # the config is what this test reads
     monkeypatch.setattr(decode, "Engine", FakeEngine)
-    for flag, want in (([], False), (["--l2-prefetch"], True)):
+    for flags, want in (([], False), ([flag], True)):
         with pytest.raises(RuntimeError, match="stop here"):
             decode.main(["--preset", "tiny", "--layers", "2", "--fmt", "fp8", "--context", "40", "--steps", "2",
-                         "--samples", "2", "--backend", "pallas", *flag])
+                         "--samples", "2", "--backend", "pallas", *flags])
         assert seen[-1] is want

@@ -79,12 +79,12 @@ class DecodeConfig:
         done, prefetches o_proj's weights into L2 (`jtilert.ffi.prefetch_l2`) while the indexer, the
         top-k and sparse MLA run, so o_proj reads them from L2. Off by default: bench/RESULTS.md has
         not measured it in the step yet.
-    engine_moe: backend "pallas": a decode token's MoE layer without tp (the routed and the shared
-        experts, their weighted sum and the residual) in one launch of the CUDA engine's persistent
-        kernel (`jtilert.ffi.moe.moe_decode`) instead of the pallas path's four kernels. Where it does
-        not apply (tp, more than one token, no residual, shapes the kernel does not take) the pallas
-        path runs, with one warning naming the reason. Off by default: bench/RESULTS.md compares both
-        in the step.
+    engine_moe: backend "pallas": a MoE layer's call of one decode token without tp and with the
+        residual to add runs its routed and shared experts, their weighted sum and the residual add as
+        one launch of the CUDA engine's `jtilert.ffi.moe.moe_decode` instead of the pallas path's four
+        kernels (routed gate/up, routed down, shared gate/up, shared down); a decode-shaped call the
+        engine does not take runs those four, with a warning once per shape and reason (prefill runs
+        them without a word). Off by default: slower in the step (bench/RESULTS.md, session 25).
     """
 
     backend: str = "reference"
@@ -186,6 +186,20 @@ def _moe_unsupported(x, weights, ids, gate, gate_scale, up, up_scale, down, down
     return (_experts_unsupported(x, gate, gate_scale, up)
             or (None if down.dtype in (FP8, BF16) and (down.dtype == FP8) == (down_scale is not None)
                 else f"down weights {down.dtype}"))
+
+
+def _engine_moe_unsupported(axis, f, weights, ids, experts, shared, residual, layer) -> str | None:
+    """Why `Ops.moe` does not hand this call to the engine's one-launch MoE (None: it does): the
+    kernel computes one token without tp, adds the residual, and reads layer `layer` of the stacks."""
+    if axis is not None:
+        return f"tp over axis {axis!r}"
+    if _tokens(f) != 1:
+        return f"{_tokens(f)} tokens (it takes one)"
+    if residual is None:
+        return "no residual to add"
+    if layer is None:
+        return "weights not stacked per layer (no layer index)"
+    return ffi_moe.unsupported(f, weights, ids, experts, shared, residual)
 
 
 def _lm_head_unsupported(x, w, k) -> str | None:
@@ -428,8 +442,13 @@ class Ops:
         if (norm[0] is None) != (x_normed is None):
             raise ValueError("moe: a norm goes with the normed input the router wrote, and only with it")
         f = x if x_normed is None else x_normed
-        if self._engine_moe(f, weights, ids, experts, shared, layer, residual):
-            return ffi_moe.moe_decode(f, weights, ids, experts, shared, residual, _layer_index(layer))
+        if self.config.engine_moe and self._kernels and _tokens(x) <= MAX_DECODE_TOKENS:
+            why = _engine_moe_unsupported(self.axis, f, weights, ids, experts, shared, residual, layer)
+            if why is None:
+                return ffi_moe.moe_decode(f, weights, ids, experts, shared, residual, _layer_index(layer))
+            shapes = _shapes((f, experts[0]))
+            _lib.warn_once(f"ops:engine_moe:{shapes}:{why}", f"jtilert: engine_moe but the engine's one-launch "
+                           f"MoE does not take moe on {shapes} ({why}); running the pallas path", UserWarning)
         g, gs, u, us, d, ds = experts
         sg, sgs, su, sus, sd, sds = shared
         hs = self("swiglu_hidden", x, sg, sgs, su, sus, *norm, layer=layer)
@@ -444,23 +463,6 @@ class Ops:
         routed = self("moe_experts", f, weights, ids, *experts, None, layer=layer)
         out = self.all_reduce(routed + self.linear(hs, sd, sds, layer))
         return out if residual is None else residual + out
-
-    def _engine_moe(self, f, weights, ids, experts, shared, layer, residual) -> bool:
-        """Whether `moe` runs the engine's one-launch MoE (`DecodeConfig.engine_moe`); where it was asked
-        for and does not apply, one warning says why."""
-        if not (self.config.engine_moe and self.config.backend == "pallas"):
-            return False
-        if self.axis is not None:
-            why = "tensor parallel (the kernel has no all-reduce)"
-        elif layer is None:
-            why = "weights not stacked by layer"
-        else:
-            why = ffi_moe.unsupported(f, weights, ids, experts, shared, residual)
-        if why is None:
-            return True
-        _lib.warn_once(f"ops:engine_moe:{why}", f"jtilert: engine_moe asked for but the engine's MoE does not apply "
-                       f"to {_shapes((f, *experts[:1]))} ({why}); running the pallas path", UserWarning, stacklevel=4)
-        return False
 
     def indexer_rows(self, rows: int, tokens: int):
         """(first row, count) of this rank's share of the index-key cache when the indexer is split
