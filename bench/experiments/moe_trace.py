@@ -37,9 +37,9 @@ def main(out=None) -> int:
     result = {}
     for rep in range(5):
         jax.block_until_ready(run(f, w[0], ids[0], ex, sh, res, jnp.int32(rep % 2)))
-        buf = (ctypes.c_longlong * (128 * 16))()
+        buf = (ctypes.c_longlong * (moe.CTAS * 16))()   # moe_trace.patch's g_trace[kCtas][16]
         assert lib.dll.jt_moe_trace(buf) == 0
-        t = np.array(buf, dtype=np.int64).reshape(128, 16).astype(np.float64)
+        t = np.array(buf, dtype=np.int64).reshape(moe.CTAS, 16).astype(np.float64)
         t0 = t[:, 0].min()
         rows = {}
         for j, name in enumerate(NAMES):

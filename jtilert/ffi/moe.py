@@ -28,6 +28,13 @@ from jtilert.ops import reference
 CTAS = 128          # JT_MOE_CTAS: the SMs the kernel needs free at once
 MAX_VEC = 8192      # JT_MOE_MAX_VEC
 MAX_SEGMENTS = 12   # JT_MOE_MAX_SEGMENTS: k + 1
+# cuda/src/moe.cu's own limits, which shape_unsupported repeats
+_MAX_PAIRS = 24     # kMaxPairs: gate/up pairs of a CTA
+_MAX_I = 1024       # kMaxIBlocks x 128
+_SLOTS = 24         # kSlots: the ring's slots
+_SLOT_BYTES = 8192  # kSlotBytes
+_ROWS2 = 64         # kRows2: phase 2's output rows of a CTA
+_TILE = 8           # kTile: the fewest rows of a phase-2 chunk
 
 moe_decode_p = Primitive("jtilert_moe_decode")
 
@@ -105,15 +112,15 @@ def unsupported(f, weights, ids, experts, shared, residual) -> str | None:
 def shape_unsupported(h: int, i: int, k: int) -> str | None:
     """Why the kernel does not take H = h, I = i, k routed experts (None: it does), as
     cuda/src/moe.cu's jt_moe_unsupported decides."""
-    if k < 1 or k + 1 > MAX_SEGMENTS or h % 128 or h > MAX_VEC or i % 128 or i > 1024 or (k + 1) * i > MAX_VEC:
+    if k < 1 or k + 1 > MAX_SEGMENTS or h % 128 or h > MAX_VEC or i % 128 or i > _MAX_I or (k + 1) * i > MAX_VEC:
         return f"H={h}, I={i}, k={k}"
-    if ((k + 1) * i) % CTAS or (k + 1) * i // CTAS > 24:
+    if ((k + 1) * i) % CTAS or (k + 1) * i // CTAS > _MAX_PAIRS:
         return f"(k+1)·I={(k + 1) * i} not split over {CTAS} CTAs"
-    rows = 64   # phase 2: a CTA's 64 output rows of each expert's down, in chunks of `rows` rows of a ring slot
-    while rows > 8 and rows * i > 8192:
+    rows = _ROWS2   # phase 2: a CTA's output rows of each expert's down, in chunks of `rows` rows of a slot
+    while rows > _TILE and rows * i > _SLOT_BYTES:
         rows //= 2
-    if 64 // rows * (k + 1) > 24:
-        return f"phase 2's weights of a CTA ((k+1)·64 rows of I={i}) above the kernel's ring"
+    if _ROWS2 // rows * (k + 1) > _SLOTS:
+        return f"phase 2's weights of a CTA ((k+1)·{_ROWS2} rows of I={i}) above the kernel's ring"
     return None
 
 
