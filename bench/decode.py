@@ -34,6 +34,7 @@ from flax import nnx
 import jtilert
 from jtilert.store import checkpoint
 from jtilert.parallel import sharding
+from jtilert.pallas import lowering_cache
 from jtilert.runtime import compile_cache
 from jtilert.runtime.generate import Engine
 from jtilert.model.transformer import Layout, _no_topk, decode_weights, init_cache
@@ -256,10 +257,12 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
         cache, token, draft, key = jax.block_until_ready(loop(eng.state, cache, token, draft, pos, params, key, n))
         return time.perf_counter() - t
 
-    # the first call as a Generator's compile makes it: the kernels lowered in parallel first
-    t = time.perf_counter()
-    compile_cache.lower_kernels(loop, (eng.state, cache, token, draft, pos, params, key, n1))
-    compile_s = time.perf_counter() - t + timed(n1)
+    # the first call as a Generator's compile makes it (the kernels lowered in parallel first), each
+    # stage timed: tracing, the kernels' parallel lowering, the rest of the lowering (the kernels from
+    # that cache), XLA's compile, and the first call (which reuses the compiled program)
+    compile_stages = compile_breakdown(loop, (eng.state, cache, token, draft, pos, params, key, n1))
+    compile_stages["first_call_s"] = timed(n1)
+    compile_s = sum(compile_stages.values())
     # A call costs its dispatch (flattening ~30 arrays per layer: milliseconds at 61 layers) plus its
     # steps; the difference of a 2n- and an n-step loop is n steps of device time alone.
     per_step, short = [], []  # per-step differences, n-step loop times
@@ -299,7 +302,7 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
               "xla_options": dict(eng.config.xla_options), "mtp": mtp, "tp": eng.tp, "all_reduce": "engine" if engine else "psum",
               "split_indexer": split_indexer, "l2_prefetch": l2_prefetch, "engine_moe": engine_moe,
               "step_ms_median": device_s * 1e3, "step_ms_p90": float(np.percentile(per_step, 90)) * 1e3,
-              "tok_s": 1.0 / device_s, "compile_s": compile_s, "steps_timed": 3 * steps * samples,
+              "tok_s": 1.0 / device_s, "compile_s": compile_s, "compile_stages": compile_stages, "steps_timed": 3 * steps * samples,
               "call_overhead_ms": (statistics.median(short) - steps * device_s) * 1e3, "timing": timing}
     if host:
         host_s, enqueue_s, carry = host_loop(eng, cache, token, draft, pos, params, key, mtp, host_steps)
@@ -327,6 +330,28 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
     stats = jax.devices()[0].memory_stats() or {}
     result["peak_device_bytes"] = int(stats.get("peak_bytes_in_use", 0))
     return result
+
+
+def compile_breakdown(jitted, args: tuple) -> dict:
+    """Seconds of each stage of `jitted`'s first compile for `args`, in the order the Generator's
+    compile runs them: trace, the Mosaic kernels lowered by forked workers, the lowering of the
+    program, XLA's compile (JAX's persistent cache included, where it is on)."""
+    stages, t = {}, time.perf_counter()
+
+    def lap(name):
+        nonlocal t
+        now = time.perf_counter()
+        stages[name], t = now - t, now
+
+    traced = jitted.trace(*args)
+    lap("trace_s")
+    lowering_cache.prelower(traced.jaxpr)
+    lap("kernels_s")
+    lowered = traced.lower()
+    lap("lower_s")
+    lowered.compile()
+    lap("xla_compile_s")
+    return stages
 
 
 def host_loop(eng, cache, token, draft, pos, params, key, mtp, n):
@@ -366,20 +391,30 @@ def call_variant_loops(eng, carry, params, n):
     carried arrays donated, a fifth output, the token again, written into pinned host memory and read
     by the host); "host_output_on_device" (that output in device memory, copied to the host after the
     step); "no_host_output" (the four carried arrays only, nothing read: not a usable loop, the
-    diagnostic). `carry`: (cache, token, pos, key). Returns ({form: {enqueue_ms, host_loop_ms}}, the
-    carry after)."""
+    diagnostic); "host_copy_program" (the step of "no_host_output", then a second program of its own
+    that copies the new token into pinned host memory: the step's buffers keep their addresses from
+    call to call, the copy's enqueue counts in the call's). `carry`: (cache, token, pos, key). Returns
+    ({form: {enqueue_ms, host_loop_ms}}, the carry after)."""
     run = eng._wrap(Engine._decode)
 
     def variant(fn):
         return lambda *args: jax.jit(fn, donate_argnums=(1, 2, 3, 4)).lower(*args).compile(eng.step_options)
     forms = {"shipped": eng.decode.executable,
              "host_output_on_device": variant(run),
-             "no_host_output": variant(lambda *a: run(*a)[:4])}
+             "no_host_output": variant(lambda *a: run(*a)[:4]),
+             "host_copy_program": variant(lambda *a: run(*a)[:4])}
     out, carry = {}, tuple(carry[:4])
+    host = None if eng._interpreted else eng.sharding.with_memory_kind("pinned_host")
+    to_host = jax.jit(lambda t: t, out_shardings=host).lower(carry[1]).compile()
     for name, compiled in forms.items():
         exe = compiled(eng.state, *carry, params)
-        res = jax.block_until_ready(exe(eng.state, *carry, params))   # warm
-        loop_s, enqueue_s, carry = call_loop(lambda *c, exe=exe: exe(eng.state, *c, params), res, 4, n)
+        copy = name == "host_copy_program"
+
+        def call(*c, exe=exe, copy=copy):
+            res = exe(eng.state, *c, params)
+            return (*res, to_host(res[1])) if copy else res
+        res = jax.block_until_ready(call(*carry))   # warm
+        loop_s, enqueue_s, carry = call_loop(call, res, 4, n)
         out[name] = {"enqueue_ms": enqueue_s * 1e3, "host_loop_ms": loop_s * 1e3}
     exe = eng.decode.executable(eng.state, *carry, params)
     out["shipped"]["host_trace"], carry = traced_calls(lambda *c: exe(eng.state, *c, params), carry, n)

@@ -103,6 +103,8 @@
 #                after another, then by one forked worker per CPU (lowering_cache.prelower), then the MTP programs
 #   callcost     the 61-layer step loop (5 steps per call) under XLA's command-buffer update mode SKIP_TEMP and its
 #                exclusive-lock option (CALLCOST: the flag sets; "" for the default)
+#   compilevariants  the 61-layer pallas step's first compile, cold, by stage, under XLA's default autotuning, with
+#                autotuning off, and two layers per loop iteration (COMPILE_VARIANTS picks)
 #   callvariants the 61-layer step loop, one step per call: as shipped, without its host output, with that output in
 #                pinned host memory (bench.decode --call-variants): what a call's ~1 ms enqueue is
 #   callvariants_ab  the same, 100 calls per form, for .baseline (another tree, carried) then this checkout
@@ -139,7 +141,7 @@ step() {  # step NAME LIMIT_S COMMAND...
 }
 pack() {  # with SAVE_TO: $WORK into $SAVE_TO/session.tgz
   if [ -n "${SAVE_TO:-}" ]; then   # the raw HLO dumps stay out (hundreds of MB): part hlodump packs what is kept
-    tar czf "$SAVE_TO/session.tgz" -C "$WORK" --exclude=xla_cache --exclude=./patched --exclude=./hlo --exclude=./hlo_base --exclude=./hlo_mtp . 2>/dev/null
+    tar czf "$SAVE_TO/session.tgz" -C "$WORK" --exclude='xla_cache*' --exclude=./patched --exclude=./hlo --exclude=./hlo_base --exclude=./hlo_mtp . 2>/dev/null
   fi
 }
 DEC="python3 -m bench.decode --preset dsv32-tp8-shard --context 4096"
@@ -160,6 +162,17 @@ for part in "$@"; do
         dir=.; [ $side = base ] && dir=.baseline
         (cd $dir && PYTHONPATH=$PWD step callvariants_$side 300 $DEC --layers 61 --backend pallas --steps 5 \
           --samples 20 --call-variants --out "$WORK/callvariants_$side.json")
+      done ;;
+    compilevariants)  # the first compile, cold (a cache folder of its own each), under COMPILE_VARIANTS
+      # (default "default autotune0 loop2"): its stages in each run's compile_stages
+      for v in ${COMPILE_VARIANTS:-default autotune0 loop2}; do
+        case $v in
+          default) f="" ; a="" ;;
+          autotune0) f="--xla_gpu_autotune_level=0" ; a="" ;;
+          loop2) f="" ; a="--layer-loop loop/2" ;;
+        esac
+        XLA_FLAGS="$XLA_FLAGS $f" JTILERT_COMPILATION_CACHE=$WORK/xla_cache_$v step "compile_$v" 300 $DEC --layers 61 \
+          --backend pallas --steps 5 --samples 2 $a --out "$WORK/compile_$v.json"
       done ;;
     callvariants) step callvariants 420 $DEC --layers 61 --backend pallas --steps 5 --samples 6 --call-variants \
                     --out "$WORK/callvariants.json" ;;

@@ -34,11 +34,15 @@ def test_decode_bench_writes_every_field(tmp_path, monkeypatch):
               "step_over_floor", "speedup_vs_reference"):
         assert k in run
     assert run["step_ms_p90"] >= run["step_ms_median"] > 0 and run["steps_timed"] == 12
+    stages = run["compile_stages"]   # the first compile's stages add up to it
+    assert set(stages) == {"trace_s", "kernels_s", "lower_s", "xla_compile_s", "first_call_s"}
+    assert all(v >= 0 for v in stages.values()) and stages["trace_s"] > 0 and stages["xla_compile_s"] > 0
+    assert abs(sum(stages.values()) - run["compile_s"]) < 1e-6
     assert "call_overhead_ms" in run and run["timing"]
     assert run["xla_options"] == {"xla_gpu_command_buffer_unroll_loops": True}
     assert run["layer_loop"] == "loop" and run["layers_per_iteration"] == 4   # DecodeConfig's default
     assert run["l2_prefetch"] is False and run["engine_moe"] is False
-    assert set(run["call_variants"]) == {"shipped", "no_host_output", "host_output_on_device"}
+    assert set(run["call_variants"]) == {"shipped", "no_host_output", "host_output_on_device", "host_copy_program"}
     assert all(v["enqueue_ms"] > 0 and v["host_loop_ms"] > 0 for v in run["call_variants"].values())
     assert (tmp_path / "c.png").stat().st_size > 1000
 
