@@ -227,13 +227,15 @@ def breakdown(model, backend, context, steps, samples, mesh, engine) -> dict:
 def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samples: int, mesh=None,
                   engine: bool = False, host: bool = True, kernels: bool = False, split_indexer: bool = False,
                   layer_loop: str = "loop", xla_options: tuple | None = None, call_variants: bool = False,
-                  trace_timeline: bool = False, l2_prefetch: bool = False, engine_moe: bool = False) -> dict:
+                  trace_timeline: bool = False, l2_prefetch: bool = False, engine_moe: bool = False,
+                  compile_profile: bool = False) -> dict:
     """xla_options: DecodeConfig.xla_options (None: its default). call_variants: also time the plain
     step's host loop in the forms of `call_variant_loops` (tp = 1). trace_timeline: right after the
     timed loops (and their CUPTI profile), one call of the loop of TIMELINE_STEPS steps under JAX's
     profiler: the kernels' start and end times in one step (bench/timeline.py's summary, the result's
     "timeline"); no CUPTI profile may follow it (the one-step kernel profile is left out). l2_prefetch,
-    engine_moe: DecodeConfig's."""
+    engine_moe: DecodeConfig's. compile_profile: the first compile's XLA stage under JAX's profiler
+    (`compile_breakdown`)."""
     opts = {} if xla_options is None else {"xla_options": xla_options}
     loop, _, per = layer_loop.partition("/")   # "loop/2": DecodeConfig.layers_per_iteration = 2
     if per:                                    # (else DecodeConfig's default)
@@ -260,9 +262,10 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
     # the first call as a Generator's compile makes it (the kernels lowered in parallel first), each
     # stage timed: tracing, the kernels' parallel lowering, the rest of the lowering (the kernels from
     # that cache), XLA's compile, and the first call (which reuses the compiled program)
-    compile_stages = compile_breakdown(loop, (eng.state, cache, token, draft, pos, params, key, n1))
+    compile_stages = compile_breakdown(loop, (eng.state, cache, token, draft, pos, params, key, n1),
+                                       profile=compile_profile)
     compile_stages["first_call_s"] = timed(n1)
-    compile_s = sum(compile_stages.values())
+    compile_s = sum(v for k, v in compile_stages.items() if k.endswith("_s"))
     # A call costs its dispatch (flattening ~30 arrays per layer: milliseconds at 61 layers) plus its
     # steps; the difference of a 2n- and an n-step loop is n steps of device time alone.
     per_step, short = [], []  # per-step differences, n-step loop times
@@ -332,10 +335,11 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
     return result
 
 
-def compile_breakdown(jitted, args: tuple) -> dict:
+def compile_breakdown(jitted, args: tuple, profile: bool = False) -> dict:
     """Seconds of each stage of `jitted`'s first compile for `args`, in the order the Generator's
     compile runs them: trace, the Mosaic kernels lowered by forked workers, the lowering of the
-    program, XLA's compile (JAX's persistent cache included, where it is on)."""
+    program, XLA's compile (JAX's persistent cache included, where it is on). profile: XLA's compile
+    under JAX's profiler, its host events by name in "xla_compile_events" (µs; the profiler slows it)."""
     stages, t = {}, time.perf_counter()
 
     def lap(name):
@@ -349,8 +353,16 @@ def compile_breakdown(jitted, args: tuple) -> dict:
     lap("kernels_s")
     lowered = traced.lower()
     lap("lower_s")
-    lowered.compile()
-    lap("xla_compile_s")
+    if profile:
+        folder = tempfile.mkdtemp()
+        with jax.profiler.trace(folder, create_perfetto_trace=True):
+            lowered.compile()
+        lap("xla_compile_s")
+        stages["xla_compile_events"] = host_events(folder, top=60)
+        t = time.perf_counter()
+    else:
+        lowered.compile()
+        lap("xla_compile_s")
     return stages
 
 
@@ -429,6 +441,12 @@ def traced_calls(call, carry, n: int, top: int = 40):
     folder = tempfile.mkdtemp()
     with jax.profiler.trace(folder, create_perfetto_trace=True):
         _, _, carry = call_loop(call, tuple(carry) + (None,), len(carry), n)
+    return host_events(folder, n, top), carry
+
+
+def host_events(folder: str, n: int = 1, top: int = 40) -> list:
+    """The host events of a JAX profiler trace in `folder` summed by name and divided by n: [(name,
+    µs, events)], the largest first; nested events each count."""
     events = timeline.load_trace(folder)
     names = timeline.process_names(events)
     totals: dict[str, list] = {}
@@ -438,7 +456,7 @@ def traced_calls(call, carry, n: int, top: int = 40):
             t[0] += float(e["dur"])
             t[1] += 1
     rows = sorted(((k, v[0] / n, v[1] / n) for k, v in totals.items()), key=lambda r: -r[1])
-    return [[k, round(us, 2), round(c, 2)] for k, us, c in rows[:top]], carry
+    return [[k, round(us, 2), round(c, 2)] for k, us, c in rows[:top]]
 
 
 def main(argv=None) -> dict:
@@ -469,6 +487,8 @@ def main(argv=None) -> dict:
     p.add_argument("--samples", type=int, default=20)
     p.add_argument("--out", default=None, help="write the JSON here")
     p.add_argument("--plot", default=None, help="write a PNG chart here")
+    p.add_argument("--compile-profile", action="store_true",
+                   help="the first compile's XLA stage under JAX's profiler: its host events by name in compile_stages")
     p.add_argument("--kernels", action="store_true", help="CUPTI profile of one step: kernel count, busy time, groups")
     p.add_argument("--breakdown", action="store_true",
                    help="time variants without attention / without MLP to split the step (first all-reduce only)")
@@ -518,6 +538,7 @@ def main(argv=None) -> dict:
                                   kernels=a.kernels and not mtp and not traced, split_indexer=a.split_indexer,
                                   layer_loop=loop, xla_options=tuple(tuple(kv.split("=", 1)) for kv in a.xla_option) or None,
                                   call_variants=a.call_variants, l2_prefetch=a.l2_prefetch, engine_moe=a.engine_moe,
+                                  compile_profile=a.compile_profile,
                                   trace_timeline=a.timeline and backend == "pallas" and not mtp and not traced)
                 traced = traced or "timeline" in r
                 r["step_over_floor"] = r["step_ms_median"] / floor_ms

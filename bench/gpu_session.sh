@@ -105,6 +105,7 @@
 #                exclusive-lock option (CALLCOST: the flag sets; "" for the default)
 #   compilevariants  the 61-layer pallas step's first compile, cold, by stage, under XLA's default autotuning, with
 #                autotuning off, and two layers per loop iteration (COMPILE_VARIANTS picks)
+#   compileprofile  the same first compile with XLA's stage under JAX's profiler (host events by name)
 #   callvariants the 61-layer step loop, one step per call: as shipped, without its host output, with that output in
 #                pinned host memory (bench.decode --call-variants): what a call's ~1 ms enqueue is
 #   callvariants_ab  the same, 100 calls per form, for .baseline (another tree, carried) then this checkout
@@ -174,6 +175,9 @@ for part in "$@"; do
         XLA_FLAGS="$XLA_FLAGS $f" JTILERT_COMPILATION_CACHE=$WORK/xla_cache_$v step "compile_$v" 300 $DEC --layers 61 \
           --backend pallas --steps 5 --samples 2 $a --out "$WORK/compile_$v.json"
       done ;;
+    compileprofile)  # the first compile, cold, with XLA's stage under JAX's profiler: where its seconds go
+      JTILERT_COMPILATION_CACHE=$WORK/xla_cache_profile step compileprofile 300 $DEC --layers 61 --backend pallas \
+        --steps 5 --samples 2 --compile-profile --out "$WORK/compileprofile.json" ;;
     callvariants) step callvariants 420 $DEC --layers 61 --backend pallas --steps 5 --samples 6 --call-variants \
                     --out "$WORK/callvariants.json" ;;
     golden) JAX_PLATFORMS=cuda step golden 400 python3 -m pytest -q -p no:cacheprovider -x tests/test_golden_kernels.py ;;

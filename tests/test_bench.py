@@ -2,6 +2,8 @@
 
 import json
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 import pytest
@@ -317,3 +319,13 @@ def test_decode_config_flag_reaches_the_engine(monkeypatch, flag, field):
             decode.main(["--preset", "tiny", "--layers", "2", "--fmt", "fp8", "--context", "40", "--steps", "2",
                          "--samples", "2", "--backend", "pallas", *flags])
         assert seen[-1] is want
+
+
+def test_compile_breakdown_profiles_the_xla_compile():
+    """compile_breakdown's stages, and with profile=True the host events of XLA's compile by name."""
+    f = jax.jit(lambda x: jnp.sin(x) * 2 + 1)
+    stages = decode.compile_breakdown(f, (jnp.arange(7.0),), profile=True)
+    assert [k for k in stages if k.endswith("_s")] == ["trace_s", "kernels_s", "lower_s", "xla_compile_s"]
+    events = stages["xla_compile_events"]
+    assert events and all(len(e) == 3 and e[1] >= 0 for e in events)
+    assert events == sorted(events, key=lambda e: -e[1])   # the largest first
