@@ -104,7 +104,9 @@
 #   callcost     the 61-layer step loop (5 steps per call) under XLA's command-buffer update mode SKIP_TEMP and its
 #                exclusive-lock option (CALLCOST: the flag sets; "" for the default)
 #   compilevariants  the 61-layer pallas step's first compile, cold, by stage, under XLA's default autotuning, with
-#                autotuning off, and two layers per loop iteration (COMPILE_VARIANTS picks)
+#                autotuning off, two layers per loop iteration, ptxas as a library (COMPILE_VARIANTS picks)
+#   loops        the 61-layer pallas step under each layer-loop form of LOOPS (default four and eight layers per
+#                iteration), one process
 #   compileprofile  the same first compile with XLA's stage under JAX's profiler (host events by name)
 #   callvariants the 61-layer step loop, one step per call: as shipped, without its host output, with that output in
 #                pinned host memory (bench.decode --call-variants): what a call's ~1 ms enqueue is
@@ -170,11 +172,16 @@ for part in "$@"; do
         case $v in
           default) f="" ; a="" ;;
           autotune0) f="--xla_gpu_autotune_level=0" ; a="" ;;
+          nvptxlib) f="--xla_gpu_enable_libnvptxcompiler=true" ; a="" ;;   # ptxas as a library, not a process per module
           loop2) f="" ; a="--layer-loop loop/2" ;;
         esac
         XLA_FLAGS="$XLA_FLAGS $f" JTILERT_COMPILATION_CACHE=$WORK/xla_cache_$v step "compile_$v" 300 $DEC --layers 61 \
           --backend pallas --steps 5 --samples 2 $a --out "$WORK/compile_$v.json"
       done ;;
+    loops)  # the step under each layer-loop form of LOOPS (default "loop,loop/8": four and eight layers per
+      # iteration), one process, kernel profiles
+      step loops 480 $DEC --layers 61 --backend pallas --layer-loop "${LOOPS:-loop,loop/8}" --kernels --samples 6 \
+        --out "$WORK/loops.json" ;;
     compileprofile)  # the first compile, cold, with XLA's stage under JAX's profiler: where its seconds go
       JTILERT_COMPILATION_CACHE=$WORK/xla_cache_profile step compileprofile 300 $DEC --layers 61 --backend pallas \
         --steps 5 --samples 2 --compile-profile --out "$WORK/compileprofile.json" ;;
