@@ -48,7 +48,7 @@
 #   route        tests/gpu/route_check.py: the engine's router selection vs the reference, and their times
 #   moe          tests/gpu/moe_check.py: the engine's one-launch MoE vs the reference and the pallas path, and
 #                their times per MoE in a dependent chain
-#   moepatch     part moe on a copy of this checkout with PATCH applied (default bench/experiments/moe_f16_mma.patch)
+#   moepatch     part moe on a copy of this checkout with PATCH applied (a bench/experiments patch of moe.cu)
 #   ncumoe       ncu on the one-launch MoE: speed of light, warp stalls, memory, source counters
 #   ncu          Nsight Compute on the router's selection and the indexer's top-k launched alone
 #                (bench/experiments/engine_ncu.py): speed of light, launch, occupancy, warp stalls
@@ -144,7 +144,7 @@ step() {  # step NAME LIMIT_S COMMAND...
 }
 pack() {  # with SAVE_TO: $WORK into $SAVE_TO/session.tgz
   if [ -n "${SAVE_TO:-}" ]; then   # the raw HLO dumps stay out (hundreds of MB): part hlodump packs what is kept
-    tar czf "$SAVE_TO/session.tgz" -C "$WORK" --exclude='xla_cache*' --exclude=./patched --exclude=./hlo --exclude=./hlo_base --exclude=./hlo_mtp . 2>/dev/null
+    tar czf "$SAVE_TO/session.tgz" -C "$WORK" --exclude='xla_cache*' --exclude='./patched*' --exclude=./hlo --exclude=./hlo_base --exclude=./hlo_mtp . 2>/dev/null
   fi
 }
 DEC="python3 -m bench.decode --preset dsv32-tp8-shard --context 4096"
@@ -252,9 +252,15 @@ for part in "$@"; do
         --out "$WORK/ab_base.json")
       [ "$part" = ab ] && step ab_this 200 $DEC --layers 61 --backend pallas --kernels --samples 6 --out "$WORK/ab_this.json" ;;
     trees)  # each carried tree in TREES, then this checkout, back to back on one machine (a part given
-      # twice runs twice: its files get the round's number, tree_<name>_<round>)
+      # twice runs twice: its files get the round's number, tree_<name>_<round>); a TREES entry that is a
+      # patch (bench/experiments/*.patch) is this checkout with the patch applied, made here
       TREES_ROUND=$(( ${TREES_ROUND:-0} + 1 ))
       for t in ${TREES:-.baseline} .; do
+        if [ "${t%.patch}" != "$t" ]; then
+          p=$(realpath "$t"); t=$WORK/patched_$(basename "$t" .patch)
+          [ -d "$t" ] || { mkdir -p "$t" && tar -c --exclude=./.git --exclude=./.venv --exclude=./.trees \
+            --exclude=./bench/results . | tar -x -C "$t" && (cd "$t" && patch -s -p1 < "$p"); }
+        fi
         n=tree_$( [ "$t" = . ] && echo this || basename "$t" | tr -d .)_$TREES_ROUND
         (cd "$t" && PYTHONPATH=$PWD step "$n" 200 $DEC --layers 61 --backend pallas --kernels --samples 6 \
           ${TREE_ARGS:-} --out "$WORK/$n.json")
@@ -337,10 +343,10 @@ for part in "$@"; do
     prep) step prep 300 python3 tests/gpu/prep_check.py --out "$WORK/prep.json" ;;
     route) step route 200 python3 tests/gpu/route_check.py --out "$WORK/route.json" ;;
     moe) step moe 400 python3 tests/gpu/moe_check.py --out "$WORK/moe.json" ;;
-    moepatch)  # the one-launch MoE with PATCH (default bench/experiments/moe_f16_mma.patch) applied to a copy of this
+    moepatch)  # the one-launch MoE with PATCH (a bench/experiments patch of cuda/src/moe.cu) applied to a copy of this
       # checkout (patch -p1: git apply skips the paths outside a repository's subfolder), its library built there, and
       # tests/gpu/moe_check.py run there: beside part moe's figures for this checkout in the same call
-      p=$(realpath "${PATCH:-bench/experiments/moe_f16_mma.patch}")
+      p=$(realpath "${PATCH:?moepatch: name the patch in PATCH}")
       rm -rf "$WORK/patched" && mkdir -p "$WORK/patched" \
         && tar -c --exclude=./.git --exclude=./.venv --exclude=./.trees --exclude=./bench/results . | tar -x -C "$WORK/patched" \
         && (cd "$WORK/patched" && patch -s -p1 < "$p" && PYTHONPATH=$PWD step moepatch_build 240 python3 -m jtilert.ffi.build \

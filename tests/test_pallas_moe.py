@@ -7,7 +7,12 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
+import shutil
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -202,3 +207,23 @@ def test_expert_down_fp8x2_takes_fp8_weights_only():
     with pytest.raises(ValueError, match="fp8x2 with fp8 weights"):
         moe.expert_down(jnp.zeros((2, 128), BF16), jnp.ones((1, 2)), jnp.array([[0, 1]], jnp.int32), d, None,
                         config=GemvConfig(engine="fp8x2"))
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git not found")
+def test_the_moe_down_finish_patch_applies_and_its_tests_pass(tmp_path):
+    """bench/experiments/moe_down_finish.patch (MoE down finishing the routed experts' SwiGLU from their
+    split-K partials in its shared memory, h made once into a bf16 tile; for the GPU's A/B, part
+    `trees` with TREES=bench/experiments/moe_down_finish.patch) still applies, and in the patched
+    copy its own test and the kernel's lowering for the GPU pass."""
+    root = Path(__file__).resolve().parents[1]
+    for d in ("jtilert", "tests"):
+        shutil.copytree(root / d, tmp_path / d, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(root / "pyproject.toml", tmp_path)
+    r = subprocess.run(["git", "apply", str(root / "bench" / "experiments" / "moe_down_finish.patch")], cwd=tmp_path,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_pallas_moe.py",
+                        "tests/test_kernel_shapes.py", "-k", "finishes_the_gate_up or gate/up partials"],
+                       cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path)}, capture_output=True, text=True)
+    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
+    assert "4 passed" in r.stdout, r.stdout[-500:]
