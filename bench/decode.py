@@ -405,26 +405,38 @@ def call_variant_loops(eng, carry, params, n):
     step); "no_host_output" (the four carried arrays only, nothing read: not a usable loop, the
     diagnostic); "host_copy_program" (the step of "no_host_output", then a second program of its own
     that copies the new token into pinned host memory: the step's buffers keep their addresses from
-    call to call, the copy's enqueue counts in the call's). `carry`: (cache, token, pos, key). Returns
-    ({form: {enqueue_ms, host_loop_ms}}, the carry after)."""
+    call to call, the copy's enqueue counts in the call's); "host_output_donated" (as shipped, but the
+    pinned host output written into one of two pinned buffers that the calls donate in turn, each
+    read before it is donated again: no host allocation per call, two addresses in turn).
+    `carry`: (cache, token, pos, key). Returns ({form: {enqueue_ms, host_loop_ms}}, the carry after)."""
     run = eng._wrap(Engine._decode)
+    host = None if eng._interpreted else eng.sharding.with_memory_kind("pinned_host")
 
     def variant(fn):
         return lambda *args: jax.jit(fn, donate_argnums=(1, 2, 3, 4)).lower(*args).compile(eng.step_options)
+
+    def into_donated(*args):
+        jitted = jax.jit(lambda st, c, t, p, k, pr, h: run(st, c, t, p, k, pr), donate_argnums=(1, 2, 3, 4, 6),
+                         out_shardings=(None,) * 4 + (host,), keep_unused=True)
+        return jitted.lower(*args, buffers[0]).compile(eng.step_options)
     forms = {"shipped": eng.decode.executable,
              "host_output_on_device": variant(run),
              "no_host_output": variant(lambda *a: run(*a)[:4]),
-             "host_copy_program": variant(lambda *a: run(*a)[:4])}
+             "host_copy_program": variant(lambda *a: run(*a)[:4]),
+             "host_output_donated": into_donated}
     out, carry = {}, tuple(carry[:4])
-    host = None if eng._interpreted else eng.sharding.with_memory_kind("pinned_host")
     to_host = jax.jit(lambda t: t, out_shardings=host).lower(carry[1]).compile()
+    buffers = [jax.device_put(jnp.zeros_like(carry[1]), host) for _ in range(2)]   # call i writes buffers[i % 2]
     for name, compiled in forms.items():
         exe = compiled(eng.state, *carry, params)
-        copy = name == "host_copy_program"
 
-        def call(*c, exe=exe, copy=copy):
+        def call(*c, exe=exe, name=name):
+            if name == "host_output_donated":   # the buffer of two calls before: read by now
+                res = exe(eng.state, *c, params, buffers.pop(0))
+                buffers.append(res[4])
+                return res
             res = exe(eng.state, *c, params)
-            return (*res, to_host(res[1])) if copy else res
+            return (*res, to_host(res[1])) if name == "host_copy_program" else res
         res = jax.block_until_ready(call(*carry))   # warm
         loop_s, enqueue_s, carry = call_loop(call, res, 4, n)
         out[name] = {"enqueue_ms": enqueue_s * 1e3, "host_loop_ms": loop_s * 1e3}
