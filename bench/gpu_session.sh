@@ -113,6 +113,7 @@
 #   callvariants_ab  the same, 100 calls per form, for .baseline (another tree, carried) then this checkout
 #   build        the CUDA engine library and self-test (python -m jtilert.ffi.build --selftest)
 #   select       the engine's top-k select: self-test + CUDA-graph timings (after build)
+#   selectpatch  part select in a copy of this checkout with PATCH applied (default topk_bisect_engine.patch)
 #   topkbisect   bench/experiments/topk_bisect.cu: a one-CTA top-k by bisection, exactness and CUDA-graph timings
 #   tp2          bench.decode at tp=2, 4 layers, psum vs the engine's all-reduce (2 GPUs, after build)
 #   engine       tests/gpu/run_engine_gpu.sh: the whole engine check (2 GPUs, ~12 min)
@@ -147,6 +148,17 @@ pack() {  # with SAVE_TO: $WORK into $SAVE_TO/session.tgz
   if [ -n "${SAVE_TO:-}" ]; then   # the raw HLO dumps stay out (hundreds of MB): part hlodump packs what is kept
     tar czf "$SAVE_TO/session.tgz" -C "$WORK" --exclude='xla_cache*' --exclude='./patched*' --exclude=./hlo --exclude=./hlo_base --exclude=./hlo_mtp . 2>/dev/null
   fi
+}
+patched_tree() {  # patched_tree PATCH: this checkout with PATCH applied (patch -p1) and its engine and self-test
+  # built, once, in $WORK/patched_<name>; prints the folder
+  local p t
+  p=$(realpath "$1"); t=$WORK/patched_$(basename "$1" .patch)
+  if [ ! -d "$t" ]; then
+    mkdir -p "$t" && tar -c --exclude=./.git --exclude=./.venv --exclude=./.trees --exclude=./bench/results . \
+      | tar -x -C "$t" && (cd "$t" && patch -s -p1 < "$p" \
+      && PYTHONPATH=$PWD timeout 300 python3 -m jtilert.ffi.build --selftest > "$t.build.log" 2>&1)
+  fi
+  echo "$t"
 }
 DEC="python3 -m bench.decode --preset dsv32-tp8-shard --context 4096"
 VS="python3 -m bench.vs_transformers $CK ${VS_ARGS:---context 1024 --new 64 --samples 10}"
@@ -257,11 +269,7 @@ for part in "$@"; do
       # patch (bench/experiments/*.patch) is this checkout with the patch applied, made here
       TREES_ROUND=$(( ${TREES_ROUND:-0} + 1 ))
       for t in ${TREES:-.baseline} .; do
-        if [ "${t%.patch}" != "$t" ]; then
-          p=$(realpath "$t"); t=$WORK/patched_$(basename "$t" .patch)
-          [ -d "$t" ] || { mkdir -p "$t" && tar -c --exclude=./.git --exclude=./.venv --exclude=./.trees \
-            --exclude=./bench/results . | tar -x -C "$t" && (cd "$t" && patch -s -p1 < "$p"); }
-        fi
+        [ "${t%.patch}" != "$t" ] && t=$(patched_tree "$t")
         n=tree_$( [ "$t" = . ] && echo this || basename "$t" | tr -d .)_$TREES_ROUND
         (cd "$t" && PYTHONPATH=$PWD step "$n" 200 $DEC --layers 61 --backend pallas --kernels --samples 6 \
           ${TREE_ARGS:-} --out "$WORK/$n.json")
@@ -278,6 +286,11 @@ for part in "$@"; do
     mtp_glm5) step mtp_glm5 540 python3 -m bench.decode --preset glm5-tp8-shard --context 4096 --backend pallas \
                 --mtp --samples 6 --out "$WORK/mtp_glm5.json" ;;
     mtp) step mtp 540 $DEC --layers 61 --backend pallas --mtp --samples 6 --out "$WORK/mtp.json" ;;
+    selectpatch)  # the engine's top-k self-test and timings (part `select`) in this checkout with PATCH applied
+      # (default bench/experiments/topk_bisect_engine.patch: the one-CTA bisection kernel as the default plan
+      # for rows of up to 8,192 scores in position order)
+      t=$(patched_tree "${PATCH:-bench/experiments/topk_bisect_engine.patch}")
+      step selectpatch 120 "$(dirname "$(tail -1 "$t.build.log")")/jtilert_selftest" --select-only --iters 3 --bench ;;
     topkbisect)  # bench/experiments/topk_bisect.cu: a one-CTA top-k by bisection, checked against a host reference,
       # then timed in CUDA graphs (rows of 4,096 and 8,192, k 2,048); part `select` times the engine's beside it
       step topkbisect_build 120 "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)" -O3 -std=c++17 \

@@ -249,18 +249,21 @@ def test_engine_moe_is_off_by_default():
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("git") is None, reason="nvcc or git not found")
-@pytest.mark.parametrize("patch,marker", [("moe_trace.patch", "jt_moe_trace")])
-def test_the_experiment_patches_apply_to_moe_cu_and_compile(tmp_path, patch, marker):
-    """bench/experiments' patches of cuda/src/moe.cu still apply (moe_trace.patch: the stamps
-    bench/experiments/moe_trace.py reads), and the patched kernel builds."""
+@pytest.mark.parametrize("patch,source,marker", [("moe_trace.patch", "moe.cu", "jt_moe_trace"),
+                                                  ("topk_bisect_engine.patch", "select.cu", "topk_bisect_kernel")])
+def test_the_experiment_patches_apply_to_the_engine_and_compile(tmp_path, patch, source, marker):
+    """bench/experiments' patches of the engine still apply (moe_trace.patch: the stamps
+    bench/experiments/moe_trace.py reads; topk_bisect_engine.patch: the one-CTA bisection top-k as the
+    select's default for short rows, for gpu_session's parts selectpatch and trees), and the patched
+    source builds."""
     shutil.copytree(ROOT / "cuda", tmp_path / "cuda")
     (tmp_path / "tests").mkdir()
     shutil.copy(ROOT / "tests" / "test_ffi_moe.py", tmp_path / "tests")
     r = subprocess.run(["git", "apply", str(ROOT / "bench" / "experiments" / patch)], cwd=tmp_path,
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    assert marker in (tmp_path / "cuda" / "src" / "moe.cu").read_text()
+    assert marker in (tmp_path / "cuda" / "src" / source).read_text()
     r = subprocess.run(["nvcc", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-I", str(tmp_path / "cuda" / "include"),
-                        "-c", str(tmp_path / "cuda" / "src" / "moe.cu"), "-o", str(tmp_path / "moe.o")],
+                        "-c", str(tmp_path / "cuda" / "src" / source), "-o", str(tmp_path / "patched.o")],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
