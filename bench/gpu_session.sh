@@ -114,7 +114,6 @@
 #   build        the CUDA engine library and self-test (python -m jtilert.ffi.build --selftest)
 #   select       the engine's top-k select: self-test + CUDA-graph timings (after build)
 #   selectpatch  part select in a copy of this checkout with PATCH applied (default topk_bisect_engine.patch)
-#   topkbisect   bench/experiments/topk_bisect.cu: a one-CTA top-k by bisection, exactness and CUDA-graph timings
 #   tp2          bench.decode at tp=2, 4 layers, psum vs the engine's all-reduce (2 GPUs, after build)
 #   engine       tests/gpu/run_engine_gpu.sh: the whole engine check (2 GPUs, ~12 min)
 # Two parts can share a 2-GPU machine: CUDA_VISIBLE_DEVICES=0 ... & CUDA_VISIBLE_DEVICES=1 ... &
@@ -291,11 +290,6 @@ for part in "$@"; do
       # for rows of up to 8,192 scores in position order)
       t=$(patched_tree "${PATCH:-bench/experiments/topk_bisect_engine.patch}")
       step selectpatch 120 "$(dirname "$(tail -1 "$t.build.log")")/jtilert_selftest" --select-only --iters 3 --bench ;;
-    topkbisect)  # bench/experiments/topk_bisect.cu: a one-CTA top-k by bisection, checked against a host reference,
-      # then timed in CUDA graphs (rows of 4,096 and 8,192, k 2,048); part `select` times the engine's beside it
-      step topkbisect_build 120 "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)" -O3 -std=c++17 \
-        -gencode=arch=compute_90a,code=sm_90a bench/experiments/topk_bisect.cu -o "$WORK/topk_bisect"
-      step topkbisect 60 "$WORK/topk_bisect" ;;
     chain)  # bench/experiments/gemv_chain.cu: 32 dependent fp8 GEMVs as 32 launches, one persistent launch,
       # and one persistent launch whose weight stream runs ahead of the activations
       step chain_build 120 "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)" -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a \
