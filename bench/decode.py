@@ -17,6 +17,7 @@ times decode steps:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import functools
 import json
@@ -353,16 +354,12 @@ def compile_breakdown(jitted, args: tuple, profile: bool = False) -> dict:
     lap("kernels_s")
     lowered = traced.lower()
     lap("lower_s")
-    if profile:
-        folder = tempfile.mkdtemp()
-        with jax.profiler.trace(folder, create_perfetto_trace=True):
-            lowered.compile()
-        lap("xla_compile_s")
-        stages["xla_compile_events"] = host_events(folder, top=60)
-        t = time.perf_counter()
-    else:
+    folder = tempfile.mkdtemp() if profile else None
+    with jax.profiler.trace(folder, create_perfetto_trace=True) if profile else contextlib.nullcontext():
         lowered.compile()
-        lap("xla_compile_s")
+    lap("xla_compile_s")
+    if profile:
+        stages["xla_compile_events"] = host_events(folder, top=60)
     return stages
 
 
@@ -399,7 +396,7 @@ def call_loop(call, out, keep: int, n: int):
 
 def call_variant_loops(eng, carry, params, n):
     """What makes a call's enqueue cost: the plain step's host loop (one step per call, looked up once)
-    in three forms, each compiled with the step's XLA options: "shipped" (`Engine.decode`: the four
+    in five forms, each compiled with the step's XLA options: "shipped" (`Engine.decode`: the four
     carried arrays donated, a fifth output, the token again, written into pinned host memory and read
     by the host); "host_output_on_device" (that output in device memory, copied to the host after the
     step); "no_host_output" (the four carried arrays only, nothing read: not a usable loop, the
@@ -412,36 +409,37 @@ def call_variant_loops(eng, carry, params, n):
     run = eng._wrap(Engine._decode)
     host = None if eng._interpreted else eng.sharding.with_memory_kind("pinned_host")
 
-    def variant(fn):
-        return lambda *args: jax.jit(fn, donate_argnums=(1, 2, 3, 4)).lower(*args).compile(eng.step_options)
+    def variant(fn, *extra, donate=(1, 2, 3, 4), **kw):
+        jitted = jax.jit(fn, donate_argnums=donate, **kw)
+        return jitted.lower(eng.state, *carry, params, *extra).compile(eng.step_options)
 
-    def into_donated(*args):
-        jitted = jax.jit(lambda st, c, t, p, k, pr, h: run(st, c, t, p, k, pr), donate_argnums=(1, 2, 3, 4, 6),
-                         out_shardings=(None,) * 4 + (host,), keep_unused=True)
-        return jitted.lower(*args, buffers[0]).compile(eng.step_options)
-    forms = {"shipped": eng.decode.executable,
-             "host_output_on_device": variant(run),
-             "no_host_output": variant(lambda *a: run(*a)[:4]),
-             "host_copy_program": variant(lambda *a: run(*a)[:4]),
-             "host_output_donated": into_donated}
+    def with_state(exe):
+        return lambda *c: exe(eng.state, *c, params)
     out, carry = {}, tuple(carry[:4])
     to_host = jax.jit(lambda t: t, out_shardings=host).lower(carry[1]).compile()
     buffers = [jax.device_put(jnp.zeros_like(carry[1]), host) for _ in range(2)]   # call i writes buffers[i % 2]
-    for name, compiled in forms.items():
-        exe = compiled(eng.state, *carry, params)
+    plain = with_state(variant(lambda *a: run(*a)[:4]))
+    donated = variant(lambda st, c, t, p, k, pr, h: run(st, c, t, p, k, pr), buffers[0], donate=(1, 2, 3, 4, 6),
+                      out_shardings=(None,) * 4 + (host,), keep_unused=True)
 
-        def call(*c, exe=exe, name=name):
-            if name == "host_output_donated":   # the buffer of two calls before: read by now
-                res = exe(eng.state, *c, params, buffers.pop(0))
-                buffers.append(res[4])
-                return res
-            res = exe(eng.state, *c, params)
-            return (*res, to_host(res[1])) if name == "host_copy_program" else res
+    def host_copy(*c):
+        res = plain(*c)
+        return (*res, to_host(res[1]))
+
+    def into_donated(*c):   # the buffer of two calls before: read by now
+        res = donated(eng.state, *c, params, buffers.pop(0))
+        buffers.append(res[4])
+        return res
+    calls = {"shipped": with_state(eng.decode.executable(eng.state, *carry, params)),
+             "host_output_on_device": with_state(variant(run)),
+             "no_host_output": plain,
+             "host_copy_program": host_copy,
+             "host_output_donated": into_donated}
+    for name, call in calls.items():
         res = jax.block_until_ready(call(*carry))   # warm
         loop_s, enqueue_s, carry = call_loop(call, res, 4, n)
         out[name] = {"enqueue_ms": enqueue_s * 1e3, "host_loop_ms": loop_s * 1e3}
-    exe = eng.decode.executable(eng.state, *carry, params)
-    out["shipped"]["host_trace"], carry = traced_calls(lambda *c: exe(eng.state, *c, params), carry, n)
+    out["shipped"]["host_trace"], carry = traced_calls(calls["shipped"], carry, n)
     return out, tuple(carry)
 
 

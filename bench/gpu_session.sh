@@ -108,8 +108,9 @@
 #   loops        the 61-layer pallas step under each layer-loop form of LOOPS (default four and eight layers per
 #                iteration), one process
 #   compileprofile  the same first compile with XLA's stage under JAX's profiler (host events by name)
-#   callvariants the 61-layer step loop, one step per call: as shipped, without its host output, with that output in
-#                pinned host memory (bench.decode --call-variants): what a call's ~1 ms enqueue is
+#   callvariants the 61-layer step loop, one step per call, in bench.decode --call-variants' forms (as shipped,
+#                without its host output, the output on the device, a copy program, donated host buffers): what a
+#                call's ~1 ms enqueue is
 #   callvariants_ab  the same, 100 calls per form, for .baseline (another tree, carried) then this checkout
 #   build        the CUDA engine library and self-test (python -m jtilert.ffi.build --selftest)
 #   select       the engine's top-k select: self-test + CUDA-graph timings (after build)
@@ -148,14 +149,16 @@ pack() {  # with SAVE_TO: $WORK into $SAVE_TO/session.tgz
     tar czf "$SAVE_TO/session.tgz" -C "$WORK" --exclude='xla_cache*' --exclude='./patched*' --exclude=./hlo --exclude=./hlo_base --exclude=./hlo_mtp . 2>/dev/null
   fi
 }
-patched_tree() {  # patched_tree PATCH: this checkout with PATCH applied (patch -p1) and its engine and self-test
-  # built, once, in $WORK/patched_<name>; prints the folder
-  local p t
-  p=$(realpath "$1"); t=$WORK/patched_$(basename "$1" .patch)
+patched_tree() {  # patched_tree PATCH: this checkout with PATCH applied (patch -p1: git apply skips the paths
+  # outside a repository's subfolder) and its engine and self-test built (log: $WORK/build_<name>.log, whose
+  # last line is the library), once, in $WORK/patched_<name>; prints the folder, or fails (no folder left)
+  local p t name
+  name=$(basename "$1" .patch); p=$(realpath "$1"); t=$WORK/patched_$name
   if [ ! -d "$t" ]; then
     mkdir -p "$t" && tar -c --exclude=./.git --exclude=./.venv --exclude=./.trees --exclude=./bench/results . \
       | tar -x -C "$t" && (cd "$t" && patch -s -p1 < "$p" \
-      && PYTHONPATH=$PWD timeout 300 python3 -m jtilert.ffi.build --selftest > "$t.build.log" 2>&1)
+      && PYTHONPATH=$PWD timeout 300 python3 -m jtilert.ffi.build --selftest) > "$WORK/build_$name.log" 2>&1 \
+      || { echo "patched_tree: $1 did not apply or build ($WORK/build_$name.log)" >&2; rm -rf "$t"; return 1; }
   fi
   echo "$t"
 }
@@ -268,7 +271,7 @@ for part in "$@"; do
       # patch (bench/experiments/*.patch) is this checkout with the patch applied, made here
       TREES_ROUND=$(( ${TREES_ROUND:-0} + 1 ))
       for t in ${TREES:-.baseline} .; do
-        [ "${t%.patch}" != "$t" ] && t=$(patched_tree "$t")
+        if [ "${t%.patch}" != "$t" ]; then t=$(patched_tree "$t") || continue; fi
         n=tree_$( [ "$t" = . ] && echo this || basename "$t" | tr -d .)_$TREES_ROUND
         (cd "$t" && PYTHONPATH=$PWD step "$n" 200 $DEC --layers 61 --backend pallas --kernels --samples 6 \
           ${TREE_ARGS:-} --out "$WORK/$n.json")
@@ -288,8 +291,9 @@ for part in "$@"; do
     selectpatch)  # the engine's top-k self-test and timings (part `select`) in this checkout with PATCH applied
       # (default bench/experiments/topk_bisect_engine.patch: the one-CTA bisection kernel as the default plan
       # for rows of up to 8,192 scores in position order)
-      t=$(patched_tree "${PATCH:-bench/experiments/topk_bisect_engine.patch}")
-      step selectpatch 120 "$(dirname "$(tail -1 "$t.build.log")")/jtilert_selftest" --select-only --iters 3 --bench ;;
+      p=${PATCH:-bench/experiments/topk_bisect_engine.patch}
+      patched_tree "$p" > /dev/null && step selectpatch 120 \
+        "$(dirname "$(tail -1 "$WORK/build_$(basename "$p" .patch).log")")/jtilert_selftest" --select-only --iters 3 --bench ;;
     chain)  # bench/experiments/gemv_chain.cu: 32 dependent fp8 GEMVs as 32 launches, one persistent launch,
       # and one persistent launch whose weight stream runs ahead of the activations
       step chain_build 120 "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)" -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a \
@@ -356,14 +360,11 @@ for part in "$@"; do
     prep) step prep 300 python3 tests/gpu/prep_check.py --out "$WORK/prep.json" ;;
     route) step route 200 python3 tests/gpu/route_check.py --out "$WORK/route.json" ;;
     moe) step moe 400 python3 tests/gpu/moe_check.py --out "$WORK/moe.json" ;;
-    moepatch)  # the one-launch MoE with PATCH (a bench/experiments patch of cuda/src/moe.cu) applied to a copy of this
-      # checkout (patch -p1: git apply skips the paths outside a repository's subfolder), its library built there, and
-      # tests/gpu/moe_check.py run there: beside part moe's figures for this checkout in the same call
-      p=$(realpath "${PATCH:?moepatch: name the patch in PATCH}")
-      rm -rf "$WORK/patched" && mkdir -p "$WORK/patched" \
-        && tar -c --exclude=./.git --exclude=./.venv --exclude=./.trees --exclude=./bench/results . | tar -x -C "$WORK/patched" \
-        && (cd "$WORK/patched" && patch -s -p1 < "$p" && PYTHONPATH=$PWD step moepatch_build 240 python3 -m jtilert.ffi.build \
-            && PYTHONPATH=$PWD step moepatch 400 python3 tests/gpu/moe_check.py --out "$WORK/moepatch.json") ;;
+    moepatch)  # the one-launch MoE check (part moe) in a copy of this checkout with PATCH (a bench/experiments
+      # patch of cuda/src/moe.cu) applied: beside part moe's figures for this checkout in the same call
+      [ -n "${PATCH:-}" ] || { echo "moepatch: name the patch in PATCH" >&2; continue; }
+      t=$(patched_tree "$PATCH") \
+        && (cd "$t" && PYTHONPATH=$PWD step moepatch 400 python3 tests/gpu/moe_check.py --out "$WORK/moepatch.json") ;;
     ncumoe)  # Nsight Compute on the one-launch MoE (bench/experiments/engine_ncu.py --only moe)
       XLA_FLAGS="--xla_gpu_enable_command_buffer=" step ncumoe 200 ncu --clock-control none --kernel-name regex:moe_decode --launch-skip 1 \
         --launch-count 1 --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
