@@ -144,6 +144,25 @@ def test_plan_checker_catches_bad_tables():
         ffi_plan.build_gemv_plan(100, 128, nwc=3, rpw=1)  # odd tile
 
 
+def test_build_dir_is_keyed_by_the_sources_and_their_folder(tmp_path, monkeypatch):
+    """A copy of cuda/ elsewhere (gpu_session's patched trees) gets a build directory of its own: CMake
+    refuses a build directory made from another source folder. An unchanged folder keeps its directory,
+    and an edited source moves it."""
+    import importlib  # noqa: PLC0415
+
+    ffi_build = importlib.import_module("jtilert.ffi.build")  # the package's `build` is the function
+
+    monkeypatch.setenv("JTILERT_FFI_CACHE", str(tmp_path / "cache"))
+    src = ffi_build.source_dir()
+    copy = tmp_path / "copy" / "cuda"
+    shutil.copytree(src, copy)
+    assert ffi_build.default_build_dir(src) == ffi_build.default_build_dir(src)
+    assert ffi_build.default_build_dir(copy) != ffi_build.default_build_dir(src)
+    before = ffi_build.default_build_dir(copy)
+    (copy / "src" / "select.cu").write_text((copy / "src" / "select.cu").read_text() + "\n// edited\n")
+    assert ffi_build.default_build_dir(copy) != before
+
+
 # ------------------------------------------------------------------ fallbacks on 8 CPU devices
 
 def test_available_is_false_without_gpu():

@@ -3,9 +3,9 @@
     python -m jtilert.ffi.build [--selftest] [--build-dir DIR] [--verbose]
 
 prints the path of ``libjtilert_engine.so``. The default build directory is
-``$JTILERT_FFI_CACHE`` or ``~/.cache/jtilert/ffi/<hash of the sources and jax
-version>``, so a changed source tree gets a fresh build and an unchanged one is
-reused. ``JTILERT_FFI_LIB`` names a prebuilt library instead.
+``$JTILERT_FFI_CACHE`` or ``~/.cache/jtilert/ffi/<hash of the sources, their
+folder and the jax version>``, so a changed or moved source tree gets a fresh
+build and an unchanged one is reused. ``JTILERT_FFI_LIB`` names a prebuilt library instead.
 """
 
 from __future__ import annotations
@@ -32,7 +32,10 @@ def source_dir() -> pathlib.Path | None:
 def _source_hash(src: pathlib.Path) -> str:
     import jax  # noqa: PLC0415
 
+    # The folder is part of the key: CMake ties a build directory to one source
+    # directory, so an identical copy of cuda/ elsewhere gets a build of its own.
     h = hashlib.sha256(jax.__version__.encode())
+    h.update(str(src.resolve()).encode())
     for p in sorted(src.rglob("*")):
         if p.is_file() and p.suffix in {".cu", ".cuh", ".cc", ".h", ".txt"}:
             h.update(str(p.relative_to(src)).encode())
