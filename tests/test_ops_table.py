@@ -131,8 +131,10 @@ def _layer_bodies(name: str) -> list[dict]:
 # kernels (`FFNNorm`: the dense gate/up; the router, which writes the normed x, and the shared gate/up):
 # 6 glue ops fewer in each body. x_proj's split-K partials summed by its CTAs as one cluster on the
 # GPU, the epilogue in the kernel: 2 glue ops fewer in each body.
-BUDGET = {"dsv32-tp8-shard": [{"kernels": 13, "glue": 30}, {"kernels": 17, "glue": 38}],
-          "glm5-tp8-shard": [{"kernels": 12, "glue": 43}, {"kernels": 16, "glue": 51}]}
+# The routed experts' gate/up partials finished by the MoE down kernel (copied into its shared memory)
+# instead of by XLA between the two: 8 glue ops fewer in the MoE bodies.
+BUDGET = {"dsv32-tp8-shard": [{"kernels": 13, "glue": 30}, {"kernels": 17, "glue": 30}],
+          "glm5-tp8-shard": [{"kernels": 12, "glue": 43}, {"kernels": 16, "glue": 43}]}
 
 
 @pytest.mark.parametrize("name", sorted(BUDGET))

@@ -242,6 +242,11 @@ def _sigmoid(x):
     return 1.0 / (1.0 + jnp.exp(-x))
 
 
+def swiglu_f32(g, u, out_dtype):
+    """silu(g) · u on fp32 g and u (moe_experts' reference keeps them in fp32), in `out_dtype`."""
+    return (g * _sigmoid(g) * u).astype(out_dtype)
+
+
 def add_residual(y, residual, out_dtype):
     """residual + y as `jtilert.ops.reference.linear_residual` rounds it: y to bf16, the sum in fp32."""
     return (y.astype(BF16).astype(F32) + residual.astype(F32)).astype(out_dtype)
@@ -255,8 +260,7 @@ def _finish(ys, *, kind, residual, out_dtype):
         u = ys[1].astype(BF16).astype(F32)
         return (g * _sigmoid(g) * u).astype(out_dtype)
     if kind == "swiglu_f32":
-        # moe_experts' reference keeps g and u in fp32.
-        return (ys[0] * _sigmoid(ys[0]) * ys[1]).astype(out_dtype)
+        return swiglu_f32(ys[0], ys[1], out_dtype)
     if residual is not None:
         return add_residual(ys[0], residual, out_dtype)
     return ys[0].astype(out_dtype)
@@ -304,7 +308,10 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
                 normed_out: bool = False):
     """Core: x [T, K] (T ≤ 8) against P = len(ws) weights [N, K] with shared x; see module doc.
     `partials` (one weight, kind "linear", fp32, no residual): the split-K partial sums
-    [split, T, N] unsummed, for a consumer that adds them itself ([1, T, N] without split-K).
+    [split, T, N] unsummed, for a consumer that adds them itself ([1, T, N] without split-K); with
+    the two weights of kind "swiglu_f32": both weights' partials [split, 2, T, N] for a consumer
+    that sums them and applies the SwiGLU itself, or, where the kernel finished them (no split-K),
+    the SwiGLU's result [T, N].
     `norm` (weight [K]) and `eps`: the product is with rms_norm(x). The wgmma engines build B = x ·
     weight and multiply the sums by each token's 1/rms over its K columns (the reference rounds x /
     rms, then its product with the weight, to bf16: bf16-level differences); the FMA engine computes
@@ -331,8 +338,8 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
     token are experts 0..H-1, head j's input at columns j·D of the token's row)."""
     t, kx = x.shape
     p = len(ws)
-    if partials and (p != 1 or kind != "linear" or out_dtype != F32 or residual is not None):
-        raise ValueError("GEMV partials: one weight, kind linear, fp32 out, no residual")
+    if partials and ((p, kind) not in ((1, "linear"), (2, "swiglu_f32")) or out_dtype != F32 or residual is not None):
+        raise ValueError("GEMV partials: one weight of kind linear or two of kind swiglu_f32, fp32 out, no residual")
     if heads and ids is not None:
         raise ValueError("GEMV expert mode: ids or heads, not both")
     experts = ids is not None or heads > 0
@@ -739,6 +746,8 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
 def _projection_result(out, in_kernel_epilogue, partials, p, kind, residual, out_dtype):
     """`_projection`'s result from its kernel's output (N columns): the partials as asked, the rows
     as stored, or the split-K partials summed by XLA with the epilogue."""
+    if partials and p == 2:
+        return out
     if partials:
         return out[None] if in_kernel_epilogue else out[:, 0]
     if in_kernel_epilogue:

@@ -35,17 +35,23 @@ from jtilert.pallas import gemv
 from jtilert.pallas._hopper import BF16, F16, F32, FP8, MAX_TOKENS, QBLOCK, X_LAYOUT, X_TRANSFORMS
 from jtilert.pallas.gemv import GemvConfig
 
+STAGE_MAX_BYTES = 96 * 1024   # gate/up partials `expert_down` copies into shared memory (T = 1: 64 KiB)
+
 MOE_LAYOUT_VERSION = "jtilert-moe-v1: experts stacked [E(+1 shared), out, in] in the HF [out, in] layout"
 
 
 # ---- gate/up ------------------------------------------------------------------------------------
 
-def expert_gate_up(x, ids, gate, gate_scale, up, up_scale, *, layer=None, config: GemvConfig | None = None):
+def expert_gate_up(x, ids, gate, gate_scale, up, up_scale, *, layer=None, config: GemvConfig | None = None,
+                   unsummed: bool = False):
     """h[i] = silu(x[tok_i] · gate[ids_i]ᵀ) · (x[tok_i] · up[ids_i]ᵀ), fp32 math, bf16 result.
     x [T, H] bf16, ids [T, k] int32, gate/up [E, I, H] (fp8 + scales [E, ., .], or bf16); with
-    `layer`, [L, E, I, H] (scales [L, E, ., .]) and layer `layer`'s experts."""
+    `layer`, [L, E, I, H] (scales [L, E, ., .]) and layer `layer`'s experts. `unsummed`: where the
+    kernel splits K, its gate and up partials [split, 2, T·k, I] fp32 as they are, for `expert_down`
+    to finish (no XLA kernel between the two); else h in fp32."""
     return gemv._projection(x, (gate, up), (gate_scale, up_scale), kind="swiglu_f32",
-                            ids=ids.reshape(-1), layer=layer, config=config)
+                            ids=ids.reshape(-1), layer=layer, config=config, partials=unsummed,
+                            out_dtype=F32 if unsummed else BF16)
 
 
 # ---- down + weighted sum ------------------------------------------------------------------------
@@ -54,10 +60,18 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
                 config: GemvConfig | None = None):
     """y[t] = Σ_j weights[t, j] · h[t·k + j] · down[ids[t, j]]ᵀ  (fp32 accumulation), + residual [T, H]
     where given (y rounded to bf16 first, the add in fp32: `gemv.linear_residual`'s rounding).
-    h [T·k, I] bf16, weights [T, k] fp32, ids [T, k] int32, down [E, H, I] (fp8 + scales or bf16);
-    with `layer`, down [L, E, H, I] (scales [L, E, ., .]) and layer `layer`'s experts."""
+    h [T·k, I] (bf16, or fp32 rounded to bf16 here) or the gate/up kernel's partials [S, 2, T·k, I]
+    fp32 (`expert_gate_up(unsummed=True)`): the kernel copies them into shared memory at its start
+    and finishes h = silu(Σ gate) · Σ up itself while its first weight tiles arrive (beyond
+    STAGE_MAX_BYTES, XLA finishes them first). weights [T, k] fp32, ids [T, k] int32, down
+    [E, H, I] (fp8 + scales or bf16); with `layer`, down [L, E, H, I] (scales [L, E, ., .]) and
+    layer `layer`'s experts."""
     t, kper = ids.shape
     nsel = t * kper
+    if h.ndim == 4 and h.shape[1:3] != (2, nsel):
+        raise ValueError(f"expert_down: partials {h.shape} do not match ids {ids.shape}")
+    if h.ndim == 4 and h.nbytes > STAGE_MAX_BYTES:
+        h = finish_partials(h)
     per_layer = 0
     if layer is not None:
         if down.ndim != 4:
@@ -67,7 +81,7 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
         if down_scale is not None:
             down_scale = down_scale.reshape(-1, *down_scale.shape[2:])
     e, n, i_dim = down.shape
-    if h.shape != (nsel, i_dim):
+    if h.shape[-2:] != (nsel, i_dim):
         raise ValueError(f"expert_down: h {h.shape} does not match ids {ids.shape} and down {down.shape}")
     if t > MAX_TOKENS:
         raise ValueError(f"expert_down: at most {MAX_TOKENS} tokens per call, got {t}")
@@ -89,18 +103,25 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
     bk = QBLOCK
     while bk * 2 <= bk_cap and i_dim % (bk * 2) == 0:
         bk *= 2
-    cfg = GemvConfig(block_n=base.block_n, block_k=bk, split_k=base.split_k, stages=base.stages,
-                     engine=engine, a_in_registers=base.a_in_registers)
+    want = GemvConfig(block_n=base.block_n, block_k=bk, split_k=base.split_k, stages=base.stages,
+                      engine=engine, a_in_registers=base.a_in_registers)
     # K slices of whole 128-column blocks (B is built per block); a pipeline step inside one
     # expert (block_k divides the expert width). One slice per row block unless the token slice
     # [8, K / split] does not fit in SMEM (K = T·k·I grows with the tokens and experts).
     if residual is not None and residual.shape != (t, n):
         raise ValueError(f"expert_down: residual {residual.shape}, want {(t, n)}")
     res_dtype = None if residual is None else residual.dtype
-    layout = functools.partial(expert_down_smem, k=ktot, itemsize=down.dtype.itemsize, out_dtype=out_dtype,
-                               residual_dtype=res_dtype)
-    cfg = cfg.resolved(n, ktot, t, 1, down.dtype.itemsize, hw.num_sms(), slice_unit=QBLOCK,
-                       divides=i_dim, occupancy=False, layout=layout)
+
+    def resolved(staged):
+        layout = functools.partial(expert_down_smem, k=ktot, itemsize=down.dtype.itemsize, out_dtype=out_dtype,
+                                   residual_dtype=res_dtype, staged=staged)
+        return layout, want.resolved(n, ktot, t, 1, down.dtype.itemsize, hw.num_sms(), slice_unit=QBLOCK,
+                                    divides=i_dim, occupancy=False, layout=layout)
+    staged = h.shape if h.ndim == 4 else None
+    layout, cfg = resolved(staged)
+    if staged and hw.smem_bytes(layout(cfg)) > hw.SMEM_BYTES:   # the partials do not fit beside the pipeline
+        h, staged = finish_partials(h), None
+        layout, cfg = resolved(None)
     hw.check_smem("MoE down kernel", layout(cfg), cfg)
     bn, split, stages, a_regs = cfg.block_n, cfg.split_k, cfg.stages, cfg.a_in_registers
     bk = cfg.block_k
@@ -125,6 +146,9 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
         out_gmem, xb, invf, o_smem = next(it), next(it), next(it), next(it)
         a_bufs = next(it) if (fp8 and not x8 and not a_regs) else None
         res_smem, res_bar = (next(it), next(it)) if res_in_kernel else (None, None)
+        h_smem, h_bar, h_tile = (next(it), next(it), next(it)) if staged else (None, None, None)
+        if staged:   # the gate/up partials, one copy, while the weights stream
+            plgpu.copy_gmem_to_smem(h_gmem, h_smem, h_bar.at[0])
         n_idx = lax.axis_index("n")
         s_idx = lax.axis_index("s")
         k0 = s_idx * kc
@@ -157,16 +181,28 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
             h alone in two e4m3 halves (hi, lo) and the factors are applied to the block sums."""
             row_id = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (MAX_TOKENS, QBLOCK), 0), X_LAYOUT)
 
+            def h_block(sel, cols):
+                """h[sel, cols] in fp32, rounded to bf16 as the gate/up kernel's output is."""
+                src = h_tile if staged else h_gmem
+                return plgpu.load(src.at[sel, cols], optimized=False).astype(BF16).astype(F32)
+
             def block(b):
                 kpos = k0 + b * QBLOCK
                 sel = kpos // i_dim
                 part = (kpos % i_dim) // QBLOCK
-                hv = plgpu.load(h_gmem.at[sel, pl.ds(part * QBLOCK, QBLOCK)], optimized=False).astype(F32)
+                hv = h_block(sel, pl.ds(part * QBLOCK, QBLOCK))
                 if not x8:
                     hv = hv * block_factor(kpos)
                 v = plgpu.layout_cast(lax.broadcast_in_dim(hv, (MAX_TOKENS, QBLOCK), (1,)), X_LAYOUT)
                 return jnp.where(row_id == sel // kper, v, 0.0)
 
+            if staged:   # h once for all selections: the split-K sums in split order, the SwiGLU, bf16
+                plgpu.barrier_wait(h_bar.at[0])
+                g, u = h_smem[0, 0], h_smem[0, 1]
+                for s in range(1, staged[0]):
+                    g, u = g + h_smem[s, 0], u + h_smem[s, 1]
+                h_tile[...] = gemv.swiglu_f32(g, u, BF16)
+                plgpu.commit_smem()
             vals = [block(b) for b in range(nblk)]
             if x8:
                 invf[0] = hw.store_fp8_pair(hw.pair_rows(xb, QBLOCK), vals.__getitem__, nblk)
@@ -241,12 +277,12 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
         plgpu.wait_smem_to_gmem(0)
 
     scratch = expert_down_scratch(cfg, k=ktot, itemsize=down.dtype.itemsize, out_dtype=out_dtype,
-                                  residual_dtype=res_dtype)
+                                  residual_dtype=res_dtype, staged=staged)
     out_type = (jax.ShapeDtypeStruct((t, n), o_dtype) if in_kernel
                 else jax.ShapeDtypeStruct((split, t, n), F32))
     call = plgpu.kernel(kernel, out_type=out_type, grid=(row_blocks, split), grid_names=("n", "s"),
                         scratch_types=scratch, interpret=_interp.params(), kernel_name="jtilert_moe_down")
-    args = [h.astype(BF16), weights.astype(F32), ids.reshape(-1).astype(jnp.int32)]
+    args = [h if h.dtype == F32 else h.astype(BF16), weights.astype(F32), ids.reshape(-1).astype(jnp.int32)]
     args += ([hw.layer_operand(layer)] if layer is not None else []) + [down]
     if fp8:
         args.append(down_scale.astype(F32))
@@ -259,11 +295,18 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
     return y.astype(out_dtype) if residual is None else gemv.add_residual(y, residual, out_dtype)
 
 
-def expert_down_scratch(cfg: GemvConfig, *, k: int, itemsize: int, out_dtype=BF16, residual_dtype=None) -> list:
+def finish_partials(parts):
+    """h [T·k, I] bf16 from the gate/up partials [S, 2, T·k, I] fp32 (XLA's finish)."""
+    part = parts.sum(0)
+    return gemv.swiglu_f32(part[0], part[1], BF16)
+
+
+def expert_down_scratch(cfg: GemvConfig, *, k: int, itemsize: int, out_dtype=BF16, residual_dtype=None,
+                        staged: tuple | None = None) -> list:
     """`expert_down`'s scratch buffers under a resolved config: the B operand [8, K / split] (fp8x2:
     its two e4m3 halves), the fp8 range factor (fp8x2: x's scale), the output tile, the A double
-    buffer (fp8 with A from SMEM), and the residual tile with its barrier (a residual without
-    split-K)."""
+    buffer (fp8 with A from SMEM), the residual tile with its barrier (a residual without split-K),
+    and the gate/up partials of shape `staged` with their barrier and the h they make."""
     fp8 = itemsize == 1
     kc = k // cfg.split_k
     b_operand = (hw.pair_operand(kc) if cfg.engine == "fp8x2" else
@@ -275,16 +318,19 @@ def expert_down_scratch(cfg: GemvConfig, *, k: int, itemsize: int, out_dtype=BF1
         scratch.append(plgpu.SMEM((2, cfg.block_n, sub), F16, transforms=X_TRANSFORMS))
     if residual_dtype is not None and cfg.split_k == 1:
         scratch += [plgpu.SMEM((MAX_TOKENS, cfg.block_n), residual_dtype), plgpu.Barrier(num_barriers=1)]
+    if staged is not None:   # the partials, their barrier, and h finished from them
+        scratch += [plgpu.SMEM(staged, F32), plgpu.Barrier(num_barriers=1), plgpu.SMEM(staged[2:], BF16)]
     return scratch
 
 
-def expert_down_smem(cfg: GemvConfig, *, k: int, itemsize: int, out_dtype=BF16, residual_dtype=None) -> hw.Scope:
+def expert_down_smem(cfg: GemvConfig, *, k: int, itemsize: int, out_dtype=BF16, residual_dtype=None,
+                     staged: tuple | None = None) -> hw.Scope:
     """`expert_down`'s shared memory: its scratch, and inside, the weight pipeline (B is built,
     and for fp8 range-scaled, at step 0 in there); the epilogue reduces outside."""
     pipe = hw.Scope((plgpu.SMEM((cfg.stages, cfg.block_n, cfg.block_k), FP8 if itemsize == 1 else BF16),
                      plgpu.Barrier(num_barriers=cfg.stages)), reduces=itemsize == 1)
     return hw.Scope(tuple(expert_down_scratch(cfg, k=k, itemsize=itemsize, out_dtype=out_dtype,
-                                              residual_dtype=residual_dtype)), (pipe,), reduces=True)
+                                              residual_dtype=residual_dtype, staged=staged)), (pipe,), reduces=True)
 
 
 # ---- public wrappers ----------------------------------------------------------------------------
@@ -296,7 +342,7 @@ def moe_experts(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scal
     t = x.shape[0]
     if t > MAX_TOKENS:
         raise ValueError(f"moe_experts kernel: at most {MAX_TOKENS} tokens, got {t}")
-    h = expert_gate_up(x, ids, gate, gate_scale, up, up_scale, layer=layer, config=gate_up_config)
+    h = expert_gate_up(x, ids, gate, gate_scale, up, up_scale, layer=layer, config=gate_up_config, unsummed=True)
     return expert_down(h, weights, ids, down, down_scale, layer=layer, out_dtype=x.dtype, residual=residual,
                        config=down_config)
 
