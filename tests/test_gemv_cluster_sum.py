@@ -1,6 +1,6 @@
 """The GEMV's split-K partials summed in the kernel by the row block's CTAs as one cluster
 (`GemvConfig(split_sum="cluster")`; "auto" does so on the GPU for a one-weight projection whose own
-split is 2..8: not a gate/up pair, not in expert mode, not for the FMA engine or the partials form). GPU interpret mode runs no remote
+split is 2..8: not a gate/up pair, not in expert mode, not the partials form). GPU interpret mode runs no remote
 refs, so on the CPU the cluster form is lowered for the GPU and its structure checked (a cluster of
 `split` CTAs, no XLA sum after the kernel; test_kernel_shapes checks its shared memory against
 Mosaic's count); the interpreter runs the XLA sum, whose numbers the other GEMV tests check.
@@ -75,6 +75,22 @@ def test_auto_sums_a_projection_in_a_cluster_on_the_gpu():
             *xe).jaxpr, [])
         assert meshes and all(not tuple(m.cluster or ()) for m in meshes), meshes
         assert any(len(tuple(m.grid)) > 1 and tuple(m.grid)[1] > 1 for m in meshes), meshes  # split-K
+
+
+def test_auto_sums_the_fma_engines_fp32_projection_in_a_cluster_on_the_gpu():
+    """The indexer's head weights (fp32 weights [64, 7168], the FMA engine, an fp32 result): one launch,
+    its split-K partials summed in the cluster, no XLA reduction after it."""
+    args = (S((1, 7168), BF16), S((7168,), BF16), S((64, 7168), F32))
+
+    def head_weights(x, nw, w):
+        return gemv.index_weights(x, nw, 1e-6, w)
+    with interp.compile_for_gpu():
+        jaxpr = jax.make_jaxpr(head_weights)(*args).jaxpr
+        (mesh,) = _kernels(jaxpr, [])
+        text = jax.jit(head_weights).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert 1 < tuple(mesh.cluster)[0] <= gemv.CLUSTER_MAX and tuple(mesh.grid) == (1,), mesh
+    assert "stablehlo.reduce" not in text
+    assert jaxpr.outvars[0].aval.shape == (1, 64) and jaxpr.outvars[0].aval.dtype == F32
 
 
 def test_auto_interpret_mode_and_the_partials_form_sum_in_xla():

@@ -87,6 +87,41 @@ def test_fused_ops_at_the_tiny_models_stacks(tokens, layer):
         assert not interp.races_found()
 
 
+@pytest.mark.parametrize("tokens, layer", [(1, 4), (2, 1)])
+def test_the_indexers_head_weights_at_the_tiny_models_stacks(tokens, layer):
+    """`index_weights` (the FMA engine norms the layer's input itself; rows padded to whole 64-column
+    blocks) against what the model composed before: XLA's norm, then an fp32 product."""
+    m = _tiny()
+    norm, w = m.layers.input_layernorm, m.indexers.weights_proj.weight[...]
+    heads = w.shape[1]
+    assert w.dtype == F32 and heads % 64
+    with interp.interpret(detect_races=True):
+        x = _normal((tokens, m.cfg.hidden_size), 3.0)
+        args = (x, norm.weight[...], norm.eps, w)
+        shapes = {b: jax.eval_shape(lambda i, ops=Ops(DecodeConfig(backend=b)): ops("index_weights", *args, layer=i),
+                                    jnp.int32(layer)) for b in ("pallas", "reference")}
+        assert shapes["pallas"].shape == (tokens, 64) and shapes["reference"].shape == (tokens, heads), shapes
+        assert all(s.dtype == F32 for s in shapes.values()), shapes
+        kernel, ref = Ops(DecodeConfig(backend="pallas")), Ops(DecodeConfig(backend="reference"))
+        assert kernel._use_kernel("index_weights", OPS["index_weights"], _per_layer(OPS["index_weights"], args))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="jtilert: backend='pallas'")
+            got = np.asarray(jax.jit(lambda i: kernel("index_weights", *args, layer=i))(jnp.int32(layer)))[:, :heads]
+        want = np.asarray(jax.jit(lambda i: ref("index_weights", *args, layer=i))(jnp.int32(layer)))
+        composed = jax.jit(lambda i: reference.linear(norm(x, i).astype(F32), w[i].astype(F32)))(jnp.int32(layer))
+        np.testing.assert_array_equal(want, np.asarray(composed))
+        assert np.abs(want).max() > 0 and not np.isnan(got).any()
+        # jitted, XLA may keep the normed x's bf16 rounding in excess precision (xla_allow_excess_precision):
+        # bf16-level differences; op by op (eagerly) the reference rounds as written, as the kernel does,
+        # and only the fp32 sums' order differs
+        err = np.linalg.norm(got - want) / np.linalg.norm(want)
+        assert err < 5e-3, f"head weights: relative error {err:.2e} against the jitted reference"
+        eager = np.asarray(reference.index_weights(x, norm.weight[...][layer], norm.eps, w[layer]))
+        err = np.linalg.norm(got - eager) / np.linalg.norm(eager)
+        assert err < 1e-5, f"head weights: relative error {err:.2e} against the reference op by op"
+        assert not interp.races_found()
+
+
 def _stack(layers, n, k):
     w = jax.random.normal(jax.random.key(next(_seed)), (layers, n, k), F32) * k ** -0.5
     return quantize_weight(w)

@@ -1,7 +1,7 @@
 """backend="pallas" end to end: decode logits of the tiny fp8 model (bf16 activations) within bf16
 tolerance of the reference backend's, and the same greedy choices where the choice is clear, with the
-decode step's kernels of `jtilert.ops.table.OPS` (projections, the fused norm + projection and
-projection + residual, SwiGLU, router, indexer append + scoring, sparse MLA, kv_b's absorption per
+decode step's kernels of `jtilert.ops.table.OPS` (projections, the fused norm + projection (the
+indexer's fp32 head weights among them) and projection + residual, SwiGLU, router, indexer append + scoring, sparse MLA, kv_b's absorption per
 head) running in GPU interpret mode. The prompt is longer than tiny's index_topk (32), so the indexer
 really selects. The lm head's top-candidates kernel runs where a Generator samples:
 tests/test_golden_kernels.py's greedy test decodes with it (the op table must choose it, a kernel that
@@ -49,8 +49,8 @@ def test_pallas_backend_greedy_equals_reference(tiny_fp8, monkeypatch):
     assert {"gemv", "gemv+norm", "gemv+residual", "indexer_scores_kernel", "sparse_mla_partials",
             "heads_linear"} <= set(calls), f"a kernel was not used: {set(calls)}"
     # the decode model's fused GEMVs, each kernel signature traced once (the dense and MoE bodies share
-    # the attention's; prefill chunks run the reference): x_proj and qr_proj with their norms, and the
-    # FFN's norm in the dense gate/up, the router (which writes the normed x for the routed experts)
-    # and the shared expert's gate/up; o_proj, the dense down and the shared expert's down with the
-    # residual
-    assert calls.count("gemv+norm") == 5 and calls.count("gemv+residual") == 3, calls
+    # the attention's; prefill chunks run the reference): x_proj, qr_proj and the indexer's head weights
+    # with their norms, and the FFN's norm in the dense gate/up, the router (which writes the normed x
+    # for the routed experts) and the shared expert's gate/up; o_proj, the dense down and the shared
+    # expert's down with the residual
+    assert calls.count("gemv+norm") == 6 and calls.count("gemv+residual") == 3, calls

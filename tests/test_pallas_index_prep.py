@@ -53,7 +53,7 @@ def _case(name, tokens, start):
     nw = (1 + 0.1 * jax.random.normal(k[2], (NL, d))).astype(BF16)
     nb = (0.1 * jax.random.normal(k[3], (NL, d))).astype(BF16)
     cos, sin = reference.rope_cos_sin(cfg, start + jnp.arange(tokens, dtype=jnp.int32))
-    w = jax.random.normal(k[4], (tokens, hi), F32) * (hi**-0.5 * d**-0.5)
+    w = jax.random.normal(k[4], (tokens, hi), F32)   # the head weights' projection (index_prep scales it)
     return cfg, (q_x, k_x, nw, nb, cos, sin, w), q_col, k_col
 
 
@@ -100,16 +100,21 @@ def check_q_w(q8, w8, want_q8, want_w, pre, l1, w):
     return int(diff.sum())
 
 
-@pytest.mark.parametrize("name,tokens,start,layer", [
-    ("dsv32-tp8-shard", 1, 17, 1),    # 64 index heads, half-split rope: one query tile
-    ("dsv32-tp8-shard", 2, 46, 2),    # MTP verify's two tokens: two query tiles
-    ("glm5-tp8-shard", 1, 5, 1),      # 32 heads, interleaved rope: half a tile
-    ("glm5-tp8-shard", 2, 30, 2),
-    ("dsv32-tp8-shard", 4, 40, 1),    # the most tokens the kernel takes: four query tiles
+@pytest.mark.parametrize("name,tokens,start,layer,w_width", [
+    ("dsv32-tp8-shard", 1, 17, 1, 0),    # 64 index heads, half-split rope: one query tile
+    ("dsv32-tp8-shard", 2, 46, 2, 0),    # MTP verify's two tokens: two query tiles
+    ("glm5-tp8-shard", 1, 5, 1, 0),      # 32 heads, interleaved rope: half a tile
+    ("glm5-tp8-shard", 2, 30, 2, 64),    # the head weights as index_weights' kernel leaves them: rows of 64
+    ("dsv32-tp8-shard", 4, 40, 1, 68),   # the most tokens the kernel takes: four query tiles; wider rows
 ])
-def test_index_prep_matches_reference(name, tokens, start, layer):
+def test_index_prep_matches_reference(name, tokens, start, layer, w_width):
+    """w_width: the head weights' rows that wide, their first H columns the weights and the rest NaN
+    (never read: the kernel copies each token's first H)."""
     cfg, args, q_col, k_col = _case(name, tokens, start)
     hi, d = cfg.index_n_heads, cfg.index_head_dim
+    w = args[-1]
+    if w_width:
+        args = (*args[:-1], jnp.pad(w, ((0, 0), (0, w_width - hi)), constant_values=jnp.nan))
 
     def f(q_x, k_x, nw, nb, cos, sin, w, layer):
         return ip.index_prep(cfg, q_x, q_col, k_x, k_col, nw, nb, 1e-6, cos, sin, w, layer=layer)
@@ -120,7 +125,10 @@ def test_index_prep_matches_reference(name, tokens, start, layer):
     assert k.shape == want[2].shape == (tokens, d) and k.dtype == want[2].dtype == F32
     bound = NOISE * np.abs(k32).sum(-1, keepdims=True) * d**-0.5   # the module docstring's k tolerance
     assert (np.abs(k - want[2]) <= bound).all(), np.abs(k - want[2]).max()
-    differ = check_q_w(q8, w8, want[0], want[1], pre, np.abs(q32).sum(-1) * d**-0.5, np.asarray(args[-1]))
+    assert not np.isnan(w8).any() and not np.isnan(want[1]).any()
+    # the head weights as index_prep scales them before the queries' scales
+    differ = check_q_w(q8, w8, want[0], want[1], pre, np.abs(q32).sum(-1) * d**-0.5,
+                       np.asarray(w) * reference.index_weight_scale(cfg))
     assert differ <= q8.size // 100, differ
 
 

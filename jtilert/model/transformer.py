@@ -282,16 +282,22 @@ class Indexer(nnx.Module):
         self.k_norm = LayerNorm(cfg.index_head_dim, rngs=rngs, dtype=norm_dtype)
         self.weights_proj = Linear(cfg.hidden_size, cfg.index_n_heads, rngs=rngs, fmt="fp32", quantizable=False)
 
-    def __call__(self, ops: Ops, slot, x, qr, cos, sin, positions, start, cache, q=None, k=None):
+    def __call__(self, ops: Ops, slot, x, qr, cos, sin, positions, start, cache, q=None, k=None, norm=None):
         """(top-k indices [T, k] (-1: masked), cache) for indexer `slot` of the stack, from the layer's
         normed input x and normed q_a output qr. `q`, `k`: (array, column) where the caller computed the
         query projection wq_b(qr) and the key projection wk(x): the decode model's merged GEMVs' whole
-        outputs, each projection at its column (qr is then None)."""
+        outputs, each projection at its column (qr is then None). `norm`: x is the layer's input before
+        its norm, this RMSNorm stack, indexed like the indexers' (every layer has its own indexer); the
+        head weights' GEMV then norms x itself."""
         cfg = self.cfg
         q_x, q_col = (self.wq_b(ops, qr, slot), 0) if q is None else q
-        k_x, k_col = (self.wk(ops, x, slot), 0) if k is None else k
-        w = reference.linear(x.astype(F32), self.weights_proj.weight[...][slot].astype(F32))
-        w = w * (cfg.index_n_heads**-0.5 * cfg.index_head_dim**-0.5)
+        k_x, k_col = (self.wk(ops, x if norm is None else norm(x, slot), slot), 0) if k is None else k
+        # the head weights' projection in fp32 (index_prep reads its first H columns and scales them by
+        # H^-0.5 · D^-0.5)
+        if norm is None:
+            w = reference.linear(x.astype(F32), self.weights_proj.weight[...][slot].astype(F32))
+        else:
+            w = ops("index_weights", x, norm.weight[...], norm.eps, self.weights_proj.weight[...], layer=slot)
         # the key's norm, rope on q and k, their Hadamard rotation and q's fp8 quantisation (one kernel;
         # the projections' outputs are read in place): k comes out rotated, fp32 in fp8 mode
         q, w, k = ops("index_prep", cfg, q_x, q_col, k_x, k_col, self.k_norm.weight[...], self.k_norm.bias[...],
@@ -505,7 +511,7 @@ def decode_weights(model: Transformer, merge: bool = True, tp: int = 1, backend:
         own indexer (its stack then indexed like the layers), the indexer's wk — one `RowsLinear`
         (`Attention.x_proj`) over their weights concatenated by rows: one GEMV launch (and one
         split-K finish) per layer instead of two or three, the same rows multiplied by the same x.
-        The indexer's fp32 head-weights projection stays apart (an fp32 product, not a GEMV kernel).
+        The indexer's fp32 head-weights projection stays apart (an fp32 product: `index_weights`).
       - where every layer runs its own indexer and q_b and wq_b have one format, the projections of
         the normed q_a output — q_b (split over the tp ranks by heads) and the indexer's wq_b
         (replicated) — one `RowsLinear` (`Attention.qr_proj`): one GEMV launch per layer instead of
@@ -722,10 +728,15 @@ class Transformer(nnx.Module):
         slot = i if lay.all_full else jnp.asarray(lay.indexer_slot, jnp.int32)[i]
 
         def indexer(qr, q, k, c):
-            def run(c, slot):   # the indexer's head weights (and wk where not merged) read the normed input
-                return self.indexers(ops, slot, blk.input_layernorm(x, i), qr, cos, sin, positions, start, c, q, k)
+            # the indexer's head weights (and wk where not merged) read the normed input
             if lay.all_full:   # slot is the layer index itself: no index arithmetic (in a layer loop
-                return run(c, slot)   # it is a kernel)
+                # it is a kernel), and the norm's stack is indexed as the indexers': the head weights'
+                # GEMV norms x itself
+                return self.indexers(ops, slot, x, qr, cos, sin, positions, start, c, q, k,
+                                     norm=blk.input_layernorm)
+
+            def run(c, slot):
+                return self.indexers(ops, slot, blk.input_layernorm(x, i), qr, cos, sin, positions, start, c, q, k)
             return jax.lax.cond(slot >= 0, lambda c: run(c, jnp.maximum(slot, 0)), lambda c: (topk, c), c)
 
         h, cache, topk = blk.self_attn(ops, i, x, blk.input_layernorm, cos, sin, positions, start, cache, indexer)

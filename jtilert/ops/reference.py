@@ -90,6 +90,13 @@ def rmsnorm_linear(x: jax.Array, norm_weight: jax.Array, eps: float, w: jax.Arra
     return linear(rms_norm(x[..., :k] if x.shape[-1] > k else x, norm_weight, eps), w, scale)
 
 
+def index_weights(x: jax.Array, norm_weight: jax.Array, eps: float, w: jax.Array) -> jax.Array:
+    """The indexer's head weights' projection [T, H] fp32 of a layer's input x: rms_norm(x) (rounded
+    as rms_norm rounds it) times w [H, K] in fp32. (`index_prep` scales it and reads its first H
+    columns: a kernel's result may be wider.)"""
+    return linear(rms_norm(x, norm_weight, eps).astype(F32), w.astype(F32))
+
+
 def linear_residual(x: jax.Array, w: jax.Array, scale: jax.Array | None, residual: jax.Array) -> jax.Array:
     """residual + linear(x, w, scale): the projection rounded to x.dtype, then added in residual's
     dtype (a decoder layer's residual stream)."""
@@ -193,16 +200,24 @@ def indexer_query(cfg: ModelConfig, q: jax.Array, w: jax.Array):
     return q8, w * qs[..., 0]
 
 
+def index_weight_scale(cfg: ModelConfig) -> np.float32:
+    """H^-0.5 · D^-0.5, what `index_prep` multiplies the head weights' projection by (fp32)."""
+    return np.float32(cfg.index_n_heads**-0.5 * cfg.index_head_dim**-0.5)
+
+
 def index_prep(cfg: ModelConfig, q_x: jax.Array, q_col: int, k_x: jax.Array, k_col: int, norm_weight: jax.Array,
                norm_bias: jax.Array, eps: float, cos: jax.Array, sin: jax.Array, w: jax.Array):
     """What a layer's indexer computes between its projections and the scoring: q_x [T, ·] holds the
     index queries (H = index_n_heads heads of D = index_head_dim) at columns q_col.., k_x [T, ·] the key
     [D] at column k_col; the key LayerNormed (norm_weight, norm_bias [D]), rope (`indexer_rope_interleaved`)
     on the first R = 2·cos.shape[-1] columns of every query head and of the key, then `indexer_query`
-    with the head weights w [T, H] (fp32) and `indexer_key_rotated` → (q [T, H, D], w [T, H], k [T, D]:
-    fp32 Hadamard-rotated in fp8 mode, else in k_x's dtype)."""
+    with the head weights w [T, ≥ H] (fp32: their projection in the first H columns, times
+    `index_weight_scale` here) and
+    `indexer_key_rotated` → (q [T, H, D], w [T, H], k [T, D]: fp32 Hadamard-rotated in fp8 mode, else
+    in k_x's dtype)."""
     t, r = q_x.shape[0], 2 * cos.shape[-1]
     h, d = cfg.index_n_heads, cfg.index_head_dim
+    w = w[:, :h] * index_weight_scale(cfg)
     q = q_x[:, q_col:q_col + h * d].reshape(t, h, d)
     k = layer_norm(k_x[:, k_col:k_col + d], norm_weight, norm_bias, eps)
     rot = cfg.indexer_rope_interleaved

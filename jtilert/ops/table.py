@@ -144,6 +144,12 @@ def _rmsnorm_gemv_unsupported(x, norm_weight, eps, w, scale) -> str | None:
     return _gemv_unsupported(jax.ShapeDtypeStruct((*x.shape[:-1], k), x.dtype), w, scale)
 
 
+def _index_weights_unsupported(x, norm_weight, eps, w) -> str | None:
+    if w.dtype != F32 or norm_weight.ndim != 1 or norm_weight.shape[0] != x.shape[-1]:
+        return f"weights {w.dtype}{list(w.shape)} (fp32 taken), norm weight {norm_weight.shape} for x {list(x.shape)}"
+    return _gemv_unsupported(x, w, None)
+
+
 def _residual_gemv_unsupported(x, w, scale, residual) -> str | None:
     if residual.dtype != BF16 or residual.shape != (*x.shape[:-1], w.shape[0]):
         return f"residual {residual.dtype}{list(residual.shape)}, the kernel takes bfloat16 [T, N]"
@@ -248,6 +254,9 @@ OPS: dict[str, Op] = {
     "linear": Op(reference.linear, "pallas.gemv:linear", (1, 2), _gemv_unsupported),
     # the norm's weight folded into the GEMV's B operand, its 1/rms in the epilogue
     "rmsnorm_linear": Op(reference.rmsnorm_linear, "pallas.gemv:rmsnorm_linear", (1, 3, 4), _rmsnorm_gemv_unsupported),
+    # the indexer's head weights (fp32) of the layer's input, normed by the kernel (index_prep reads the
+    # first H columns of its rows, padded to whole blocks)
+    "index_weights": Op(reference.index_weights, "pallas.gemv:index_weights", (1, 3), _index_weights_unsupported),
     "linear_residual": Op(reference.linear_residual, "pallas.gemv:linear_residual", (1, 2), _residual_gemv_unsupported),
     "heads_linear": Op(reference.heads_linear, "pallas.gemv:heads_linear", (1, 2), _heads_unsupported),
     # the dense FFN's norm (weight and eps after the other arguments; None: x is normed already)

@@ -66,7 +66,7 @@ class GemvConfig:
         the machine (else only as far as shared memory needs); `cluster_sum`: the kernel can sum its
         split-K partials in a cluster (else split_sum="cluster" is refused); `cluster_auto`: "auto"
         sums in the cluster where the split chosen for the shape is 2..CLUSTER_MAX and the SMEM fits
-        (not the FMA engine; the split is never narrowed for it).
+        (the split is never narrowed for it).
 
         split_k = 0: the occupancy rule's split, or the next larger split that cuts K into valid
         slices, the first whose SMEM fits at the full pipeline depth (the token slice [8, K / split]
@@ -132,7 +132,7 @@ class GemvConfig:
         # narrower blocks (an explicit split, or K that no split brings into SMEM)
         for cfg in cands + [c for c0 in cands for c in c0._smaller(k, w_itemsize, divides)]:
             if hw.smem_bytes(layout(cfg)) <= hw.SMEM_BYTES:
-                if (self.split_sum == "auto" and cluster_sum and cluster_auto and engine != "fma"
+                if (self.split_sum == "auto" and cluster_sum and cluster_auto
                         and 1 < cfg.split_k <= CLUSTER_MAX and not _interp.active()):
                     clustered = dataclasses.replace(cfg, split_sum="cluster")
                     if hw.smem_bytes(layout(clustered)) <= hw.SMEM_BYTES:
@@ -305,7 +305,7 @@ HELD_ROW_VALUES = 64
 def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="linear",
                 out_dtype=BF16, config: GemvConfig | None = None, ids=None, heads: int = 0, layer=None,
                 scale_block: int = QBLOCK, prefix: bool = False, stride: int = 0, partials: bool = False,
-                normed_out: bool = False):
+                normed_out: bool = False, padded: bool = False):
     """Core: x [T, K] (T ≤ 8) against P = len(ws) weights [N, K] with shared x; see module doc.
     `partials` (one weight, kind "linear", fp32, no residual): the split-K partial sums
     [split, T, N] unsummed, for a consumer that adds them itself ([1, T, N] without split-K); with
@@ -317,7 +317,9 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
     rms, then its product with the weight, to bf16: bf16-level differences); the FMA engine computes
     1/rms first and rounds x as the reference does. `normed_out` (FMA engine with a norm, not in
     expert mode): the result is (y, rms_norm(x) [T, K] bf16), each K slice written by the CTAs of
-    the first row block, so that the norm's other readers need no norm of their own.
+    the first row block, so that the norm's other readers need no norm of their own. `padded`: the
+    result's rows as the kernel stores them, N rounded up to whole `block_n` blocks (the columns past
+    N are not the product), for a consumer that reads the first N in place (no slice after the kernel).
     fp8 weights carry one fp32 scale per `scale_block`² block (128: the checkpoint's; 64: copies
     whose blocks are finer than the checkpoint's, see `transformer.head_weights`). `prefix`: x is
     [T, W ≥ K] (W a multiple of 8: TMA's row stride) and each row's first K columns are the input
@@ -739,7 +741,8 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
     if residual is not None and in_kernel_epilogue:
         args.append(residual)
     out, x_normed = call(*args) if normed_out else (call(*args), None)
-    y = _projection_result(out[..., :n], in_kernel_epilogue, partials, p, kind, residual, out_dtype)
+    y = _projection_result(out if padded else out[..., :n], in_kernel_epilogue, partials, p, kind, residual,
+                           out_dtype)
     return (y, x_normed) if normed_out else y
 
 
@@ -820,6 +823,19 @@ def rmsnorm_linear(x, norm_weight, eps, w, scale=None, *, layer=None, config: Ge
     nw = norm_operand(norm_weight, x, layer, k)
     return hw.token_chunks(x, lambda xc, _: _projection(xc, (w,), (scale,), norm=nw, eps=eps, layer=layer,
                                                 config=config, prefix=x.shape[-1] > k))
+
+
+def index_weights(x, norm_weight, eps, w, *, layer=None, config: GemvConfig | None = None):
+    """jtilert.ops.reference.index_weights in one kernel: rms_norm(x, norm_weight, eps) times fp32
+    weights W [H, K] ([L, H, K] with layer=) on the FMA engine, which rounds the normed x as the
+    reference does; fp32 sums. The result is [T, H'] fp32, H' = H rounded up to whole 64-column blocks
+    (the columns past H are not the product): its consumer (`index_prep`) reads the first H columns of
+    each row in place, so no slice runs between the two."""
+    if w.dtype != F32:
+        raise ValueError(f"index_weights: fp32 weights, got {w.dtype}{list(w.shape)}")
+    nw = norm_operand(norm_weight, x, layer)
+    return hw.token_chunks(x, lambda xc, _: _projection(xc, (w,), (None,), norm=nw, eps=eps, layer=layer,
+                                                out_dtype=F32, config=config, padded=True))
 
 
 def swiglu_pair(x, gate, gate_scale, up, up_scale, norm_weight=None, eps=0.0, *, layer=None,

@@ -23,6 +23,7 @@ import numpy as np
 from jax import lax
 
 import jtilert.pallas.interpret as _interp
+from jtilert.ops import reference
 from jtilert.ops.quant import hadamard, pow2_scale
 from jtilert.pallas import _hopper as hw
 from jtilert.pallas._hopper import BF16, F32, FP8
@@ -57,8 +58,8 @@ def unsupported(tokens: int, heads: int, dim: int, rope: int, quant: str, q_widt
         return f"index_head_dim={dim} (the kernel takes {DIM}: one quantisation block per head)"
     if rope % 64 or rope > dim:
         return f"rope dim {rope}: a multiple of 64 (whole 64-byte halves), at most index_head_dim, is needed"
-    if (tokens * heads) % 4:
-        return f"{tokens} tokens × {heads} heads: the head weights move in 16-byte rows"
+    if heads % 4:
+        return f"{heads} heads: each token's head weights move in 16-byte rows"
     if q_width % dim or q_col % dim:
         return f"the queries at column {q_col} of rows {q_width} wide: multiples of index_head_dim={dim} are needed"
     if k_width % 8 or k_col % 8:
@@ -71,8 +72,8 @@ def unsupported(tokens: int, heads: int, dim: int, rope: int, quant: str, q_widt
 def index_prep(cfg, q_x, q_col: int, k_x, k_col: int, norm_weight, norm_bias, eps: float, cos, sin, w, *, layer):
     """Drop-in for `jtilert.ops.reference.index_prep` with the k_norm stacks [L, D] and `layer` an int32
     scalar (may be traced): q_x [T, ·] holds the index queries (H heads of D) at columns q_col..,
-    k_x [T, ·] the key [D] at column k_col, cos / sin [T, R/2] fp32, w [T, H] fp32 → (q [T, H, D] fp8,
-    w · the queries' scales [T, H] fp32, k [T, D] fp32 normed, roped (bf16) and Hadamard-rotated).
+    k_x [T, ·] the key [D] at column k_col, cos / sin [T, R/2] fp32, w [T, W ≥ H] fp32 (the head
+    weights' projection in each row's first H columns, read in place) → (q [T, H, D] fp8, w · H^-0.5 · D^-0.5 · the queries' scales [T, H] fp32, k [T, D] fp32 normed, roped (bf16) and Hadamard-rotated).
     Shapes `unsupported` names raise ValueError."""
     T = q_x.shape[0]
     H, D = cfg.index_n_heads, cfg.index_head_dim
@@ -82,13 +83,17 @@ def index_prep(cfg, q_x, q_col: int, k_x, k_col: int, norm_weight, norm_bias, ep
     why = unsupported(T, H, D, R, cfg.index_quant, q_x.shape[-1], q_col, k_x.shape[-1], k_col, dtype)
     if why is None and (norm_weight.ndim != 2 or norm_bias.ndim != 2 or norm_weight.shape[-1] != D):
         why = f"k_norm {norm_weight.shape} / {norm_bias.shape}: layer stacks [L, {D}] are needed"
+    if why is None and (w.ndim != 2 or w.shape[0] != T or w.shape[1] < H or w.shape[1] % 4):
+        why = f"head weights {list(w.shape)}: [{T}, W ≥ {H}] with W a multiple of 4 (16-byte rows) are needed"
     if why:
         raise ValueError(f"index_prep kernel: {why}")
     n_q = T * H
+    w_width = w.shape[1]           # token t's head weights: its row's first H columns
     nq_tiles = pl.cdiv(n_q, TILE)
     kt = nq_tiles                  # the key's CTA, after the query tiles'
     per_row = q_x.shape[-1] // D   # q_x as rows of D: token t's heads are rows t·per_row + q_col/D ..
     scale_h = np.float32(hadamard(D)[0, 0])   # D^-0.5 as the reference's fp32 matrix holds it
+    w_scale = reference.index_weight_scale(cfg)
     wl = plgpu.Layout.WGMMA
 
     def gathers(g):
@@ -99,7 +104,7 @@ def index_prep(cfg, q_x, q_col: int, k_x, k_col: int, norm_weight, norm_bias, ep
             if lo < hi:
                 out.append((t, lo - t * H, hi - lo))
         return out
-    arrivals = 5 + max(len(gathers(g)) for g in range(nq_tiles))   # a query CTA's copies (the most)
+    arrivals = 4 + 2 * max(len(gathers(g)) for g in range(nq_tiles))   # a query CTA's copies (the most)
 
     def body(q_ref, k_ref, nw_ref, nb_ref, cos_ref, sin_ref, w_ref, p_ref, hp_ref, layer_ref,
              q_out, w_out, k_out, stage, a1, a2, q8_s, w_s, k_s, cs, sn, p_s, hp_s, bar):
@@ -131,21 +136,23 @@ def index_prep(cfg, q_x, q_col: int, k_x, k_col: int, norm_weight, norm_bias, ep
                     stage[...] = jnp.zeros((TILE, D), BF16)
                     plgpu.commit_smem()
                 r = 0
-                for t, h0, n in rows:    # one TMA per token: its heads are consecutive rows of q_x
+                for t, h0, n in rows:    # two TMAs per token: its heads are consecutive rows of q_x, and
+                    # consecutive columns of its row of w
                     plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(t * per_row + q_col // D + h0, n)],
                                             stage.at[pl.ds(r, n)], bar)
+                    plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(t * w_width + h0, n)], w_s.at[pl.ds(r, n)], bar)
                     r += n
                 first, n_rows = g * TILE, min(n_q - g * TILE, TILE)
-                plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(first, n_rows)], w_s.at[pl.ds(0, n_rows)], bar)
                 rope_loads()
-                for _ in range(arrivals - 5 - len(rows)):   # the barrier counts the busiest tile's copies
+                for _ in range(arrivals - 4 - 2 * len(rows)):   # the barrier counts the busiest tile's copies
                     plgpu.barrier_arrive(bar)
                 plgpu.barrier_wait(bar)
                 y = rope((row_in_tile + first) // H)   # each row's token: query rows are t·H + h
                 # quant.act_quant of the rotated rows: a power-of-two scale per row, folded into w
+                # after H^-0.5 · D^-0.5 (the reference's order of the two products)
                 sc = pow2_scale(jnp.max(jnp.abs(y), axis=1))
                 q8_s[...] = (y / lax.broadcast_in_dim(sc, (TILE, D), [0])).astype(FP8)
-                w_s[...] = plgpu.load(w_s, layout=wl.reduce(1), optimized=False) * sc
+                w_s[...] = plgpu.load(w_s, layout=wl.reduce(1), optimized=False) * w_scale * sc
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(q8_s.at[pl.ds(0, n_rows)], q_out.at[pl.ds(first, n_rows)])
                 plgpu.copy_smem_to_gmem(w_s.at[pl.ds(0, n_rows)], w_out.at[pl.ds(first, n_rows)])
@@ -195,5 +202,5 @@ def index_prep(cfg, q_x, q_col: int, k_x, k_col: int, norm_weight, norm_bias, ep
     p, hp = matrices(D, R, cfg.indexer_rope_interleaved)
     q_rows = q_x.reshape(T * per_row, D)   # a free reshape: the queries as rows of D
     q8, w8, k = kernel(q_rows, k_x, norm_weight, norm_bias, cos.astype(F32), sin.astype(F32),
-                       w.astype(F32).reshape(n_q), jnp.asarray(p), jnp.asarray(hp), hw.layer_operand(layer))
+                       w.astype(F32).reshape(-1), jnp.asarray(p), jnp.asarray(hp), hw.layer_operand(layer))
     return q8.reshape(T, H, D), w8.reshape(T, H), k

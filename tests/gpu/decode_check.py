@@ -41,6 +41,28 @@ def stacked_gemv_errors() -> dict:
     return out
 
 
+def index_weights_errors() -> list[float]:
+    """The indexer's head weights kernel (`index_weights`: the FMA engine, its split-K summed in a cluster)
+    on a stack of 3 fp32 weights [64, 7168], each layer against the reference's normed x (op by op: no
+    excess precision) times the weights in float64 on the host: max |error| / max |reference|."""
+    import jax
+    import jax.numpy as jnp
+
+    from jtilert.ops import reference
+    from jtilert.pallas import gemv
+    w = jax.random.normal(jax.random.key(5), (3, 64, 7168), jnp.float32) * 7168**-0.5
+    nw = (1 + 0.1 * jax.random.normal(jax.random.key(6), (3, 7168))).astype(jnp.bfloat16)
+    x = (3 * jax.random.normal(jax.random.key(7), (1, 7168))).astype(jnp.bfloat16)
+    f = jax.jit(lambda x, nw, w, i: gemv.index_weights(x, nw, 1e-6, w, layer=i))
+    errs = []
+    for i in range(3):
+        got = np.asarray(f(x, nw, w, jnp.int32(i)))[:, :64]
+        normed = np.asarray(reference.rms_norm(x, nw[i], 1e-6), np.float64)   # elementwise, as written
+        want = normed @ np.asarray(w[i], np.float64).T     # on the host: no TF32 in the yardstick
+        errs.append(float(np.abs(got - want).max() / np.abs(want).max()))
+    return errs
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--layers", type=int, default=4)
@@ -64,15 +86,17 @@ def main(argv=None) -> int:
         return {**error(pal, ref), "vs_fp32": error(pal, ref32)}
 
     result = {"layers": a.layers, "steps": a.steps, **compare(), "bf16_reference_vs_fp32": error(ref, ref32),
-              "stacked_gemv": stacked_gemv_errors()}
+              "stacked_gemv": stacked_gemv_errors(), "index_weights": index_weights_errors()}
     print("bf16 reference vs fp32:", result["bf16_reference_vs_fp32"], flush=True)
     print("stacked GEMV kernel vs reference, per layer:", result["stacked_gemv"], flush=True)
+    print("index_weights kernel vs reference, per layer:", result["index_weights"], flush=True)
     # bf16 rounding alone moves a random model's logits by ~10-20 % of their range over a few layers
     # (bf16_reference_vs_fp32), so the bound is relative: the pallas path must be about as close to
     # the fp32 computation as the bf16 reference is, and pick the same tokens about as often.
     ref_err = result["bf16_reference_vs_fp32"]
     result["ok"] = bool(result["vs_fp32"]["max_abs_err_over_max"] <= 1.25 * ref_err["max_abs_err_over_max"]
-                        and result["vs_fp32"]["argmax_agree"] >= ref_err["argmax_agree"] - 1.5 / a.steps)
+                        and result["vs_fp32"]["argmax_agree"] >= ref_err["argmax_agree"] - 1.5 / a.steps
+                        and max(result["index_weights"]) < 1e-5)   # fp32 sums in another order
     if a.per_op:
         table = dict(ops.OPS)
         for name, op in table.items():
