@@ -321,7 +321,7 @@ KERNELS = {   # one launch each, at the shapes and configurations the dsv32 shar
     "GEMV gate/up pair fp8": (gemv.swiglu_pair, (S((1, 7168), BF16), *_q(2304, 7168), *_q(2304, 7168))),
     "GEMV rmsnorm bf16": (lambda x, nw, w: gemv.rmsnorm_linear(x, nw, 1e-6, w),
                           (S((3, 2048), BF16), S((2048,), BF16), S((7168, 2048), BF16))),
-    "GEMV indexer head weights, fp32 FMA, split-K summed in a cluster": (
+    "GEMV indexer head weights, fp32 FMA, split-K 28": (
         lambda x, nw, w: gemv.index_weights(x, nw, 1e-6, w),
         (S((1, 7168), BF16), S((7168,), BF16), S((64, 7168), F32))),
     "GEMV router, fp32 FMA": (lambda x, w: moe.router_partials(x, w), (S((4, 7168), BF16), S((256, 7168), F32))),

@@ -133,11 +133,11 @@ def _layer_bodies(name: str) -> list[dict]:
 # GPU, the epilogue in the kernel: 2 glue ops fewer in each body.
 # The routed experts' gate/up partials finished by the MoE down kernel (copied into its shared memory)
 # instead of by XLA between the two: 8 glue ops fewer in the MoE bodies.
-# The indexer's head weights as one FMA GEMV that norms the layer's input itself (its split-K summed in
-# a cluster on the GPU; H^-0.5 · D^-0.5 applied in index_prep) instead of XLA's norm, fp32 dot and
-# scale: 1 launch more, 10 glue ops fewer in each body.
-BUDGET = {"dsv32-tp8-shard": [{"kernels": 14, "glue": 20}, {"kernels": 18, "glue": 20}],
-          "glm5-tp8-shard": [{"kernels": 13, "glue": 33}, {"kernels": 17, "glue": 33}]}
+# The indexer's head weights as one FMA GEMV that norms the layer's input itself (its split-K summed by
+# XLA; H^-0.5 · D^-0.5 applied in index_prep) instead of XLA's norm, fp32 dot and scale: 1 launch
+# more, 9 glue ops fewer in each body.
+BUDGET = {"dsv32-tp8-shard": [{"kernels": 14, "glue": 21}, {"kernels": 18, "glue": 21}],
+          "glm5-tp8-shard": [{"kernels": 13, "glue": 34}, {"kernels": 17, "glue": 34}]}
 
 
 @pytest.mark.parametrize("name", sorted(BUDGET))

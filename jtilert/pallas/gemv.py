@@ -66,7 +66,8 @@ class GemvConfig:
         the machine (else only as far as shared memory needs); `cluster_sum`: the kernel can sum its
         split-K partials in a cluster (else split_sum="cluster" is refused); `cluster_auto`: "auto"
         sums in the cluster where the split chosen for the shape is 2..CLUSTER_MAX and the SMEM fits
-        (the split is never narrowed for it).
+        (not the FMA engine, whose few clustered CTAs ran longer in the step than its split summed by
+        XLA; the split is never narrowed for it).
 
         split_k = 0: the occupancy rule's split, or the next larger split that cuts K into valid
         slices, the first whose SMEM fits at the full pipeline depth (the token slice [8, K / split]
@@ -132,7 +133,7 @@ class GemvConfig:
         # narrower blocks (an explicit split, or K that no split brings into SMEM)
         for cfg in cands + [c for c0 in cands for c in c0._smaller(k, w_itemsize, divides)]:
             if hw.smem_bytes(layout(cfg)) <= hw.SMEM_BYTES:
-                if (self.split_sum == "auto" and cluster_sum and cluster_auto
+                if (self.split_sum == "auto" and cluster_sum and cluster_auto and engine != "fma"
                         and 1 < cfg.split_k <= CLUSTER_MAX and not _interp.active()):
                     clustered = dataclasses.replace(cfg, split_sum="cluster")
                     if hw.smem_bytes(layout(clustered)) <= hw.SMEM_BYTES:
@@ -825,14 +826,24 @@ def rmsnorm_linear(x, norm_weight, eps, w, scale=None, *, layer=None, config: Ge
                                                 config=config, prefix=x.shape[-1] > k))
 
 
+INDEX_WEIGHTS_MAX_SPLIT = 32   # the head weights' CTAs per row block, at most (DeepSeek-V3.2: 28)
+
+
 def index_weights(x, norm_weight, eps, w, *, layer=None, config: GemvConfig | None = None):
-    """jtilert.ops.reference.index_weights in one kernel: rms_norm(x, norm_weight, eps) times fp32
-    weights W [H, K] ([L, H, K] with layer=) on the FMA engine, which rounds the normed x as the
-    reference does; fp32 sums. The result is [T, H'] fp32, H' = H rounded up to whole 64-column blocks
-    (the columns past H are not the product): its consumer (`index_prep`) reads the first H columns of
-    each row in place, so no slice runs between the two."""
+    """jtilert.ops.reference.index_weights: rms_norm(x, norm_weight, eps) times fp32 weights W [H, K]
+    ([L, H, K] with layer=) on the FMA engine, which rounds the normed x as the reference does; fp32
+    sums, the split-K partials summed by XLA after the kernel. The result is [T, H'] fp32, H' = H
+    rounded up to whole 64-column blocks (the columns past H are not the product): its consumer
+    (`index_prep`) reads the first H columns of each row in place, so no slice runs between the two.
+    By default K is split into the most slices of whole 64-column grains, up to INDEX_WEIGHTS_MAX_SPLIT:
+    the few row blocks need many CTAs, and the shape's own split (8 CTAs, in a cluster or not) made the
+    kernel long enough to delay the layer's indexer."""
     if w.dtype != F32:
         raise ValueError(f"index_weights: fp32 weights, got {w.dtype}{list(w.shape)}")
+    grains = w.shape[-1] // KGRAIN
+    if config is None:
+        split = max(s for s in range(1, INDEX_WEIGHTS_MAX_SPLIT + 1) if grains % s == 0) if grains else 0
+        config = GemvConfig(split_k=split, split_sum="xla")
     nw = norm_operand(norm_weight, x, layer)
     return hw.token_chunks(x, lambda xc, _: _projection(xc, (w,), (None,), norm=nw, eps=eps, layer=layer,
                                                 out_dtype=F32, config=config, padded=True))

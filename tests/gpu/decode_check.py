@@ -42,7 +42,7 @@ def stacked_gemv_errors() -> dict:
 
 
 def index_weights_errors() -> list[float]:
-    """The indexer's head weights kernel (`index_weights`: the FMA engine, its split-K summed in a cluster)
+    """The indexer's head weights kernel (`index_weights`: the FMA engine, its split-K summed by XLA)
     on a stack of 3 fp32 weights [64, 7168], each layer against the reference's normed x (op by op: no
     excess precision) times the weights in float64 on the host: max |error| / max |reference|."""
     import jax
