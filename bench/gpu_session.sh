@@ -76,6 +76,7 @@
 #   phases       bench/experiments/gemv_phases.py: each GEMV form's phases CTA by CTA (Mosaic's on-device profiler:
 #                x's wait and preparation, the steps and the waits between them, the epilogue), o_proj, x_proj,
 #                q_b | wq_b, the fp8x2 and wgmma engines and the w8a8 kernel fed x split
+#   phasesfma    the same with --fma: the FMA engine's router and indexer head weights GEMVs by phase
 #   ctas         bench/experiments/kernel_ctas.py: every Mosaic kernel of one 4-layer pallas decode step, CTA by CTA
 #                (Mosaic's on-device profiler): the CTAs' start spread, spans, and the tail after the median CTA
 #   w8a8         bench/experiments/gemv_w8a8.py: the fp8-activation GEMV against the shipped one (o_proj, x_proj,
@@ -114,7 +115,7 @@
 #   callvariants_ab  the same, 100 calls per form, for .baseline (another tree, carried) then this checkout
 #   build        the CUDA engine library and self-test (python -m jtilert.ffi.build --selftest)
 #   select       the engine's top-k select: self-test + CUDA-graph timings (after build)
-#   selectpatch  part select in a copy of this checkout with PATCH applied (default topk_bisect_engine.patch)
+#   selectpatch  part select in a copy of this checkout with PATCH applied
 #   tp2          bench.decode at tp=2, 4 layers, psum vs the engine's all-reduce (2 GPUs, after build)
 #   engine       tests/gpu/run_engine_gpu.sh: the whole engine check (2 GPUs, ~12 min)
 # Two parts can share a 2-GPU machine: CUDA_VISIBLE_DEVICES=0 ... & CUDA_VISIBLE_DEVICES=1 ... &
@@ -289,9 +290,8 @@ for part in "$@"; do
                 --mtp --samples 6 --out "$WORK/mtp_glm5.json" ;;
     mtp) step mtp 540 $DEC --layers 61 --backend pallas --mtp --samples 6 --out "$WORK/mtp.json" ;;
     selectpatch)  # the engine's top-k self-test and timings (part `select`) in this checkout with PATCH applied
-      # (default bench/experiments/topk_bisect_engine.patch: the one-CTA bisection kernel as the default plan
-      # for rows of up to 8,192 scores in position order)
-      p=${PATCH:-bench/experiments/topk_bisect_engine.patch}
+      [ -n "${PATCH:-}" ] || { echo "part selectpatch needs PATCH (a patch of cuda/)" >&2; continue; }
+      p=$PATCH
       patched_tree "$p" > /dev/null && step selectpatch 120 \
         "$(dirname "$(tail -1 "$WORK/build_$(basename "$p" .patch).log")")/jtilert_selftest" --select-only --iters 3 --bench ;;
     chain)  # bench/experiments/gemv_chain.cu: 32 dependent fp8 GEMVs as 32 launches, one persistent launch,
@@ -308,6 +308,8 @@ for part in "$@"; do
       step swap 420 python3 -m bench.experiments.gemv_swap --out "$WORK/swap.json" ;;
     phases)
       step phases 300 python3 -m bench.experiments.gemv_phases --out "$WORK/phases.json" ;;
+    phasesfma)  # the FMA engine's GEMVs (router, indexer head weights) by phase: where their fixed time goes
+      step phasesfma 200 python3 -m bench.experiments.gemv_phases --fma --out "$WORK/phases_fma.json" ;;
     ctas)
       step ctas 300 python3 -m bench.experiments.kernel_ctas --out "$WORK/ctas.json" ;;
     inflight)

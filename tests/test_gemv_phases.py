@@ -55,6 +55,21 @@ def test_profiled_kernels_lower_for_cuda(form, tmp_path):
             jax.jit(fns[form]).trace(*specs).lower(lowering_platforms=("cuda",))
 
 
+@pytest.mark.parametrize("form", ["router", "head_weights"])
+def test_profiled_fma_kernels_lower_for_cuda(form, tmp_path):
+    """The FMA engine's forms of `gemv_phases --fma` (the router with its norm, the head weights over
+    28 K slices) lower with the profiler on, as above."""
+    from jtilert.pallas import moe
+    S = jax.ShapeDtypeStruct
+    n = 256 if form == "router" else 64
+    specs = (S((1, 7168), jnp.bfloat16), S((7168,), jnp.bfloat16), S((n, 7168), jnp.float32))
+    fns = {"router": lambda x, nw, w: moe.norm_router_partials(x, nw, 1e-6, w),
+           "head_weights": lambda x, nw, w: gemv.index_weights(x, nw, 1e-6, w)}
+    with interp.compile_for_gpu(), cta_profile.kernel_profiles(str(tmp_path)):
+        with pytest.raises(ValueError, match="backend cpu is different from the lowering platform cuda"):
+            jax.jit(fns[form]).trace(*specs).lower(lowering_platforms=("cuda",))
+
+
 def test_a_trace_file_names_its_kernel(tmp_path):
     """The outermost range of every CTA is the kernel's name (kernel_profiles wraps the body in it)."""
     import json

@@ -16,9 +16,11 @@ streams from HBM), summarised per form:
   epilogue, span   cycles of the epilogue and of the CTA's first to last event
 
 medians over CTAs and calls, with the 90th percentile of span. Cycles become µs at the SM clock that
-nvidia-smi reports during the run.
+nvidia-smi reports during the run. `--fma`: the FMA engine's GEMVs instead, at their step shapes (the
+router's [256, 7168] fp32 with its norm, as the step runs it; the indexer's head weights [64, 7168] over
+28 and over 8 K slices): there "x_prep" is the fp32 slice filled from the token's normed row.
 
-    python -m bench.experiments.gemv_phases --out gemv_phases.json      (GPU)
+    python -m bench.experiments.gemv_phases --out gemv_phases.json [--fma]      (GPU)
 """
 
 from __future__ import annotations
@@ -74,17 +76,33 @@ def main(argv=None) -> int:  # pragma: no cover - GPU only
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gemv_phases.json")
     ap.add_argument("--copies", type=int, default=3)
+    ap.add_argument("--fma", action="store_true", help="the FMA engine's GEMVs (router, head weights)")
     a = ap.parse_args(argv)
     wgmma = gemv.GemvConfig(engine="wgmma")
     norm = lambda x: jax.random.uniform(jax.random.key(7), x.shape[-1:], minval=0.5, maxval=1.5).astype(x.dtype)
     forms = {"fp8x2": gemv.linear, "wgmma": lambda x, w, s: gemv.linear(x, w, s, config=wgmma),
              "w8a8_hilo": w8a8_hilo,
              "fp8x2_norm": lambda x, w, s: gemv.rmsnorm_linear(x, norm(x), 1e-6, w, s)}
+    shapes, make = DECODE_GEMVS, lambda name, n, k, key: gemv_args(Shape(name, n, k), key)
+    if a.fma:
+        from jtilert.pallas import moe
+        split = lambda s: gemv.GemvConfig(split_k=s, split_sum="xla")
+        forms = {"router": lambda x, w, s: moe.norm_router_partials(x, norm(x), 1e-6, w),
+                 "head_weights_28": lambda x, w, s: gemv.index_weights(x, norm(x), 1e-6, w, config=split(28)),
+                 "head_weights_8": lambda x, w, s: gemv.index_weights(x, norm(x), 1e-6, w, config=split(8))}
+        shapes = (("router 256x7168", 256, 7168), ("head weights 64x7168", 64, 7168))
+
+        def make(name, n, k, key):   # fp32 weights, no scales: the FMA engine's operands
+            x = jax.random.normal(key, (1, k), np.float32).astype(jax.numpy.bfloat16)
+            w = jax.random.normal(jax.random.fold_in(key, 1), (n, k), np.float32) * k**-0.5
+            return x, w, None
     rows = []
-    for name, n, k in DECODE_GEMVS:
+    for name, n, k in shapes:
         key = jax.random.key(5)
-        args = [gemv_args(Shape(name, n, k), jax.random.fold_in(key, i)) for i in range(a.copies)]
+        args = [make(name, n, k, jax.random.fold_in(key, i)) for i in range(a.copies)]
         for label, fn in forms.items():
+            if a.fma and (label == "router") != (n == 256):   # each FMA form at its own shape
+                continue
             with tempfile.TemporaryDirectory() as d:
                 with kernel_profiles(d):
                     # one program per call: a program writes one trace per kernel it lowered (identical

@@ -515,6 +515,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
                 invf[j] = 1.0 / f
             plgpu.commit_smem()
 
+        @hw.phase("x_prep")
         def fill_xf(rms):
             """FMA engine: this CTA's slice of the tokens as fp32 rows [T, kc]: x, or with a norm
             rms_norm(x) rounded as the reference rounds it (bf16(x / rms), then its bf16 product
