@@ -212,9 +212,8 @@ def index_prep(cfg: ModelConfig, q_x: jax.Array, q_col: int, k_x: jax.Array, k_c
     [D] at column k_col; the key LayerNormed (norm_weight, norm_bias [D]), rope (`indexer_rope_interleaved`)
     on the first R = 2·cos.shape[-1] columns of every query head and of the key, then `indexer_query`
     with the head weights w [T, ≥ H] (fp32: their projection in the first H columns, times
-    `index_weight_scale` here) and
-    `indexer_key_rotated` → (q [T, H, D], w [T, H], k [T, D]: fp32 Hadamard-rotated in fp8 mode, else
-    in k_x's dtype)."""
+    `index_weight_scale` here) and `indexer_key_rotated` → (q [T, H, D], w [T, H], k [T, D]: fp32
+    Hadamard-rotated in fp8 mode, else in k_x's dtype)."""
     t, r = q_x.shape[0], 2 * cos.shape[-1]
     h, d = cfg.index_n_heads, cfg.index_head_dim
     w = w[:, :h] * index_weight_scale(cfg)
