@@ -11,7 +11,11 @@ decode step) on an abstract model (no weights) and times, per program:
   many of them Mosaic lowered for this program (the others came from `jtilert.pallas.lowering_cache`:
   lowered by an earlier program of this process);
 - cold: `export` (trace + lower + jax.export's checks) and writing the cache entry;
-- warm: reading the entry and lowering a call of it (what a second process pays).
+- warm: reading the entry and lowering a call of it (what a second process pays);
+- the MLIR lines of each of its Mosaic kernels' modules (`kernel_modules`), the biggest printed. jaxlib
+  compiles each distinct kernel once per process and one at a time (`CachedCompile` in
+  jaxlib/mosaic/gpu/custom_call.cc holds one lock across every compilation), so the kernels' sizes
+  bound that serial part of the first compile's XLA stage.
 Lowering for "cuda" works on a machine without a GPU (the kernels are lowered for the GPU, not
 interpreted); XLA's compile is not run (on a GPU it comes from JAX's persistent cache).
 
@@ -23,6 +27,7 @@ run it twice on one folder for cold and warm.
 from __future__ import annotations
 
 import argparse
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -37,6 +42,29 @@ from jtilert.pallas import interpret, lowering_cache
 from jtilert.runtime import compile_cache
 from jtilert.runtime.generate import Compiled, Generator
 from jtilert.runtime.sampling import Sampling
+
+
+def kernel_modules(text: str) -> list[tuple[str, str]]:
+    """The Mosaic-GPU kernel calls of a lowered program's text, in order: (kernel name, its module printed
+    without source locations and without Mosaic's dump file name, a per-process counter). A kernel
+    called in several places of the text appears once for each."""
+    from jax._src.interpreters import mlir
+    from jax._src.lib.mlir import ir
+    from jax.experimental.mosaic import gpu as mgpu
+
+    def raw(s: str) -> bytes:   # the custom call's escaped string → the module's bytecode
+        return re.sub(rb"\\([0-9A-Fa-f]{2}|\\|\")",
+                      lambda m: bytes([int(m[1], 16)]) if len(m[1]) == 2 else m[1], s.encode("latin-1"))
+    ctx = mlir.make_ir_context()
+    mgpu.dialect.register_dialect(ctx)
+    ctx.allow_unregistered_dialects = True
+    out = []
+    with ctx:
+        for m in re.findall(r'module = "((?:[^"\\]|\\.)*)"', text):
+            asm = ir.Module.parse(raw(m)).operation.get_asm(enable_debug_info=False)
+            name = re.search(r"^module @(\w+)", asm, re.M)   # the module is named after the kernel
+            out.append((name.group(1) if name else "?", re.sub(r'dump_basename = "[^"]*"', "", asm)))
+    return out
 
 
 def main() -> None:
@@ -82,6 +110,7 @@ def main() -> None:
         r["lowered"] = lowering_cache.lowerings - before
         text = lowered.as_text()
         r["mb"], r["kernels"] = len(text) / 1e6, text.count("mosaic_gpu_v2")
+        r["kernel_lines"] = {name: asm.count("\n") + 1 for name, asm in kernel_modules(text)}   # distinct kernels
         key = compile_cache.program_key(self._engine.program_identity(self._name), self._donate, args, platforms)
         path = folder / f"{key}.jaxexport"
         lowering_cache.clear()   # a cold process lowers the kernels again
@@ -104,6 +133,9 @@ def main() -> None:
               f"({r['kernels']} kernels, {r['lowered']} lowered, "
               f"{r['mb']:.1f} MB)  | cold: export {r['export']:6.2f} s  write {r['write']:.2f} s  | warm: read "
               f"{r['read']:.2f} s  lower call {r['lower_call']:.2f} s  (entry {r['entry_mb']:.1f} MB)", flush=True)
+        biggest = sorted(r["kernel_lines"].items(), key=lambda kv: -kv[1])[:6]
+        print(f"{'':>15}  Mosaic modules: {sum(r['kernel_lines'].values())} lines; "
+              + ", ".join(f"{name} {n}" for name, n in biggest), flush=True)
         return lowered
 
     Compiled.executable = measure

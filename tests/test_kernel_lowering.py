@@ -62,19 +62,8 @@ def test_a_later_program_reuses_the_kernels_lowering():
 def _kernel_code(text: str) -> list[str]:
     """The Mosaic modules of a lowered program, printed without source locations and without
     Mosaic's dump file name (a per-process counter)."""
-    from jax._src.interpreters import mlir
-    from jax._src.lib.mlir import ir
-    from jax.experimental.mosaic import gpu as mgpu
-
-    def raw(s: str) -> bytes:   # the custom call's escaped string → the module's bytecode
-        return re.sub(rb"\\([0-9A-Fa-f]{2}|\\|\")",
-                      lambda m: bytes([int(m[1], 16)]) if len(m[1]) == 2 else m[1], s.encode("latin-1"))
-    ctx = mlir.make_ir_context()
-    mgpu.dialect.register_dialect(ctx)
-    ctx.allow_unregistered_dialects = True
-    with ctx:
-        return [re.sub(r'dump_basename = "[^"]*"', "", ir.Module.parse(raw(m)).operation.get_asm(enable_debug_info=False))
-                for m in re.findall(r'module = "((?:[^"\\]|\\.)*)"', text)]
+    from bench.prepare import kernel_modules
+    return [asm for _, asm in kernel_modules(text)]
 
 
 def test_kernels_lowered_by_workers_are_the_kernels_jax_lowers():
@@ -176,3 +165,18 @@ def test_the_combine_probe_runs_in_interpret_mode_and_lowers_for_cuda():
         text = jax.jit(probe.weighted_splits).trace(
             *(jax.ShapeDtypeStruct(a.shape, jnp.float32) for a in (o, m))).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+def test_bench_prepare_names_and_sizes_each_kernel_module():
+    """bench.prepare's kernel_modules: one (name, module) per Mosaic kernel call of a lowered program,
+    named after the kernel, printed without locations (the size its report gives per distinct kernel)."""
+    from bench.prepare import kernel_modules
+    S = jax.ShapeDtypeStruct
+    args = (S((1, 256), jnp.bfloat16), S((64, 256), jnp.bfloat16), S((128, 256), jnp.bfloat16))
+    with interp.compile_for_gpu():
+        text = jax.jit(lambda x, a, b: (gemv.linear(x, a), gemv.linear(x, b), gemv.linear(x, a))).trace(
+            *args).lower(lowering_platforms=("cuda",)).as_text()
+    mods = kernel_modules(text)
+    assert sorted(name for name, _ in mods) == ["jtilert_gemv_wgmma_128x256"] + ["jtilert_gemv_wgmma_64x256"] * 2
+    assert mods[0][1] == mods[2][1]   # the same kernel, the same module
+    assert all(asm.count("\n") > 100 and "loc(" not in asm for _, asm in mods)
