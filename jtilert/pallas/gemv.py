@@ -193,7 +193,7 @@ def projection_scratch(cfg: GemvConfig, *, k: int, p: int, itemsize: int, tb: in
     from SMEM), the residual tile (epilogue in the kernel) and, where the split-K partials are
     summed in a cluster, one [block_n] fp32 buffer per weight and token (the partials the first CTA
     reads; whole buffers, which Mosaic maps into the cluster) and two cluster barriers, and with a norm
-    (wgmma engines) its weight's K slice in fp32, which the B build reads block by block."""
+    (fp8x2 engine) its weight's K slice in fp32, which the B build's loops read block by block."""
     kc = k // cfg.split_k
     fp8 = itemsize == 1
     cluster = cfg.split_k > 1 and cfg.split_sum == "cluster"
@@ -218,7 +218,7 @@ def projection_scratch(cfg: GemvConfig, *, k: int, p: int, itemsize: int, tb: in
     if cluster:
         scratch += [[plgpu.SMEM((cfg.block_n,), F32) for _ in range(p * tb)],
                     plgpu.ClusterBarrier(collective_axes=("s",), num_barriers=2)]
-    if norm and cfg.engine != "fma":
+    if norm and cfg.engine == "fp8x2":
         scratch.append(plgpu.SMEM((kc,), F32))
     return scratch
 
@@ -451,7 +451,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
         a_bufs = next(it) if (fp8 and cfg.engine == "wgmma" and not a_regs) else None
         res_smem = next(it) if res_gmem is not None else None
         parts, cbar = (next(it), next(it)) if cluster else (None, None)
-        nw_s = next(it) if norm is not None and not fma else None
+        nw_s = next(it) if norm is not None and x8 else None
 
         n_idx = lax.axis_index("n")
         s_idx = lax.axis_index("s")
@@ -495,7 +495,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
             epilogue multiplies by 1/f_j (kept in `invf`). The weights then only need e4m3 → f16.
             fp8x2: B is x's two e4m3 halves, [16, kc] (`hw.pair_operand`), and `invf` x's scale.
             nws: the norm weight's values of each column block (loaded in `first`), or None."""
-            if nws is not None:   # the norm weight's blocks where `block` reads them by a traced index
+            if nw_s is not None:   # the norm weight's blocks where the x8 loops read them by a traced index
                 for b, v in enumerate(nws):
                     nw_s[pl.ds(b * bw, bw)] = v
                 plgpu.commit_smem()
@@ -503,10 +503,11 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
                 plgpu.barrier_wait(bar.at[0])
 
             def block(b):
-                """x's column block b (an int or traced) in fp32, times the norm weight's."""
+                """x's column block b in fp32, times the norm weight's: b an int (the unrolled
+                engines: the weight's values in registers) or traced (fp8x2's loops: its staged copy)."""
                 v = plgpu.load(xstage.at[:, pl.ds(b * bw, bw)], layout=X_LAYOUT).astype(F32)
                 if nw_gmem is not None:
-                    nwb = plgpu.load(nw_s.at[pl.ds(b * bw, bw)], optimized=False)
+                    nwb = nws[b] if isinstance(b, int) else plgpu.load(nw_s.at[pl.ds(b * bw, bw)], optimized=False)
                     v = v * plgpu.layout_cast(lax.broadcast_in_dim(nwb, (MAX_TOKENS, bw), (1,)), X_LAYOUT)
                 return v
 

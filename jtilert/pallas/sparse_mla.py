@@ -428,12 +428,13 @@ def combine_kernel(o, m, l, *, cols: int | None = None, out_dtype=F32):
         den = jnp.where(den == 0, 1.0, den)
         w_s[...] = wv / lax.broadcast_in_dim(den, (HP, hc), [1])
         plgpu.barrier_wait(obar)
-        acc = None
-        for sp in range(n):
+
+        def weighted(sp):
             x = plgpu.load(o_s.at[sp], layout=acc_layout, optimized=False)
             wr = plgpu.load(w_s.at[sp], layout=acc_layout.reduce(1), optimized=False)
-            x = x * plgpu.layout_cast(lax.broadcast_in_dim(wr, (hc, cols), [0]), acc_layout)
-            acc = x if acc is None else acc + x
+            return x * plgpu.layout_cast(lax.broadcast_in_dim(wr, (hc, cols), [0]), acc_layout)
+        # the splits in order, in a loop (one copy of its code in the module)
+        acc = lax.fori_loop(1, n, lambda sp, acc: acc + weighted(sp), weighted(0))
         out_ref.at[t, pl.ds(g * hc, hc), pl.ds(c * cols, cols)][...] = acc.astype(out_dtype)
 
     scratch = [
