@@ -152,18 +152,9 @@ def test_the_combine_probe_runs_in_interpret_mode_and_lowers_for_cuda():
     """bench/experiments/combine_tma_probe.py: the partials of one head copied by TMA with a squeezed
     middle dimension and a traced head index, weighted by scalar shared-memory reads (what folding the
     combine into W_uv needs) — right in interpret mode, and its Mosaic module builds for CUDA."""
-    import numpy as np
-
     from bench.experiments import combine_tma_probe as probe
-    o = jax.random.normal(jax.random.key(0), (1, 1, 32, 16, 512), jnp.float32)
-    m = jax.random.normal(jax.random.key(1), (1, 1, 32, 16), jnp.float32)
-    with interp.interpret():
-        got = np.asarray(jax.jit(probe.weighted_splits)(o, m))
-    want = np.einsum("sh,shl->hl", np.asarray(m[0, 0]), np.asarray(o[0, 0]))
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
-    with interp.compile_for_gpu():
-        text = jax.jit(probe.weighted_splits).trace(
-            *(jax.ShapeDtypeStruct(a.shape, jnp.float32) for a in (o, m))).lower(lowering_platforms=("cuda",)).as_text()
+    err, text = probe.check()
+    assert err < 1e-4   # fp32 sums of 32 products of normal values
     assert "mosaic_gpu" in text
 
 
