@@ -197,17 +197,13 @@ def num_sms() -> int:
         return 132
 
 
-def _floor_log2(amax):
-    """floor(log2 amax), approximately (the log2 may be off by one); amax > 0."""
-    return lax.round(jnp.log2(amax) - 0.5)
-
-
 def _log2_amax(abs_tiles):
     """floor(log2 max) over elementwise |x| tiles, approximately (the log2 may be off by one)."""
     m = None
     for a in abs_tiles:
         m = a if m is None else jnp.maximum(m, a)
-    return _floor_log2(jnp.maximum(jnp.max(jnp.max(m, axis=1), axis=0), 1e-30))
+    amax = jnp.maximum(jnp.max(jnp.max(m, axis=1), axis=0), 1e-30)
+    return lax.round(jnp.log2(amax) - 0.5)
 
 
 def f16_range_factor(abs_tiles):
@@ -219,23 +215,17 @@ def f16_range_factor(abs_tiles):
 
 def store_fp8_pair(dest, tile, n: int):
     """x as two e4m3 halves: hi = x/s into dest(0, b) and the rest at s/16 into dest(1, b), for the
-    f32 X_LAYOUT tiles tile(0..n-1) of x's columns and dest(half, b) an e4m3 SMEM view of the tile's
-    shape (X8_TRANSFORMS). One power of two s with max|x|/s in 2^5..2^8 (≤ 448, e4m3's largest, even
-    if the approximate log2 is off by one); hi·s + lo·s/16 = x for bf16 x (8 significant bits), but
-    for elements more than about 2^-11 below the largest (hi subnormal), whose error stays below
-    s·2^-14. Returns s. Two loops over the tiles (the scale's, then the stores'): tile(b) and
-    dest(h, b) take a traced b and each is emitted once, which keeps the kernel's module small."""
-    def amax(b, m):
-        return jnp.maximum(m, jnp.max(jnp.max(jnp.abs(tile(b)), axis=1), axis=0))
-    s = jnp.exp2(_floor_log2(lax.fori_loop(0, n, amax, jnp.float32(1e-30))) - 6.0)
-
-    def store(b, carry):
+    f32 X_LAYOUT tiles tile(0..n-1) of x's columns (tile(b) is called twice: once for the scale, once
+    to store) and dest(half, b) an e4m3 SMEM view of the tile's shape (X8_TRANSFORMS). One power of
+    two s with max|x|/s in 2^5..2^8 (≤ 448, e4m3's largest, even if the approximate log2 is off by
+    one); hi·s + lo·s/16 = x for bf16 x (8 significant bits), but for elements more than about 2^-11
+    below the largest (hi subnormal), whose error stays below s·2^-14. Returns s."""
+    s = jnp.exp2(_log2_amax(jnp.abs(tile(b)) for b in range(n)) - 6.0)
+    for b in range(n):
         v = tile(b)
         hi = (v * (1.0 / s)).astype(FP8)
         dest(0, b)[...] = hi
         dest(1, b)[...] = ((v - hi.astype(F32) * s) * (16.0 / s)).astype(FP8)
-        return carry
-    lax.fori_loop(0, n, store, 0)
     return s
 
 

@@ -186,14 +186,13 @@ class GemvConfig:
 
 
 def projection_scratch(cfg: GemvConfig, *, k: int, p: int, itemsize: int, tb: int, out_dtype=BF16,
-                       residual_dtype=None, norm: bool = False) -> list:
+                       residual_dtype=None) -> list:
     """The scratch buffers of `_projection` (in the kernel's order) under a resolved config: the
     token slice (FMA: fp32 rows; wgmma: the B operand(s) and the bf16 staging tile, [8, K / split]
     each), the fp8 range factors, the output tile, two barriers, the A double buffer (fp8 with A
     from SMEM), the residual tile (epilogue in the kernel) and, where the split-K partials are
     summed in a cluster, one [block_n] fp32 buffer per weight and token (the partials the first CTA
-    reads; whole buffers, which Mosaic maps into the cluster) and two cluster barriers, and with a norm
-    (fp8x2 engine) its weight's K slice in fp32, which the B build's loops read block by block."""
+    reads; whole buffers, which Mosaic maps into the cluster) and two cluster barriers."""
     kc = k // cfg.split_k
     fp8 = itemsize == 1
     cluster = cfg.split_k > 1 and cfg.split_sum == "cluster"
@@ -218,8 +217,6 @@ def projection_scratch(cfg: GemvConfig, *, k: int, p: int, itemsize: int, tb: in
     if cluster:
         scratch += [[plgpu.SMEM((cfg.block_n,), F32) for _ in range(p * tb)],
                     plgpu.ClusterBarrier(collective_axes=("s",), num_barriers=2)]
-    if norm and cfg.engine == "fp8x2":
-        scratch.append(plgpu.SMEM((kc,), F32))
     return scratch
 
 
@@ -236,7 +233,7 @@ def projection_smem(cfg: GemvConfig, *, k: int, p: int, itemsize: int, tb: int, 
                           for _ in range(p)) + (plgpu.Barrier(num_barriers=cfg.stages),),
                     reduces=norm or (itemsize == 1 and cfg.engine in ("wgmma", "fp8x2")))
     scratch = projection_scratch(cfg, k=k, p=p, itemsize=itemsize, tb=tb, out_dtype=out_dtype,
-                                 residual_dtype=residual_dtype, norm=norm)
+                                 residual_dtype=residual_dtype)
     return hw.Scope(tuple(scratch), (pipe,), reduces=True)
 
 
@@ -451,7 +448,6 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
         a_bufs = next(it) if (fp8 and cfg.engine == "wgmma" and not a_regs) else None
         res_smem = next(it) if res_gmem is not None else None
         parts, cbar = (next(it), next(it)) if cluster else (None, None)
-        nw_s = next(it) if norm is not None and x8 else None
 
         n_idx = lax.axis_index("n")
         s_idx = lax.axis_index("s")
@@ -495,20 +491,13 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
             epilogue multiplies by 1/f_j (kept in `invf`). The weights then only need e4m3 → f16.
             fp8x2: B is x's two e4m3 halves, [16, kc] (`hw.pair_operand`), and `invf` x's scale.
             nws: the norm weight's values of each column block (loaded in `first`), or None."""
-            if nw_s is not None:   # the norm weight's blocks where the x8 loops read them by a traced index
-                for b, v in enumerate(nws):
-                    nw_s[pl.ds(b * bw, bw)] = v
-                plgpu.commit_smem()
             with jax.named_scope("x_wait"):
                 plgpu.barrier_wait(bar.at[0])
 
             def block(b):
-                """x's column block b in fp32, times the norm weight's: b an int (the unrolled
-                engines: the weight's values in registers) or traced (fp8x2's loops: its staged copy)."""
                 v = plgpu.load(xstage.at[:, pl.ds(b * bw, bw)], layout=X_LAYOUT).astype(F32)
                 if nw_gmem is not None:
-                    nwb = nws[b] if isinstance(b, int) else plgpu.load(nw_s.at[pl.ds(b * bw, bw)], optimized=False)
-                    v = v * plgpu.layout_cast(lax.broadcast_in_dim(nwb, (MAX_TOKENS, bw), (1,)), X_LAYOUT)
+                    v = v * plgpu.layout_cast(lax.broadcast_in_dim(nws[b], (MAX_TOKENS, bw), (1,)), X_LAYOUT)
                 return v
 
             if x8:   # x's two e4m3 halves, one scale for the slice
@@ -728,7 +717,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
                 plgpu.barrier_wait(cbar.at[1])
 
     scratch = projection_scratch(cfg, k=k, p=p, itemsize=itemsize, tb=tb, out_dtype=out_dtype,
-                                 residual_dtype=res_dtype, norm=norm is not None)
+                                 residual_dtype=res_dtype)
     # Each CTA stores whole 64-column rows. On the GPU, a TMA store of a row that overhangs the
     # output's N columns runs on into the next row (the next token's or head's), so the output rows
     # are padded to whole blocks and cut back to N after the kernel (no padding when N % 64 == 0).

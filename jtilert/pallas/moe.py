@@ -203,12 +203,10 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
                     g, u = g + h_smem[s, 0], u + h_smem[s, 1]
                 h_tile[...] = gemv.swiglu_f32(g, u, BF16)
                 plgpu.commit_smem()
-            if x8:
-                invf[0] = hw.store_fp8_pair(hw.pair_rows(xb, QBLOCK), block, nblk)
-                plgpu.commit_smem()
-                return
             vals = [block(b) for b in range(nblk)]
-            if fp8:
+            if x8:
+                invf[0] = hw.store_fp8_pair(hw.pair_rows(xb, QBLOCK), vals.__getitem__, nblk)
+            elif fp8:
                 f = hw.f16_range_factor(jnp.abs(v) for v in vals)
                 for b, v in enumerate(vals):
                     xb.at[:, pl.ds(b * QBLOCK, QBLOCK)][...] = (v * f).astype(F16)
