@@ -45,10 +45,15 @@ def test_every_kernel_runs_at_decode_shapes(name, tokens, mtp):
     # the head's top-k runs in next_token, expert_hidden only with the engine's all-reduce (tp > 1); a
     # plain linear without tp only in the MTP block (eh_proj: the FFNs' down projections add the residual);
     # route only in a model whose FFN stacks do not hold their norm (the decode model's MoE: norm_route)
+    # sparse MLA runs inside sparse_mla_heads_linear where W_uv's kernel merges its splits (DeepSeek-V3.2's
+    # 128-blocks), else as its own op (GLM-5's W_uv in 64-blocks)
+    fused = name.startswith("dsv32") or name.startswith("deepseek")
     skip = ("lm_head_topk", "expert_hidden", "route") + (() if mtp else ("linear",))
+    skip += ("sparse_mla",) if fused else ("sparse_mla_heads_linear",)
     expected = {op for op, o in OPS.items() if o.kernel is not None and op not in skip}
     assert expected <= set(chosen), expected - set(chosen)
     assert all(chosen[op] == {True} for op in expected), {op: chosen[op] for op in expected}
+    assert not {"sparse_mla", "sparse_mla_heads_linear"} <= set(chosen), chosen
 
 
 def test_prefill_runs_the_reference():

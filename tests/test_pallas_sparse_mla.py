@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from jtilert.ops import reference
+from jtilert.ops.quant import quantize_weight
 from jtilert.pallas import interpret as interp
 from jtilert.pallas import sparse_mla as smla
 
@@ -100,21 +101,28 @@ def test_fp8_cache_layout_is_flashmla():
     assert np.all(np.abs(np.asarray(kv, np.float32) - lat) <= np.repeat(scale, 128, axis=1) * 16 + 1e-30)
 
 
-def test_fp8_cache_in_model_pallas_equals_reference(monkeypatch):
-    """kv_cache_quant="fp8": init_cache holds packed rows only, the attention layer appends the new
-    token quantised, and the decode step with the kernel (on the layer stack, traced layer index)
-    equals the reference on the same cache (after a 40-token prefill: more positions than tiny's
-    index_topk, so the indexer selects). The other ops run their references. Both steps are jitted
-    (eagerly, every op of the layer compiles on its own)."""
+@pytest.mark.parametrize("cache_kind", ["fp8", "bf16"])
+def test_cache_in_model_pallas_equals_reference(monkeypatch, cache_kind):
+    """The decode step with the attention's kernels (on the layer stack, traced layer index) equals the
+    reference on the same cache (after a 40-token prefill: more positions than tiny's index_topk, so
+    the indexer selects); the other ops run their references. "fp8": kv_cache_quant="fp8", init_cache
+    holds packed rows only, the attention layer appends the new token quantised (op sparse_mla).
+    "bf16": the decode model's layout (W_uv per head in fp8, stacked), where the attention and W_uv
+    run as op sparse_mla_heads_linear (W_uv's kernel merges the attention's splits). Both steps are
+    jitted (eagerly, every op of the layer compiles on its own)."""
     import jtilert
-    from jtilert.model.transformer import init_cache
+    from jtilert.model.transformer import decode_weights, init_cache
     from jtilert.ops.table import DecodeConfig, Ops
 
+    fp8 = cache_kind == "fp8"
     cfg = jtilert.preset("tiny", num_hidden_layers=1, kv_lora_rank=512, qk_rope_head_dim=64,
-                         index_head_dim=64, num_nextn_predict_layers=0, kv_cache_quant="fp8")
-    model = jtilert.random_model(cfg, fmt="bf16")
+                         index_head_dim=64, num_nextn_predict_layers=0, **({"kv_cache_quant": "fp8"} if fp8 else {}))
+    model = jtilert.random_model(cfg, fmt="bf16" if fp8 else "fp8")
+    if not fp8:
+        model = decode_weights(model, backend="pallas")
     cache = init_cache(cfg, 48, BF16)
-    assert cache["kv"].shape == (1, 48, 164) and cache["kv"].dtype == jnp.uint32 and "pe" not in cache
+    if fp8:
+        assert cache["kv"].shape == (1, 48, 164) and cache["kv"].dtype == jnp.uint32 and "pe" not in cache
     keys = jax.random.split(jax.random.key(np.random.randint(1 << 30)), 2)
     layer = jnp.int32(0)
 
@@ -136,10 +144,13 @@ def test_fp8_cache_in_model_pallas_equals_reference(monkeypatch):
     ref, ref_cache, _ = jax.jit(lambda x, c: step(plain, x, 40, c))(x, cache)
     kernels = Ops(DecodeConfig(backend="pallas", engine_topk=False))
     use = kernels._use_kernel
-    monkeypatch.setattr(kernels, "_use_kernel", lambda name, *a: name == "sparse_mla" and use(name, *a))
+    op = "sparse_mla" if fp8 else "sparse_mla_heads_linear"
+    monkeypatch.setattr(kernels, "_use_kernel", lambda name, *a: name == op and use(name, *a))
     calls = []
     real = smla.sparse_mla_partials
     monkeypatch.setattr(smla, "sparse_mla_partials", lambda *a, **k: calls.append(1) or real(*a, **k))
+    if not fp8:   # and no combine kernel: W_uv's merges the splits
+        monkeypatch.setattr(smla, "combine_kernel", None)
     with interp.interpret():
         out, out_cache, _ = jax.jit(lambda x, c: step(kernels, x, 40, c))(x, cache)
     assert calls, "the kernel did not run"
@@ -216,3 +227,58 @@ def test_sparse_mla_stacked_lowering_has_no_cache_copies(cache, S):
                             "stablehlo.gather"))]
     assert not copies, copies
     assert len(kernels) == 1
+
+
+def _uv_stack(H, L, N, seed):
+    """W_uv stacked over NL layers, fp8 with 128-block scales: [NL, H, N, L], [NL, H, N/128, L/128]."""
+    w = jax.random.normal(jax.random.key(seed), (NL, H, N, L)) * 0.05
+    return quantize_weight(w)
+
+
+def test_heads_linear_of_splits_merges_as_the_combine():
+    """The heads GEMV fed the split partials (each CTA merges its head's splits in place of reading
+    x) against the reference: combine, rounded to bf16, then heads_linear; two tokens (MTP verify),
+    two head groups, and splits with no valid row (m = -inf, l = 0) among them."""
+    from jtilert.pallas import gemv
+    k = jax.random.split(jax.random.key(np.random.randint(1 << 30)), 4)
+    T, G, n, hc, L, N = 2, 2, 6, 8, 256, 128
+    o = jax.random.normal(k[0], (T, G, n, hc, L))
+    m = jax.random.normal(k[1], (T, G, n, hc)) * 3
+    l = jax.random.uniform(k[2], (T, G, n, hc)) + 0.5
+    dead = jnp.zeros((T, G, n, hc), bool).at[:, :, 1].set(True).at[1, 1, 4].set(True)
+    m, l = jnp.where(dead, -jnp.inf, m), jnp.where(dead, 0.0, l)
+    w, s = _uv_stack(G * hc, L, N, np.random.randint(1 << 30))
+    layer = 1
+    out = _run(lambda o, m, l, lay: gemv.heads_linear_of_splits(o, m, l, w, s, layer=lay), o, m, l, jnp.int32(layer))
+    x = smla.combine(o, m, l).astype(BF16)
+    ref = reference.heads_linear(x, w[layer], s[layer])
+    assert out.shape == (T, G * hc, N) and out.dtype == BF16 and np.isfinite(np.asarray(out, np.float32)).all()
+    # the merged x as the reference rounds it; a merge summed in another order may round one element to
+    # the next bf16 (2^-8 relative), which moves an output by far less than that
+    assert _rel(np.asarray(out, np.float32), np.asarray(ref, np.float32)) < 2e-3
+
+
+@pytest.mark.parametrize("T", [1, 2])
+def test_sparse_mla_heads_linear_matches_reference(T):
+    """Sparse MLA then W_uv as two launches (no combine kernel) on stacked caches and W_uv with a traced
+    layer: the reference's attention in bf16 through the layer's W_uv."""
+    ql, qp, kv, pe, idx = _stacked_inputs("bf16", 192, np.random.randint(1 << 30))
+    ql, qp, idx = jnp.tile(ql, (T, 1, 1)) * jnp.arange(1, T + 1, dtype=BF16)[:, None, None], jnp.tile(qp, (T, 1, 1)), \
+        jnp.tile(idx, (T, 1))
+    w, s = _uv_stack(ql.shape[1], ql.shape[2], 128, np.random.randint(1 << 30))
+    f = jax.jit(lambda ql, qp, kv, pe, idx, w, s, lay: smla.sparse_mla_heads_linear(ql, qp, kv, pe, idx, 0.07, BF16,
+                                                                                   w, s, 128, layer=lay))
+    out = _run(f, ql, qp, kv, pe, idx, w, s, jnp.int32(2))
+    ref = reference.sparse_mla_heads_linear(ql, qp, kv[2], pe[2], idx, 0.07, BF16, w[2], s[2], 128)
+    assert out.shape == ref.shape == (T, 16, 128) and out.dtype == BF16
+    assert _rel(np.asarray(out, np.float32), np.asarray(ref, np.float32)) < 1e-2   # P in bf16, as sparse_mla
+
+
+def test_sparse_mla_heads_linear_refuses_what_it_cannot_merge():
+    """The fp8 cache (partials in byte-plane order), 64-blocks of W_uv scales, a latent of 64 columns and
+    an fp32 attention output are named; `Ops.sparse_mla_heads_linear` then runs the two ops."""
+    assert "fp8 latent cache" in smla.heads_linear_unsupported(16, 512, 64, True, 128, BF16)
+    assert "64-blocks" in smla.heads_linear_unsupported(16, 512, 64, False, 64, BF16)
+    assert "kv_lora_rank=64" in smla.heads_linear_unsupported(8, 64, 16, False, 128, BF16)
+    assert "float32" in smla.heads_linear_unsupported(16, 512, 64, False, 128, jnp.float32)
+    assert smla.heads_linear_unsupported(16, 512, 64, False, 128, BF16) is None

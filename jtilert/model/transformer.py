@@ -380,9 +380,9 @@ class Attention(nnx.Module):
         w_uk_t, w_uv, at = self._absorption(i, x.dtype)
         # each head's q_nope (the first nope features of its qk_head_dim columns of q_x)
         q_lat = ops("heads_linear", q_x, *w_uk_t, cfg.qk_head_dim, layer=at)
-        o_lat = ops("sparse_mla", q_lat, q_pe, cache["kv"], cache.get("pe"), topk, cfg.softmax_scale, x.dtype,
-                    layer=i)
-        o = ops("heads_linear", o_lat, *w_uv, layer=at).reshape(t, heads * cfg.v_head_dim)
+        # the attention over the selected rows, then each head's W_uv
+        o = ops.sparse_mla_heads_linear(q_lat, q_pe, cache["kv"], cache.get("pe"), topk, cfg.softmax_scale, x.dtype,
+                                        w_uv, i, at is not None).reshape(t, heads * cfg.v_head_dim)
         return ops.linear_all_reduce(o, *self.o_proj.arrays(), i, residual=x), cache, topk
 
     def _absorption(self, i, dtype):

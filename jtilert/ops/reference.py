@@ -401,6 +401,12 @@ def sparse_mla(q_lat: jax.Array, q_pe: jax.Array, kv_cache: jax.Array, pe_cache:
     return jnp.einsum("thk,tkl->thl", p, kv).astype(out_dtype)
 
 
+def sparse_mla_heads_linear(q_lat, q_pe, kv_cache, pe_cache, idx, scale: float, out_dtype, w, w_scale=None,
+                            block: int = BLOCK) -> jax.Array:
+    """`sparse_mla`'s output in `out_dtype` through every head's W_uv (`heads_linear`): [T, H, N]."""
+    return heads_linear(sparse_mla(q_lat, q_pe, kv_cache, pe_cache, idx, scale, out_dtype), w, w_scale, block)
+
+
 # ---- MoE router -----------------------------------------------------------------------------
 
 def route(cfg: ModelConfig, x: jax.Array, gate: jax.Array, bias: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -219,6 +219,17 @@ def _sparse_mla_unsupported(q_lat, q_pe, kv_cache, pe_cache, idx, scale, out_dty
                                   kv_cache.shape[-1] if pe_cache is None else None)
 
 
+def _sparse_mla_heads_unsupported(q_lat, q_pe, kv_cache, pe_cache, idx, scale, out_dtype, w, w_scale,
+                                  block) -> str | None:
+    why = sparse_mla.heads_linear_unsupported(q_lat.shape[-2], q_lat.shape[-1], q_pe.shape[-1], pe_cache is None,
+                                              block, out_dtype)
+    if why is None and (w.shape[-3] != q_lat.shape[-2] or w.shape[-1] != q_lat.shape[-1]):
+        why = f"W_uv {list(w.shape)} for {q_lat.shape[-2]} heads of {q_lat.shape[-1]} latent columns"
+    if why is None and (w.dtype not in (FP8, BF16) or (w.dtype == FP8) != (w_scale is not None)):
+        why = f"W_uv {w.dtype} (scales {'given' if w_scale is not None else 'none'})"
+    return why
+
+
 def _indexer_unsupported(cfg, q, w, k, k_cache, k_scale, positions, start) -> str | None:
     return indexer.unsupported(q.shape[0], q.shape[1], k_cache, k_scale)
 
@@ -276,6 +287,10 @@ OPS: dict[str, Op] = {
     "indexer_append_scores": Op(reference.indexer_append_scores, "pallas.indexer:indexer_append_scores", (4, 5),
                                 _indexer_unsupported),
     "sparse_mla": Op(reference.sparse_mla, "pallas.sparse_mla:sparse_mla", (2, 3), _sparse_mla_unsupported),
+    # sparse MLA then W_uv per head, the attention's splits merged in W_uv's kernel (no combine kernel);
+    # `Ops.sparse_mla_heads_linear` runs the two ops above instead where it does not apply
+    "sparse_mla_heads_linear": Op(reference.sparse_mla_heads_linear, "pallas.sparse_mla:sparse_mla_heads_linear",
+                                  (2, 3, 7, 8), _sparse_mla_heads_unsupported),
     # q_pe and k_pe rope, the latent's norm, both cache rows (bf16 caches; the fp8 packed one: the reference)
     "mla_prep": Op(reference.mla_prep, "pallas.mla_prep:mla_prep", (5, 9, 10), _mla_prep_unsupported, in_place=True),
     # the indexer's key norm, q and k rope, their Hadamard rotation, q's fp8 quantisation (its scales into w)
@@ -472,6 +487,21 @@ class Ops:
         routed = self("moe_experts", f, weights, ids, *experts, None, layer=layer)
         out = self.all_reduce(routed + self.linear(hs, sd, sds, layer))
         return out if residual is None else residual + out
+
+    def sparse_mla_heads_linear(self, q_lat, q_pe, kv_cache, pe_cache, idx, scale, out_dtype, w_uv: tuple, layer,
+                                w_stacked: bool):
+        """Sparse MLA over layer `layer` of the caches, its output in `out_dtype` through every head's
+        W_uv (w_uv: weight, scale, block; `w_stacked`: stacks read at `layer` too, else one layer's
+        weights) → [T, H, N]. With the kernels, one op whose GEMV merges the attention's splits itself
+        where it applies (stacked W_uv, bf16 caches), else op "sparse_mla" then op "heads_linear"
+        (each still its kernel where it applies)."""
+        args = (q_lat, q_pe, kv_cache, pe_cache, idx, scale, out_dtype, *w_uv)
+        op = OPS["sparse_mla_heads_linear"]
+        if (self._kernels and w_stacked and _tokens(q_lat) <= sparse_mla.MAX_TOKENS
+                and op.unsupported(*_per_layer(op, args)) is None):
+            return self("sparse_mla_heads_linear", *args, layer=layer)
+        o_lat = self("sparse_mla", q_lat, q_pe, kv_cache, pe_cache, idx, scale, out_dtype, layer=layer)
+        return self("heads_linear", o_lat, *w_uv, layer=layer if w_stacked else None)
 
     def indexer_rows(self, rows: int, tokens: int):
         """(first row, count) of this rank's share of the index-key cache when the indexer is split

@@ -186,13 +186,15 @@ class GemvConfig:
 
 
 def projection_scratch(cfg: GemvConfig, *, k: int, p: int, itemsize: int, tb: int, out_dtype=BF16,
-                       residual_dtype=None) -> list:
+                       residual_dtype=None, splits: tuple[int, int] | None = None) -> list:
     """The scratch buffers of `_projection` (in the kernel's order) under a resolved config: the
     token slice (FMA: fp32 rows; wgmma: the B operand(s) and the bf16 staging tile, [8, K / split]
     each), the fp8 range factors, the output tile, two barriers, the A double buffer (fp8 with A
     from SMEM), the residual tile (epilogue in the kernel) and, where the split-K partials are
     summed in a cluster, one [block_n] fp32 buffer per weight and token (the partials the first CTA
-    reads; whole buffers, which Mosaic maps into the cluster) and two cluster barriers."""
+    reads; whole buffers, which Mosaic maps into the cluster) and two cluster barriers, and with
+    `splits` (n, Hc: the input merged from sparse MLA's split partials) a head's partials [K / chunk,
+    n, chunk] fp32, the m and l blocks [n, Hc] of its group and their barrier."""
     kc = k // cfg.split_k
     fp8 = itemsize == 1
     cluster = cfg.split_k > 1 and cfg.split_sum == "cluster"
@@ -217,7 +219,17 @@ def projection_scratch(cfg: GemvConfig, *, k: int, p: int, itemsize: int, tb: in
     if cluster:
         scratch += [[plgpu.SMEM((cfg.block_n,), F32) for _ in range(p * tb)],
                     plgpu.ClusterBarrier(collective_axes=("s",), num_barriers=2)]
+    if splits is not None:
+        n, hc = splits
+        chunk = _split_chunk(kc)
+        scratch += [plgpu.SMEM((kc // chunk, n, chunk), F32), plgpu.SMEM((n, hc), F32), plgpu.SMEM((n, hc), F32),
+                    plgpu.Barrier(num_arrivals=kc // chunk + 2)]
     return scratch
+
+
+def _split_chunk(kc: int) -> int:
+    """Columns per TMA copy of a head's split partials: at most 256 (TMA's widest box dimension)."""
+    return 256 if kc % 256 == 0 else kc
 
 
 def _weight_dtype(itemsize: int):
@@ -225,7 +237,7 @@ def _weight_dtype(itemsize: int):
 
 
 def projection_smem(cfg: GemvConfig, *, k: int, p: int, itemsize: int, tb: int, out_dtype=BF16,
-                    residual_dtype=None, norm: bool = False) -> hw.Scope:
+                    residual_dtype=None, norm: bool = False, splits: tuple[int, int] | None = None) -> hw.Scope:
     """`_projection`'s shared memory: its scratch, and inside, the weight pipeline's `stages` tiles
     per weight (the fp8 B build and a norm's sum of squares, before step 0, reduce in there); the
     epilogue reduces outside."""
@@ -233,7 +245,7 @@ def projection_smem(cfg: GemvConfig, *, k: int, p: int, itemsize: int, tb: int, 
                           for _ in range(p)) + (plgpu.Barrier(num_barriers=cfg.stages),),
                     reduces=norm or (itemsize == 1 and cfg.engine in ("wgmma", "fp8x2")))
     scratch = projection_scratch(cfg, k=k, p=p, itemsize=itemsize, tb=tb, out_dtype=out_dtype,
-                                 residual_dtype=residual_dtype)
+                                 residual_dtype=residual_dtype, splits=splits)
     return hw.Scope(tuple(scratch), (pipe,), reduces=True)
 
 
@@ -306,7 +318,7 @@ HELD_ROW_VALUES = 64
 def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="linear",
                 out_dtype=BF16, config: GemvConfig | None = None, ids=None, heads: int = 0, layer=None,
                 scale_block: int = QBLOCK, prefix: bool = False, stride: int = 0, partials: bool = False,
-                normed_out: bool = False, padded: bool = False):
+                normed_out: bool = False, padded: bool = False, splits: tuple | None = None):
     """Core: x [T, K] (T ≤ 8) against P = len(ws) weights [N, K] with shared x; see module doc.
     `partials` (one weight, kind "linear", fp32, no residual): the split-K partial sums
     [split, T, N] unsummed, for a consumer that adds them itself ([1, T, N] without split-K); with
@@ -338,8 +350,24 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
     CTA stages the 8-row block that holds its token. `stride` (with `prefix`): selection i reads
     columns j·stride .. j·stride + K of its token's row, j = i mod S/T. `heads` (instead of ids): expert
     mode whose selection i uses stack entry i mod heads, no ids operand (`heads_linear`: the heads of a
-    token are experts 0..H-1, head j's input at columns j·D of the token's row)."""
-    t, kx = x.shape
+    token are experts 0..H-1, head j's input at columns j·D of the token's row).
+
+    `splits` = (o, m, l) (heads mode, wgmma engines, K slices of whole 128-column blocks): the input
+    is not x (None) but sparse MLA's split partials, o [T, G, n, Hc, K] fp32 and m, l [T, G, n, Hc]
+    (head j = g·Hc + h: `sparse_mla.sparse_mla_partials`), which each CTA merges for its head as
+    `sparse_mla.combine` does and rounds to bf16 (the attention's output, as the reference rounds it)
+    in place of x's TMA."""
+    if splits is not None:
+        o_parts, m_parts, l_parts = splits
+        if x is not None or not heads or o_parts.ndim != 5 or m_parts.shape != o_parts.shape[:4] or (
+                l_parts.shape != m_parts.shape) or o_parts.shape[1] * o_parts.shape[3] < heads:
+            raise ValueError(f"GEMV splits input: heads mode, no x, o [T, G, n, Hc, K] and m, l [T, G, n, Hc] "
+                             f"for {heads} heads; got {[a.shape for a in splits]}")
+        x = o_parts.astype(F32)
+        t, kx = o_parts.shape[0], o_parts.shape[-1]
+        n_split, hc = o_parts.shape[2:4]
+    else:
+        t, kx = x.shape
     p = len(ws)
     if partials and ((p, kind) not in ((1, "linear"), (2, "swiglu_f32")) or out_dtype != F32 or residual is not None):
         raise ValueError("GEMV partials: one weight of kind linear or two of kind swiglu_f32, fp32 out, no residual")
@@ -380,7 +408,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
         raise ValueError(f"GEMV kernel: 1..{MAX_TOKENS} tokens per call, got {t}")
     if scale_block not in (KGRAIN, QBLOCK):
         raise ValueError(f"GEMV kernel: scale blocks of {KGRAIN} or {QBLOCK}, got {scale_block}")
-    if x.dtype != BF16:
+    if x.dtype != BF16 and splits is None:
         raise ValueError(f"GEMV kernel: x must be bf16, got {x.dtype}")
     if kx % KGRAIN:   # the token TMA tiles x's rows by 64 columns: a wider (prefix) row is padded to them
         x = jnp.pad(x, ((0, 0), (0, -kx % KGRAIN)))
@@ -395,8 +423,9 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
                                  f"{None if s is None else s.shape}")
     itemsize = ws[0].dtype.itemsize
     res_dtype = residual.dtype if residual is not None else None
+    split_shape = None if splits is None else (n_split, hc)
     layout = functools.partial(projection_smem, k=k, p=p, itemsize=itemsize, tb=tb, out_dtype=out_dtype,
-                               residual_dtype=res_dtype, norm=norm is not None)
+                               residual_dtype=res_dtype, norm=norm is not None, splits=split_shape)
     # K slices of whole scale blocks under split-K (64-blocks: any slice of the 64 grain)
     cfg = (config or GemvConfig()).resolved(n * (nsel if experts else 1), k, t, p, itemsize, hw.num_sms(),
                                             layout=layout, slice_unit=KGRAIN if scale_block == KGRAIN else None,
@@ -413,6 +442,11 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
     if fp8 and cfg.engine in ("fma", "fp8x2") and scale_block != QBLOCK:
         raise ValueError(f"GEMV kernel: the {cfg.engine} engine takes 128-blocks of scales only")
     bn, bk, split, stages = cfg.block_n, cfg.block_k, cfg.split_k, cfg.stages
+    if splits is not None and (cfg.engine == "fma" or scale_block != QBLOCK or (k // split) % QBLOCK
+                               or (k // split > 256 and (k // split) % 256)):
+        raise ValueError(f"GEMV splits input: the wgmma engines, 128-blocks of scales and K slices of whole "
+                         f"128-column blocks (at most 256 or a multiple of it); got engine {cfg.engine}, "
+                         f"{scale_block}-blocks, K={k}, split_k={split}")
     fma = cfg.engine == "fma"
     x8 = cfg.engine == "fp8x2"
     kc = k // split
@@ -431,7 +465,8 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
 
     def kernel(*refs):
         it = iter(refs)
-        x_gmem = next(it)
+        x_gmem = next(it)          # with `splits`: the partials o
+        m_gmem, l_gmem = (next(it), next(it)) if splits is not None else (None, None)
         ids_gmem = next(it) if ids is not None else None
         layer_gmem = next(it) if layer is not None else None
         w_gmems = [next(it) for _ in range(p)]
@@ -448,6 +483,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
         a_bufs = next(it) if (fp8 and cfg.engine == "wgmma" and not a_regs) else None
         res_smem = next(it) if res_gmem is not None else None
         parts, cbar = (next(it), next(it)) if cluster else (None, None)
+        o_s, m_s, l_s, sbar = (next(it), next(it), next(it), next(it)) if splits is not None else (None,) * 4
 
         n_idx = lax.axis_index("n")
         s_idx = lax.axis_index("s")
@@ -492,9 +528,12 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
             fp8x2: B is x's two e4m3 halves, [16, kc] (`hw.pair_operand`), and `invf` x's scale.
             nws: the norm weight's values of each column block (loaded in `first`), or None."""
             with jax.named_scope("x_wait"):
-                plgpu.barrier_wait(bar.at[0])
+                plgpu.barrier_wait(bar.at[0] if splits is None else sbar)
+            merged = merged_blocks() if splits is not None else None
 
             def block(b):
+                if merged is not None:
+                    return merged[b]
                 v = plgpu.load(xstage.at[:, pl.ds(b * bw, bw)], layout=X_LAYOUT).astype(F32)
                 if nw_gmem is not None:
                     v = v * plgpu.layout_cast(lax.broadcast_in_dim(nws[b], (MAX_TOKENS, bw), (1,)), X_LAYOUT)
@@ -514,6 +553,32 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
                     xb.at[j, :, pl.ds(b * bw, bw)][...] = (block(b) * (svals[j][b] * f)).astype(F16)
                 invf[j] = 1.0 / f
             plgpu.commit_smem()
+
+        def merged_blocks():
+            """`splits`: this head's input merged from its split partials as `sparse_mla.combine`
+            merges them (weights e^{m_s − M}, M the largest m_s; x = Σ_s w_s o_s / Σ_s w_s l_s, the
+            splits in order), rounded to bf16: X_LAYOUT column blocks [8, bw], x in the token's row
+            col0 and zeros in the others."""
+            mx = lax.fori_loop(0, n_split, lambda s, v: jnp.maximum(v, m_s[s, h_in]), jnp.float32(-jnp.inf))
+            mx = jnp.where(mx == -jnp.inf, 0.0, mx)
+
+            def weighted(s):
+                w = jnp.exp(m_s[s, h_in] - mx)
+                return w * l_s[s, h_in], tuple(w * o_s[(b * bw) // chunk, s, pl.ds((b * bw) % chunk, bw)]
+                                               for b in range(nblk))
+
+            def add(s, carry):
+                dw, vs = weighted(s)
+                return carry[0] + dw, tuple(a + v for a, v in zip(carry[1], vs))
+            den, accs = lax.fori_loop(1, n_split, add, weighted(0))
+            den = jnp.where(den == 0, 1.0, den)
+            rows = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (MAX_TOKENS, bw), 0), X_LAYOUT)
+            out = []
+            for a in accs:
+                v = (a / den).astype(BF16).astype(F32)
+                v = plgpu.layout_cast(lax.broadcast_in_dim(v, (MAX_TOKENS, bw), (1,)), X_LAYOUT)
+                out.append(jnp.where(rows == col0, v, 0.0))
+            return out
 
         @hw.phase("x_prep")
         def fill_xf(rms):
@@ -535,8 +600,16 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
 
         # Prologue: the token TMA now (wgmma engines); x is prepared once the weight stream has asked
         # for its first tiles (`first` below), while they arrive.
+        if splits is not None:   # this head's partials and its group's m and l, in place of x
+            g_idx, h_in = (e_idx % heads) // hc, (e_idx % heads) % hc
+            chunk = _split_chunk(kc)
+            for c in range(kc // chunk):
+                plgpu.copy_gmem_to_smem(x_gmem.at[tok0, g_idx, :, h_in, pl.ds(k0 + c * chunk, chunk)], o_s.at[c], sbar)
+            plgpu.copy_gmem_to_smem(m_gmem.at[tok0, g_idx], m_s, sbar)
+            plgpu.copy_gmem_to_smem(l_gmem.at[tok0, g_idx], l_s, sbar)
         if not fma:
-            plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(row8, MAX_TOKENS), pl.ds(c0 + k0, kc)], xstage, bar.at[0])
+            if splits is None:
+                plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(row8, MAX_TOKENS), pl.ds(c0 + k0, kc)], xstage, bar.at[0])
             svals = ([[scale_at(j, (k0 + b * bw) // scale_block) for b in range(nblk)] for j in range(p)]
                      if fp8 and not x8 else None)
         if res_smem is not None:
@@ -717,7 +790,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
                 plgpu.barrier_wait(cbar.at[1])
 
     scratch = projection_scratch(cfg, k=k, p=p, itemsize=itemsize, tb=tb, out_dtype=out_dtype,
-                                 residual_dtype=res_dtype)
+                                 residual_dtype=res_dtype, splits=split_shape)
     # Each CTA stores whole 64-column rows. On the GPU, a TMA store of a row that overhangs the
     # output's N columns runs on into the next row (the next token's or head's), so the output rows
     # are padded to whole blocks and cut back to N after the kernel (no padding when N % 64 == 0).
@@ -732,9 +805,11 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
     clusters = dict(cluster=(split,), cluster_names=("s",)) if cluster else {}
     call = plgpu.kernel(kernel, out_type=out_type, grid=grid, grid_names=names, **clusters,
                         scratch_types=scratch, interpret=_interp.params(),
-                        kernel_name=_kernel_name(cfg.engine, kind, n, k, heads=heads > 0, experts=ids is not None,
+                        kernel_name=_kernel_name(cfg.engine, kind, n, k, heads=heads > 0, splits=splits is not None,
+                                                 experts=ids is not None,
                                                  norm=norm is not None, residual=residual is not None))
-    args = [x] + ([ids.astype(jnp.int32)] if ids is not None else [])
+    args = [x] + ([m_parts.astype(F32), l_parts.astype(F32)] if splits is not None else [])
+    args += [ids.astype(jnp.int32)] if ids is not None else []
     args += ([hw.layer_operand(layer)] if layer is not None else []) + list(ws)
     if fp8:
         args += [s.astype(F32) for s in scales]
@@ -892,6 +967,21 @@ def heads_linear(x, w, scale=None, block: int = QBLOCK, head_dim: int | None = N
     y = _projection(x, (w,), (scale,), heads=h, layer=layer, scale_block=block, prefix=True, stride=head_dim,
                     out_dtype=x.dtype, config=config)
     return y.reshape(t, h, -1)
+
+
+def heads_linear_of_splits(o, m, l, w, scale=None, block: int = QBLOCK, *, layer=None,
+                           config: GemvConfig | None = None):
+    """heads_linear(combine(o, m, l) rounded to bf16, W) in one launch: each CTA merges its head's
+    split partials of sparse MLA (o [T, G, n, Hc, K] fp32, m, l [T, G, n, Hc]; head j = g·Hc + h) in
+    place of reading x, so no combine kernel runs before it. W [H, N, K] ([L, H, N, K] with layer=)
+    fp8 with 128-blocks of scales, or bf16; K a multiple of 128 → [T, H, N] bf16."""
+    h = w.shape[-3]
+    if block != QBLOCK:
+        raise ValueError(f"heads_linear_of_splits: 128-blocks of scales, got {block}")
+    w, scale = _prep_weight(w, scale, layer)
+    y = _projection(None, (w,), (scale,), heads=h, layer=layer, scale_block=block, out_dtype=BF16, config=config,
+                    splits=(o, m, l))
+    return y.reshape(o.shape[0], h, -1)
 
 
 # ---- benchmark entry ----------------------------------------------------------------------------

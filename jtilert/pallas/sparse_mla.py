@@ -29,6 +29,7 @@ from jax import lax
 import jtilert.pallas.interpret as _interp
 from jtilert.ops import reference
 from jtilert.pallas import _hopper as hw
+from jtilert.pallas import gemv
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 HP = 64            # wgmma M: query rows (heads) per CTA
@@ -468,6 +469,49 @@ def sparse_mla(q_lat, q_pe, kv_cache, pe_cache, idx, scale: float, out_dtype=F32
     and the layer's rows are read. More than MAX_TOKENS tokens, or shapes `unsupported` names, raise ValueError (the op
     table then runs the reference, with a warning)."""
     config = config or SparseMLAConfig()
+    o, m, l, fp8 = _partials(q_lat, q_pe, kv_cache, pe_cache, idx, scale, config, layer)
+    H = q_lat.shape[1]
+    if config.combine == "kernel" and _combine_cols(*o.shape[2:]) is not None:
+        out = combine_kernel(o, m, l, out_dtype=out_dtype)[:, :H]
+    else:
+        out = combine(o, m, l)[:, :H].astype(out_dtype)
+    return _value_order(out, 128, 4) if fp8 else out
+
+
+def sparse_mla_heads_linear(q_lat, q_pe, kv_cache, pe_cache, idx, scale: float, out_dtype, w, w_scale=None,
+                            block: int = 128, *, config: SparseMLAConfig | None = None, layer=None):
+    """`jtilert.ops.reference.sparse_mla_heads_linear`: sparse MLA (bf16 caches), then every head's
+    latent output in bf16 through its W_uv (w [H, N, L] fp8 with `block`-blocks of scales, or bf16;
+    stacks [L', ...] with `layer`, the caches' layer too) → [T, H, N] bf16. Two launches: the
+    attention's split partials, then the heads GEMV, whose CTAs merge their head's splits in place of
+    the combine kernel (`gemv.heads_linear_of_splits`). ValueError where `heads_linear_unsupported`
+    names a reason."""
+    config = config or SparseMLAConfig()
+    why = (heads_linear_unsupported(q_lat.shape[1], q_lat.shape[2], q_pe.shape[-1], pe_cache is None, block,
+                                    out_dtype, config)
+           or (f"{q_lat.shape[0]} tokens (at most {MAX_TOKENS})" if q_lat.shape[0] > MAX_TOKENS else None))
+    if why:
+        raise ValueError(f"sparse_mla_heads_linear kernel: {why}")
+    o, m, l, _ = _partials(q_lat, q_pe, kv_cache, pe_cache, idx, scale, config, layer)
+    return gemv.heads_linear_of_splits(o, m, l, w, w_scale, block, layer=layer)
+
+
+def heads_linear_unsupported(heads: int, L: int, R: int, fp8: bool, block: int, out_dtype,
+                             config: SparseMLAConfig | None = None) -> str | None:
+    """Why `sparse_mla_heads_linear` cannot run its kernels (None: it can); fp8: the packed fp8 cache."""
+    if fp8:
+        return "the fp8 latent cache (its partials are in byte-plane order)"
+    if jnp.dtype(out_dtype) != BF16:
+        return f"the attention's output in {jnp.dtype(out_dtype).name} (the kernel rounds it to bf16)"
+    if block != 128:
+        return f"W_uv's {block}-blocks of scales (the merged input is built in 128-column blocks)"
+    if L % 128 or (L > 256 and L % 256):
+        return f"kv_lora_rank={L}: a multiple of 128 (of 256 above 256)"
+    return unsupported(heads, L, R, None, config)
+
+
+def _partials(q_lat, q_pe, kv_cache, pe_cache, idx, scale: float, config: SparseMLAConfig, layer):
+    """The checks and operand preparation of `sparse_mla`, then `sparse_mla_partials`: (o, m, l, fp8)."""
     T, H, L = q_lat.shape
     R = q_pe.shape[-1]
     fp8 = pe_cache is None
@@ -496,12 +540,7 @@ def sparse_mla(q_lat, q_pe, kv_cache, pe_cache, idx, scale: float, out_dtype=F32
     if hq != H:
         q_lat = jnp.pad(q_lat, ((0, 0), (0, hq - H), (0, 0)))
         q_pe = jnp.pad(q_pe, ((0, 0), (0, hq - H), (0, 0)))
-    o, m, l = sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, float(scale), config, layer)
-    if config.combine == "kernel" and _combine_cols(*o.shape[2:]) is not None:
-        out = combine_kernel(o, m, l, out_dtype=out_dtype)[:, :H]
-    else:
-        out = combine(o, m, l)[:, :H].astype(out_dtype)
-    return _value_order(out, 128, 4) if fp8 else out
+    return *sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, float(scale), config, layer), fp8
 
 
 def byte_floor(heads: int, k: int, lat: int, rope: int) -> int:
