@@ -41,9 +41,13 @@ ATOL = 0.2
 # mla_prep: these models' rope rows of 16 values (32 bytes) are narrower than its 128-byte TMA rows, and
 # index_prep: their index queries (64 wide) are not quantised, the kernel quantises 128-wide heads to fp8;
 # route: the decode model's MoE routes with norm_route (the router's kernel applies the FFN's norm)
+# sparse_mla_heads_linear merges the attention's splits in W_uv's kernel for latents of whole 128-column
+# blocks: these models' latent is 64 wide, so their attention runs as sparse_mla then heads_linear (the
+# merged form is checked at full width in tests/gpu/decode_check.py and tests/test_pallas_sparse_mla.py)
 DECODE_OPS = {op for op, o in table.OPS.items() if o.kernel and op not in ("expert_hidden", "topk_positions",
                                                                               "lm_head_topk", "linear", "mla_prep",
-                                                                              "index_prep", "route")}
+                                                                              "index_prep", "route",
+                                                                              "sparse_mla_heads_linear")}
 
 
 @pytest.fixture(scope="module", params=MODELS)
