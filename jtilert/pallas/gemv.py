@@ -558,15 +558,8 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
             """`splits`: this head's input merged from its split partials as `sparse_mla.combine`
             merges them (weights e^{m_s − M}, M the largest m_s; x = Σ_s w_s o_s / Σ_s w_s l_s, the
             splits in order), rounded to bf16: X_LAYOUT column blocks [8, bw], x in the token's row
-            col0 and zeros in the others. The loops take `u` splits an iteration (unrolled: their loads
-            issue together, before the sums wait for them)."""
-            u = max(d for d in range(1, 9) if n_split % d == 0)
-
-            def largest(c, v):
-                for s in range(u):
-                    v = jnp.maximum(v, m_s[c * u + s, h_in])
-                return v
-            mx = lax.fori_loop(0, n_split // u, largest, jnp.float32(-jnp.inf))
+            col0 and zeros in the others."""
+            mx = lax.fori_loop(0, n_split, lambda s, v: jnp.maximum(v, m_s[s, h_in]), jnp.float32(-jnp.inf))
             mx = jnp.where(mx == -jnp.inf, 0.0, mx)
 
             def weighted(s):
@@ -574,12 +567,10 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
                 return w * l_s[s, h_in], tuple(w * o_s[(b * bw) // chunk, s, pl.ds((b * bw) % chunk, bw)]
                                                for b in range(nblk))
 
-            def add(c, carry):
-                for s in range(u):
-                    dw, vs = weighted(c * u + s)
-                    carry = (dw, vs) if carry is None else (carry[0] + dw, tuple(a + v for a, v in zip(carry[1], vs)))
-                return carry
-            den, accs = lax.fori_loop(1, n_split // u, add, add(0, None))
+            def add(s, carry):
+                dw, vs = weighted(s)
+                return carry[0] + dw, tuple(a + v for a, v in zip(carry[1], vs))
+            den, accs = lax.fori_loop(1, n_split, add, weighted(0))
             den = jnp.where(den == 0, 1.0, den)
             rows = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (MAX_TOKENS, bw), 0), X_LAYOUT)
             out = []
