@@ -77,6 +77,7 @@
 #                x's wait and preparation, the steps and the waits between them, the epilogue), o_proj, x_proj,
 #                q_b | wq_b, the fp8x2 and wgmma engines and the w8a8 kernel fed x split
 #   phasesfma    the same with --fma: the FMA engine's router and indexer head weights GEMVs by phase
+#   phasessplits the same with --splits: W_uv's heads GEMV fed x, and fed the split partials (the merge's cost)
 #   ctas         bench/experiments/kernel_ctas.py: every Mosaic kernel of one 4-layer pallas decode step, CTA by CTA
 #                (Mosaic's on-device profiler): the CTAs' start spread, spans, and the tail after the median CTA
 #   w8a8         bench/experiments/gemv_w8a8.py: the fp8-activation GEMV against the shipped one (o_proj, x_proj,
@@ -310,6 +311,8 @@ for part in "$@"; do
       step phases 300 python3 -m bench.experiments.gemv_phases --out "$WORK/phases.json" ;;
     phasesfma)  # the FMA engine's GEMVs (router, indexer head weights) by phase: where their fixed time goes
       step phasesfma 200 python3 -m bench.experiments.gemv_phases --fma --out "$WORK/phases_fma.json" ;;
+    phasessplits)  # W_uv's heads GEMV fed x and fed sparse MLA's split partials, by phase (the merge's cost)
+      step phasessplits 200 python3 -m bench.experiments.gemv_phases --splits --out "$WORK/phases_splits.json" ;;
     ctas)
       step ctas 300 python3 -m bench.experiments.kernel_ctas --out "$WORK/ctas.json" ;;
     inflight)

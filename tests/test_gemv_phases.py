@@ -70,6 +70,18 @@ def test_profiled_fma_kernels_lower_for_cuda(form, tmp_path):
             jax.jit(fns[form]).trace(*specs).lower(lowering_platforms=("cuda",))
 
 
+def test_profiled_heads_of_splits_lowers_for_cuda(tmp_path):
+    """`gemv_phases --splits`' merged form (W_uv's heads GEMV fed the 32 split partials, its "merge"
+    range) lowers with the profiler on, as above."""
+    S = jax.ShapeDtypeStruct
+    f32 = jnp.float32
+    specs = (S((1, 1, 32, 16, 512), f32), S((1, 1, 32, 16), f32), S((1, 1, 32, 16), f32),
+             S((16, 128, 512), jnp.float8_e4m3fn), S((16, 1, 4), f32))
+    with interp.compile_for_gpu(), cta_profile.kernel_profiles(str(tmp_path)):
+        with pytest.raises(ValueError, match="backend cpu is different from the lowering platform cuda"):
+            jax.jit(gemv.heads_linear_of_splits).trace(*specs).lower(lowering_platforms=("cuda",))
+
+
 def test_a_trace_file_names_its_kernel(tmp_path):
     """The outermost range of every CTA is the kernel's name (kernel_profiles wraps the body in it)."""
     import json

@@ -19,8 +19,11 @@ medians over CTAs and calls, with the 90th percentile of span. Cycles become µs
 nvidia-smi reports during the run. `--fma`: the FMA engine's GEMVs instead, at their step shapes (the
 router's [256, 7168] fp32 with its norm, as the step runs it; the indexer's head weights [64, 7168] over
 28 and over 8 K slices): there "x_prep" is the fp32 slice filled from the token's normed row.
+`--splits`: W_uv's heads GEMV at DeepSeek-V3.2's tp8 shape (16 heads, [128, 512] each) fed the attention's
+output in bf16 (`heads_linear`) and fed its 32 split partials (`heads_linear_of_splits`: "x_wait" is
+then the partials' TMA, "merge" their merge inside x_prep).
 
-    python -m bench.experiments.gemv_phases --out gemv_phases.json [--fma]      (GPU)
+    python -m bench.experiments.gemv_phases --out gemv_phases.json [--fma | --splits]      (GPU)
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ def cta_phases(c) -> dict:
     """One CTA's (`cta_profile.Cta`) GEMV phases in cycles."""
     steps = c.all("step")
     return dict(start_us=c.start_us, to_first_step=steps[0][0] if steps else None,
-                x_wait=c.total("x_wait"), x_prep=c.total("x_prep"), rms=c.total("rms"),
+                x_wait=c.total("x_wait"), x_prep=c.total("x_prep"), rms=c.total("rms"), merge=c.total("merge"),
                 epilogue=c.total("epilogue"),
                 steps=[e - b for b, e in steps], gaps=[b1 - e0 for (_, e0), (b1, _) in zip(steps, steps[1:])],
                 span=c.span)
@@ -56,7 +59,7 @@ def summarise(calls: list[list[dict]], mhz: float | None) -> dict:
                                     for call in calls]),
                to_first_step=med([c["to_first_step"] for c in ctas if c["to_first_step"] is not None]),
                x_wait=med([c["x_wait"] for c in ctas]), x_prep=med([c["x_prep"] for c in ctas]),
-               rms=med([c["rms"] for c in ctas]),
+               rms=med([c["rms"] for c in ctas]), merge=med([c["merge"] for c in ctas]),
                first_step=med([c["steps"][0] for c in ctas if c["steps"]]),
                step=med([s for c in ctas for s in c["steps"][1:]]), gap=med([g for c in ctas for g in c["gaps"]]),
                steps_per_cta=med([len(c["steps"]) for c in ctas]), epilogue=med([c["epilogue"] for c in ctas]),
@@ -77,6 +80,7 @@ def main(argv=None) -> int:  # pragma: no cover - GPU only
     ap.add_argument("--out", default="gemv_phases.json")
     ap.add_argument("--copies", type=int, default=3)
     ap.add_argument("--fma", action="store_true", help="the FMA engine's GEMVs (router, head weights)")
+    ap.add_argument("--splits", action="store_true", help="W_uv's heads GEMV fed x, and fed the split partials")
     a = ap.parse_args(argv)
     wgmma = gemv.GemvConfig(engine="wgmma")
     norm = lambda x: jax.random.uniform(jax.random.key(7), x.shape[-1:], minval=0.5, maxval=1.5).astype(x.dtype)
@@ -96,6 +100,20 @@ def main(argv=None) -> int:  # pragma: no cover - GPU only
             x = jax.random.normal(key, (1, k), np.float32).astype(jax.numpy.bfloat16)
             w = jax.random.normal(jax.random.fold_in(key, 1), (n, k), np.float32) * k**-0.5
             return x, w, None
+    if a.splits:
+        from jtilert.ops.quant import quantize_weight
+        heads, n_split = 16, 32
+        forms = {"heads": lambda o, m, l, w, s: gemv.heads_linear(o, w, s),
+                 "heads_of_splits": lambda o, m, l, w, s: gemv.heads_linear_of_splits(o, m, l, w, s)}
+        shapes = (("W_uv 16x128x512", 128, 512),)
+
+        def make(name, n, k, key):   # (x or o, m, l, w, s): the two forms' operands
+            ks = jax.random.split(key, 4)
+            o = jax.random.normal(ks[0], (1, 1, n_split, heads, k), np.float32)
+            m = jax.random.normal(ks[1], (1, 1, n_split, heads), np.float32)
+            l = jax.random.uniform(ks[2], (1, 1, n_split, heads), np.float32) + 0.5
+            w, s = quantize_weight(jax.random.normal(ks[3], (heads, n, k), np.float32) * k**-0.5)
+            return o, m, l, w, s
     rows = []
     for name, n, k in shapes:
         key = jax.random.key(5)
@@ -107,8 +125,12 @@ def main(argv=None) -> int:  # pragma: no cover - GPU only
                 with kernel_profiles(d):
                     # one program per call: a program writes one trace per kernel it lowered (identical
                     # calls in one program share a lowering, and so a trace file)
-                    for x, w, s in args:
-                        jax.block_until_ready(jax.jit(lambda x, w, s, fn=fn: fn(x, w, s))(x, w, s))
+                    for arg in args:
+                        if a.splits and label == "heads":   # the merged x in bf16, as the model feeds W_uv
+                            o, m, l, w, s = arg
+                            from jtilert.pallas.sparse_mla import combine
+                            arg = (combine(o, m, l).astype(jax.numpy.bfloat16), m, l, w, s)
+                        jax.block_until_ready(jax.jit(lambda *xs, fn=fn: fn(*xs))(*arg))
                     jax.effects_barrier()   # the traces are written by host callbacks
                     mhz = sm_clock_mhz()
                 traces = glob.glob(os.path.join(d, "*-trace.json"))

@@ -554,6 +554,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
                 invf[j] = 1.0 / f
             plgpu.commit_smem()
 
+        @hw.phase("merge")
         def merged_blocks():
             """`splits`: this head's input merged from its split partials as `sparse_mla.combine`
             merges them (weights e^{m_s − M}, M the largest m_s; x = Σ_s w_s o_s / Σ_s w_s l_s, the
