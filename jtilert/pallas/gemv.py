@@ -194,7 +194,8 @@ def projection_scratch(cfg: GemvConfig, *, k: int, p: int, itemsize: int, tb: in
     summed in a cluster, one [block_n] fp32 buffer per weight and token (the partials the first CTA
     reads; whole buffers, which Mosaic maps into the cluster) and two cluster barriers, and with
     `splits` (n, Hc: the input merged from sparse MLA's split partials) a head's partials [K / chunk,
-    n, chunk] fp32, the m and l blocks [n, Hc] of its group and their barrier."""
+    n, chunk] fp32, the m and l blocks [n, Hc] of its group, the merged row [K / split] fp32 and the
+    partials' barrier."""
     kc = k // cfg.split_k
     fp8 = itemsize == 1
     cluster = cfg.split_k > 1 and cfg.split_sum == "cluster"
@@ -223,7 +224,7 @@ def projection_scratch(cfg: GemvConfig, *, k: int, p: int, itemsize: int, tb: in
         n, hc = splits
         chunk = _split_chunk(kc)
         scratch += [plgpu.SMEM((kc // chunk, n, chunk), F32), plgpu.SMEM((n, hc), F32), plgpu.SMEM((n, hc), F32),
-                    plgpu.Barrier(num_arrivals=kc // chunk + 2)]
+                    plgpu.SMEM((kc,), F32), plgpu.Barrier(num_arrivals=kc // chunk + 2)]
     return scratch
 
 
@@ -483,7 +484,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
         a_bufs = next(it) if (fp8 and cfg.engine == "wgmma" and not a_regs) else None
         res_smem = next(it) if res_gmem is not None else None
         parts, cbar = (next(it), next(it)) if cluster else (None, None)
-        o_s, m_s, l_s, sbar = (next(it), next(it), next(it), next(it)) if splits is not None else (None,) * 4
+        o_s, m_s, l_s, xm_s, sbar = (next(it) for _ in range(5)) if splits is not None else (None,) * 5
 
         n_idx = lax.axis_index("n")
         s_idx = lax.axis_index("s")
@@ -559,24 +560,27 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
             """`splits`: this head's input merged from its split partials as `sparse_mla.combine`
             merges them (weights e^{m_s − M}, M the largest m_s; x = Σ_s w_s o_s / Σ_s w_s l_s, the
             splits in order), rounded to bf16: X_LAYOUT column blocks [8, bw], x in the token's row
-            col0 and zeros in the others."""
+            col0 and zeros in the others. The sums run on whole chunk rows (a few vector loads a split),
+            the merged row goes through shared memory (`xm_s`) into the blocks' layout."""
             mx = lax.fori_loop(0, n_split, lambda s, v: jnp.maximum(v, m_s[s, h_in]), jnp.float32(-jnp.inf))
             mx = jnp.where(mx == -jnp.inf, 0.0, mx)
 
             def weighted(s):
                 w = jnp.exp(m_s[s, h_in] - mx)
-                return w * l_s[s, h_in], tuple(w * o_s[(b * bw) // chunk, s, pl.ds((b * bw) % chunk, bw)]
-                                               for b in range(nblk))
+                return w * l_s[s, h_in], tuple(w * o_s[c, s] for c in range(kc // chunk))
 
             def add(s, carry):
                 dw, vs = weighted(s)
                 return carry[0] + dw, tuple(a + v for a, v in zip(carry[1], vs))
             den, accs = lax.fori_loop(1, n_split, add, weighted(0))
             den = jnp.where(den == 0, 1.0, den)
+            for c, a in enumerate(accs):
+                xm_s[pl.ds(c * chunk, chunk)] = a / den
+            plgpu.commit_smem()
             rows = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (MAX_TOKENS, bw), 0), X_LAYOUT)
             out = []
-            for a in accs:
-                v = (a / den).astype(BF16).astype(F32)
+            for b in range(nblk):
+                v = plgpu.load(xm_s.at[pl.ds(b * bw, bw)], optimized=False).astype(BF16).astype(F32)
                 v = plgpu.layout_cast(lax.broadcast_in_dim(v, (MAX_TOKENS, bw), (1,)), X_LAYOUT)
                 out.append(jnp.where(rows == col0, v, 0.0))
             return out
