@@ -10,8 +10,9 @@ two copies) into a row-major staging buffer; warpgroup 0 re-lays them into wgmma
 (fp8: splits the words into byte planes, decodes e4m3, applies the group scale), computes
 S = Q_lat·KVᵀ + Q_pe·PEᵀ (heads on wgmma's M), masks, m and P = exp(S − m) (P in bf16, as FlashMLA),
 l, and O = P·KV in 128-column chunks to the fp32 partials. `combine_kernel` (or `combine` in XLA)
-merges the splits. Masked rows load row 0; a token with no valid row gets zeros. Any S (rows are
-gathered one by one); fp8 queries and output are permuted to the byte-plane order (`_plane_order`).
+merges the splits, or W_uv's heads GEMV does as it reads them (`sparse_mla_heads_linear`). Masked
+rows load row 0; a token with no valid row gets zeros. Any S (rows are gathered one by one); fp8
+queries and output are permuted to the byte-plane order (`_plane_order`).
 """
 
 from __future__ import annotations
