@@ -302,7 +302,7 @@ def test_the_merge_weights_patch_applies_and_merges_as_the_combine(tmp_path):
                        cwd=tmp_path, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "SPLIT_ROWS" in (tmp_path / "jtilert" / "pallas" / "gemv.py").read_text()
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_pallas_sparse_mla.py",
-                        "-k", "splits_merges or heads_linear_matches or in_model_pallas_equals_reference and bf16"],
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        "tests/test_pallas_sparse_mla.py", "-k", "splits_merges or heads_linear_matches or in_model_pallas_equals_reference and bf16"],
                        cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(tmp_path)})
     assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]

@@ -981,8 +981,6 @@ def heads_linear_of_splits(o, m, l, w, scale=None, block: int = QBLOCK, *, layer
     place of reading x, so no combine kernel runs before it. W [H, N, K] ([L, H, N, K] with layer=)
     fp8 with 128-blocks of scales, or bf16; K a multiple of 128 → [T, H, N] bf16."""
     h = w.shape[-3]
-    if block != QBLOCK:
-        raise ValueError(f"heads_linear_of_splits: 128-blocks of scales, got {block}")
     w, scale = _prep_weight(w, scale, layer)
     y = _projection(None, (w,), (scale,), heads=h, layer=layer, scale_block=block, out_dtype=BF16, config=config,
                     splits=(o, m, l))

@@ -73,7 +73,9 @@ def index_prep(cfg, q_x, q_col: int, k_x, k_col: int, norm_weight, norm_bias, ep
     """Drop-in for `jtilert.ops.reference.index_prep` with the k_norm stacks [L, D] and `layer` an int32
     scalar (may be traced): q_x [T, ·] holds the index queries (H heads of D) at columns q_col..,
     k_x [T, ·] the key [D] at column k_col, cos / sin [T, R/2] fp32, w [T, W ≥ H] fp32 (the head
-    weights' projection in each row's first H columns, read in place) → (q [T, H, D] fp8, w · H^-0.5 · D^-0.5 · the queries' scales [T, H] fp32, k [T, D] fp32 normed, roped (bf16) and Hadamard-rotated).
+    weights' projection in each row's first H columns, read in place) → (q [T, H, D] fp8,
+    w · H^-0.5 · D^-0.5 · the queries' scales [T, H] fp32, k [T, D] fp32 normed, roped (bf16) and
+    Hadamard-rotated).
     Shapes `unsupported` names raise ValueError."""
     T = q_x.shape[0]
     H, D = cfg.index_n_heads, cfg.index_head_dim

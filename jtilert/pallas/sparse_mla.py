@@ -488,10 +488,9 @@ def sparse_mla_heads_linear(q_lat, q_pe, kv_cache, pe_cache, idx, scale: float, 
     the combine kernel (`gemv.heads_linear_of_splits`). ValueError where `heads_linear_unsupported`
     names a reason."""
     config = config or SparseMLAConfig()
-    why = (heads_linear_unsupported(q_lat.shape[1], q_lat.shape[2], q_pe.shape[-1], pe_cache is None, block,
-                                    out_dtype, config)
-           or (f"{q_lat.shape[0]} tokens (at most {MAX_TOKENS})" if q_lat.shape[0] > MAX_TOKENS else None))
-    if why:
+    why = heads_linear_unsupported(q_lat.shape[1], q_lat.shape[2], q_pe.shape[-1], pe_cache is None, block,
+                                   out_dtype, config)
+    if why:   # (`_partials` refuses more than MAX_TOKENS tokens)
         raise ValueError(f"sparse_mla_heads_linear kernel: {why}")
     o, m, l, _ = _partials(q_lat, q_pe, kv_cache, pe_cache, idx, scale, config, layer)
     return gemv.heads_linear_of_splits(o, m, l, w, w_scale, block, layer=layer)
