@@ -8,7 +8,6 @@ GPU), then runs it under the interpreter with race detection; the interpreter po
 
 from __future__ import annotations
 
-import os
 import types
 
 import jax
@@ -276,33 +275,13 @@ def test_sparse_mla_heads_linear_matches_reference(T):
 
 
 def test_sparse_mla_heads_linear_refuses_what_it_cannot_merge():
-    """The fp8 cache (partials in byte-plane order), 64-blocks of W_uv scales, a latent of 64 columns and
-    an fp32 attention output are named; `Ops.sparse_mla_heads_linear` then runs the two ops."""
-    assert "fp8 latent cache" in smla.heads_linear_unsupported(16, 512, 64, True, 128, BF16)
-    assert "64-blocks" in smla.heads_linear_unsupported(16, 512, 64, False, 64, BF16)
-    assert "kv_lora_rank=64" in smla.heads_linear_unsupported(8, 64, 16, False, 128, BF16)
-    assert "float32" in smla.heads_linear_unsupported(16, 512, 64, False, 128, jnp.float32)
-    assert smla.heads_linear_unsupported(16, 512, 64, False, 128, BF16) is None
-
-
-@pytest.mark.skipif(__import__("shutil").which("patch") is None, reason="patch not found")
-def test_the_merge_weights_patch_applies_and_merges_as_the_combine(tmp_path):
-    """bench/experiments/merge_weights.patch (the split weights of a head group computed once as a
-    [64, Hc] tile instead of per split in the merge loop; not yet measured on a GPU) still applies to
-    the kernels, and the patched merge passes this file's merge checks (interpret mode, lowered for
-    CUDA), the one-layer decode step's among them."""
-    import pathlib
-    import shutil
-    import subprocess
-    import sys
-    root = pathlib.Path(__file__).resolve().parents[1]
-    shutil.copytree(root / "jtilert", tmp_path / "jtilert", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copytree(root / "tests", tmp_path / "tests", ignore=shutil.ignore_patterns("__pycache__", "golden"))
-    r = subprocess.run(["patch", "-s", "-p1", "-i", str(root / "bench" / "experiments" / "merge_weights.patch")],
-                       cwd=tmp_path, capture_output=True, text=True)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "SPLIT_ROWS" in (tmp_path / "jtilert" / "pallas" / "gemv.py").read_text()
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        "tests/test_pallas_sparse_mla.py", "-k", "splits_merges or heads_linear_matches or in_model_pallas_equals_reference and bf16"],
-                       cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(tmp_path)})
-    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    """The fp8 cache (partials in byte-plane order), 64-blocks of W_uv scales, a latent of 64 columns, an
+    fp32 attention output and more splits than the weight tile's rows are named; `Ops.sparse_mla_heads_linear`
+    then runs the two ops."""
+    assert "fp8 latent cache" in smla.heads_linear_unsupported(16, 512, 64, 2048, True, 128, BF16)
+    assert "64-blocks" in smla.heads_linear_unsupported(16, 512, 64, 2048, False, 64, BF16)
+    assert "kv_lora_rank=64" in smla.heads_linear_unsupported(8, 64, 16, 2048, False, 128, BF16)
+    assert "float32" in smla.heads_linear_unsupported(16, 512, 64, 2048, False, 128, jnp.float32)
+    assert "65 splits" in smla.heads_linear_unsupported(16, 512, 64, 64 * 65, False, 128, BF16)
+    assert smla.heads_linear_unsupported(16, 512, 64, 64 * 64, False, 128, BF16) is None
+    assert smla.heads_linear_unsupported(16, 512, 64, 2048, False, 128, BF16) is None

@@ -221,8 +221,8 @@ def _sparse_mla_unsupported(q_lat, q_pe, kv_cache, pe_cache, idx, scale, out_dty
 
 def _sparse_mla_heads_unsupported(q_lat, q_pe, kv_cache, pe_cache, idx, scale, out_dtype, w, w_scale,
                                   block) -> str | None:
-    why = sparse_mla.heads_linear_unsupported(q_lat.shape[-2], q_lat.shape[-1], q_pe.shape[-1], pe_cache is None,
-                                              block, out_dtype)
+    why = sparse_mla.heads_linear_unsupported(q_lat.shape[-2], q_lat.shape[-1], q_pe.shape[-1], idx.shape[-1],
+                                              pe_cache is None, block, out_dtype)
     if why is None and (w.shape[-3] != q_lat.shape[-2] or w.shape[-1] != q_lat.shape[-1]):
         why = f"W_uv {list(w.shape)} for {q_lat.shape[-2]} heads of {q_lat.shape[-1]} latent columns"
     if why is None and (w.dtype not in (FP8, BF16) or (w.dtype == FP8) != (w_scale is not None)):

@@ -34,6 +34,7 @@ from jtilert.pallas._hopper import (BF16, F16, F32, FP8, KGRAIN, MAX_TOKENS, QBL
                                     X_LAYOUT, X_TRANSFORMS)
 
 CLUSTER_MAX = 8   # CTAs in a portable cluster: the most split-K CTAs that can sum in one
+SPLIT_ROWS = 64   # the split weights' tile rows (wgmma's M): at most this many splits merged in a kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,8 +195,8 @@ def projection_scratch(cfg: GemvConfig, *, k: int, p: int, itemsize: int, tb: in
     summed in a cluster, one [block_n] fp32 buffer per weight and token (the partials the first CTA
     reads; whole buffers, which Mosaic maps into the cluster) and two cluster barriers, and with
     `splits` (n, Hc: the input merged from sparse MLA's split partials) a head's partials [K / chunk,
-    n, chunk] fp32, the m and l blocks [n, Hc] of its group, the merged row [K / split] fp32 and the
-    partials' barrier."""
+    n, chunk] fp32, the m and l blocks of its group and the split weights ([SPLIT_ROWS, Hc] each), the
+    merged row [K / split] fp32 and the partials' barrier."""
     kc = k // cfg.split_k
     fp8 = itemsize == 1
     cluster = cfg.split_k > 1 and cfg.split_sum == "cluster"
@@ -223,8 +224,8 @@ def projection_scratch(cfg: GemvConfig, *, k: int, p: int, itemsize: int, tb: in
     if splits is not None:
         n, hc = splits
         chunk = _split_chunk(kc)
-        scratch += [plgpu.SMEM((kc // chunk, n, chunk), F32), plgpu.SMEM((n, hc), F32), plgpu.SMEM((n, hc), F32),
-                    plgpu.SMEM((kc,), F32), plgpu.Barrier(num_arrivals=kc // chunk + 2)]
+        scratch += [plgpu.SMEM((kc // chunk, n, chunk), F32)] + [plgpu.SMEM((SPLIT_ROWS, hc), F32) for _ in range(3)]
+        scratch += [plgpu.SMEM((kc,), F32), plgpu.Barrier(num_arrivals=kc // chunk + 2)]
     return scratch
 
 
@@ -367,6 +368,9 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
         x = o_parts.astype(F32)
         t, kx = o_parts.shape[0], o_parts.shape[-1]
         n_split, hc = o_parts.shape[2:4]
+        if n_split > SPLIT_ROWS or hc % 8:
+            raise ValueError(f"GEMV splits input: at most {SPLIT_ROWS} splits and heads per group in multiples "
+                             f"of 8, got {n_split} splits of {hc} heads")
     else:
         t, kx = x.shape
     p = len(ws)
@@ -484,7 +488,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
         a_bufs = next(it) if (fp8 and cfg.engine == "wgmma" and not a_regs) else None
         res_smem = next(it) if res_gmem is not None else None
         parts, cbar = (next(it), next(it)) if cluster else (None, None)
-        o_s, m_s, l_s, xm_s, sbar = (next(it) for _ in range(5)) if splits is not None else (None,) * 5
+        o_s, m_s, l_s, w_s, xm_s, sbar = (next(it) for _ in range(6)) if splits is not None else (None,) * 6
 
         n_idx = lax.axis_index("n")
         s_idx = lax.axis_index("s")
@@ -560,22 +564,26 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
             """`splits`: this head's input merged from its split partials as `sparse_mla.combine`
             merges them (weights e^{m_s − M}, M the largest m_s; x = Σ_s w_s o_s / Σ_s w_s l_s, the
             splits in order), rounded to bf16: X_LAYOUT column blocks [8, bw], x in the token's row
-            col0 and zeros in the others. The sums run on whole chunk rows (a few vector loads a split),
-            the merged row goes through shared memory (`xm_s`) into the blocks' layout."""
-            mx = lax.fori_loop(0, n_split, lambda s, v: jnp.maximum(v, m_s[s, h_in]), jnp.float32(-jnp.inf))
+            col0 and zeros in the others. The weights of every head of the group at once, as one
+            [SPLIT_ROWS, Hc] tile (splits on the rows, padded with −inf), into `w_s`; then the sums on
+            whole chunk rows (one weight and a few vector loads a split); the merged row goes through
+            shared memory (`xm_s`) into the blocks' layout."""
+            wl = plgpu.Layout.WGMMA
+            mv = plgpu.load(m_s, layout=wl, optimized=False)
+            mx = mv.max(axis=0)
             mx = jnp.where(mx == -jnp.inf, 0.0, mx)
+            wv = jnp.exp(mv - lax.broadcast_in_dim(mx, (SPLIT_ROWS, hc), [1]))
+            den = (wv * plgpu.load(l_s, layout=wl, optimized=False)).sum(axis=0)
+            den = jnp.where(den == 0, 1.0, den)
+            w_s[...] = wv / lax.broadcast_in_dim(den, (SPLIT_ROWS, hc), [1])
+            plgpu.commit_smem()
 
             def weighted(s):
-                w = jnp.exp(m_s[s, h_in] - mx)
-                return w * l_s[s, h_in], tuple(w * o_s[c, s] for c in range(kc // chunk))
-
-            def add(s, carry):
-                dw, vs = weighted(s)
-                return carry[0] + dw, tuple(a + v for a, v in zip(carry[1], vs))
-            den, accs = lax.fori_loop(1, n_split, add, weighted(0))
-            den = jnp.where(den == 0, 1.0, den)
+                return tuple(w_s[s, h_in] * o_s[c, s] for c in range(kc // chunk))
+            accs = lax.fori_loop(1, n_split, lambda s, accs: tuple(a + v for a, v in zip(accs, weighted(s))),
+                                 weighted(0))
             for c, a in enumerate(accs):
-                xm_s[pl.ds(c * chunk, chunk)] = a / den
+                xm_s[pl.ds(c * chunk, chunk)] = a
             plgpu.commit_smem()
             rows = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (MAX_TOKENS, bw), 0), X_LAYOUT)
             out = []
@@ -610,8 +618,12 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
             chunk = _split_chunk(kc)
             for c in range(kc // chunk):
                 plgpu.copy_gmem_to_smem(x_gmem.at[tok0, g_idx, :, h_in, pl.ds(k0 + c * chunk, chunk)], o_s.at[c], sbar)
-            plgpu.copy_gmem_to_smem(m_gmem.at[tok0, g_idx], m_s, sbar)
-            plgpu.copy_gmem_to_smem(l_gmem.at[tok0, g_idx], l_s, sbar)
+            if n_split < SPLIT_ROWS:   # the rows past the splits weigh nothing (written before the copies)
+                m_s[...] = jnp.full((SPLIT_ROWS, hc), -jnp.inf, F32)
+                l_s[...] = jnp.zeros((SPLIT_ROWS, hc), F32)
+                plgpu.commit_smem()
+            plgpu.copy_gmem_to_smem(m_gmem.at[tok0, g_idx], m_s.at[pl.ds(0, n_split)], sbar)
+            plgpu.copy_gmem_to_smem(l_gmem.at[tok0, g_idx], l_s.at[pl.ds(0, n_split)], sbar)
         if not fma:
             if splits is None:
                 plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(row8, MAX_TOKENS), pl.ds(c0 + k0, kc)], xstage, bar.at[0])

@@ -488,17 +488,18 @@ def sparse_mla_heads_linear(q_lat, q_pe, kv_cache, pe_cache, idx, scale: float, 
     the combine kernel (`gemv.heads_linear_of_splits`). ValueError where `heads_linear_unsupported`
     names a reason."""
     config = config or SparseMLAConfig()
-    why = heads_linear_unsupported(q_lat.shape[1], q_lat.shape[2], q_pe.shape[-1], pe_cache is None, block,
-                                   out_dtype, config)
+    why = heads_linear_unsupported(q_lat.shape[1], q_lat.shape[2], q_pe.shape[-1], idx.shape[-1], pe_cache is None,
+                                   block, out_dtype, config)
     if why:   # (`_partials` refuses more than MAX_TOKENS tokens)
         raise ValueError(f"sparse_mla_heads_linear kernel: {why}")
     o, m, l, _ = _partials(q_lat, q_pe, kv_cache, pe_cache, idx, scale, config, layer)
     return gemv.heads_linear_of_splits(o, m, l, w, w_scale, block, layer=layer)
 
 
-def heads_linear_unsupported(heads: int, L: int, R: int, fp8: bool, block: int, out_dtype,
+def heads_linear_unsupported(heads: int, L: int, R: int, K: int, fp8: bool, block: int, out_dtype,
                              config: SparseMLAConfig | None = None) -> str | None:
-    """Why `sparse_mla_heads_linear` cannot run its kernels (None: it can); fp8: the packed fp8 cache."""
+    """Why `sparse_mla_heads_linear` cannot run its kernels (None: it can); K: the selected rows a token,
+    fp8: the packed fp8 cache."""
     if fp8:
         return "the fp8 latent cache (its partials are in byte-plane order)"
     if jnp.dtype(out_dtype) != BF16:
@@ -507,7 +508,12 @@ def heads_linear_unsupported(heads: int, L: int, R: int, fp8: bool, block: int, 
         return f"W_uv's {block}-blocks of scales (the merged input is built in 128-column blocks)"
     if L % 128 or (L > 256 and L % 256):
         return f"kv_lora_rank={L}: a multiple of 128 (of 256 above 256)"
-    return unsupported(heads, L, R, None, config)
+    why = unsupported(heads, L, R, None, config)
+    if why is None:
+        n_split = -(-K // resolve(config or SparseMLAConfig(), L, _round_up(R, 64), False).block_k)
+        if n_split > gemv.SPLIT_ROWS:
+            why = f"{K} selected rows: {n_split} splits to merge (at most {gemv.SPLIT_ROWS})"
+    return why
 
 
 def _partials(q_lat, q_pe, kv_cache, pe_cache, idx, scale: float, config: SparseMLAConfig, layer):
