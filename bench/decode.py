@@ -38,7 +38,7 @@ from jtilert.parallel import sharding
 from jtilert.pallas import lowering_cache
 from jtilert.runtime import compile_cache
 from jtilert.runtime.generate import Engine
-from jtilert.model.transformer import Layout, _no_topk, decode_weights, init_cache
+from jtilert.model.transformer import Layout, _no_topk, decode_weights, init_cache, router_in_bf16
 from jtilert.ops.table import DecodeConfig
 
 from bench import provenance, timeline
@@ -136,6 +136,8 @@ def step_bytes(model, context: int, tp: int = 1) -> dict:
             n = n * cfg.num_experts_per_tok // cfg.n_routed_experts
         if name == "embed_tokens":
             n = x.shape[1] * jnp.dtype(x.dtype).itemsize
+        if name == "moe.gate.weight" and router_in_bf16(model.moe.gate.weight.get_value()):
+            n //= 2   # held in bf16 by the decode model (the shapes above cannot tell)
         weights += n
     seen = min(context + 1, cfg.index_topk)
     dtype_bytes = jnp.dtype(model.dtype).itemsize

@@ -222,3 +222,23 @@ def test_the_pallas_layout_gives_the_reference_logits():
     assert fp8.layers.self_attn.absorb_q.block == 64
     ids = IDS[:24]
     np.testing.assert_array_equal(jtilert.score(fp8, ids, prefill=20), jtilert.score(m, ids, prefill=20))
+
+
+@pytest.mark.parametrize("backend", ["reference", "pallas"])
+def test_a_bf16_valued_router_is_read_in_bf16_with_the_same_logits(backend, monkeypatch):
+    """A router whose values are all bf16 values (random models, as the checkpoints' routers) is held
+    in bf16 by the decode model, and the logits are those of the fp32 router bit for bit: the router's
+    products are fp32 products of the same values (reference: XLA's fp32 einsum; pallas: the FMA GEMV,
+    interpret mode). One value that is not a bf16 value keeps the router in fp32."""
+    from jtilert.model import transformer
+    m = _model("tiny", "fp8")
+    w = m.moe.gate.weight.get_value()
+    assert w.dtype == jnp.float32 and transformer.router_in_bf16(w)
+    assert decode_weights(m, backend=backend).moe.gate.weight.get_value().dtype == jnp.bfloat16
+    ids = IDS[:24]
+    bf16 = jtilert.score(m, ids, prefill=20, backend=backend)
+    monkeypatch.setattr(transformer, "router_in_bf16", lambda w: False)
+    assert decode_weights(m, backend=backend).moe.gate.weight.get_value().dtype == jnp.float32
+    np.testing.assert_array_equal(bf16, jtilert.score(m, ids, prefill=20, backend=backend))
+    monkeypatch.undo()
+    assert not transformer.router_in_bf16(w.at[0, 3, 5].add(1e-6))

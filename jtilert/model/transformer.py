@@ -227,9 +227,13 @@ class MLP(nnx.Module):
 
 
 class Router(nnx.Module):
+    """The MoE router's fp32 weight [E, hidden] and bias [E]. Random weights are bf16 values, as the
+    checkpoints hold the router (bf16, never fp8); the decode model then reads them in bf16
+    (`decode_weights`)."""
+
     def __init__(self, cfg: ModelConfig, *, rngs):
-        self.weight = nnx.Param(jax.random.normal(rngs.params(), (cfg.n_routed_experts, cfg.hidden_size), F32)
-                                * cfg.hidden_size**-0.5)
+        self.weight = nnx.Param((jax.random.normal(rngs.params(), (cfg.n_routed_experts, cfg.hidden_size), F32)
+                                 * cfg.hidden_size**-0.5).astype(jnp.bfloat16).astype(F32))
         self.e_score_correction_bias = nnx.Param(0.1 * jax.random.normal(rngs.params(), (cfg.n_routed_experts,), F32))
 
 
@@ -521,6 +525,9 @@ def decode_weights(model: Transformer, merge: bool = True, tp: int = 1, backend:
         applied by the FFN's first kernels (the dense gate/up GEMV; in the MoE the router, which
         writes the normed x for the routed experts, and the shared expert's gate/up) instead of by
         an XLA norm before them.
+      - the MoE router's fp32 weights in bf16 where every value is a bf16 value (`router_in_bf16`;
+        the checkpoints' routers are bf16): the router's fp32 products of the same values, half the
+        bytes of a GEMV on each MoE layer's chain.
     With the norms fused into those GEMVs (`rmsnorm_linear`), the same values the step would compute;
     the other weights are shared with `model`, not copied, and `model` is untouched. Idempotent for
     one tp. `merge=False`: without the merged GEMVs and the FFN norms moved (for comparisons)."""
@@ -530,10 +537,15 @@ def decode_weights(model: Transformer, merge: bool = True, tp: int = 1, backend:
                          f"not tp={tp}: build it from the model itself")
     heads = attn.absorb_q is None
     ffn_norm = merge and model.layers.post_attention_layernorm is not None
+    router = merge and model.moe is not None and router_in_bf16(model.moe.gate.weight.get_value())
     merge = merge and attn.x_proj is None
-    if not (heads or merge or ffn_norm):
+    if not (heads or merge or ffn_norm or router):
         return model
     out = nnx.clone(model)
+    if router:
+        w = model.moe.gate.weight.get_value()
+        _check_room([jax.ShapeDtypeStruct(w.shape, jnp.bfloat16, sharding=w.sharding)], "the router in bf16")
+        out.moe.gate.weight = nnx.Param(jax.jit(lambda w: w.astype(jnp.bfloat16), out_shardings=w.sharding)(w))
     if heads:
         kv_b = attn.kv_b_proj
         w, s = kv_b.weight.get_value(), kv_b.scale.get_value() if kv_b.scale is not None else None
@@ -575,6 +587,14 @@ def decode_weights(model: Transformer, merge: bool = True, tp: int = 1, backend:
                 getattr(out, name).norm = FFNNorm(_stack_rows(norm.weight.get_value(), lo, hi), norm.eps)
         out.layers.post_attention_layernorm = None
     return out
+
+
+def router_in_bf16(w) -> bool:
+    """Whether the decode model holds the router weight `w` in bf16: an fp32 array (not an abstract
+    one) whose every value is a bf16 value, so the router's products are the same."""
+    if isinstance(w, jax.ShapeDtypeStruct) or w.dtype != F32:
+        return False
+    return bool(jax.jit(lambda w: jnp.all(w.astype(jnp.bfloat16).astype(F32) == w))(w))
 
 
 def _stack_rows(w, lo: int, hi: int):
