@@ -170,8 +170,8 @@ def test_moe_grouped_equals_the_gathered_path(fmt):
 def test_decode_weights_lay_kv_b_out_per_head_and_share_the_rest(tiny_fp8):
     """The reference Engine's model: kv_b per head (W_ukᵀ, W_uv) in the compute dtype with the values the
     step used to dequantise every step (the pallas Engine's fp8 copies: tests/test_decode_weights.py),
-    q_a / wk / kv_a merged into x_proj and q_b / wq_b into qr_proj, every other weight the same array;
-    the logits unchanged."""
+    q_a / wk / kv_a merged into x_proj and q_b / wq_b into qr_proj, the router's bf16 values in bf16,
+    every other weight the same array; the logits unchanged."""
     import jtilert
     from jtilert.model.transformer import decode_weights
     from jtilert.store import checkpoint
@@ -194,6 +194,9 @@ def test_decode_weights_lay_kv_b_out_per_head_and_share_the_rest(tiny_fp8):
     copies = {f"layers.self_attn.{m}.{p}" for m in ("x_proj", "qr_proj") for p in ("weight", "scale")}
     copies |= {"dense.norm.weight", "moe.norm.weight"}   # the FFN stacks' rows of the post-attention norm
     assert set(b) - set(a) == copies | {"layers.self_attn.absorb_q.weight", "layers.self_attn.absorb_o.weight"}
+    np.testing.assert_array_equal(np.asarray(b["moe.gate.weight"]), np.asarray(a["moe.gate.weight"]))
+    assert b["moe.gate.weight"].dtype == jnp.bfloat16 and a["moe.gate.weight"].dtype == jnp.float32
+    copies.add("moe.gate.weight")
     assert all(a[k] is b[k] for k in b if "absorb" not in k and k not in copies)
     ids = np.random.default_rng(5).integers(0, 256, 20)
     np.testing.assert_array_equal(jtilert.score(tiny_fp8, ids, prefill=10),
