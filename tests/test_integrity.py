@@ -153,17 +153,25 @@ def test_weights_and_cache_that_do_not_fit_name_the_bytes(saved, tiny_random, mo
 
 
 def test_the_engines_decode_copies_that_do_not_fit_name_the_bytes(monkeypatch):
-    """The Engine's own copies (kv_b per head, the merged projections) are checked like the weights:
-    a MemoryError naming what and how many bytes per device, before they are allocated."""
+    """The Engine's own copies (kv_b per head, the merged projections, the router in bf16) are checked
+    like the weights: a MemoryError naming what and how many bytes per device, before they are
+    allocated."""
+    from flax import nnx
     from jtilert.model.transformer import decode_weights
     fp8 = jtilert.random_model("tiny", fmt="fp8", seed=1)
     fp32 = decode_weights(jtilert.random_model("tiny", fmt="fp32", seed=1), merge=False)   # kv_b per head only
+    router = decode_weights(fp8)   # every copy made but the router's: its fp32 weight back
+    router.moe.gate.weight = nnx.Param(fp8.moe.gate.weight.get_value())
     monkeypatch.setattr(sharding, "free_bytes", lambda device: (1000, 2000))
     with pytest.raises(MemoryError, match=r"kv_b per head in bfloat16 for the compiled steps: \d+\.\d\d GiB "
                                           r"\([\d,]+ bytes\) per device, more than the 0\.00 GiB \(1,000 bytes\) free"):
         decode_weights(fp8)
     with pytest.raises(MemoryError, match=r"the merged projections \[\d+, \d+, \d+\] for the compiled steps: "):
         decode_weights(fp32)
+    need = fp8.moe.gate.weight.get_value().size * 2   # every layer's router [E, hidden] in bf16
+    with pytest.raises(MemoryError, match=rf"the router in bfloat16 for the compiled steps: \d+\.\d\d GiB "
+                                          rf"\({need:,} bytes\) per device"):
+        decode_weights(router)
     assert fp8.layers.self_attn.absorb_q is None and fp32.layers.self_attn.x_proj is None
 
 

@@ -542,10 +542,6 @@ def decode_weights(model: Transformer, merge: bool = True, tp: int = 1, backend:
     if not (heads or merge or ffn_norm or router):
         return model
     out = nnx.clone(model)
-    if router:
-        w = model.moe.gate.weight.get_value()
-        _check_room([jax.ShapeDtypeStruct(w.shape, jnp.bfloat16, sharding=w.sharding)], "the router in bf16")
-        out.moe.gate.weight = nnx.Param(jax.jit(lambda w: w.astype(jnp.bfloat16), out_shardings=w.sharding)(w))
     if heads:
         kv_b = attn.kv_b_proj
         w, s = kv_b.weight.get_value(), kv_b.scale.get_value() if kv_b.scale is not None else None
@@ -586,6 +582,11 @@ def decode_weights(model: Transformer, merge: bool = True, tp: int = 1, backend:
             if getattr(out, name) is not None:
                 getattr(out, name).norm = FFNNorm(_stack_rows(norm.weight.get_value(), lo, hi), norm.eps)
         out.layers.post_attention_layernorm = None
+    if router:
+        w = model.moe.gate.weight.get_value()
+        _check_room([jax.ShapeDtypeStruct(w.shape, jnp.bfloat16, sharding=w.sharding)],
+                    "the router in bfloat16 for the compiled steps")
+        out.moe.gate.weight = nnx.Param(jax.jit(lambda w: w.astype(jnp.bfloat16), out_shardings=w.sharding)(w))
     return out
 
 
