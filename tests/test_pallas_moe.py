@@ -17,6 +17,7 @@ import pytest
 from jtilert.ops import reference
 from jtilert.ops.table import DecodeConfig, Ops
 from jtilert.model.presets import DEEPSEEK_V32, GLM_5, TINY
+from jtilert.pallas import gemv
 from jtilert.pallas import interpret as interp
 from jtilert.pallas import moe
 from jtilert.pallas.gemv import GemvConfig
@@ -219,7 +220,7 @@ def test_expert_down_finishes_the_gate_up_partials(engine):
     cfg = GemvConfig(engine=engine)
     down = jax.jit(lambda h: moe.expert_down(h, w, ids, d, ds, residual=residual, config=cfg))
     staged = _run(down, parts)
-    finished = _run(down, moe.finish_partials(parts))
+    finished = _run(down, gemv.finish_partials(parts, kind="swiglu_f32"))
     np.testing.assert_array_equal(np.asarray(staged, np.float32), np.asarray(finished, np.float32))
     part = parts.sum(0)
     h_ref = (part[0] * jax.nn.sigmoid(part[0]) * part[1]).astype(BF16)
@@ -232,7 +233,7 @@ def test_expert_down_finishes_the_gate_up_partials(engine):
         h = _run(jax.jit(lambda x: moe.expert_gate_up(x, ids, g, gs, u, us, config=up_cfg, unsummed=True)), x)
         assert h.shape == ((split, 2, tokens * k, width) if split > 1 else (tokens * k, width))
         summed = _run(jax.jit(lambda x: moe.expert_gate_up(x, ids, g, gs, u, us, config=up_cfg)), x)
-        got = moe.finish_partials(jnp.asarray(h)) if split > 1 else jnp.asarray(h).astype(BF16)
+        got = gemv.finish_partials(jnp.asarray(h), kind="swiglu_f32") if split > 1 else jnp.asarray(h).astype(BF16)
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(summed, np.float32))
     monkey = pytest.MonkeyPatch()
     monkey.setattr(moe, "STAGE_MAX_BYTES", parts.nbytes - 1)

@@ -849,8 +849,14 @@ def _projection_result(out, in_kernel_epilogue, partials, p, kind, residual, out
         return out[None] if in_kernel_epilogue else out[:, 0]
     if in_kernel_epilogue:
         return out
-    part = out.sum(0)                                  # [P, T, N]: one XLA fusion with the epilogue
-    return _finish([part[j] for j in range(p)], kind=kind, residual=residual, out_dtype=out_dtype)
+    return finish_partials(out, kind=kind, residual=residual, out_dtype=out_dtype)
+
+
+def finish_partials(parts, *, kind: str, residual=None, out_dtype=BF16):
+    """The split-K partials [S, P, T, N] fp32 summed in split order, then the epilogue of `kind` (one XLA
+    fusion): e.g. the routed experts' h from their gate/up partials (kind "swiglu_f32")."""
+    part = parts.sum(0)                                # [P, T, N]
+    return _finish([part[j] for j in range(parts.shape[1])], kind=kind, residual=residual, out_dtype=out_dtype)
 
 
 def _kernel_name(engine: str, kind: str, n: int, k: int, **forms: bool) -> str:

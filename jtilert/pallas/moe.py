@@ -71,7 +71,7 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
     if h.ndim == 4 and h.shape[1:3] != (2, nsel):
         raise ValueError(f"expert_down: partials {h.shape} do not match ids {ids.shape}")
     if h.ndim == 4 and h.nbytes > STAGE_MAX_BYTES:
-        h = finish_partials(h)
+        h = gemv.finish_partials(h, kind="swiglu_f32")
     per_layer = 0
     if layer is not None:
         if down.ndim != 4:
@@ -120,7 +120,7 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
     staged = h.shape if h.ndim == 4 else None
     layout, cfg = resolved(staged)
     if staged and hw.smem_bytes(layout(cfg)) > hw.SMEM_BYTES:   # the partials do not fit beside the pipeline
-        h, staged = finish_partials(h), None
+        h, staged = gemv.finish_partials(h, kind="swiglu_f32"), None
         layout, cfg = resolved(None)
     hw.check_smem("MoE down kernel", layout(cfg), cfg)
     bn, split, stages, a_regs = cfg.block_n, cfg.split_k, cfg.stages, cfg.a_in_registers
@@ -293,12 +293,6 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
         return out
     y = out.sum(0)
     return y.astype(out_dtype) if residual is None else gemv.add_residual(y, residual, out_dtype)
-
-
-def finish_partials(parts):
-    """h [T·k, I] bf16 from the gate/up partials [S, 2, T·k, I] fp32 (XLA's finish)."""
-    part = parts.sum(0)
-    return gemv.swiglu_f32(part[0], part[1], BF16)
 
 
 def expert_down_scratch(cfg: GemvConfig, *, k: int, itemsize: int, out_dtype=BF16, residual_dtype=None,
