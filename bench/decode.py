@@ -231,12 +231,13 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
                   engine: bool = False, host: bool = True, kernels: bool = False, split_indexer: bool = False,
                   layer_loop: str = "loop", xla_options: tuple | None = None, call_variants: bool = False,
                   trace_timeline: bool = False, l2_prefetch: bool = False, engine_moe: bool = False,
-                  compile_profile: bool = False) -> dict:
+                  compile_profile: bool = False, timeline_layers: tuple[int, int] = timeline.DETAIL_LAYERS) -> dict:
     """xla_options: DecodeConfig.xla_options (None: its default). call_variants: also time the plain
     step's host loop in the forms of `call_variant_loops` (tp = 1). trace_timeline: right after the
     timed loops (and their CUPTI profile), one call of the loop of TIMELINE_STEPS steps under JAX's
     profiler: the kernels' start and end times in one step (bench/timeline.py's summary, the result's
-    "timeline"); no CUPTI profile may follow it (the one-step kernel profile is left out). l2_prefetch,
+    "timeline"; `timeline_layers` [lo, hi) listed kernel by kernel); no CUPTI profile may follow it
+    (the one-step kernel profile is left out). l2_prefetch,
     engine_moe: DecodeConfig's. compile_profile: the first compile's XLA stage under JAX's profiler
     (`compile_breakdown`)."""
     opts = {} if xla_options is None else {"xla_options": xla_options}
@@ -297,7 +298,7 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
         # CUPTI profile may follow (bench/timeline.py's trace_step).
         n_trace = eng.place(jnp.int32(TIMELINE_STEPS))
         with tempfile.TemporaryDirectory() as folder:
-            step_timeline = timeline.trace_step(lambda: timed(n_trace), folder)
+            step_timeline = timeline.trace_step(lambda: timed(n_trace), folder, detail=timeline_layers)
         step_timeline["untraced_step_us"] = device_s * 1e6   # the profiler slows the step: compare
         if loop_profile is not None:
             step_timeline["loop_profile_kernels"] = loop_profile["kernels"]   # per step, without the profiler
@@ -471,6 +472,14 @@ def host_events(folder: str, n: int = 1, top: int = 40) -> list:
     return [[k, round(us, 2), round(c, 2)] for k, us, c in rows[:top]]
 
 
+def _layer_range(text: str) -> tuple[int, int]:
+    """LO:HI (--timeline-layers) as (LO, HI), 0 <= LO < HI."""
+    lo, sep, hi = text.partition(":")
+    if not sep or not lo.isdigit() or not hi.isdigit() or int(lo) >= int(hi):
+        raise argparse.ArgumentTypeError(f"{text!r}: LO:HI with 0 <= LO < HI expected")
+    return int(lo), int(hi)
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="dsv32-tp8-shard")
@@ -509,6 +518,8 @@ def main(argv=None) -> dict:
                         "each kernel's start and end in one step, per layer (the run's \"timeline\"; with --out, a Gantt "
                         "chart of layers 4-7 in <out stem>-timeline.png); no --kernels profile after it (that run's "
                         "loop profile only)")
+    p.add_argument("--timeline-layers", type=_layer_range, default=timeline.DETAIL_LAYERS, metavar="LO:HI",
+                   help="the layers the timeline lists kernel by kernel, [LO, HI) (default %(default)s)")
     p.add_argument("--call-variants", action="store_true",
                    help="also time the plain step's host loop with its host output in device memory and without it "
                         "(what a call's enqueue costs; tp=1)")
@@ -551,7 +562,8 @@ def main(argv=None) -> dict:
                                   layer_loop=loop, xla_options=tuple(tuple(kv.split("=", 1)) for kv in a.xla_option) or None,
                                   call_variants=a.call_variants, l2_prefetch=a.l2_prefetch, engine_moe=a.engine_moe,
                                   compile_profile=a.compile_profile,
-                                  trace_timeline=a.timeline and backend == "pallas" and not mtp and not traced)
+                                  trace_timeline=a.timeline and backend == "pallas" and not mtp and not traced,
+                                  timeline_layers=a.timeline_layers)
                 traced = traced or "timeline" in r
                 r["step_over_floor"] = r["step_ms_median"] / floor_ms
                 result["runs"].append(r)

@@ -14,7 +14,8 @@
 #   attention    bench/attention.py (issue 5)
 #   decode       bench.decode: dsv32-tp8-shard, 61 layers, context 4096, CUPTI kernel profile (issue 7)
 #   decodemoe    the same, pallas only, with DecodeConfig.engine_moe (each MoE layer one launch of the engine)
-#   timeline     the same, pallas only, with --timeline: one 4-step call under JAX's profiler, each kernel's start
+#   timeline     the same, pallas only, with --timeline (TIMELINE_LAYERS=LO:HI: the layers listed kernel by kernel):
+#                one 4-step call under JAX's profiler, each kernel's start
 #                and end in its second step (bench/timeline.py) → timeline.json ("timeline" in the run),
 #                timeline.png (Gantt chart of layers 4-7), timeline.log
 #   contexts     the same, pallas only, at contexts 32K and 128K (issue 14's long-context targets)
@@ -210,7 +211,8 @@ for part in "$@"; do
     decodemoe) step decodemoe 480 $DEC --layers 61 --backend pallas --engine-moe --kernels --samples 10 \
                  --out "$WORK/decodemoe.json" --plot "$WORK/decodemoe.png" ;;
     timeline)  # bench.decode writes the chart as <out stem>-timeline.png: renamed to timeline.png
-      step timeline 480 $DEC --layers 61 --backend pallas --kernels --samples 10 --timeline --out "$WORK/timeline.json"
+      step timeline 480 $DEC --layers 61 --backend pallas --kernels --samples 10 --timeline ${TIMELINE_LAYERS:+--timeline-layers $TIMELINE_LAYERS} \
+        --out "$WORK/timeline.json"
       [ -f "$WORK/timeline-timeline.png" ] && mv "$WORK/timeline-timeline.png" "$WORK/timeline.png" && pack ;;
     contexts)  # issue 14's long-context targets: the 61-layer pallas step at 32K and 128K, kernel profiles
       for c in 32768 131072; do

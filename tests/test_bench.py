@@ -283,20 +283,22 @@ def test_decode_bench_timeline_on_the_cpu(tiny_fp8):
 
 def test_decode_bench_timeline_flag(tmp_path, monkeypatch):
     """--timeline: the first pallas run (not the reference, not MTP) traces; its summary under the
-    run's "timeline" in the JSON, its chart in <out stem>-timeline.png."""
+    run's "timeline" in the JSON, its chart in <out stem>-timeline.png; --timeline-layers picks the layers
+    it lists kernel by kernel (a range that is not LO < HI is refused)."""
     from bench import timeline
     calls = []
     summary = timeline.summary(timeline.one_step(timeline.kernel_events(_perfetto_trace())), detail=(0, 3))
 
-    def fake_backend(model, backend, context, mtp, *args, trace_timeline=False, **kw):
+    def fake_backend(model, backend, context, mtp, *args, trace_timeline=False, timeline_layers=None, **kw):
         calls.append((backend, mtp, trace_timeline))
+        assert timeline_layers == (0, 2)
         r = {"backend": backend, "layer_loop": "loop", "all_reduce": "psum", "mtp": mtp, "step_ms_median": 1.0,
              "step_ms_p90": 1.0, "tok_s": 1e3, "host_overhead_frac": 0.0, "compile_s": 0.0}
         return {**r, "timeline": summary} if trace_timeline else r
     monkeypatch.setattr(decode, "bench_backend", fake_backend)
     out = tmp_path / "t.json"
     decode.main(["--preset", "tiny", "--layers", "2", "--fmt", "fp8", "--context", "40", "--steps", "2", "--samples", "2",
-                 "--backend", "reference,pallas", "--all-reduce", "psum,engine", "--mtp", "--timeline", "--out", str(out)])
+                 "--backend", "reference,pallas", "--all-reduce", "psum,engine", "--mtp", "--timeline", "--timeline-layers", "0:2", "--out", str(out)])
     assert calls == [("reference", False, False), ("reference", True, False), ("reference", False, False),
                      ("reference", True, False), ("pallas", False, True), ("pallas", True, False),
                      ("pallas", False, False), ("pallas", True, False)]
@@ -304,6 +306,9 @@ def test_decode_bench_timeline_flag(tmp_path, monkeypatch):
     assert [("timeline" in r) for r in runs] == [False] * 4 + [True] + [False] * 3
     assert runs[4]["timeline"]["span_us"] == 198
     assert (tmp_path / "t-timeline.png").stat().st_size > 1000
+    for bad in ("2:2", "3", "a:4"):
+        with pytest.raises(SystemExit):
+            decode.main(["--preset", "tiny", "--timeline", "--timeline-layers", bad])
 
 
 @pytest.mark.parametrize("flag, field", [("--l2-prefetch", "l2_prefetch"), ("--engine-moe", "engine_moe")])
