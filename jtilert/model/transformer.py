@@ -530,7 +530,8 @@ def decode_weights(model: Transformer, merge: bool = True, tp: int = 1, backend:
         bytes of a GEMV on each MoE layer's chain.
     With the norms fused into those GEMVs (`rmsnorm_linear`), the same values the step would compute;
     the other weights are shared with `model`, not copied, and `model` is untouched. Idempotent for
-    one tp. `merge=False`: without the merged GEMVs and the FFN norms moved (for comparisons)."""
+    one tp. `merge=False`: without the merged GEMVs, the FFN norms moved and the router in bf16 (for
+    comparisons)."""
     attn = model.layers.self_attn
     if attn.qr_proj is not None and attn.qr_proj.ranks != tp:
         raise ValueError(f"this decode model's merged q_b | wq_b is laid out for tp={attn.qr_proj.ranks}, "
