@@ -194,19 +194,8 @@ def test_the_iw_partials_patch_applies_and_its_checks_pass(tmp_path):
     split-K partials as it reads them, no XLA reduce between the two) still applies, and its checks pass
     in the patched copy: index_prep against the reference with 1 to 28 partials (interpret mode) and the
     layer bodies' lower glue budget."""
-    import os
-    import pathlib
-    import shutil
-    import subprocess
-    import sys
-    root = pathlib.Path(__file__).resolve().parents[1]
-    shutil.copytree(root / "jtilert", tmp_path / "jtilert", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copytree(root / "tests", tmp_path / "tests", ignore=shutil.ignore_patterns("__pycache__", "golden"))
-    r = subprocess.run(["patch", "-s", "-p1", "-i", str(root / "bench" / "experiments" / "iw_partials.patch")],
-                       cwd=tmp_path, capture_output=True, text=True)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "MAX_SPLITS" in (tmp_path / "jtilert" / "pallas" / "index_prep.py").read_text()
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_pallas_index_prep.py",
-                        "tests/test_ops_table.py", "-k", "matches_reference or layer_glue_stays_within_budget"],
-                       cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    from experiment_patch import run_patched   # tests/experiment_patch.py (tests/ is on sys.path)
+    r = run_patched(tmp_path, "iw_partials.patch", ["tests/test_pallas_index_prep.py", "tests/test_ops_table.py",
+                                                    "-k", "matches_reference or layer_glue_stays_within_budget"])
+    assert "MAX_SPLITS" in (tmp_path / "jtilert/pallas/index_prep.py").read_text()
     assert r.returncode == 0 and "7 passed" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]

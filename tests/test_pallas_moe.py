@@ -250,19 +250,8 @@ def test_the_shared_selection_patch_applies_and_its_checks_pass(tmp_path):
     routed experts' two kernels as each token's last selection, op moe_with_shared) still applies to
     the kernels, and its checks pass in the patched copy: both kernels with the shared expert against
     the references (interpret mode, lowered for CUDA) and the MoE layer bodies' lower launch budget."""
-    import os
-    import pathlib
-    import shutil
-    import subprocess
-    import sys
-    root = pathlib.Path(__file__).resolve().parents[1]
-    shutil.copytree(root / "jtilert", tmp_path / "jtilert", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copytree(root / "tests", tmp_path / "tests", ignore=shutil.ignore_patterns("__pycache__", "golden"))
-    r = subprocess.run(["patch", "-s", "-p1", "-i", str(root / "bench" / "experiments" / "shared_selection.patch")],
-                       cwd=tmp_path, capture_output=True, text=True)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "moe_with_shared" in (tmp_path / "jtilert" / "ops" / "table.py").read_text()
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_pallas_moe.py",
-                        "tests/test_ops_table.py", "-k", "shared_expert or layer_glue_stays_within_budget"],
-                       cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    from experiment_patch import run_patched   # tests/experiment_patch.py (tests/ is on sys.path)
+    r = run_patched(tmp_path, "shared_selection.patch", ["tests/test_pallas_moe.py", "tests/test_ops_table.py",
+                                                         "-k", "shared_expert or layer_glue_stays_within_budget"])
+    assert "moe_with_shared" in (tmp_path / "jtilert/ops/table.py").read_text()
     assert r.returncode == 0 and "6 passed" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
