@@ -298,7 +298,8 @@ def test_decode_bench_timeline_flag(tmp_path, monkeypatch):
     monkeypatch.setattr(decode, "bench_backend", fake_backend)
     out = tmp_path / "t.json"
     decode.main(["--preset", "tiny", "--layers", "2", "--fmt", "fp8", "--context", "40", "--steps", "2", "--samples", "2",
-                 "--backend", "reference,pallas", "--all-reduce", "psum,engine", "--mtp", "--timeline", "--timeline-layers", "0:2", "--out", str(out)])
+                 "--backend", "reference,pallas", "--all-reduce", "psum,engine", "--mtp", "--timeline",
+                 "--timeline-layers", "0:2", "--out", str(out)])
     assert calls == [("reference", False, False), ("reference", True, False), ("reference", False, False),
                      ("reference", True, False), ("pallas", False, True), ("pallas", True, False),
                      ("pallas", False, False), ("pallas", True, False)]
