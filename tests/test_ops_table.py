@@ -28,6 +28,10 @@ class Recording(Ops):
         self.chosen.setdefault(name, set()).add(use)
         return use
 
+    def _run_kernel(self, name, op, args, layer):   # also where a method decided without _use_kernel
+        self.chosen.setdefault(name, set()).add(True)
+        return super()._run_kernel(name, op, args, layer)
+
 
 def _decisions(name: str, layers: int, tokens: int, mtp: bool) -> dict[str, set[bool]]:
     ops = Recording(DecodeConfig(backend="pallas"))

@@ -285,3 +285,27 @@ def test_sparse_mla_heads_linear_refuses_what_it_cannot_merge():
     assert "65 splits" in smla.heads_linear_unsupported(16, 512, 64, 64 * 65, False, 128, BF16)
     assert smla.heads_linear_unsupported(16, 512, 64, 64 * 64, False, 128, BF16) is None
     assert smla.heads_linear_unsupported(16, 512, 64, 2048, False, 128, BF16) is None
+
+
+def test_ops_asks_the_merged_ops_condition_once(monkeypatch):
+    """`Ops.sparse_mla_heads_linear` decides between the merged op and the two ops by the merged op's
+    condition, then runs its kernel without asking the table again."""
+    import dataclasses
+
+    from jtilert.ops import table
+
+    asked = []
+    op = table.OPS["sparse_mla_heads_linear"]
+    monkeypatch.setitem(table.OPS, "sparse_mla_heads_linear",
+                        dataclasses.replace(op, unsupported=lambda *a: asked.append(a) or None))
+    ran = []
+    monkeypatch.setattr(table, "_kernel", lambda path: lambda *a, **k: ran.append(path) or "out")
+    ops = table.Ops(table.DecodeConfig(backend="pallas", engine_topk=False))
+    T, H, L, R, S, K, N = 1, 16, 512, 64, 256, 128, 128
+    sds = jax.ShapeDtypeStruct
+    args = (sds((T, H, L), BF16), sds((T, H, R), BF16), sds((2, S, L), BF16), sds((2, S, R), BF16),
+            sds((T, K), jnp.int32), 0.1, BF16)
+    w_uv = (sds((2, H, N, L), jnp.float8_e4m3fn), sds((2, H, 1, L // 128), jnp.float32), 128)
+    assert ops.sparse_mla_heads_linear(*args, w_uv, jnp.int32(1), True) == "out"
+    assert ran == [op.kernel] and len(asked) == 1
+    assert asked[0][2].shape == (S, L)   # asked about one layer of the stacks

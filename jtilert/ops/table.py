@@ -388,11 +388,21 @@ class Ops:
         """Run op `name` on one layer (`layer` given: the stacked arguments of OPS[name] carry it)."""
         op = OPS[name]
         if self._use_kernel(name, op, args if layer is None else _per_layer(op, args)):
-            kw = {} if layer is None or not op.stacked else {"layer": _layer_index(layer)}
-            try:
-                return _kernel(op.kernel)(*args, **kw)
-            except ValueError as e:   # the kernel's own checks refuse these shapes (a model too small
-                _refused(name, args, e)   # for its tiles, say): the reference, with a warning
+            return self._run_kernel(name, op, args, layer)
+        return self._run_reference(op, args, layer)
+
+    def _run_kernel(self, name: str, op: Op, args, layer):
+        """The kernel of `op`, whose table condition has said it applies; where the kernel's own checks
+        refuse the shapes (a model too small for its tiles, say), the reference, with a warning."""
+        kw = {} if layer is None or not op.stacked else {"layer": _layer_index(layer)}
+        try:
+            return _kernel(op.kernel)(*args, **kw)
+        except ValueError as e:
+            _refused(name, args, e)
+        return self._run_reference(op, args, layer)
+
+    @staticmethod
+    def _run_reference(op: Op, args, layer):
         if op.in_place:
             return op.reference(*args, layer=layer)
         if layer is not None:
@@ -499,7 +509,7 @@ class Ops:
         op = OPS["sparse_mla_heads_linear"]
         if (self._kernels and w_stacked and _tokens(q_lat) <= sparse_mla.MAX_TOKENS
                 and op.unsupported(*_per_layer(op, args)) is None):
-            return self("sparse_mla_heads_linear", *args, layer=layer)
+            return self._run_kernel("sparse_mla_heads_linear", op, args, layer)
         o_lat = self("sparse_mla", q_lat, q_pe, kv_cache, pe_cache, idx, scale, out_dtype, layer=layer)
         return self("heads_linear", o_lat, *w_uv, layer=layer if w_stacked else None)
 

@@ -229,6 +229,12 @@ def projection_scratch(cfg: GemvConfig, *, k: int, p: int, itemsize: int, tb: in
     return scratch
 
 
+def splits_slice_fits(kc: int) -> bool:
+    """Whether a K slice of kc columns can be built from sparse MLA's split partials (`splits=`): whole
+    128-column blocks of x, the partials copied in boxes of at most 256 columns (`_split_chunk`)."""
+    return kc % QBLOCK == 0 and (kc <= 256 or kc % 256 == 0)
+
+
 def _split_chunk(kc: int) -> int:
     """Columns per TMA copy of a head's split partials: at most 256 (TMA's widest box dimension)."""
     return 256 if kc % 256 == 0 else kc
@@ -447,8 +453,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
     if fp8 and cfg.engine in ("fma", "fp8x2") and scale_block != QBLOCK:
         raise ValueError(f"GEMV kernel: the {cfg.engine} engine takes 128-blocks of scales only")
     bn, bk, split, stages = cfg.block_n, cfg.block_k, cfg.split_k, cfg.stages
-    if splits is not None and (cfg.engine == "fma" or scale_block != QBLOCK or (k // split) % QBLOCK
-                               or (k // split > 256 and (k // split) % 256)):
+    if splits is not None and (cfg.engine == "fma" or scale_block != QBLOCK or not splits_slice_fits(k // split)):
         raise ValueError(f"GEMV splits input: the wgmma engines, 128-blocks of scales and K slices of whole "
                          f"128-column blocks (at most 256 or a multiple of it); got engine {cfg.engine}, "
                          f"{scale_block}-blocks, K={k}, split_k={split}")

@@ -506,7 +506,7 @@ def heads_linear_unsupported(heads: int, L: int, R: int, K: int, fp8: bool, bloc
         return f"the attention's output in {jnp.dtype(out_dtype).name} (the kernel rounds it to bf16)"
     if block != 128:
         return f"W_uv's {block}-blocks of scales (the merged input is built in 128-column blocks)"
-    if L % 128 or (L > 256 and L % 256):
+    if not gemv.splits_slice_fits(L):
         return f"kv_lora_rank={L}: a multiple of 128 (of 256 above 256)"
     why = unsupported(heads, L, R, None, config)
     if why is None:
