@@ -309,3 +309,15 @@ def test_ops_asks_the_merged_ops_condition_once(monkeypatch):
     assert ops.sparse_mla_heads_linear(*args, w_uv, jnp.int32(1), True) == "out"
     assert ran == [op.kernel] and len(asked) == 1
     assert asked[0][2].shape == (S, L)   # asked about one layer of the stacks
+
+
+def test_the_bk32_patch_applies_and_its_checks_pass(tmp_path):
+    """bench/experiments/sparse_mla_bk32.patch (not yet measured on a GPU: bf16 caches gathered 32 rows a
+    CTA by default, so twice the CTAs and W_uv's kernel merges 64 splits at 2048 selected rows) still
+    applies, and its checks pass in the patched copy: the merge of 64 splits, the refusals, both
+    kernels against the references and in the decode layer (interpret mode)."""
+    from experiment_patch import run_patched   # tests/experiment_patch.py (tests/ is on sys.path)
+    r = run_patched(tmp_path, "sparse_mla_bk32.patch", ["tests/test_pallas_sparse_mla.py", "-k",
+                                                        "merges or refuses or heads_linear_matches or pallas_equals"])
+    assert "_default_block_k" in (tmp_path / "jtilert/pallas/sparse_mla.py").read_text()
+    assert r.returncode == 0 and "8 passed" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
