@@ -107,7 +107,8 @@
 #   callcost     the 61-layer step loop (5 steps per call) under XLA's command-buffer update mode SKIP_TEMP and its
 #                exclusive-lock option (CALLCOST: the flag sets; "" for the default)
 #   compilevariants  the 61-layer pallas step's first compile, cold, by stage, under XLA's default autotuning, with
-#                autotuning off, two layers per loop iteration, ptxas as a library (COMPILE_VARIANTS picks)
+#                autotuning off, two layers per loop iteration, ptxas as a library, without the kernels'
+#                background compile (noprecompile; default2 / noprecompile2: a second run of each) (COMPILE_VARIANTS picks)
 #   loops        the 61-layer pallas step under each layer-loop form of LOOPS (default four and eight layers per
 #                iteration), one process
 #   compileprofile  the same first compile with XLA's stage under JAX's profiler (host events by name)
@@ -187,14 +188,16 @@ for part in "$@"; do
     compilevariants)  # the first compile, cold (a cache folder of its own each), under COMPILE_VARIANTS
       # (default "default autotune0 loop2"): its stages in each run's compile_stages
       for v in ${COMPILE_VARIANTS:-default autotune0 loop2}; do
+        pc=1   # the kernels compiled in the background as they are lowered (lowering_cache.precompile)
         case $v in
-          default) f="" ; a="" ;;
+          default|default2) f="" ; a="" ;;
           autotune0) f="--xla_gpu_autotune_level=0" ; a="" ;;
           nvptxlib) f="--xla_gpu_enable_libnvptxcompiler=true" ; a="" ;;   # ptxas as a library, not a process per module
           loop2) f="" ; a="--layer-loop loop/2" ;;
+          noprecompile|noprecompile2) f="" ; a="" ; pc=0 ;;   # the kernels compiled inside XLA's compile
         esac
-        XLA_FLAGS="$XLA_FLAGS $f" JTILERT_COMPILATION_CACHE=$WORK/xla_cache_$v step "compile_$v" 300 $DEC --layers 61 \
-          --backend pallas --steps 5 --samples 2 $a --out "$WORK/compile_$v.json"
+        XLA_FLAGS="$XLA_FLAGS $f" JTILERT_COMPILATION_CACHE=$WORK/xla_cache_$v JTILERT_KERNEL_PRECOMPILE=$pc \
+          step "compile_$v" 300 $DEC --layers 61 --backend pallas --steps 5 --samples 2 $a --out "$WORK/compile_$v.json"
       done ;;
     loops)  # the step under each layer-loop form of LOOPS (default "loop,loop/8": four and eight layers per
       # iteration), one process, kernel profiles

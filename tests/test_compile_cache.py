@@ -149,6 +149,10 @@ def test_every_part_of_the_key_misses_when_it_changes(monkeypatch, tmp_path):
         key(("step", "cfg"), (0,), ([ARGS[0]], ARGS[1])),                         # the tree
         key(("step", "cfg"), (0,), ARGS, ("cuda",)),                              # the platform
     ]
+    for name in ("JTILERT_LOWERING_WORKERS", "JTILERT_KERNEL_PRECOMPILE"):   # how the kernels are made, not what
+        monkeypatch.setenv(name, "0")
+        assert key(("step", "cfg"), (0,), ARGS) == base, name
+        monkeypatch.delenv(name)
     monkeypatch.setenv("JTILERT_FFI_DISABLE", "1")
     changed.append(key(("step", "cfg"), (0,), ARGS))                             # an engine switch
     monkeypatch.delenv("JTILERT_FFI_DISABLE")

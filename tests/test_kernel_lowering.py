@@ -85,6 +85,91 @@ def test_kernels_lowered_by_workers_are_the_kernels_jax_lowers():
     assert _kernel_code(parallel) == _kernel_code(plain)
 
 
+_HASH = re.compile(r'kernel_hash = "((?:[^"\\]|\\.)*)"')
+
+
+def _kernel_hashes(text: str) -> set[str]:
+    """The hashes by which jaxlib keeps the compiled Mosaic modules of a lowered program."""
+    return set(_HASH.findall(text))
+
+
+def _handed_kernels(monkeypatch) -> list:
+    """What `prelower(..., compile=True)` hands to the background compile, recorded instead."""
+    handed = []
+    monkeypatch.setattr(lowering_cache, "precompile", lambda kernels: handed.extend(kernels) or 0)
+    return handed
+
+
+def test_each_kernels_own_program_holds_the_module_the_step_compiles(monkeypatch):
+    """`prelower` hands every kernel of a step to the background compile once its lowering is kept,
+    and the one-kernel program the background compiles (`kernel_program`) carries the same module,
+    by the hash under which jaxlib keeps compiled kernels, as the step: so the step's compile finds
+    each kernel compiled. The decode step's kernels (stacked weights, a traced layer index, caches
+    written in place)."""
+    step, state, cache = decode_step("dsv32-tp8-shard", 4, Ops(DecodeConfig(backend="pallas")))
+    handed = _handed_kernels(monkeypatch)
+    lowering_cache.clear()
+    with interp.compile_for_gpu():
+        traced = jax.jit(step).trace(state, cache)
+        lowering_cache.prelower(traced.jaxpr, workers=2, compile=True)
+        step_hashes = _kernel_hashes(traced.lower(lowering_platforms=("cuda",)).as_text())
+        kernels = {k.key: k for k in handed}
+        assert all(key in lowering_cache._cache for key in kernels)
+        own = set()
+        for k in kernels.values():
+            fn, args = lowering_cache.kernel_program(k)
+            own |= _kernel_hashes(jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text())
+    assert len(step_hashes) >= 12 and own == step_hashes
+
+
+def test_the_background_compile_takes_each_kept_kernel_once(monkeypatch):
+    """`precompile` hands a kernel to the background once per process, and only one whose lowering is
+    kept (the others are lowered, then compiled, by the program's own compile); on the CPU backend,
+    and with JTILERT_KERNEL_PRECOMPILE=0, `prelower` starts none."""
+    S = jax.ShapeDtypeStruct
+    x, w1, w2 = S((1, 256), jnp.bfloat16), S((64, 256), jnp.bfloat16), S((128, 256), jnp.bfloat16)
+    kernel = jax.jit(gemv.linear)
+    compiled = []
+    monkeypatch.setattr(lowering_cache, "_compile_kernel", lambda k: compiled.append(k.in_shapes[1].shape))
+    lowering_cache.clear()
+    with interp.compile_for_gpu():
+        traced = jax.jit(lambda x, a, b: (kernel(x, a), kernel(x, b))).trace(x, w1, w2)
+        kernels = list(lowering_cache._kernels(traced.jaxpr.jaxpr))
+        assert lowering_cache.precompile(kernels) == 0            # nothing kept yet
+        assert lowering_cache.prelower(traced.jaxpr, workers=2, compile=False) == 2
+        assert lowering_cache.precompile(kernels + kernels) == 2 and lowering_cache.precompile(kernels) == 0
+    lowering_cache.background_idle()
+    assert sorted(compiled) == [(64, 256), (128, 256)]
+    assert not lowering_cache.precompile_enabled()               # the CPU backend
+    monkeypatch.setattr(lowering_cache.jax, "default_backend", lambda: "gpu")
+    assert lowering_cache.precompile_enabled()
+    monkeypatch.setenv("JTILERT_KERNEL_PRECOMPILE", "0")
+    assert not lowering_cache.precompile_enabled()
+
+
+def test_no_worker_is_forked_while_a_background_compile_runs(monkeypatch):
+    """A forked worker inherits the locks a background compile holds at the fork: `prelower` waits for
+    the compiles it handed before (another program's kernels) before it forks, and hands the new
+    kernels only after."""
+    S = jax.ShapeDtypeStruct
+    kernel = jax.jit(gemv.linear)
+    events = []
+    monkeypatch.setattr(lowering_cache, "background_idle", lambda: events.append("idle"))
+    monkeypatch.setattr(lowering_cache, "precompile", lambda kernels: events.append(len(list(kernels))) or 0)
+    real_pool = lowering_cache.concurrent.futures.ProcessPoolExecutor
+
+    def pool(*a, **k):
+        events.append("fork")
+        return real_pool(*a, **k)
+    monkeypatch.setattr(lowering_cache.concurrent.futures, "ProcessPoolExecutor", pool)
+    lowering_cache.clear()
+    with interp.compile_for_gpu():
+        x, w1, w2 = S((1, 256), jnp.bfloat16), S((64, 256), jnp.bfloat16), S((192, 256), jnp.bfloat16)
+        traced = jax.jit(lambda x, a, b: (kernel(x, a), kernel(x, b))).trace(x, w1, w2)
+        assert lowering_cache.prelower(traced.jaxpr, workers=2, compile=True) == 2
+    assert events[:2] == ["idle", "fork"] and events[2:] == [2, 1, 1]   # the kept ones (none new), then each
+
+
 def test_a_kernel_a_worker_cannot_lower_is_lowered_by_jax(monkeypatch):
     """A worker's failure is not an error of its own: that kernel is lowered where jax lowers the
     program (so a real lowering error is raised there, with jax's context)."""
@@ -127,9 +212,10 @@ def test_workers_that_cannot_start_leave_the_kernels_to_jax(monkeypatch):
     assert lowering_cache.lowerings - before == 2
 
 
-def test_kernels_inside_shard_map_are_lowered_by_the_workers():
+def test_kernels_inside_shard_map_are_lowered_by_the_workers(monkeypatch):
     """Under tp > 1 the kernels run inside shard_map, where jax lowers them with the mesh: the workers
-    lower them with the same mesh and axes, and jax finds them all."""
+    lower them with the same mesh and axes, and jax finds them all; each kernel's own program (the
+    background compile's) calls it in a shard_map on that mesh and holds the same module."""
     from jax.sharding import NamedSharding, PartitionSpec as P
     mesh = jax.make_mesh((2,), ("tp",))
     kernel = jax.jit(gemv.linear)
@@ -140,12 +226,17 @@ def test_kernels_inside_shard_map_are_lowered_by_the_workers():
             S((128, 256), jnp.bfloat16, sharding=NamedSharding(mesh, P("tp"))),
             S((256, 256), jnp.bfloat16, sharding=NamedSharding(mesh, P("tp"))))
     lowering_cache.clear()
+    handed = _handed_kernels(monkeypatch)
     with interp.compile_for_gpu():
         traced = jax.jit(f).trace(*args)
-        assert lowering_cache.prelower(traced.jaxpr, workers=2) == 2
+        assert lowering_cache.prelower(traced.jaxpr, workers=2, compile=True) == 2
         before = lowering_cache.lowerings
-        traced.lower(lowering_platforms=("cuda",))
-    assert lowering_cache.lowerings == before
+        step_hashes = _kernel_hashes(traced.lower(lowering_platforms=("cuda",)).as_text())
+        own = set()   # each kernel's own program (the background compile's): in shard_map on the mesh too
+        for k in {k.key: k for k in handed}.values():
+            fn, a = lowering_cache.kernel_program(k)
+            own |= _kernel_hashes(jax.jit(fn).trace(*a).lower(lowering_platforms=("cuda",)).as_text())
+    assert lowering_cache.lowerings == before and len(step_hashes) == 2 and own == step_hashes
 
 
 def test_the_combine_probe_runs_in_interpret_mode_and_lowers_for_cuda():

@@ -14,6 +14,13 @@ module anyway, so the kernel's code is the same. `lowerings` counts the kernels 
 independent, so forked worker processes lower them side by side (the parent's traced kernel bodies
 are in their memory; each sends back its module's bytecode). A worker that fails or does not answer
 leaves its kernel to the plain lowering that follows, which raises its error where it belongs.
+
+On a GPU, `prelower` also starts each lowered kernel's compile (`precompile`): jaxlib compiles a Mosaic
+module (MLIR → PTX → cubin) where XLA instantiates the program's custom call, one module at a time
+under a process-wide lock, and keeps it for the process by the module's hash. Inside the program's
+compile those seconds come after its lowering and XLA's passes; a background thread that compiles a
+program of each kernel alone starts them as soon as the kernel is lowered, so they overlap the
+program's lowering and XLA's own work, and the program's compile finds its kernels compiled.
 """
 
 from __future__ import annotations
@@ -27,8 +34,12 @@ import math
 import multiprocessing
 import os
 import threading
+import time
 import warnings
 
+import jax
+
+from jax._src import config as _jax_config
 from jax._src import core as _core
 from jax._src import shard_map as _shard_map
 from jax._src.interpreters import mlir
@@ -87,9 +98,10 @@ def install() -> None:
 
 
 def clear() -> None:
-    """Forget the kept kernels (tests)."""
+    """Forget the kept kernels and which were handed to the background compile (tests)."""
     with _lock:
         _cache.clear()
+        _handed.clear()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +115,7 @@ class _Kernel:
     params: object
     shard_map: tuple | None   # (mesh, newly manual axes) of an enclosing shard_map
     traceback: object         # the call's, which the kernel's source locations start from
+    eqn: object = dataclasses.field(compare=False)   # the call itself (`kernel_program` binds it again)
 
     @property
     def jax_mesh(self):
@@ -122,7 +135,7 @@ def _kernels(jaxpr, shard_map=None):
             params = p["compiler_params"] if p["compiler_params"] is not None else _gpu_core.CompilerParams()
             if not params.profile_space:   # a profiled kernel is lowered (and dumps) in every program
                 yield _Kernel(p["meshes"][0], tuple(p["meshes"]), p["jaxprs"][0], tuple(v.aval for v in e.invars),
-                              tuple(v.aval for v in e.outvars), params, shard_map, e.source_info.traceback)
+                              tuple(v.aval for v in e.outvars), params, shard_map, e.source_info.traceback, e)
             continue
         inner = (p["mesh"], p["newly_manual_axes"]) if e.primitive.name == "shard_map" else shard_map
         for v in p.values():
@@ -159,25 +172,114 @@ def default_workers() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def prelower(jaxpr, workers: int | None = None) -> int:
+# ---- the kernels' Mosaic compile, started early (module docstring) -------------------------------
+
+precompiled = 0      # kernel programs compiled in the background in this process
+precompile_s = 0.0   # their seconds, summed
+_handed: set = set()   # keys of the kernels handed to the background
+_submitted: list = []   # their futures, until `background_idle` has waited for them
+_background = None
+
+
+def precompile_enabled() -> bool:
+    """Whether `prelower` starts the kernels' compile: on a GPU backend, unless JTILERT_KERNEL_PRECOMPILE
+    is 0 / off (a debugging override: the kernels then compile inside the program's compile)."""
+    if os.environ.get("JTILERT_KERNEL_PRECOMPILE", "1").strip().lower() in ("0", "off", "no", "false"):
+        return False
+    return jax.default_backend() == "gpu"
+
+
+def kernel_program(k: _Kernel):
+    """(a function that calls kernel `k` alone, the shapes of its arguments): jitted and lowered, its
+    program holds `k`'s Mosaic module as the program that called `k` does (the same lowering, from
+    this cache), so compiling it compiles `k`. A kernel inside shard_map is called inside one on the
+    same mesh and axes, its operands replicated (each device's shapes are the kernel's)."""
+    e = k.eqn
+    arrays = [v for v in e.invars if not isinstance(v, _core.Literal)]
+
+    def call(*args):
+        it = iter(args)
+        ins = [v.val if isinstance(v, _core.Literal) else next(it) for v in e.invars]
+        out = e.primitive.bind(*ins, **e.primitive.get_bind_params(e.params))
+        return tuple(out) if e.primitive.multiple_results else (out,)
+
+    if k.shard_map is None:
+        return call, [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in arrays]
+    mesh, axes = k.shard_map
+    rep = jax.sharding.PartitionSpec()
+    mapped = jax.shard_map(call, mesh=mesh, in_specs=(rep,) * len(arrays), out_specs=(rep,) * len(e.outvars),
+                           axis_names=set(axes), check_vma=False)
+    sharding = jax.sharding.NamedSharding(mesh, rep)
+    return mapped, [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=sharding) for v in arrays]
+
+
+def _compile_kernel(k: _Kernel) -> None:
+    """In the background: compile `kernel_program(k)` (not stored in JAX's persistent cache: the
+    program that calls `k` is). Nothing once the process is exiting; an error is left to the
+    program's own compile, which raises it in context."""
+    global precompiled, precompile_s
+    if not threading.main_thread().is_alive():
+        return
+    t = time.perf_counter()
+    try:
+        fn, args = kernel_program(k)
+        with _jax_config.persistent_cache_min_compile_time_secs(float("inf")):
+            jax.jit(fn).lower(*args).compile()
+    except Exception:  # noqa: BLE001 - see the docstring
+        return
+    with _lock:
+        precompiled += 1
+        precompile_s += time.perf_counter() - t
+
+
+def precompile(kernels) -> int:
+    """Hand the kernels (`_Kernel`s whose lowering this cache keeps) not handed yet to the background
+    compile (two threads: one's XLA work overlaps the other's Mosaic compile, which jaxlib runs one
+    at a time); the number handed."""
+    global _background
+    fresh = []
+    with _lock:
+        for k in kernels:
+            if k.key is not None and k.key in _cache and k.key not in _handed:
+                _handed.add(k.key)
+                fresh.append(k)
+        if fresh and _background is None:
+            _background = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="jtilert-precompile")
+    for k in fresh:
+        _submitted.append(_background.submit(_compile_kernel, k))
+    return len(fresh)
+
+
+def background_idle() -> None:
+    """Wait for the background compiles handed so far."""
+    concurrent.futures.wait(_submitted)
+    _submitted.clear()
+
+
+def prelower(jaxpr, workers: int | None = None, compile: bool | None = None) -> int:
     """Lower the Mosaic-GPU kernels of a traced program (the closed jaxpr of `jax.jit(f).trace(...)`)
     that are not kept yet, in `workers` forked processes at once, into the cache that jax's lowering
     of the program then reads; returns the number lowered. A kernel that writes a `jax.new_ref` in
     place is taken from the program's discharged form, which is what jax lowers. Fork, not spawn: a
     worker needs the traced kernel bodies, which only this process holds; it runs Mosaic's Python
-    lowering and nothing of XLA's runtime."""
+    lowering and nothing of XLA's runtime. `compile` (default `precompile_enabled()`): hand each kernel
+    whose lowering is kept to the background compile as soon as it is (`precompile`)."""
     global lowerings, prelowered
     workers = default_workers() if workers is None else workers
+    compile = precompile_enabled() if compile is None else compile
     install()
     if any(isinstance(e, _core.InternalMutableArrayEffect) for e in jaxpr.effects):
         jaxpr = _pxla._discharge_internal_refs(jaxpr)   # what jax lowers (a cached rewrite: the same objects)
-    todo: dict = {}   # key → the first call of each kernel not kept yet
+    calls: dict = {}   # key → the first call of each kernel
     for k in _kernels(jaxpr.jaxpr):
-        key = k.key
-        if key is not None and key not in _cache:
-            todo.setdefault(key, k)
+        if k.key is not None:
+            calls.setdefault(k.key, k)
+    todo = {key: k for key, k in calls.items() if key not in _cache}
+    hand = precompile if compile else (lambda kernels: 0)
     if workers < 2 or len(todo) < 2 or not hasattr(os, "fork"):
+        hand(calls.values())
         return 0
+    background_idle()   # no fork while a background compile may hold a lock the workers would inherit
     keys, _pending[:] = list(todo), list(todo.values())
     procs = min(workers, len(todo))
     done = 0
@@ -187,7 +289,8 @@ def prelower(jaxpr, workers: int | None = None) -> int:
             warnings.simplefilter("ignore", RuntimeWarning)
             warnings.simplefilter("ignore", DeprecationWarning)
             pool = concurrent.futures.ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("fork"))
-            futures = [pool.submit(_lower_pending, i) for i in range(len(keys))]
+            futures = [pool.submit(_lower_pending, i) for i in range(len(keys))]   # a fork pool forks here
+        hand(calls.values())   # those kept already
         rounds = math.ceil(len(keys) / procs)
         for f in concurrent.futures.as_completed(futures, timeout=KERNEL_TIMEOUT_S * rounds):
             try:
@@ -199,6 +302,7 @@ def prelower(jaxpr, workers: int | None = None) -> int:
                 lowerings += 1
                 prelowered += 1
             done += 1
+            hand([_pending[i]])
     except (concurrent.futures.TimeoutError, concurrent.futures.process.BrokenProcessPool, OSError) as e:
         warnings.warn(f"jtilert: parallel kernel lowering stopped ({type(e).__name__}); the remaining "
                       f"{len(todo) - done} kernels are lowered one after another", RuntimeWarning, stacklevel=2)

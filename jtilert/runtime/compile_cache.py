@@ -96,12 +96,16 @@ def source_digest(root: Path) -> str:
     return h.hexdigest()
 
 
+_NOT_KEYED = ("JTILERT_COMPILATION_CACHE", "JTILERT_PROGRAM_CACHE", "JTILERT_LOWERING_WORKERS",
+              "JTILERT_KERNEL_PRECOMPILE")
+
+
 def _settings() -> tuple:
     """The settings that can change a traced program: jax's config (not its cache or logging
-    options) and jtilert's environment variables (the engine switches; not the cache folders)."""
+    options) and jtilert's environment variables (the engine switches; not the cache folders, nor
+    how the kernels are lowered and compiled)."""
     jax_config = sorted((k, repr(v)) for k, v in jax.config.values.items() if "cache" not in k and "log" not in k)
-    env = sorted((k, v) for k, v in os.environ.items()
-                 if k.startswith("JTILERT_") and k not in ("JTILERT_COMPILATION_CACHE", "JTILERT_PROGRAM_CACHE"))
+    env = sorted((k, v) for k, v in os.environ.items() if k.startswith("JTILERT_") and k not in _NOT_KEYED)
     return tuple(jax_config), tuple(env)
 
 
