@@ -311,6 +311,7 @@ def test_ops_asks_the_merged_ops_condition_once(monkeypatch):
     assert asked[0][2].shape == (S, L)   # asked about one layer of the stacks
 
 
+@pytest.mark.skipif(__import__("shutil").which("patch") is None, reason="patch not found")
 def test_the_bk32_patch_applies_and_its_checks_pass(tmp_path):
     """bench/experiments/sparse_mla_bk32.patch (not yet measured on a GPU: bf16 caches gathered 32 rows a
     CTA by default, so twice the CTAs and W_uv's kernel merges 64 splits at 2048 selected rows) still
