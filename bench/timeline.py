@@ -42,6 +42,7 @@ from __future__ import annotations
 import bisect
 import gzip
 import json
+import math
 import os
 import pathlib
 import statistics
@@ -80,10 +81,27 @@ def thread_names(trace) -> dict:
             if e.get("ph") == "M" and e.get("name") == "thread_name"}
 
 
+def launch_details(details) -> dict:
+    """A kernel record's `kernel_details` ("regs:168 static_shared:0 dynamic_shared:111672 grid:35,4,1
+    block:128,1,1 ...") as {key: int, or a tuple of ints for grid and block}; {} where there is none.
+    What decides how many CTAs an SM holds: registers a thread × threads a CTA, shared memory a CTA."""
+    out = {}
+    for item in str(details or "").split():
+        key, _, value = item.partition(":")
+        try:
+            nums = tuple(float(v) if "." in v else int(v) for v in value.split(","))
+        except ValueError:
+            continue
+        if key and nums:
+            out[key] = nums if len(nums) > 1 else nums[0]
+    return out
+
+
 def kernel_events(trace) -> list[dict]:
     """The GPU records of a trace (loaded JSON or its event list), by start: {name, kind ("kernel",
     "memcpy", "memset"), start_us, dur_us, device (the process name), stream (the line's name), graph
-    (a node of a CUDA graph)}. Host events and GPU records of other kinds are left out."""
+    (a node of a CUDA graph), launch (`launch_details`)}. Host events and GPU records of other kinds are
+    left out."""
     events = _events(trace)
     procs, threads = process_names(events), thread_names(events)
     gpus = {pid for pid, name in procs.items() if name.startswith(GPU_PROCESS)}
@@ -98,7 +116,7 @@ def kernel_events(trace) -> list[dict]:
         out.append({"name": e.get("name", ""), "kind": kind, "start_us": float(e["ts"]),
                     "dur_us": float(e.get("dur", 0.0)), "device": procs[e["pid"]],
                     "stream": threads.get((e["pid"], e.get("tid")), str(e.get("tid"))),
-                    "graph": "cuda_graph_node_id" in args})
+                    "graph": "cuda_graph_node_id" in args, "launch": launch_details(args.get("kernel_details"))})
     out.sort(key=lambda k: (k["start_us"], k["dur_us"]))
     return out
 
@@ -201,7 +219,12 @@ def summary(step_events, detail: tuple[int, int] | None = None, layer_start: str
       idle; else 0), on_chain (`critical_chain`), stream;
     - chain: the chain's record count, its records' summed time (busy_us) and the rest of the span
       (wait_us: between dependent records, launch latency and idle);
-    - idle_gaps: the `top` longest idle gaps; idle_by_kernel: idle time summed by the record after it."""
+    - idle_gaps: the `top` longest idle gaps; idle_by_kernel: idle time summed by the record after it;
+    - launches: per kernel (short name), its launch as CUPTI records it (`launch_details`: grid, block,
+      registers a thread, shared memory) and its CTAs;
+    - slow: per kernel of the detail layers run at least 4 times there, its median duration and each
+      run longer than 1.4 × that + 1 µs (layer, start, duration) with the records that overlapped it
+      (short name, start relative to it, duration): a run that waited for SMs or shared them."""
     ev = sorted(step_events, key=lambda k: (k["start_us"], k["dur_us"]))
     if not ev:
         return {"kernels": 0, "note": "no GPU kernel events in the step"}
@@ -247,6 +270,12 @@ def summary(step_events, detail: tuple[int, int] | None = None, layer_start: str
             g = by_kernel.setdefault(short_name(ev[i]["name"]), [0, 0.0])
             g[0] += 1
             g[1] += idle_before[i]
+    launches = {}
+    for e in ev:
+        if e["kind"] == "kernel" and e.get("launch"):
+            d = e["launch"]
+            grid = d.get("grid", 1)
+            launches.setdefault(short_name(e["name"]), {**d, "ctas": math.prod(grid) if isinstance(grid, tuple) else grid})
     chain_busy = sum(ev[i]["dur_us"] for i in on_chain)
     kinds = [e["kind"] for e in ev]
     spans = [layer["span_us"] for layer in layers]
@@ -267,7 +296,34 @@ def summary(step_events, detail: tuple[int, int] | None = None, layer_start: str
                        "idle_us": _r(idle_before[i])} for i in gaps],
         "idle_by_kernel": [{"kernel": k, "count": c, "idle_us": _r(t)}
                            for k, (c, t) in sorted(by_kernel.items(), key=lambda kv: -kv[1][1])[:top]],
+        "launches": launches,
+        "slow": slow_runs(kernel_list),
     }
+
+
+def slow_runs(kernel_list: list[dict], runs: int = 4, factor: float = 1.4, margin_us: float = 1.0) -> list[dict]:
+    """`summary`'s "slow" from its kernel_list (the detail layers' records): per kernel run at least
+    `runs` times in the layers, the runs longer than factor × its median + margin_us, each with the
+    records that overlapped it; the kernels with slow runs only, the most time lost first."""
+    by_name: dict = {}
+    for k in kernel_list:
+        if isinstance(k["layer"], int):
+            by_name.setdefault(short_name(k["name"]), []).append(k)
+    out = []
+    for name, ks in by_name.items():
+        if len(ks) < runs:
+            continue
+        median = statistics.median(k["dur_us"] for k in ks)
+        slow = [k for k in ks if k["dur_us"] > factor * median + margin_us]
+        if not slow:
+            continue
+        out.append({"kernel": name, "runs": len(ks), "median_us": _r(median),
+                    "lost_us": _r(sum(k["dur_us"] - median for k in slow)),
+                    "slow": [{"layer": k["layer"], "start_us": k["start_us"], "dur_us": k["dur_us"],
+                              "beside": [[short_name(o["name"]), _r(o["start_us"] - k["start_us"]), o["dur_us"]]
+                                         for o in kernel_list if o is not k and o["start_us"] < k["start_us"] + k["dur_us"]
+                                         and o["start_us"] + o["dur_us"] > k["start_us"]]} for k in slow]})
+    return sorted(out, key=lambda r: -r["lost_us"])
 
 
 def _lanes(records, first: int = 0) -> list[int]:

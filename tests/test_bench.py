@@ -207,6 +207,27 @@ def _perfetto_trace() -> dict:
     return {"displayTimeUnit": "ns", "traceEvents": events}
 
 
+def test_timeline_names_slow_runs_and_what_ran_beside_them():
+    """`slow_runs`: a kernel's runs past 1.4 × its median + 1 µs, with the records that overlapped each;
+    kernels with fewer than four runs in the layers, the head's and the tail's records are not judged;
+    `launch_details` reads CUPTI's launch record."""
+    from bench import timeline
+
+    def rec(name, layer, start, dur):
+        return {"name": f"jtilert_{name}_mosaic_gpu_kernel", "layer": layer, "start_us": start, "dur_us": dur}
+    kl = [rec("x_proj", n, 100.0 * n, 10.0) for n in range(5)] + [rec("index_weights", 3, 299.0, 4.0)]
+    kl[3]["dur_us"] = 21.0                                               # layer 3's x_proj, beside the head weights
+    kl += [rec("mla_prep", n, 100.0 * n + 50, 5.0 + 20 * (n == 1)) for n in range(3)]   # three runs: not judged
+    kl += [rec("x_proj", "tail", 900.0, 40.0)]                           # not a layer's
+    (r,) = timeline.slow_runs(kl)
+    assert (r["kernel"], r["runs"], r["median_us"], r["lost_us"]) == ("x_proj", 5, 10.0, 11.0)
+    assert r["slow"] == [{"layer": 3, "start_us": 300.0, "dur_us": 21.0, "beside": [["index_weights", -1.0, 4.0]]}]
+    assert timeline.launch_details("regs:168 static_shared:0 dynamic_shared:111672 grid:35,4,1 block:128,1,1 "
+                                   "occ_pct:12.5") == {"regs": 168, "static_shared": 0, "dynamic_shared": 111672,
+                                                       "grid": (35, 4, 1), "block": (128, 1, 1), "occ_pct": 12.5}
+    assert timeline.launch_details(None) == {} and timeline.launch_details("x") == {}
+
+
 def test_timeline_reads_gpu_records_of_one_step(tmp_path):
     import gzip
     from bench import timeline
@@ -255,6 +276,9 @@ def test_timeline_reads_gpu_records_of_one_step(tmp_path):
     assert s["chain"] == {"records": 11, "busy_us": 159, "wait_us": 39}
     assert [k["name"][:22] for k in s["kernel_list"] if not k["on_chain"]] == [
         "jtilert_index_prep_mos", "void jt::(anonymous na", "loop_convert_fusion"]
+    assert s["launches"]["mla_prep"] == {"regs": 32, "static_shared": 0, "grid": (1, 1, 1), "block": (128, 1, 1),
+                                         "ctas": 1}
+    assert s["slow"] == []   # no kernel runs four times in three layers
     assert s["idle_gaps"][0] == {"before": "lm_head_topk", "layer": "tail", "at_us": 188, "idle_us": 20}
     assert [g["idle_us"] for g in s["idle_gaps"]] == [20, 10, 5, 3, 1]
     assert s["idle_by_kernel"][:2] == [{"kernel": "lm_head_topk", "count": 1, "idle_us": 20},
