@@ -94,7 +94,7 @@ def _kernel_hashes(text: str) -> set[str]:
 
 
 def _handed_kernels(monkeypatch) -> list:
-    """What `prelower(..., compile=True)` hands to the background compile, recorded instead."""
+    """What `prelower(..., background=True)` hands to the background compile, recorded instead."""
     handed = []
     monkeypatch.setattr(lowering_cache, "precompile", lambda kernels: handed.extend(kernels) or 0)
     return handed
@@ -111,7 +111,7 @@ def test_each_kernels_own_program_holds_the_module_the_step_compiles(monkeypatch
     lowering_cache.clear()
     with interp.compile_for_gpu():
         traced = jax.jit(step).trace(state, cache)
-        lowering_cache.prelower(traced.jaxpr, workers=2, compile=True)
+        lowering_cache.prelower(traced.jaxpr, workers=2, background=True)
         step_hashes = _kernel_hashes(traced.lower(lowering_platforms=("cuda",)).as_text())
         kernels = {k.key: k for k in handed}
         assert all(key in lowering_cache._cache for key in kernels)
@@ -136,7 +136,7 @@ def test_the_background_compile_takes_each_kept_kernel_once(monkeypatch):
         traced = jax.jit(lambda x, a, b: (kernel(x, a), kernel(x, b))).trace(x, w1, w2)
         kernels = list(lowering_cache._kernels(traced.jaxpr.jaxpr))
         assert lowering_cache.precompile(kernels) == 0            # nothing kept yet
-        assert lowering_cache.prelower(traced.jaxpr, workers=2, compile=False) == 2
+        assert lowering_cache.prelower(traced.jaxpr, workers=2, background=False) == 2
         assert lowering_cache.precompile(kernels + kernels) == 2 and lowering_cache.precompile(kernels) == 0
     lowering_cache.background_idle()
     assert sorted(compiled) == [(64, 256), (128, 256)]
@@ -166,7 +166,7 @@ def test_no_worker_is_forked_while_a_background_compile_runs(monkeypatch):
     with interp.compile_for_gpu():
         x, w1, w2 = S((1, 256), jnp.bfloat16), S((64, 256), jnp.bfloat16), S((192, 256), jnp.bfloat16)
         traced = jax.jit(lambda x, a, b: (kernel(x, a), kernel(x, b))).trace(x, w1, w2)
-        assert lowering_cache.prelower(traced.jaxpr, workers=2, compile=True) == 2
+        assert lowering_cache.prelower(traced.jaxpr, workers=2, background=True) == 2
     assert events[:2] == ["idle", "fork"] and events[2:] == [2, 1, 1]   # the kept ones (none new), then each
 
 
@@ -229,7 +229,7 @@ def test_kernels_inside_shard_map_are_lowered_by_the_workers(monkeypatch):
     handed = _handed_kernels(monkeypatch)
     with interp.compile_for_gpu():
         traced = jax.jit(f).trace(*args)
-        assert lowering_cache.prelower(traced.jaxpr, workers=2, compile=True) == 2
+        assert lowering_cache.prelower(traced.jaxpr, workers=2, background=True) == 2
         before = lowering_cache.lowerings
         step_hashes = _kernel_hashes(traced.lower(lowering_platforms=("cuda",)).as_text())
         own = set()   # each kernel's own program (the background compile's): in shard_map on the mesh too

@@ -256,17 +256,17 @@ def background_idle() -> None:
     _submitted.clear()
 
 
-def prelower(jaxpr, workers: int | None = None, compile: bool | None = None) -> int:
+def prelower(jaxpr, workers: int | None = None, background: bool | None = None) -> int:
     """Lower the Mosaic-GPU kernels of a traced program (the closed jaxpr of `jax.jit(f).trace(...)`)
     that are not kept yet, in `workers` forked processes at once, into the cache that jax's lowering
     of the program then reads; returns the number lowered. A kernel that writes a `jax.new_ref` in
     place is taken from the program's discharged form, which is what jax lowers. Fork, not spawn: a
     worker needs the traced kernel bodies, which only this process holds; it runs Mosaic's Python
-    lowering and nothing of XLA's runtime. `compile` (default `precompile_enabled()`): hand each kernel
-    whose lowering is kept to the background compile as soon as it is (`precompile`)."""
+    lowering and nothing of XLA's runtime. `background` (default `precompile_enabled()`): hand each
+    kernel whose lowering is kept to the background compile as soon as it is (`precompile`)."""
     global lowerings, prelowered
     workers = default_workers() if workers is None else workers
-    compile = precompile_enabled() if compile is None else compile
+    background = precompile_enabled() if background is None else background
     install()
     if any(isinstance(e, _core.InternalMutableArrayEffect) for e in jaxpr.effects):
         jaxpr = _pxla._discharge_internal_refs(jaxpr)   # what jax lowers (a cached rewrite: the same objects)
@@ -275,7 +275,7 @@ def prelower(jaxpr, workers: int | None = None, compile: bool | None = None) -> 
         if k.key is not None:
             calls.setdefault(k.key, k)
     todo = {key: k for key, k in calls.items() if key not in _cache}
-    hand = precompile if compile else (lambda kernels: 0)
+    hand = precompile if background else (lambda kernels: 0)
     if workers < 2 or len(todo) < 2 or not hasattr(os, "fork"):
         hand(calls.values())
         return 0
