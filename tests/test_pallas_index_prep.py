@@ -208,7 +208,8 @@ def test_the_exclusive_patch_applies_and_its_checks_pass(tmp_path):
     applies, and its checks pass in the patched copy: the shared memory it asks for, the lowering for
     the GPU, index_prep against the reference (interpret mode)."""
     from experiment_patch import run_patched   # tests/experiment_patch.py (tests/ is on sys.path)
-    r = run_patched(tmp_path, "index_prep_exclusive.patch", ["tests/test_pallas_index_prep.py", "-k",
+    r = run_patched(tmp_path, "index_prep_exclusive.patch", ["tests/test_pallas_index_prep_exclusive.py",
+                                                             "tests/test_pallas_index_prep.py", "-k",
                                                              "whole or matches_reference or in_place"])
     assert "EXCLUSIVE_SLACK" in (tmp_path / "jtilert/pallas/index_prep.py").read_text()
     assert r.returncode == 0 and "7 passed" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
