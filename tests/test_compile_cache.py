@@ -117,11 +117,24 @@ def test_a_step_that_is_lowered_has_its_kernels_lowered_first(programs, monkeypa
     lowers the Mosaic kernels side by side: tests/test_kernel_lowering.py); a program read from the
     cache is not lowered, so nothing is."""
     seen = []
-    monkeypatch.setattr(compile_cache.lowering_cache, "prelower", lambda jaxpr, workers=None: seen.append(jaxpr) or 0)
+    monkeypatch.setattr(compile_cache.lowering_cache, "prelower",
+                        lambda jaxpr, workers=None, background=None: seen.append(jaxpr) or 0)
     assert not _compile()[1] and len(seen) == 1 and hasattr(seen[0], "consts")   # a miss: its closed jaxpr
     assert _compile()[1] and len(seen) == 1                                    # a hit
     monkeypatch.setenv("JTILERT_PROGRAM_CACHE", "off")
     assert not _compile()[1] and len(seen) == 2                                # no program cache
+
+
+def test_lower_kernels_passes_on_whether_the_kernels_compile_in_the_background(monkeypatch):
+    """bench.prepare lowers without compiling: it asks `lower_kernels` for no background compile, which
+    goes on to `prelower`; the Generator's compile leaves it to `prelower` (on a GPU: on)."""
+    seen = []
+    monkeypatch.setattr(compile_cache.lowering_cache, "prelower",
+                        lambda jaxpr, workers=None, background=None: seen.append(background) or 0)
+    f = jax.jit(lambda x: x + 1)
+    compile_cache.lower_kernels(f, ARGS[:1], 0, background=False)
+    compile_cache.lower_kernels(f, ARGS[:1], 0)
+    assert seen == [False, None]
 
 
 def test_off_switches(programs, monkeypatch):

@@ -179,11 +179,11 @@ def _write(path: Path, exported: jax.export.Exported) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def lower_kernels(jitted, args: tuple, workers: int | None = None) -> int:
+def lower_kernels(jitted, args: tuple, workers: int | None = None, background: bool | None = None) -> int:
     """Trace `jitted` for `args` (jax keeps the trace for the lowering that follows) and lower its
-    Mosaic-GPU kernels in `workers` parallel processes (`lowering_cache.prelower`); the kernels lowered
-    (none in interpret mode)."""
-    return lowering_cache.prelower(jitted.trace(*args).jaxpr, workers)
+    Mosaic-GPU kernels in `workers` parallel processes (`lowering_cache.prelower`, which with
+    `background` also starts their compile); the kernels lowered (none in interpret mode)."""
+    return lowering_cache.prelower(jitted.trace(*args).jaxpr, workers, background)
 
 
 def export(jitted, args: tuple, platforms: tuple[str, ...] | None = None,
