@@ -3,6 +3,7 @@
 SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
+XLA_VENV := .venv-xla
 PROMPT ?= The "if" statement is used for conditional execution:
 export PROMPT   # reaches the recipe through the environment: any quotes in it stay text
 NEW ?= 200
@@ -20,8 +21,21 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
-.PHONY: demo test install
+# XLA's GPU compiler without a GPU: the project with jax's CUDA plugin (bench/xla_kernels.py), in a
+# venv of its own so that the tests' and the demo's jax never sees a CUDA plugin
+$(XLA_VENV)/.installed: pyproject.toml
+	@py=$$($(find_python)) && echo "using $$py" && $$py -m venv $(XLA_VENV)
+	$(XLA_VENV)/bin/python -m pip install -q --upgrade pip
+	$(XLA_VENV)/bin/python -m pip install -q -e '.[xla]'
+	touch $@
+
+.PHONY: demo test install xla-venv xla-kernels
 install: $(VENV)/.installed
+xla-venv: $(XLA_VENV)/.installed
+
+# the 61-layer step's kernels a call as XLA compiles it for an H200 (bench/RESULTS.md, session 31)
+xla-kernels: $(XLA_VENV)/.installed
+	$(XLA_VENV)/bin/python -m bench.xla_kernels --layers 61
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/jtilert generate --model tiny --mtp --max-new-tokens $(NEW) --prompt "$$PROMPT"

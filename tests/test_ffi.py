@@ -470,7 +470,7 @@ def test_cuda_lowering_emits_the_engine_custom_calls(monkeypatch):
     """Cross-lowering for CUDA on the CPU: the primitives become the FFI custom calls with the
     mesh's device groups (the group set-up itself needs GPUs and is skipped here)."""
     mesh = _mesh()
-    monkeypatch.setattr(ffi_ops, "_TEST_FORCE_EMIT", True)
+    monkeypatch.setattr(ffi_ops, "EMIT_WITHOUT_GPU", True)
     rng = np.random.default_rng(5)
     x = jnp.asarray(rng.standard_normal(8 * 256), jnp.bfloat16)
     w, s = fp8_weights(rng, 7168, 8 * 256)
@@ -510,7 +510,7 @@ def test_cuda_lowering_stacked_weights_go_straight_into_the_custom_calls(monkeyp
     *_stacked custom calls, and nothing slices a layer out in XLA (no dynamic_slice anywhere). On
     the CPU platform the same program takes the XLA path, which does slice."""
     mesh = _mesh()
-    monkeypatch.setattr(ffi_ops, "_TEST_FORCE_EMIT", True)
+    monkeypatch.setattr(ffi_ops, "EMIT_WITHOUT_GPU", True)
     rng = np.random.default_rng(10)
     x, w, s = _stacked_gemv_case(rng, True, n=7168)
     ed = stack_layers(_stacked_expert_down_cases(rng, True))
@@ -562,7 +562,7 @@ def test_model_decode_step_lowers_to_the_fused_kernels(tiny_bf16, monkeypatch):
     o_proj, the dense MLP's down projection and the MoE down + shared expert become the engine's
     fused custom calls in their stacked form, the weights going in as the loop's own [L, ...]
     operands (no slice of a layer in front of the call)."""
-    monkeypatch.setattr(ffi_ops, "_TEST_FORCE_EMIT", True)
+    monkeypatch.setattr(ffi_ops, "EMIT_WITHOUT_GPU", True)
     txt = _lower_forward_for_cuda(_engine(tiny_bf16, _mesh(2), engine_all_reduce=True), 8)
     cfg = tiny_bf16.cfg
     loops = _layer_loops(cfg)
@@ -590,7 +590,7 @@ def test_pallas_step_over_a_mesh_runs_the_engines_router_selection(tiny_bf16, mo
     state = jax.tree.map_with_path(lambda p, v: v.astype(jnp.float32) if "e_score_correction_bias" in jax.tree_util.keystr(p)
                                    else v, state)
     nnx.update(model, state)
-    monkeypatch.setattr(ffi_ops, "_TEST_FORCE_EMIT", True)
+    monkeypatch.setattr(ffi_ops, "EMIT_WITHOUT_GPU", True)
     with interp.compile_for_gpu():
         txt = _lower_forward_for_cuda(_engine(model, _mesh(2), backend="pallas"), 64)
     moe_loops = sum(tiny_bf16.cfg.is_moe(r[0]) for r in _layer_loops(tiny_bf16.cfg))
@@ -607,7 +607,7 @@ def test_pallas_step_over_a_mesh_runs_the_engines_router_selection(tiny_bf16, mo
 def test_split_indexer_lowers_to_the_engine_merge(tiny_bf16, monkeypatch):
     """split_indexer=True at tp=2, cross-lowered for CUDA: the per-rank top-k lists of the indexer in
     every layer loop's body go through the engine's peer-memory merge."""
-    monkeypatch.setattr(ffi_ops, "_TEST_FORCE_EMIT", True)
+    monkeypatch.setattr(ffi_ops, "EMIT_WITHOUT_GPU", True)
     txt = _lower_forward_for_cuda(_engine(tiny_bf16, _mesh(2), split_indexer=True), 64)
     cfg = tiny_bf16.cfg
     full_loops = sum(any(cfg.indexer_types[i] == "full" for i in r) for r in _layer_loops(cfg))
@@ -619,7 +619,7 @@ def test_two_axis_mesh_groups(monkeypatch):
     if jax.device_count() < 8:
         pytest.skip("needs 8 host devices")
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("dp", "tp"))
-    monkeypatch.setattr(ffi_ops, "_TEST_FORCE_EMIT", True)
+    monkeypatch.setattr(ffi_ops, "EMIT_WITHOUT_GPU", True)
     g = jax.jit(jax.shard_map(lambda v: jf.all_reduce(v, "tp"), mesh=mesh, in_specs=P(("dp", "tp")),
                               out_specs=P("dp")))
     txt = g.trace(jnp.ones(64, jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()

@@ -102,7 +102,7 @@ def test_cuda_lowering_passes_the_whole_stacks_and_the_layer(monkeypatch):
     """Cross-lowered for CUDA inside a loop over the layers: one custom call per iteration with 17
     operands, every weight and scale the loop's own [L, ...] stack (no slice of a layer in front
     of the call), the layer index last."""
-    monkeypatch.setattr(ffi_ops, "_TEST_FORCE_EMIT", True)
+    monkeypatch.setattr(ffi_ops, "EMIT_WITHOUT_GPU", True)
     f, w, ids, ex, sh, res = _inputs(3)
 
     def chain(f, w, ids, ex, sh, res):

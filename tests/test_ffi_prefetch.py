@@ -99,7 +99,7 @@ def test_ordered_takes_any_pytree_and_keeps_the_dependency():
 def test_the_call_stays_with_its_token_unused(monkeypatch, loop):
     """The prefetch carries the side effect of an FFI call: neither JAX nor XLA drops it when nothing
     reads its token, at the top level or inside a layer loop."""
-    monkeypatch.setattr(ffi_ops, "_TEST_FORCE_EMIT", True)
+    monkeypatch.setattr(ffi_ops, "EMIT_WITHOUT_GPU", True)
 
     def body(i, x, w):
         prefetch.prefetch_l2(i, x, w)
@@ -130,7 +130,7 @@ def _cuda_text(f, *args):
 
 
 def test_cuda_lowering_emits_one_custom_call_on_the_stacks(monkeypatch):
-    monkeypatch.setattr(ffi_ops, "_TEST_FORCE_EMIT", True)
+    monkeypatch.setattr(ffi_ops, "EMIT_WITHOUT_GPU", True)
 
     @jax.jit
     def f(i, after, x, w, s, g):

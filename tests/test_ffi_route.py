@@ -125,7 +125,7 @@ def test_without_the_engine_the_reference_runs_with_one_warning():
 
 
 def test_cuda_lowering_emits_the_custom_call_on_the_whole_bias_stack(monkeypatch):
-    monkeypatch.setattr(ffi_ops, "_TEST_FORCE_EMIT", True)
+    monkeypatch.setattr(ffi_ops, "EMIT_WITHOUT_GPU", True)
     cfg = _cfg(*CASES[0])
     partials, bias = _inputs(1, 256, layers=61, splits=16)
     f = jax.jit(lambda p, b, i: route.select_experts(cfg, p, b, i))

@@ -456,7 +456,7 @@ def test_fallback_warns_once():
 
 
 def test_cuda_lowering_emits_the_custom_call(monkeypatch):
-    monkeypatch.setattr(ffi_ops, "_TEST_FORCE_EMIT", True)
+    monkeypatch.setattr(ffi_ops, "EMIT_WITHOUT_GPU", True)
     x = jnp.zeros((2, 4096), jnp.float32)
     f = jax.jit(lambda s: jf.top_k(s, 2048, sorted=False))
     txt = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
@@ -481,7 +481,7 @@ def test_pallas_ops_use_the_engine_topk_when_asked_and_loadable(monkeypatch):
         f = jax.jit(lambda s: ops("topk_positions", s, 2048))
         return f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
 
-    monkeypatch.setattr(ffi_ops, "_TEST_FORCE_EMIT", True)
+    monkeypatch.setattr(ffi_ops, "EMIT_WITHOUT_GPU", True)
     assert "jtilert_topk_select" not in lowered()        # no engine here (no GPU): the fallback
     monkeypatch.setattr(_lib, "load", lambda: (object(), ""))
     assert "custom_call @jtilert_topk_select" in lowered()   # on by default where the engine loads

@@ -137,7 +137,7 @@ def stand_in_kernels(monkeypatch):
     # kernels are called straight (no jax.jit), so no jit cache keeps a stand-in's trace
     monkeypatch.setattr(table, "_jitted", lambda fn, *_: fn)
     monkeypatch.setattr(table, "_engine_loads", lambda: True)
-    monkeypatch.setattr(ffi_ops, "_TEST_FORCE_EMIT", True)
+    monkeypatch.setattr(ffi_ops, "EMIT_WITHOUT_GPU", True)
     monkeypatch.setattr(ffi_ops._plan, "build_gemv_plan", build_gemv_plan)
     monkeypatch.setattr(_lib, "_warned", set())
     return launches, plans

@@ -92,7 +92,7 @@ def _scan_bodies(name: str) -> list:
     from jtilert.ffi import _lib
     from jtilert.ffi import ops as ffi_ops
     mp = pytest.MonkeyPatch()
-    mp.setattr(ffi_ops, "_TEST_FORCE_EMIT", True)
+    mp.setattr(ffi_ops, "EMIT_WITHOUT_GPU", True)
     mp.setattr(_lib, "load", lambda: (object(), ""))
     jax.clear_caches()   # kernels traced without the engine (JAX caches traces per function) are not reused
     try:

@@ -173,6 +173,22 @@ def load() -> tuple[Lib | None, str]:
         return lib, why
 
 
+def register_targets() -> Lib:
+    """Builds (if needed) and loads the library and registers its FFI targets for CUDA without a GPU,
+    and makes `load` return it: for compiling programs for a GPU on a machine without one
+    (bench/xla_kernels.py). The library's functions are never called there."""
+    import jax  # noqa: PLC0415
+    import jax.ffi  # noqa: PLC0415
+
+    with _lock:
+        path = _build.find_library() or _build.build()
+        lib = Lib(str(path))
+        for name, sym in TARGETS.items():
+            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib.dll, sym)), platform="CUDA")
+        _state["lib"], _state["why"] = lib, ""
+        return lib
+
+
 def _load_uncached() -> tuple[Lib | None, str]:
     import jax  # noqa: PLC0415
     import jax.ffi  # noqa: PLC0415

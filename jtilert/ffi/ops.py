@@ -23,9 +23,10 @@ from jtilert.ffi import _lib
 from jtilert.ffi import plan as _plan
 from jtilert.ops import reference
 
-# Tests set this to emit the custom call (with CPU device ids) without a GPU,
-# to check the lowering itself; never set it for running.
-_TEST_FORCE_EMIT = False
+# Emit the engine's custom calls (with CPU device ids) on a machine without a GPU: set by the tests
+# that check the lowering itself and by bench/xla_kernels.py, which compiles for a GPU it does not
+# have; never set it for running.
+EMIT_WITHOUT_GPU = False
 
 
 # ----------------------------------------------------------------- helpers
@@ -65,7 +66,7 @@ def _vma(aval):
 
 def engine_status() -> tuple[bool, str]:
     """(usable, reason if not)."""
-    if _TEST_FORCE_EMIT:
+    if EMIT_WITHOUT_GPU:
         return True, ""
     lib, why = _lib.load()
     return lib is not None, why
@@ -81,7 +82,7 @@ def _groups_for_lowering(ctx, axis_name):
     """([G, W] int32 device ids, None) or (None, reason); creates the groups."""
     ac = ctx.module_context.axis_context
     mesh = getattr(ac, "mesh", None)
-    if _TEST_FORCE_EMIT:
+    if EMIT_WITHOUT_GPU:
         if not isinstance(mesh, jax.sharding.Mesh):
             return None, "no concrete mesh in the lowering context"
         ax = list(mesh.axis_names).index(axis_name)
@@ -606,7 +607,7 @@ def merge_topk(scores, indices, axis_name, k, *, sorted_inputs=True, blocks=None
             raise ValueError(f"k={k} must be in [1, {world * m}]")
         elif m > _lib.payload_cap() // 8:
             ok, why = False, f"m={m} over the engine's payload cap"
-        elif not _TEST_FORCE_EMIT:
+        elif not EMIT_WITHOUT_GPU:
             lib, _ = _lib.load()
             if m > lib.merge_topk_max_m(0, world):
                 ok, why = False, f"m={m} does not fit in shared memory for {world} ranks"

@@ -59,7 +59,7 @@ def _no_op(ctx, layer, after, *arrays):
 
 
 def _lower_cuda(ctx, layer, after, *arrays):
-    if not _ops._TEST_FORCE_EMIT:  # noqa: SLF001
+    if not _ops.EMIT_WITHOUT_GPU:  # noqa: SLF001
         lib, why = _lib.load()
         if lib is None:
             _lib.warn_once("prefetch:" + why, f"jtilert.ffi: L2 prefetch not issued ({why}); "

@@ -64,7 +64,7 @@ def _lower_xla(ctx, partials, bias, layer, *, n_group, topk_group, k, norm, scal
 
 
 def _lower_cuda(ctx, partials, bias, layer, *, n_group, topk_group, k, norm, scaling):
-    if not _ops._TEST_FORCE_EMIT:  # noqa: SLF001
+    if not _ops.EMIT_WITHOUT_GPU:  # noqa: SLF001
         lib, why = _lib.load()
         if lib is None:
             _warn(why)

@@ -74,7 +74,7 @@ def _lower_xla(ctx, scores, *, k, mode, ctas):  # noqa: ARG001 - ctas: a launch 
 def _lower_cuda(ctx, scores, *, k, mode, ctas):
     # the scratch of every local GPU is allocated here, in the main thread, before XLA runs
     # anything (XLA may capture the call into a CUDA graph, where no allocation may happen)
-    if not _ops._TEST_FORCE_EMIT:  # noqa: SLF001
+    if not _ops.EMIT_WITHOUT_GPU:  # noqa: SLF001
         lib, why = _lib.load()
         try:
             if lib is None:
@@ -98,7 +98,7 @@ def _warn(why):
 
 def _engine_ok(t, n, k, mode, ctas) -> tuple[bool, str]:
     ok, why = _ops.engine_status()
-    if not ok or _ops._TEST_FORCE_EMIT:  # noqa: SLF001
+    if not ok or _ops.EMIT_WITHOUT_GPU:  # noqa: SLF001
         return ok, why
     lib, _ = _lib.load()
     try:

@@ -1,0 +1,104 @@
+"""bench/xla_kernels.py: what an optimized HLO module launches, and the decode step compiled for an
+H200 on this machine (in .venv-xla, jax's CUDA plugin: `make xla-venv`; .ci/run makes it)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from bench import xla_kernels
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+XLA_PYTHON = ROOT / ".venv-xla" / "bin" / "python"
+
+# The shapes of XLA's printout that `launches` reads: views and tuples launch nothing, a fusion or a
+# custom call one kernel, a while loop its body and condition every trip (and its condition once
+# more, with a set_while_condition kernel each time), a conditional its smaller branch.
+HLO = """HloModule jit_step, is_scheduled=true
+
+%fused_add (p: s32[]) -> s32[] {
+  %p = s32[] parameter(0)
+  %c = s32[] constant(1)
+  ROOT %add.1 = s32[] add(%p, %c)
+}
+
+%body (state: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %state = (s32[], f32[8]) parameter(0)
+  %i = s32[] get-tuple-element(%state), index=0
+  %x = f32[8]{0} get-tuple-element(%state), index=1
+  %loop_add_fusion = s32[] fusion(%i), kind=kLoop, calls=%fused_add
+  %mpmd_map.3 = f32[8]{0} custom-call(%x, %i), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(run)/while/body/jtilert_gemv_fp8x2_norm_2240x7168/mpmd_map"}
+  %jtilert_topk_select.2 = (s32[1,4]{1,0}, f32[1,4]{1,0}) custom-call(%mpmd_map.3), custom_call_target="jtilert_topk_select"
+  ROOT %tuple.1 = (s32[], f32[8]) tuple(%loop_add_fusion, %mpmd_map.3)
+}
+
+%cond (state.1: (s32[], f32[8])) -> pred[] {
+  %state.1 = (s32[], f32[8]) parameter(0)
+  %i.1 = s32[] get-tuple-element(%state.1), index=0
+  ROOT %loop_compare_fusion = pred[] fusion(%i.1), kind=kLoop, calls=%fused_add
+}
+
+%small (a: f32[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  ROOT %loop_exp_fusion = f32[8]{0} fusion(%a), kind=kLoop, calls=%fused_add
+}
+
+%large (b: f32[8]) -> f32[8] {
+  %b = f32[8]{0} parameter(0)
+  %loop_exp_fusion.1 = f32[8]{0} fusion(%b), kind=kLoop, calls=%fused_add
+  %loop_exp_fusion.2 = f32[8]{0} fusion(%loop_exp_fusion.1), kind=kLoop, calls=%fused_add
+  ROOT %copy.3 = f32[8]{0} copy(%loop_exp_fusion.2)
+}
+
+ENTRY %main (x0: f32[8], flag: s32[]) -> f32[8] {
+  %x0 = f32[8]{0} parameter(0)
+  %flag = s32[] parameter(1)
+  %loop_convert_fusion.7 = f32[8]{0} fusion(%x0), kind=kLoop, calls=%fused_add
+  %init = (s32[], f32[8]) tuple(%flag, %loop_convert_fusion.7)
+  %while.5 = (s32[], f32[8]) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %out = f32[8]{0} get-tuple-element(%while.5), index=1
+  %b = f32[8]{0} bitcast(%out)
+  ROOT %conditional.2 = f32[8]{0} conditional(%flag, %b, %b), branch_computations={%large, %small}
+}
+"""
+
+
+def test_launches_counts_what_a_step_runs():
+    got = xla_kernels.launches(HLO)
+    assert got["loops"] == [{"loop": "while.5", "trips": 3, "kernels_per_trip": 5}]
+    assert got["conditionals"] == [[1, 3]]
+    assert got["names"] == {"loop_convert_fusion": 1, "loop_add_fusion": 3, "jtilert_gemv_fp8x2_norm_2240x7168": 3,
+                            "jtilert_topk_select": 3, "loop_compare_fusion": 4, "set_while_condition": 4,
+                            "loop_exp_fusion": 1, "set_case_condition": 1}
+    assert got["kernels"] == 20
+
+
+def test_launches_needs_an_entry():
+    with pytest.raises(ValueError, match="ENTRY"):
+        xla_kernels.launches(HLO.replace("ENTRY ", ""))
+
+
+@pytest.mark.skipif(not XLA_PYTHON.exists(), reason="no .venv-xla (make xla-venv; .ci/run makes it)")
+def test_the_step_compiled_for_an_h200(tmp_path):
+    """Fifteen layers of DeepSeek-V3.2's share: three dense layers in line, then three trips of the MoE
+    loop (four layers each; XLA writes out a loop of fewer trips in line). Every kernel the jaxpr budget counts is a launch XLA keeps, and the
+    layer loop's own kernels stay what they are (its condition, and no index arithmetic: XLA turns
+    each computed layer index into a kernel of its own)."""
+    out = tmp_path / "r.json"
+    proc = subprocess.run([str(XLA_PYTHON), "-m", "bench.xla_kernels", "--layers", "15", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [step] = json.loads(out.read_text())["programs"]
+    names = step["names"]
+    for kernel in ("jtilert_indexer", "jtilert_sparse_mla", "jtilert_topk_select", "jtilert_mla_prep"):
+        assert names[kernel] == 15, (kernel, names)
+    for kernel in ("jtilert_route_select", "jtilert_moe_down"):
+        assert names[kernel] == 12, (kernel, names)
+    [loop] = step["loops"]
+    assert loop["trips"] == 3, step["loops"]
+    assert loop["kernels_per_trip"] <= 86, step["loops"]
+    assert step["kernels"] <= 321, names
