@@ -328,8 +328,9 @@ def test_xla_options_reach_the_decode_steps_only(tiny_random, gen):
                                             "xla_gpu_command_buffer_unroll_loops": True})
     assert cfg.xla_options == (("xla_gpu_command_buffer_scheduling_mode", "CONCURRENT"),
                                ("xla_gpu_command_buffer_unroll_loops", True))
-    # the default: the layer loops in the command buffers, CONCURRENT scheduling (the fixture `gen` runs it)
-    default = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT",
+    # the default: the layer loops in the command buffers, CONCURRENT scheduling, no rematerialization
+    # (the fixture `gen` runs it)
+    default = {"xla_disable_hlo_passes": "rematerialization", "xla_gpu_command_buffer_scheduling_mode": "CONCURRENT",
                "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL"}
     assert jtilert.DecodeConfig().xla_options == tuple(sorted(default.items()))
     assert gen.engine.decode_loop._options == default

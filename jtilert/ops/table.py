@@ -43,7 +43,8 @@ QBLOCK = 128  # fp8 block-scale granularity
 
 
 # DecodeConfig's default XLA options of the decode steps, sorted by name (see its docstring)
-STEP_XLA_OPTIONS = (("xla_gpu_command_buffer_scheduling_mode", "CONCURRENT"),
+STEP_XLA_OPTIONS = (("xla_disable_hlo_passes", "rematerialization"),
+                    ("xla_gpu_command_buffer_scheduling_mode", "CONCURRENT"),
                     ("xla_gpu_enable_command_buffer", "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL"))
 
 
@@ -72,7 +73,11 @@ class DecodeConfig:
         over WHILE and CONDITIONAL besides XLA's kernel kinds: one graph launch per call instead of one
         per layer, so the host enqueues a call in about a millisecond) and orders that graph by its
         buffers instead of serializing it, so a layer's independent kernels overlap (the indexer beside
-        MLA's query path, the shared expert beside the routed ones); () gives XLA's own options
+        MLA's query path, the shared expert beside the routed ones). It also turns off XLA's
+        rematerialization: where the weights and caches come near XLA's memory limit (a GPU's share
+        of DeepSeek-V3.2 at 128K context) that pass recomputes the layer loop's index arithmetic
+        next to each use, a kernel each, and it has nothing else to recompute in a decode step, whose
+        temporaries are a few activations. () gives XLA's own options
         (bench/gpu_session.sh parts graphs and defaults measure them). XLA checks the names and values
         when it compiles.
     l2_prefetch: backend "pallas" with the CUDA engine: each layer, once its query projections are
