@@ -11,6 +11,8 @@ is only told about (a compile-only H200 from `bench/targets/h200.txtpb`, the fac
 its library (`jtilert.ffi._lib.register_targets`: built here with nvcc, never run). Each program
 compiles with the step's own XLA options (`DecodeConfig.xla_options`) and any `--option`.
 
+`graph` reads XLA's thunk sequence: how many CUDA graphs (command buffers) a call launches, the nodes
+recorded in them, the thunks the host runs itself (what a call's enqueue scales with).
 `launches` reads the optimized HLO: a fusion, a custom call (a Mosaic kernel or an engine call), a
 copy or any other instruction that is not a view or a tuple is one kernel; a while loop's body and
 its condition count once per iteration (its known trip count) plus XLA's `set_while_condition`
@@ -27,6 +29,7 @@ import json
 import os
 import pathlib
 import re
+import tempfile
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")   # the plugin registers without a device; the rest runs here
@@ -123,6 +126,30 @@ def launches(text: str) -> dict:
             "conditionals": branches_seen}
 
 
+def graph(thunks: str) -> dict:
+    """What the host launches a call, from XLA's thunk sequence after its thunk passes (the dump's
+    `*.thunk_sequence_after_thunk_passes.txt`): {"command_buffers": CUDA graphs, "nodes": the thunks
+    recorded in them (a loop's body and condition and a conditional's branches once each: they run
+    as child graphs on the device), "outside": the thunks the host runs itself}."""
+    out = {"command_buffers": 0, "nodes": 0, "outside": 0}
+    inside: list[int] = []   # indents of the command buffers the current line lies in
+    for line in thunks.splitlines():
+        m = re.match(r"^( *)\d+: (k\w+)", line)
+        if not m:
+            continue
+        indent, kind = len(m.group(1)), m.group(2)
+        while inside and indent <= inside[-1]:
+            inside.pop()
+        if inside:
+            out["nodes"] += 1
+        elif kind != "kCommandBuffer":
+            out["outside"] += 1
+        if kind == "kCommandBuffer":
+            out["command_buffers"] += not inside
+            inside.append(indent)
+    return out
+
+
 # ---- compiling for the H200 without one ---------------------------------------------------------
 
 def h200():
@@ -157,15 +184,19 @@ def compile_programs(cfg, *, context: int, backend: str, mtp: bool, loop: bool, 
         if self._name not in want:
             return lowered
         lowering_cache.prelower(traced.jaxpr, 0, background=False)
-        opts = compiler.get_compile_options(num_replicas=1, num_partitions=1, device_assignment=np.array([[dev.id]]),
-                                            backend=dev.client, env_options_overrides={**(self._options or {}), **options})
-        t = time.perf_counter()
-        exe = dev.client.compile(lowered.compiler_ir("stablehlo"), executable_devices=xc.DeviceList((dev,)),
-                                 compile_options=opts)
-        seconds = time.perf_counter() - t
+        with tempfile.TemporaryDirectory() as dump:   # XLA writes the thunk sequence there
+            overrides = {**(self._options or {}), **options, "xla_dump_to": dump, "xla_dump_hlo_module_re": "jit_run"}
+            opts = compiler.get_compile_options(num_replicas=1, num_partitions=1, device_assignment=np.array([[dev.id]]),
+                                                backend=dev.client, env_options_overrides=overrides)
+            t = time.perf_counter()
+            exe = dev.client.compile(lowered.compiler_ir("stablehlo"), executable_devices=xc.DeviceList((dev,)),
+                                     compile_options=opts)
+            seconds = time.perf_counter() - t
+            [thunks] = pathlib.Path(dump).glob("*.thunk_sequence_after_thunk_passes.txt")
+            cuda_graph = graph(thunks.read_text())
         text = exe.hlo_modules()[0].to_string()
         mem = exe.get_compiled_memory_stats()
-        rows.append({"program": self._name, "xla_compile_s": seconds, "hlo": text,
+        rows.append({"program": self._name, "xla_compile_s": seconds, "hlo": text, "graph": cuda_graph,
                      "argument_gib": mem.argument_size_in_bytes / 2**30, "alias_gib": mem.alias_size_in_bytes / 2**30,
                      "temp_gib": mem.temp_size_in_bytes / 2**30, **launches(text)})
         return lowered
@@ -205,7 +236,9 @@ def main(argv=None) -> list[dict]:
     for r in rows:
         loops = ", ".join(f"{x['loop']} {x['trips']} × {x['kernels_per_trip']}" for x in r["loops"])
         print(f"{r['program']}: {r['kernels']} kernels a call ({a.preset}, {a.layers} layers, context {a.context}); "
-              f"XLA compile {r['xla_compile_s']:.1f} s; loops: {loops or 'none'}; arguments {r['argument_gib']:.1f} GiB")
+              f"XLA compile {r['xla_compile_s']:.1f} s; loops: {loops or 'none'}; arguments {r['argument_gib']:.1f} GiB; "
+              f"CUDA graphs {r['graph']['command_buffers']} of {r['graph']['nodes']} nodes, {r['graph']['outside']} "
+              "thunks outside")
         for name, n in list(r["names"].items())[:40]:
             print(f"  {n:6d}  {name}")
     if a.hlo and rows:

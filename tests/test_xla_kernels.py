@@ -77,6 +77,23 @@ def test_launches_counts_what_a_step_runs():
     assert got["kernels"] == 20
 
 
+THUNKS = """000: kCommandBuffer [source       | next=003 (1)]
+    001: kCustomKernel [source       | next=002 (1)] loop_add_fusion grid: [1, 1, 1]
+    002: kWhile        [prev=001 (1) | sink        ]
+    condition:
+        004: kCustomKernel [source | sink] loop_compare_fusion grid: [1, 1, 1]
+      body:
+        005: kCustomCall   [source | sink] kCustomCall
+003: kAsyncStart    [prev=000 (1) | sink        ] stream=computation_stream[0], async_id=3
+    006: kCopy [source | sink] (no description)
+007: kAsyncDone     [source       | sink        ] async_id=3
+"""
+
+
+def test_graph_counts_the_nodes_the_host_launches_in_one_call():
+    assert xla_kernels.graph(THUNKS) == {"command_buffers": 1, "nodes": 4, "outside": 3}
+
+
 def test_launches_needs_an_entry():
     with pytest.raises(ValueError, match="ENTRY"):
         xla_kernels.launches(HLO.replace("ENTRY ", ""))
@@ -102,3 +119,6 @@ def test_the_step_compiled_for_an_h200(tmp_path):
     assert loop["trips"] == 3, step["loops"]
     assert loop["kernels_per_trip"] <= 86, step["loops"]
     assert step["kernels"] <= 321, names
+    # one CUDA graph holds the step, its loop and the sampler's branches; the host runs the token's
+    # copy to pinned memory beside it
+    assert step["graph"]["command_buffers"] == 1 and step["graph"]["outside"] <= 5, step["graph"]
