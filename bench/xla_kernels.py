@@ -5,8 +5,7 @@ launches (issue 14's count) and XLA's compile time (issue 13).
         [--program decode] [--option NAME=VALUE ...] [--out result.json] [--hlo step.hlo]
 
 `make xla-venv` makes .venv-xla: the project with jax's CUDA plugin, whose XLA compiles for a GPU it
-is only told about (a compile-only H200 from `bench/targets/h200.txtpb`, the facts of
-/work/shared/notes/GPU.md). The programs are those `Generator._prepare` builds for an abstract model
+is only told about (a compile-only H200 from `bench/targets/h200.txtpb`). The programs are those `Generator._prepare` builds for an abstract model
 (no weights): the Mosaic kernels lowered for the GPU, the CUDA engine's FFI targets registered from
 its library (`jtilert.ffi._lib.register_targets`: built here with nvcc, never run). Each program
 compiles with the step's own XLA options (`DecodeConfig.xla_options`) and any `--option`.
@@ -169,7 +168,7 @@ def compile_programs(cfg, *, context: int, backend: str, mtp: bool, loop: bool, 
     from jtilert.ffi import _lib
     from jtilert.ffi import ops as ffi_ops
     from jtilert.model.transformer import abstract_model
-    from jtilert.pallas import interpret, lowering_cache
+    from jtilert.pallas import interpret
     from jtilert.runtime.generate import Compiled, Generator
     from jtilert.runtime.sampling import Sampling
 
@@ -183,7 +182,6 @@ def compile_programs(cfg, *, context: int, backend: str, mtp: bool, loop: bool, 
         lowered = traced.lower(lowering_platforms=("cuda",))
         if self._name not in want:
             return lowered
-        lowering_cache.prelower(traced.jaxpr, 0, background=False)
         with tempfile.TemporaryDirectory() as dump:   # XLA writes the thunk sequence there
             overrides = {**(self._options or {}), **options, "xla_dump_to": dump, "xla_dump_hlo_module_re": "jit_run"}
             opts = compiler.get_compile_options(num_replicas=1, num_partitions=1, device_assignment=np.array([[dev.id]]),
