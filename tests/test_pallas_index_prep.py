@@ -189,33 +189,6 @@ def test_matrices_are_the_split_and_the_rotation():
 
 
 @pytest.mark.skipif(__import__("shutil").which("patch") is None, reason="patch not found")
-def test_the_iw_partials_patch_applies_and_its_checks_pass(tmp_path):
-    """bench/experiments/iw_partials.patch (not yet measured on a GPU: index_prep sums the head weights'
-    split-K partials as it reads them, no XLA reduce between the two) still applies, and its checks pass
-    in the patched copy: index_prep against the reference with 1 to 28 partials (interpret mode) and the
-    layer bodies' lower glue budget."""
-    from experiment_patch import run_patched   # tests/experiment_patch.py (tests/ is on sys.path)
-    r = run_patched(tmp_path, "iw_partials.patch", ["tests/test_pallas_index_prep.py", "tests/test_ops_table.py",
-                                                    "-k", "matches_reference or layer_glue_stays_within_budget"])
-    assert "MAX_SPLITS" in (tmp_path / "jtilert/pallas/index_prep.py").read_text()
-    assert r.returncode == 0 and "7 passed" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
-
-
-@pytest.mark.skipif(__import__("shutil").which("patch") is None, reason="patch not found")
-def test_the_exclusive_patch_applies_and_its_checks_pass(tmp_path):
-    """bench/experiments/index_prep_exclusive.patch (not yet measured on a GPU: each index_prep CTA asks
-    for all of its block's shared memory, so no CTA of the kernels beside it shares its SM) still
-    applies, and its checks pass in the patched copy: the shared memory it asks for, the lowering for
-    the GPU, index_prep against the reference (interpret mode)."""
-    from experiment_patch import run_patched   # tests/experiment_patch.py (tests/ is on sys.path)
-    r = run_patched(tmp_path, "index_prep_exclusive.patch", ["tests/test_pallas_index_prep_exclusive.py",
-                                                             "tests/test_pallas_index_prep.py", "-k",
-                                                             "whole or matches_reference or in_place"])
-    assert "EXCLUSIVE_SLACK" in (tmp_path / "jtilert/pallas/index_prep.py").read_text()
-    assert r.returncode == 0 and "7 passed" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
-
-
-@pytest.mark.skipif(__import__("shutil").which("patch") is None, reason="patch not found")
 def test_the_index_prep_in_indexer_patch_applies_and_its_checks_pass(tmp_path):
     """bench/experiments/index_prep_in_indexer.patch (not yet measured on a GPU: index_prep's work done by
     the indexer's CTAs in one launch, op index_prep_scores) still applies, and its checks pass in the

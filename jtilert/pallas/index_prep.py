@@ -29,6 +29,7 @@ from jtilert.pallas import _hopper as hw
 from jtilert.pallas._hopper import BF16, F32, FP8
 
 TILE = 64          # wgmma M: rows per tile
+EXCLUSIVE_SLACK = 2048   # bytes short of the block's whole shared memory (alignment of the padding)
 MAX_TOKENS = 4     # decode / MTP verify (the op table runs the reference for prefill chunks)
 DIM = 128          # index_head_dim: one 128-wide fp8 quantisation block per head
 # 32 columns of 64 bytes per swizzle row: the halves of a rope dim of 64 are whole tiles
@@ -109,7 +110,7 @@ def index_prep(cfg, q_x, q_col: int, k_x, k_col: int, norm_weight, norm_bias, ep
     arrivals = 4 + 2 * max(len(gathers(g)) for g in range(nq_tiles))   # a query CTA's copies (the most)
 
     def body(q_ref, k_ref, nw_ref, nb_ref, cos_ref, sin_ref, w_ref, p_ref, hp_ref, layer_ref,
-             q_out, w_out, k_out, stage, a1, a2, q8_s, w_s, k_s, cs, sn, p_s, hp_s, bar):
+             q_out, w_out, k_out, stage, a1, a2, q8_s, w_s, k_s, cs, sn, p_s, hp_s, _exclusive, bar):
         cta = lax.axis_index("g")
         row_in_tile = plgpu.broadcasted_iota(jnp.int32, (TILE,), 0, layout=wl.reduce(1))
 
@@ -192,6 +193,11 @@ def index_prep(cfg, q_x, q_col: int, k_x, k_col: int, norm_weight, norm_bias, ep
         *hw.rope_smem(T, half, D, TF),
         plgpu.Barrier(num_arrivals=arrivals),
     ]
+    # Each CTA takes (nearly) all of its SM's shared memory, so no CTA of the kernels running beside it
+    # (mla_prep, W_uk's GEMV) shares its SM: the kernel sits on the layer's chain with two CTAs, and
+    # one that shares its SM runs twice as long.
+    need = hw.smem_bytes(hw.Scope(tuple(scratch), reduces=True))
+    scratch.insert(-1, plgpu.SMEM((max(hw.SMEM_BYTES - need - EXCLUSIVE_SLACK, 0),), jnp.uint8))
     hw.check_smem("index_prep kernel", hw.Scope(tuple(scratch), reduces=True), f"{T} tokens × {H} heads")
     kernel = plgpu.kernel(
         body,

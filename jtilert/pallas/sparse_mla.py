@@ -42,12 +42,14 @@ MAX_TOKENS = 4          # decode / MTP verify; longer chunks (prefill) use the r
 
 @dataclasses.dataclass(frozen=True)
 class SparseMLAConfig:
-    block_k: int = 64           # selected rows per CTA, 32 or 64: K / block_k CTAs per token (bf16 cache; fp8: 64)
+    # selected rows per CTA, 32 or 64: K / block_k CTAs per token (None: 32 for bf16 caches, so twice the
+    # CTAs each gather half the rows; the fp8 cache's dequantisation needs 64)
+    block_k: int | None = None
     combine: str = "kernel"     # "kernel": the Mosaic combine kernel where it applies; "xla": one XLA fusion chain
 
     def __post_init__(self):
         # 16 rows: no bank-conflict-free relayout of the staged rows; 128: over the SMEM budget
-        if self.block_k not in (32, 64):
+        if self.block_k not in (None, 32, 64):
             raise ValueError(f"block_k={self.block_k} must be 32 or 64")
         if self.combine not in ("kernel", "xla"):
             raise ValueError(f"combine={self.combine!r}: expected 'kernel' or 'xla'")
@@ -148,13 +150,18 @@ def partials_smem(L: int, R: int, bk: int, fp8: bool, W: int | None = None) -> h
 
 
 def resolve(config: SparseMLAConfig, L: int, R: int, fp8: bool, W: int | None = None) -> SparseMLAConfig | None:
-    """`config`, or with block_k 32 (bf16 cache) when its SMEM does not fit: None if neither fits
-    (the latent tiles grow with kv_lora_rank)."""
-    for bk in (config.block_k, 32):
-        if (bk <= config.block_k and not (fp8 and bk % 64)
+    """`config` with its block_k (None: the cache's default), or with block_k 32 (bf16 cache) when its
+    SMEM does not fit: None if neither fits (the latent tiles grow with kv_lora_rank)."""
+    want = config.block_k or _default_block_k(fp8)
+    for bk in (want, 32):
+        if (bk <= want and not (fp8 and bk % 64)
                 and hw.smem_bytes(partials_smem(L, R, bk, fp8, W)) <= hw.SMEM_BYTES):
             return dataclasses.replace(config, block_k=bk)
     return None
+
+
+def _default_block_k(fp8: bool) -> int:
+    return 64 if fp8 else 32
 
 
 def unsupported(heads: int, L: int, R: int, W: int | None = None,
@@ -187,8 +194,8 @@ def sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, scale: float,
     T, Hq, L = q_lat.shape
     R = q_pe.shape[-1]
     K = idx.shape[1]
-    bk = config.block_k
     fp8 = pe_cache is None
+    bk = config.block_k or _default_block_k(fp8)
     W = kv_cache.shape[-1] if fp8 else None
     stacked = layer is not None
     if kv_cache.ndim != 2 + stacked or (not fp8 and pe_cache.ndim != 2 + stacked):
