@@ -177,21 +177,24 @@ def register_targets() -> Lib:
     """Builds (if needed) and loads the library and registers its FFI targets for CUDA without a GPU,
     and makes `load` return it: for compiling programs for a GPU on a machine without one
     (bench/xla_kernels.py). The library's functions are never called there."""
-    import jax  # noqa: PLC0415
-    import jax.ffi  # noqa: PLC0415
-
     with _lock:
-        path = _build.find_library() or _build.build()
-        lib = Lib(str(path))
-        for name, sym in TARGETS.items():
-            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib.dll, sym)), platform="CUDA")
+        lib = _register(Lib(str(_build.find_library() or _build.build())))
         _state["lib"], _state["why"] = lib, ""
         return lib
 
 
-def _load_uncached() -> tuple[Lib | None, str]:
+def _register(lib: Lib) -> Lib:
+    """Registers the library's FFI targets (TARGETS) for CUDA."""
     import jax  # noqa: PLC0415
     import jax.ffi  # noqa: PLC0415
+
+    for name, sym in TARGETS.items():
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib.dll, sym)), platform="CUDA")
+    return lib
+
+
+def _load_uncached() -> tuple[Lib | None, str]:
+    import jax  # noqa: PLC0415
 
     if os.environ.get("JTILERT_FFI_DISABLE", "") not in ("", "0"):
         return None, "disabled by JTILERT_FFI_DISABLE"
@@ -210,9 +213,7 @@ def _load_uncached() -> tuple[Lib | None, str]:
     lib = Lib(str(path))
     if lib.device_count() < 1:
         return None, "the engine sees no CUDA device"
-    for name, sym in TARGETS.items():
-        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib.dll, sym)), platform="CUDA")
-    return lib, ""
+    return _register(lib), ""
 
 
 def groups_of(mesh, axis_name: str) -> np.ndarray | None:
