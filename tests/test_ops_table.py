@@ -4,6 +4,7 @@ benchmarks use. Traced abstractly (no weights, no kernel runs), the kernels trac
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import jax
@@ -58,6 +59,15 @@ def test_every_kernel_runs_at_decode_shapes(name, tokens, mtp):
     assert expected <= set(chosen), expected - set(chosen)
     assert all(chosen[op] == {True} for op in expected), {op: chosen[op] for op in expected}
     assert not {"sparse_mla", "sparse_mla_heads_linear"} <= set(chosen), chosen
+
+
+def test_an_op_without_its_kernel_runs_its_parts(monkeypatch):
+    # a table entry whose kernel is taken away (tests/gpu/decode_check.py --per-op does this to every op
+    # but one) is not run: the merged sparse MLA + W_uv op falls back to its two ops, each its kernel
+    monkeypatch.setitem(OPS, "sparse_mla_heads_linear", dataclasses.replace(OPS["sparse_mla_heads_linear"], kernel=None))
+    chosen = _decisions("dsv32-tp8-shard", 4, 1, False)
+    assert "sparse_mla_heads_linear" not in chosen, chosen
+    assert chosen["sparse_mla"] == {True} and chosen["heads_linear"] == {True}, chosen
 
 
 def test_prefill_runs_the_reference():

@@ -512,7 +512,7 @@ class Ops:
         (each still its kernel where it applies)."""
         args = (q_lat, q_pe, kv_cache, pe_cache, idx, scale, out_dtype, *w_uv)
         op = OPS["sparse_mla_heads_linear"]
-        if (self._kernels and w_stacked and _tokens(q_lat) <= sparse_mla.MAX_TOKENS
+        if (self._kernels and op.kernel is not None and w_stacked and _tokens(q_lat) <= sparse_mla.MAX_TOKENS
                 and op.unsupported(*_per_layer(op, args)) is None):
             return self._run_kernel("sparse_mla_heads_linear", op, args, layer)
         o_lat = self("sparse_mla", q_lat, q_pe, kv_cache, pe_cache, idx, scale, out_dtype, layer=layer)
