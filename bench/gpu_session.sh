@@ -126,6 +126,10 @@
 # needs_h200 (a call for nvidia-h200 without it may get an H100, where they stop at the memory check).
 set -uo pipefail
 WORK=${WORK:-${OUT:-$PWD/out}}
+# a WORK folder that an earlier call left on this host (the device machines keep /tmp between leases) is
+# emptied first: its files would be packed with this call's, and its compile cache would make this
+# call's cold compiles warm
+if [ -d "$WORK" ] && [ -n "$(ls -A "$WORK")" ]; then echo "emptying $WORK (left by an earlier call)" >&2; rm -rf "${WORK:?}"/*; fi
 mkdir -p "$WORK"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1

@@ -361,3 +361,20 @@ def test_compile_breakdown_profiles_the_xla_compile():
     events = stages["xla_compile_events"]
     assert events and all(len(e) == 3 and e[1] >= 0 for e in events)
     assert events == sorted(events, key=lambda e: -e[1])   # the largest first
+
+
+def test_gpu_session_empties_a_work_folder_left_by_an_earlier_call(tmp_path):
+    # the device machines keep /tmp between leases: an earlier call's files must not be packed with this
+    # call's, nor its compile cache make this call's cold compiles warm
+    import subprocess  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    work = tmp_path / "w"
+    (work / "xla_cache").mkdir(parents=True)
+    (work / "decode.json").write_text("{}")
+    script = Path(__file__).resolve().parent.parent / "bench" / "gpu_session.sh"
+    run = subprocess.run(["bash", str(script)], env={"PATH": "/usr/bin:/bin", "WORK": str(work)},
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert sorted(p.name for p in work.iterdir()) == ["session.txt"]
+    assert "emptying" in run.stderr
