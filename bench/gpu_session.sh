@@ -40,6 +40,7 @@
 #   tp2split     tp=2, 4 layers, 32K context: the indexer split over the GPUs vs not (after build)
 #   kvfp8        the 8-layer step with FlashMLA's fp8 latent cache (656 B per position)
 #   check        tests/gpu/decode_check.py: pallas vs reference logits, 4 layers, 32 decode steps
+#   checkall     the same with every kernel on only (no --per-op: a minute instead of three)
 #   golden       tests/test_golden_kernels.py on the GPU (JAX_PLATFORMS=cuda): the compiled kernels on the kernel-sized
 #                golden models against transformers' logits and greedy tokens (issue 14's independent check)
 #   goldencheck  tests/gpu/golden_check.py: every kernel call of the golden kernel models against the reference on
@@ -367,6 +368,7 @@ for part in "$@"; do
         | sort -rn | head -60 > "$WORK/capture_summary.txt"
       gzip -f "$WORK/capture.log" ;;
     check) step check 240 python3 tests/gpu/decode_check.py --per-op --out "$WORK/check.json" ;;
+    checkall) step check 120 python3 tests/gpu/decode_check.py --out "$WORK/check.json" ;;   # no per-op runs
     goldencheck)
       step goldencheck_shadow 200 python3 tests/gpu/golden_check.py --shadow --out "$WORK/golden_shadow.json"
       step goldencheck 300 python3 tests/gpu/golden_check.py --out "$WORK/golden_check.json" \
