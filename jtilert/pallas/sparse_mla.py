@@ -370,16 +370,8 @@ def sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, scale: float,
         args += [kv_cache.reshape(*kv_cache.shape[:-1], nlw, lw), pe_cache]
     args.append(idx)
     if stacked:
-        args.append(_layer_operand(layer))
+        args.append(hw.layer_operand(layer))
     return kernel(*args)
-
-
-def _layer_operand(layer):
-    """The layer index as the kernel's int32 [1] input, read on the device."""
-    layer = jnp.asarray(layer)
-    if layer.shape != () or not jnp.issubdtype(layer.dtype, jnp.integer):
-        raise ValueError(f"layer must be an integer scalar, got {layer.dtype}{list(layer.shape)}")
-    return layer.astype(jnp.int32).reshape(1)
 
 
 def combine(o, m, l):
