@@ -13,10 +13,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def run_patched(tmp_path, patch: str, pytest_args: list[str]) -> subprocess.CompletedProcess:
-    """Copy jtilert/ and tests/ under tmp_path, apply bench/experiments/`patch` there (AssertionError
-    with patch's output if it does not apply), then run pytest with `pytest_args` in the copy."""
-    shutil.copytree(ROOT / "jtilert", tmp_path / "jtilert", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copytree(ROOT / "tests", tmp_path / "tests", ignore=shutil.ignore_patterns("__pycache__", "golden"))
+    """Copy the sources a patch may touch (jtilert/, tests/, cuda/, bench/ without its results) under
+    tmp_path, apply bench/experiments/`patch` there (AssertionError with patch's output if it does not
+    apply), then run pytest with `pytest_args` in the copy."""
+    for d, skip in (("jtilert", ()), ("tests", ("golden",)), ("cuda", ()), ("bench", ("results",))):
+        shutil.copytree(ROOT / d, tmp_path / d, ignore=shutil.ignore_patterns("__pycache__", *skip))
     r = subprocess.run(["patch", "-s", "-p1", "-i", str(ROOT / "bench" / "experiments" / patch)],
                        cwd=tmp_path, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
