@@ -1,0 +1,322 @@
+"""Issue 14's question for Pallas: dependent fp8 GEMVs as the phases of one Mosaic-GPU kernel, handed
+off through a grid-wide GMEM semaphore, against one launch per GEMV (bench/experiments/gemv_chain.cu
+asked it of a CUDA kernel with CUDA-core arithmetic; this asks it of the fp8x2 wgmma arithmetic the
+step's GEMVs run).
+
+The chain: x_{p+1} = bf16(W_p x_p) for P GEMVs, W_p alternately [big, small] and [small, big] e4m3
+with 128-block scales (by default 7168 and 2048: 14.7 MB each, every W distinct, 470 MB a chain).
+One phase body (`gemv_phase`) does a CTA's share of a GEMV: 64 rows and a K slice (`plan`: at 7168
+rows 112 row blocks of the whole K; at 2048 rows 32 row blocks of 4 K slices), its weights through
+`_hopper.stream_tiles`, x as two e4m3 halves in one wgmma B (`_hopper.wgmma_fp8_pair_step`, the
+shipped fp8x2 engine's step); it writes its fp32 partial row block, and the next GEMV's CTAs sum the
+partials of their K slice and round them to bf16. Forms:
+  launches   one kernel per GEMV (the step's form: each kernel waits for the one before)
+  barrier    one kernel of `ctas` CTAs; before a GEMV each CTA waits until every CTA has arrived
+             after the GEMV before (one GMEM semaphore counting arrivals), then asks for its weights
+  prefetch   the same, each CTA asking for its first `stages` weight tiles before it waits
+Every form's every GEMV is checked against XLA's product from the form's own input to it. Times:
+CUPTI kernel µs per GEMV (a form's kernels over P) and the wall clock per GEMV of `calls` calls
+enqueued back to back (the device sets the pace, gaps between kernels included); the copy rate of the
+same run (`bench.decode.copy_bandwidth`).
+
+    python -m bench.experiments.pallas_chain --out pallas_chain.json [--gemvs 32] [--dims 7168,2048]  (GPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import time
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jtilert.ops.quant import dequantize, quantize_weight
+from jtilert.pallas import _hopper as hw
+from jtilert.pallas import interpret as interp
+from jtilert.pallas._hopper import BF16, F32, FP8, MAX_TOKENS, QBLOCK, X_LAYOUT
+
+BN = 64        # rows of a CTA's block (wgmma's M)
+BK = 256       # K columns of a pipeline step
+STAGES = 4     # weight tiles in flight
+FORMS = ("launches", "barrier", "prefetch")
+
+
+def plan(n: int, k: int, ctas: int) -> tuple[int, int]:
+    """(row blocks, K slices) of an [n, k] GEMV over `ctas` CTAs: every row block split into the most
+    K slices of whole steps for which the blocks and slices fit the CTAs."""
+    if n % BN or k % BK:
+        raise ValueError(f"chain GEMV [{n}, {k}]: rows a multiple of {BN}, K of {BK}")
+    blocks = n // BN
+    if blocks > ctas:
+        raise ValueError(f"chain GEMV [{n}, {k}]: {blocks} row blocks for {ctas} CTAs")
+    split = ctas // blocks
+    while k % (split * BK):
+        split -= 1
+    return blocks, split
+
+
+def shapes(dims: tuple[int, int], gemvs: int) -> list[tuple[int, int]]:
+    """[N, K] of each GEMV of the chain: [big, small], [small, big], ..."""
+    big, small = dims
+    return [(big, small) if p % 2 == 0 else (small, big) for p in range(gemvs)]
+
+
+def gemv_phase(cta, *, n: int, k: int, ctas: int, w, s, wid, x_in, out_at, scratch, wait=None,
+               prefetch: bool = True):
+    """CTA `cta`'s share of one GEMV (`plan`): rows row0..row0+63 of w[wid] [n, k] (e4m3, scales
+    s[wid] [n/128, k/128]) against x's K slice, x_in = ("bf16", x [K]) or ("partials", parts, S) with
+    parts(i) the GEMV before's fp32 partials of K slice i as a GMEM [K/128, 128] (x their sum in split
+    order, rounded to bf16, as XLA between two GEMVs). out_at(split, row0): the GMEM destination
+    ([64] fp32) of the CTA's partial sums. `wait()`: run before x is read, after the first weight tiles
+    are asked for (`prefetch`) or before them (the CTAs without a share of this GEMV run it too).
+    `scratch`: `_scratch`'s buffers."""
+    blocks, split = plan(n, k, ctas)
+    kc = k // split
+    nblk = kc // QBLOCK
+    w_tr, sub = hw.weight_transforms(BK, 1)   # sub: one 128-column scale block
+    nsub = BK // sub
+    xb, sx, o_smem, stage, xbar = scratch
+    active = cta < blocks * split
+    if wait is not None and not prefetch:
+        wait()
+    elif wait is not None:
+        pl.when(jnp.logical_not(active))(wait)
+
+    @pl.when(active)
+    def _():
+        row0 = (cta % blocks) * BN
+        s_idx = cta // blocks
+        k0 = s_idx * kc
+
+        def scales_at(step):
+            kb = jnp.minimum((k0 + step * BK) // QBLOCK, k // QBLOCK - nsub)
+            return tuple(s[wid, row0 // QBLOCK, kb + h] for h in range(nsub))
+
+        def x_columns():
+            """x's slice as fp32 rows of 128 columns (bf16 values). The partials come by TMA, as the
+            async copies that wrote them (the semaphore orders the two)."""
+            if x_in[0] == "bf16":
+                return [plgpu.load(x_in[1].at[pl.ds(k0 + b * QBLOCK, QBLOCK)], optimized=False).astype(F32)
+                        for b in range(nblk)]
+            _, parts, splits = x_in
+            for i in range(splits):
+                plgpu.copy_gmem_to_smem(parts(i).at[pl.ds(k0 // QBLOCK, nblk)], stage.at[i, pl.ds(0, nblk)],
+                                        xbar.at[i])
+            for i in range(splits):
+                plgpu.barrier_wait(xbar.at[i])
+            cols = []
+            for b in range(nblk):
+                v = None
+                for i in range(splits):
+                    part = plgpu.load(stage.at[i, b], optimized=False)
+                    v = part if v is None else v + part
+                cols.append(v.astype(BF16).astype(F32))
+            return cols
+
+        def first():
+            """While the first weight tiles arrive: x's slice split into its two e4m3 halves."""
+            if wait is not None and prefetch:
+                wait()
+            cols = x_columns()
+            rows = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (MAX_TOKENS, QBLOCK), 0), X_LAYOUT)
+
+            def tile(b):
+                v = plgpu.layout_cast(lax.broadcast_in_dim(cols[b], (MAX_TOKENS, QBLOCK), (1,)), X_LAYOUT)
+                return jnp.where(rows == 0, v, 0.0)
+            sx[0] = hw.store_fp8_pair(hw.pair_rows(xb, QBLOCK), tile, nblk)
+            plgpu.commit_smem()
+
+        def body(step, w_smem, carry):
+            acc, scs = carry
+            nxt = scales_at(step + 1)
+            factors = [f * sx[0] for f in scs]
+            return hw.wgmma_fp8_pair_step(acc, w_smem, xb, step * BK, factors, nsub=nsub, sub=sub), nxt
+
+        col_id = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (BN, hw.PAIR_COLS), 1), plgpu.Layout.WGMMA)
+        zeros = jnp.where(col_id < 0, 1.0, 0.0).astype(F32)
+        tile = lambda step: w.at[wid, pl.ds(row0, BN), pl.ds(k0 + step * BK, BK)]
+        _, (acc, _) = hw.stream_tiles(body, steps=kc // BK, stages=STAGES, tiles=[tile], shape=(BN, BK),
+                                      dtype=FP8, transforms=w_tr, carry=(zeros, scales_at(0)), first=first)
+        o_smem[...] = hw.pair_column(acc, col_id, 0)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, out_at(s_idx, row0))
+        plgpu.wait_smem_to_gmem(0)   # the writes done, not only read from SMEM: others read them next
+
+
+def _scratch(kc: int, splits: int) -> list:
+    """x's halves (`hw.pair_operand`), x's scale, the output block, the staged partials of `splits`
+    K slices and their barriers."""
+    return [hw.pair_operand(kc), plgpu.SMEM((1,), F32), plgpu.SMEM((BN,), F32),
+            plgpu.SMEM((max(splits, 1), kc // QBLOCK, QBLOCK), F32), plgpu.Barrier(num_barriers=max(splits, 1))]
+
+
+def _rows(ref, row0):
+    """A [.., N/128, 128] partials ref's rows row0..row0+63."""
+    return ref.at[row0 // QBLOCK, pl.ds(row0 % QBLOCK, BN)]
+
+
+@functools.partial(jax.jit, static_argnames=("n", "k", "ctas"))
+def launch(x, w, s, wid, *, n: int, k: int, ctas: int):
+    """One GEMV as a kernel of its own: x bf16 [K] or the GEMV before's fp32 partials [S, K/128, 128];
+    w [L, n, k] e4m3, s [L, n/128, k/128], wid int32 [1]. Returns its partials [split, n/128, 128]."""
+    blocks, split = plan(n, k, ctas)
+    splits_in = 0 if x.ndim == 1 else x.shape[0]
+
+    def kernel(x_ref, w_ref, s_ref, wid_ref, out_ref, *scratch):
+        x_in = ("bf16", x_ref) if splits_in == 0 else ("partials", lambda i: x_ref.at[i], splits_in)
+        gemv_phase(lax.axis_index("c"), n=n, k=k, ctas=ctas, w=w_ref, s=s_ref, wid=wid_ref[0], x_in=x_in,
+                   out_at=lambda sp, row0: _rows(out_ref.at[sp], row0), scratch=scratch)
+
+    return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((split, n // QBLOCK, QBLOCK), F32), grid=(ctas,),
+                        grid_names=("c",), scratch_types=_scratch(k // split, splits_in), interpret=interp.params(),
+                        kernel_name=f"chain_launch_{n}x{k}")(x, w, s, wid)
+
+
+def run_launches(x0, wa, sa, wb, sb, *, ctas: int) -> list:
+    """The chain as one kernel per GEMV: every GEMV's partials."""
+    (big, small), gemvs = wa.shape[1:], 2 * wa.shape[0]
+    outs, x = [], x0
+    for p, (n, k) in enumerate(shapes((big, small), gemvs)):
+        w, s = (wa, sa) if p % 2 == 0 else (wb, sb)
+        x = launch(x, w, s, jnp.full((1,), p // 2, jnp.int32), n=n, k=k, ctas=ctas)
+        outs.append(x)
+    return outs
+
+
+@functools.partial(jax.jit, static_argnames=("ctas", "prefetch"))
+def persistent(x0, wa, sa, wb, sb, *, ctas: int, prefetch: bool):
+    """The chain as one kernel of `ctas` CTAs (all resident at once: at most one per SM), the GEMVs
+    its phases. Before phase p every CTA waits until the semaphore has counted p · ctas arrivals (each
+    CTA arrives once a phase, after its partials are written), so phase p − 1 is complete; a CTA
+    arrives only after its own wait, so the count cannot run ahead of a late CTA. Returns every GEMV's
+    partials, [P, max split, big/128, 128] (a GEMV of N rows and S slices in [p, :S, :N/128])."""
+    (big, small), gemvs = wa.shape[1:], 2 * wa.shape[0]
+    (_, split_a), (_, split_b) = plan(big, small, ctas), plan(small, big, ctas)
+    width = max(small // split_a, big // split_b)
+
+    def kernel(x_ref, wa_ref, sa_ref, wb_ref, sb_ref, out_ref, *scratch):
+        cta = lax.axis_index("c")
+        arrivals = pl.get_global(plgpu.SemaphoreType.REGULAR)
+
+        def phase(p, w, s, wid, n, k, splits_in):
+            """GEMV p (p = 0: of x; else of the partials of GEMV p − 1, `splits_in` K slices)."""
+            first = isinstance(p, int) and p == 0
+            x_in = ("bf16", x_ref) if first else ("partials", lambda i: out_ref.at[p - 1, i], splits_in)
+            wait = None if first else (
+                lambda: plgpu.semaphore_wait(arrivals, p * ctas, decrement=False, memory_scope="gpu"))
+            gemv_phase(cta, n=n, k=k, ctas=ctas, w=w, s=s, wid=wid, x_in=x_in,
+                       out_at=lambda sp, row0: _rows(out_ref.at[p, sp], row0), scratch=scratch,
+                       wait=wait, prefetch=prefetch)
+            plgpu.semaphore_signal(arrivals, 1, memory_scope="gpu")
+
+        phase(0, wa_ref, sa_ref, 0, big, small, 0)
+
+        @pl.loop(0, gemvs // 2)
+        def _(j):
+            phase(2 * j + 1, wb_ref, sb_ref, j, small, big, split_a)
+
+            @pl.when(j + 1 < gemvs // 2)
+            def _():
+                phase(2 * j + 2, wa_ref, sa_ref, j + 1, big, small, split_b)
+
+    out_type = jax.ShapeDtypeStruct((gemvs, max(split_a, split_b), big // QBLOCK, QBLOCK), F32)
+    return plgpu.kernel(kernel, out_type=out_type, grid=(ctas,), grid_names=("c",),
+                        scratch_types=_scratch(width, max(split_a, split_b)), interpret=interp.params(),
+                        kernel_name=f"chain_{'prefetch' if prefetch else 'barrier'}")(x0, wa, sa, wb, sb)
+
+
+def run_raw(form: str, x0, wa, sa, wb, sb, *, ctas: int):
+    """The form's kernels and nothing else (what is timed): their outputs as they write them."""
+    if form == "launches":
+        return run_launches(x0, wa, sa, wb, sb, ctas=ctas)
+    return persistent(x0, wa, sa, wb, sb, ctas=ctas, prefetch=form == "prefetch")
+
+
+def run_form(form: str, x0, wa, sa, wb, sb, *, ctas: int) -> list:
+    """Every GEMV's partials [split, N] under `form`."""
+    big, small = wa.shape[1:]
+    outs = run_raw(form, x0, wa, sa, wb, sb, ctas=ctas)
+    if form != "launches":
+        outs = [outs[p, :plan(n, k, ctas)[1], :n // QBLOCK]
+                for p, (n, k) in enumerate(shapes((big, small), outs.shape[0]))]
+    return [o.reshape(o.shape[0], -1) for o in outs]
+
+
+def chain_weights(key, dims: tuple[int, int], gemvs: int):
+    """x0 bf16 [small] and the stacks wa [P/2, big, small], wb [P/2, small, big] (e4m3, rows of unit
+    scale: the chain's values stay near 1) with their block scales."""
+    if gemvs % 2:
+        raise ValueError(f"the chain alternates two shapes: an even number of GEMVs, got {gemvs}")
+    big, small = dims
+    kx, ka, kb = jax.random.split(key, 3)
+
+    def stack(k, n, kk):
+        ws = [quantize_weight(jax.random.normal(jax.random.fold_in(k, i), (n, kk), F32) / np.sqrt(kk))
+              for i in range(gemvs // 2)]
+        return jnp.stack([w for w, _ in ws]), jnp.stack([s for _, s in ws])
+    x0 = jax.random.normal(kx, (small,), F32).astype(BF16)
+    return (x0, *stack(ka, big, small), *stack(kb, small, big))
+
+
+def check(outs: list, x0, wa, sa, wb, sb) -> list[float]:
+    """Each GEMV's relative L2 error against XLA's fp32 product of its dequantised weight and the
+    form's own input to it (x0, then the partials before, summed and rounded to bf16)."""
+    errs, x = [], x0.astype(F32)
+    for p, parts in enumerate(outs):
+        w, s = (wa, sa) if p % 2 == 0 else (wb, sb)
+        want = jnp.dot(dequantize(w[p // 2], s[p // 2], F32), x, precision=lax.Precision.HIGHEST)
+        got = parts.sum(axis=0)
+        errs.append(float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)))
+        x = got.astype(BF16).astype(F32)
+    return errs
+
+
+def main(argv=None) -> int:  # pragma: no cover - GPU only
+    from bench import provenance
+    from bench.decode import _cupti, copy_bandwidth
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="pallas_chain.json")
+    ap.add_argument("--gemvs", type=int, default=32)
+    ap.add_argument("--dims", default="7168,2048")
+    ap.add_argument("--ctas", type=int, default=128)
+    ap.add_argument("--calls", type=int, default=20)
+    a = ap.parse_args(argv)
+    dims = tuple(int(d) for d in a.dims.split(","))
+    args = chain_weights(jax.random.key(0), dims, a.gemvs)
+    nbytes = sum(int(w.nbytes + s.nbytes) for w, s in (args[1:3], args[3:5]))
+    copy = copy_bandwidth()
+    result = dict(device=jax.devices()[0].device_kind, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                  commit=provenance.commit(), command=provenance.command("bench.experiments.pallas_chain", argv),
+                  dims=dims, gemvs=a.gemvs, ctas=a.ctas, mb_per_gemv=nbytes / a.gemvs / 1e6, copy_gbs=copy / 1e9,
+                  bytes_us_per_gemv=nbytes / a.gemvs / copy * 1e6, forms={})
+    for form in FORMS:
+        run = jax.jit(functools.partial(run_raw, form, ctas=a.ctas))
+        try:
+            errs = check(jax.jit(functools.partial(run_form, form, ctas=a.ctas))(*args), *args)
+            kernels, busy = _cupti(lambda: run(*args))
+            jax.block_until_ready(run(*args))
+            t0 = time.perf_counter()
+            for _ in range(a.calls):   # enqueued back to back: the device, not the host, sets the pace
+                outs = run(*args)
+            jax.block_until_ready(outs)
+            wall = (time.perf_counter() - t0) / a.calls
+            row = dict(max_rel_err=max(errs), ok=max(errs) < 2e-3, kernels=len(kernels),
+                       kernel_us_per_gemv=busy * 1e6 / a.gemvs,
+                       wall_us_per_gemv=wall * 1e6 / a.gemvs)
+        except Exception as e:  # noqa: BLE001 - a form that fails is a result too
+            row = dict(error=f"{type(e).__name__}: {e}"[:2000])
+        result["forms"][form] = row
+        print(form, json.dumps(row), flush=True)
+    with open(a.out, "w") as f:
+        json.dump(result, f, indent=1)
+    return 0 if all(r.get("ok") for r in result["forms"].values()) else 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
