@@ -36,7 +36,7 @@ def test_each_gemv_of_the_launched_chain_is_xlas():
     assert pc.check([outs[0], outs[1].at[1].set(0.0)], *args)[1] > 0.1
 
 
-@pytest.mark.parametrize("form", ["barrier", "prefetch"])
+@pytest.mark.parametrize("form", ["barrier", "prefetch", "ring", "stream"])
 def test_the_one_kernel_chain_lowers_for_the_gpu(form):
     S = jax.ShapeDtypeStruct
     big, small = DIMS

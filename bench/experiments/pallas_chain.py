@@ -14,7 +14,9 @@ partials of their K slice and round them to bf16. Forms:
   barrier    one kernel of `ctas` CTAs; before a GEMV each CTA waits until every CTA has arrived
              after the GEMV before (one GMEM semaphore counting arrivals), then asks for its weights
   prefetch   the same, each CTA asking for its first `stages` weight tiles before it waits
-Every form's every GEMV is checked against XLA's product from the form's own input to it. Times:
+  ring       prefetch without arithmetic: each phase's weights streamed and dropped, the semaphore kept
+  stream     the weight stream alone: no arithmetic, no semaphore (the floor of this kernel's structure)
+Every arithmetic form's every GEMV is checked against XLA's product from the form's own input to it. Times:
 CUPTI kernel µs per GEMV (a form's kernels over P) and the wall clock per GEMV of `calls` calls
 enqueued back to back (the device sets the pace, gaps between kernels included); the copy rate of the
 same run (`bench.decode.copy_bandwidth`).
@@ -44,7 +46,8 @@ from jtilert.pallas._hopper import BF16, F32, FP8, MAX_TOKENS, QBLOCK, X_LAYOUT
 BN = 64        # rows of a CTA's block (wgmma's M)
 BK = 256       # K columns of a pipeline step
 STAGES = 4     # weight tiles in flight
-FORMS = ("launches", "barrier", "prefetch")
+FORMS = ("launches", "barrier", "prefetch", "ring", "stream")
+FLOORS = ("ring", "stream")   # no arithmetic: what the weight stream (and the handoffs) take alone
 
 
 def plan(n: int, k: int, ctas: int) -> tuple[int, int]:
@@ -68,14 +71,15 @@ def shapes(dims: tuple[int, int], gemvs: int) -> list[tuple[int, int]]:
 
 
 def gemv_phase(cta, *, n: int, k: int, ctas: int, w, s, wid, x_in, out_at, scratch, wait=None,
-               prefetch: bool = True):
+               prefetch: bool = True, math: bool = True):
     """CTA `cta`'s share of one GEMV (`plan`): rows row0..row0+63 of w[wid] [n, k] (e4m3, scales
     s[wid] [n/128, k/128]) against x's K slice, x_in = ("bf16", x [K]) or ("partials", parts, S) with
     parts(i) the GEMV before's fp32 partials of K slice i as a GMEM [K/128, 128] (x their sum in split
     order, rounded to bf16, as XLA between two GEMVs). out_at(split, row0): the GMEM destination
     ([64] fp32) of the CTA's partial sums. `wait()`: run before x is read, after the first weight tiles
     are asked for (`prefetch`) or before them (the CTAs without a share of this GEMV run it too).
-    `scratch`: `_scratch`'s buffers."""
+    `scratch`: `_scratch`'s buffers. Without `math` the weight tiles are streamed and dropped: no x,
+    no arithmetic, no output."""
     blocks, split = plan(n, k, ctas)
     kc = k // split
     nblk = kc // QBLOCK
@@ -93,6 +97,12 @@ def gemv_phase(cta, *, n: int, k: int, ctas: int, w, s, wid, x_in, out_at, scrat
         row0 = (cta % blocks) * BN
         s_idx = cta // blocks
         k0 = s_idx * kc
+        tile = lambda step: w.at[wid, pl.ds(row0, BN), pl.ds(k0 + step * BK, BK)]
+        stream = functools.partial(hw.stream_tiles, steps=kc // BK, stages=STAGES, tiles=[tile], shape=(BN, BK),
+                                   dtype=FP8, transforms=w_tr)
+        if not math:
+            stream(lambda step, w_smem, c: c, carry=k0 * 0, first=wait if prefetch else None)
+            return
 
         def scales_at(step):
             kb = jnp.minimum((k0 + step * BK) // QBLOCK, k // QBLOCK - nsub)
@@ -140,9 +150,7 @@ def gemv_phase(cta, *, n: int, k: int, ctas: int, w, s, wid, x_in, out_at, scrat
 
         col_id = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (BN, hw.PAIR_COLS), 1), plgpu.Layout.WGMMA)
         zeros = jnp.where(col_id < 0, 1.0, 0.0).astype(F32)
-        tile = lambda step: w.at[wid, pl.ds(row0, BN), pl.ds(k0 + step * BK, BK)]
-        _, (acc, _) = hw.stream_tiles(body, steps=kc // BK, stages=STAGES, tiles=[tile], shape=(BN, BK),
-                                      dtype=FP8, transforms=w_tr, carry=(zeros, scales_at(0)), first=first)
+        _, (acc, _) = stream(body, carry=(zeros, scales_at(0)), first=first)
         o_smem[...] = hw.pair_column(acc, col_id, 0)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem, out_at(s_idx, row0))
@@ -189,31 +197,34 @@ def run_launches(x0, wa, sa, wb, sb, *, ctas: int) -> list:
     return outs
 
 
-@functools.partial(jax.jit, static_argnames=("ctas", "prefetch"))
-def persistent(x0, wa, sa, wb, sb, *, ctas: int, prefetch: bool):
+@functools.partial(jax.jit, static_argnames=("ctas", "form"))
+def persistent(x0, wa, sa, wb, sb, *, ctas: int, form: str):
     """The chain as one kernel of `ctas` CTAs (all resident at once: at most one per SM), the GEMVs
     its phases. Before phase p every CTA waits until the semaphore has counted p · ctas arrivals (each
     CTA arrives once a phase, after its partials are written), so phase p − 1 is complete; a CTA
-    arrives only after its own wait, so the count cannot run ahead of a late CTA. Returns every GEMV's
-    partials, [P, max split, big/128, 128] (a GEMV of N rows and S slices in [p, :S, :N/128])."""
+    arrives only after its own wait, so the count cannot run ahead of a late CTA. `form`: one of FORMS
+    but "launches". Returns every GEMV's partials, [P, max split, big/128, 128] (a GEMV of N rows and S
+    slices in [p, :S, :N/128]; unwritten in the FLOORS)."""
     (big, small), gemvs = wa.shape[1:], 2 * wa.shape[0]
+    math, synced = form not in FLOORS, form != "stream"
     (_, split_a), (_, split_b) = plan(big, small, ctas), plan(small, big, ctas)
     width = max(small // split_a, big // split_b)
 
     def kernel(x_ref, wa_ref, sa_ref, wb_ref, sb_ref, out_ref, *scratch):
         cta = lax.axis_index("c")
-        arrivals = pl.get_global(plgpu.SemaphoreType.REGULAR)
+        arrivals = pl.get_global(plgpu.SemaphoreType.REGULAR) if synced else None
 
         def phase(p, w, s, wid, n, k, splits_in):
             """GEMV p (p = 0: of x; else of the partials of GEMV p − 1, `splits_in` K slices)."""
             first = isinstance(p, int) and p == 0
             x_in = ("bf16", x_ref) if first else ("partials", lambda i: out_ref.at[p - 1, i], splits_in)
-            wait = None if first else (
+            wait = None if first or not synced else (
                 lambda: plgpu.semaphore_wait(arrivals, p * ctas, decrement=False, memory_scope="gpu"))
             gemv_phase(cta, n=n, k=k, ctas=ctas, w=w, s=s, wid=wid, x_in=x_in,
                        out_at=lambda sp, row0: _rows(out_ref.at[p, sp], row0), scratch=scratch,
-                       wait=wait, prefetch=prefetch)
-            plgpu.semaphore_signal(arrivals, 1, memory_scope="gpu")
+                       wait=wait, prefetch=form != "barrier", math=math)
+            if synced:
+                plgpu.semaphore_signal(arrivals, 1, memory_scope="gpu")
 
         phase(0, wa_ref, sa_ref, 0, big, small, 0)
 
@@ -228,14 +239,14 @@ def persistent(x0, wa, sa, wb, sb, *, ctas: int, prefetch: bool):
     out_type = jax.ShapeDtypeStruct((gemvs, max(split_a, split_b), big // QBLOCK, QBLOCK), F32)
     return plgpu.kernel(kernel, out_type=out_type, grid=(ctas,), grid_names=("c",),
                         scratch_types=_scratch(width, max(split_a, split_b)), interpret=interp.params(),
-                        kernel_name=f"chain_{'prefetch' if prefetch else 'barrier'}")(x0, wa, sa, wb, sb)
+                        kernel_name=f"chain_{form}")(x0, wa, sa, wb, sb)
 
 
 def run_raw(form: str, x0, wa, sa, wb, sb, *, ctas: int):
     """The form's kernels and nothing else (what is timed): their outputs as they write them."""
     if form == "launches":
         return run_launches(x0, wa, sa, wb, sb, ctas=ctas)
-    return persistent(x0, wa, sa, wb, sb, ctas=ctas, prefetch=form == "prefetch")
+    return persistent(x0, wa, sa, wb, sb, ctas=ctas, form=form)
 
 
 def run_form(form: str, x0, wa, sa, wb, sb, *, ctas: int) -> list:
@@ -298,7 +309,8 @@ def main(argv=None) -> int:  # pragma: no cover - GPU only
     for form in FORMS:
         run = jax.jit(functools.partial(run_raw, form, ctas=a.ctas))
         try:
-            errs = check(jax.jit(functools.partial(run_form, form, ctas=a.ctas))(*args), *args)
+            errs = [0.0] if form in FLOORS else check(jax.jit(functools.partial(run_form, form, ctas=a.ctas))(*args),
+                                                      *args)
             kernels, busy = _cupti(lambda: run(*args))
             jax.block_until_ready(run(*args))
             t0 = time.perf_counter()
@@ -306,7 +318,7 @@ def main(argv=None) -> int:  # pragma: no cover - GPU only
                 outs = run(*args)
             jax.block_until_ready(outs)
             wall = (time.perf_counter() - t0) / a.calls
-            row = dict(max_rel_err=max(errs), ok=max(errs) < 2e-3, kernels=len(kernels),
+            row = dict(max_rel_err=None if form in FLOORS else max(errs), ok=max(errs) < 2e-3, kernels=len(kernels),
                        kernel_us_per_gemv=busy * 1e6 / a.gemvs,
                        wall_us_per_gemv=wall * 1e6 / a.gemvs)
         except Exception as e:  # noqa: BLE001 - a form that fails is a result too
