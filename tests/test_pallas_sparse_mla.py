@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from jtilert.ops import reference
-from jtilert.ops.quant import quantize_weight
+from jtilert.ops.quant import pow2_scale, quantize_weight
 from jtilert.pallas import interpret as interp
 from jtilert.pallas import sparse_mla as smla
 
@@ -229,18 +229,25 @@ def test_sparse_mla_stacked_lowering_has_no_cache_copies(cache, S):
     assert len(kernels) == 1
 
 
-def _uv_stack(H, L, N, seed):
-    """W_uv stacked over NL layers, fp8 with 128-block scales: [NL, H, N, L], [NL, H, N/128, L/128]."""
+def _uv_stack(H, L, N, seed, block=128):
+    """W_uv stacked over NL layers, fp8 with `block`-block scales: [NL, H, N, L], [NL, H, N/block,
+    L/block] (64: the finer blocks of GLM-5's W_uv per head, powers of two as the checkpoint's)."""
     w = jax.random.normal(jax.random.key(seed), (NL, H, N, L)) * 0.05
-    return quantize_weight(w)
+    if block == 128:
+        return quantize_weight(w)
+    blocks = w.reshape(NL, H, N // block, block, L // block, block)
+    s = pow2_scale(jnp.abs(blocks).max(axis=(3, 5)))
+    return (blocks / s[:, :, :, None, :, None]).reshape(w.shape).astype(jnp.float8_e4m3fn), s
 
 
-@pytest.mark.parametrize("T, G, n, hc, L", [(2, 2, 6, 8, 256), (1, 1, 64, 16, 512)])
-def test_heads_linear_of_splits_merges_as_the_combine(T, G, n, hc, L):
+@pytest.mark.parametrize("T, G, n, hc, L, block", [(2, 2, 6, 8, 256, 128), (1, 1, 64, 16, 512, 128),
+                                                   (2, 1, 16, 8, 512, 64)])
+def test_heads_linear_of_splits_merges_as_the_combine(T, G, n, hc, L, block):
     """The heads GEMV fed the split partials (each CTA merges its head's splits in place of reading
     x) against the reference: combine, rounded to bf16, then heads_linear; two tokens (MTP verify),
-    two head groups, and splits with no valid row (m = -inf, l = 0) among them; and DeepSeek-V3.2's
-    shape at 32 rows a split (64 splits: the weight tile's every row)."""
+    two head groups, and splits with no valid row (m = -inf, l = 0) among them; DeepSeek-V3.2's
+    shape at 32 rows a split (64 splits: the weight tile's every row); GLM-5's 64-blocks of scales
+    (the merged input built in 64-column blocks)."""
     from jtilert.pallas import gemv
     k = jax.random.split(jax.random.key(np.random.randint(1 << 30)), 4)
     N = 128
@@ -249,11 +256,12 @@ def test_heads_linear_of_splits_merges_as_the_combine(T, G, n, hc, L):
     l = jax.random.uniform(k[2], (T, G, n, hc)) + 0.5
     dead = jnp.zeros((T, G, n, hc), bool).at[:, :, 1].set(True).at[T - 1, G - 1, 4].set(True)
     m, l = jnp.where(dead, -jnp.inf, m), jnp.where(dead, 0.0, l)
-    w, s = _uv_stack(G * hc, L, N, np.random.randint(1 << 30))
+    w, s = _uv_stack(G * hc, L, N, np.random.randint(1 << 30), block)
     layer = 1
-    out = _run(lambda o, m, l, lay: gemv.heads_linear_of_splits(o, m, l, w, s, layer=lay), o, m, l, jnp.int32(layer))
+    out = _run(lambda o, m, l, lay: gemv.heads_linear_of_splits(o, m, l, w, s, block, layer=lay), o, m, l,
+               jnp.int32(layer))
     x = smla.combine(o, m, l).astype(BF16)
-    ref = reference.heads_linear(x, w[layer], s[layer])
+    ref = reference.heads_linear(x, w[layer], s[layer], block)
     assert out.shape == (T, G * hc, N) and out.dtype == BF16 and np.isfinite(np.asarray(out, np.float32)).all()
     # the merged x as the reference rounds it; a merge summed in another order may round one element to
     # the next bf16 (2^-8 relative), which moves an output by far less than that
@@ -277,11 +285,12 @@ def test_sparse_mla_heads_linear_matches_reference(T):
 
 
 def test_sparse_mla_heads_linear_refuses_what_it_cannot_merge():
-    """The fp8 cache (partials in byte-plane order), 64-blocks of W_uv scales, a latent of 64 columns, an
-    fp32 attention output and more splits than the weight tile's rows are named; `Ops.sparse_mla_heads_linear`
-    then runs the two ops."""
+    """The fp8 cache (partials in byte-plane order), W_uv scales in blocks other than 64 or 128, a latent
+    of 64 columns, an fp32 attention output and more splits than the weight tile's rows are named;
+    `Ops.sparse_mla_heads_linear` then runs the two ops."""
     assert "fp8 latent cache" in smla.heads_linear_unsupported(16, 512, 64, 2048, True, 128, BF16)
-    assert "64-blocks" in smla.heads_linear_unsupported(16, 512, 64, 2048, False, 64, BF16)
+    assert "32-blocks" in smla.heads_linear_unsupported(16, 512, 64, 2048, False, 32, BF16)
+    assert smla.heads_linear_unsupported(8, 512, 64, 2048, False, 64, BF16) is None   # GLM-5's W_uv
     assert "kv_lora_rank=64" in smla.heads_linear_unsupported(8, 64, 16, 2048, False, 128, BF16)
     assert "float32" in smla.heads_linear_unsupported(16, 512, 64, 2048, False, 128, jnp.float32)
     assert "65 splits" in smla.heads_linear_unsupported(16, 512, 64, 32 * 65, False, 128, BF16)

@@ -453,10 +453,9 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
     if fp8 and cfg.engine in ("fma", "fp8x2") and scale_block != QBLOCK:
         raise ValueError(f"GEMV kernel: the {cfg.engine} engine takes 128-blocks of scales only")
     bn, bk, split, stages = cfg.block_n, cfg.block_k, cfg.split_k, cfg.stages
-    if splits is not None and (cfg.engine == "fma" or scale_block != QBLOCK or not splits_slice_fits(k // split)):
-        raise ValueError(f"GEMV splits input: the wgmma engines, 128-blocks of scales and K slices of whole "
-                         f"128-column blocks (at most 256 or a multiple of it); got engine {cfg.engine}, "
-                         f"{scale_block}-blocks, K={k}, split_k={split}")
+    if splits is not None and (cfg.engine == "fma" or not splits_slice_fits(k // split)):
+        raise ValueError(f"GEMV splits input: the wgmma engines and K slices of whole 128-column blocks (at "
+                         f"most 256 or a multiple of it); got engine {cfg.engine}, K={k}, split_k={split}")
     fma = cfg.engine == "fma"
     x8 = cfg.engine == "fp8x2"
     kc = k // split
@@ -1002,7 +1001,8 @@ def heads_linear_of_splits(o, m, l, w, scale=None, block: int = QBLOCK, *, layer
     """heads_linear(combine(o, m, l) rounded to bf16, W) in one launch: each CTA merges its head's
     split partials of sparse MLA (o [T, G, n, Hc, K] fp32, m, l [T, G, n, Hc]; head j = g·Hc + h) in
     place of reading x, so no combine kernel runs before it. W [H, N, K] ([L, H, N, K] with layer=)
-    fp8 with 128-blocks of scales, or bf16; K a multiple of 128 → [T, H, N] bf16."""
+    fp8 with `block`-blocks of scales (128, or 64: the wgmma engine), or bf16; K a multiple of 128 →
+    [T, H, N] bf16."""
     h = w.shape[-3]
     w, scale = _prep_weight(w, scale, layer)
     y = _projection(None, (w,), (scale,), heads=h, layer=layer, scale_block=block, out_dtype=BF16, config=config,

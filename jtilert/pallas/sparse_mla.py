@@ -503,8 +503,8 @@ def heads_linear_unsupported(heads: int, L: int, R: int, K: int, fp8: bool, bloc
         return "the fp8 latent cache (its partials are in byte-plane order)"
     if jnp.dtype(out_dtype) != BF16:
         return f"the attention's output in {jnp.dtype(out_dtype).name} (the kernel rounds it to bf16)"
-    if block != 128:
-        return f"W_uv's {block}-blocks of scales (the merged input is built in 128-column blocks)"
+    if block not in (64, 128):
+        return f"W_uv's {block}-blocks of scales (the heads GEMV takes 64- or 128-blocks)"
     if not gemv.splits_slice_fits(L):
         return f"kv_lora_rank={L}: a multiple of 128 (of 256 above 256)"
     why = unsupported(heads, L, R, None, config)
