@@ -19,6 +19,8 @@
 #                and end in its second step (bench/timeline.py) → timeline.json ("timeline" in the run),
 #                timeline.png (Gantt chart of layers 4-7), timeline.log
 #   contexts     the same, pallas only, at contexts 32K and 128K (issue 14's long-context targets)
+#   glm5         bench.decode for GLM-5's share (glm5-tp8-shard, all 78 layers, context 4096), pallas and plain
+#                XLA, CUPTI kernel profile: its step time, never measured (90.5 GiB of arguments: an H200)
 #   breakdown    bench.decode at 8 layers with the attention / MLP timing variants (issue 7)
 #   checkpoint   a 4-layer bf16 dsv32-tp8-shard HF checkpoint at $CK (on the CPU), for the comparison with
 #                transformers, bench/vs_transformers.py (context 1024, 64 new tokens, greedy, batch 1; run it
@@ -300,6 +302,8 @@ for part in "$@"; do
         --out "$WORK/defaults_now.json"
       XLA_FLAGS="" step defaults_concurrent_only 200 $DEC --layers 61 --backend pallas --kernels --samples 6 \
         --xla-option xla_gpu_command_buffer_scheduling_mode=CONCURRENT --out "$WORK/defaults_concurrent_only.json" ;;
+    glm5) step glm5 480 python3 -m bench.decode --preset glm5-tp8-shard --context 4096 --backend pallas,reference \
+            --kernels --samples 6 --out "$WORK/glm5.json" ;;
     mtp_glm5) step mtp_glm5 540 python3 -m bench.decode --preset glm5-tp8-shard --context 4096 --backend pallas \
                 --mtp --samples 6 --out "$WORK/mtp_glm5.json" ;;
     mtp) step mtp 540 $DEC --layers 61 --backend pallas --mtp --samples 6 --out "$WORK/mtp.json" ;;
