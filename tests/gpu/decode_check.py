@@ -1,9 +1,10 @@
 """On a GPU: the pallas decode path against the reference on one GPU's share of DeepSeek-V3.2
-(dsv32-tp8-shard, random fp8 weights): logits of 32 one-token steps after a 4-token prefill.
+(dsv32-tp8-shard, random fp8 weights; `--preset glm5-tp8-shard`: GLM-5's): logits of 32 one-token
+steps after a 4-token prefill.
 Both paths compute in bf16; the same model computed in fp32 tells how far bf16 rounding alone moves
 the logits (`bf16_reference_vs_fp32`), the yardstick for the pallas path's error.
 
-    PYTHONPATH=. python3 tests/gpu/decode_check.py [--layers 4] [--out check.json]
+    PYTHONPATH=. python3 tests/gpu/decode_check.py [--preset dsv32-tp8-shard] [--layers 4] [--out check.json]
 """
 
 from __future__ import annotations
@@ -65,12 +66,13 @@ def index_weights_errors() -> list[float]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
+    p.add_argument("--preset", default="dsv32-tp8-shard")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--per-op", action="store_true", help="also each kernel alone (the others on the reference)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
-    cfg = jtilert.preset("dsv32-tp8-shard", num_hidden_layers=a.layers)
+    cfg = jtilert.preset(a.preset, num_hidden_layers=a.layers)
     model = jtilert.random_model(cfg, fmt="fp8", seed=3)
     ids = np.random.RandomState(0).randint(0, cfg.vocab_size, 4 + a.steps)
     ref = jtilert.score(model, ids, prefill=4)
@@ -85,7 +87,7 @@ def main(argv=None) -> int:
         pal = jtilert.score(model, ids, prefill=4, backend="pallas")
         return {**error(pal, ref), "vs_fp32": error(pal, ref32)}
 
-    result = {"layers": a.layers, "steps": a.steps, **compare(), "bf16_reference_vs_fp32": error(ref, ref32),
+    result = {"preset": a.preset, "layers": a.layers, "steps": a.steps, **compare(), "bf16_reference_vs_fp32": error(ref, ref32),
               "stacked_gemv": stacked_gemv_errors(), "index_weights": index_weights_errors()}
     print("bf16 reference vs fp32:", result["bf16_reference_vs_fp32"], flush=True)
     print("stacked GEMV kernel vs reference, per layer:", result["stacked_gemv"], flush=True)
