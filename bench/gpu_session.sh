@@ -75,7 +75,9 @@
 #                running ahead (CUDA, no JAX)
 #   pchain       bench/experiments/pallas_chain.py: the same chain (32 of 14.7 MB, then 64 of 1 MB) on the fp8x2 wgmma
 #                arithmetic in Pallas: one kernel a GEMV against one kernel whose phases wait on a grid-wide GMEM
-#                semaphore (with and without each phase's first weight tiles asked for before the wait)
+#                semaphore (with and without each phase's first weight tiles asked for before the wait), and the
+#                floors without arithmetic; then the attention's input pair (x_proj-like [2304, 7168] and
+#                q_b | wq_b [11264, 1536], 16 of each) over 132 CTAs, more work items than CTAs
 #   gemvbound    bench/experiments/gemv_bound.py: o_proj's fp8 GEMV cold and from L2 under tuning configs, K 256..2048,
 #                bf16 weights (what bounds the GEMV kernel)
 #   inflight     the same, o_proj and x_proj with GemvConfig.in_flight 0 and 1 only
@@ -322,7 +324,9 @@ for part in "$@"; do
     pchain)
       step pchain 180 python3 -m bench.experiments.pallas_chain --out "$WORK/pallas_chain.json"
       step pchain_1mb 180 python3 -m bench.experiments.pallas_chain --dims 2048,512 --gemvs 64 \
-        --out "$WORK/pallas_chain_1mb.json" ;;
+        --out "$WORK/pallas_chain_1mb.json"
+      step pchain_attn 180 python3 -m bench.experiments.pallas_chain --dims 2304,7168,11264,1536 --ctas 132 \
+        --out "$WORK/pallas_chain_attn.json" ;;
     gemvbound)
       step gemvbound 300 python3 -m bench.experiments.gemv_bound --out "$WORK/gemvbound.json" ;;
     w8a8)

@@ -16,34 +16,46 @@ from jtilert.pallas import interpret as interp
 DIMS, GEMVS, CTAS = (512, 256), 4, 8   # 8 row blocks of the whole K; 4 row blocks of 2 K slices
 
 
-def test_the_plan_fills_the_ctas_with_whole_steps():
+def test_the_plan_spreads_whole_steps_over_the_ctas():
     assert pc.plan(7168, 2048, 128) == (112, 1) and pc.plan(2048, 7168, 128) == (32, 4)
     assert pc.plan(*DIMS, CTAS) == (8, 1) and pc.plan(*DIMS[::-1], CTAS) == (4, 2)
-    with pytest.raises(ValueError, match="row blocks"):
-        pc.plan(1024, 256, 8)
+    # more row blocks than CTAs: the split whose busiest CTA has the least to do, an item counted as its
+    # columns and two steps more (x_proj-like: 252 items of 1024 columns over 132 CTAs, two rounds;
+    # q_b | wq_b: 352 of 768, three rounds)
+    assert pc.plan(2304, 7168, 132) == (36, 7) and pc.plan(11264, 1536, 132) == (176, 2)
     with pytest.raises(ValueError, match="multiple"):
         pc.plan(512, 200, 8)
+    assert pc.pair_dims((7168, 2048)) == (7168, 2048, 2048, 7168)
+    with pytest.raises(ValueError, match="at most the other"):
+        pc.pair_dims((256, 512, 1024, 512))
 
 
-def test_each_gemv_of_the_launched_chain_is_xlas():
-    args = pc.chain_weights(jax.random.key(3), DIMS, GEMVS)
+@pytest.mark.parametrize("dims, ctas, splits", [(DIMS, CTAS, (1, 2)),
+                                                # items over the CTAs in rounds, and reads of the first K
+                                                # columns of the output before: 6 items of [384, 512] and
+                                                # 16 of [1024, 256] over 5 CTAs
+                                                ((384, 512, 1024, 256), 5, (1, 1))])
+def test_each_gemv_of_the_launched_chain_is_xlas(dims, ctas, splits):
+    args = pc.chain_weights(jax.random.key(3), dims, GEMVS)
     with interp.interpret():
-        outs = pc.run_form("launches", *args, ctas=CTAS)
-    assert [o.shape for o in outs] == [(1, 512), (2, 256)] * 2
+        outs = pc.run_form("launches", *args, ctas=ctas)
+    na, _, nb, _ = pc.pair_dims(dims)
+    assert [o.shape for o in outs] == [(splits[0], na), (splits[1], nb)] * 2
     errs = pc.check(outs, *args)
     assert max(errs) < 1e-5, errs
-    # the check sees a wrong GEMV: the second one's partials with a slice dropped
-    assert pc.check([outs[0], outs[1].at[1].set(0.0)], *args)[1] > 0.1
+    # the check sees a wrong GEMV: the second one's partials with half their rows zeroed
+    assert pc.check([outs[0], outs[1].at[:, :nb // 2].set(0.0)], *args)[1] > 0.1
 
 
 @pytest.mark.parametrize("form", ["barrier", "prefetch", "ring", "stream"])
-def test_the_one_kernel_chain_lowers_for_the_gpu(form):
+@pytest.mark.parametrize("dims, ctas", [(DIMS, CTAS), ((2304, 7168, 11264, 1536), 132)])
+def test_the_one_kernel_chain_lowers_for_the_gpu(form, dims, ctas):
     S = jax.ShapeDtypeStruct
-    big, small = DIMS
-    args = (S((small,), jnp.bfloat16), S((GEMVS // 2, big, small), jnp.float8_e4m3fn),
-            S((GEMVS // 2, big // 128, small // 128), jnp.float32), S((GEMVS // 2, small, big), jnp.float8_e4m3fn),
-            S((GEMVS // 2, small // 128, big // 128), jnp.float32))
+    na, ka, nb, kb = pc.pair_dims(dims)
+    args = (S((ka,), jnp.bfloat16), S((GEMVS // 2, na, ka), jnp.float8_e4m3fn),
+            S((GEMVS // 2, na // 128, ka // 128), jnp.float32), S((GEMVS // 2, nb, kb), jnp.float8_e4m3fn),
+            S((GEMVS // 2, nb // 128, kb // 128), jnp.float32))
     with interp.compile_for_gpu():
-        text = jax.jit(functools.partial(pc.run_form, form, ctas=CTAS)).trace(*args).lower(
+        text = jax.jit(functools.partial(pc.run_form, form, ctas=ctas)).trace(*args).lower(
             lowering_platforms=("cuda",)).as_text()
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 1   # the whole chain one kernel

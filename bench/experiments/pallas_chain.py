@@ -3,25 +3,29 @@ off through a grid-wide GMEM semaphore, against one launch per GEMV (bench/exper
 asked it of a CUDA kernel with CUDA-core arithmetic; this asks it of the fp8x2 wgmma arithmetic the
 step's GEMVs run).
 
-The chain: x_{p+1} = bf16(W_p x_p) for P GEMVs, W_p alternately [big, small] and [small, big] e4m3
-with 128-block scales (by default 7168 and 2048: 14.7 MB each, every W distinct, 470 MB a chain).
-One phase body (`gemv_phase`) does a CTA's share of a GEMV: 64 rows and a K slice (`plan`: at 7168
-rows 112 row blocks of the whole K; at 2048 rows 32 row blocks of 4 K slices), its weights through
-`_hopper.stream_tiles`, x as two e4m3 halves in one wgmma B (`_hopper.wgmma_fp8_pair_step`, the
-shipped fp8x2 engine's step); it writes its fp32 partial row block, and the next GEMV's CTAs sum the
-partials of their K slice and round them to bf16. Forms:
+The chain: x_{p+1} = bf16(W_p x_p) for P GEMVs, W_p alternately [N_a, K_a] and [N_b, K_b] e4m3 with
+128-block scales, each reading the first K columns of the output before (`pair_dims`; by default
+[7168, 2048] and [2048, 7168]: 14.7 MB each, every W distinct, 470 MB a chain; the attention's input
+pair, x_proj then q_b | wq_b, is [2304, 7168] and [11264, 1536]). One phase body (`gemv_phase`) does a
+CTA's share of a GEMV: work items of 64 rows and a K slice, CTA c taking items c, c + ctas, ...
+(`plan`), each item's weights through `_hopper.stream_tiles`, x as two e4m3 halves in one wgmma B
+(`_hopper.wgmma_fp8_pair_step`, the shipped fp8x2 engine's step), its fp32 partial row block written
+by TMA; the next GEMV's CTAs copy in the partials of their K slice, sum them and round them to bf16.
+Forms:
   launches   one kernel per GEMV (the step's form: each kernel waits for the one before)
   barrier    one kernel of `ctas` CTAs; before a GEMV each CTA waits until every CTA has arrived
              after the GEMV before (one GMEM semaphore counting arrivals), then asks for its weights
   prefetch   the same, each CTA asking for its first `stages` weight tiles before it waits
   ring       prefetch without arithmetic: each phase's weights streamed and dropped, the semaphore kept
   stream     the weight stream alone: no arithmetic, no semaphore (the floor of this kernel's structure)
-Every arithmetic form's every GEMV is checked against XLA's product from the form's own input to it. Times:
+Every arithmetic form's every GEMV is checked against XLA's product from the form's own input to it.
+Times:
 CUPTI kernel µs per GEMV (a form's kernels over P) and the wall clock per GEMV of `calls` calls
 enqueued back to back (the device sets the pace, gaps between kernels included); the copy rate of the
 same run (`bench.decode.copy_bandwidth`).
 
-    python -m bench.experiments.pallas_chain --out pallas_chain.json [--gemvs 32] [--dims 7168,2048]  (GPU)
+    python -m bench.experiments.pallas_chain --out pallas_chain.json [--gemvs 32] [--dims 7168,2048] [--ctas 128]
+    (GPU; the one-kernel forms need every CTA resident: --ctas at most the SMs)
 """
 
 from __future__ import annotations
@@ -46,62 +50,70 @@ from jtilert.pallas._hopper import BF16, F32, FP8, MAX_TOKENS, QBLOCK, X_LAYOUT
 BN = 64        # rows of a CTA's block (wgmma's M)
 BK = 256       # K columns of a pipeline step
 STAGES = 4     # weight tiles in flight
+ITEM_COST_COLS = 2 * BK   # an item's fixed cost as weight columns (its pipeline's fill, x, its output)
 FORMS = ("launches", "barrier", "prefetch", "ring", "stream")
 FLOORS = ("ring", "stream")   # no arithmetic: what the weight stream (and the handoffs) take alone
 
 
 def plan(n: int, k: int, ctas: int) -> tuple[int, int]:
-    """(row blocks, K slices) of an [n, k] GEMV over `ctas` CTAs: every row block split into the most
-    K slices of whole steps for which the blocks and slices fit the CTAs."""
-    if n % BN or k % BK:
-        raise ValueError(f"chain GEMV [{n}, {k}]: rows a multiple of {BN}, K of {BK}")
+    """(row blocks, K slices) of an [n, k] GEMV over `ctas` CTAs, CTA c taking the work items c, c + ctas,
+    ... (an item: one row block's K slice of whole steps): the split whose busiest CTA has the least to
+    do, counting an item as its columns plus ITEM_COST_COLS; the fewest items among equals."""
+    if n % QBLOCK or k % BK:
+        raise ValueError(f"chain GEMV [{n}, {k}]: rows a multiple of {QBLOCK}, K of {BK}")
     blocks = n // BN
-    if blocks > ctas:
-        raise ValueError(f"chain GEMV [{n}, {k}]: {blocks} row blocks for {ctas} CTAs")
-    split = ctas // blocks
-    while k % (split * BK):
-        split -= 1
-    return blocks, split
+    cost = lambda split: -(-blocks * split // ctas) * (k // split + ITEM_COST_COLS)
+    return blocks, min((sp for sp in range(1, k // BK + 1) if k % (sp * BK) == 0), key=lambda sp: (cost(sp), sp))
 
 
-def shapes(dims: tuple[int, int], gemvs: int) -> list[tuple[int, int]]:
-    """[N, K] of each GEMV of the chain: [big, small], [small, big], ..."""
-    big, small = dims
-    return [(big, small) if p % 2 == 0 else (small, big) for p in range(gemvs)]
+def pair_dims(dims: tuple[int, ...]) -> tuple[int, int, int, int]:
+    """(N_a, K_a, N_b, K_b) of the chain's two GEMV shapes from `--dims`: big,small (the pair [big, small],
+    [small, big]) or all four. Each reads the first K columns of the other's output (K_b ≤ N_a, K_a ≤ N_b:
+    the attention's input pair, x_proj then q_b | wq_b reading q_a, is [2304, 7168], [11264, 1536])."""
+    na, ka, nb, kb = (dims[0], dims[1], dims[1], dims[0]) if len(dims) == 2 else dims
+    if kb > na or ka > nb:
+        raise ValueError(f"chain shapes [{na}, {ka}], [{nb}, {kb}]: each K at most the other's N")
+    return na, ka, nb, kb
+
+
+def shapes(dims: tuple[int, ...], gemvs: int) -> list[tuple[int, int]]:
+    """[N, K] of each GEMV of the chain: [N_a, K_a], [N_b, K_b], ... (`pair_dims`)."""
+    na, ka, nb, kb = pair_dims(dims)
+    return [(na, ka) if p % 2 == 0 else (nb, kb) for p in range(gemvs)]
 
 
 def gemv_phase(cta, *, n: int, k: int, ctas: int, w, s, wid, x_in, out_at, scratch, wait=None,
                prefetch: bool = True, math: bool = True):
-    """CTA `cta`'s share of one GEMV (`plan`): rows row0..row0+63 of w[wid] [n, k] (e4m3, scales
-    s[wid] [n/128, k/128]) against x's K slice, x_in = ("bf16", x [K]) or ("partials", parts, S) with
+    """CTA `cta`'s share of one GEMV (`plan`), item by item: rows row0..row0+63 of w[wid] [n, k] (e4m3,
+    scales s[wid] [n/128, k/128]) against x's K slice, x_in = ("bf16", x [K]) or ("partials", parts, S) with
     parts(i) the GEMV before's fp32 partials of K slice i as a GMEM [K/128, 128] (x their sum in split
     order, rounded to bf16, as XLA between two GEMVs). out_at(split, row0): the GMEM destination
-    ([64] fp32) of the CTA's partial sums. `wait()`: run before x is read, after the first weight tiles
-    are asked for (`prefetch`) or before them (the CTAs without a share of this GEMV run it too).
+    ([64] fp32) of an item's partial sums. `wait()`: run before x is read, after the first item's first
+    weight tiles are asked for (`prefetch`) or before them (the CTAs without an item run it too).
     `scratch`: `_scratch`'s buffers. Without `math` the weight tiles are streamed and dropped: no x,
     no arithmetic, no output."""
     blocks, split = plan(n, k, ctas)
+    items = blocks * split
     kc = k // split
     nblk = kc // QBLOCK
     w_tr, sub = hw.weight_transforms(BK, 1)   # sub: one 128-column scale block
     nsub = BK // sub
     xb, sx, o_smem, stage, xbar = scratch
-    active = cta < blocks * split
     if wait is not None and not prefetch:
         wait()
     elif wait is not None:
-        pl.when(jnp.logical_not(active))(wait)
+        pl.when(cta >= items)(wait)
 
-    @pl.when(active)
-    def _():
-        row0 = (cta % blocks) * BN
-        s_idx = cta // blocks
+    def item(i, wait):
+        """Work item i: rows row0..row0+63, K slice s_idx; `wait` before its x (the CTA's first item)."""
+        row0 = (i % blocks) * BN
+        s_idx = i // blocks
         k0 = s_idx * kc
         tile = lambda step: w.at[wid, pl.ds(row0, BN), pl.ds(k0 + step * BK, BK)]
         stream = functools.partial(hw.stream_tiles, steps=kc // BK, stages=STAGES, tiles=[tile], shape=(BN, BK),
                                    dtype=FP8, transforms=w_tr)
         if not math:
-            stream(lambda step, w_smem, c: c, carry=k0 * 0, first=wait if prefetch else None)
+            stream(lambda step, w_smem, c: c, carry=k0 * 0, first=wait)
             return
 
         def scales_at(step):
@@ -131,7 +143,7 @@ def gemv_phase(cta, *, n: int, k: int, ctas: int, w, s, wid, x_in, out_at, scrat
 
         def first():
             """While the first weight tiles arrive: x's slice split into its two e4m3 halves."""
-            if wait is not None and prefetch:
+            if wait is not None:
                 wait()
             cols = x_columns()
             rows = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (MAX_TOKENS, QBLOCK), 0), X_LAYOUT)
@@ -155,6 +167,10 @@ def gemv_phase(cta, *, n: int, k: int, ctas: int, w, s, wid, x_in, out_at, scrat
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem, out_at(s_idx, row0))
         plgpu.wait_smem_to_gmem(0)   # the writes done, not only read from SMEM: others read them next
+
+    for r in range(-(-items // ctas)):
+        pl.when(cta + r * ctas < items)(
+            functools.partial(item, cta + r * ctas, wait if r == 0 and prefetch else None))
 
 
 def _scratch(kc: int, splits: int) -> list:
@@ -186,11 +202,14 @@ def launch(x, w, s, wid, *, n: int, k: int, ctas: int):
                         kernel_name=f"chain_launch_{n}x{k}")(x, w, s, wid)
 
 
+def _dims(wa, wb) -> tuple[int, int, int, int]:
+    return (*wa.shape[1:], *wb.shape[1:])
+
+
 def run_launches(x0, wa, sa, wb, sb, *, ctas: int) -> list:
     """The chain as one kernel per GEMV: every GEMV's partials."""
-    (big, small), gemvs = wa.shape[1:], 2 * wa.shape[0]
     outs, x = [], x0
-    for p, (n, k) in enumerate(shapes((big, small), gemvs)):
+    for p, (n, k) in enumerate(shapes(_dims(wa, wb), 2 * wa.shape[0])):
         w, s = (wa, sa) if p % 2 == 0 else (wb, sb)
         x = launch(x, w, s, jnp.full((1,), p // 2, jnp.int32), n=n, k=k, ctas=ctas)
         outs.append(x)
@@ -203,12 +222,12 @@ def persistent(x0, wa, sa, wb, sb, *, ctas: int, form: str):
     its phases. Before phase p every CTA waits until the semaphore has counted p · ctas arrivals (each
     CTA arrives once a phase, after its partials are written), so phase p − 1 is complete; a CTA
     arrives only after its own wait, so the count cannot run ahead of a late CTA. `form`: one of FORMS
-    but "launches". Returns every GEMV's partials, [P, max split, big/128, 128] (a GEMV of N rows and S
-    slices in [p, :S, :N/128]; unwritten in the FLOORS)."""
-    (big, small), gemvs = wa.shape[1:], 2 * wa.shape[0]
+    but "launches". Returns every GEMV's partials, [P, max split, max N/128, 128] (a GEMV of N rows and
+    S slices in [p, :S, :N/128]; unwritten in the FLOORS)."""
+    (na, ka, nb, kb), gemvs = _dims(wa, wb), 2 * wa.shape[0]
     math, synced = form not in FLOORS, form != "stream"
-    (_, split_a), (_, split_b) = plan(big, small, ctas), plan(small, big, ctas)
-    width = max(small // split_a, big // split_b)
+    (_, split_a), (_, split_b) = plan(na, ka, ctas), plan(nb, kb, ctas)
+    width = max(ka // split_a, kb // split_b)
 
     def kernel(x_ref, wa_ref, sa_ref, wb_ref, sb_ref, out_ref, *scratch):
         cta = lax.axis_index("c")
@@ -226,17 +245,17 @@ def persistent(x0, wa, sa, wb, sb, *, ctas: int, form: str):
             if synced:
                 plgpu.semaphore_signal(arrivals, 1, memory_scope="gpu")
 
-        phase(0, wa_ref, sa_ref, 0, big, small, 0)
+        phase(0, wa_ref, sa_ref, 0, na, ka, 0)
 
         @pl.loop(0, gemvs // 2)
         def _(j):
-            phase(2 * j + 1, wb_ref, sb_ref, j, small, big, split_a)
+            phase(2 * j + 1, wb_ref, sb_ref, j, nb, kb, split_a)
 
             @pl.when(j + 1 < gemvs // 2)
             def _():
-                phase(2 * j + 2, wa_ref, sa_ref, j + 1, big, small, split_b)
+                phase(2 * j + 2, wa_ref, sa_ref, j + 1, na, ka, split_b)
 
-    out_type = jax.ShapeDtypeStruct((gemvs, max(split_a, split_b), big // QBLOCK, QBLOCK), F32)
+    out_type = jax.ShapeDtypeStruct((gemvs, max(split_a, split_b), max(na, nb) // QBLOCK, QBLOCK), F32)
     return plgpu.kernel(kernel, out_type=out_type, grid=(ctas,), grid_names=("c",),
                         scratch_types=_scratch(width, max(split_a, split_b)), interpret=interp.params(),
                         kernel_name=f"chain_{form}")(x0, wa, sa, wb, sb)
@@ -251,37 +270,36 @@ def run_raw(form: str, x0, wa, sa, wb, sb, *, ctas: int):
 
 def run_form(form: str, x0, wa, sa, wb, sb, *, ctas: int) -> list:
     """Every GEMV's partials [split, N] under `form`."""
-    big, small = wa.shape[1:]
     outs = run_raw(form, x0, wa, sa, wb, sb, ctas=ctas)
     if form != "launches":
         outs = [outs[p, :plan(n, k, ctas)[1], :n // QBLOCK]
-                for p, (n, k) in enumerate(shapes((big, small), outs.shape[0]))]
+                for p, (n, k) in enumerate(shapes(_dims(wa, wb), outs.shape[0]))]
     return [o.reshape(o.shape[0], -1) for o in outs]
 
 
-def chain_weights(key, dims: tuple[int, int], gemvs: int):
-    """x0 bf16 [small] and the stacks wa [P/2, big, small], wb [P/2, small, big] (e4m3, rows of unit
-    scale: the chain's values stay near 1) with their block scales."""
+def chain_weights(key, dims: tuple[int, ...], gemvs: int):
+    """x0 bf16 [K_a] and the stacks wa [P/2, N_a, K_a], wb [P/2, N_b, K_b] (`pair_dims`; e4m3, rows of
+    unit scale: the chain's values stay near 1) with their block scales."""
     if gemvs % 2:
         raise ValueError(f"the chain alternates two shapes: an even number of GEMVs, got {gemvs}")
-    big, small = dims
-    kx, ka, kb = jax.random.split(key, 3)
+    na, ka, nb, kb = pair_dims(dims)
+    kx, k_a, k_b = jax.random.split(key, 3)
 
     def stack(k, n, kk):
         ws = [quantize_weight(jax.random.normal(jax.random.fold_in(k, i), (n, kk), F32) / np.sqrt(kk))
               for i in range(gemvs // 2)]
         return jnp.stack([w for w, _ in ws]), jnp.stack([s for _, s in ws])
-    x0 = jax.random.normal(kx, (small,), F32).astype(BF16)
-    return (x0, *stack(ka, big, small), *stack(kb, small, big))
+    x0 = jax.random.normal(kx, (ka,), F32).astype(BF16)
+    return (x0, *stack(k_a, na, ka), *stack(k_b, nb, kb))
 
 
 def check(outs: list, x0, wa, sa, wb, sb) -> list[float]:
     """Each GEMV's relative L2 error against XLA's fp32 product of its dequantised weight and the
-    form's own input to it (x0, then the partials before, summed and rounded to bf16)."""
+    form's own input to it (x0, then the first K of the partials before, summed and rounded to bf16)."""
     errs, x = [], x0.astype(F32)
     for p, parts in enumerate(outs):
         w, s = (wa, sa) if p % 2 == 0 else (wb, sb)
-        want = jnp.dot(dequantize(w[p // 2], s[p // 2], F32), x, precision=lax.Precision.HIGHEST)
+        want = jnp.dot(dequantize(w[p // 2], s[p // 2], F32), x[:w.shape[-1]], precision=lax.Precision.HIGHEST)
         got = parts.sum(axis=0)
         errs.append(float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)))
         x = got.astype(BF16).astype(F32)
@@ -294,7 +312,7 @@ def main(argv=None) -> int:  # pragma: no cover - GPU only
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="pallas_chain.json")
     ap.add_argument("--gemvs", type=int, default=32)
-    ap.add_argument("--dims", default="7168,2048")
+    ap.add_argument("--dims", default="7168,2048", help="big,small or N_a,K_a,N_b,K_b (pair_dims)")
     ap.add_argument("--ctas", type=int, default=128)
     ap.add_argument("--calls", type=int, default=20)
     a = ap.parse_args(argv)
@@ -325,8 +343,8 @@ def main(argv=None) -> int:  # pragma: no cover - GPU only
             row = dict(error=f"{type(e).__name__}: {e}"[:2000])
         result["forms"][form] = row
         print(form, json.dumps(row), flush=True)
-    with open(a.out, "w") as f:
-        json.dump(result, f, indent=1)
+        with open(a.out, "w") as f:   # after every form: a form that hangs leaves the others' figures
+            json.dump(result, f, indent=1)
     return 0 if all(r.get("ok") for r in result["forms"].values()) else 1
 
 
