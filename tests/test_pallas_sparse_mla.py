@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from jtilert.ops import reference
-from jtilert.ops.quant import pow2_scale, quantize_weight
+from jtilert.ops.quant import quantize_weight
 from jtilert.pallas import interpret as interp
 from jtilert.pallas import sparse_mla as smla
 
@@ -233,11 +233,7 @@ def _uv_stack(H, L, N, seed, block=128):
     """W_uv stacked over NL layers, fp8 with `block`-block scales: [NL, H, N, L], [NL, H, N/block,
     L/block] (64: the finer blocks of GLM-5's W_uv per head, powers of two as the checkpoint's)."""
     w = jax.random.normal(jax.random.key(seed), (NL, H, N, L)) * 0.05
-    if block == 128:
-        return quantize_weight(w)
-    blocks = w.reshape(NL, H, N // block, block, L // block, block)
-    s = pow2_scale(jnp.abs(blocks).max(axis=(3, 5)))
-    return (blocks / s[:, :, :, None, :, None]).reshape(w.shape).astype(jnp.float8_e4m3fn), s
+    return quantize_weight(w, block)
 
 
 @pytest.mark.parametrize("T, G, n, hc, L, block", [(2, 2, 6, 8, 256, 128), (1, 1, 64, 16, 512, 128),

@@ -129,16 +129,16 @@ def gemv_phase(cta, *, n: int, k: int, ctas: int, w, s, wid, x_in, out_at, scrat
                 return [plgpu.load(x_in[1].at[pl.ds(k0 + b * QBLOCK, QBLOCK)], optimized=False).astype(F32)
                         for b in range(nblk)]
             _, parts, splits = x_in
-            for i in range(splits):
-                plgpu.copy_gmem_to_smem(parts(i).at[pl.ds(k0 // QBLOCK, nblk)], stage.at[i, pl.ds(0, nblk)],
-                                        xbar.at[i])
-            for i in range(splits):
-                plgpu.barrier_wait(xbar.at[i])
+            for sp in range(splits):
+                plgpu.copy_gmem_to_smem(parts(sp).at[pl.ds(k0 // QBLOCK, nblk)], stage.at[sp, pl.ds(0, nblk)],
+                                        xbar.at[sp])
+            for sp in range(splits):
+                plgpu.barrier_wait(xbar.at[sp])
             cols = []
             for b in range(nblk):
                 v = None
-                for i in range(splits):
-                    part = plgpu.load(stage.at[i, b], optimized=False)
+                for sp in range(splits):
+                    part = plgpu.load(stage.at[sp, b], optimized=False)
                     v = part if v is None else v + part
                 cols.append(v.astype(BF16).astype(F32))
             return cols

@@ -32,13 +32,14 @@ def dequantize(w: jax.Array, scale: jax.Array | None, dtype=jnp.bfloat16, block:
     return (w.astype(jnp.float32) * expand_scale(scale, w.shape, block)).astype(dtype)
 
 
-def quantize_weight(w: np.ndarray | jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Block-quantise a weight [..., out, in] to fp8 with power-of-two ("ue8m0") 128×128 scales."""
+def quantize_weight(w: np.ndarray | jax.Array, block: int = BLOCK) -> tuple[jax.Array, jax.Array]:
+    """Block-quantise a weight [..., out, in] to fp8 with power-of-two ("ue8m0") `block`² scales (the
+    checkpoint's 128; `dequantize` takes the same `block`)."""
     w = jnp.asarray(w, jnp.float32)
     *lead, n, k = w.shape
-    nb, kb = -(-n // BLOCK), -(-k // BLOCK)
-    padded = jnp.pad(w, [(0, 0)] * len(lead) + [(0, nb * BLOCK - n), (0, kb * BLOCK - k)])
-    blocks = padded.reshape(*lead, nb, BLOCK, kb, BLOCK)
+    nb, kb = -(-n // block), -(-k // block)
+    padded = jnp.pad(w, [(0, 0)] * len(lead) + [(0, nb * block - n), (0, kb * block - k)])
+    blocks = padded.reshape(*lead, nb, block, kb, block)
     amax = jnp.max(jnp.abs(blocks), axis=(-3, -1))
     scale = pow2_scale(amax)
     q = blocks / scale[..., :, None, :, None]
