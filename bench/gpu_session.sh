@@ -73,11 +73,11 @@
 #   chain        bench/experiments/gemv_chain.cu: a chain of 32 fp8 GEMVs (14.7 MB each; then 128 of 1 MB),
 #                one launch each against one persistent launch with and without its weight stream
 #                running ahead (CUDA, no JAX)
-#   pchain       bench/experiments/pallas_chain.py: the same chain (32 of 14.7 MB, then 64 of 1 MB) on the fp8x2 wgmma
-#                arithmetic in Pallas: one kernel a GEMV against one kernel whose phases wait on a grid-wide GMEM
-#                semaphore (with and without each phase's first weight tiles asked for before the wait), and the
-#                floors without arithmetic; then the attention's input pair (x_proj-like [2304, 7168] and
-#                q_b | wq_b [11264, 1536], 16 of each) over 132 CTAs, more work items than CTAs
+#   pchain       bench/experiments/pallas_chain.py: dependent fp8 GEMVs on the fp8x2 wgmma arithmetic in Pallas, the
+#                attention's input pair (x_proj-like [2304, 7168] and q_b | wq_b [11264, 1536], 16 of each, over
+#                132 CTAs), then 32 of 14.7 MB and 64 of 1 MB: one kernel a GEMV against one kernel whose phases
+#                wait on a grid-wide GMEM semaphore (with and without each phase's first weight tiles asked for
+#                before the wait), and the floors without arithmetic (PCHAIN_FORMS: the forms)
 #   gemvbound    bench/experiments/gemv_bound.py: o_proj's fp8 GEMV cold and from L2 under tuning configs, K 256..2048,
 #                bf16 weights (what bounds the GEMV kernel)
 #   inflight     the same, o_proj and x_proj with GemvConfig.in_flight 0 and 1 only
@@ -321,12 +321,14 @@ for part in "$@"; do
         bench/experiments/gemv_chain.cu -o "$WORK/gemv_chain"
       step chain 120 "$WORK/gemv_chain" --json "$WORK/chain.json"
       step chain_1mb 120 "$WORK/gemv_chain" --dims 1024,1024 --gemvs 128 --json "$WORK/chain_1mb.json" ;;
-    pchain)
-      step pchain 180 python3 -m bench.experiments.pallas_chain --out "$WORK/pallas_chain.json"
-      step pchain_1mb 180 python3 -m bench.experiments.pallas_chain --dims 2048,512 --gemvs 64 \
-        --out "$WORK/pallas_chain_1mb.json"
-      step pchain_attn 180 python3 -m bench.experiments.pallas_chain --dims 2304,7168,11264,1536 --ctas 132 \
-        --out "$WORK/pallas_chain_attn.json" ;;
+    pchain)  # the attention's input pair, then 14.7 MB and 1 MB GEMVs (the step's own GEMV, form `shipped`,
+      # only where PCHAIN_FORMS names it: with it first, the 14.7 MB run printed nothing in 180 s in session 34)
+      f=${PCHAIN_FORMS:-launches,barrier,prefetch,ring,stream}
+      step pchain_attn 150 python3 -m bench.experiments.pallas_chain --dims 2304,7168,11264,1536 --ctas 132 \
+        --forms "$f" --out "$WORK/pallas_chain_attn.json"
+      step pchain 150 python3 -m bench.experiments.pallas_chain --forms "$f" --out "$WORK/pallas_chain.json"
+      step pchain_1mb 150 python3 -m bench.experiments.pallas_chain --dims 2048,512 --gemvs 64 --forms "$f" \
+        --out "$WORK/pallas_chain_1mb.json" ;;
     gemvbound)
       step gemvbound 300 python3 -m bench.experiments.gemv_bound --out "$WORK/gemvbound.json" ;;
     w8a8)

@@ -16,25 +16,29 @@ from jtilert.pallas import interpret as interp
 DIMS, GEMVS, CTAS = (512, 256), 4, 8   # 8 row blocks of the whole K; 4 row blocks of 2 K slices
 
 
-def test_the_plan_spreads_whole_steps_over_the_ctas():
-    assert pc.plan(7168, 2048, 128) == (112, 1) and pc.plan(2048, 7168, 128) == (32, 4)
-    assert pc.plan(*DIMS, CTAS) == (8, 1) and pc.plan(*DIMS[::-1], CTAS) == (4, 2)
-    # more row blocks than CTAs: the split whose busiest CTA has the least to do, an item counted as its
-    # columns and two steps more (x_proj-like: 252 items of 1024 columns over 132 CTAs, two rounds;
-    # q_b | wq_b: 352 of 768, three rounds)
-    assert pc.plan(2304, 7168, 132) == (36, 7) and pc.plan(11264, 1536, 132) == (176, 2)
+def test_the_plan_gives_each_cta_one_unit_of_whole_steps():
+    assert pc.plan(7168, 2048, 128) == (112, 1, 1) and pc.plan(2048, 7168, 128) == (32, 4, 1)
+    assert pc.plan(*DIMS, CTAS) == (8, 1, 1) and pc.plan(*DIMS[::-1], CTAS) == (4, 2, 1)
+    # more row blocks than CTAs: units of several row blocks, the split with the fewest weight columns a
+    # CTA, then the fewest slices (x_proj-like: 126 units of 2 row blocks × 1024 columns over 132 CTAs;
+    # q_b | wq_b: 132 units of 4 × 512)
+    assert pc.plan(2304, 7168, 132) == (36, 7, 2) and pc.plan(11264, 1536, 132) == (176, 3, 4)
+    assert pc.stages_for(1) == pc.STAGES and pc.stages_for(4) == 2
     with pytest.raises(ValueError, match="multiple"):
         pc.plan(512, 200, 8)
+    with pytest.raises(ValueError, match="row blocks a CTA"):
+        pc.plan(4096, 256, 8)
     assert pc.pair_dims((7168, 2048)) == (7168, 2048, 2048, 7168)
     with pytest.raises(ValueError, match="at most the other"):
         pc.pair_dims((256, 512, 1024, 512))
 
 
 @pytest.mark.parametrize("dims, ctas, splits", [(DIMS, CTAS, (1, 2)),
-                                                # items over the CTAs in rounds, and reads of the first K
-                                                # columns of the output before: 6 items of [384, 512] and
-                                                # 16 of [1024, 256] over 5 CTAs
-                                                ((384, 512, 1024, 256), 5, (1, 1))])
+                                                # units of several row blocks, a last one short, and reads
+                                                # of the first K columns of the output before: [384, 512]
+                                                # as 2 slices × 2 units of 3 blocks, [640, 256] as units
+                                                # of 3, 3, 3 and 1 blocks, over 4 CTAs
+                                                ((384, 512, 640, 256), 4, (2, 1))])
 def test_each_gemv_of_the_launched_chain_is_xlas(dims, ctas, splits):
     args = pc.chain_weights(jax.random.key(3), dims, GEMVS)
     with interp.interpret():

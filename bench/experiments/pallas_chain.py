@@ -7,10 +7,11 @@ The chain: x_{p+1} = bf16(W_p x_p) for P GEMVs, W_p alternately [N_a, K_a] and [
 128-block scales, each reading the first K columns of the output before (`pair_dims`; by default
 [7168, 2048] and [2048, 7168]: 14.7 MB each, every W distinct, 470 MB a chain; the attention's input
 pair, x_proj then q_b | wq_b, is [2304, 7168] and [11264, 1536]). One phase body (`gemv_phase`) does a
-CTA's share of a GEMV: work items of 64 rows and a K slice, CTA c taking items c, c + ctas, ...
-(`plan`), each item's weights through `_hopper.stream_tiles`, x as two e4m3 halves in one wgmma B
-(`_hopper.wgmma_fp8_pair_step`, the shipped fp8x2 engine's step), its fp32 partial row block written
-by TMA; the next GEMV's CTAs copy in the partials of their K slice, sum them and round them to bf16.
+CTA's share of a GEMV: one work unit, up to four consecutive row blocks of 64 rows and one K slice
+(`plan`), so x is prepared once and the unit's tiles stream as one pipeline (`_hopper.stream_tiles`),
+x as two e4m3 halves in one wgmma B (`_hopper.wgmma_fp8_pair_step`, the shipped fp8x2 engine's step),
+its fp32 partial row blocks written by TMA; the next GEMV's CTAs copy in the partials of their K slice,
+sum them and round them to bf16.
 Forms:
   shipped    the step's own GEMV kernel (`gemv.linear`), one a GEMV, for scale (chains of two numbers)
   launches   one kernel per GEMV (the step's form: each kernel waits for the one before)
@@ -26,6 +27,7 @@ enqueued back to back (the device sets the pace, gaps between kernels included);
 same run (`bench.decode.copy_bandwidth`).
 
     python -m bench.experiments.pallas_chain --out pallas_chain.json [--gemvs 32] [--dims 7168,2048] [--ctas 128]
+        [--forms launches,prefetch]
     (GPU; the one-kernel forms need every CTA resident: --ctas at most the SMs)
 """
 
@@ -51,21 +53,38 @@ from jtilert.pallas._hopper import BF16, F32, FP8, MAX_TOKENS, QBLOCK, X_LAYOUT
 
 BN = 64        # rows of a CTA's block (wgmma's M)
 BK = 256       # K columns of a pipeline step
-STAGES = 4     # weight tiles in flight
-ITEM_COST_COLS = 2 * BK   # an item's fixed cost as weight columns (its pipeline's fill, x, its output)
+STAGES = 4     # weight steps in flight, at most
+STAGE_BYTES = 128 * 1024   # SMEM for the weight tiles in flight
+GROUP_MAX = 4  # row blocks of one CTA's unit, at most (a wgmma accumulator each)
 FORMS = ("shipped", "launches", "barrier", "prefetch", "ring", "stream")
 FLOORS = ("ring", "stream")   # no arithmetic: what the weight stream (and the handoffs) take alone
 
 
-def plan(n: int, k: int, ctas: int) -> tuple[int, int]:
-    """(row blocks, K slices) of an [n, k] GEMV over `ctas` CTAs, CTA c taking the work items c, c + ctas,
-    ... (an item: one row block's K slice of whole steps): the split whose busiest CTA has the least to
-    do, counting an item as its columns plus ITEM_COST_COLS; the fewest items among equals."""
+def plan(n: int, k: int, ctas: int) -> tuple[int, int, int]:
+    """(row blocks, K slices, row blocks a unit) of an [n, k] GEMV over `ctas` CTAs, one work unit a
+    CTA at most: a unit is `group` consecutive row blocks' K slice of whole steps, so its CTA prepares x
+    once and streams its tiles as one pipeline. The split whose units fit the CTAs with the fewest weight
+    columns a CTA (group · K / split, group ≤ GROUP_MAX); the fewest slices among equals (the GEMV
+    after reads one partial a slice)."""
     if n % QBLOCK or k % BK:
         raise ValueError(f"chain GEMV [{n}, {k}]: rows a multiple of {QBLOCK}, K of {BK}")
     blocks = n // BN
-    cost = lambda split: -(-blocks * split // ctas) * (k // split + ITEM_COST_COLS)
-    return blocks, min((sp for sp in range(1, k // BK + 1) if k % (sp * BK) == 0), key=lambda sp: (cost(sp), sp))
+    fits = []
+    for split in range(1, min(ctas, k // BK) + 1):
+        if k % (split * BK) == 0:
+            group = -(-blocks // (ctas // split))
+            if group <= GROUP_MAX:
+                fits.append((group * k // split, split, group))
+    if not fits:
+        raise ValueError(f"chain GEMV [{n}, {k}]: more than {GROUP_MAX} row blocks a CTA over {ctas} CTAs")
+    _, split, group = min(fits)
+    return blocks, split, group
+
+
+def stages_for(group: int) -> int:
+    """Weight steps in flight for a unit of `group` row blocks: STAGES, fewer where their tiles would
+    pass STAGE_BYTES (at least 2)."""
+    return max(2, min(STAGES, STAGE_BYTES // (group * BN * BK)))
 
 
 def pair_dims(dims: tuple[int, ...]) -> tuple[int, int, int, int]:
@@ -86,16 +105,16 @@ def shapes(dims: tuple[int, ...], gemvs: int) -> list[tuple[int, int]]:
 
 def gemv_phase(cta, *, n: int, k: int, ctas: int, w, s, wid, x_in, out_at, scratch, wait=None,
                prefetch: bool = True, math: bool = True):
-    """CTA `cta`'s share of one GEMV (`plan`), item by item: rows row0..row0+63 of w[wid] [n, k] (e4m3,
-    scales s[wid] [n/128, k/128]) against x's K slice, x_in = ("bf16", x [K]) or ("partials", parts, S) with
-    parts(i) the GEMV before's fp32 partials of K slice i as a GMEM [K/128, 128] (x their sum in split
-    order, rounded to bf16, as XLA between two GEMVs). out_at(split, row0): the GMEM destination
-    ([64] fp32) of an item's partial sums. `wait()`: run before x is read, after the first item's first
-    weight tiles are asked for (`prefetch`) or before them (the CTAs without an item run it too).
-    `scratch`: `_scratch`'s buffers. Without `math` the weight tiles are streamed and dropped: no x,
-    no arithmetic, no output."""
-    blocks, split = plan(n, k, ctas)
-    items = blocks * split
+    """CTA `cta`'s unit of one GEMV (`plan`): row blocks rg·group .. rg·group + group − 1 of w[wid] [n, k]
+    (e4m3, scales s[wid] [n/128, k/128]) against x's K slice, x_in = ("bf16", x [K]) or ("partials",
+    parts, S) with parts(i) the GEMV before's fp32 partials of K slice i as a GMEM [K/128, 128] (x their
+    sum in split order, rounded to bf16, as XLA between two GEMVs). out_at(split, row0): the GMEM
+    destination ([64] fp32) of a row block's partial sums. `wait()`: run before x is read, after the
+    unit's first weight tiles are asked for (`prefetch`) or before them (the CTAs without a unit run it
+    too). `scratch`: `_scratch`'s buffers. Without `math` the weight tiles are streamed and dropped: no
+    x, no arithmetic, no output."""
+    blocks, split, group = plan(n, k, ctas)
+    groups = -(-blocks // group)
     kc = k // split
     nblk = kc // QBLOCK
     w_tr, sub = hw.weight_transforms(BK, 1)   # sub: one 128-column scale block
@@ -104,23 +123,24 @@ def gemv_phase(cta, *, n: int, k: int, ctas: int, w, s, wid, x_in, out_at, scrat
     if wait is not None and not prefetch:
         wait()
     elif wait is not None:
-        pl.when(cta >= items)(wait)
+        pl.when(cta >= groups * split)(wait)
+    first_wait = wait if prefetch else None
 
-    def item(i, wait):
-        """Work item i: rows row0..row0+63, K slice s_idx; `wait` before its x (the CTA's first item)."""
-        row0 = (i % blocks) * BN
-        s_idx = i // blocks
+    def unit():
+        s_idx = cta // groups
         k0 = s_idx * kc
-        tile = lambda step: w.at[wid, pl.ds(row0, BN), pl.ds(k0 + step * BK, BK)]
-        stream = functools.partial(hw.stream_tiles, steps=kc // BK, stages=STAGES, tiles=[tile], shape=(BN, BK),
-                                   dtype=FP8, transforms=w_tr)
+        # the unit's row blocks; a last group short of `group` re-reads its last block (never written)
+        rbs = [jnp.minimum((cta % groups) * group + j, blocks - 1) for j in range(group)]
+        tiles = [lambda step, rb=rb: w.at[wid, pl.ds(rb * BN, BN), pl.ds(k0 + step * BK, BK)] for rb in rbs]
+        stream = functools.partial(hw.stream_tiles, steps=kc // BK, stages=stages_for(group), tiles=tiles,
+                                   shape=(BN, BK), dtype=FP8, transforms=w_tr)
         if not math:
-            stream(lambda step, w_smem, c: c, carry=k0 * 0, first=wait)
+            stream(lambda step, *refs: refs[-1], carry=k0 * 0, first=first_wait)
             return
 
         def scales_at(step):
             kb = jnp.minimum((k0 + step * BK) // QBLOCK, k // QBLOCK - nsub)
-            return tuple(s[wid, row0 // QBLOCK, kb + h] for h in range(nsub))
+            return tuple(tuple(s[wid, rb * BN // QBLOCK, kb + h] for h in range(nsub)) for rb in rbs)
 
         def x_columns():
             """x's slice as fp32 rows of 128 columns (bf16 values). The partials come by TMA, as the
@@ -145,8 +165,8 @@ def gemv_phase(cta, *, n: int, k: int, ctas: int, w, s, wid, x_in, out_at, scrat
 
         def first():
             """While the first weight tiles arrive: x's slice split into its two e4m3 halves."""
-            if wait is not None:
-                wait()
+            if first_wait is not None:
+                first_wait()
             cols = x_columns()
             rows = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (MAX_TOKENS, QBLOCK), 0), X_LAYOUT)
 
@@ -156,29 +176,31 @@ def gemv_phase(cta, *, n: int, k: int, ctas: int, w, s, wid, x_in, out_at, scrat
             sx[0] = hw.store_fp8_pair(hw.pair_rows(xb, QBLOCK), tile, nblk)
             plgpu.commit_smem()
 
-        def body(step, w_smem, carry):
-            acc, scs = carry
+        def body(step, *refs):
+            w_smems, (accs, scs) = refs[:-1], refs[-1]
             nxt = scales_at(step + 1)
-            factors = [f * sx[0] for f in scs]
-            return hw.wgmma_fp8_pair_step(acc, w_smem, xb, step * BK, factors, nsub=nsub, sub=sub), nxt
+            accs = tuple(hw.wgmma_fp8_pair_step(acc, w_smem, xb, step * BK, [f * sx[0] for f in sc], nsub=nsub,
+                                                sub=sub) for acc, w_smem, sc in zip(accs, w_smems, scs))
+            return accs, nxt
 
         col_id = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (BN, hw.PAIR_COLS), 1), plgpu.Layout.WGMMA)
         zeros = jnp.where(col_id < 0, 1.0, 0.0).astype(F32)
-        _, (acc, _) = stream(body, carry=(zeros, scales_at(0)), first=first)
-        o_smem[...] = hw.pair_column(acc, col_id, 0)
+        _, (accs, _) = stream(body, carry=((zeros,) * group, scales_at(0)), first=first)
+        for j, acc in enumerate(accs):
+            o_smem[j] = hw.pair_column(acc, col_id, 0)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, out_at(s_idx, row0))
+        for j in range(group):
+            row0 = ((cta % groups) * group + j) * BN
+            pl.when(row0 < n)(lambda j=j, row0=row0: plgpu.copy_smem_to_gmem(o_smem.at[j], out_at(s_idx, row0)))
         plgpu.wait_smem_to_gmem(0)   # the writes done, not only read from SMEM: others read them next
 
-    for r in range(-(-items // ctas)):
-        pl.when(cta + r * ctas < items)(
-            functools.partial(item, cta + r * ctas, wait if r == 0 and prefetch else None))
+    pl.when(cta < groups * split)(unit)
 
 
 def _scratch(kc: int, splits: int) -> list:
-    """x's halves (`hw.pair_operand`), x's scale, the output block, the staged partials of `splits`
-    K slices and their barriers."""
-    return [hw.pair_operand(kc), plgpu.SMEM((1,), F32), plgpu.SMEM((BN,), F32),
+    """x's halves (`hw.pair_operand`), x's scale, the output blocks of a unit, the staged partials of
+    `splits` K slices and their barriers."""
+    return [hw.pair_operand(kc), plgpu.SMEM((1,), F32), plgpu.SMEM((GROUP_MAX, BN), F32),
             plgpu.SMEM((max(splits, 1), kc // QBLOCK, QBLOCK), F32), plgpu.Barrier(num_barriers=max(splits, 1))]
 
 
@@ -191,7 +213,7 @@ def _rows(ref, row0):
 def launch(x, w, s, wid, *, n: int, k: int, ctas: int):
     """One GEMV as a kernel of its own: x bf16 [K] or the GEMV before's fp32 partials [S, K/128, 128];
     w [L, n, k] e4m3, s [L, n/128, k/128], wid int32 [1]. Returns its partials [split, n/128, 128]."""
-    blocks, split = plan(n, k, ctas)
+    _, split, _ = plan(n, k, ctas)
     splits_in = 0 if x.ndim == 1 else x.shape[0]
 
     def kernel(x_ref, w_ref, s_ref, wid_ref, out_ref, *scratch):
@@ -228,7 +250,7 @@ def persistent(x0, wa, sa, wb, sb, *, ctas: int, form: str):
     S slices in [p, :S, :N/128]; unwritten in the FLOORS)."""
     (na, ka, nb, kb), gemvs = _dims(wa, wb), 2 * wa.shape[0]
     math, synced = form not in FLOORS, form != "stream"
-    (_, split_a), (_, split_b) = plan(na, ka, ctas), plan(nb, kb, ctas)
+    (_, split_a, _), (_, split_b, _) = plan(na, ka, ctas), plan(nb, kb, ctas)
     width = max(ka // split_a, kb // split_b)
 
     def kernel(x_ref, wa_ref, sa_ref, wb_ref, sb_ref, out_ref, *scratch):
@@ -336,6 +358,7 @@ def main(argv=None) -> int:  # pragma: no cover - GPU only
     ap.add_argument("--dims", default="7168,2048", help="big,small or N_a,K_a,N_b,K_b (pair_dims)")
     ap.add_argument("--ctas", type=int, default=128)
     ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--forms", default=",".join(FORMS), help="the forms to run, in this order")
     a = ap.parse_args(argv)
     dims = tuple(int(d) for d in a.dims.split(","))
     args = chain_weights(jax.random.key(0), dims, a.gemvs)
@@ -345,7 +368,7 @@ def main(argv=None) -> int:  # pragma: no cover - GPU only
                   commit=provenance.commit(), command=provenance.command("bench.experiments.pallas_chain", argv),
                   dims=dims, gemvs=a.gemvs, ctas=a.ctas, mb_per_gemv=nbytes / a.gemvs / 1e6, copy_gbs=copy / 1e9,
                   bytes_us_per_gemv=nbytes / a.gemvs / copy * 1e6, forms={})
-    for form in FORMS:
+    for form in a.forms.split(","):
         if form == "shipped" and len(dims) != 2:
             continue
         run = jax.jit(functools.partial(run_raw, form, ctas=a.ctas))
