@@ -77,7 +77,7 @@
 #                attention's input pair (x_proj-like [2304, 7168] and q_b | wq_b [11264, 1536], 16 of each, over
 #                132 CTAs), then 32 of 14.7 MB and 64 of 1 MB: one kernel a GEMV against one kernel whose phases
 #                wait on a grid-wide GMEM semaphore (with and without each phase's first weight tiles asked for
-#                before the wait), and the floors without arithmetic (PCHAIN_FORMS: the forms)
+#                before the wait), and the floors without arithmetic (PCHAIN_FORMS: the forms; PCHAIN_RUNS: the sizes)
 #   gemvbound    bench/experiments/gemv_bound.py: o_proj's fp8 GEMV cold and from L2 under tuning configs, K 256..2048,
 #                bf16 weights (what bounds the GEMV kernel)
 #   inflight     the same, o_proj and x_proj with GemvConfig.in_flight 0 and 1 only
@@ -321,14 +321,19 @@ for part in "$@"; do
         bench/experiments/gemv_chain.cu -o "$WORK/gemv_chain"
       step chain 120 "$WORK/gemv_chain" --json "$WORK/chain.json"
       step chain_1mb 120 "$WORK/gemv_chain" --dims 1024,1024 --gemvs 128 --json "$WORK/chain_1mb.json" ;;
-    pchain)  # the attention's input pair, then 14.7 MB and 1 MB GEMVs (the step's own GEMV, form `shipped`,
-      # only where PCHAIN_FORMS names it: with it first, the 14.7 MB run printed nothing in 180 s in session 34)
+    pchain)  # the attention's input pair, then 14.7 MB and 1 MB GEMVs (PCHAIN_RUNS picks: attn big 1mb); the
+      # step's own GEMV, form `shipped`, only where PCHAIN_FORMS names it (with it first, the 14.7 MB run
+      # printed nothing in 180 s in session 34)
       f=${PCHAIN_FORMS:-launches,barrier,prefetch,ring,stream}
-      step pchain_attn 150 python3 -m bench.experiments.pallas_chain --dims 2304,7168,11264,1536 --ctas 132 \
-        --forms "$f" --out "$WORK/pallas_chain_attn.json"
-      step pchain 150 python3 -m bench.experiments.pallas_chain --forms "$f" --out "$WORK/pallas_chain.json"
-      step pchain_1mb 150 python3 -m bench.experiments.pallas_chain --dims 2048,512 --gemvs 64 --forms "$f" \
-        --out "$WORK/pallas_chain_1mb.json" ;;
+      for r in ${PCHAIN_RUNS:-attn big 1mb}; do
+        case $r in
+          attn) step pchain_attn 150 python3 -m bench.experiments.pallas_chain --dims 2304,7168,11264,1536 \
+                  --ctas 132 --forms "$f" --out "$WORK/pallas_chain_attn.json" ;;
+          big) step pchain 150 python3 -m bench.experiments.pallas_chain --forms "$f" --out "$WORK/pallas_chain.json" ;;
+          1mb) step pchain_1mb 150 python3 -m bench.experiments.pallas_chain --dims 2048,512 --gemvs 64 --forms "$f" \
+                 --out "$WORK/pallas_chain_1mb.json" ;;
+        esac
+      done ;;
     gemvbound)
       step gemvbound 300 python3 -m bench.experiments.gemv_bound --out "$WORK/gemvbound.json" ;;
     w8a8)
