@@ -322,9 +322,9 @@ for part in "$@"; do
       step chain 120 "$WORK/gemv_chain" --json "$WORK/chain.json"
       step chain_1mb 120 "$WORK/gemv_chain" --dims 1024,1024 --gemvs 128 --json "$WORK/chain_1mb.json" ;;
     pchain)  # the attention's input pair, then 14.7 MB and 1 MB GEMVs (PCHAIN_RUNS picks: attn big 1mb); the
-      # step's own GEMV, form `shipped`, only where PCHAIN_FORMS names it (with it first, the 14.7 MB run
-      # printed nothing in 180 s in session 34)
-      f=${PCHAIN_FORMS:-launches,barrier,prefetch,ring,stream}
+      # step's own GEMVs, form `shipped`, last (with it first, the 14.7 MB run printed nothing in 180 s
+      # in session 34)
+      f=${PCHAIN_FORMS:-launches,barrier,prefetch,ring,stream,shipped}
       for r in ${PCHAIN_RUNS:-attn big 1mb}; do
         case $r in
           attn) step pchain_attn 150 python3 -m bench.experiments.pallas_chain --dims 2304,7168,11264,1536 \

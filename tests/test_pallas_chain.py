@@ -47,11 +47,15 @@ def test_each_gemv_of_the_launched_chain_is_xlas(dims, ctas, splits):
     assert [o.shape for o in outs] == [(splits[0], na), (splits[1], nb)] * 2
     errs = pc.check(outs, *args)
     assert max(errs) < 1e-5, errs
-    if len(dims) == 2:   # the step's own GEMV in the same chain: within its bf16 output's rounding
-        with interp.interpret():
-            shipped = pc.run_form("shipped", *args, ctas=ctas)
-        assert [o.shape for o in shipped] == [(1, na), (1, nb)] * 2
-        assert max(pc.check(shipped, *args)) < 1e-2
+    # the step's own GEMVs in the same chain (with their norms where the chain is the attention pair's
+    # shape): within their bf16 outputs' rounding, and not within it of the other reference
+    with interp.interpret():
+        shipped = pc.run_form("shipped", *args, ctas=ctas)
+    assert [o.shape for o in shipped] == [(1, na), (1, nb)] * 2
+    normed = pc.normed_form("shipped", dims)
+    assert normed == (len(dims) == 4)
+    assert max(pc.check(shipped, *args, normed=normed)) < 1e-2
+    assert max(pc.check(shipped, *args, normed=not normed)) > 3e-2
     # the check sees a wrong GEMV: the second one's partials with half their rows zeroed
     assert pc.check([outs[0], outs[1].at[:, :nb // 2].set(0.0)], *args)[1] > 0.1
 

@@ -13,7 +13,8 @@ x as two e4m3 halves in one wgmma B (`_hopper.wgmma_fp8_pair_step`, the shipped 
 its fp32 partial row blocks written by TMA; the next GEMV's CTAs copy in the partials of their K slice,
 sum them and round them to bf16.
 Forms:
-  shipped    the step's own GEMV kernel (`gemv.linear`), one a GEMV, for scale (chains of two numbers)
+  shipped    the step's own GEMV kernels, one a GEMV, for scale (`gemv.linear`; the attention pair as the
+             step runs it, `gemv.rmsnorm_linear`, its norms included)
   launches   one kernel per GEMV (the step's form: each kernel waits for the one before)
   barrier    one kernel of `ctas` CTAs; before a GEMV each CTA waits until every CTA has arrived
              after the GEMV before (one GMEM semaphore counting arrivals), then asks for its weights
@@ -45,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jtilert.ops import reference
 from jtilert.ops.quant import dequantize, quantize_weight
 from jtilert.pallas import _hopper as hw
 from jtilert.pallas import gemv
@@ -58,6 +60,7 @@ STAGE_BYTES = 128 * 1024   # SMEM for the weight tiles in flight
 GROUP_MAX = 4  # row blocks of one CTA's unit, at most (a wgmma accumulator each)
 FORMS = ("shipped", "launches", "barrier", "prefetch", "ring", "stream")
 FLOORS = ("ring", "stream")   # no arithmetic: what the weight stream (and the handoffs) take alone
+EPS = 1e-6     # the shipped attention pair's norms
 
 
 def plan(n: int, k: int, ctas: int) -> tuple[int, int, int]:
@@ -286,16 +289,20 @@ def persistent(x0, wa, sa, wb, sb, *, ctas: int, form: str):
 
 
 def run_shipped(x0, wa, sa, wb, sb) -> list:
-    """The chain on the step's own GEMV kernel (`gemv.linear` on the stacks, its split-K summed as the
-    step sums it), for scale: its outputs [1, N] bf16. Only for chains whose every K is the N before
-    (`pair_dims` of two numbers): `gemv.linear` reads all of x."""
+    """The chain on the step's own GEMV kernels, for scale: its outputs [1, N] bf16. A chain of two
+    numbers (every K the N before): `gemv.linear` on the stacks. Otherwise the attention's input pair as
+    the step runs it: `gemv.rmsnorm_linear` of x, then of the first K columns of its output (norm weights
+    of ones, EPS; `check(normed=True)` norms x as they do)."""
     na, ka, nb, kb = _dims(wa, wb)
-    if (ka, kb) != (nb, na):
-        raise ValueError("the shipped GEMV reads all of x: a chain of two numbers (--dims big,small)")
+    plain = (ka, kb) == (nb, na)
     outs, x = [], x0[None]
     for p in range(2 * wa.shape[0]):
         w, s = (wa, sa) if p % 2 == 0 else (wb, sb)
-        x = gemv.linear(x, w, s, layer=jnp.int32(p // 2))
+        layer = jnp.int32(p // 2)
+        if plain:
+            x = gemv.linear(x, w, s, layer=layer)
+        else:
+            x = gemv.rmsnorm_linear(x, jnp.ones((w.shape[0], w.shape[-1]), BF16), EPS, w, s, layer=layer)
         outs.append(x)
     return outs
 
@@ -336,17 +343,26 @@ def chain_weights(key, dims: tuple[int, ...], gemvs: int):
     return (x0, *stack(k_a, na, ka), *stack(k_b, nb, kb))
 
 
-def check(outs: list, x0, wa, sa, wb, sb) -> list[float]:
+def check(outs: list, x0, wa, sa, wb, sb, normed: bool = False) -> list[float]:
     """Each GEMV's relative L2 error against XLA's fp32 product of its dequantised weight and the
-    form's own input to it (x0, then the first K of the partials before, summed and rounded to bf16)."""
+    form's own input to it (x0, then the first K of the partials before, summed and rounded to bf16;
+    `normed`: that input RMS-normed first, as `reference.rms_norm` with a weight of ones)."""
     errs, x = [], x0.astype(F32)
     for p, parts in enumerate(outs):
         w, s = (wa, sa) if p % 2 == 0 else (wb, sb)
-        want = jnp.dot(dequantize(w[p // 2], s[p // 2], F32), x[:w.shape[-1]], precision=lax.Precision.HIGHEST)
+        xk = x[:w.shape[-1]]
+        if normed:
+            xk = reference.rms_norm(xk.astype(BF16), jnp.ones(xk.shape, BF16), EPS).astype(F32)
+        want = jnp.dot(dequantize(w[p // 2], s[p // 2], F32), xk, precision=lax.Precision.HIGHEST)
         got = parts.sum(axis=0)
         errs.append(float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)))
         x = got.astype(BF16).astype(F32)
     return errs
+
+
+def normed_form(form: str, dims: tuple[int, ...]) -> bool:
+    """Whether `form`'s GEMVs norm their input (the shipped attention pair, `run_shipped`)."""
+    return form == "shipped" and len(dims) != 2
 
 
 def main(argv=None) -> int:  # pragma: no cover - GPU only
@@ -369,12 +385,10 @@ def main(argv=None) -> int:  # pragma: no cover - GPU only
                   dims=dims, gemvs=a.gemvs, ctas=a.ctas, mb_per_gemv=nbytes / a.gemvs / 1e6, copy_gbs=copy / 1e9,
                   bytes_us_per_gemv=nbytes / a.gemvs / copy * 1e6, forms={})
     for form in a.forms.split(","):
-        if form == "shipped" and len(dims) != 2:
-            continue
         run = jax.jit(functools.partial(run_raw, form, ctas=a.ctas))
         try:
             errs = [0.0] if form in FLOORS else check(jax.jit(functools.partial(run_form, form, ctas=a.ctas))(*args),
-                                                      *args)
+                                                      *args, normed=normed_form(form, dims))
             kernels, busy = _cupti(lambda: run(*args))
             jax.block_until_ready(run(*args))
             t0 = time.perf_counter()
