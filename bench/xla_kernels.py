@@ -75,7 +75,8 @@ def kernel_name(op: str, inst: str, line: str) -> str:
 
 def launches(text: str) -> dict:
     """Kernels one execution of an optimized HLO module launches: {"kernels": n, "names": {name: n},
-    "loops": [{"loop", "trips", "kernels_per_trip"}] (a loop's own condition kernels included),
+    "loops": [{"loop", "trips", "kernels_per_trip", "names"}] (a loop's own condition kernels
+    included; "names": a trip's kernels by name),
     "conditionals": [sorted kernel counts of each conditional's branches]}."""
     comps, entry = computations(text)
     loops, branches_seen = [], []
@@ -93,7 +94,8 @@ def launches(text: str) -> dict:
                 count(body, 1, one)
                 count(cond, 1, one)
                 one["set_while_condition"] += 1
-                loops.append({"loop": inst.lstrip("%"), "trips": n, "kernels_per_trip": sum(one.values())})
+                loops.append({"loop": inst.lstrip("%"), "trips": n, "kernels_per_trip": sum(one.values()),
+                              "names": dict(one.most_common())})
                 for k, v in one.items():
                     tally[k] += v * n * times
                 cond_only = collections.Counter()   # the condition once more: the test that ends the loop

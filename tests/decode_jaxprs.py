@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.extend import core as jcore
 
 from jtilert.model.presets import preset
 from jtilert.model.transformer import abstract_model, decode_weights, init_cache
@@ -38,3 +39,18 @@ def sub_jaxprs(eqn):
                 yield x.jaxpr
             elif hasattr(x, "eqns"):
                 yield x
+
+
+def layer_loops(jaxpr) -> list[tuple]:
+    """The layer loops of a step's jaxpr (`Transformer._layers`: dense, then MoE), per loop: (its body's
+    jaxpr, the body's counter: the trip's first layer, the layers a trip: the counter's increment)."""
+    out = []
+    for e in jaxpr.eqns:
+        if e.primitive.name == "while":
+            body = e.params["body_jaxpr"].jaxpr
+            counter = body.invars[e.params["body_nconsts"]]
+            [step] = [q for q in body.eqns if body.outvars[0] in q.outvars]   # the counter's next value
+            assert step.primitive.name == "add" and step.invars[0] is counter, step
+            assert isinstance(step.invars[1], jcore.Literal), step
+            out.append((body, counter, int(step.invars[1].val)))
+    return out

@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 import jtilert.ffi as jf
 from jtilert.ops import reference
+from jtilert.ops.layer import Layer
 from jtilert.ffi import moe
 from jtilert.ffi import ops as ffi_ops
 from jtilert.ffi import plan as ffi_plan
@@ -372,9 +373,9 @@ def test_stacked_argument_errors():
     w = jnp.ones((300, 256), jnp.bfloat16)
     with pytest.raises(ValueError, match="stacked"):
         jf.gemv(x, w, layer=0)  # w not stacked
-    with pytest.raises(TypeError, match="integer scalar"):
+    with pytest.raises(ValueError, match="integer scalar"):
         jf.gemv(x, w[None], layer=0.5)
-    with pytest.raises(TypeError, match="integer scalar"):
+    with pytest.raises(ValueError, match="integer scalar"):
         jf.gemv(x, w[None], layer=jnp.zeros(2, jnp.int32))
     w8, s8 = fp8_weights(np.random.default_rng(0), 300, 256)
     with pytest.raises(ValueError, match="stacked"):
@@ -434,7 +435,7 @@ def test_model_moe_through_the_fused_op_equals_psum(tiny_bf16, monkeypatch):
     monkeypatch.setattr(jf, "expert_down_all_reduce",
                         lambda *a, **k: calls.append(k.get("layer") is not None) or orig(*a, **k))
     monkeypatch.setattr(jf, "gemv_all_reduce", lambda x, w, s, axis, layer=None: lax.psum(
-        reference.linear(x[None], w if layer is None else w[layer], s if s is None or layer is None else s[layer]),
+        reference.linear(x[None], *(a if a is None or layer is None else a[Layer.of(layer).index()] for a in (w, s))),
         axis)[0])
     ids = np.random.default_rng(7).integers(0, 256, 6)
     with warnings.catch_warnings():
@@ -506,8 +507,8 @@ def _custom_call_types(txt, target):
 
 def test_cuda_lowering_stacked_weights_go_straight_into_the_custom_calls(monkeypatch):
     """A fori_loop over the layers with a traced index, cross-lowered for CUDA: the stacked weights
-    and scales (the whole [L, ...] arrays) and the int32 layer index are operands of the engine's
-    *_stacked custom calls, and nothing slices a layer out in XLA (no dynamic_slice anywhere). On
+    and scales (the whole [L, ...] arrays) and the layer's int32 base and offset are operands of the
+    engine's *_stacked custom calls, and nothing slices a layer out in XLA (no dynamic_slice anywhere). On
     the CPU platform the same program takes the XLA path, which does slice."""
     mesh = _mesh()
     monkeypatch.setattr(ffi_ops, "EMIT_WITHOUT_GPU", True)
@@ -534,11 +535,11 @@ def test_cuda_lowering_stacked_weights_go_straight_into_the_custom_calls(monkeyp
     assert len(gemv_types) == 1 and len(ed_types) == 1, (gemv_types, ed_types)
     # per-rank shapes: K, I and Is split 8 ways, the layer axis whole
     assert gemv_types[0].startswith("tensor<256xbf16>, tensor<3x7168x256xf8E4M3FN>, tensor<3x56x2xf32>, ")
-    assert gemv_types[0].endswith(", tensor<i32>"), gemv_types[0]
+    assert gemv_types[0].endswith(", tensor<1xi32>, tensor<1xi32>"), gemv_types[0]
     ed_ops = [t.strip() for t in ed_types[0].split(", tensor")]
     assert ed_ops[3] == "<3x6x300x128xf8E4M3FN>" and ed_ops[4] == "<3x6x3x1xf32>", ed_ops
     assert ed_ops[6] == "<3x300x128xf8E4M3FN>" and ed_ops[7] == "<3x3x1xf32>", ed_ops
-    assert ed_ops[-1] == "<i32>", ed_ops
+    assert ed_ops[-2:] == ["<1xi32>", "<1xi32>"], ed_ops
     assert "dynamic_slice" not in txt and "stablehlo.gather" not in txt
     assert "custom_call @jtilert_gemv_all_reduce(" not in txt  # only the stacked form
     # the local GEMV (no mesh axis) too

@@ -19,6 +19,7 @@ import pytest
 from jtilert.ffi import _lib, moe
 from jtilert.ffi import ops as ffi_ops
 from jtilert.ops import reference
+from jtilert.ops.layer import Layer
 from jtilert.ops.table import DecodeConfig, Ops
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -77,10 +78,11 @@ def test_unsupported_names_what_the_kernel_does_not_take():
 
 def test_primitive_lowers_to_the_reference_in_xla():
     """On a machine without the engine the primitive's XLA lowering is `reference_moe`, bit for bit,
-    at every layer of the stack (a negative index counting from the end)."""
+    at every layer of the stack (a negative index counting from the end), given as base + offset."""
     f, w, ids, ex, sh, res = _inputs(1)
     for layer in (0, 2, -1):
-        got = jax.jit(lambda *a: moe.moe_decode_p.bind(*a))(f, w, ids, *ex, *sh, res, jnp.full((1,), layer, jnp.int32))
+        got = jax.jit(lambda *a: moe.moe_decode_p.bind(*a))(f, w, ids, *ex, *sh, res,
+                                                            *Layer(jnp.int32(layer + 1), -1).operands())
         want = moe.reference_moe(f, w, ids, ex, sh, res, layer % L)
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
@@ -99,9 +101,9 @@ def test_moe_decode_without_the_engine_warns_and_runs_the_reference(monkeypatch)
 
 
 def test_cuda_lowering_passes_the_whole_stacks_and_the_layer(monkeypatch):
-    """Cross-lowered for CUDA inside a loop over the layers: one custom call per iteration with 17
+    """Cross-lowered for CUDA inside a loop over the layers: one custom call per iteration with 18
     operands, every weight and scale the loop's own [L, ...] stack (no slice of a layer in front
-    of the call), the layer index last."""
+    of the call), the layer's base and offset last."""
     monkeypatch.setattr(ffi_ops, "EMIT_WITHOUT_GPU", True)
     f, w, ids, ex, sh, res = _inputs(3)
 
@@ -112,7 +114,7 @@ def test_cuda_lowering_passes_the_whole_stacks_and_the_layer(monkeypatch):
     calls = re.findall(r"custom_call @jtilert_moe_decode\(([^)]*)\)", txt)
     assert len(calls) == 1, calls
     ops = [o.strip() for o in calls[0].split(",")]
-    assert len(ops) == 17
+    assert len(ops) == 18
     assert all(o.startswith(("%arg", "%iterArg")) for o in ops[3:15]), ops   # the stacks as they came in
     line = next(x for x in txt.splitlines() if "custom_call @jtilert_moe_decode" in x)
     assert f"tensor<{L}x{E}x{I}x{H}xf8E4M3FN>" in line and f"tensor<{L}x{H}x{I}xf8E4M3FN>" in line

@@ -18,6 +18,7 @@ from jtilert.ffi import _lib
 from jtilert.ffi import ops as ffi_ops
 from jtilert.ffi import route
 from jtilert.ops import reference
+from jtilert.ops.layer import Layer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -97,15 +98,16 @@ def test_kernel_model_equals_reference(case, ties):
 @pytest.mark.parametrize("case", CASES)
 def test_primitive_xla_lowering_equals_reference(case):
     """The primitive as XLA runs it where the engine is not loaded at lowering time (the stack read
-    at the traced layer)."""
+    at the traced layer: base 3, offset -1)."""
     cfg = _cfg(*case)
     partials, bias = _inputs(2, case[0], seed=7)
 
     @jax.jit
-    def f(p, b, layer):
-        return route.route_select_p.bind(p, b, layer.reshape(1), n_group=cfg.n_group, topk_group=cfg.topk_group,
-                                         k=cfg.num_experts_per_tok, norm=1, scaling=cfg.routed_scaling_factor)
-    got_w, got_ids = f(partials, bias, jnp.int32(2))
+    def f(p, b, base):
+        return route.route_select_p.bind(p, b, *Layer(base, -1).operands(), n_group=cfg.n_group,
+                                         topk_group=cfg.topk_group, k=cfg.num_experts_per_tok, norm=1,
+                                         scaling=cfg.routed_scaling_factor)
+    got_w, got_ids = f(partials, bias, jnp.int32(3))
     want_w, want_ids = reference.select_experts(cfg, route.logits_of(partials), bias[2])
     np.testing.assert_array_equal(np.asarray(got_ids), np.asarray(want_ids))
     np.testing.assert_array_equal(np.asarray(got_w), np.asarray(want_w))

@@ -302,21 +302,25 @@ def test_next_token_from_head_candidates(tiny_random):
 
 
 def test_layers_per_iteration_gives_the_same_tokens_with_fewer_loop_iterations(tiny_random, gen):
-    """DecodeConfig.layers_per_iteration (default 4): each layer loop's body holds that many layers (the
-    loop's unroll), and the tokens equal one layer per iteration's; 0 is refused."""
+    """DecodeConfig.layers_per_iteration (default 4): each layer loop's trip runs that many layers (at
+    most its stack's), and the tokens equal one layer per iteration's; 0 is refused."""
+    from decode_jaxprs import layer_loops   # tests/decode_jaxprs.py (tests/ is on sys.path)
+    from jtilert.model.transformer import Layout
     cfg = jtilert.DecodeConfig()
     per = cfg.layers_per_iteration
     assert per == 4 and gen.engine.config == cfg
     g = jtilert.Generator(tiny_random, max_seq_len=256, config=jtilert.DecodeConfig(layers_per_iteration=1))
     assert g.generate(PROMPT, 12, stop_tokens=[]) == gen.generate(PROMPT, 12, stop_tokens=[])
 
-    def loops(config):   # (length, layers per iteration) of each layer loop of the step
+    def loops(config):   # the layers a trip of each layer loop of the step
         ops = Ops(config)
         cache = init_cache(tiny_random.cfg, 64, tiny_random.dtype)
         jaxpr = jax.make_jaxpr(lambda t, c: tiny_random.hidden(ops, t, jnp.int32(3), c))(jnp.zeros(1, jnp.int32), cache)
-        return [(e.params["length"], e.params["unroll"]) for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
-    assert loops(jtilert.DecodeConfig(layers_per_iteration=1)) == [(n, 1) for n, _ in loops(cfg)]
-    assert loops(cfg) == [(n, min(n, per)) for n, _ in loops(cfg)] and max(u for _, u in loops(cfg)) > 1
+        return [per_trip for _, _, per_trip in layer_loops(jaxpr.jaxpr)]
+    lay = Layout.of(tiny_random.cfg)
+    stacks = [n for n in (lay.num_dense, tiny_random.cfg.num_hidden_layers - lay.num_dense) if n]
+    assert loops(jtilert.DecodeConfig(layers_per_iteration=1)) == [1] * len(stacks)
+    assert loops(cfg) == [min(n, per) for n in stacks] and max(loops(cfg)) > 1
     with pytest.raises(ValueError, match="layers_per_iteration"):
         jtilert.DecodeConfig(layers_per_iteration=0)
 

@@ -10,7 +10,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 import pytest
-from decode_jaxprs import decode_step, sub_jaxprs   # tests/decode_jaxprs.py (tests/ is on sys.path)
+from decode_jaxprs import decode_step, layer_loops, sub_jaxprs   # tests/decode_jaxprs.py (tests/ is on sys.path)
 
 from jtilert.ops.table import OPS, DecodeConfig, Ops
 from jtilert.pallas import interpret as interp
@@ -94,9 +94,10 @@ def _count(jaxpr, counts):
             counts["glue"] += 1
 
 
-def _scan_bodies(name: str) -> list:
-    """The layer-loop bodies (dense, then MoE) of the one-token pallas step, as jaxprs, as a GPU with
-    the CUDA engine loaded traces them (the engine's top-k and router selection taken)."""
+def _loops(name: str) -> list:
+    """The layer loops (dense, then MoE: `layer_loops`) of the one-token pallas step of 5 layers (a
+    trip of 3 dense layers, one of 2 MoE layers), as a GPU with the CUDA engine loaded traces them
+    (the engine's top-k and router selection taken)."""
     from jtilert.ffi import _lib
     from jtilert.ffi import ops as ffi_ops
     mp = pytest.MonkeyPatch()
@@ -110,16 +111,18 @@ def _scan_bodies(name: str) -> list:
     finally:
         mp.undo()
         jax.clear_caches()
-    return [e.params["jaxpr"].jaxpr for e in jaxpr.eqns if e.primitive.name == "scan"]
+    return layer_loops(jaxpr)
 
 
 def _layer_bodies(name: str) -> list[dict]:
-    """Per layer-loop body of the one-token pallas step (dense, then MoE): its counts."""
+    """Per layer-loop body of the one-token pallas step (dense, then MoE): the counts of one of its
+    layers (a trip's layers are copies of one layer)."""
     bodies = []
-    for body in _scan_bodies(name):
+    for body, _, per_trip in _loops(name):
         counts = {"kernels": 0, "glue": 0}
         _count(body, counts)
-        bodies.append(counts)
+        assert all(n % per_trip == 0 for n in counts.values()), (counts, per_trip)
+        bodies.append({k: n // per_trip for k, n in counts.items()})
     return bodies
 
 
@@ -170,9 +173,10 @@ def test_layer_glue_stays_within_budget(name):
 
 # ---- the layer index the kernels get: no index arithmetic inside the layer loop ----------------
 # A Mosaic or FFI call cannot fuse its operands, so every scalar the loop body computes from the
-# layer index and hands to a kernel is one more XLA kernel per layer and step on the GPU (in the
-# 2026-12-02 HLO dump of the dense loop body: `loop_maximum_fusion`, max(i, 0), fed to the indexer's
-# two GEMVs). Each distinct computed index counts once, whatever the number of kernels that read it.
+# loop's counter and hands to a kernel is one more XLA kernel per layer and step on the GPU (max(i, 0)
+# fed to the indexer's GEMVs; i + 1 .. i + 3 for a trip's layers, i - 3 for the MoE stacks). A kernel
+# gets a layer as the counter itself and a constant (`jtilert.ops.layer.Layer`), and adds the two.
+# Each distinct computed index counts once, whatever the number of kernels that read it.
 
 def _index_origin(jaxpr, env, computed: set, counts: dict):
     from jax.extend import core as jcore
@@ -206,24 +210,23 @@ def _index_origin(jaxpr, env, computed: set, counts: dict):
 
 def _computed_indices(name: str) -> list[int]:
     """Per layer-loop body (dense, MoE) of the one-token pallas step: how many distinct scalars computed
-    from the layer index reach a kernel launch."""
-    from jax.extend import core as jcore
+    from the loop's counter reach a kernel launch."""
     out = []
-    for body in _scan_bodies(name):
-        counter = [q.invars[0] for q in body.eqns if q.primitive.name == "add" and q.invars[0] in body.invars
-                   and isinstance(q.invars[1], jcore.Literal) and q.invars[1].val == 1]
-        assert len(counter) == 1, counter   # fori_loop's i + 1
+    for body, counter, _ in _loops(name):
         computed, counts = set(), {}
-        _index_origin(body, {counter[0]: ("index",)}, computed, counts)
-        assert counts.get("index", 0) > 0, counts   # the kernels do get the loop's index
+        _index_origin(body, {counter: ("index",)}, computed, counts)
+        # the kernels do get the loop's counter, and as many constants (the layers' offsets) beside it
+        assert counts.get("index", 0) > 0 and counts.get("const", 0) >= counts["index"], counts
         out.append(len(computed))
     return out
 
 
 def test_kernels_get_the_layer_index_itself():
-    # DeepSeek-V3.2 (every layer has its indexer): the dense body computes no index; the MoE body one,
-    # its place in the MoE stacks (i - first_k_dense_replace)
-    assert _computed_indices("dsv32-tp8-shard") == [0, 1]
+    # DeepSeek-V3.2 (every layer has its indexer): each body computes one index, `first + 1`, which the
+    # trip's layers after its first read (so that the counter's in-place increment waits only for the
+    # first layer's kernels), though their trips run 3 and 2 layers and the MoE stacks' index is the
+    # layer's less first_k_dense_replace
+    assert _computed_indices("dsv32-tp8-shard") == [1, 1]
 
 
 # ---- kernels read whole arrays: no slice of another array as a kernel operand ------------------
@@ -283,7 +286,7 @@ def _sliced_operands(jaxpr, env: dict, where: str, found: list) -> None:
 
 @pytest.mark.parametrize("name", sorted(BUDGET))
 def test_kernels_get_no_slices_in_the_layer_loop(name):
-    for body in _scan_bodies(name):
+    for body, _, _ in _loops(name):
         found = []
         _sliced_operands(body, {}, "", found)
         assert not found, "kernels that get a slice of another array:\n" + "\n".join(

@@ -107,25 +107,35 @@ ffi::Error AllReduceImpl(cudaStream_t stream, int32_t dev, ffi::AnyBuffer x,
   return ffi::Error::Success();
 }
 
-// The stacked form's layer operand: one int32 in device memory (the kernel
-// reads it; the handler only passes its address on).
-ffi::Error layer_operand(const ffi::AnyBuffer& layer, const char* op,
-                         const int32_t** ptr) {
-  if (layer.element_type() != ffi::DataType::S32 ||
-      layer.element_count() != 1)
-    return ffi::Error::InvalidArgument(std::string("jtilert ") + op +
-                                       ": layer must be one int32");
-  *ptr = static_cast<const int32_t*>(layer.untyped_data());
+// The stacked form's layer operands: base and offset, one int32 each in device
+// memory, the layer their sum (a layer loop's counter and the call site's
+// place in the loop's trip). The kernel reads and adds them; the handler only
+// passes their addresses on.
+struct LayerPtrs {
+  const int32_t* base = nullptr;
+  const int32_t* offset = nullptr;
+};
+
+ffi::Error layer_operands(const ffi::AnyBuffer& base,
+                          const ffi::AnyBuffer& offset, const char* op,
+                          LayerPtrs* ptrs) {
+  for (const ffi::AnyBuffer* b : {&base, &offset})
+    if (b->element_type() != ffi::DataType::S32 || b->element_count() != 1)
+      return ffi::Error::InvalidArgument(
+          std::string("jtilert ") + op +
+          ": the layer and its offset must be one int32 each");
+  ptrs->base = static_cast<const int32_t*>(base.untyped_data());
+  ptrs->offset = static_cast<const int32_t*>(offset.untyped_data());
   return ffi::Error::Success();
 }
 
 int64_t blocks128(int64_t n) { return (n + 127) / 128; }
 
-// GEMV + all-reduce; `layer` null: w [N, K], else w [L, N, K] (scales
-// likewise) and `layer` the device address of the layer index.
+// GEMV + all-reduce; `layer.base` null: w [N, K], else w [L, N, K] (scales
+// likewise) and `layer` the device addresses of the layer's two parts.
 ffi::Error GemvCommon(cudaStream_t stream, int32_t dev, ffi::AnyBuffer x,
                       ffi::AnyBuffer w, ffi::AnyBuffer scale,
-                      ffi::AnyBuffer table, const int32_t* layer,
+                      ffi::AnyBuffer table, LayerPtrs layer,
                       ffi::Result<ffi::AnyBuffer> y,
                       ffi::Span<const int32_t> groups, int32_t world,
                       int32_t nwc, int32_t rpw, int32_t num_ctas,
@@ -137,10 +147,10 @@ ffi::Error GemvCommon(cudaStream_t stream, int32_t dev, ffi::AnyBuffer x,
   if (wdt != JT_BF16 && wdt != JT_F8E4M3)
     return ffi::Error::InvalidArgument("jtilert gemv: w must be bf16 or fp8");
   auto wd = w.dimensions();
-  const size_t lead = layer != nullptr ? 1 : 0;  // the layer axis
+  const size_t lead = layer.base != nullptr ? 1 : 0;  // the layer axis
   if (wd.size() != 2 + lead)
     return ffi::Error::InvalidArgument(
-        layer != nullptr ? "jtilert gemv: stacked w must be 3-D [L, N, K]"
+        lead ? "jtilert gemv: stacked w must be 3-D [L, N, K]"
                          : "jtilert gemv: w must be 2-D");
   const int L = lead ? (int)wd[0] : 1;
   const int N = (int)wd[lead];
@@ -151,7 +161,7 @@ ffi::Error GemvCommon(cudaStream_t stream, int32_t dev, ffi::AnyBuffer x,
     return ffi::Error::InvalidArgument("jtilert gemv: table must be int32");
   if (has_scale && scale.element_type() != ffi::DataType::F32)
     return ffi::Error::InvalidArgument("jtilert gemv: scale must be f32");
-  if (has_scale && layer != nullptr &&
+  if (has_scale && lead &&
       (int64_t)scale.element_count() != L * blocks128(N) * blocks128(K))
     return ffi::Error::InvalidArgument(
         "jtilert gemv: stacked scale must be [L, ceil(N/128), ceil(K/128)]");
@@ -164,11 +174,10 @@ ffi::Error GemvCommon(cudaStream_t stream, int32_t dev, ffi::AnyBuffer x,
       has_scale ? static_cast<const float*>(scale.untyped_data()) : nullptr;
   const int32_t* t = static_cast<const int32_t*>(table.untyped_data());
   cudaError_t e =
-      layer != nullptr
-          ? jt_gemv_all_reduce_layer(gid, rank, stream, x.untyped_data(),
-                                     w.untyped_data(), s, layer, L, t,
-                                     y->untyped_data(), N, K, wdt, nwc, rpw,
-                                     num_ctas, max_tasks)
+      lead ? jt_gemv_all_reduce_layer(gid, rank, stream, x.untyped_data(),
+                                      w.untyped_data(), s, layer.base,
+                                      layer.offset, L, t, y->untyped_data(), N,
+                                      K, wdt, nwc, rpw, num_ctas, max_tasks)
           : jt_gemv_all_reduce(gid, rank, stream, x.untyped_data(),
                                w.untyped_data(), s, t, y->untyped_data(), N,
                                K, wdt, nwc, rpw, num_ctas, max_tasks);
@@ -183,19 +192,20 @@ ffi::Error GemvAllReduceImpl(cudaStream_t stream, int32_t dev,
                              ffi::Span<const int32_t> groups, int32_t world,
                              int32_t nwc, int32_t rpw, int32_t num_ctas,
                              int32_t max_tasks, int32_t has_scale) {
-  return GemvCommon(stream, dev, x, w, scale, table, nullptr, y, groups, world,
-                    nwc, rpw, num_ctas, max_tasks, has_scale);
+  return GemvCommon(stream, dev, x, w, scale, table, LayerPtrs{}, y, groups,
+                    world, nwc, rpw, num_ctas, max_tasks, has_scale);
 }
 
-// Stacked weights: w [L, N, K] and the layer index as the last operand.
+// Stacked weights: w [L, N, K] and the layer (base, offset) as the last two
+// operands.
 ffi::Error GemvAllReduceStackedImpl(
     cudaStream_t stream, int32_t dev, ffi::AnyBuffer x, ffi::AnyBuffer w,
     ffi::AnyBuffer scale, ffi::AnyBuffer table, ffi::AnyBuffer layer,
-    ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int32_t> groups,
-    int32_t world, int32_t nwc, int32_t rpw, int32_t num_ctas,
-    int32_t max_tasks, int32_t has_scale) {
-  const int32_t* l = nullptr;
-  ffi::Error err = layer_operand(layer, "gemv", &l);
+    ffi::AnyBuffer layer_offset, ffi::Result<ffi::AnyBuffer> y,
+    ffi::Span<const int32_t> groups, int32_t world, int32_t nwc, int32_t rpw,
+    int32_t num_ctas, int32_t max_tasks, int32_t has_scale) {
+  LayerPtrs l;
+  ffi::Error err = layer_operands(layer, layer_offset, "gemv", &l);
   if (!err.success()) return err;
   return GemvCommon(stream, dev, x, w, scale, table, l, y, groups, world, nwc,
                     rpw, num_ctas, max_tasks, has_scale);
@@ -204,13 +214,13 @@ ffi::Error GemvAllReduceStackedImpl(
 // MoE down projection + shared expert + all-reduce (expert-down mode of the
 // GEMV kernel): h [nsel, I], weights [nsel] f32, ids [nsel] s32, down
 // [E, N, I], shared_h [Is], shared_down [N, Is] (+ scales when fp8); with
-// `layer` (device address of the layer index), down [L, E, N, I] and
+// `layer` (device addresses of the layer's two parts), down [L, E, N, I] and
 // shared_down [L, N, Is], their scales likewise.
 ffi::Error ExpertDownCommon(
     cudaStream_t stream, int32_t dev, ffi::AnyBuffer h, ffi::AnyBuffer weights,
     ffi::AnyBuffer ids, ffi::AnyBuffer down, ffi::AnyBuffer down_scale,
     ffi::AnyBuffer shared_h, ffi::AnyBuffer shared_down,
-    ffi::AnyBuffer shared_scale, ffi::AnyBuffer table, const int32_t* layer,
+    ffi::AnyBuffer shared_scale, ffi::AnyBuffer table, LayerPtrs layer,
     ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int32_t> groups,
     int32_t world, int32_t nwc, int32_t rpw, int32_t num_ctas,
     int32_t max_tasks, int32_t has_scale) {
@@ -236,11 +246,11 @@ ffi::Error ExpertDownCommon(
     return ffi::Error::InvalidArgument("jtilert expert_down: scales must be f32");
   auto dd = down.dimensions();
   auto sd = shared_down.dimensions();
-  const size_t lead = layer != nullptr ? 1 : 0;  // the layer axis
+  const size_t lead = layer.base != nullptr ? 1 : 0;  // the layer axis
   if (dd.size() != 3 + lead || sd.size() != 2 + lead ||
       sd[lead] != dd[lead + 1] || (lead && sd[0] != dd[0]))
     return ffi::Error::InvalidArgument(
-        layer != nullptr ? "jtilert expert_down: down [L, E, N, I], "
+        lead ? "jtilert expert_down: down [L, E, N, I], "
                            "shared_down [L, N, Is]"
                          : "jtilert expert_down: down [E, N, I], "
                            "shared_down [N, Is]");
@@ -253,7 +263,7 @@ ffi::Error ExpertDownCommon(
       (int64_t)shared_h.element_count() != Is ||
       (int64_t)y->element_count() != N)
     return ffi::Error::InvalidArgument("jtilert expert_down: shape mismatch");
-  if (has_scale && layer != nullptr &&
+  if (has_scale && lead &&
       ((int64_t)down_scale.element_count() !=
            (int64_t)L * E * blocks128(N) * blocks128(I) ||
        (int64_t)shared_scale.element_count() !=
@@ -273,12 +283,12 @@ ffi::Error ExpertDownCommon(
   const int32_t* id = static_cast<const int32_t*>(ids.untyped_data());
   const int32_t* t = static_cast<const int32_t*>(table.untyped_data());
   cudaError_t e =
-      layer != nullptr
-          ? jt_expert_down_all_reduce_layer(
-                gid, rank, stream, h.untyped_data(), wts, id,
-                down.untyped_data(), ds, shared_h.untyped_data(),
-                shared_down.untyped_data(), ss, layer, L, t, y->untyped_data(),
-                N, (int)nsel, I, E, Is, wdt, nwc, rpw, num_ctas, max_tasks)
+      lead ? jt_expert_down_all_reduce_layer(
+                 gid, rank, stream, h.untyped_data(), wts, id,
+                 down.untyped_data(), ds, shared_h.untyped_data(),
+                 shared_down.untyped_data(), ss, layer.base, layer.offset, L,
+                 t, y->untyped_data(), N, (int)nsel, I, E, Is, wdt, nwc, rpw,
+                 num_ctas, max_tasks)
           : jt_expert_down_all_reduce(
                 gid, rank, stream, h.untyped_data(), wts, id,
                 down.untyped_data(), ds, shared_h.untyped_data(),
@@ -297,23 +307,23 @@ ffi::Error ExpertDownAllReduceImpl(
     int32_t world, int32_t nwc, int32_t rpw, int32_t num_ctas,
     int32_t max_tasks, int32_t has_scale) {
   return ExpertDownCommon(stream, dev, h, weights, ids, down, down_scale,
-                          shared_h, shared_down, shared_scale, table, nullptr,
-                          y, groups, world, nwc, rpw, num_ctas, max_tasks,
-                          has_scale);
+                          shared_h, shared_down, shared_scale, table,
+                          LayerPtrs{}, y, groups, world, nwc, rpw, num_ctas,
+                          max_tasks, has_scale);
 }
 
 // Stacked weights (down [L, E, N, I], shared_down [L, N, Is], scales
-// likewise) and the layer index as the last operand.
+// likewise) and the layer (base, offset) as the last two operands.
 ffi::Error ExpertDownAllReduceStackedImpl(
     cudaStream_t stream, int32_t dev, ffi::AnyBuffer h, ffi::AnyBuffer weights,
     ffi::AnyBuffer ids, ffi::AnyBuffer down, ffi::AnyBuffer down_scale,
     ffi::AnyBuffer shared_h, ffi::AnyBuffer shared_down,
     ffi::AnyBuffer shared_scale, ffi::AnyBuffer table, ffi::AnyBuffer layer,
-    ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int32_t> groups,
+    ffi::AnyBuffer layer_offset, ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int32_t> groups,
     int32_t world, int32_t nwc, int32_t rpw, int32_t num_ctas,
     int32_t max_tasks, int32_t has_scale) {
-  const int32_t* l = nullptr;
-  ffi::Error err = layer_operand(layer, "expert_down", &l);
+  LayerPtrs l;
+  ffi::Error err = layer_operands(layer, layer_offset, "expert_down", &l);
   if (!err.success()) return err;
   return ExpertDownCommon(stream, dev, h, weights, ids, down, down_scale,
                           shared_h, shared_down, shared_scale, table, l, y,
@@ -377,10 +387,12 @@ ffi::Error TopkSelectImpl(cudaStream_t stream, int32_t dev,
 
 // The MoE router's selection: the router GEMV's split-K partial logits
 // [S, T, E] f32 (summed in order), the bias stack [L, E] f32 and the layer
-// (int32 [1], on the device) -> weights [T, k] f32, ids [T, k].
+// (base and offset, int32 [1] each, on the device) -> weights [T, k] f32,
+// ids [T, k].
 ffi::Error RouteSelectImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> partials,
                            ffi::Buffer<ffi::F32> bias,
                            ffi::Buffer<ffi::S32> layer,
+                           ffi::Buffer<ffi::S32> layer_offset,
                            ffi::Result<ffi::Buffer<ffi::F32>> out_w,
                            ffi::Result<ffi::Buffer<ffi::S32>> out_ids,
                            int32_t n_group, int32_t topk_group, int32_t norm,
@@ -390,11 +402,11 @@ ffi::Error RouteSelectImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> partials,
   auto od = out_ids->dimensions();
   if (pd.size() != 3 || bd.size() != 2 || bd[1] != pd[2] || od.size() != 2 ||
       od[0] != pd[1] || out_w->element_count() != out_ids->element_count() ||
-      layer.element_count() != 1)
+      layer.element_count() != 1 || layer_offset.element_count() != 1)
     return ffi::Error::InvalidArgument("jtilert route_select: shape mismatch");
   cudaError_t e = jt_route_select(
       stream, partials.typed_data(), (int)pd[0], bias.typed_data(),
-      layer.typed_data(), (int)pd[1], (int)pd[2], n_group, topk_group,
+      layer.typed_data(), layer_offset.typed_data(), (int)pd[1], (int)pd[2], n_group, topk_group,
       (int)od[1], scaling, norm, out_w->typed_data(), out_ids->typed_data());
   if (e != cudaSuccess) return cuda_error(e, "route_select launch");
   return ffi::Error::Success();
@@ -404,7 +416,8 @@ ffi::Error RouteSelectImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> partials,
 // A MoE layer's experts for one decode token (src/moe.cu): f [1, H] bf16,
 // weights [1, k] f32, ids [1, k] s32, the routed gate/up [L, E, I, H] and down
 // [L, E, H, I] fp8 with their f32 block scales, the shared expert's [L, I, H] /
-// [L, H, I] likewise, residual [1, H] bf16, layer s32 [1] -> out [1, H] bf16.
+// [L, H, I] likewise, residual [1, H] bf16, the layer (base and offset, s32
+// [1] each) -> out [1, H] bf16.
 ffi::Error MoeDecodeImpl(cudaStream_t stream, ffi::AnyBuffer f, ffi::Buffer<ffi::F32> weights,
                          ffi::Buffer<ffi::S32> ids, ffi::AnyBuffer gate, ffi::Buffer<ffi::F32> gate_scale,
                          ffi::AnyBuffer up, ffi::Buffer<ffi::F32> up_scale, ffi::AnyBuffer down,
@@ -412,9 +425,10 @@ ffi::Error MoeDecodeImpl(cudaStream_t stream, ffi::AnyBuffer f, ffi::Buffer<ffi:
                          ffi::Buffer<ffi::F32> shared_gate_scale, ffi::AnyBuffer shared_up,
                          ffi::Buffer<ffi::F32> shared_up_scale, ffi::AnyBuffer shared_down,
                          ffi::Buffer<ffi::F32> shared_down_scale, ffi::AnyBuffer residual,
-                         ffi::AnyBuffer layer, ffi::Result<ffi::AnyBuffer> out, int64_t timeout_ms) {
-  const int32_t* l = nullptr;
-  ffi::Error err = layer_operand(layer, "moe_decode", &l);
+                         ffi::AnyBuffer layer, ffi::AnyBuffer layer_offset, ffi::Result<ffi::AnyBuffer> out,
+                         int64_t timeout_ms) {
+  LayerPtrs l;
+  ffi::Error err = layer_operands(layer, layer_offset, "moe_decode", &l);
   if (!err.success()) return err;
   auto gd = gate.dimensions(), dd = down.dimensions(), sd = shared_gate.dimensions();
   if (gd.size() != 4 || dd.size() != 4 || sd.size() != 3)
@@ -440,8 +454,8 @@ ffi::Error MoeDecodeImpl(cudaStream_t stream, ffi::AnyBuffer f, ffi::Buffer<ffi:
   const JtMoeArgs a{f.untyped_data(), weights.typed_data(), ids.typed_data(), u8(gate), u8(up), u8(down),
                     u8(shared_gate), u8(shared_up), u8(shared_down), gate_scale.typed_data(),
                     up_scale.typed_data(), down_scale.typed_data(), shared_gate_scale.typed_data(),
-                    shared_up_scale.typed_data(), shared_down_scale.typed_data(), residual.untyped_data(), l,
-                    out->untyped_data()};
+                    shared_up_scale.typed_data(), shared_down_scale.typed_data(), residual.untyped_data(), l.base,
+                    l.offset, out->untyped_data()};
   cudaError_t e = jt_moe_decode(stream, &a, (int)L, (int)E, (int)H, (int)I, (int)k, timeout_ms);
   if (e != cudaSuccess) return cuda_error(e, "moe_decode launch");
   return ffi::Error::Success();
@@ -464,19 +478,20 @@ bool packed_subbyte(ffi::DataType t) {
   }
 }
 
-// L2 prefetch of layer `layer` (int32 [1], on the device) of every remaining
+// L2 prefetch of layer `layer` + `layer_offset` (int32 [1] each, on the
+// device) of every remaining
 // operand, each a stack [L, ...] (L its leading dimension, one layer = its
 // bytes / L). `after` is not read: it only makes XLA run the call after the
 // op that produces it. The token (int32 [1]) is written 0 by the kernel.
 // Everything the launch needs comes from the buffers' addresses and shapes:
 // the same work on every call.
 ffi::Error PrefetchL2Impl(cudaStream_t stream, int32_t dev,
-                          ffi::AnyBuffer layer, ffi::AnyBuffer after,
-                          ffi::RemainingArgs arrays,
+                          ffi::AnyBuffer layer, ffi::AnyBuffer layer_offset,
+                          ffi::AnyBuffer after, ffi::RemainingArgs arrays,
                           ffi::Result<ffi::AnyBuffer> token) {
   (void)after;
-  const int32_t* l = nullptr;
-  ffi::Error err = layer_operand(layer, "prefetch_l2", &l);
+  LayerPtrs l;
+  ffi::Error err = layer_operands(layer, layer_offset, "prefetch_l2", &l);
   if (!err.success()) return err;
   if (token->element_type() != ffi::DataType::S32 ||
       token->element_count() != 1)
@@ -509,7 +524,7 @@ ffi::Error PrefetchL2Impl(cudaStream_t stream, int32_t dev,
   }
   cudaError_t e = ensure_device(dev);
   if (e != cudaSuccess) return cuda_error(e, "set device");
-  e = jt_prefetch_l2(stream, l, (int)n, bases, layer_bytes, layers,
+  e = jt_prefetch_l2(stream, l.base, l.offset, (int)n, bases, layer_bytes, layers,
                      static_cast<int32_t*>(token->untyped_data()));
   if (e != cudaSuccess) return cuda_error(e, "prefetch_l2 launch");
   return ffi::Error::Success();
@@ -587,8 +602,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JtExpertDownAllReduce, ExpertDownAllReduceImpl,
                                       .Ret<ffi::AnyBuffer>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
-// Stacked-layer forms: the same operands plus the layer index (int32 scalar)
-// after the task table.
+// Stacked-layer forms: the same operands plus the layer (base and offset,
+// int32 [1] each) after the task table.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JtGemvAllReduceStacked, GemvAllReduceStackedImpl,
                               task_table_attrs(
                                   ffi::Ffi::Bind()
@@ -599,6 +614,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JtGemvAllReduceStacked, GemvAllReduceStackedImpl,
                                       .Arg<ffi::AnyBuffer>()  // scale
                                       .Arg<ffi::AnyBuffer>()  // table
                                       .Arg<ffi::AnyBuffer>()  // layer
+                                      .Arg<ffi::AnyBuffer>()  // layer offset
                                       .Ret<ffi::AnyBuffer>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
@@ -618,6 +634,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JtExpertDownAllReduceStacked,
                                       .Arg<ffi::AnyBuffer>()  // shared_scale
                                       .Arg<ffi::AnyBuffer>()  // table
                                       .Arg<ffi::AnyBuffer>()  // layer
+                                      .Arg<ffi::AnyBuffer>()  // layer offset
                                       .Ret<ffi::AnyBuffer>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
@@ -638,6 +655,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JtRouteSelect, RouteSelectImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // logits
                                   .Arg<ffi::Buffer<ffi::F32>>()  // bias stack
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer offset
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Attr<int32_t>("n_group")
@@ -666,17 +684,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JtMoeDecode, MoeDecodeImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()        // its scale
                                   .Arg<ffi::AnyBuffer>()               // residual
                                   .Arg<ffi::AnyBuffer>()               // layer
+                                  .Arg<ffi::AnyBuffer>()               // layer offset
                                   .Ret<ffi::AnyBuffer>()               // out
                                   .Attr<int64_t>("timeout_ms"),
                               {ffi::Traits::kCmdBufferCompatible});
 
-// L2 prefetch: the layer index, the ordering operand, then 1 to
+// L2 prefetch: the layer (base, offset), the ordering operand, then 1 to
 // JT_PREFETCH_MAX_ARRAYS layer stacks; no attributes.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JtPrefetchL2, PrefetchL2Impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()  // layer
+                                  .Arg<ffi::AnyBuffer>()  // layer offset
                                   .Arg<ffi::AnyBuffer>()  // after
                                   .RemainingArgs()        // the stacks
                                   .Ret<ffi::AnyBuffer>(),  // token

@@ -9,11 +9,13 @@
 // one launch with one all-reduce.
 //
 // Stacked layers (the *_layer entry points): the weights and scales of every
-// layer sit in one [L, ...] array and the layer index is an int32 in device
-// memory. Each CTA reads it first and offsets its weight and scale pointers by
-// layer * (per-layer stride), so a traced layer loop passes the whole stack
-// with no copy of the layer's slice and no host read of the index; every
-// launch of a call site stays identical (command buffers).
+// layer sit in one [L, ...] array and the layer index is base + offset, two
+// int32s in device memory (a layer loop's counter and its call site's place in
+// the loop's trip). Each CTA reads them first and offsets its weight and scale
+// pointers by layer * (per-layer stride), so a traced layer loop passes the
+// whole stack with no copy of the layer's slice, no host read of the index and
+// no index arithmetic before the launch; every launch of a call site stays
+// identical (command buffers).
 //
 // One CTA per task list of the host-built task table (jtilert/ffi/plan.py).
 // Warps 0..nwc-1 stream weight rows (16-byte non-caching loads, RPW rows x U
@@ -139,10 +141,12 @@ struct GemvArgs {
   const uint4* w;     // W[N, K]; expert mode: stacked experts [E, N, I]
   const float* scale;  // [ceil(N/128), KB]; expert mode: [E, ceil(N/128), ceil(I/128)]
   const int* table;
-  // stacked layers: the layer index in device memory (null: w, scale, ws and
-  // ss are one layer's; the layer count is L below); one layer of w is N x K
-  // (expert mode: E x N x I, of ws N x Is), scales likewise
+  // stacked layers: the layer index, *layer + *layer_offset, in device memory
+  // (null: w, scale, ws and ss are one layer's; the layer count is L below);
+  // one layer of w is N x K (expert mode: E x N x I, of ws N x Is), scales
+  // likewise
   const int* layer;
+  const int* layer_offset;
   uint16_t* y;  // bf16 bits
   int N, K, KB, nwc, max_tasks, comm;
   // expert-down mode only (K = nsel * I + Is)
@@ -160,7 +164,7 @@ struct GemvArgs {
 // slice, so the result is that of jnp's w[layer]; 0 otherwise.
 __device__ __forceinline__ int layer_index(const GemvArgs& g) {
   if (g.layer == nullptr) return 0;
-  int v = __ldg(g.layer);
+  int v = __ldg(g.layer) + __ldg(g.layer_offset);
   if (v < 0) v += g.L;
   return min(max(v, 0), g.L - 1);
 }
@@ -475,7 +479,8 @@ cudaError_t launch(int gid, int rank, cudaStream_t stream, GemvArgs& g,
   const int epc = wdtype == JT_F8E4M3 ? 16 : 8;
   if (g.K % epc != 0) return cudaErrorInvalidValue;
   if (wdtype == JT_F8E4M3 && g.scale == nullptr) return cudaErrorInvalidValue;
-  if (g.layer != nullptr && g.L < 1) return cudaErrorInvalidValue;
+  if (g.layer != nullptr && (g.layer_offset == nullptr || g.L < 1))
+    return cudaErrorInvalidValue;
   void* kern = select_kernel(wdtype, rpw, expert);
   if (kern == nullptr) return cudaErrorInvalidValue;
   const int T = g.nwc * rpw;
@@ -547,11 +552,12 @@ namespace {
 
 cudaError_t gemv_call(int gid, int rank, cudaStream_t stream, const void* x,
                       const void* w, const float* scale, const int32_t* layer,
-                      int L, const int32_t* table, void* y, int N, int K,
-                      int wdtype, int nwc, int rpw, int num_ctas,
-                      int max_tasks) {
+                      const int32_t* layer_offset, int L,
+                      const int32_t* table, void* y, int N, int K, int wdtype,
+                      int nwc, int rpw, int num_ctas, int max_tasks) {
   GemvArgs g = dense_args(x, w, scale, table, y, N, K, nwc, max_tasks);
   g.layer = layer;
+  g.layer_offset = layer_offset;
   g.L = L;
   return launch(gid, rank, stream, g, wdtype, rpw, num_ctas, false);
 }
@@ -561,10 +567,10 @@ cudaError_t expert_down_call(int gid, int rank, cudaStream_t stream,
                              const int32_t* ids, const void* w,
                              const float* scale, const void* shared_h,
                              const void* shared_w, const float* shared_scale,
-                             const int32_t* layer, int L, const int32_t* table,
-                             void* y, int N, int nsel, int I, int E, int Is,
-                             int wdtype, int nwc, int rpw, int num_ctas,
-                             int max_tasks) {
+                             const int32_t* layer, const int32_t* layer_offset,
+                             int L, const int32_t* table, void* y, int N,
+                             int nsel, int I, int E, int Is, int wdtype,
+                             int nwc, int rpw, int num_ctas, int max_tasks) {
   const int epc = wdtype == JT_F8E4M3 ? 16 : 8;
   // every segment starts on a 16-byte chunk; fp8 needs both sets of scales
   if (nsel < 1 || E < 1 || I < epc || I % epc != 0 || Is < epc ||
@@ -581,6 +587,7 @@ cudaError_t expert_down_call(int gid, int rank, cudaStream_t stream,
   g.I = I;
   g.E = E;
   g.layer = layer;
+  g.layer_offset = layer_offset;
   g.L = L;
   return launch(gid, rank, stream, g, wdtype, rpw, num_ctas, true);
 }
@@ -594,18 +601,18 @@ extern "C" cudaError_t jt_gemv_all_reduce(int gid, int rank,
                                           const int32_t* table, void* y, int N,
                                           int K, int wdtype, int nwc, int rpw,
                                           int num_ctas, int max_tasks) {
-  return jt::gemv_call(gid, rank, stream, x, w, scale, nullptr, 1, table, y, N,
-                       K, wdtype, nwc, rpw, num_ctas, max_tasks);
+  return jt::gemv_call(gid, rank, stream, x, w, scale, nullptr, nullptr, 1,
+                       table, y, N, K, wdtype, nwc, rpw, num_ctas, max_tasks);
 }
 
 extern "C" cudaError_t jt_gemv_all_reduce_layer(
     int gid, int rank, cudaStream_t stream, const void* x, const void* w,
-    const float* scale, const int32_t* layer, int L, const int32_t* table,
-    void* y, int N, int K, int wdtype, int nwc, int rpw, int num_ctas,
-    int max_tasks) {
-  if (layer == nullptr) return cudaErrorInvalidValue;
-  return jt::gemv_call(gid, rank, stream, x, w, scale, layer, L, table, y, N,
-                       K, wdtype, nwc, rpw, num_ctas, max_tasks);
+    const float* scale, const int32_t* layer, const int32_t* layer_offset,
+    int L, const int32_t* table, void* y, int N, int K, int wdtype, int nwc,
+    int rpw, int num_ctas, int max_tasks) {
+  if (layer == nullptr || layer_offset == nullptr) return cudaErrorInvalidValue;
+  return jt::gemv_call(gid, rank, stream, x, w, scale, layer, layer_offset, L,
+                       table, y, N, K, wdtype, nwc, rpw, num_ctas, max_tasks);
 }
 
 extern "C" cudaError_t jt_expert_down_all_reduce(
@@ -616,8 +623,8 @@ extern "C" cudaError_t jt_expert_down_all_reduce(
     int I, int E, int Is, int wdtype, int nwc, int rpw, int num_ctas,
     int max_tasks) {
   return jt::expert_down_call(gid, rank, stream, h, weights, ids, w, scale,
-                              shared_h, shared_w, shared_scale, nullptr, 1,
-                              table, y, N, nsel, I, E, Is, wdtype, nwc, rpw,
+                              shared_h, shared_w, shared_scale, nullptr,
+                              nullptr, 1, table, y, N, nsel, I, E, Is, wdtype, nwc, rpw,
                               num_ctas, max_tasks);
 }
 
@@ -625,12 +632,13 @@ extern "C" cudaError_t jt_expert_down_all_reduce_layer(
     int gid, int rank, cudaStream_t stream, const void* h,
     const float* weights, const int32_t* ids, const void* w,
     const float* scale, const void* shared_h, const void* shared_w,
-    const float* shared_scale, const int32_t* layer, int L,
-    const int32_t* table, void* y, int N, int nsel, int I, int E, int Is,
-    int wdtype, int nwc, int rpw, int num_ctas, int max_tasks) {
-  if (layer == nullptr) return cudaErrorInvalidValue;
+    const float* shared_scale, const int32_t* layer,
+    const int32_t* layer_offset, int L, const int32_t* table, void* y, int N,
+    int nsel, int I, int E, int Is, int wdtype, int nwc, int rpw, int num_ctas,
+    int max_tasks) {
+  if (layer == nullptr || layer_offset == nullptr) return cudaErrorInvalidValue;
   return jt::expert_down_call(gid, rank, stream, h, weights, ids, w, scale,
-                              shared_h, shared_w, shared_scale, layer, L,
-                              table, y, N, nsel, I, E, Is, wdtype, nwc, rpw,
+                              shared_h, shared_w, shared_scale, layer,
+                              layer_offset, L, table, y, N, nsel, I, E, Is, wdtype, nwc, rpw,
                               num_ctas, max_tasks);
 }

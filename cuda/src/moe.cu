@@ -216,7 +216,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(const JtMoeArgs
   Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, cta = blockIdx.x;
   const int segments = s.k + 1;
-  int layer = __ldg(a.layer);
+  int layer = __ldg(a.layer) + __ldg(a.layer_offset);
   if (layer < 0) layer += s.L;
   layer = min(max(layer, 0), s.L - 1);
   const unsigned call = *(volatile unsigned*)&g_epoch + 1;  // this call's number

@@ -9,8 +9,9 @@
 //
 // What: array a is a stack [L_a, ...] (base address, L_a layers of
 // layer_bytes[a] bytes each); the kernel reads the layer index on the device
-// (a traced loop counter: the launch is the same for every layer, so it can
-// be captured in a CUDA graph), takes it like jnp's w[layer] (negative from
+// as the sum of two int32s (a traced loop counter and the call site's offset
+// from it: the launch is the same for every layer, so it can be captured in
+// a CUDA graph), takes it like jnp's w[layer] (negative from
 // the end, then clamped into [0, L_a)) and prefetches bytes
 // [layer · layer_bytes, (layer + 1) · layer_bytes) of every array into L2.
 //
@@ -63,8 +64,10 @@ __device__ __forceinline__ void line_prefetch_l2(uintptr_t addr) {
 
 __global__ void __launch_bounds__(kThreads)
     prefetch_l2_kernel(const __grid_constant__ PrefetchArgs args,
-                       const int32_t* __restrict__ layer, int32_t* token) {
-  const int32_t raw = *layer;
+                       const int32_t* __restrict__ layer,
+                       const int32_t* __restrict__ layer_offset,
+                       int32_t* token) {
+  const int32_t raw = *layer + *layer_offset;
   const uint64_t total = args.chunks_end[args.n - 1];
   const uint64_t stride = (uint64_t)gridDim.x * kThreads;
   if (blockIdx.x == 0 && threadIdx.x == 0) token[0] = 0;
@@ -98,12 +101,13 @@ __global__ void __launch_bounds__(kThreads)
 }  // namespace jt
 
 extern "C" cudaError_t jt_prefetch_l2(cudaStream_t stream,
-                                      const int32_t* layer, int n,
+                                      const int32_t* layer,
+                                      const int32_t* layer_offset, int n,
                                       const void* const* bases,
                                       const int64_t* layer_bytes,
                                       const int32_t* layers, int32_t* token) {
   if (n < 1 || n > JT_PREFETCH_MAX_ARRAYS || layer == nullptr ||
-      token == nullptr)
+      layer_offset == nullptr || token == nullptr)
     return cudaErrorInvalidValue;
   jt::PrefetchArgs args = {};
   uint64_t chunks = 0;
@@ -122,6 +126,6 @@ extern "C" cudaError_t jt_prefetch_l2(cudaStream_t stream,
   uint64_t ctas = (chunks + jt::kThreads - 1) / jt::kThreads;
   ctas = ctas < 1 ? 1 : (ctas > (uint64_t)jt::kMaxCtas ? jt::kMaxCtas : ctas);
   jt::prefetch_l2_kernel<<<(unsigned)ctas, jt::kThreads, 0, stream>>>(
-      args, layer, token);
+      args, layer, layer_offset, token);
   return cudaGetLastError();
 }

@@ -2,11 +2,12 @@
 // from the router GEMV's fp32 split-K partial logits [S, T, E] to (weights
 // [T, k] fp32, expert ids [T, k] int32), exactly
 // jtilert.ops.reference.select_experts of their sum (s = 0, 1, .. in order):
-//   s = sigmoid(logit), b = s + bias[layer]; with n_group > 1 each group of
-//   E / n_group experts scores the sum of its two largest b, the topk_group
-//   best groups stay and the other experts' b become -inf; the k largest b are
-//   chosen, in descending order, ties to the lower index; their unbiased s,
-//   normalised to sum 1 (norm != 0), times `scaling`, are the weights.
+//   s = sigmoid(logit), b = s + bias[*layer + *layer_offset]; with
+//   n_group > 1 each group of E / n_group experts scores the sum of its two
+//   largest b, the topk_group best groups stay and the other experts' b
+//   become -inf; the k largest b are chosen, in descending order, ties to
+//   the lower index; their unbiased s, normalised to sum 1 (norm != 0), times
+//   `scaling`, are the weights.
 // One CTA per token row, one thread per expert (E <= 1024). Ranks are counted
 // over every pair, four values per shared-memory load (E <= 1024 comparisons
 // per thread): no sort, and each rank's expert writes its own output slot.
@@ -58,8 +59,9 @@ __device__ __forceinline__ int rank_of(const float* vals, int n, float v, int i)
 
 __global__ void route_select_kernel(const float* __restrict__ partials, int S,
                                     const float* __restrict__ bias,
-                                    const int32_t* __restrict__ layer, int T,
-                                    int E, int n_group, int topk_group, int k,
+                                    const int32_t* __restrict__ layer,
+                                    const int32_t* __restrict__ layer_offset,
+                                    int T, int E, int n_group, int topk_group, int k,
                                     float scaling, int norm, float* out_w,
                                     int32_t* out_ids) {
   extern __shared__ float4 sm4[];
@@ -67,7 +69,7 @@ __global__ void route_select_kernel(const float* __restrict__ partials, int S,
   float* group_score = biased + ((E + 3) & ~3);   // [n_group], 16-byte aligned
   float* chosen = group_score + n_group;           // [k]: s of the expert at each rank
   const int t = blockIdx.x, i = threadIdx.x;
-  const float bias_i = bias[(size_t)layer[0] * E + i];
+  const float bias_i = bias[(size_t)(layer[0] + layer_offset[0]) * E + i];
   float logit = 0.f;
   for (int p0 = 0; p0 < S; p0 += kPartialsBatch) {
     float part[kPartialsBatch];
@@ -137,7 +139,8 @@ __global__ void route_select_kernel(const float* __restrict__ partials, int S,
 
 extern "C" cudaError_t jt_route_select(cudaStream_t stream, const float* partials,
                                        int S, const float* bias,
-                                       const int32_t* layer, int T, int E,
+                                       const int32_t* layer,
+                                       const int32_t* layer_offset, int T, int E,
                                        int n_group, int topk_group, int k,
                                        float scaling, int norm, float* out_w,
                                        int32_t* out_ids) {
@@ -145,8 +148,8 @@ extern "C" cudaError_t jt_route_select(cudaStream_t stream, const float* partial
       n_group < 1 || E % n_group != 0 || topk_group < 1 || topk_group > n_group)
     return cudaErrorInvalidValue;
   const size_t smem = (size_t)(((E + 3) & ~3) + n_group + k) * sizeof(float);
-  jt::route_select_kernel<<<T, E, smem, stream>>>(partials, S, bias, layer, T, E,
-                                                  n_group, topk_group, k, scaling,
+  jt::route_select_kernel<<<T, E, smem, stream>>>(partials, S, bias, layer, layer_offset,
+                                                  T, E, n_group, topk_group, k, scaling,
                                                   norm, out_w, out_ids);
   return cudaGetLastError();
 }

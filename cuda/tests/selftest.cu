@@ -482,11 +482,13 @@ std::vector<int> layer_values(int L) { return {L - 1, 0, -1, L + 2, 1 % L}; }
 // One launch per rank captured in a CUDA graph (as XLA's command buffers do),
 // replayed once per value of `layers` with the layer index rewritten in device
 // memory before each replay and y poisoned: out[i][r] is rank r's y for
-// layers[i]. The launch itself never changes, only the device value.
+// layers[i]. The index is two device int32s, base and offset, whose sum is
+// layers[i] (the offset varies: -1, 0, 1, ...). The launch itself never
+// changes, only the device values.
 std::vector<std::vector<std::vector<uint16_t>>> run_layer_graph(
     int N, const std::vector<int>& layers,
-    const std::function<void(int, cudaStream_t, const int32_t*, uint16_t*)>&
-        launch) {
+    const std::function<void(int, cudaStream_t, const int32_t*, const int32_t*,
+                             uint16_t*)>& launch) {
   const size_t nl = layers.size();
   std::vector<std::vector<std::vector<uint16_t>>> out(
       nl, std::vector<std::vector<uint16_t>>(g_world));
@@ -496,20 +498,24 @@ std::vector<std::vector<std::vector<uint16_t>>> run_layer_graph(
     int32_t* dl = nullptr;
     int32_t* hl = nullptr;
     uint16_t *dy = nullptr, *all = nullptr;
-    CK(cudaMalloc(&dl, 4));
+    CK(cudaMalloc(&dl, 8));
     CK(cudaMalloc(&dy, (size_t)N * 2));
     CK(cudaMalloc(&all, nl * N * 2));
-    CK(cudaMallocHost(&hl, nl * 4));
-    for (size_t i = 0; i < nl; ++i) hl[i] = layers[i];
+    CK(cudaMallocHost(&hl, nl * 8));
+    for (size_t i = 0; i < nl; ++i) {
+      const int offset = (int)(i % 3) - 1;
+      hl[2 * i] = layers[i] - offset;
+      hl[2 * i + 1] = offset;
+    }
     cudaGraph_t graph;
     cudaGraphExec_t exec;
     CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-    launch(r, st, dl, dy);
+    launch(r, st, dl, dl + 1, dy);
     CK(cudaStreamEndCapture(st, &graph));
     CK(cudaGraphInstantiate(&exec, graph, 0));
     for (size_t i = 0; i < nl; ++i) {
       CK(cudaMemsetAsync(dy, 0xff, (size_t)N * 2, st));
-      CK(cudaMemcpyAsync(dl, hl + i, 4, cudaMemcpyHostToDevice, st));
+      CK(cudaMemcpyAsync(dl, hl + 2 * i, 8, cudaMemcpyHostToDevice, st));
       CK(cudaGraphLaunch(exec, st));
       CK(cudaMemcpyAsync(all + i * N, dy, (size_t)N * 2,
                          cudaMemcpyDeviceToDevice, st));
@@ -570,10 +576,12 @@ void test_gemv_layers(int gid, int N, int K, bool fp8, int nwc, int rpw, int L,
   }
   auto out = run_layer_graph(
       N, layers,
-      [&](int r, cudaStream_t st, const int32_t* dl, uint16_t* dy) {
-        CK(jt_gemv_all_reduce_layer(gid, r, st, dx[r], dw[r], ds[r], dl, L,
-                                    dt[r], dy, N, K, fp8 ? JT_F8E4M3 : JT_BF16,
-                                    nwc, rpw, plan.num_ctas, plan.max_tasks));
+      [&](int r, cudaStream_t st, const int32_t* dl, const int32_t* doff,
+          uint16_t* dy) {
+        CK(jt_gemv_all_reduce_layer(gid, r, st, dx[r], dw[r], ds[r], dl, doff,
+                                    L, dt[r], dy, N, K,
+                                    fp8 ? JT_F8E4M3 : JT_BF16, nwc, rpw,
+                                    plan.num_ctas, plan.max_tasks));
       });
   for (size_t i = 0; i < layers.size(); ++i) {
     char buf[200];
@@ -647,11 +655,12 @@ void test_expert_down_layers(int gid, int N, int nsel, int I, int E, int Is,
   }
   auto out = run_layer_graph(
       N, layers,
-      [&](int r, cudaStream_t st, const int32_t* dl, uint16_t* dy) {
+      [&](int r, cudaStream_t st, const int32_t* dl, const int32_t* doff,
+          uint16_t* dy) {
         const In& a = in[r];
         CK(jt_expert_down_all_reduce_layer(
-            gid, r, st, a.h, a.wts, a.ids, a.w, a.s, a.hs, a.sw, a.ss, dl, L,
-            a.table, dy, N, nsel, I, E, Is, fp8 ? JT_F8E4M3 : JT_BF16, nwc,
+            gid, r, st, a.h, a.wts, a.ids, a.w, a.s, a.hs, a.sw, a.ss, dl, doff,
+            L, a.table, dy, N, nsel, I, E, Is, fp8 ? JT_F8E4M3 : JT_BF16, nwc,
             rpw, plan.num_ctas, plan.max_tasks));
       });
   for (size_t i = 0; i < layers.size(); ++i) {

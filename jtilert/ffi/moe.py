@@ -24,6 +24,7 @@ from jax.interpreters import mlir
 from jtilert.ffi import _lib
 from jtilert.ffi import ops as _ops
 from jtilert.ops import reference
+from jtilert.ops.layer import Layer
 
 CTAS = 128          # JT_MOE_CTAS: the SMs the kernel needs free at once
 MAX_VEC = 8192      # JT_MOE_MAX_VEC
@@ -40,7 +41,7 @@ moe_decode_p = Primitive("jtilert_moe_decode")
 
 
 def _abstract(f, weights, ids, *rest):  # noqa: ARG001
-    return rest[-2]   # out: like the residual
+    return rest[-3]   # out: like the residual (the last operand before the layer's two)
 
 
 moe_decode_p.def_abstract_eval(_abstract)
@@ -49,8 +50,9 @@ moe_decode_p.def_abstract_eval(_abstract)
 def reference_moe(f, weights, ids, experts, shared, residual, layer):
     """residual + the routed experts' weighted sum + the shared expert, as `Ops.moe` composes the
     reference ops without tp (the shared down's result added to the residual first, then the
-    routed sum), on layer `layer` of the stacks."""
-    take = lambda a: jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)  # noqa: E731
+    routed sum), on layer `layer` (a `Layer` or an int32 scalar) of the stacks."""
+    index = Layer.of(layer).index()
+    take = lambda a: jax.lax.dynamic_index_in_dim(a, index, 0, keepdims=False)  # noqa: E731
     g, gs, u, us, d, ds = (take(a) for a in experts)
     sg, sgs, su, sus, sd, sds = (take(a) for a in shared)
     base = reference.linear_residual(reference.swiglu_hidden(f, sg, sgs, su, sus), sd, sds, residual)
@@ -59,8 +61,9 @@ def reference_moe(f, weights, ids, experts, shared, residual, layer):
 
 def _lower_xla(ctx, f, weights, ids, *rest):
     def fn(f, weights, ids, *arrays):
-        *stacks, residual, layer = arrays
-        return reference_moe(f, weights, ids, tuple(stacks[:6]), tuple(stacks[6:]), residual, layer[0])
+        *stacks, residual, layer, layer_offset = arrays
+        return reference_moe(f, weights, ids, tuple(stacks[:6]), tuple(stacks[6:]), residual,
+                             Layer(layer[0], layer_offset[0]))
     return mlir.lower_fun(fn, multiple_results=False)(ctx, f, weights, ids, *rest)
 
 
@@ -126,8 +129,9 @@ def shape_unsupported(h: int, i: int, k: int) -> str | None:
 
 def moe_decode(f, weights, ids, experts: tuple, shared: tuple, residual, layer):
     """residual + Σ_j weights[0,j] · Expert_{ids[0,j]}(f) + Shared(f) for one token [1, H] bf16 at
-    layer `layer` (int32, may be traced) of the stacked experts (gate, gate_scale, up, up_scale, down,
-    down_scale) and shared expert (the same, without the expert axis); [1, H] bf16."""
+    layer `layer` (a `jtilert.ops.layer.Layer` or an int32 scalar, may be traced; the kernel adds its
+    base and offset) of the stacked experts (gate, gate_scale, up, up_scale, down, down_scale) and
+    shared expert (the same, without the expert axis); [1, H] bf16."""
     why = unsupported(f, weights, ids, experts, shared, residual)
     if why is not None:
         raise ValueError(f"moe_decode: {why}")
@@ -136,7 +140,7 @@ def moe_decode(f, weights, ids, experts: tuple, shared: tuple, residual, layer):
         _warn(no_engine)
         return reference_moe(f, weights, ids, experts, shared, residual, layer)
     return moe_decode_p.bind(f, weights.astype(jnp.float32), ids.astype(jnp.int32), *experts, *shared, residual,
-                             jnp.asarray(layer, jnp.int32).reshape(1))
+                             *Layer.of(layer).operands())
 
 
 __all__ = ["CTAS", "moe_decode", "reference_moe", "shape_unsupported", "unsupported"]

@@ -22,6 +22,7 @@ from jax.interpreters import mlir
 from jtilert.ffi import _lib
 from jtilert.ffi import plan as _plan
 from jtilert.ops import reference
+from jtilert.ops.layer import Layer
 
 # Emit the engine's custom calls (with CPU device ids) on a machine without a GPU: set by the tests
 # that check the lowering itself and by bench/xla_kernels.py, which compiles for a GPU it does not
@@ -204,25 +205,29 @@ def dequantize(w, scale):
     return wf * s
 
 
-def _layer_index(layer, **stacked):
-    """The ``layer`` operand of the stacked-weight ops: an int32 scalar (a traced value stays a
-    device value: the kernel reads it, the host never does). ``stacked``: name=(array or None,
-    its rank with the layer axis); raises unless they all share one leading layer axis."""
-    layer = jnp.asarray(layer)
-    if layer.ndim != 0 or not jnp.issubdtype(layer.dtype, jnp.integer):
-        raise TypeError(f"layer must be an integer scalar, got {layer.dtype}{list(layer.shape)}")
+def _stacked_layer(layer, **stacked):
+    """``layer`` of the stacked-weight ops as a `Layer` (a traced base stays a device value: the
+    kernel reads base and offset and adds them, the host never does). ``stacked``: name=(array or
+    None, its rank with the layer axis); raises unless they all share one leading layer axis."""
+    layer = Layer.of(layer)
     shapes = {k: tuple(a.shape) for k, (a, _) in stacked.items() if a is not None}
     if (any(len(shapes[k]) != nd for k, (a, nd) in stacked.items() if a is not None)
             or len({sh[0] for sh in shapes.values()}) != 1):
         raise ValueError(f"with layer=, the weights and scales are stacked [L, ...] arrays of one "
                          f"L and ranks {({k: nd for k, (_, nd) in stacked.items()})}; got {shapes}")
-    return layer.astype(jnp.int32)
+    return layer
 
 
 def _at_layer(a, layer):
     """``a[layer]`` of a stacked [L, ...] weight or scale (``a`` itself when ``layer`` or ``a`` is
     None): the XLA path's slice, with jnp's index semantics (negative from the end, clamped)."""
-    return a if a is None or layer is None else jnp.asarray(a)[layer]
+    return a if a is None or layer is None else jnp.asarray(a)[Layer.of(layer).index()]
+
+
+def _operand_layer(operands):
+    """The `Layer` that `_stacked_bind` passed as a primitive's last two operands (base, offset:
+    int32 [1] each), or None where there are none."""
+    return Layer(operands[0][0], operands[1][0]) if operands else None
 
 
 def _one_layer(a):
@@ -254,16 +259,16 @@ gemv_p.def_abstract_eval(_gemv_abstract)
 def _gemv_lower_xla(ctx, x, w, scale, table, *layer, axis_name, has_scale, **_):
     def f(x, w, s, t, *layer):
         del t
-        return [gemv_reference(x, w, s if has_scale else None, axis_name,
-                               layer=layer[0] if layer else None)]
+        return [gemv_reference(x, w, s if has_scale else None, axis_name, layer=_operand_layer(layer))]
     return mlir.lower_fun(f, multiple_results=True)(ctx, x, w, scale, table, *layer)
 
 
 def _task_table_lowering(target, lower_xla):
     """CUDA lowering of an op that runs the GEMV kernel on a task table: the FFI custom call with
     the axis' device groups (world 1 without an axis), or ``lower_xla`` when they cannot be set up.
-    ``stacked``: the weights carry a leading layer axis and the last operand is the layer index
-    (target ``<target>_stacked``; the kernel offsets the weight pointers by it on the device)."""
+    ``stacked``: the weights carry a leading layer axis and the last two operands are the layer's
+    base and offset (target ``<target>_stacked``; the kernel offsets the weight pointers by their
+    sum on the device)."""
     def lower(ctx, *args, axis_name, nwc, rpw, num_ctas, max_tasks, has_scale, stacked=False):
         if axis_name is None:
             groups, world = np.zeros((1,), np.int32), 1
@@ -280,7 +285,7 @@ def _task_table_lowering(target, lower_xla):
     return lower
 
 
-# FFI target suffix of the stacked-weight form of a task-table op (extra layer operand)
+# FFI target suffix of the stacked-weight form of a task-table op (extra layer operands)
 STACKED_SUFFIX = "_stacked"
 
 mlir.register_lowering(gemv_p, _gemv_lower_xla)
@@ -348,10 +353,11 @@ def _table_attrs(n, k, w, nwc, rpw):
 
 
 def _stacked_bind(prim, operands, layer, **params):
-    """Binds ``prim``; with ``layer`` (stacked weights), the layer index is the last operand."""
+    """Binds ``prim``; with ``layer`` (stacked weights), the layer's base and offset are the last two
+    operands (`Layer.operands`)."""
     if layer is None:
         return prim.bind(*operands, **params)
-    return prim.bind(*operands, layer, stacked=True, **params)
+    return prim.bind(*operands, *layer.operands(), stacked=True, **params)
 
 
 def _gemv_bind(x, w, scale, axis_name, nwc, rpw, layer=None):
@@ -379,15 +385,16 @@ def gemv_all_reduce(x, w, scale, axis_name, *, layer=None, nwc=None, rpw=None):
     On GPU with the engine: one persistent kernel that streams the weights and
     overlaps the exchange of each output tile with the next tile's weights.
 
-    ``layer`` (int32 scalar, may be traced): w [L, N, K_local] and scale [L, ...]
-    hold every layer's weights and the result is the op on ``w[layer]``,
-    ``scale[layer]``. The engine takes the whole stacked arrays and the kernel
-    offsets its weight pointers by the layer index it reads on the device, so a
-    layer loop copies no weight slice (the XLA path slices).
+    ``layer`` (a `jtilert.ops.layer.Layer` or an int32 scalar, may be traced):
+    w [L, N, K_local] and scale [L, ...] hold every layer's weights and the
+    result is the op on ``w[layer]``, ``scale[layer]``. The engine takes the
+    whole stacked arrays and the kernel offsets its weight pointers by the
+    layer it reads on the device (base + offset), so a layer loop copies no
+    weight slice and computes no index (the XLA path slices).
     """
     x, w = jnp.asarray(x), jnp.asarray(w)
     if layer is not None:
-        layer = _layer_index(layer, w=(w, 3), scale=(scale, 3))
+        layer = _stacked_layer(layer, w=(w, 3), scale=(scale, 3))
     why = _gemv_refused(x, w, scale, layer, one_axis=isinstance(axis_name, str))
     if why:
         _fallback_warning(why)
@@ -403,7 +410,7 @@ def gemv(x, w, scale=None, *, layer=None, nwc=None, rpw=None):
     in ``gemv_all_reduce``."""
     x, w = jnp.asarray(x), jnp.asarray(w)
     if layer is not None:
-        layer = _layer_index(layer, w=(w, 3), scale=(scale, 3))
+        layer = _stacked_layer(layer, w=(w, 3), scale=(scale, 3))
     why = _gemv_refused(x, w, scale, layer)
     if why:
         _fallback_warning(why)
@@ -444,7 +451,7 @@ def _ed_lower_xla(ctx, h, weights, ids, down, down_scale, shared_h, shared_down,
         del table
         return [expert_down_reference(h, weights, ids, down, ds if has_scale else None, shared_h,
                                       shared_down, ss if has_scale else None, axis_name,
-                                      layer=layer[0] if layer else None)]
+                                      layer=_operand_layer(layer))]
     return mlir.lower_fun(f, multiple_results=True)(ctx, h, weights, ids, down, down_scale, shared_h,
                                                     shared_down, shared_scale, table, *layer)
 
@@ -491,14 +498,14 @@ def expert_down_all_reduce(h, weights, ids, down, down_scale, shared_h, shared_d
     kernel over K = k·I + Is, x = (w_j · h_j in fp32, then shared_h), fp32 until the single bf16
     rounding of the reduced result. Otherwise ``expert_down_reference`` (one warning).
 
-    ``layer`` (int32 scalar, may be traced): down [L, E, N, I], shared_down [L, N, Is] and their
-    scales [L, ...] hold every layer's weights; the result is the op on layer ``layer``'s, read by
-    the kernel at a device-side offset (as in ``gemv_all_reduce``).
+    ``layer`` (a `jtilert.ops.layer.Layer` or an int32 scalar, may be traced): down [L, E, N, I],
+    shared_down [L, N, Is] and their scales [L, ...] hold every layer's weights; the result is the
+    op on layer ``layer``'s, read by the kernel at a device-side offset (as in ``gemv_all_reduce``).
     """
     h, shared_h = jnp.asarray(h), jnp.asarray(shared_h)
     weights, ids = jnp.asarray(weights, jnp.float32), jnp.asarray(ids, jnp.int32)
     if layer is not None:
-        layer = _layer_index(layer, down=(down, 4), down_scale=(down_scale, 4),
+        layer = _stacked_layer(layer, down=(down, 4), down_scale=(down_scale, 4),
                              shared_down=(shared_down, 3), shared_scale=(shared_scale, 3))
     ok, why = engine_status()
     if ok and not isinstance(axis_name, str):

@@ -11,9 +11,10 @@ unused; in a captured graph it then runs beside the chain that follows ``after``
 token)`` is ``x`` with a data dependency on the token, for a consumer that must wait for it.
 
 The prefetch is a cache hint: no result changes. The stacks are read where they are (the layer is
-read on the device, like the engine's stacked GEMVs): pass the stacks themselves, not a slice or a
-reshape that XLA would have to materialise. Where the engine does not run (a CPU; a GPU without the
-library, with one warning per reason) the call lowers to a zero token and does nothing.
+read on the device as base + offset, `jtilert.ops.layer.Layer`, like the engine's stacked GEMVs):
+pass the stacks themselves, not a slice or a reshape that XLA would have to materialise. Where the
+engine does not run (a CPU; a GPU without the library, with one warning per reason) the call lowers
+to a zero token and does nothing.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from jax.interpreters import mlir
 
 from jtilert.ffi import _lib
 from jtilert.ffi import ops as _ops
+from jtilert.ops.layer import Layer
 
 MAX_ARRAYS = 8   # JT_PREFETCH_MAX_ARRAYS
 # element types XLA packs several to a byte: a layer's byte range is not whole bytes
@@ -35,11 +37,11 @@ _PACKED = {"int2", "uint2", "int4", "uint4", "float4_e2m1fn"}
 prefetch_l2_p = Primitive("jtilert_prefetch_l2")
 
 
-def _abstract(layer, after, *arrays):
+def _abstract(layer, layer_offset, after, *arrays):
     aval = layer.update(shape=(1,), dtype=np.dtype(np.int32))
     mat = getattr(layer, "mat", None)
     if mat is not None:   # inside shard_map: varying along every axis an operand varies along
-        vma = frozenset().union(*(_ops._vma(a) for a in (layer, after, *arrays)))  # noqa: SLF001
+        vma = frozenset().union(*(_ops._vma(a) for a in (layer, layer_offset, after, *arrays)))  # noqa: SLF001
         aval = aval.update(manual_axis_type=mat.update(varying=vma))
     return aval
 
@@ -52,20 +54,20 @@ _eager = jax.jit(lambda *args: prefetch_l2_p.bind(*args))
 prefetch_l2_p.def_impl(_eager)
 
 
-def _no_op(ctx, layer, after, *arrays):
+def _no_op(ctx, *operands):
     """The token where no kernel runs: a zero int32[1], nothing prefetched."""
-    return mlir.lower_fun(lambda *_: jnp.zeros((1,), jnp.int32), multiple_results=False)(
-        ctx, layer, after, *arrays)
+    return mlir.lower_fun(lambda *_: jnp.zeros((1,), jnp.int32), multiple_results=False)(ctx, *operands)
 
 
-def _lower_cuda(ctx, layer, after, *arrays):
+def _lower_cuda(ctx, layer, layer_offset, after, *arrays):
     if not _ops.EMIT_WITHOUT_GPU:  # noqa: SLF001
         lib, why = _lib.load()
         if lib is None:
             _lib.warn_once("prefetch:" + why, f"jtilert.ffi: L2 prefetch not issued ({why}); "
                            "prefetch_l2 is a no-op")
-            return _no_op(ctx, layer, after, *arrays)
-    return jax.ffi.ffi_lowering("jtilert_prefetch_l2", has_side_effect=True)(ctx, layer, after, *arrays)
+            return _no_op(ctx, layer, layer_offset, after, *arrays)
+    return jax.ffi.ffi_lowering("jtilert_prefetch_l2", has_side_effect=True)(ctx, layer, layer_offset, after,
+                                                                              *arrays)
 
 
 mlir.register_lowering(prefetch_l2_p, _no_op)
@@ -87,15 +89,13 @@ def check_stacks(arrays) -> None:
 
 def prefetch_l2(layer, after, *arrays):
     """Issues L2 prefetches of ``arrays[j][layer]`` for every stack ``arrays[j]`` ([L, ...]; the
-    layer an integer scalar, may be traced: negative from the end, then clamped, like ``w[layer]``),
+    layer a `jtilert.ops.layer.Layer` or an integer scalar, may be traced: negative from the end,
+    then clamped, like ``w[layer]``),
     after ``after`` is computed (any array, not read; None: no constraint). Returns the token, an
     int32[1] (zero); order the consumer after it with ``ordered``."""
     check_stacks(arrays)
-    layer = jnp.asarray(layer)
-    if layer.shape != () or not jnp.issubdtype(layer.dtype, jnp.integer):
-        raise ValueError(f"prefetch_l2: layer must be an integer scalar, got {layer.dtype}{list(layer.shape)}")
-    layer = layer.astype(jnp.int32).reshape(1)
-    return prefetch_l2_p.bind(layer, layer if after is None else after, *arrays)
+    base, offset = Layer.of(layer).operands()
+    return prefetch_l2_p.bind(base, offset, base if after is None else after, *arrays)
 
 
 # bits no float arithmetic produces (hardware NaNs are canonical) and no token is: ``ordered``'s select

@@ -4,9 +4,10 @@
 bias[layer])`` (sigmoid scores, the group-limited choice of the top experts, ties to the lower index,
 the normalised weights) for the logits ``partials[0] + partials[1] + ..`` (the router GEMV's split-K
 partial sums [S, T, E] fp32, added in that order) and the bias stack [L, E] fp32 read at ``layer`` on
-the device: one kernel where XLA runs the sum and the selection as a chain of small fusions. Elsewhere
-(no GPU, no library, shapes the kernel does not take) XLA runs the same sum and the reference
-selection, with one warning per reason.
+the device (its base and offset, two operands the kernel adds: `jtilert.ops.layer.Layer`): one
+kernel where XLA runs the sum and the selection as a chain of small fusions. Elsewhere (no GPU, no
+library, shapes the kernel does not take) XLA runs the same sum and the reference selection, with
+one warning per reason.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from jax.interpreters import mlir
 from jtilert.ffi import _lib
 from jtilert.ffi import ops as _ops
 from jtilert.ops import reference
+from jtilert.ops.layer import Layer
 
 MAX_EXPERTS = 1024   # JT_ROUTE_MAX_EXPERTS: one thread per expert
 
@@ -37,7 +39,7 @@ class _Routing:
         self.norm_topk_prob, self.routed_scaling_factor = bool(norm), scaling
 
 
-def _abstract(partials, bias, layer, *, n_group, topk_group, k, norm, scaling):  # noqa: ARG001
+def _abstract(partials, bias, layer, layer_offset, *, n_group, topk_group, k, norm, scaling):  # noqa: ARG001
     shape = (partials.shape[1], k)
     return (partials.update(shape=shape, dtype=np.dtype(np.float32)),
             partials.update(shape=shape, dtype=np.dtype(np.int32)))
@@ -52,27 +54,29 @@ def logits_of(partials):
 
 
 def _reference(cfg, partials, bias, layer):
-    """reference.select_experts of the summed partials with the bias row of `layer` (an int32 scalar)."""
+    """reference.select_experts of the summed partials with the bias row of `layer` (a `Layer` or an
+    int32 scalar)."""
+    index = Layer.of(layer).index()
     return reference.select_experts(cfg, logits_of(partials),
-                                    jax.lax.dynamic_index_in_dim(bias, layer, 0, keepdims=False))
+                                    jax.lax.dynamic_index_in_dim(bias, index, 0, keepdims=False))
 
 
-def _lower_xla(ctx, partials, bias, layer, *, n_group, topk_group, k, norm, scaling):
+def _lower_xla(ctx, partials, bias, layer, layer_offset, *, n_group, topk_group, k, norm, scaling):
     cfg = _Routing(n_group, topk_group, k, norm, scaling)
-    return mlir.lower_fun(lambda p, b, i: list(_reference(cfg, p, b, i[0])), multiple_results=True)(
-        ctx, partials, bias, layer)
+    return mlir.lower_fun(lambda p, b, i, o: list(_reference(cfg, p, b, Layer(i[0], o[0]))),
+                          multiple_results=True)(ctx, partials, bias, layer, layer_offset)
 
 
-def _lower_cuda(ctx, partials, bias, layer, *, n_group, topk_group, k, norm, scaling):
+def _lower_cuda(ctx, partials, bias, layer, layer_offset, *, n_group, topk_group, k, norm, scaling):
     if not _ops.EMIT_WITHOUT_GPU:  # noqa: SLF001
         lib, why = _lib.load()
         if lib is None:
             _warn(why)
-            return _lower_xla(ctx, partials, bias, layer, n_group=n_group, topk_group=topk_group, k=k, norm=norm,
-                              scaling=scaling)
+            return _lower_xla(ctx, partials, bias, layer, layer_offset, n_group=n_group, topk_group=topk_group,
+                              k=k, norm=norm, scaling=scaling)
     return jax.ffi.ffi_lowering("jtilert_route_select")(
-        ctx, partials, bias, layer, n_group=np.int32(n_group), topk_group=np.int32(topk_group), norm=np.int32(norm),
-        scaling=np.float32(scaling))
+        ctx, partials, bias, layer, layer_offset, n_group=np.int32(n_group), topk_group=np.int32(topk_group),
+        norm=np.int32(norm), scaling=np.float32(scaling))
 
 
 mlir.register_lowering(route_select_p, _lower_xla)
@@ -101,13 +105,13 @@ def unsupported(cfg, partials, bias) -> str | None:
 def select_experts(cfg, partials, bias, layer):
     """(weights [T, k] fp32, expert ids [T, k] int32) of `reference.select_experts(cfg, logits,
     bias[layer])` for logits = partials[0] + partials[1] + .. (partials [S, T, E]), bias [L, E] and
-    `layer` an int32 scalar (may be traced)."""
+    `layer` a `jtilert.ops.layer.Layer` or an int32 scalar (may be traced)."""
     why = unsupported(cfg, partials, bias)
     ok, no_engine = _ops.engine_status()
     if why is not None or not ok:
         _warn(why or no_engine)
         return _reference(cfg, partials, bias, layer)
     return tuple(route_select_p.bind(
-        partials, bias, jnp.asarray(layer, jnp.int32).reshape(1), n_group=int(cfg.n_group),
+        partials, bias, *Layer.of(layer).operands(), n_group=int(cfg.n_group),
         topk_group=int(cfg.topk_group), k=int(cfg.num_experts_per_tok), norm=int(bool(cfg.norm_topk_prob)),
         scaling=float(cfg.routed_scaling_factor)))

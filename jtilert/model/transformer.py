@@ -7,9 +7,11 @@ Weights are stacked per layer group, each weight kind one array [L, ...]:
              layers reuse the previous top-k and have none);
   `dense`    the dense SwiGLU of the first `first_k_dense_replace` layers;
   `moe`      router, routed and shared experts of the remaining layers (the MTP layer's last).
-The caches are stacked the same way (`init_cache`). A step loops over the layers with
-`lax.fori_loop` (one loop body for the dense layers, one for the MoE layers); every op gets the
-stacked arrays and the traced layer index, so no layer is ever copied out of its stack.
+The caches are stacked the same way (`init_cache`). A step loops over the layers (`_layers`: one
+loop for the dense layers, one for the MoE layers, each trip a few layers); every op gets the stacked
+arrays and the layer as a `Layer` (the loop's counter plus the layer's place in the trip, which the
+kernels add themselves), so no layer is ever copied out of its stack and no index is computed
+between the loop and the kernels.
 
 Every step takes T new tokens at positions start..start+T-1 (T = 1 when decoding, 2 in an MTP verify
 step, a chunk in prefill), writes them into the preallocated caches and attends over the caches.
@@ -34,6 +36,7 @@ from jtilert.ops import reference
 from jtilert.parallel import sharding
 from jtilert.model.config import ModelConfig
 from jtilert.model.presets import preset
+from jtilert.ops.layer import Layer
 from jtilert.ops.table import Ops
 from jtilert.ops.quant import BLOCK, dequantize, quantize_weight
 from jtilert.runtime.sampling import sample
@@ -175,7 +178,8 @@ def head_weights(cfg: ModelConfig, w, scale, dtype, block: int | None):
 
 
 def _at(w: jax.Array, layer):
-    return w if layer is None else w[layer]
+    """Layer `layer` (a `Layer` or an integer scalar) of a stack, sliced in XLA; w itself for None."""
+    return w if layer is None else w[Layer.of(layer).index()]
 
 
 class RMSNorm(nnx.Module):
@@ -299,7 +303,7 @@ class Indexer(nnx.Module):
         # the head weights' projection in fp32 (index_prep reads its first H columns and scales them by
         # H^-0.5 · D^-0.5)
         if norm is None:
-            w = reference.linear(x.astype(F32), self.weights_proj.weight[...][slot].astype(F32))
+            w = reference.linear(x.astype(F32), _at(self.weights_proj.weight[...], slot).astype(F32))
         else:
             w = ops("index_weights", x, norm.weight[...], norm.eps, self.weights_proj.weight[...], layer=slot)
         # the key's norm, rope on q and k, their Hadamard rotation and q's fp8 quantisation (one kernel;
@@ -344,10 +348,10 @@ class Attention(nnx.Module):
         self.o_proj = Linear(h * cfg.v_head_dim, cfg.hidden_size, rngs=rngs, fmt=fmt)
 
     def __call__(self, ops: Ops, i, x, norm: RMSNorm, cos, sin, positions, start, cache, indexer):
-        """Layer i's attention on its input x normed by `norm`, added to x: (x + output, cache, top-k).
-        `indexer(qr, q, k, cache)` gives (top-k, cache) from the normed q_a output qr, or from the
-        indexer's query and key projections q, k where the merged GEMVs computed them: (the GEMV's whole
-        output, the projection's column), else None."""
+        """Layer i's attention (i a `Layer` or an integer scalar) on its input x normed by `norm`, added
+        to x: (x + output, cache, top-k). `indexer(qr, q, k, cache)` gives (top-k, cache) from the
+        normed q_a output qr, or from the indexer's query and key projections q, k where the merged
+        GEMVs computed them: (the GEMV's whole output, the projection's column), else None."""
         cfg = self.cfg
         t = x.shape[0]
         index_q = index_k = None
@@ -396,8 +400,8 @@ class Attention(nnx.Module):
         if self.absorb_q is not None:
             return self.absorb_q.arrays(), self.absorb_o.arrays(), i
         kv_b = self.kv_b_proj
-        uk_t, uv = head_weights(self.cfg, kv_b.weight[...][i], None if kv_b.scale is None else kv_b.scale[...][i],
-                                dtype, None)
+        scale = None if kv_b.scale is None else _at(kv_b.scale[...], i)
+        uk_t, uv = head_weights(self.cfg, _at(kv_b.weight[...], i), scale, dtype, None)
         return uk_t + (BLOCK,), uv + (BLOCK,), None
 
 
@@ -744,16 +748,16 @@ class Transformer(nnx.Module):
         return reference.rope_cos_sin(self.cfg, positions)
 
     # --- one decoder layer -----------------------------------------------------------------------
-    def _layer(self, ops: Ops, i, ffn: str, x, cos, sin, positions, start, cache, topk):
-        """Decoder layer i (a traced index; `ffn` names its FFN stack): (x, cache, top-k)."""
+    def _layer(self, ops: Ops, i: Layer, ffn: str, x, cos, sin, positions, start, cache, topk):
+        """Decoder layer i (`ffn` names its FFN stack): (x, cache, top-k)."""
         lay, blk = self.layout, self.layers
-        slot = i if lay.all_full else jnp.asarray(lay.indexer_slot, jnp.int32)[i]
+        slot = i if lay.all_full else jnp.asarray(lay.indexer_slot, jnp.int32)[i.index()]
 
         def indexer(qr, q, k, c):
             # the indexer's head weights (and wk where not merged) read the normed input
-            if lay.all_full:   # slot is the layer index itself: no index arithmetic (in a layer loop
-                # it is a kernel), and the norm's stack is indexed as the indexers': the head weights'
-                # GEMV norms x itself
+            if lay.all_full:   # slot is the layer itself: no index arithmetic (in a layer loop it is a
+                # kernel), and the norm's stack is indexed as the indexers': the head weights' GEMV
+                # norms x itself
                 return self.indexers(ops, slot, x, qr, cos, sin, positions, start, c, q, k,
                                      norm=blk.input_layernorm)
 
@@ -770,19 +774,36 @@ class Transformer(nnx.Module):
         return stack(ops, f, j, residual=h), cache, topk
 
     def _layers(self, ops, lo: int, hi: int, ffn: str, carry, cos, sin, positions, start):
-        """Layers lo..hi-1: one loop (one compiled body of `DecodeConfig.layers_per_iteration` layers), or
-        unrolled (`DecodeConfig.layer_loop`)."""
-        def body(i, c):
+        """Layers lo..hi-1: one loop whose trip runs `DecodeConfig.layers_per_iteration` layers (one
+        compiled body), or unrolled (`DecodeConfig.layer_loop`). The loop carries its trip's first
+        layer, and the trip's layers are that counter plus 0, 1, ..: `Layer`s whose two parts the
+        kernels add themselves, so nothing is computed between the loop's counter and the kernels
+        (each index computed in XLA would be a kernel of its own). The layers after the last whole
+        trip run after the loop, their indices constants."""
+        def layer(i: Layer, c):
             x, cache, topk = c
             return self._layer(ops, i, ffn, x, cos, sin, positions, start, cache, topk)
 
-        if ops.config.layer_loop == "unrolled":
+        if ops.config.layer_loop == "unrolled" or hi <= lo:
             for i in range(lo, hi):
-                carry = body(jnp.int32(i), carry)
+                carry = layer(Layer(jnp.int32(i)), carry)
             return carry
-        if hi <= lo:
-            return carry
-        return jax.lax.fori_loop(lo, hi, body, carry, unroll=min(ops.config.layers_per_iteration, hi - lo))
+        per_trip = min(ops.config.layers_per_iteration, hi - lo)
+        end = hi - (hi - lo) % per_trip   # after the last whole trip
+
+        def trip(state):
+            # The counter's increment overwrites it in place, so it waits for every kernel that reads
+            # it: only the trip's first layer reads the counter; the others read `first + 1`, a value
+            # of their own, so the increment runs beside the second layer instead of after the last.
+            first, c = state
+            rest = first + 1
+            for k in range(per_trip):
+                c = layer(Layer(first, 0) if k == 0 else Layer(rest, k - 1), c)
+            return first + per_trip, c
+        _, carry = jax.lax.while_loop(lambda state: state[0] < end, trip, (jnp.int32(lo), carry))
+        for i in range(end, hi):
+            carry = layer(Layer(jnp.int32(i)), carry)
+        return carry
 
     # --- the model -------------------------------------------------------------------------------
     def logits(self, ops: Ops, h, norm: RMSNorm):
@@ -831,7 +852,7 @@ class Transformer(nnx.Module):
         cos, sin = self._rope(positions)
         e = self.embed_tokens[...][next_tokens].astype(self.dtype)
         x = m.eh_proj(ops, jnp.concatenate([m.enorm(e), m.hnorm(hidden)], axis=-1))
-        i = jnp.int32(lay.mtp_layer)
+        i = Layer(jnp.int32(lay.mtp_layer))
         x, cache, _ = self._layer(ops, i, lay.place(lay.mtp_layer)[0], x, cos, sin, positions, start, cache,
                                   _no_topk(self.cfg, hidden.shape[0], cache))
         return self.logits(ops, x, m.norm), cache

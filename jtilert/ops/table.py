@@ -5,9 +5,11 @@ plain-JAX reference (`jtilert.ops.reference`) and its kernel.
 `Generator` → `Engine` → `Transformer.hidden(ops, ...)` → `ops.linear(...)` → `OPS["linear"]` →
 `jtilert.pallas.gemv.linear` is the whole path from the user to a kernel.
 
-Weights and caches are stacked per layer ([L, ...]); an op's `layer` argument (a traced int32
-scalar) says which layer. A kernel takes the stacked array and the index and addresses the layer
-itself; the reference slices the layer out in XLA (a copy where the consumer is a library call).
+Weights and caches are stacked per layer ([L, ...]); an op's `layer` argument (a `Layer`: a layer
+loop's traced counter plus the call site's offset; or an int32 scalar) says which layer. A kernel
+takes the stacked array and the layer's base and offset, adds them and addresses the layer itself;
+the reference adds them and slices the layer out in XLA (a copy where the consumer is a library
+call).
 
 Choosing, per call: backend "reference" runs the reference. Backend "pallas" runs the kernel when the
 call is decode-shaped (≤ `MAX_DECODE_TOKENS` tokens: more tokens are prefill, where XLA's matmuls are
@@ -32,6 +34,7 @@ from jtilert import ffi
 from jtilert.ffi import _lib
 from jtilert.ffi import moe as ffi_moe
 from jtilert.ops import reference
+from jtilert.ops.layer import Layer
 from jtilert.pallas import index_prep, indexer, interpret, mla_prep, sparse_mla
 
 BACKENDS = ("reference", "pallas")
@@ -60,10 +63,10 @@ class DecodeConfig:
         are merged (decode steps of one token).
     engine_topk: backend "pallas" on a GPU: the indexer's top-k through the CUDA engine's one-launch
         select instead of `lax.top_k`.
-    layer_loop: how a step runs the layers of a stack. "loop": one `lax.fori_loop` per stack (one
+    layer_loop: how a step runs the layers of a stack. "loop": one `lax.while_loop` per stack (one
         compiled body: fast to compile); "unrolled": one copy of the layer per layer, the layer index
         a constant (no loop between the layers' kernels). Both read the same stacked arrays.
-    layers_per_iteration: with layer_loop "loop", the layers in one loop iteration (the loop's unroll):
+    layers_per_iteration: with layer_loop "loop", the layers in one loop iteration (the loop's trip):
         each iteration of a loop captured in the step's CUDA graph evaluates its condition on the device
         (two kernels and a conditional node), so fewer iterations cost less, and the body compiles
         this many copies of the layer (bench/RESULTS.md, session 14, measures 1, 2 and 4).
@@ -330,8 +333,8 @@ def _per_layer(op: Op, args) -> tuple:
                  for i, a in enumerate(args))
 
 
-def _take(a, layer):
-    return None if a is None else a[layer]
+def _take(a, index):
+    return None if a is None else a[index]
 
 
 @functools.cache
@@ -351,15 +354,17 @@ def _kernel(path: str) -> Callable:
     return call
 
 
-def _layer_index(layer):
-    """A kernel's layer index as an int32 scalar that is not weakly typed. A layer loop's index is
-    weakly typed, the MTP block's is not, and a jitted kernel is traced (and lowered) once per
-    argument type: without this the loop bodies and the MTP block lower a copy of each kernel each."""
-    return jnp.asarray(layer, jnp.int32)
+def _layer_argument(layer) -> Layer:
+    """A kernel's layer as the jitted kernel's argument: base and offset int32 scalars, neither weakly
+    typed. A jitted kernel is traced (and lowered) once per argument type, so every call site shares
+    one lowering of each kernel: the offset is an argument, not a constant of the trace, and a weakly
+    typed base (a Python int, say) would be another type."""
+    layer = Layer.of(layer)
+    return Layer(jnp.asarray(layer.base, jnp.int32), np.int32(layer.offset))
 
 
 def _is_array(x) -> bool:
-    return x is None or isinstance(x, (jax.Array, np.ndarray)) or (
+    return x is None or isinstance(x, (jax.Array, np.ndarray, Layer)) or (
         isinstance(x, (tuple, list)) and all(map(_is_array, x)))
 
 
@@ -399,7 +404,7 @@ class Ops:
     def _run_kernel(self, name: str, op: Op, args, layer):
         """The kernel of `op`, whose table condition has said it applies; where the kernel's own checks
         refuse the shapes (a model too small for its tiles, say), the reference, with a warning."""
-        kw = {} if layer is None or not op.stacked else {"layer": _layer_index(layer)}
+        kw = {} if layer is None or not op.stacked else {"layer": _layer_argument(layer)}
         try:
             return _kernel(op.kernel)(*args, **kw)
         except ValueError as e:
@@ -408,10 +413,11 @@ class Ops:
 
     @staticmethod
     def _run_reference(op: Op, args, layer):
+        index = None if layer is None else Layer.of(layer).index()
         if op.in_place:
-            return op.reference(*args, layer=layer)
-        if layer is not None:
-            args = tuple(_take(a, layer) if i in op.stacked else a for i, a in enumerate(args))
+            return op.reference(*args, layer=index)
+        if index is not None:
+            args = tuple(_take(a, index) if i in op.stacked else a for i, a in enumerate(args))
         return op.reference(*args)
 
     def _use_kernel(self, name: str, op: Op, args) -> bool:
@@ -484,7 +490,7 @@ class Ops:
         if self.config.engine_moe and self._kernels and _tokens(x) <= MAX_DECODE_TOKENS:
             why = _engine_moe_unsupported(self.axis, f, weights, ids, experts, shared, residual, layer)
             if why is None:
-                return ffi_moe.moe_decode(f, weights, ids, experts, shared, residual, _layer_index(layer))
+                return ffi_moe.moe_decode(f, weights, ids, experts, shared, residual, layer)
             shapes = _shapes((f, experts[0]))
             _lib.warn_once(f"ops:engine_moe:{shapes}:{why}", f"jtilert: engine_moe but the engine's one-launch "
                            f"MoE does not take moe on {shapes} ({why}); running the pallas path", UserWarning)
@@ -535,13 +541,14 @@ class Ops:
         op = OPS["indexer_append_scores"]
         args = (cfg, q, w, k, k_cache, k_scale, positions, start)
         if self._use_kernel("indexer_append_scores", op, _per_layer(op, args)):
-            scores, k_cache, k_scale = _kernel(op.kernel)(*args, first, num, layer=_layer_index(layer))
+            scores, k_cache, k_scale = _kernel(op.kernel)(*args, first, num, layer=_layer_argument(layer))
         else:   # XLA appends the key in place, then the reference scores the layer's rows
+            index = Layer.of(layer).index()
             k8, ks = reference.indexer_key(cfg, k)
-            k_cache = jax.lax.dynamic_update_slice(k_cache, k8[None].astype(k_cache.dtype), (layer, start, 0))
+            k_cache = jax.lax.dynamic_update_slice(k_cache, k8[None].astype(k_cache.dtype), (index, start, 0))
             if ks is not None:
-                k_scale = jax.lax.dynamic_update_slice(k_scale, ks[None], (layer, start))
-            scores = reference.indexer_scores(q, w, k_cache[layer], _take(k_scale, layer), positions)
+                k_scale = jax.lax.dynamic_update_slice(k_scale, ks[None], (index, start))
+            scores = reference.indexer_scores(q, w, k_cache[index], _take(k_scale, index), positions)
             if num is not None:
                 scores = jax.lax.dynamic_slice_in_dim(scores, first, num, axis=1)
         if num is None:

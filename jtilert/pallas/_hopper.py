@@ -1,6 +1,6 @@
 """Hopper (Mosaic-GPU) building blocks shared by the projection kernels (`gemv`, `moe`, `lm_head`):
 dtypes and granularities, the token tile's SMEM transforms and register layouts, the weight tiles'
-swizzle, the SM count, token chunking, the layer-index operand of stacked weights, the
+swizzle, the SM count, token chunking, the layer operands of stacked weights, the
 power-of-two rescale that puts the f16 B operand in range, the weight stream (`stream_tiles`) and the
 fp8 wgmma step; and the shared memory accounting every kernel checks its configuration with (`Scope`,
 `smem_bytes`, `check_smem`)."""
@@ -19,6 +19,7 @@ import numpy as np
 from jax import lax
 
 import jtilert.pallas.interpret as _interp
+from jtilert.ops.layer import Layer
 
 F32, BF16, F16, FP8 = jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn
 QBLOCK = 128          # fp8 block-scale granularity (both dims)
@@ -97,13 +98,16 @@ def stream_tiles(body, *, steps: int, stages: int, tiles, shape, dtype, transfor
     return pl.run_scoped(scoped, *bufs, plgpu.Barrier(num_arrivals=len(tiles), num_barriers=stages))
 
 
-def layer_operand(layer):
-    """A layer index (int scalar, may be traced) as a kernel's int32 [1] input: the kernel reads it
-    on the device and steers its weight TMA with it, so a stack [L, ...] is never sliced outside."""
-    layer = jnp.asarray(layer)
-    if layer.shape != () or not jnp.issubdtype(layer.dtype, jnp.integer):
-        raise ValueError(f"layer must be an integer scalar, got {layer.dtype}{list(layer.shape)}")
-    return layer.astype(jnp.int32).reshape(1)
+def layer_operands(layer) -> list:
+    """A layer (`jtilert.ops.layer.Layer`, or an integer scalar; may be traced) as a kernel's two int32
+    [1] inputs, base and offset, which the kernel adds on the device (`read_layer`) and steers its
+    weight TMA with, so a stack [L, ...] is never sliced outside; [] for None (no stack)."""
+    return [] if layer is None else list(Layer.of(layer).operands())
+
+
+def read_layer(base_ref, offset_ref):
+    """The layer index a kernel reads from its two `layer_operands` refs: base + offset."""
+    return base_ref[0] + offset_ref[0]
 
 
 def weight_transforms(block_k: int, itemsize: int):

@@ -9,7 +9,8 @@ projection of 2..8 splits outside expert mode, e.g. x_proj). Engines (`GemvConfi
 default for fp8 weights in 128-blocks: x as two e4m3 halves (exact for bf16) in one wgmma B of 16
 columns, each block's sums scaled by its weight and x scales; "wgmma": the block scales folded into
 an f16 B, each weight tile converted e4m3 → f16; "fma": CUDA-core FMAs, for fp32 weights (the
-router). `layer=`: stacked weights [L, N, K] addressed on the device by the layer index; expert mode
+router). `layer=`: stacked weights [L, N, K] addressed on the device by the layer (base + offset,
+two operands the kernel adds: `jtilert.ops.layer.Layer`); expert mode
 (`ids`: `moe`, `heads_linear`) reads the selected experts' or heads' rows the same way; `prefix`: the
 kernel reads its window of a wider x (a slice outside would become a DynamicSliceFusion, which keeps
 XLA from capturing the layer loop as one CUDA graph). K a multiple of 64, any N.
@@ -346,9 +347,10 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
     [T, W ≥ K] (W a multiple of 8: TMA's row stride) and each row's first K columns are the input
     (the rest of the row is not read; a norm's rms covers those K columns only).
 
-    Layer mode (`layer` an int32 scalar): the weights are stacks [L, N, K] (scales [L, nb, kb], norm
-    weight [L, K]) and layer `layer` is used; every CTA reads the index on the device and the
-    weight TMA (and the scale / norm loads) address that layer, so nothing is sliced outside.
+    Layer mode (`layer` a `jtilert.ops.layer.Layer` or an int32 scalar, may be traced): the weights
+    are stacks [L, N, K] (scales [L, nb, kb], norm weight [L, K]) and layer `layer` is used; every
+    CTA reads the index on the device (base + offset) and the weight TMA (and the scale / norm
+    loads) address that layer, so nothing is sliced outside.
 
     Expert mode (`ids` int32 [S] given, S a multiple of T): the weights are stacked [E, N, K]
     (scales [E, nb, kb]) and selection i multiplies token i // (S / T) with expert ids[i]; only
@@ -477,7 +479,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
         x_gmem = next(it)          # with `splits`: the partials o
         m_gmem, l_gmem = (next(it), next(it)) if splits is not None else (None, None)
         ids_gmem = next(it) if ids is not None else None
-        layer_gmem = next(it) if layer is not None else None
+        layer_gmems = (next(it), next(it)) if layer is not None else None
         w_gmems = [next(it) for _ in range(p)]
         s_gmems = [next(it) for _ in range(p)] if fp8 else [None] * p
         nw_gmem = next(it) if norm is not None else None
@@ -499,7 +501,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
         zero = n_idx * 0                    # a traced 0: TMA boxes may then overhang T
         # wid: the stack entry of the weights (layer, expert, or layer·E + expert), read on the
         # device; it steers the weight TMA and indexes the scales and the norm weight.
-        lid = layer_gmem[0] if layer is not None else None
+        lid = hw.read_layer(*layer_gmems) if layer is not None else None
         if experts:
             e_idx = lax.axis_index("e")
             entry = ids_gmem[e_idx] if ids is not None else e_idx % heads
@@ -831,7 +833,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
                                                  norm=norm is not None, residual=residual is not None))
     args = [x] + ([m_parts.astype(F32), l_parts.astype(F32)] if splits is not None else [])
     args += [ids.astype(jnp.int32)] if ids is not None else []
-    args += ([hw.layer_operand(layer)] if layer is not None else []) + list(ws)
+    args += hw.layer_operands(layer) + list(ws)
     if fp8:
         args += [s.astype(F32) for s in scales]
     if norm is not None:
@@ -890,9 +892,9 @@ def _prep_weight(w, scale, layer=None):
 
 # ---- public wrappers (same signatures as jtilert.ops.reference, plus layer=) ---------------------------
 #
-# layer=None: W [N, K] (scales [N/128, K/128]). layer = an int32 scalar (may be traced): every
-# weight, scale and norm-weight argument is a stack with a leading layer axis, and the result is
-# the unstacked op on layer `layer`, read in place by the kernel.
+# layer=None: W [N, K] (scales [N/128, K/128]). layer = a `jtilert.ops.layer.Layer` or an int32
+# scalar (may be traced): every weight, scale and norm-weight argument is a stack with a leading
+# layer axis, and the result is the unstacked op on layer `layer`, read in place by the kernel.
 
 def linear(x, w, scale=None, *, layer=None, config: GemvConfig | None = None):
     """jtilert.ops.reference.linear: y = x · Wᵀ, x [..., K] bf16, W [N, K] bf16 or fp8 (+ scale)."""

@@ -71,12 +71,12 @@ def unsupported(tokens: int, heads: int, dim: int, rope: int, quant: str, q_widt
 
 
 def index_prep(cfg, q_x, q_col: int, k_x, k_col: int, norm_weight, norm_bias, eps: float, cos, sin, w, *, layer):
-    """Drop-in for `jtilert.ops.reference.index_prep` with the k_norm stacks [L, D] and `layer` an int32
-    scalar (may be traced): q_x [T, ·] holds the index queries (H heads of D) at columns q_col..,
-    k_x [T, ·] the key [D] at column k_col, cos / sin [T, R/2] fp32, w [T, W ≥ H] fp32 (the head
-    weights' projection in each row's first H columns, read in place) → (q [T, H, D] fp8,
-    w · H^-0.5 · D^-0.5 · the queries' scales [T, H] fp32, k [T, D] fp32 normed, roped (bf16) and
-    Hadamard-rotated).
+    """Drop-in for `jtilert.ops.reference.index_prep` with the k_norm stacks [L, D] and `layer` a
+    `jtilert.ops.layer.Layer` or an int32 scalar (may be traced): q_x [T, ·] holds the index queries
+    (H heads of D) at columns q_col.., k_x [T, ·] the key [D] at column k_col, cos / sin [T, R/2]
+    fp32, w [T, W ≥ H] fp32 (the head weights' projection in each row's first H columns, read in
+    place) → (q [T, H, D] fp8, w · H^-0.5 · D^-0.5 · the queries' scales [T, H] fp32, k [T, D] fp32
+    normed, roped (bf16) and Hadamard-rotated).
     Shapes `unsupported` names raise ValueError."""
     T = q_x.shape[0]
     H, D = cfg.index_n_heads, cfg.index_head_dim
@@ -109,7 +109,7 @@ def index_prep(cfg, q_x, q_col: int, k_x, k_col: int, norm_weight, norm_bias, ep
         return out
     arrivals = 4 + 2 * max(len(gathers(g)) for g in range(nq_tiles))   # a query CTA's copies (the most)
 
-    def body(q_ref, k_ref, nw_ref, nb_ref, cos_ref, sin_ref, w_ref, p_ref, hp_ref, layer_ref,
+    def body(q_ref, k_ref, nw_ref, nb_ref, cos_ref, sin_ref, w_ref, p_ref, hp_ref, layer_ref, offset_ref,
              q_out, w_out, k_out, stage, a1, a2, q8_s, w_s, k_s, cs, sn, p_s, hp_s, _exclusive, bar):
         cta = lax.axis_index("g")
         row_in_tile = plgpu.broadcasted_iota(jnp.int32, (TILE,), 0, layout=wl.reduce(1))
@@ -165,7 +165,7 @@ def index_prep(cfg, q_x, q_col: int, k_x, k_col: int, norm_weight, norm_bias, ep
         def _key_tile():
             rope_loads()
             # the keys: LayerNorm of their window (as reference.layer_norm) while the tables load
-            lay = layer_ref[0]
+            lay = hw.read_layer(layer_ref, offset_ref)
             stage[...] = jnp.zeros((TILE, D), BF16)
             g_w = nw_ref.at[lay, pl.ds(0, D)][...].astype(F32)
             g_b = nb_ref.at[lay, pl.ds(0, D)][...].astype(F32)
@@ -210,5 +210,5 @@ def index_prep(cfg, q_x, q_col: int, k_x, k_col: int, norm_weight, norm_bias, ep
     p, hp = matrices(D, R, cfg.indexer_rope_interleaved)
     q_rows = q_x.reshape(T * per_row, D)   # a free reshape: the queries as rows of D
     q8, w8, k = kernel(q_rows, k_x, norm_weight, norm_bias, cos.astype(F32), sin.astype(F32),
-                       w.astype(F32).reshape(-1), jnp.asarray(p), jnp.asarray(hp), hw.layer_operand(layer))
+                       w.astype(F32).reshape(-1), jnp.asarray(p), jnp.asarray(hp), *hw.layer_operands(layer))
     return q8.reshape(T, H, D), w8.reshape(T, H), k

@@ -27,6 +27,7 @@ from jax import lax
 
 import jtilert.pallas.interpret as _interp
 from jtilert.ops import reference
+from jtilert.ops.layer import Layer
 from jtilert.ops.quant import act_quant, pow2_scale
 from jtilert.pallas import _hopper as hw
 
@@ -59,9 +60,9 @@ def _tiled(width: int, itemsize: int):
 def indexer_scores_kernel(q, w, k_cache, k_scale, positions, offsets, n: int,
                           config: IndexerConfig = IndexerConfig(), k_new=None):
     """q [T, H, D] (H a multiple of 32), w [T, H] fp32, k_cache [S, D] or a layer stack [L, S, D],
-    k_scale [S] / [L, S] fp32 or None, positions [T] int32, offsets = (start, pos_offset, layer):
-    each a Python int (baked into the kernel) or an int32 [1] array (an operand the kernel reads;
-    layer is ignored for [S, D]) →
+    k_scale [S] / [L, S] fp32 or None, positions [T] int32, offsets = (start, pos_offset, the layer's
+    base, its offset; `jtilert.ops.layer.Layer`): each a Python int (baked into the kernel) or an
+    int32 [1] array (an operand the kernel reads; the layer is base + offset, ignored for [S, D]) →
     scores [T, n rounded up to 4] fp32 for the layer's cache rows [start, start + n) (columns past
     n are junk: the caller slices them off). start + n must not exceed S.
 
@@ -98,7 +99,7 @@ def indexer_scores_kernel(q, w, k_cache, k_scale, positions, offsets, n: int,
         ks_ref = refs[3] if has_scale else None
         refs = refs[3 + has_scale:]
         pos_ref = refs.pop(0)
-        start, pos_off, layer = (refs.pop(0)[0] if t else x for x, t in zip(offsets, traced))
+        start, pos_off, layer_base, layer_offset = (refs.pop(0)[0] if t else x for x, t in zip(offsets, traced))
         o_ref = refs.pop(0)
         if append:
             kn_s = refs.pop(0)
@@ -109,6 +110,7 @@ def indexer_scores_kernel(q, w, k_cache, k_scale, positions, offsets, n: int,
         o_s, inf_s, qbar, kbar = refs[3 + has_scale:]
         c = lax.axis_index("c")
         if stacked:   # the layer's rows: one more TMA coordinate, no copy
+            layer = layer_base + layer_offset
             k_ref = k_ref.at[layer]
             ks_ref = ks_ref.at[layer] if has_scale else None
         # the query, weight copies and the -inf block do not depend on the positions: start them first
@@ -299,9 +301,9 @@ def indexer_scores(q, w, k_cache, k_scale, positions, *, start=0, rows=None, pos
     position), plus a range: with `start`/`rows` only cache rows [start, start + rows) are scored
     and the result is [T, rows] (positions are split across GPUs this way). `rows` is static (None:
     to the end of the cache, for a static start); `start` and `pos_offset` (global position of
-    cache row 0) may be traced. With `layer` (an int32 scalar, may be traced) the caches are a
-    layer group's stack [L, S, D] / [L, S] and the layer's rows are scored. Caches the kernel does
-    not read (`unsupported`) raise ValueError."""
+    cache row 0) may be traced. With `layer` (a `jtilert.ops.layer.Layer` or an int32 scalar, may be
+    traced) the caches are a layer group's stack [L, S, D] / [L, S] and the layer's rows are scored.
+    Caches the kernel does not read (`unsupported`) raise ValueError."""
     _check_layer(k_cache, layer)
     _check_cache(k_cache)
     return _call(q, w, k_cache, k_scale, positions, start, rows, pos_offset, layer, config or IndexerConfig())
@@ -383,6 +385,7 @@ def _xla_append(cfg, k, k_cache, k_scale, start, layer):
         if ks is not None:
             k_scale = lax.dynamic_update_slice(k_scale, ks, (start,))
     else:
+        layer = Layer.of(layer).index()
         k_cache = lax.dynamic_update_slice(k_cache, k[None], (layer, start, 0))
         if ks is not None:
             k_scale = lax.dynamic_update_slice(k_scale, ks[None], (layer, start))
@@ -409,11 +412,11 @@ def _call(q, w, k_cache, k_scale, positions, start, rows, pos_offset, layer, con
         hp = pl.cdiv(H, 32) * 32
         q = jnp.pad(q, ((0, 0), (0, hp - H), (0, 0)))
         w = jnp.pad(w, ((0, 0), (0, hp - H)))
-    layer = 0 if layer is None else layer
+    layer = Layer.of(0 if layer is None else layer)
     # Python ints are baked into the kernel; each traced offset is its own int32 [1] operand (a scalar's
     # reshape: a bitcast, where stacking them would be an XLA kernel of its own per call)
     offsets = tuple(x if isinstance(x, int) else jnp.asarray(x, jnp.int32).reshape(1)
-                    for x in (start, pos_offset, layer))
+                    for x in (start, pos_offset, layer.base, layer.offset))
     out = indexer_scores_kernel(q, w, k_cache, k_scale, positions, offsets, rows, config, k_new)
     if k_new is None:
         return out[:, :rows] if out.shape[1] != rows else out

@@ -56,10 +56,11 @@ def unsupported(tokens: int, heads: int, qk_head_dim: int, rope: int, lat: int, 
 def mla_prep(q_x, kv_x, kv_col: int, heads: int, qk_head_dim: int, norm_weight, eps: float, cos, sin,
              kv_cache, pe_cache, start, *, layer):
     """Drop-in for `jtilert.ops.reference.mla_prep` with stacked caches [L, S, ...] and norm weight
-    [L, lat], `layer` an int32 scalar (may be traced): q_x [T, Wq] (head h's q at columns
-    h·qk_head_dim.., its rope part last), kv_x [T, Wx] (kv_a at columns kv_col.., latent then rope),
-    cos / sin [T, R/2] fp32, start (int32 scalar: the cache row of token 0) → (q_pe [T, H, R] bf16,
-    kv_cache, pe_cache), the caches updated in place. Shapes `unsupported` names raise ValueError."""
+    [L, lat], `layer` a `jtilert.ops.layer.Layer` or an int32 scalar (may be traced): q_x [T, Wq]
+    (head h's q at columns h·qk_head_dim.., its rope part last), kv_x [T, Wx] (kv_a at columns
+    kv_col.., latent then rope), cos / sin [T, R/2] fp32, start (int32 scalar: the cache row of token
+    0) → (q_pe [T, H, R] bf16, kv_cache, pe_cache), the caches updated in place. Shapes `unsupported`
+    names raise ValueError."""
     T = q_x.shape[0]
     half = cos.shape[-1]
     R, lat = 2 * half, norm_weight.shape[-1]
@@ -77,9 +78,9 @@ def mla_prep(q_x, kv_x, kv_col: int, heads: int, qk_head_dim: int, norm_weight, 
     rows = n_q + T
     ntile = pl.cdiv(rows, TILE)
 
-    def body(q_ref, kv_ref, nw_ref, cos_ref, sin_ref, p_ref, pt_ref, start_ref, layer_ref, kvc_ref, pec_ref,
-             out_ref, stage, a1, a2, res, cs, sn, p_s, pt_s, bar):
-        lay = layer_ref[0]
+    def body(q_ref, kv_ref, nw_ref, cos_ref, sin_ref, p_ref, pt_ref, start_ref, layer_ref, offset_ref, kvc_ref,
+             pec_ref, out_ref, stage, a1, a2, res, cs, sn, p_s, pt_s, bar):
+        lay = hw.read_layer(layer_ref, offset_ref)
         first = jnp.clip(start_ref[0], 0, S - T)   # dynamic_update_slice clamps the same way
         if rows % TILE:   # the last tile's rows past the data: zeros (never stored), before the gather
             stage.at[ntile - 1][...] = jnp.zeros((TILE, R), BF16)
@@ -152,6 +153,8 @@ def mla_prep(q_x, kv_x, kv_col: int, heads: int, qk_head_dim: int, norm_weight, 
     )
     p = hw.pair_split(R, R)   # x · P = [evens | odds]; Pᵀ interleaves them back
     caches = [jax.new_ref(kv_cache), jax.new_ref(pe_cache)]   # written in place (aliased, no copy)
+    start = jnp.asarray(start, jnp.int32).reshape(1)
     q_pe = kernel(q_x, kv_x, norm_weight, cos.astype(F32), sin.astype(F32), jnp.asarray(p, BF16),
-                  jnp.asarray(p.T, BF16), hw.layer_operand(start), hw.layer_operand(layer), *caches)
+                  jnp.asarray(p.T, BF16), start, *hw.layer_operands(layer), *caches)
     return q_pe.reshape(T, heads, R), caches[0][...], caches[1][...]
+

@@ -13,8 +13,9 @@ only the chosen experts' weights are read, steered by expert ids that stay on th
   launch of the CUDA engine (`jtilert.ffi.route`), else the reference's in plain JAX. `norm_route`:
   the same with the FFN's RMSNorm applied by the router's kernel, which writes the normed x out for
   the routed experts' kernels.
-`layer=` (a traced int32 scalar): the weights are stacks [L, E, ...] taken as [L·E, ...] (a free
-reshape); the kernels read the layer on the device and add layer·E to the expert ids.
+`layer=` (a `jtilert.ops.layer.Layer` or an int32 scalar, may be traced): the weights are stacks
+[L, E, ...] taken as [L·E, ...] (a free reshape); the kernels read the layer on the device (base +
+offset) and add layer·E to the expert ids.
 """
 
 from __future__ import annotations
@@ -139,7 +140,7 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
 
     def kernel(h_gmem, w_gmem, ids_gmem, *rest):
         it = iter(rest)
-        layer_gmem = next(it) if layer is not None else None
+        layer_gmems = (next(it), next(it)) if layer is not None else None
         d_gmem = next(it)
         s_gmem = next(it) if fp8 else None
         res_gmem = next(it) if res_in_kernel else None
@@ -159,7 +160,7 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
                                     res_bar.at[0])
         srow = row0 // QBLOCK
         # stack entries (expert ids, + layer·E), scalars read once
-        base_id = layer_gmem[0] * per_layer if layer is not None else 0
+        base_id = hw.read_layer(*layer_gmems) * per_layer if layer is not None else 0
         ids_v = [ids_gmem[i] + base_id for i in range(nsel)]
         w_v = [w_gmem[i // kper, i % kper] for i in range(nsel)]
 
@@ -283,7 +284,7 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
     call = plgpu.kernel(kernel, out_type=out_type, grid=(row_blocks, split), grid_names=("n", "s"),
                         scratch_types=scratch, interpret=_interp.params(), kernel_name="jtilert_moe_down")
     args = [h if h.dtype == F32 else h.astype(BF16), weights.astype(F32), ids.reshape(-1).astype(jnp.int32)]
-    args += ([hw.layer_operand(layer)] if layer is not None else []) + [down]
+    args += hw.layer_operands(layer) + [down]
     if fp8:
         args.append(down_scale.astype(F32))
     if res_in_kernel:

@@ -189,8 +189,8 @@ def sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, scale: float,
     """The kernel: per-split partial results (o [T, G, n_split, Hc, L] fp32, m [T, G, n_split, Hc],
     l [T, G, n_split, Hc]) for `combine`. q_lat [T, Hq, L] with Hq a multiple of 8 (the caller pads),
     idx [T, K] int32 with K a multiple of block_k; rows with idx < 0 are masked. pe_cache None: kv_cache is the packed fp8 cache [S, W] uint32 and q_lat /
-    q_pe / o are in plane order (see `_plane_order`). With `layer` (int32 scalar, may be traced) the
-    caches are stacks [L', S, ...] and the layer's rows are read."""
+    q_pe / o are in plane order (see `_plane_order`). With `layer` (a `Layer` or an int32
+    scalar, may be traced) the caches are stacks [L', S, ...] and the layer's rows are read."""
     T, Hq, L = q_lat.shape
     R = q_pe.shape[-1]
     K = idx.shape[1]
@@ -238,7 +238,7 @@ def sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, scale: float,
         pe_ref = None if fp8 else next(it)
         idx_ref = next(it)
         if stacked:   # the layer's rows: one more TMA coordinate, no copy of the layer
-            lay = next(it)[0]
+            lay = hw.read_layer(next(it), next(it))
             kv_ref = kv_ref.at[lay]
             pe_ref = None if fp8 else pe_ref.at[lay]
         o_ref, m_ref, l_ref, ql_s, qp_s, kv_s, pe_s, p_s, ml_s, midx_s, qbar, gbar, done = it
@@ -369,8 +369,7 @@ def sparse_mla_partials(q_lat, q_pe, kv_cache, pe_cache, idx, scale: float,
     else:   # [.., S, L] → [.., S, L / lw, lw]: a bitcast, not a copy
         args += [kv_cache.reshape(*kv_cache.shape[:-1], nlw, lw), pe_cache]
     args.append(idx)
-    if stacked:
-        args.append(hw.layer_operand(layer))
+    args += hw.layer_operands(layer)
     return kernel(*args)
 
 
@@ -465,9 +464,9 @@ def sparse_mla(q_lat, q_pe, kv_cache, pe_cache, idx, scale: float, out_dtype=F32
     """Drop-in for `jtilert.ops.reference.sparse_mla`: q_lat [T, H, L], q_pe [T, H, R], kv_cache [S, L] with
     pe_cache [S, R], or the packed fp8 cache [S, W] uint32 with pe_cache None; idx [T, K] (rows with
     idx < 0 masked) → o_lat [T, H, L] in `out_dtype` (the combine kernel writes it: no cast after it).
-    With `layer` (an int32 scalar, may be traced) the caches are a layer group's stacks [L', S, ...]
-    and the layer's rows are read. More than MAX_TOKENS tokens, or shapes `unsupported` names, raise ValueError (the op
-    table then runs the reference, with a warning)."""
+    With `layer` (a `jtilert.ops.layer.Layer` or an int32 scalar, may be traced) the caches are a layer
+    group's stacks [L', S, ...] and the layer's rows are read. More than MAX_TOKENS tokens, or shapes
+    `unsupported` names, raise ValueError (the op table then runs the reference, with a warning)."""
     config = config or SparseMLAConfig()
     o, m, l, fp8 = _partials(q_lat, q_pe, kv_cache, pe_cache, idx, scale, config, layer)
     H = q_lat.shape[1]

@@ -121,26 +121,30 @@ cudaError_t jt_expert_down_all_reduce(
 
 // Stacked-layer forms of the two calls above: w (and scale, shared_w,
 // shared_scale) hold L layers, [L, N, K] / [L, E, N, I] / [L, N, Is] and
-// scales [L, ...] likewise; `layer` points to one int32 in device memory, the
-// layer index. The kernel reads it and offsets its weight and scale pointers
-// by layer * (one layer's size): the result is the call on layer `layer`
-// (negative counts from the end, then clamped into [0, L), like jnp's
-// w[layer]). Nothing is read on the host: the launch is the same for every
-// layer, so a traced layer loop needs no copy of the layer's weights and no
+// scales [L, ...] likewise; `layer` and `layer_offset` each point to one
+// int32 in device memory, the layer index being their sum (a layer loop's
+// counter and the call site's place in the loop's trip). The kernel reads
+// them and offsets its weight and scale pointers by layer * (one layer's
+// size): the result is the call on that layer (negative counts from the end,
+// then clamped into [0, L), like jnp's w[layer]). Nothing is read on the
+// host: the launch is the same for every layer, so a traced layer loop needs
+// no copy of the layer's weights, no index arithmetic and no
 // synchronisation, and the launch can be captured in a CUDA graph.
 cudaError_t jt_gemv_all_reduce_layer(int gid, int rank, cudaStream_t stream,
                                      const void* x, const void* w,
                                      const float* scale, const int32_t* layer,
-                                     int L, const int32_t* table, void* y,
-                                     int N, int K, int wdtype, int nwc,
-                                     int rpw, int num_ctas, int max_tasks);
+                                     const int32_t* layer_offset, int L,
+                                     const int32_t* table, void* y, int N,
+                                     int K, int wdtype, int nwc, int rpw,
+                                     int num_ctas, int max_tasks);
 cudaError_t jt_expert_down_all_reduce_layer(
     int gid, int rank, cudaStream_t stream, const void* h,
     const float* weights, const int32_t* ids, const void* w,
     const float* scale, const void* shared_h, const void* shared_w,
-    const float* shared_scale, const int32_t* layer, int L,
-    const int32_t* table, void* y, int N, int nsel, int I, int E, int Is,
-    int wdtype, int nwc, int rpw, int num_ctas, int max_tasks);
+    const float* shared_scale, const int32_t* layer,
+    const int32_t* layer_offset, int L, const int32_t* table, void* y, int N,
+    int nsel, int I, int E, int Is, int wdtype, int nwc, int rpw, int num_ctas,
+    int max_tasks);
 
 // Global top-k (k <= W*m) of the union of every rank's list of m (score,
 // index) pairs, each list sorted by score desc then index asc; output in that
@@ -189,14 +193,14 @@ int64_t jt_gemv_smem_bytes(int K, int tile_rows, int max_tasks);
 #define JT_ROUTE_MAX_EXPERTS 1024
 // jtilert.ops.reference.select_experts of the logits sum_s partials[s]
 // (partials [S, T, E] fp32: the router GEMV's split-K parts, summed in order
-// s = 0, 1, ..) with the bias row `*layer` of bias [L, E] fp32 (layer: a
-// device int32): weights [T, k] fp32 and expert ids [T, k] int32, in
+// s = 0, 1, ..) with the bias row `*layer + *layer_offset` of bias [L, E]
+// fp32 (two device int32s): weights [T, k] fp32 and expert ids [T, k] int32, in
 // descending order of the biased scores. One launch, one CTA per row;
 // cudaErrorInvalidValue for shapes it does not take (E > JT_ROUTE_MAX_EXPERTS,
 // E % n_group != 0, k > E).
 cudaError_t jt_route_select(cudaStream_t stream, const float* partials, int S,
-                            const float* bias, const int32_t* layer, int T,
-                            int E, int n_group, int topk_group, int k,
+                            const float* bias, const int32_t* layer,
+                            const int32_t* layer_offset, int T, int E, int n_group, int topk_group, int k,
                             float scaling, int norm, float* out_w,
                             int32_t* out_ids);
 
@@ -208,7 +212,8 @@ cudaError_t jt_route_select(cudaStream_t stream, const float* partials, int S,
 // block scales, stacked over L layers: gate/up [L, E, I, H] (scales
 // [L, E, I/128, H/128]), down [L, E, H, I] (scales [L, E, H/128, I/128]); the
 // shared expert's the same without E. f, residual, out: [H] bf16 (one token);
-// weights [k] fp32 and ids [k] int32 (the router's); layer: an int32.
+// weights [k] fp32 and ids [k] int32 (the router's); the layer: *layer +
+// *layer_offset, two int32s.
 typedef struct JtMoeArgs {
   const void* f;
   const float* weights;
@@ -217,13 +222,14 @@ typedef struct JtMoeArgs {
   const float *gate_scale, *up_scale, *down_scale, *shared_gate_scale, *shared_up_scale, *shared_down_scale;
   const void* residual;
   const int32_t* layer;
+  const int32_t* layer_offset;
   void* out;
 } JtMoeArgs;
 // Why the kernel does not take these shapes (a static string), or NULL.
 const char* jt_moe_unsupported(int H, int I, int k);
 // out = residual + sum_j weights[j] Down[ids[j]] h_j + SharedDown h_s with
-// h_e = bf16(silu(bf16(f Gate_e^T)) * bf16(f Up_e^T)), at layer *layer (negative
-// from the end, then clamped; ids clamped into [0, E)). One launch of
+// h_e = bf16(silu(bf16(f Gate_e^T)) * bf16(f Up_e^T)), at layer *layer +
+// *layer_offset (negative from the end, then clamped; ids clamped into [0, E)). One launch of
 // JT_MOE_CTAS CTAs, which wait for each other (at most timeout_ms, then the
 // kernel traps): the GPU needs that many SMs free of other long work, and
 // calls on one device must not overlap (they share the library's scratch
@@ -237,12 +243,13 @@ cudaError_t jt_moe_decode(cudaStream_t stream, const JtMoeArgs* args, int L, int
 // For each array a < n (1 <= n <= JT_PREFETCH_MAX_ARRAYS), a stack of
 // layers[a] layers of layer_bytes[a] bytes at bases[a]: prefetches that
 // array's bytes [l * layer_bytes[a], (l + 1) * layer_bytes[a]) into L2, l the
-// int32 at `layer` (device memory, read by the kernel; negative from the end,
-// then clamped into [0, layers[a])). One launch that only issues the requests
+// sum of the int32s at `layer` and `layer_offset` (device memory, read by the
+// kernel; negative from the end, then clamped into [0, layers[a])). One launch that only issues the requests
 // (cp.async.bulk.prefetch.L2) and writes token[0] = 0 (device int32): nothing
 // waits for the lines to land and no result changes. The launch depends on
 // the shapes only, not on the layer: safe in CUDA graphs.
-cudaError_t jt_prefetch_l2(cudaStream_t stream, const int32_t* layer, int n,
+cudaError_t jt_prefetch_l2(cudaStream_t stream, const int32_t* layer,
+                           const int32_t* layer_offset, int n,
                            const void* const* bases, const int64_t* layer_bytes,
                            const int32_t* layers, int32_t* token);
 
