@@ -74,8 +74,9 @@
 #                one launch each against one persistent launch with and without its weight stream
 #                running ahead (CUDA, no JAX)
 #   pchain       bench/experiments/pallas_chain.py: dependent fp8 GEMVs on the fp8x2 wgmma arithmetic in Pallas, the
-#                attention's input pair (x_proj-like [2304, 7168] and q_b | wq_b [11264, 1536], 16 of each, over
-#                132 CTAs), then 32 of 14.7 MB and 64 of 1 MB: one kernel a GEMV against one kernel whose phases
+#                attention's input pairs (x_proj-like [2304, 7168] of x, q_b | wq_b [11264, 1536] of its output,
+#                inputs RMS-normed, 16 pairs over 132 CTAs, against the step's own rmsnorm_linear pair), the same
+#                shapes as a chain, then 32 of 14.7 MB and 64 of 1 MB: one kernel a GEMV against one kernel whose phases
 #                wait on a grid-wide GMEM semaphore (with and without each phase's first weight tiles asked for
 #                before the wait), and the floors without arithmetic (PCHAIN_FORMS: the forms; PCHAIN_RUNS: the sizes)
 #   gemvbound    bench/experiments/gemv_bound.py: o_proj's fp8 GEMV cold and from L2 under tuning configs, K 256..2048,
@@ -321,12 +322,15 @@ for part in "$@"; do
         bench/experiments/gemv_chain.cu -o "$WORK/gemv_chain"
       step chain 120 "$WORK/gemv_chain" --json "$WORK/chain.json"
       step chain_1mb 120 "$WORK/gemv_chain" --dims 1024,1024 --gemvs 128 --json "$WORK/chain_1mb.json" ;;
-    pchain)  # the attention's input pair, then 14.7 MB and 1 MB GEMVs (PCHAIN_RUNS picks: attn big 1mb); the
-      # step's own GEMVs, form `shipped`, last (with it first, the 14.7 MB run printed nothing in 180 s
-      # in session 34)
+    pchain)  # the attention's input pairs as the step runs them (norms; against the step's own pair), the
+      # same pair as a chain without norms, then 14.7 MB and 1 MB GEMVs (PCHAIN_RUNS picks: pairs attn big
+      # 1mb); the step's own GEMVs, form `shipped`, last (with it first, the 14.7 MB run printed nothing in
+      # 180 s in session 34)
       f=${PCHAIN_FORMS:-launches,barrier,prefetch,ring,stream,shipped}
-      for r in ${PCHAIN_RUNS:-attn big 1mb}; do
+      for r in ${PCHAIN_RUNS:-pairs attn big 1mb}; do
         case $r in
+          pairs) step pchain_pairs 200 python3 -m bench.experiments.pallas_chain --dims 2304,7168,11264,1536 \
+                   --ctas 132 --attn --forms "$f" --out "$WORK/pallas_chain_pairs.json" ;;
           attn) step pchain_attn 150 python3 -m bench.experiments.pallas_chain --dims 2304,7168,11264,1536 \
                   --ctas 132 --forms "$f" --out "$WORK/pallas_chain_attn.json" ;;
           big) step pchain 150 python3 -m bench.experiments.pallas_chain --forms "$f" --out "$WORK/pallas_chain.json" ;;

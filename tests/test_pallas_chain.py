@@ -47,28 +47,47 @@ def test_each_gemv_of_the_launched_chain_is_xlas(dims, ctas, splits):
     assert [o.shape for o in outs] == [(splits[0], na), (splits[1], nb)] * 2
     errs = pc.check(outs, *args)
     assert max(errs) < 1e-5, errs
-    # the step's own GEMVs in the same chain (with their norms where the chain is the attention pair's
-    # shape): within their bf16 outputs' rounding, and not within it of the other reference
-    with interp.interpret():
-        shipped = pc.run_form("shipped", *args, ctas=ctas)
-    assert [o.shape for o in shipped] == [(1, na), (1, nb)] * 2
-    normed = pc.normed_form("shipped", dims)
-    assert normed == (len(dims) == 4)
-    assert max(pc.check(shipped, *args, normed=normed)) < 1e-2
-    assert max(pc.check(shipped, *args, normed=not normed)) > 3e-2
+    if len(dims) == 2:   # the step's own GEMV down the same chain: within its bf16 outputs' rounding
+        with interp.interpret():
+            shipped = pc.run_form("shipped", *args, ctas=ctas)
+        assert [o.shape for o in shipped] == [(1, na), (1, nb)] * 2
+        assert max(pc.check(shipped, *args)) < 1e-2
+    else:
+        with pytest.raises(ValueError, match="reads all of x"):
+            pc.run_form("shipped", *args, ctas=ctas)
     # the check sees a wrong GEMV: the second one's partials with half their rows zeroed
     assert pc.check([outs[0], outs[1].at[:, :nb // 2].set(0.0)], *args)[1] > 0.1
 
 
+def test_the_attention_pairs_norm_their_inputs_as_the_step_does():
+    # each even GEMV of x0, each odd one of the output before, every input RMS-normed: the launched form
+    # and the step's own rmsnorm_linear pair against the normed reference, and not within its bound of
+    # the plain one
+    dims, ctas = (384, 512, 640, 256), 4
+    x0, *ws = pc.chain_weights(jax.random.key(5), dims, GEMVS)
+    args = (x0 * 3, *ws)   # an rms of about 3: normed and plain inputs differ threefold
+    with interp.interpret():
+        outs = pc.run_form("launches", *args, ctas=ctas, attn=True)
+        shipped = pc.run_form("shipped", *args, ctas=ctas, attn=True)
+    errs = pc.check(outs, *args, attn=True)
+    assert max(errs) < 2e-3, errs
+    assert pc.check(outs, *args)[0] > 0.5
+    assert max(pc.check(shipped, *args, attn=True)) < 1e-2
+    # the even GEMVs read x0, not the output before: they equal the first one's partials' products
+    first = pc.check([outs[0]], *args, attn=True)
+    assert pc.check([outs[2]], args[0], args[1][1:], args[2][1:], *args[3:], attn=True) == pytest.approx(first, abs=1e-2)
+
+
 @pytest.mark.parametrize("form", ["barrier", "prefetch", "ring", "stream"])
-@pytest.mark.parametrize("dims, ctas", [(DIMS, CTAS), ((2304, 7168, 11264, 1536), 132)])
-def test_the_one_kernel_chain_lowers_for_the_gpu(form, dims, ctas):
+@pytest.mark.parametrize("dims, ctas, attn", [(DIMS, CTAS, False), ((2304, 7168, 11264, 1536), 132, False),
+                                              ((2304, 7168, 11264, 1536), 132, True)])
+def test_the_one_kernel_chain_lowers_for_the_gpu(form, dims, ctas, attn):
     S = jax.ShapeDtypeStruct
     na, ka, nb, kb = pc.pair_dims(dims)
     args = (S((ka,), jnp.bfloat16), S((GEMVS // 2, na, ka), jnp.float8_e4m3fn),
             S((GEMVS // 2, na // 128, ka // 128), jnp.float32), S((GEMVS // 2, nb, kb), jnp.float8_e4m3fn),
             S((GEMVS // 2, nb // 128, kb // 128), jnp.float32))
     with interp.compile_for_gpu():
-        text = jax.jit(functools.partial(pc.run_form, form, ctas=ctas)).trace(*args).lower(
+        text = jax.jit(functools.partial(pc.run_form, form, ctas=ctas, attn=attn)).trace(*args).lower(
             lowering_platforms=("cuda",)).as_text()
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 1   # the whole chain one kernel

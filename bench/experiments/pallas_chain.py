@@ -11,7 +11,10 @@ CTA's share of a GEMV: one work unit, up to four consecutive row blocks of 64 ro
 (`plan`), so x is prepared once and the unit's tiles stream as one pipeline (`_hopper.stream_tiles`),
 x as two e4m3 halves in one wgmma B (`_hopper.wgmma_fp8_pair_step`, the shipped fp8x2 engine's step),
 its fp32 partial row blocks written by TMA; the next GEMV's CTAs copy in the partials of their K slice,
-sum them and round them to bf16.
+sum them and round them to bf16. `--attn`: the attention's input pairs as the step runs them instead
+of a chain: each even GEMV (x_proj-like) of x0, each odd one (q_b | wq_b-like) of the output before,
+every input RMS-normed in the phase (each CTA sums the squares of the whole row); the phases still wait
+for each other, and form `shipped` is the step's own `rmsnorm_linear` pair.
 Forms:
   shipped    the step's own GEMV kernels, one a GEMV, for scale (`gemv.linear`; the attention pair as the
              step runs it, `gemv.rmsnorm_linear`, its norms included)
@@ -28,7 +31,7 @@ enqueued back to back (the device sets the pace, gaps between kernels included);
 same run (`bench.decode.copy_bandwidth`).
 
     python -m bench.experiments.pallas_chain --out pallas_chain.json [--gemvs 32] [--dims 7168,2048] [--ctas 128]
-        [--forms launches,prefetch]
+        [--forms launches,prefetch] [--attn]
     (GPU; the one-kernel forms need every CTA resident: --ctas at most the SMs)
 """
 
@@ -107,15 +110,17 @@ def shapes(dims: tuple[int, ...], gemvs: int) -> list[tuple[int, int]]:
 
 
 def gemv_phase(cta, *, n: int, k: int, ctas: int, w, s, wid, x_in, out_at, scratch, wait=None,
-               prefetch: bool = True, math: bool = True):
+               prefetch: bool = True, math: bool = True, norm: bool = False):
     """CTA `cta`'s unit of one GEMV (`plan`): row blocks rg·group .. rg·group + group − 1 of w[wid] [n, k]
     (e4m3, scales s[wid] [n/128, k/128]) against x's K slice, x_in = ("bf16", x [K]) or ("partials",
     parts, S) with parts(i) the GEMV before's fp32 partials of K slice i as a GMEM [K/128, 128] (x their
     sum in split order, rounded to bf16, as XLA between two GEMVs). out_at(split, row0): the GMEM
     destination ([64] fp32) of a row block's partial sums. `wait()`: run before x is read, after the
     unit's first weight tiles are asked for (`prefetch`) or before them (the CTAs without a unit run it
-    too). `scratch`: `_scratch`'s buffers. Without `math` the weight tiles are streamed and dropped: no
-    x, no arithmetic, no output."""
+    too). `scratch`: `_scratch`'s buffers (with `norm`, its staging holds all K columns' partials).
+    `norm`: x is RMS-normed over its K columns first, as `reference.rms_norm` with a weight of ones
+    (every CTA sums the squares of the whole row). Without `math` the weight tiles are streamed and
+    dropped: no x, no arithmetic, no output."""
     blocks, split, group = plan(n, k, ctas)
     groups = -(-blocks // group)
     kc = k // split
@@ -146,25 +151,32 @@ def gemv_phase(cta, *, n: int, k: int, ctas: int, w, s, wid, x_in, out_at, scrat
             return tuple(tuple(s[wid, rb * BN // QBLOCK, kb + h] for h in range(nsub)) for rb in rbs)
 
         def x_columns():
-            """x's slice as fp32 rows of 128 columns (bf16 values). The partials come by TMA, as the
-            async copies that wrote them (the semaphore orders the two)."""
+            """x's slice as fp32 rows of 128 columns (bf16 values; normed with `norm`). The partials
+            come by TMA, as the async copies that wrote them (the semaphore orders the two)."""
+            staged = k // QBLOCK if norm else nblk   # 128-column blocks of partials staged
+            at = k0 // QBLOCK if norm else 0         # the slice's first staged block
             if x_in[0] == "bf16":
-                return [plgpu.load(x_in[1].at[pl.ds(k0 + b * QBLOCK, QBLOCK)], optimized=False).astype(F32)
-                        for b in range(nblk)]
-            _, parts, splits = x_in
-            for sp in range(splits):
-                plgpu.copy_gmem_to_smem(parts(sp).at[pl.ds(k0 // QBLOCK, nblk)], stage.at[sp, pl.ds(0, nblk)],
-                                        xbar.at[sp])
-            for sp in range(splits):
-                plgpu.barrier_wait(xbar.at[sp])
-            cols = []
-            for b in range(nblk):
-                v = None
+                block = lambda b: plgpu.load(x_in[1].at[pl.ds(b * QBLOCK, QBLOCK)], optimized=False).astype(F32)
+            else:
+                _, parts, splits = x_in
                 for sp in range(splits):
-                    part = plgpu.load(stage.at[sp, b], optimized=False)
-                    v = part if v is None else v + part
-                cols.append(v.astype(BF16).astype(F32))
-            return cols
+                    plgpu.copy_gmem_to_smem(parts(sp).at[pl.ds(0 if norm else k0 // QBLOCK, staged)],
+                                            stage.at[sp, pl.ds(0, staged)], xbar.at[sp])
+                for sp in range(splits):
+                    plgpu.barrier_wait(xbar.at[sp])
+
+                def block(b):   # summed in split order, rounded to bf16 (b: the block's place in x)
+                    v = None
+                    for sp in range(splits):
+                        part = plgpu.load(stage.at[sp, b - k0 // QBLOCK + at], optimized=False)
+                        v = part if v is None else v + part
+                    return v.astype(BF16).astype(F32)
+            cols = [block(k0 // QBLOCK + b) for b in range(nblk)]
+            if not norm:
+                return cols
+            squares = sum(jnp.sum(v * v) for v in (block(b) for b in range(k // QBLOCK)))
+            rstd = lax.rsqrt(squares / k + EPS)
+            return [(v * rstd).astype(BF16).astype(F32) for v in cols]
 
         def first():
             """While the first weight tiles arrive: x's slice split into its two e4m3 halves."""
@@ -200,11 +212,12 @@ def gemv_phase(cta, *, n: int, k: int, ctas: int, w, s, wid, x_in, out_at, scrat
     pl.when(cta < groups * split)(unit)
 
 
-def _scratch(kc: int, splits: int) -> list:
+def _scratch(kc: int, splits: int, staged: int | None = None) -> list:
     """x's halves (`hw.pair_operand`), x's scale, the output blocks of a unit, the staged partials of
-    `splits` K slices and their barriers."""
+    `splits` K slices (`staged` columns of each; default kc) and their barriers."""
+    staged = kc if staged is None else staged
     return [hw.pair_operand(kc), plgpu.SMEM((1,), F32), plgpu.SMEM((GROUP_MAX, BN), F32),
-            plgpu.SMEM((max(splits, 1), kc // QBLOCK, QBLOCK), F32), plgpu.Barrier(num_barriers=max(splits, 1))]
+            plgpu.SMEM((max(splits, 1), staged // QBLOCK, QBLOCK), F32), plgpu.Barrier(num_barriers=max(splits, 1))]
 
 
 def _rows(ref, row0):
@@ -212,20 +225,22 @@ def _rows(ref, row0):
     return ref.at[row0 // QBLOCK, pl.ds(row0 % QBLOCK, BN)]
 
 
-@functools.partial(jax.jit, static_argnames=("n", "k", "ctas"))
-def launch(x, w, s, wid, *, n: int, k: int, ctas: int):
+@functools.partial(jax.jit, static_argnames=("n", "k", "ctas", "norm"))
+def launch(x, w, s, wid, *, n: int, k: int, ctas: int, norm: bool = False):
     """One GEMV as a kernel of its own: x bf16 [K] or the GEMV before's fp32 partials [S, K/128, 128];
-    w [L, n, k] e4m3, s [L, n/128, k/128], wid int32 [1]. Returns its partials [split, n/128, 128]."""
+    w [L, n, k] e4m3, s [L, n/128, k/128], wid int32 [1]; `norm`: x RMS-normed first (`gemv_phase`).
+    Returns its partials [split, n/128, 128]."""
     _, split, _ = plan(n, k, ctas)
     splits_in = 0 if x.ndim == 1 else x.shape[0]
 
     def kernel(x_ref, w_ref, s_ref, wid_ref, out_ref, *scratch):
         x_in = ("bf16", x_ref) if splits_in == 0 else ("partials", lambda i: x_ref.at[i], splits_in)
         gemv_phase(lax.axis_index("c"), n=n, k=k, ctas=ctas, w=w_ref, s=s_ref, wid=wid_ref[0], x_in=x_in,
-                   out_at=lambda sp, row0: _rows(out_ref.at[sp], row0), scratch=scratch)
+                   out_at=lambda sp, row0: _rows(out_ref.at[sp], row0), scratch=scratch, norm=norm)
 
+    scratch = _scratch(k // split, splits_in, k if norm else None)
     return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((split, n // QBLOCK, QBLOCK), F32), grid=(ctas,),
-                        grid_names=("c",), scratch_types=_scratch(k // split, splits_in), interpret=interp.params(),
+                        grid_names=("c",), scratch_types=scratch, interpret=interp.params(),
                         kernel_name=f"chain_launch_{n}x{k}")(x, w, s, wid)
 
 
@@ -233,24 +248,28 @@ def _dims(wa, wb) -> tuple[int, int, int, int]:
     return (*wa.shape[1:], *wb.shape[1:])
 
 
-def run_launches(x0, wa, sa, wb, sb, *, ctas: int) -> list:
-    """The chain as one kernel per GEMV: every GEMV's partials."""
+def run_launches(x0, wa, sa, wb, sb, *, ctas: int, attn: bool = False) -> list:
+    """The chain as one kernel per GEMV (`attn`: `persistent`'s attention pairs): every GEMV's partials."""
     outs, x = [], x0
     for p, (n, k) in enumerate(shapes(_dims(wa, wb), 2 * wa.shape[0])):
         w, s = (wa, sa) if p % 2 == 0 else (wb, sb)
-        x = launch(x, w, s, jnp.full((1,), p // 2, jnp.int32), n=n, k=k, ctas=ctas)
+        x = launch(x0 if attn and p % 2 == 0 else x, w, s, jnp.full((1,), p // 2, jnp.int32), n=n, k=k, ctas=ctas,
+                   norm=attn)
         outs.append(x)
     return outs
 
 
-@functools.partial(jax.jit, static_argnames=("ctas", "form"))
-def persistent(x0, wa, sa, wb, sb, *, ctas: int, form: str):
+@functools.partial(jax.jit, static_argnames=("ctas", "form", "attn"))
+def persistent(x0, wa, sa, wb, sb, *, ctas: int, form: str, attn: bool = False):
     """The chain as one kernel of `ctas` CTAs (all resident at once: at most one per SM), the GEMVs
     its phases. Before phase p every CTA waits until the semaphore has counted p · ctas arrivals (each
     CTA arrives once a phase, after its partials are written), so phase p − 1 is complete; a CTA
     arrives only after its own wait, so the count cannot run ahead of a late CTA. `form`: one of FORMS
-    but "launches". Returns every GEMV's partials, [P, max split, max N/128, 128] (a GEMV of N rows and
-    S slices in [p, :S, :N/128]; unwritten in the FLOORS)."""
+    but "launches". `attn`: the attention's input pairs as the step runs them, each even GEMV
+    (x_proj-like) of x0 and each odd one (q_b | wq_b-like) of the output before, every input RMS-normed
+    (`gemv_phase`'s `norm`); the even phases still wait for the phase before. Returns every GEMV's
+    partials, [P, max split, max N/128, 128] (a GEMV of N rows and S slices in [p, :S, :N/128];
+    unwritten in the FLOORS)."""
     (na, ka, nb, kb), gemvs = _dims(wa, wb), 2 * wa.shape[0]
     math, synced = form not in FLOORS, form != "stream"
     (_, split_a, _), (_, split_b, _) = plan(na, ka, ctas), plan(nb, kb, ctas)
@@ -260,19 +279,19 @@ def persistent(x0, wa, sa, wb, sb, *, ctas: int, form: str):
         cta = lax.axis_index("c")
         arrivals = pl.get_global(plgpu.SemaphoreType.REGULAR) if synced else None
 
-        def phase(p, w, s, wid, n, k, splits_in):
-            """GEMV p (p = 0: of x; else of the partials of GEMV p − 1, `splits_in` K slices)."""
+        def phase(p, w, s, wid, n, k, splits_in, of_x=False):
+            """GEMV p: of x where `of_x`, else of the partials of GEMV p − 1 (`splits_in` K slices)."""
             first = isinstance(p, int) and p == 0
-            x_in = ("bf16", x_ref) if first else ("partials", lambda i: out_ref.at[p - 1, i], splits_in)
+            x_in = ("bf16", x_ref) if of_x else ("partials", lambda i: out_ref.at[p - 1, i], splits_in)
             wait = None if first or not synced else (
                 lambda: plgpu.semaphore_wait(arrivals, p * ctas, decrement=False, memory_scope="gpu"))
             gemv_phase(cta, n=n, k=k, ctas=ctas, w=w, s=s, wid=wid, x_in=x_in,
                        out_at=lambda sp, row0: _rows(out_ref.at[p, sp], row0), scratch=scratch,
-                       wait=wait, prefetch=form != "barrier", math=math)
+                       wait=wait, prefetch=form != "barrier", math=math, norm=attn)
             if synced:
                 plgpu.semaphore_signal(arrivals, 1, memory_scope="gpu")
 
-        phase(0, wa_ref, sa_ref, 0, na, ka, 0)
+        phase(0, wa_ref, sa_ref, 0, na, ka, 0, of_x=True)
 
         @pl.loop(0, gemvs // 2)
         def _(j):
@@ -280,45 +299,48 @@ def persistent(x0, wa, sa, wb, sb, *, ctas: int, form: str):
 
             @pl.when(j + 1 < gemvs // 2)
             def _():
-                phase(2 * j + 2, wa_ref, sa_ref, j + 1, na, ka, split_b)
+                phase(2 * j + 2, wa_ref, sa_ref, j + 1, na, ka, split_b, of_x=attn)
 
     out_type = jax.ShapeDtypeStruct((gemvs, max(split_a, split_b), max(na, nb) // QBLOCK, QBLOCK), F32)
     return plgpu.kernel(kernel, out_type=out_type, grid=(ctas,), grid_names=("c",),
-                        scratch_types=_scratch(width, max(split_a, split_b)), interpret=interp.params(),
+                        scratch_types=_scratch(width, max(split_a, split_b), kb if attn else None),
+                        interpret=interp.params(),
                         kernel_name=f"chain_{form}")(x0, wa, sa, wb, sb)
 
 
-def run_shipped(x0, wa, sa, wb, sb) -> list:
-    """The chain on the step's own GEMV kernels, for scale: its outputs [1, N] bf16. A chain of two
-    numbers (every K the N before): `gemv.linear` on the stacks. Otherwise the attention's input pair as
-    the step runs it: `gemv.rmsnorm_linear` of x, then of the first K columns of its output (norm weights
-    of ones, EPS; `check(normed=True)` norms x as they do)."""
+def run_shipped(x0, wa, sa, wb, sb, *, attn: bool = False) -> list:
+    """The chain on the step's own GEMV kernels, for scale: its outputs [1, N] bf16. `attn`: the
+    attention's input pairs as the step runs them (`persistent`), `gemv.rmsnorm_linear` of x0, then of
+    the first K columns of its output (norm weights of ones, EPS). Else `gemv.linear` down the chain,
+    which reads all of x: chains of two numbers (`pair_dims`)."""
     na, ka, nb, kb = _dims(wa, wb)
-    plain = (ka, kb) == (nb, na)
+    if not attn and (ka, kb) != (nb, na):
+        raise ValueError("the shipped GEMV reads all of x: a chain of two numbers (--dims big,small), or --attn")
     outs, x = [], x0[None]
     for p in range(2 * wa.shape[0]):
         w, s = (wa, sa) if p % 2 == 0 else (wb, sb)
         layer = jnp.int32(p // 2)
-        if plain:
-            x = gemv.linear(x, w, s, layer=layer)
+        if attn:
+            x = gemv.rmsnorm_linear(x0[None] if p % 2 == 0 else x, jnp.ones((w.shape[0], w.shape[-1]), BF16), EPS,
+                                    w, s, layer=layer)
         else:
-            x = gemv.rmsnorm_linear(x, jnp.ones((w.shape[0], w.shape[-1]), BF16), EPS, w, s, layer=layer)
+            x = gemv.linear(x, w, s, layer=layer)
         outs.append(x)
     return outs
 
 
-def run_raw(form: str, x0, wa, sa, wb, sb, *, ctas: int):
+def run_raw(form: str, x0, wa, sa, wb, sb, *, ctas: int, attn: bool = False):
     """The form's kernels and nothing else (what is timed): their outputs as they write them."""
     if form == "launches":
-        return run_launches(x0, wa, sa, wb, sb, ctas=ctas)
+        return run_launches(x0, wa, sa, wb, sb, ctas=ctas, attn=attn)
     if form == "shipped":
-        return run_shipped(x0, wa, sa, wb, sb)
-    return persistent(x0, wa, sa, wb, sb, ctas=ctas, form=form)
+        return run_shipped(x0, wa, sa, wb, sb, attn=attn)
+    return persistent(x0, wa, sa, wb, sb, ctas=ctas, form=form, attn=attn)
 
 
-def run_form(form: str, x0, wa, sa, wb, sb, *, ctas: int) -> list:
+def run_form(form: str, x0, wa, sa, wb, sb, *, ctas: int, attn: bool = False) -> list:
     """Every GEMV's partials [split, N] under `form`."""
-    outs = run_raw(form, x0, wa, sa, wb, sb, ctas=ctas)
+    outs = run_raw(form, x0, wa, sa, wb, sb, ctas=ctas, attn=attn)
     if form == "shipped":
         return [o.astype(F32) for o in outs]
     if form != "launches":
@@ -343,26 +365,22 @@ def chain_weights(key, dims: tuple[int, ...], gemvs: int):
     return (x0, *stack(k_a, na, ka), *stack(k_b, nb, kb))
 
 
-def check(outs: list, x0, wa, sa, wb, sb, normed: bool = False) -> list[float]:
+def check(outs: list, x0, wa, sa, wb, sb, attn: bool = False) -> list[float]:
     """Each GEMV's relative L2 error against XLA's fp32 product of its dequantised weight and the
-    form's own input to it (x0, then the first K of the partials before, summed and rounded to bf16;
-    `normed`: that input RMS-normed first, as `reference.rms_norm` with a weight of ones)."""
+    form's own input to it: x0, then the first K of the partials before, summed and rounded to bf16;
+    `attn`: x0 for every even GEMV, every input RMS-normed first (`reference.rms_norm`, a weight of
+    ones)."""
     errs, x = [], x0.astype(F32)
     for p, parts in enumerate(outs):
         w, s = (wa, sa) if p % 2 == 0 else (wb, sb)
-        xk = x[:w.shape[-1]]
-        if normed:
+        xk = (x0.astype(F32) if attn and p % 2 == 0 else x)[:w.shape[-1]]
+        if attn:
             xk = reference.rms_norm(xk.astype(BF16), jnp.ones(xk.shape, BF16), EPS).astype(F32)
         want = jnp.dot(dequantize(w[p // 2], s[p // 2], F32), xk, precision=lax.Precision.HIGHEST)
         got = parts.sum(axis=0)
         errs.append(float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)))
         x = got.astype(BF16).astype(F32)
     return errs
-
-
-def normed_form(form: str, dims: tuple[int, ...]) -> bool:
-    """Whether `form`'s GEMVs norm their input (the shipped attention pair, `run_shipped`)."""
-    return form == "shipped" and len(dims) != 2
 
 
 def main(argv=None) -> int:  # pragma: no cover - GPU only
@@ -375,6 +393,7 @@ def main(argv=None) -> int:  # pragma: no cover - GPU only
     ap.add_argument("--ctas", type=int, default=128)
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--forms", default=",".join(FORMS), help="the forms to run, in this order")
+    ap.add_argument("--attn", action="store_true", help="the attention's input pairs, inputs normed (`persistent`)")
     a = ap.parse_args(argv)
     dims = tuple(int(d) for d in a.dims.split(","))
     args = chain_weights(jax.random.key(0), dims, a.gemvs)
@@ -382,13 +401,13 @@ def main(argv=None) -> int:  # pragma: no cover - GPU only
     copy = copy_bandwidth()
     result = dict(device=jax.devices()[0].device_kind, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                   commit=provenance.commit(), command=provenance.command("bench.experiments.pallas_chain", argv),
-                  dims=dims, gemvs=a.gemvs, ctas=a.ctas, mb_per_gemv=nbytes / a.gemvs / 1e6, copy_gbs=copy / 1e9,
+                  dims=dims, gemvs=a.gemvs, ctas=a.ctas, attn=a.attn, mb_per_gemv=nbytes / a.gemvs / 1e6, copy_gbs=copy / 1e9,
                   bytes_us_per_gemv=nbytes / a.gemvs / copy * 1e6, forms={})
     for form in a.forms.split(","):
-        run = jax.jit(functools.partial(run_raw, form, ctas=a.ctas))
+        run = jax.jit(functools.partial(run_raw, form, ctas=a.ctas, attn=a.attn))
         try:
-            errs = [0.0] if form in FLOORS else check(jax.jit(functools.partial(run_form, form, ctas=a.ctas))(*args),
-                                                      *args, normed=normed_form(form, dims))
+            errs = [0.0] if form in FLOORS else check(
+                jax.jit(functools.partial(run_form, form, ctas=a.ctas, attn=a.attn))(*args), *args, attn=a.attn)
             kernels, busy = _cupti(lambda: run(*args))
             jax.block_until_ready(run(*args))
             t0 = time.perf_counter()
