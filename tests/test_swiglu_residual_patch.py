@@ -1,7 +1,7 @@
 """bench/experiments/swiglu_residual.patch: a dense FFN and the shared expert plus the residual as two kernels,
 the down kernel (`expert_down`, the FFN as one expert of weight 1) finishing the gate/up GEMV's split-K
-partials with the reference's rounding, so no XLA kernel runs between the two (1,305 → 1,244 kernels a
-61-layer step, 218 → 209 graph nodes, counted on the CPU). Not yet measured on a GPU, so it stays a patch
+partials with the reference's rounding, so no XLA kernel runs between the two (1,221 → 1,160 kernels a
+61-layer step, 212 → 203 graph nodes, counted on the CPU). Not yet measured on a GPU, so it stays a patch
 until part `trees` does. It still applies to a copy of the checkout, and there the op table's tests (every
 kernel chosen at decode shapes, the layer bodies' glue budget 12 ops lower, the merged op falling back to
 its parts) and the kernel's own tests pass."""
