@@ -40,6 +40,6 @@ xla-kernels: $(XLA_VENV)/.installed
 demo: $(VENV)/.installed
 	$(VENV)/bin/jtilert generate --model tiny --mtp --max-new-tokens $(NEW) --prompt "$$PROMPT"
 
-# the tests spread over one worker process per core (pytest-xdist)
+# the tests spread over one worker process per core (pytest-xdist); the slowest listed, to keep the suite short
 test: $(VENV)/.installed
-	$(PY) -m pytest -p no:cacheprovider -n auto --dist load
+	$(PY) -m pytest -p no:cacheprovider -n auto --dist load --durations=15
