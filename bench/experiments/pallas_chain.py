@@ -308,23 +308,28 @@ def persistent(x0, wa, sa, wb, sb, *, ctas: int, form: str, attn: bool = False):
                         kernel_name=f"chain_{form}")(x0, wa, sa, wb, sb)
 
 
+@functools.partial(jax.jit, static_argnames=("normed",))
+def _shipped_gemv(x, w, s, layer, *, normed: bool):
+    """One GEMV of `run_shipped`, jitted so that every call of a shape traces (and lowers) its kernel
+    once, as the step's layer loop does: `gemv.rmsnorm_linear` of x (a norm weight of ones, EPS) or
+    `gemv.linear`."""
+    if normed:
+        return gemv.rmsnorm_linear(x, jnp.ones((w.shape[0], w.shape[-1]), BF16), EPS, w, s, layer=layer)
+    return gemv.linear(x, w, s, layer=layer)
+
+
 def run_shipped(x0, wa, sa, wb, sb, *, attn: bool = False) -> list:
     """The chain on the step's own GEMV kernels, for scale: its outputs [1, N] bf16. `attn`: the
     attention's input pairs as the step runs them (`persistent`), `gemv.rmsnorm_linear` of x0, then of
-    the first K columns of its output (norm weights of ones, EPS). Else `gemv.linear` down the chain,
-    which reads all of x: chains of two numbers (`pair_dims`)."""
+    the first K columns of its output. Else `gemv.linear` down the chain, which reads all of x: chains
+    of two numbers (`pair_dims`)."""
     na, ka, nb, kb = _dims(wa, wb)
     if not attn and (ka, kb) != (nb, na):
         raise ValueError("the shipped GEMV reads all of x: a chain of two numbers (--dims big,small), or --attn")
     outs, x = [], x0[None]
     for p in range(2 * wa.shape[0]):
         w, s = (wa, sa) if p % 2 == 0 else (wb, sb)
-        layer = jnp.int32(p // 2)
-        if attn:
-            x = gemv.rmsnorm_linear(x0[None] if p % 2 == 0 else x, jnp.ones((w.shape[0], w.shape[-1]), BF16), EPS,
-                                    w, s, layer=layer)
-        else:
-            x = gemv.linear(x, w, s, layer=layer)
+        x = _shipped_gemv(x0[None] if attn and p % 2 == 0 else x, w, s, jnp.int32(p // 2), normed=attn)
         outs.append(x)
     return outs
 
