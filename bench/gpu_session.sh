@@ -69,7 +69,8 @@
 #                CONCURRENT scheduling alone (XLA's own command-buffer kinds: the layer loops not captured)
 #   trees        the same for every tree in TREES (carried folders, default .baseline), then this checkout: a
 #                bisection on one machine under this script's XLA flags (each tree ~1 min; TREE_ARGS: more
-#                bench.decode arguments for every tree)
+#                bench.decode arguments for every tree; TREE_LAYERS: the layers, default what fits the GPU,
+#                `share_layers`: 61 on an H200, 36 on an H100)
 #   chain        bench/experiments/gemv_chain.cu: a chain of 32 fp8 GEMVs (14.7 MB each; then 128 of 1 MB),
 #                one launch each against one persistent launch with and without its weight stream
 #                running ahead (CUDA, no JAX)
@@ -179,6 +180,12 @@ patched_tree() {  # patched_tree PATCH: this checkout with PATCH applied (patch 
       || { echo "patched_tree: $1 did not apply or build ($WORK/build_$name.log)" >&2; rm -rf "$t"; return 1; }
   fi
   echo "$t"
+}
+share_layers() {  # the layers of dsv32-tp8-shard that fit this GPU: 61 on an H200; 36 on an H100, where the
+  # 61 layers' 81.8 GiB of fp8 weights pass the 59 GiB that JAX takes of its 80 GB
+  local mib
+  mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+  if [ "${mib:-0}" -gt 100000 ]; then echo 61; else echo 36; fi
 }
 DEC="python3 -m bench.decode --preset dsv32-tp8-shard --context 4096"
 VS="python3 -m bench.vs_transformers $CK ${VS_ARGS:---context 1024 --new 64 --samples 10}"
@@ -294,8 +301,8 @@ for part in "$@"; do
       for t in ${TREES:-.baseline} .; do
         if [ "${t%.patch}" != "$t" ]; then t=$(patched_tree "$t") || continue; fi
         n=tree_$( [ "$t" = . ] && echo this || basename "$t" | tr -d .)_$TREES_ROUND
-        (cd "$t" && PYTHONPATH=$PWD step "$n" 200 $DEC --layers 61 --backend pallas --kernels --samples 6 \
-          ${TREE_ARGS:-} --out "$WORK/$n.json")
+        (cd "$t" && PYTHONPATH=$PWD step "$n" 200 $DEC --layers "${TREE_LAYERS:-$(share_layers)}" --backend pallas \
+          --kernels --samples 6 ${TREE_ARGS:-} --out "$WORK/$n.json")
       done ;;
     unroll)  # the layer loops with one and with two layers per iteration, one process
       step unroll 300 $DEC --layers 61 --backend pallas --layer-loop "${UNROLLS:-loop,loop/2}" --kernels --samples 6 \
