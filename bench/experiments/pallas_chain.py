@@ -28,8 +28,7 @@ Every arithmetic form's every GEMV is checked against XLA's product from the for
 Times:
 CUPTI kernel µs per GEMV (a form's kernels over P: the figure to compare) and the wall clock per GEMV
 of `calls` calls enqueued back to back (gaps between kernels included, and the host's launches where
-they are slower than the kernels: a launched 1 MB chain took 15 µs a GEMV of wall time for 3.2 µs of
-kernel); the copy rate of the same run (`bench.decode.copy_bandwidth`).
+they are slower than the kernels); the copy rate of the same run (`bench.decode.copy_bandwidth`).
 
     python -m bench.experiments.pallas_chain --out pallas_chain.json [--gemvs 32] [--dims 7168,2048] [--ctas 128]
         [--forms launches,prefetch] [--attn]
