@@ -137,8 +137,9 @@ def gemv_phase(cta, *, n: int, k: int, ctas: int, w, s, wid, x_in, out_at, scrat
     def unit():
         s_idx = cta // groups
         k0 = s_idx * kc
+        rb0 = (cta % groups) * group   # the unit's first row block
         # the unit's row blocks; a last group short of `group` re-reads its last block (never written)
-        rbs = [jnp.minimum((cta % groups) * group + j, blocks - 1) for j in range(group)]
+        rbs = [jnp.minimum(rb0 + j, blocks - 1) for j in range(group)]
         tiles = [lambda step, rb=rb: w.at[wid, pl.ds(rb * BN, BN), pl.ds(k0 + step * BK, BK)] for rb in rbs]
         stream = functools.partial(hw.stream_tiles, steps=kc // BK, stages=stages_for(group), tiles=tiles,
                                    shape=(BN, BK), dtype=FP8, transforms=w_tr)
@@ -154,21 +155,21 @@ def gemv_phase(cta, *, n: int, k: int, ctas: int, w, s, wid, x_in, out_at, scrat
             """x's slice as fp32 rows of 128 columns (bf16 values; normed with `norm`). The partials
             come by TMA, as the async copies that wrote them (the semaphore orders the two)."""
             staged = k // QBLOCK if norm else nblk   # 128-column blocks of partials staged
-            at = k0 // QBLOCK if norm else 0         # the slice's first staged block
+            base = 0 if norm else k0 // QBLOCK       # the first staged block's place in x
             if x_in[0] == "bf16":
                 block = lambda b: plgpu.load(x_in[1].at[pl.ds(b * QBLOCK, QBLOCK)], optimized=False).astype(F32)
             else:
                 _, parts, splits = x_in
                 for sp in range(splits):
-                    plgpu.copy_gmem_to_smem(parts(sp).at[pl.ds(0 if norm else k0 // QBLOCK, staged)],
-                                            stage.at[sp, pl.ds(0, staged)], xbar.at[sp])
+                    plgpu.copy_gmem_to_smem(parts(sp).at[pl.ds(base, staged)], stage.at[sp, pl.ds(0, staged)],
+                                            xbar.at[sp])
                 for sp in range(splits):
                     plgpu.barrier_wait(xbar.at[sp])
 
                 def block(b):   # summed in split order, rounded to bf16 (b: the block's place in x)
                     v = None
                     for sp in range(splits):
-                        part = plgpu.load(stage.at[sp, b - k0 // QBLOCK + at], optimized=False)
+                        part = plgpu.load(stage.at[sp, b - base], optimized=False)
                         v = part if v is None else v + part
                     return v.astype(BF16).astype(F32)
             cols = [block(k0 // QBLOCK + b) for b in range(nblk)]
@@ -205,7 +206,7 @@ def gemv_phase(cta, *, n: int, k: int, ctas: int, w, s, wid, x_in, out_at, scrat
             o_smem[j] = hw.pair_column(acc, col_id, 0)
         plgpu.commit_smem()
         for j in range(group):
-            row0 = ((cta % groups) * group + j) * BN
+            row0 = (rb0 + j) * BN
             pl.when(row0 < n)(lambda j=j, row0=row0: plgpu.copy_smem_to_gmem(o_smem.at[j], out_at(s_idx, row0)))
         plgpu.wait_smem_to_gmem(0)   # the writes done, not only read from SMEM: others read them next
 
