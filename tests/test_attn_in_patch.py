@@ -1,0 +1,24 @@
+"""bench/experiments/attn_in.patch: the attention's input projections (x_proj, then q_b | wq_b of its normed
+q_a) as one Pallas kernel of three phases handed off through a grid-wide semaphore (`jtilert.pallas.attn_in`),
+the op `attn_in` taking one token's two rmsnorm_linear kernels' place. Not yet measured on a GPU (its
+semaphore has never run: the interpreter cannot run a grid-wide wait), so it stays a patch until part
+`trees` and tests/gpu/attn_in_check.py have. It still applies to a copy of the checkout, and there its
+phases equal the reference in interpret mode, the one kernel lowers at the real shapes, and the op table
+chooses it at decode shapes."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+
+@pytest.mark.skipif(shutil.which("patch") is None, reason="patch not found")
+def test_the_attn_in_patch_applies_and_its_tests_pass(tmp_path):
+    from experiment_patch import run_patched   # tests/experiment_patch.py (tests/ is on sys.path)
+    r = run_patched(tmp_path, "attn_in.patch",
+                    ["tests/test_pallas_attn_in.py", "tests/test_ops_table.py", "-k",
+                     "phases or plan or lowers or decode_shapes"])
+    assert "def attn_in" in (tmp_path / "jtilert" / "pallas" / "attn_in.py").read_text()
+    assert r.returncode == 0 and " passed" in r.stdout and " failed" not in r.stdout, (
+        r.stdout[-3000:] + r.stderr[-2000:])
