@@ -15,10 +15,8 @@ import pytest
 
 @pytest.mark.skipif(shutil.which("patch") is None, reason="patch not found")
 def test_the_attn_in_patch_applies_and_its_tests_pass(tmp_path):
-    from experiment_patch import run_patched   # tests/experiment_patch.py (tests/ is on sys.path)
-    r = run_patched(tmp_path, "attn_in.patch",
-                    ["tests/test_pallas_attn_in.py", "tests/test_ops_table.py", "-k",
-                     "phases or plan or lowers or decode_shapes"])
-    assert "def attn_in" in (tmp_path / "jtilert" / "pallas" / "attn_in.py").read_text()
-    assert r.returncode == 0 and " passed" in r.stdout and " failed" not in r.stdout, (
-        r.stdout[-3000:] + r.stderr[-2000:])
+    from experiment_patch import assert_patched_tests_pass   # tests/experiment_patch.py (tests/ is on sys.path)
+    assert_patched_tests_pass(tmp_path, "attn_in.patch",
+                              ["tests/test_pallas_attn_in.py", "tests/test_ops_table.py", "-k",
+                               "phases or plan or lowers or decode_shapes"],
+                              "jtilert/pallas/attn_in.py", "def attn_in")

@@ -15,10 +15,8 @@ import pytest
 
 @pytest.mark.skipif(shutil.which("patch") is None, reason="patch not found")
 def test_the_swiglu_residual_patch_applies_and_its_tests_pass(tmp_path):
-    from experiment_patch import run_patched   # tests/experiment_patch.py (tests/ is on sys.path)
-    r = run_patched(tmp_path, "swiglu_residual.patch",
-                    ["tests/test_ops_table.py", "tests/test_pallas_moe.py", "-k",
-                     "swiglu_residual or dense_ffn or partials or glue or decode_shapes or its_parts"])
-    assert "def swiglu_residual" in (tmp_path / "jtilert" / "pallas" / "moe.py").read_text()
-    assert r.returncode == 0 and " passed" in r.stdout and " failed" not in r.stdout, (
-        r.stdout[-3000:] + r.stderr[-2000:])
+    from experiment_patch import assert_patched_tests_pass   # tests/experiment_patch.py (tests/ is on sys.path)
+    assert_patched_tests_pass(tmp_path, "swiglu_residual.patch",
+                              ["tests/test_ops_table.py", "tests/test_pallas_moe.py", "-k",
+                               "swiglu_residual or dense_ffn or partials or glue or decode_shapes or its_parts"],
+                              "jtilert/pallas/moe.py", "def swiglu_residual")
