@@ -75,8 +75,8 @@
 #                one launch each against one persistent launch with and without its weight stream
 #                running ahead (CUDA, no JAX)
 #   attnin       tests/gpu/attn_in_check.py on this checkout with bench/experiments/attn_in.patch: the attention's
-#                input projections as one kernel (three phases, a grid-wide semaphore) against the reference and
-#                the step's two rmsnorm_linear kernels, CUPTI µs of both
+#                input projections as one kernel (four phases, a grid-wide semaphore) and as its phases launched
+#                one by one, against the reference and the step's two rmsnorm_linear kernels, CUPTI µs of each
 #   pchain       bench/experiments/pallas_chain.py: dependent fp8 GEMVs on the fp8x2 wgmma arithmetic in Pallas, the
 #                attention's input pairs (x_proj-like [2304, 7168] of x, q_b | wq_b [11264, 1536] of its output,
 #                inputs RMS-normed, 16 pairs over 132 CTAs, against the step's own rmsnorm_linear pair), the same

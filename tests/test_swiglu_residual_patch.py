@@ -1,10 +1,11 @@
 """bench/experiments/swiglu_residual.patch: a dense FFN and the shared expert plus the residual as two kernels,
 the down kernel (`expert_down`, the FFN as one expert of weight 1) finishing the gate/up GEMV's split-K
 partials with the reference's rounding, so no XLA kernel runs between the two (1,221 → 1,160 kernels a
-61-layer step, 212 → 203 graph nodes, counted on the CPU). Not yet measured on a GPU, so it stays a patch
-until part `trees` does. It still applies to a copy of the checkout, and there the op table's tests (every
-kernel chosen at decode shapes, the layer bodies' glue budget 12 ops lower, the merged op falling back to
-its parts) and the kernel's own tests pass."""
+61-layer step, 212 → 203 graph nodes, counted on the CPU). On an H100 (36 layers, two rounds of part
+`trees`) the step was unchanged (bench/RESULTS.md, session 35), so it stays a patch. It still applies to
+a copy of the checkout, and there the op table's tests (every kernel chosen at decode shapes, the layer
+bodies' glue budget 12 ops lower, the merged op falling back to its parts) and the kernel's own tests
+pass."""
 
 from __future__ import annotations
 

@@ -157,4 +157,3 @@ def mla_prep(q_x, kv_x, kv_col: int, heads: int, qk_head_dim: int, norm_weight, 
     q_pe = kernel(q_x, kv_x, norm_weight, cos.astype(F32), sin.astype(F32), jnp.asarray(p, BF16),
                   jnp.asarray(p.T, BF16), start, *hw.layer_operands(layer), *caches)
     return q_pe.reshape(T, heads, R), caches[0][...], caches[1][...]
-
