@@ -126,7 +126,7 @@
 #   loops        the 61-layer pallas step under each layer-loop form of LOOPS (default four and eight layers per
 #                iteration), one process
 #   compileprofile  the same first compile with XLA's stage under JAX's profiler (host events by name)
-#   callvariants the 61-layer step loop, one step per call, in bench.decode --call-variants' forms (as shipped,
+#   callvariants the step loop (the layers that fit the GPU, `share_layers`), one step per call, in bench.decode --call-variants' forms (as shipped,
 #                without its host output, the output on the device, a copy program, donated host buffers): what a
 #                call's ~1 ms enqueue is
 #   callvariants_ab  the same, 100 calls per form, for .baseline (another tree, carried) then this checkout
@@ -230,8 +230,8 @@ for part in "$@"; do
     compileprofile)  # the first compile, cold, with XLA's stage under JAX's profiler: where its seconds go
       JTILERT_COMPILATION_CACHE=$WORK/xla_cache_profile step compileprofile 300 $DEC --layers 61 --backend pallas \
         --steps 5 --samples 2 --compile-profile --out "$WORK/compileprofile.json" ;;
-    callvariants) step callvariants 420 $DEC --layers 61 --backend pallas --steps 5 --samples 6 --call-variants \
-                    --out "$WORK/callvariants.json" ;;
+    callvariants) step callvariants 420 $DEC --layers "$(share_layers)" --backend pallas --steps 5 --samples 6 \
+                    --call-variants --out "$WORK/callvariants.json" ;;
     golden) JAX_PLATFORMS=cuda step golden 400 python3 -m pytest -q -p no:cacheprovider -x tests/test_golden_kernels.py ;;
     decode) step decode 480 $DEC --layers 61 --backend "$B" --kernels --samples 10 \
               --out "$WORK/decode.json" --plot "$WORK/decode.png" ;;
