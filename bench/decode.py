@@ -33,6 +33,7 @@ import numpy as np
 from flax import nnx
 
 import jtilert
+from jtilert.ffi import _lib, ring
 from jtilert.store import checkpoint
 from jtilert.parallel import sharding
 from jtilert.pallas import lowering_cache
@@ -402,6 +403,23 @@ def call_loop(call, out, keep: int, n: int):
     return (time.perf_counter() - t) / n, statistics.median(enqueue), out[:keep]
 
 
+def ring_loop(call, carry, n: int, tokens):
+    """`call_loop` for a step that leaves its token in the token ring `tokens`: each call dispatched
+    before the previous step's token is read from its slot."""
+    pos = int(np.asarray(carry[2]).ravel()[0])
+    t = time.perf_counter()
+    enqueue = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        carry = call(*carry)
+        enqueue.append(time.perf_counter() - t0)
+        if i:
+            tokens.read(pos + i - 1)
+    tokens.read(pos + n - 1)
+    jax.block_until_ready(carry)
+    return (time.perf_counter() - t) / n, statistics.median(enqueue), carry
+
+
 def call_variant_loops(eng, carry, params, n):
     """What makes a call's enqueue cost: the plain step's host loop (one step per call, looked up once)
     in five forms, each compiled with the step's XLA options: "shipped" (`Engine.decode`: the four
@@ -412,7 +430,9 @@ def call_variant_loops(eng, carry, params, n):
     that copies the new token into pinned host memory: the step's buffers keep their addresses from
     call to call, the copy's enqueue counts in the call's); "host_output_donated" (as shipped, but the
     pinned host output written into one of two pinned buffers that the calls donate in turn, each
-    read before it is donated again: no host allocation per call, two addresses in turn).
+    read before it is donated again: no host allocation per call, two addresses in turn); where the
+    CUDA engine loads, "token_ring" (the step of "no_host_output" writing its token into the engine's
+    token ring, `jtilert.ffi.ring`, which the host reads: every output a donated carried array).
     `carry`: (cache, token, pos, key). Returns ({form: {enqueue_ms, host_loop_ms}}, the carry after)."""
     run = eng._wrap(Engine._decode)
     host = None if eng._interpreted else eng.sharding.with_memory_kind("pinned_host")
@@ -447,6 +467,17 @@ def call_variant_loops(eng, carry, params, n):
         res = jax.block_until_ready(call(*carry))   # warm
         loop_s, enqueue_s, carry = call_loop(call, res, 4, n)
         out[name] = {"enqueue_ms": enqueue_s * 1e3, "host_loop_ms": loop_s * 1e3}
+    if _lib.load()[0] is not None:
+        def into_ring(st, c, t, p, k, pr):
+            res = run(st, c, t, p, k, pr)
+            ring.write(p, res[1])   # keyed by the step's position
+            return res[:4]
+        call = with_state(variant(into_ring))
+        tokens = ring.TokenRing(jax.devices()[0])
+        tokens.clear()
+        res = jax.block_until_ready(call(*carry))   # warm
+        loop_s, enqueue_s, carry = ring_loop(call, res, n, tokens)
+        out["token_ring"] = {"enqueue_ms": enqueue_s * 1e3, "host_loop_ms": loop_s * 1e3}
     out["shipped"]["host_trace"], carry = traced_calls(calls["shipped"], carry, n)
     return out, tuple(carry)
 

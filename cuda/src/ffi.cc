@@ -21,6 +21,7 @@ JT_EXPORT XLA_FFI_Error* JtMergeTopk(XLA_FFI_CallFrame* call_frame);
 JT_EXPORT XLA_FFI_Error* JtTopkSelect(XLA_FFI_CallFrame* call_frame);
 JT_EXPORT XLA_FFI_Error* JtRouteSelect(XLA_FFI_CallFrame* call_frame);
 JT_EXPORT XLA_FFI_Error* JtPrefetchL2(XLA_FFI_CallFrame* call_frame);
+JT_EXPORT XLA_FFI_Error* JtTokenRing(XLA_FFI_CallFrame* call_frame);
 JT_EXPORT XLA_FFI_Error* JtMoeDecode(XLA_FFI_CallFrame* call_frame);
 JT_EXPORT XLA_FFI_Error* JtExpertDownAllReduce(XLA_FFI_CallFrame* call_frame);
 JT_EXPORT XLA_FFI_Error* JtGemvAllReduceStacked(XLA_FFI_CallFrame* call_frame);
@@ -530,6 +531,39 @@ ffi::Error PrefetchL2Impl(cudaStream_t stream, int32_t dev,
   return ffi::Error::Success();
 }
 
+// A step's new tokens into the device's token ring (src/ring.cu): `values`
+// (int32, 1 to JT_RING_MAX_VALUES of them) and `count` (one int32: how many
+// of them are the step's) under the key `pos` (one int32). The token (int32
+// [1]) is written 0. The same launch on every call.
+ffi::Error TokenRingImpl(cudaStream_t stream, int32_t dev, ffi::AnyBuffer pos,
+                         ffi::AnyBuffer values, ffi::AnyBuffer count,
+                         ffi::Result<ffi::AnyBuffer> token) {
+  auto one_int = [](const ffi::AnyBuffer& b) {
+    return b.element_type() == ffi::DataType::S32 && b.element_count() == 1;
+  };
+  if (!one_int(pos) || !one_int(count) || !one_int(*token))
+    return ffi::Error::InvalidArgument(
+        "jtilert token_ring: pos, count and the token must be one int32 each");
+  const size_t n = values.element_count();
+  if (values.element_type() != ffi::DataType::S32 || n < 1 ||
+      n > JT_RING_MAX_VALUES)
+    return ffi::Error::InvalidArgument(
+        "jtilert token_ring: 1 to " + std::to_string(JT_RING_MAX_VALUES) +
+        " int32 values, got " + std::to_string(n));
+  cudaError_t e = ensure_device(dev);
+  if (e != cudaSuccess) return cuda_error(e, "set device");
+  e = jt_token_ring_write(stream, dev, static_cast<const int32_t*>(pos.untyped_data()),
+                          static_cast<const int32_t*>(values.untyped_data()), (int)n,
+                          static_cast<const int32_t*>(count.untyped_data()),
+                          static_cast<int32_t*>(token->untyped_data()));
+  if (e == cudaErrorNotReady)
+    return ffi::Error::Internal(
+        "jtilert token_ring: no token ring on device " + std::to_string(dev) +
+        " (jtilert.ffi.ring.TokenRing(device) makes it)");
+  if (e != cudaSuccess) return cuda_error(e, "token_ring launch");
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JtAllReduce, AllReduceImpl,
@@ -699,5 +733,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JtPrefetchL2, PrefetchL2Impl,
                                   .Arg<ffi::AnyBuffer>()  // layer offset
                                   .Arg<ffi::AnyBuffer>()  // after
                                   .RemainingArgs()        // the stacks
+                                  .Ret<ffi::AnyBuffer>(),  // token
+                              {ffi::Traits::kCmdBufferCompatible});
+
+// Token ring: the key (pos), the values, their count; the token.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JtTokenRing, TokenRingImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()   // pos
+                                  .Arg<ffi::AnyBuffer>()   // values
+                                  .Arg<ffi::AnyBuffer>()   // count
                                   .Ret<ffi::AnyBuffer>(),  // token
                               {ffi::Traits::kCmdBufferCompatible});

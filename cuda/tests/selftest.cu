@@ -8,7 +8,8 @@
 // ranks; many consecutive calls alternating ops (epoch / parity reuse); the
 // stacked-layer forms of GEMV and expert-down (one launch in a CUDA graph,
 // replayed with the layer index rewritten in device memory); the one-GPU
-// exact top-k (topk_select) against a sorted reference on device 0.
+// exact top-k (topk_select) against a sorted reference on device 0; the
+// token ring on device 0.
 // --small keeps sizes tiny for compute-sanitizer. --bench also times the ops
 // inside CUDA graphs and a NVLink ping-pong (the latency floor).
 #include <cuda_bf16.h>
@@ -1425,6 +1426,48 @@ int timeout_test() {
 
 }  // namespace
 
+// The token ring on device 0: one launch captured in a CUDA graph, replayed
+// for positions p0.. with the values rewritten in device memory between
+// replays; each replay's slot holds the position as its key, the count and
+// the values, and no other slot changes.
+void test_token_ring() {
+  char err[256] = {0};
+  int32_t* ring = jt_token_ring(0, err, sizeof(err));
+  if (ring == nullptr) {
+    report(false, std::string("token ring: ") + err);
+    return;
+  }
+  CK(cudaSetDevice(0));
+  int32_t* d = nullptr;  // pos, count, values[3], token
+  CK(cudaMalloc(&d, 6 * sizeof(int32_t)));
+  cudaStream_t st;
+  CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+  CK(jt_token_ring_write(st, 0, d, d + 2, 3, d + 1, d + 5));
+  CK(cudaStreamEndCapture(st, &graph));
+  CK(cudaGraphInstantiate(&exec, graph, 0));
+  bool ok = true;
+  const int p0 = 2 * JT_RING_SLOTS - 3;  // the slots wrap around
+  for (int i = 0; i < 5; ++i) {
+    const int32_t p = p0 + i, h[5] = {p, 1 + i % 3, 100 + i, 200 + i, 300 + i};
+    CK(cudaMemcpy(d, h, sizeof(h), cudaMemcpyHostToDevice));
+    CK(cudaGraphLaunch(exec, st));
+    CK(cudaStreamSynchronize(st));
+    const int32_t* slot = ring + (p % JT_RING_SLOTS) * JT_RING_SLOT_INTS;
+    ok &= slot[0] == p && slot[1] == h[1] && slot[2] == h[2] && slot[3] == h[3] && slot[4] == h[4];
+  }
+  int written = 0;
+  for (int s = 0; s < JT_RING_SLOTS; ++s) written += ring[s * JT_RING_SLOT_INTS] != -1;
+  ok &= written == 5;
+  report(ok, "token ring: 5 steps through a CUDA graph, keys and values in their slots");
+  CK(cudaGraphExecDestroy(exec));
+  CK(cudaGraphDestroy(graph));
+  CK(cudaStreamDestroy(st));
+  CK(cudaFree(d));
+}
+
 int main(int argc, char** argv) {
   bool small = false, bench = false, select_only = false;
   int iters = 3, world = -1;
@@ -1535,6 +1578,7 @@ int main(int argc, char** argv) {
     test_interleaved(gid, 500);
   }
   run_select_tests(small, iters);
+  test_token_ring();
   if (bench) {
     run_select_bench();
     run_bench(gid);

@@ -25,6 +25,7 @@ TARGETS = {
     "jtilert_route_select": "JtRouteSelect",
     "jtilert_moe_decode": "JtMoeDecode",
     "jtilert_prefetch_l2": "JtPrefetchL2",
+    "jtilert_token_ring": "JtTokenRing",
     "jtilert_expert_down_all_reduce": "JtExpertDownAllReduce",
     # stacked [L, ...] weights + the layer index operand (ops.py, STACKED_SUFFIX)
     "jtilert_gemv_all_reduce_stacked": "JtGemvAllReduceStacked",
@@ -83,6 +84,8 @@ class Lib:
         d.jt_topk_select_ctas.argtypes = [c_int] * 6
         d.jt_topk_select_ctas.restype = c_int
         d.jt_version.restype = ctypes.c_char_p
+        d.jt_token_ring.argtypes = [c_int, ctypes.c_char_p, c_int]
+        d.jt_token_ring.restype = ctypes.c_void_p
         self._prepared: set[int] = set()
         self._select_ready: set[int] = set()
         self._groups: dict[tuple[int, ...], int] = {}
@@ -124,6 +127,14 @@ class Lib:
         """CTAs per row of the top-k launch (``ctas`` asked for, 0: the default), or -1 if the
         shape is not supported."""
         return int(self.dll.jt_topk_select_ctas(dev, t, n, k, mode, ctas))
+
+    def token_ring(self, dev: int) -> int:
+        """The host address of device ``dev``'s token ring (cuda/src/ring.cu), allocated once."""
+        err = ctypes.create_string_buffer(512)
+        addr = self.dll.jt_token_ring(dev, err, 512)
+        if not addr:
+            raise RuntimeError(err.value.decode())
+        return int(addr)
 
     def group(self, devices: tuple[int, ...]) -> int:
         """Creates (once) the group of these local device ids; returns its id."""

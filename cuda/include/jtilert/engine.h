@@ -253,6 +253,25 @@ cudaError_t jt_prefetch_l2(cudaStream_t stream, const int32_t* layer,
                            const void* const* bases, const int64_t* layer_bytes,
                            const int32_t* layers, int32_t* token);
 
+// ---- the token ring: a step's new tokens for the host (src/ring.cu) ----
+#define JT_RING_SLOTS 64
+#define JT_RING_SLOT_INTS 8
+#define JT_RING_MAX_VALUES (JT_RING_SLOT_INTS - 2)
+// Device `dev`'s ring, allocated once (host-mapped pinned memory, every key
+// -1): JT_RING_SLOTS slots of JT_RING_SLOT_INTS int32s, slot[0] the key (a
+// step's position), slot[1] the count, slot[2..] the values. Returns the host
+// pointer, or null with the reason in `err`.
+int32_t* jt_token_ring(int dev, char* err, int errlen);
+// One launch: into slot *pos mod JT_RING_SLOTS of device `dev`'s ring, values
+// [n_values] (1 <= n_values <= JT_RING_MAX_VALUES), the count (*count, or
+// n_values where count is null), then the key *pos, the key last and visible
+// to the host after the rest; token[0] = 0 (device int32). pos, values, count
+// and token are device memory. cudaErrorNotReady where jt_token_ring(dev) was
+// never called. The same launch for every step: safe in CUDA graphs.
+cudaError_t jt_token_ring_write(cudaStream_t stream, int dev, const int32_t* pos,
+                                const int32_t* values, int n_values,
+                                const int32_t* count, int32_t* token);
+
 // Largest list length m that jt_merge_topk supports for `world` ranks on `dev`.
 int jt_merge_topk_max_k(int dev, int world);
 

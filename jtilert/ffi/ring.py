@@ -1,0 +1,104 @@
+"""The token ring: a decode step's new tokens for the host at a fixed address (cuda/src/ring.cu).
+
+A step that returns its token as an output gets a new output buffer on every call, and XLA updates its
+command buffer for the moved address before each launch. ``write(pos, values, count)`` instead has the
+step's last launch copy its tokens into a slot of pinned host memory that the CUDA engine allocated once
+per device (slot ``pos`` mod SLOTS, keyed by ``pos``), so every output of the step can be a donated
+carried array. ``TokenRing(device).read(pos)`` waits on the host until the slot's key is ``pos`` and
+returns the values. The write is a side-effecting FFI call: XLA keeps it though nobody reads its
+token. It needs the engine (a GPU): elsewhere it does not lower, and ``TokenRing`` raises.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src.ffi import _FfiEffect
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+
+from jtilert.ffi import _lib
+from jtilert.ffi import ops as _ops
+
+SLOTS, SLOT_INTS = 64, 8            # JT_RING_SLOTS, JT_RING_SLOT_INTS
+MAX_VALUES = SLOT_INTS - 2          # JT_RING_MAX_VALUES
+
+token_ring_p = Primitive("jtilert_token_ring")
+
+
+def _abstract(pos, values, count):
+    aval = pos.update(shape=(1,), dtype=np.dtype(np.int32))
+    mat = getattr(pos, "mat", None)
+    if mat is not None:   # inside shard_map: varying along every axis an operand varies along
+        vma = frozenset().union(*(_ops._vma(a) for a in (pos, values, count)))  # noqa: SLF001
+        aval = aval.update(manual_axis_type=mat.update(varying=vma))
+    return aval
+
+
+# the effect of a side-effecting FFI call: JAX keeps the equation though its token is unused
+token_ring_p.def_effectful_abstract_eval(lambda *avals: (_abstract(*avals), {_FfiEffect}))
+token_ring_p.def_impl(jax.jit(lambda *args: token_ring_p.bind(*args)))
+
+
+def _no_engine(ctx, *operands):
+    raise NotImplementedError("token_ring: the step's tokens go to the host through the CUDA engine, "
+                              "which runs on a GPU only")
+
+
+def _lower_cuda(ctx, pos, values, count):
+    if not _ops.EMIT_WITHOUT_GPU:  # noqa: SLF001
+        lib, why = _lib.load()
+        if lib is None:
+            raise NotImplementedError(f"token_ring: the CUDA engine is not loaded ({why})")
+    return jax.ffi.ffi_lowering("jtilert_token_ring", has_side_effect=True)(ctx, pos, values, count)
+
+
+mlir.register_lowering(token_ring_p, _no_engine)
+mlir.register_lowering(token_ring_p, _lower_cuda, platform="cuda")
+
+
+def write(pos, values, count=None):
+    """Writes ``values`` (int32 [k], 1 ≤ k ≤ MAX_VALUES) and ``count`` (how many of them the host should
+    take; default k) into the token ring under the key ``pos`` (an int32 scalar or [1]: the step's
+    position, which only grows within a generation). Returns the call's token (int32 [1], zero)."""
+    values = jnp.ravel(jnp.asarray(values, jnp.int32))
+    if not 1 <= values.shape[0] <= MAX_VALUES:
+        raise ValueError(f"token_ring: 1 to {MAX_VALUES} values, got {values.shape[0]}")
+    count = jnp.int32(values.shape[0]) if count is None else count
+    as_one = lambda v: jnp.reshape(jnp.asarray(v, jnp.int32), (1,))
+    return token_ring_p.bind(as_one(pos), values, as_one(count))
+
+
+class TokenRing:
+    """A device's token ring as the host reads it (the engine allocates it on first use)."""
+
+    def __init__(self, device: jax.Device):
+        lib, why = _lib.load()
+        if lib is None:
+            raise RuntimeError(f"token ring: the CUDA engine is not loaded ({why})")
+        addr = lib.token_ring(int(device.local_hardware_id))
+        self.slots = np.ctypeslib.as_array((ctypes.c_int32 * (SLOTS * SLOT_INTS)).from_address(addr))
+        self.slots = self.slots.reshape(SLOTS, SLOT_INTS)
+
+    def clear(self) -> None:
+        """Every key -1: call it before a generation starts, with no step of an earlier one running."""
+        self.slots[:, 0] = -1
+
+    def read(self, pos: int, timeout_s: float = 60.0) -> np.ndarray:
+        """The values of the step keyed ``pos`` (as many as its count), once its slot holds them."""
+        slot = self.slots[pos % SLOTS]
+        spins = 0
+        deadline = None
+        while slot[0] != pos:   # the key is written last (ring.cu's protocol)
+            spins += 1
+            if spins % 4096 == 0:
+                now = time.perf_counter()
+                deadline = deadline or now + timeout_s
+                if now > deadline:
+                    raise TimeoutError(f"token ring: no step wrote position {pos} within {timeout_s} s "
+                                       f"(its slot holds key {int(slot[0])})")
+        return slot[2:2 + int(slot[1])].copy()

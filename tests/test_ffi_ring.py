@@ -1,0 +1,129 @@
+"""The token ring (`jtilert.ffi.ring`, cuda/src/ring.cu): wiring, the CUDA lowering's custom call (kept with
+its token unused, operands in order), the errors for what it does not take, that it lowers nowhere but
+on the engine, the kernel's PTX (the key stored after a system-wide fence), and the host's read of a slot
+(keys, counts, a key of an earlier generation, the timeout) on a ring in host memory. The engine's
+self-test runs the kernel on the GPU (cuda/tests/selftest.cu, test_token_ring)."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import subprocess
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jtilert.ffi import _lib
+from jtilert.ffi import ops as ffi_ops
+from jtilert.ffi import ring
+from test_ffi_prefetch import _cuda_text, _nvcc
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+S = jax.ShapeDtypeStruct
+
+
+def test_ring_is_built_registered_and_its_sizes_agree():
+    assert "src/ring.cu" in (ROOT / "cuda" / "CMakeLists.txt").read_text()
+    assert "XLA_FFI_DEFINE_HANDLER_SYMBOL(JtTokenRing" in (ROOT / "cuda" / "src" / "ffi.cc").read_text()
+    header = (ROOT / "cuda" / "include" / "jtilert" / "engine.h").read_text()
+    assert "cudaError_t jt_token_ring_write(" in header and "int32_t* jt_token_ring(" in header
+    assert f"#define JT_RING_SLOTS {ring.SLOTS}\n" in header
+    assert f"#define JT_RING_SLOT_INTS {ring.SLOT_INTS}\n" in header
+    assert _lib.TARGETS["jtilert_token_ring"] == "JtTokenRing"
+
+
+@pytest.mark.parametrize("loop", [False, True])
+def test_the_write_stays_with_its_token_unused(monkeypatch, loop):
+    """A step's last call, its token read by nobody: neither JAX nor XLA drops it; its operands are
+    the key, the values and the count, int32 each."""
+    monkeypatch.setattr(ffi_ops, "EMIT_WITHOUT_GPU", True)
+
+    def step(pos, tok):
+        nxt = tok * 3 + pos
+        ring.write(pos, nxt)
+        return pos + 1, nxt
+    f = step if not loop else (lambda pos, tok: jax.lax.fori_loop(0, 4, lambda i, c: step(*c), (pos, tok)))
+    txt = _cuda_text(jax.jit(f), S((), jnp.int32), S((1,), jnp.int32))
+    calls = [line for line in txt.splitlines() if "custom_call @jtilert_token_ring" in line]
+    assert len(calls) == 1 and "has_side_effect = true" in calls[0], txt
+    assert re.search(r"\(tensor<1xi32>, tensor<1xi32>, tensor<1xi32>\) -> tensor<1xi32>", calls[0]), calls[0]
+
+
+def test_two_values_and_their_count(monkeypatch):
+    monkeypatch.setattr(ffi_ops, "EMIT_WITHOUT_GPU", True)
+    f = jax.jit(lambda pos, em, n: ring.write(pos, em, n))
+    txt = _cuda_text(f, S((), jnp.int32), S((2,), jnp.int32), S((), jnp.int32))
+    call = next(line for line in txt.splitlines() if "custom_call @jtilert_token_ring" in line)
+    assert re.search(r"\(tensor<1xi32>, tensor<2xi32>, tensor<1xi32>\)", call), call
+
+
+def test_bad_values_are_refused():
+    with pytest.raises(ValueError, match=f"1 to {ring.MAX_VALUES} values, got 7"):
+        ring.write(jnp.int32(0), jnp.zeros(7, jnp.int32))
+    with pytest.raises(ValueError, match="got 0"):
+        ring.write(jnp.int32(0), jnp.zeros(0, jnp.int32))
+
+
+def test_it_lowers_only_where_the_engine_runs():
+    """No silent no-op: a host waiting for a token nobody writes would wait for ever."""
+    with pytest.raises(NotImplementedError, match="CUDA engine"):
+        jax.jit(lambda p, t: ring.write(p, t)).lower(jnp.int32(3), jnp.ones(1, jnp.int32))
+    if _lib.load()[0] is None:
+        with pytest.raises(NotImplementedError, match="not loaded"):
+            _cuda_text(jax.jit(lambda p, t: ring.write(p, t)), S((), jnp.int32), S((1,), jnp.int32))
+        with pytest.raises(RuntimeError, match="token ring: the CUDA engine is not loaded"):
+            ring.TokenRing(jax.devices()[0])
+
+
+class _HostRing(ring.TokenRing):
+    """The reader over a ring in plain host memory (no engine): what the kernel's stores leave there."""
+
+    def __init__(self):   # noqa: super().__init__ needs the engine
+        self.slots = np.full((ring.SLOTS, ring.SLOT_INTS), -1, np.int32)
+
+    def store(self, pos, values):   # as ring_write_kernel: values, count, then the key
+        slot = self.slots[pos % ring.SLOTS]
+        slot[2:2 + len(values)] = values
+        slot[1] = len(values)
+        slot[0] = pos
+
+
+def test_the_host_reads_each_step_by_its_key():
+    r = _HostRing()
+    rng = np.random.default_rng(0)
+    pos = 2 * ring.SLOTS - 3   # the slots wrap around
+    for i in range(6):
+        vals = rng.integers(0, 150_000, size=1 + i % 2).astype(np.int32)
+        r.store(pos, vals)
+        np.testing.assert_array_equal(r.read(pos), vals)
+        pos += len(vals)
+
+
+def test_a_key_of_an_earlier_generation_is_not_taken():
+    r = _HostRing()
+    r.store(5, [11])
+    r.clear()
+    with pytest.raises(TimeoutError, match="position 5 .*key -1"):
+        r.read(5, timeout_s=0.01)
+    r.store(5 + ring.SLOTS, [12])   # the same slot, another position
+    with pytest.raises(TimeoutError, match=f"key {5 + ring.SLOTS}"):
+        r.read(5, timeout_s=0.01)
+
+
+@pytest.mark.skipif(_nvcc() is None, reason="nvcc not found: the CUDA sources cannot be compiled here")
+def test_kernel_stores_the_key_after_a_system_fence(tmp_path):
+    """ring.cu alone to PTX for sm_90a, warnings as errors: the values and the count are stored, then a
+    system-scope fence, then the key (the last volatile store before the token)."""
+    ptx = tmp_path / "ring.ptx"
+    cmd = [_nvcc(), "-gencode=arch=compute_90a,code=sm_90a", "-Werror=all-warnings", "-Xcompiler=-Wall,-Wextra,-Werror",
+           "-I", str(ROOT / "cuda" / "include"), "-ptx", str(ROOT / "cuda" / "src" / "ring.cu"), "-o", str(ptx)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    body = ptx.read_text().split("ring_write_kernel", 1)[1]
+    fence = re.search(r"membar\.sys|fence\.sc\.sys", body)
+    assert fence, body
+    before, after = body[:fence.start()], body[fence.end():]
+    assert len(re.findall(r"st\.volatile\.global\.u32", after)) == 1   # the key
+    assert len(re.findall(r"st\.volatile\.global\.u32", before)) >= 2   # values (a loop) and the count
