@@ -59,6 +59,23 @@ def test_two_values_and_their_count(monkeypatch):
     assert re.search(r"\(tensor<1xi32>, tensor<2xi32>, tensor<1xi32>\)", call), call
 
 
+def test_the_write_survives_the_program_cache(monkeypatch):
+    """A step with the write exported, stored and read back as the program cache does (pickled), then
+    lowered for the GPU: the custom call is still there, still side-effecting."""
+    import dataclasses
+    import pickle
+
+    from jtilert.runtime import compile_cache
+    monkeypatch.setattr(ffi_ops, "EMIT_WITHOUT_GPU", True)
+    f = jax.jit(lambda p, t: (ring.write(p, t * 2), t * 2)[1], donate_argnums=(1,))
+    args = (jnp.int32(3), jnp.ones(1, jnp.int32))
+    exported = compile_cache.export(f, args, platforms=("cuda",), custom_calls=tuple(_lib.TARGETS))
+    stored = pickle.loads(pickle.dumps(dataclasses.replace(exported, _get_vjp=None)))
+    txt = compile_cache.lower_exported(stored, (1,), args, platforms=("cuda",)).as_text()
+    calls = [line for line in txt.splitlines() if "custom_call @jtilert_token_ring" in line]
+    assert len(calls) == 1 and "has_side_effect = true" in calls[0], txt
+
+
 def test_bad_values_are_refused():
     with pytest.raises(ValueError, match=f"1 to {ring.MAX_VALUES} values, got 7"):
         ring.write(jnp.int32(0), jnp.zeros(7, jnp.int32))
