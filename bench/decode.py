@@ -469,9 +469,8 @@ def call_variant_loops(eng, carry, params, n):
         out[name] = {"enqueue_ms": enqueue_s * 1e3, "host_loop_ms": loop_s * 1e3}
     if _lib.load()[0] is not None:
         def into_ring(st, c, t, p, k, pr):
-            res = run(st, c, t, p, k, pr)
-            ring.write(p, res[1])   # keyed by the step's position
-            return res[:4]
+            cache, token, _, key, _ = run(st, c, t, p, k, pr)
+            return cache, token, ring.write(p, token), key   # keyed by the step's position
         call = with_state(variant(into_ring))
         tokens = ring.TokenRing(jax.devices()[0])
         tokens.clear()

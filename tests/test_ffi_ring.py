@@ -35,20 +35,36 @@ def test_ring_is_built_registered_and_its_sizes_agree():
 
 
 @pytest.mark.parametrize("loop", [False, True])
-def test_the_write_stays_with_its_token_unused(monkeypatch, loop):
-    """A step's last call, its token read by nobody: neither JAX nor XLA drops it; its operands are
-    the key, the values and the count, int32 each."""
+def test_the_carried_position_keeps_the_write(monkeypatch, loop):
+    """A step that carries the position the write returns keeps the call, at the top level and in a
+    loop, with no side effect (which would cost every launch of the step); its operands are the key,
+    the values and the count, int32 each. Compiled, XLA keeps it too."""
     monkeypatch.setattr(ffi_ops, "EMIT_WITHOUT_GPU", True)
 
     def step(pos, tok):
         nxt = tok * 3 + pos
-        ring.write(pos, nxt)
-        return pos + 1, nxt
+        return ring.write(pos, nxt), nxt
     f = step if not loop else (lambda pos, tok: jax.lax.fori_loop(0, 4, lambda i, c: step(*c), (pos, tok)))
     txt = _cuda_text(jax.jit(f), S((), jnp.int32), S((1,), jnp.int32))
     calls = [line for line in txt.splitlines() if "custom_call @jtilert_token_ring" in line]
-    assert len(calls) == 1 and "has_side_effect = true" in calls[0], txt
+    assert len(calls) == 1 and "has_side_effect = true" not in calls[0], txt
     assert re.search(r"\(tensor<1xi32>, tensor<1xi32>, tensor<1xi32>\) -> tensor<1xi32>", calls[0]), calls[0]
+
+
+def test_an_unused_position_drops_the_write(monkeypatch):
+    """What the docstring warns of: the write's result unused, JAX drops the call."""
+    monkeypatch.setattr(ffi_ops, "EMIT_WITHOUT_GPU", True)
+    txt = _cuda_text(jax.jit(lambda p, t: (ring.write(p, t), p + 1)[1]), S((), jnp.int32), S((1,), jnp.int32))
+    assert "jtilert_token_ring" not in txt
+
+
+def test_the_next_position_is_the_key_plus_the_count():
+    """The position the write returns, as the kernel computes it, in the shape of the one given (a
+    trace without a GPU: the abstract value only)."""
+    out = jax.eval_shape(lambda p, em, n: ring.write(p, em, n), S((), jnp.int32), S((2,), jnp.int32), S((), jnp.int32))
+    assert out.shape == () and out.dtype == jnp.int32
+    out = jax.eval_shape(lambda p, t: ring.write(p, t), S((1,), jnp.int32), S((1,), jnp.int32))
+    assert out.shape == (1,)
 
 
 def test_two_values_and_their_count(monkeypatch):
@@ -61,19 +77,19 @@ def test_two_values_and_their_count(monkeypatch):
 
 def test_the_write_survives_the_program_cache(monkeypatch):
     """A step with the write exported, stored and read back as the program cache does (pickled), then
-    lowered for the GPU: the custom call is still there, still side-effecting."""
+    lowered for the GPU: the custom call is still there."""
     import dataclasses
     import pickle
 
     from jtilert.runtime import compile_cache
     monkeypatch.setattr(ffi_ops, "EMIT_WITHOUT_GPU", True)
-    f = jax.jit(lambda p, t: (ring.write(p, t * 2), t * 2)[1], donate_argnums=(1,))
+    f = jax.jit(lambda p, t: (ring.write(p, t * 2), t * 2), donate_argnums=(1,))
     args = (jnp.int32(3), jnp.ones(1, jnp.int32))
     exported = compile_cache.export(f, args, platforms=("cuda",), custom_calls=tuple(_lib.TARGETS))
     stored = pickle.loads(pickle.dumps(dataclasses.replace(exported, _get_vjp=None)))
     txt = compile_cache.lower_exported(stored, (1,), args, platforms=("cuda",)).as_text()
     calls = [line for line in txt.splitlines() if "custom_call @jtilert_token_ring" in line]
-    assert len(calls) == 1 and "has_side_effect = true" in calls[0], txt
+    assert len(calls) == 1, txt
 
 
 def test_bad_values_are_refused():
@@ -132,7 +148,7 @@ def test_a_key_of_an_earlier_generation_is_not_taken():
 @pytest.mark.skipif(_nvcc() is None, reason="nvcc not found: the CUDA sources cannot be compiled here")
 def test_kernel_stores_the_key_after_a_system_fence(tmp_path):
     """ring.cu alone to PTX for sm_90a, warnings as errors: the values and the count are stored, then a
-    system-scope fence, then the key (the last volatile store before the token)."""
+    system-scope fence, then the key (volatile stores to the host's slot), then the next position."""
     ptx = tmp_path / "ring.ptx"
     cmd = [_nvcc(), "-gencode=arch=compute_90a,code=sm_90a", "-Werror=all-warnings", "-Xcompiler=-Wall,-Wextra,-Werror",
            "-I", str(ROOT / "cuda" / "include"), "-ptx", str(ROOT / "cuda" / "src" / "ring.cu"), "-o", str(ptx)]
@@ -144,3 +160,4 @@ def test_kernel_stores_the_key_after_a_system_fence(tmp_path):
     before, after = body[:fence.start()], body[fence.end():]
     assert len(re.findall(r"st\.volatile\.global\.u32", after)) == 1   # the key
     assert len(re.findall(r"st\.volatile\.global\.u32", before)) >= 2   # values (a loop) and the count
+    assert re.search(r"st\.volatile\.global\.u32.*\n(.*\n)*?\s*st\.global\.u32", after)   # then next

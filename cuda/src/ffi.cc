@@ -533,17 +533,18 @@ ffi::Error PrefetchL2Impl(cudaStream_t stream, int32_t dev,
 
 // A step's new tokens into the device's token ring (src/ring.cu): `values`
 // (int32, 1 to JT_RING_MAX_VALUES of them) and `count` (one int32: how many
-// of them are the step's) under the key `pos` (one int32). The token (int32
-// [1]) is written 0. The same launch on every call.
+// of them are the step's) under the key `pos` (one int32). The result (int32
+// [1]) is the next step's position, pos + count. The same launch on every
+// call.
 ffi::Error TokenRingImpl(cudaStream_t stream, int32_t dev, ffi::AnyBuffer pos,
                          ffi::AnyBuffer values, ffi::AnyBuffer count,
-                         ffi::Result<ffi::AnyBuffer> token) {
+                         ffi::Result<ffi::AnyBuffer> next) {
   auto one_int = [](const ffi::AnyBuffer& b) {
     return b.element_type() == ffi::DataType::S32 && b.element_count() == 1;
   };
-  if (!one_int(pos) || !one_int(count) || !one_int(*token))
+  if (!one_int(pos) || !one_int(count) || !one_int(*next))
     return ffi::Error::InvalidArgument(
-        "jtilert token_ring: pos, count and the token must be one int32 each");
+        "jtilert token_ring: pos, count and the next position must be one int32 each");
   const size_t n = values.element_count();
   if (values.element_type() != ffi::DataType::S32 || n < 1 ||
       n > JT_RING_MAX_VALUES)
@@ -555,7 +556,7 @@ ffi::Error TokenRingImpl(cudaStream_t stream, int32_t dev, ffi::AnyBuffer pos,
   e = jt_token_ring_write(stream, dev, static_cast<const int32_t*>(pos.untyped_data()),
                           static_cast<const int32_t*>(values.untyped_data()), (int)n,
                           static_cast<const int32_t*>(count.untyped_data()),
-                          static_cast<int32_t*>(token->untyped_data()));
+                          static_cast<int32_t*>(next->untyped_data()));
   if (e == cudaErrorNotReady)
     return ffi::Error::Internal(
         "jtilert token_ring: no token ring on device " + std::to_string(dev) +
@@ -736,7 +737,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JtPrefetchL2, PrefetchL2Impl,
                                   .Ret<ffi::AnyBuffer>(),  // token
                               {ffi::Traits::kCmdBufferCompatible});
 
-// Token ring: the key (pos), the values, their count; the token.
+// Token ring: the key (pos), the values, their count; the next position.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JtTokenRing, TokenRingImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
@@ -744,5 +745,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JtTokenRing, TokenRingImpl,
                                   .Arg<ffi::AnyBuffer>()   // pos
                                   .Arg<ffi::AnyBuffer>()   // values
                                   .Arg<ffi::AnyBuffer>()   // count
-                                  .Ret<ffi::AnyBuffer>(),  // token
+                                  .Ret<ffi::AnyBuffer>(),  // next position
                               {ffi::Traits::kCmdBufferCompatible});

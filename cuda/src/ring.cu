@@ -14,7 +14,11 @@
 // slot p mod JT_RING_SLOTS.
 //
 // Protocol: the kernel writes the values and the count, makes them visible
-// to the host (__threadfence_system), then writes the key last. The host
+// to the host (__threadfence_system), then writes the key last, and returns
+// the next step's position (the key plus the count) in device memory: the
+// step carries it, which is what keeps the call in XLA's program. (A
+// side-effecting call would keep it too, but XLA then spends about a
+// millisecond more on every launch of the step.) The host
 // waits until the slot's key equals the position it expects and only then
 // reads the count and the values (x86 keeps the order of loads). Positions
 // only grow within a generation, so a slot is written again only after
@@ -43,15 +47,16 @@ Ring g_rings[kMaxDevices];
 
 __global__ void ring_write_kernel(int32_t* ring, const int32_t* __restrict__ pos,
                                   const int32_t* __restrict__ values, int n_values,
-                                  const int32_t* __restrict__ count, int32_t* token) {
+                                  const int32_t* __restrict__ count, int32_t* next) {
   const int32_t p = *pos;
   const int32_t s = ((p % JT_RING_SLOTS) + JT_RING_SLOTS) % JT_RING_SLOTS;
   volatile int32_t* slot = ring + (int64_t)s * JT_RING_SLOT_INTS;
   for (int i = 0; i < n_values; ++i) slot[2 + i] = values[i];
-  slot[1] = count != nullptr ? *count : n_values;
+  const int32_t n = count != nullptr ? *count : n_values;
+  slot[1] = n;
   __threadfence_system();  // the values and count reach the host before the key
   slot[0] = p;
-  token[0] = 0;
+  next[0] = p + n;
 }
 
 }  // namespace
@@ -88,9 +93,9 @@ extern "C" int32_t* jt_token_ring(int dev, char* err, int errlen) {
 
 extern "C" cudaError_t jt_token_ring_write(cudaStream_t stream, int dev, const int32_t* pos,
                                            const int32_t* values, int n_values,
-                                           const int32_t* count, int32_t* token) {
+                                           const int32_t* count, int32_t* next) {
   if (dev < 0 || dev >= jt::kMaxDevices || pos == nullptr || values == nullptr ||
-      token == nullptr || n_values < 1 || n_values > JT_RING_MAX_VALUES)
+      next == nullptr || n_values < 1 || n_values > JT_RING_MAX_VALUES)
     return cudaErrorInvalidValue;
   int32_t* ring = nullptr;
   {
@@ -98,6 +103,6 @@ extern "C" cudaError_t jt_token_ring_write(cudaStream_t stream, int dev, const i
     ring = jt::g_rings[dev].device;
   }
   if (ring == nullptr) return cudaErrorNotReady;  // jt_token_ring(dev) was never called
-  jt::ring_write_kernel<<<1, 1, 0, stream>>>(ring, pos, values, n_values, count, token);
+  jt::ring_write_kernel<<<1, 1, 0, stream>>>(ring, pos, values, n_values, count, next);
   return cudaGetLastError();
 }

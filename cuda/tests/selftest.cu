@@ -1438,7 +1438,7 @@ void test_token_ring() {
     return;
   }
   CK(cudaSetDevice(0));
-  int32_t* d = nullptr;  // pos, count, values[3], token
+  int32_t* d = nullptr;  // pos, count, values[3], the next position
   CK(cudaMalloc(&d, 6 * sizeof(int32_t)));
   cudaStream_t st;
   CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
@@ -1456,12 +1456,15 @@ void test_token_ring() {
     CK(cudaGraphLaunch(exec, st));
     CK(cudaStreamSynchronize(st));
     const int32_t* slot = ring + (p % JT_RING_SLOTS) * JT_RING_SLOT_INTS;
-    ok &= slot[0] == p && slot[1] == h[1] && slot[2] == h[2] && slot[3] == h[3] && slot[4] == h[4];
+    int32_t next = -1;
+    CK(cudaMemcpy(&next, d + 5, sizeof(next), cudaMemcpyDeviceToHost));
+    ok &= slot[0] == p && slot[1] == h[1] && slot[2] == h[2] && slot[3] == h[3] && slot[4] == h[4] &&
+          next == p + h[1];
   }
   int written = 0;
   for (int s = 0; s < JT_RING_SLOTS; ++s) written += ring[s * JT_RING_SLOT_INTS] != -1;
   ok &= written == 5;
-  report(ok, "token ring: 5 steps through a CUDA graph, keys and values in their slots");
+  report(ok, "token ring: 5 steps through a CUDA graph, keys and values in their slots, the next positions");
   CK(cudaGraphExecDestroy(exec));
   CK(cudaGraphDestroy(graph));
   CK(cudaStreamDestroy(st));

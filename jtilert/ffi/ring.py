@@ -1,12 +1,14 @@
 """The token ring: a decode step's new tokens for the host at a fixed address (cuda/src/ring.cu).
 
 A step that returns its token as an output gets a new output buffer on every call, and XLA updates its
-command buffer for the moved address before each launch. ``write(pos, values, count)`` instead has the
-step's last launch copy its tokens into a slot of pinned host memory that the CUDA engine allocated once
-per device (slot ``pos`` mod SLOTS, keyed by ``pos``), so every output of the step can be a donated
-carried array. ``TokenRing(device).read(pos)`` waits on the host until the slot's key is ``pos`` and
-returns the values. The write is a side-effecting FFI call: XLA keeps it though nobody reads its
-token. It needs the engine (a GPU): elsewhere it does not lower, and ``TokenRing`` raises.
+command buffer for the moved address before each launch. ``write(pos, values, count)`` instead has one
+kernel copy the step's tokens into a slot of pinned host memory that the CUDA engine allocated once per
+device (slot ``pos`` mod SLOTS, keyed by ``pos``), and returns the next step's position, ``pos +
+count``: the step carries that position, which keeps the call in the program, so every output of the
+step is a donated carried array. (The call is not side-effecting: a side-effecting FFI call costs
+every launch of the step about a millisecond more, bench/RESULTS.md session 36.)
+``TokenRing(device).read(pos)`` waits on the host until the slot's key is ``pos`` and returns the
+values. The write needs the engine (a GPU): elsewhere it does not lower, and ``TokenRing`` raises.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src.ffi import _FfiEffect
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
@@ -39,8 +40,7 @@ def _abstract(pos, values, count):
     return aval
 
 
-# the effect of a side-effecting FFI call: JAX keeps the equation though its token is unused
-token_ring_p.def_effectful_abstract_eval(lambda *avals: (_abstract(*avals), {_FfiEffect}))
+token_ring_p.def_abstract_eval(_abstract)
 token_ring_p.def_impl(jax.jit(lambda *args: token_ring_p.bind(*args)))
 
 
@@ -54,7 +54,7 @@ def _lower_cuda(ctx, pos, values, count):
         lib, why = _lib.load()
         if lib is None:
             raise NotImplementedError(f"token_ring: the CUDA engine is not loaded ({why})")
-    return jax.ffi.ffi_lowering("jtilert_token_ring", has_side_effect=True)(ctx, pos, values, count)
+    return jax.ffi.ffi_lowering("jtilert_token_ring")(ctx, pos, values, count)
 
 
 mlir.register_lowering(token_ring_p, _no_engine)
@@ -64,13 +64,14 @@ mlir.register_lowering(token_ring_p, _lower_cuda, platform="cuda")
 def write(pos, values, count=None):
     """Writes ``values`` (int32 [k], 1 ≤ k ≤ MAX_VALUES) and ``count`` (how many of them the host should
     take; default k) into the token ring under the key ``pos`` (an int32 scalar or [1]: the step's
-    position, which only grows within a generation). Returns the call's token (int32 [1], zero)."""
+    position, which only grows within a generation). Returns the next position, ``pos + count``, in
+    ``pos``'s shape: carry it to the next step (an unused result lets JAX and XLA drop the write)."""
     values = jnp.ravel(jnp.asarray(values, jnp.int32))
     if not 1 <= values.shape[0] <= MAX_VALUES:
         raise ValueError(f"token_ring: 1 to {MAX_VALUES} values, got {values.shape[0]}")
     count = jnp.int32(values.shape[0]) if count is None else count
     as_one = lambda v: jnp.reshape(jnp.asarray(v, jnp.int32), (1,))
-    return token_ring_p.bind(as_one(pos), values, as_one(count))
+    return jnp.reshape(token_ring_p.bind(as_one(pos), values, as_one(count)), jnp.shape(pos))
 
 
 class TokenRing:

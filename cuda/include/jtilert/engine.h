@@ -265,12 +265,13 @@ int32_t* jt_token_ring(int dev, char* err, int errlen);
 // One launch: into slot *pos mod JT_RING_SLOTS of device `dev`'s ring, values
 // [n_values] (1 <= n_values <= JT_RING_MAX_VALUES), the count (*count, or
 // n_values where count is null), then the key *pos, the key last and visible
-// to the host after the rest; token[0] = 0 (device int32). pos, values, count
-// and token are device memory. cudaErrorNotReady where jt_token_ring(dev) was
-// never called. The same launch for every step: safe in CUDA graphs.
+// to the host after the rest; next[0] = *pos + the count (device int32). pos,
+// values, count and next are device memory. cudaErrorNotReady where
+// jt_token_ring(dev) was never called. The same launch for every step: safe
+// in CUDA graphs.
 cudaError_t jt_token_ring_write(cudaStream_t stream, int dev, const int32_t* pos,
                                 const int32_t* values, int n_values,
-                                const int32_t* count, int32_t* token);
+                                const int32_t* count, int32_t* next);
 
 // Largest list length m that jt_merge_topk supports for `world` ranks on `dev`.
 int jt_merge_topk_max_k(int dev, int world);
