@@ -33,7 +33,6 @@ import numpy as np
 from flax import nnx
 
 import jtilert
-from jtilert.ffi import _lib, ring
 from jtilert.store import checkpoint
 from jtilert.parallel import sharding
 from jtilert.pallas import lowering_cache
@@ -383,6 +382,9 @@ def host_loop(eng, cache, token, draft, pos, params, key, mtp, n):
     out = jax.block_until_ready(step(eng.state, *carry, params))  # compile (and warm)
     host_loop.compile_s = time.perf_counter() - t
     exe = step.executable(eng.state, *out[:keep], params)   # looked up once, as the Generator's loops do
+    if eng.ring is not None:   # the steps write their tokens into the token ring (DecodeConfig.token_ring)
+        eng.ring.clear()
+        return ring_loop(lambda *c: exe(eng.state, *c, params), out[:keep], n, eng.ring, keep - 2)
     return call_loop(lambda *c: exe(eng.state, *c, params), out, keep, n)
 
 
@@ -403,10 +405,11 @@ def call_loop(call, out, keep: int, n: int):
     return (time.perf_counter() - t) / n, statistics.median(enqueue), out[:keep]
 
 
-def ring_loop(call, carry, n: int, tokens):
-    """`call_loop` for a step that leaves its token in the token ring `tokens`: each call dispatched
-    before the previous step's token is read from its slot."""
-    pos = int(np.asarray(carry[2]).ravel()[0])
+def ring_loop(call, carry, n: int, tokens, at: int = 2):
+    """`call_loop` for a step that leaves its tokens in the token ring `tokens` under its position
+    (carry[at]): each call dispatched before the previous step's tokens are read from their slot, as
+    `Generator.stream` does."""
+    pos = int(np.asarray(carry[at]).ravel()[0])
     t = time.perf_counter()
     enqueue = []
     for i in range(n):
@@ -414,26 +417,27 @@ def ring_loop(call, carry, n: int, tokens):
         carry = call(*carry)
         enqueue.append(time.perf_counter() - t0)
         if i:
-            tokens.read(pos + i - 1)
-    tokens.read(pos + n - 1)
+            pos += len(tokens.read(pos))
+    tokens.read(pos)
     jax.block_until_ready(carry)
     return (time.perf_counter() - t) / n, statistics.median(enqueue), carry
 
 
 def call_variant_loops(eng, carry, params, n):
     """What makes a call's enqueue cost: the plain step's host loop (one step per call, looked up once)
-    in five forms, each compiled with the step's XLA options: "shipped" (`Engine.decode`: the four
-    carried arrays donated, a fifth output, the token again, written into pinned host memory and read
-    by the host); "host_output_on_device" (that output in device memory, copied to the host after the
-    step); "no_host_output" (the four carried arrays only, nothing read: not a usable loop, the
-    diagnostic); "host_copy_program" (the step of "no_host_output", then a second program of its own
-    that copies the new token into pinned host memory: the step's buffers keep their addresses from
-    call to call, the copy's enqueue counts in the call's); "host_output_donated" (as shipped, but the
-    pinned host output written into one of two pinned buffers that the calls donate in turn, each
-    read before it is donated again: no host allocation per call, two addresses in turn); where the
-    CUDA engine loads, "token_ring" (the step of "no_host_output" writing its token into the engine's
-    token ring, `jtilert.ffi.ring`, which the host reads: every output a donated carried array).
-    `carry`: (cache, token, pos, key). Returns ({form: {enqueue_ms, host_loop_ms}}, the carry after)."""
+    in six forms, each compiled with the step's XLA options: "shipped" (`Engine.decode` as the
+    Generator's stream runs it: the four carried arrays donated, the token written into the engine's
+    token ring where the engine loads (`DecodeConfig.token_ring`), else a fifth output, as
+    "host_output_pinned"); "host_output_pinned" (the token again as a fifth output, written into
+    pinned host memory and read by the host); "host_output_on_device" (that output in device memory,
+    copied to the host after the step); "no_host_output" (the four carried arrays only, nothing read:
+    not a usable loop, the diagnostic); "host_copy_program" (the step of "no_host_output", then a
+    second program of its own that copies the new token into pinned host memory: the step's buffers
+    keep their addresses from call to call, the copy's enqueue counts in the call's);
+    "host_output_donated" (as "host_output_pinned", but the pinned host output written into one of
+    two pinned buffers that the calls donate in turn, each read before it is donated again: no host
+    allocation per call, two addresses in turn). `carry`: (cache, token, pos, key). Returns ({form:
+    {enqueue_ms, host_loop_ms}}, the carry after)."""
     run = eng._wrap(Engine._decode)
     host = None if eng._interpreted else eng.sharding.with_memory_kind("pinned_host")
 
@@ -458,25 +462,21 @@ def call_variant_loops(eng, carry, params, n):
         res = donated(eng.state, *c, params, buffers.pop(0))
         buffers.append(res[4])
         return res
+
     calls = {"shipped": with_state(eng.decode.executable(eng.state, *carry, params)),
+             "host_output_pinned": with_state(variant(run, out_shardings=(None,) * 4 + (host,))),
              "host_output_on_device": with_state(variant(run)),
              "no_host_output": plain,
              "host_copy_program": host_copy,
              "host_output_donated": into_donated}
     for name, call in calls.items():
         res = jax.block_until_ready(call(*carry))   # warm
-        loop_s, enqueue_s, carry = call_loop(call, res, 4, n)
+        if name == "shipped" and eng.ring is not None:
+            eng.ring.clear()
+            loop_s, enqueue_s, carry = ring_loop(call, res, n, eng.ring)
+        else:
+            loop_s, enqueue_s, carry = call_loop(call, res, 4, n)
         out[name] = {"enqueue_ms": enqueue_s * 1e3, "host_loop_ms": loop_s * 1e3}
-    if _lib.load()[0] is not None:
-        def into_ring(st, c, t, p, k, pr):
-            cache, token, _, key, _ = run(st, c, t, p, k, pr)
-            return cache, token, ring.write(p, token), key   # keyed by the step's position
-        call = with_state(variant(into_ring))
-        tokens = ring.TokenRing(jax.devices()[0])
-        tokens.clear()
-        res = jax.block_until_ready(call(*carry))   # warm
-        loop_s, enqueue_s, carry = ring_loop(call, res, n, tokens)
-        out["token_ring"] = {"enqueue_ms": enqueue_s * 1e3, "host_loop_ms": loop_s * 1e3}
     out["shipped"]["host_trace"], carry = traced_calls(calls["shipped"], carry, n)
     return out, tuple(carry)
 

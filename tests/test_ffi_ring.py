@@ -161,3 +161,61 @@ def test_kernel_stores_the_key_after_a_system_fence(tmp_path):
     assert len(re.findall(r"st\.volatile\.global\.u32", after)) == 1   # the key
     assert len(re.findall(r"st\.volatile\.global\.u32", before)) >= 2   # values (a loop) and the count
     assert re.search(r"st\.volatile\.global\.u32.*\n(.*\n)*?\s*st\.global\.u32", after)   # then next
+
+
+# ---- in the Generator: DecodeConfig.token_ring --------------------------------------------------
+
+def test_without_a_gpu_the_steps_return_their_tokens(tiny_random):
+    """The ring is the default, and on a machine without a GPU the steps return their tokens, with no
+    warning (nothing to fall back from)."""
+    import warnings
+
+    import jtilert
+    assert jtilert.DecodeConfig().token_ring
+    _lib._warned.clear()  # noqa: SLF001
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        eng = jtilert.Generator(tiny_random, max_seq_len=64).engine
+    assert eng.rings is None and eng.ring is None
+    assert not [r for r in rec if "ring" in str(r.message)]
+
+
+@pytest.fixture
+def host_ring(monkeypatch):
+    """Engines built while it is active write their tokens into a `_HostRing` through a host callback
+    (as the kernel would), and `Generator.stream` reads them from it."""
+    from jtilert.runtime import generate
+
+    r = _HostRing()
+    r.device = jax.devices()[0]
+
+    def write(pos, values, count=None):
+        values = jnp.ravel(jnp.asarray(values, jnp.int32))
+        count = jnp.int32(values.shape[0]) if count is None else count
+        jax.experimental.io_callback(lambda p, v, c: r.store(int(p), np.asarray(v)[:int(c)]), None, pos, values,
+                                     count, ordered=False)
+        return pos + count
+    monkeypatch.setattr(ring, "write", write)
+    monkeypatch.setattr(generate.Engine, "_token_rings", lambda self: [r] if self.config.token_ring else None)
+    return r
+
+
+@pytest.mark.parametrize("mtp", [False, True])
+def test_stream_through_the_ring_gives_the_same_tokens(tiny_random, host_ring, mtp):
+    """The whole stream with the steps writing into a ring: the tokens of the steps that return them
+    (greedy, plain and MTP: one or two tokens a step), the ring keyed by each step's position."""
+    import jtilert
+    prompt = [3, 17, 5, 9]
+    plain = jtilert.Generator(tiny_random, max_seq_len=64, mtp=mtp, config=jtilert.DecodeConfig(token_ring=False))
+    assert plain.engine.rings is None
+    want = list(plain.stream(prompt, 12, stop_tokens=[]))
+    gen = jtilert.Generator(tiny_random, max_seq_len=64, mtp=mtp)
+    assert gen.engine.ring is host_ring
+    got = list(gen.stream(prompt, 12, stop_tokens=[]))
+    assert got == want
+    keys = sorted(int(k) for k in host_ring.slots[:, 0] if k >= 0)
+    assert keys[0] == len(prompt) and len(keys) >= gen.stats["steps"] - 1
+    if mtp:
+        assert gen.stats["drafted"] >= 1 and gen.acceptance == plain.acceptance
+    # a second request on the same generator clears the ring first and reads only its own steps
+    assert list(gen.stream(prompt[:2], 6, stop_tokens=[])) == list(plain.stream(prompt[:2], 6, stop_tokens=[]))

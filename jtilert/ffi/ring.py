@@ -81,6 +81,7 @@ class TokenRing:
         lib, why = _lib.load()
         if lib is None:
             raise RuntimeError(f"token ring: the CUDA engine is not loaded ({why})")
+        self.device = device
         addr = lib.token_ring(int(device.local_hardware_id))
         self.slots = np.ctypeslib.as_array((ctypes.c_int32 * (SLOTS * SLOT_INTS)).from_address(addr))
         self.slots = self.slots.reshape(SLOTS, SLOT_INTS)

@@ -93,6 +93,12 @@ class DecodeConfig:
         kernels (routed gate/up, routed down, shared gate/up, shared down); a decode-shaped call the
         engine does not take runs those four, with a warning once per shape and reason (prefill runs
         them without a word). Off by default: slower in the step (bench/RESULTS.md, session 25).
+    token_ring: on a GPU where the CUDA engine loads, the decode steps that `Generator.stream` runs one
+        per call leave their new tokens in the engine's token ring (`jtilert.ffi.ring`, fixed pinned host
+        memory the host reads) instead of returning them as an output: every output of such a step is
+        then a donated carried array, so XLA launches its command buffer without updating it for a moved
+        output. Elsewhere the steps return their tokens (on a GPU where the engine does not load, with a
+        warning once).
     """
 
     backend: str = "reference"
@@ -104,6 +110,7 @@ class DecodeConfig:
     xla_options: tuple[tuple[str, str], ...] = STEP_XLA_OPTIONS
     l2_prefetch: bool = False
     engine_moe: bool = False
+    token_ring: bool = True
 
     def __post_init__(self):
         opts = self.xla_options.items() if isinstance(self.xla_options, dict) else self.xla_options

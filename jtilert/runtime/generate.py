@@ -28,7 +28,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from jtilert import pallas
-from jtilert.ffi import _lib
+from jtilert.ffi import _lib, ring
 from jtilert.ffi._lib import TARGETS
 from jtilert.model.transformer import Layout, Transformer, decode_weights, init_cache, split_cache
 from jtilert.ops.table import DecodeConfig, Ops, ops_identity
@@ -117,11 +117,19 @@ class Engine:
         # where the kernels run in GPU interpret mode: their ordered host callbacks add an effect token
         # to the step's outputs, which jax 0.11.2 leaves out when it lowers the outputs' memory kinds
         # (a failed zip); there the token stays in device memory and `_HostCopy` copies it.
-        host = None if self._interpreted else self.sharding.with_memory_kind("pinned_host")
-        self.decode = Compiled(self._wrap(self._decode), (1, 2, 3, 4), "decode", self, opts,
-                               out_shardings=(None,) * 4 + (host,))
-        self.speculate = Compiled(self._wrap(self._speculate), (1, 2, 3, 4, 5), "speculate", self, opts,
-                                  out_shardings=(None,) * 5 + (host, host))
+        # With the token ring (DecodeConfig.token_ring) the two steps write those tokens into it instead
+        # and return only their donated carried arrays.
+        self.rings = self._token_rings()
+        if self.rings is not None:
+            self.decode = Compiled(self._wrap(self._decode_to_ring), (1, 2, 3, 4), "decode", self, opts)
+            self.speculate = Compiled(self._wrap(self._speculate_to_ring), (1, 2, 3, 4, 5), "speculate", self,
+                                      opts)
+        else:
+            host = None if self._interpreted else self.sharding.with_memory_kind("pinned_host")
+            self.decode = Compiled(self._wrap(self._decode), (1, 2, 3, 4), "decode", self, opts,
+                                   out_shardings=(None,) * 4 + (host,))
+            self.speculate = Compiled(self._wrap(self._speculate), (1, 2, 3, 4, 5), "speculate", self, opts,
+                                      out_shardings=(None,) * 5 + (host, host))
         self.decode_loop = Compiled(self._wrap(self._decode_loop), (1, 2, 3, 4), "decode_loop", self, opts)
         self.speculate_loop = Compiled(self._wrap(self._speculate_loop), (1, 2, 3, 4, 5), "speculate_loop", self,
                                        opts)
@@ -146,7 +154,28 @@ class Engine:
     def _may_use_engine(self) -> bool:
         """Whether tracing may call the CUDA engine (a GPU, and a config that uses it)."""
         c = self.config
-        return interpret.on_gpu() and (c.backend == "pallas" or c.engine_all_reduce or c.split_indexer)
+        return interpret.on_gpu() and (c.backend == "pallas" or c.engine_all_reduce or c.split_indexer
+                                       or c.token_ring)
+
+    def _token_rings(self) -> list | None:
+        """The token ring of every device of the engine (`Generator.stream` reads the first's), or None
+        where the steps return their tokens (`DecodeConfig.token_ring`)."""
+        if not self.config.token_ring or self._interpreted or not interpret.on_gpu():
+            return None
+        lib, why = _lib.load()
+        if lib is None:
+            _lib.warn_once("token-ring", f"jtilert: the CUDA engine did not load ({why}); the decode steps "
+                                         "return their tokens instead of writing them into its token ring")
+            return None
+        return [ring.TokenRing(d) for d in self.sharding.device_set]
+
+    @property
+    def ring(self):
+        """The token ring the host reads (the first device's), or None."""
+        if self.rings is None:
+            return None
+        first = jax.devices()[0] if self.mesh is None else self.mesh.devices.flat[0]
+        return next(r for r in self.rings if r.device == first)
 
     @property
     def step_options(self) -> dict | None:
@@ -203,6 +232,21 @@ class Engine:
         key, sub = jax.random.split(key)
         token = model.next_token(ops, h, params, sub)
         return cache, token, pos + 1, key, token
+
+    @staticmethod
+    def _decode_to_ring(model, ops, cache, token, pos, key, params):
+        """`_decode` with its token written into the token ring under the step's position, not returned
+        (the write gives the next position, pos + 1)."""
+        cache, token, _, key, _ = Engine._decode(model, ops, cache, token, pos, key, params)
+        return cache, token, ring.write(pos, token), key
+
+    @staticmethod
+    def _speculate_to_ring(model, ops, cache, token, draft, pos, key, params):
+        """`_speculate` with its emitted tokens and their count written into the token ring under the
+        step's position, not returned (the write gives the next position)."""
+        cache, token, draft, _, key, emitted, n = Engine._speculate(model, ops, cache, token, draft, pos, key,
+                                                                     params)
+        return cache, token, draft, ring.write(pos, emitted, n), key   # the next position, pos + n
 
     @staticmethod
     def _speculate(model, ops, cache, token, draft, pos, key, params):
@@ -632,6 +676,9 @@ class Generator:
         cache, token, pos, key, params = s["cache"], s["token"], s["pos"], s["key"], s["params"]
         pending = None
         step = eng.decode.executable(eng.state, cache, token, pos, key, params)   # the loop's shapes never change
+        if eng.ring is not None:
+            yield from self._ring_steps(lambda c: step(eng.state, *c, params), (cache, token, pos, key), 2)
+            return
         while True:
             cache, token, pos, key, emitted = step(eng.state, cache, token, pos, key, params)
             self.stats["steps"] += 1
@@ -644,6 +691,9 @@ class Generator:
         cache, token, draft, pos, key, params = s["cache"], s["token"], s["draft"], s["pos"], s["key"], s["params"]
         pending = None
         step = eng.speculate.executable(eng.state, cache, token, draft, pos, key, params)
+        if eng.ring is not None:
+            yield from self._ring_steps(lambda c: step(eng.state, *c, params), (cache, token, draft, pos, key), 3)
+            return
         while True:
             cache, token, draft, pos, key, em, n = step(eng.state, cache, token, draft, pos, key, params)
             self.stats["steps"] += 1
@@ -653,6 +703,27 @@ class Generator:
                 self.stats["accepted"] += n_h - 1
                 yield [int(t) for t in em_h[:n_h]]
             pending = (_HostCopy(em), _HostCopy(n))
+
+    def _ring_steps(self, step, carry, at: int):
+        """`_plain_steps` / `_speculative_steps` for steps that write their tokens into the engine's token
+        ring: dispatch step i+1, then read step i's tokens from the ring under its position (carry[at]
+        before it), the next position that plus their count. The first token has been read, so no step of
+        an earlier generation is still running when the ring is cleared."""
+        ring_ = self.engine.ring
+        ring_.clear()
+        pos = int(np.asarray(carry[at]).reshape(-1)[0])
+        pending = False
+        while True:
+            carry = step(carry)
+            self.stats["steps"] += 1
+            if pending:
+                toks = [int(t) for t in ring_.read(pos)]
+                pos += len(toks)
+                if self.mtp:
+                    self.stats["drafted"] += 1
+                    self.stats["accepted"] += len(toks) - 1
+                yield toks
+            pending = True
 
     def generate(self, prompt_ids, max_new_tokens: int, sampling: Sampling | None = None,
                  stop_tokens: Sequence[int] | None = None) -> list[int]:
