@@ -219,3 +219,21 @@ def test_stream_through_the_ring_gives_the_same_tokens(tiny_random, host_ring, m
         assert gen.stats["drafted"] >= 1 and gen.acceptance == plain.acceptance
     # a second request on the same generator clears the ring first and reads only its own steps
     assert list(gen.stream(prompt[:2], 6, stop_tokens=[])) == list(plain.stream(prompt[:2], 6, stop_tokens=[]))
+
+
+def test_two_open_streams_on_one_device_do_not_share_the_ring(tiny_random, host_ring):
+    """Streams read side by side (zip): the first opened reads the device's ring, the second runs the
+    steps that return their tokens (two streams keyed by position in one ring could read each other's
+    tokens); each gives its own tokens, and the ring is free again once they end."""
+    import jtilert
+    prompts = ([3, 17, 5, 9], [8, 1, 2])
+    want = [list(jtilert.Generator(tiny_random, max_seq_len=64, config=jtilert.DecodeConfig(token_ring=False))
+                 .stream(p, 10, stop_tokens=[])) for p in prompts]
+    a, b = (jtilert.Generator(tiny_random, max_seq_len=64) for _ in prompts)
+    got = list(zip(*(g.stream(p, 10, stop_tokens=[]) for g, p in zip((a, b), prompts))))
+    assert [list(t) for t in zip(*got)] == want
+    # each compiled the ring's step before its stream; only the second needed the other form
+    assert a.engine.decode.compiles == 1 and a.engine.decode_returning.compiles == 0
+    assert b.engine.decode.compiles == 1 and b.engine.decode_returning.compiles == 1
+    assert host_ring.acquire()
+    host_ring.release()

@@ -14,6 +14,7 @@ values. The write needs the engine (a GPU): elsewhere it does not lower, and ``T
 from __future__ import annotations
 
 import ctypes
+import threading
 import time
 
 import jax
@@ -74,8 +75,13 @@ def write(pos, values, count=None):
     return jnp.reshape(token_ring_p.bind(as_one(pos), values, as_one(count)), jnp.shape(pos))
 
 
+_lock = threading.Lock()
+_in_use: set[int] = set()   # the devices whose ring an open stream reads
+
+
 class TokenRing:
-    """A device's token ring as the host reads it (the engine allocates it on first use)."""
+    """A device's token ring as the host reads it (the engine allocates it on first use). One stream at
+    a time reads a device's ring (`acquire`): two would share its keys."""
 
     def __init__(self, device: jax.Device):
         lib, why = _lib.load()
@@ -85,6 +91,18 @@ class TokenRing:
         addr = lib.token_ring(int(device.local_hardware_id))
         self.slots = np.ctypeslib.as_array((ctypes.c_int32 * (SLOTS * SLOT_INTS)).from_address(addr))
         self.slots = self.slots.reshape(SLOTS, SLOT_INTS)
+
+    def acquire(self) -> bool:
+        """Takes the device's ring for one stream; False where another open stream reads it."""
+        with _lock:
+            if self.device.id in _in_use:
+                return False
+            _in_use.add(self.device.id)
+            return True
+
+    def release(self) -> None:
+        with _lock:
+            _in_use.discard(self.device.id)
 
     def clear(self) -> None:
         """Every key -1: call it before a generation starts, with no step of an earlier one running."""

@@ -117,19 +117,21 @@ class Engine:
         # where the kernels run in GPU interpret mode: their ordered host callbacks add an effect token
         # to the step's outputs, which jax 0.11.2 leaves out when it lowers the outputs' memory kinds
         # (a failed zip); there the token stays in device memory and `_HostCopy` copies it.
-        # With the token ring (DecodeConfig.token_ring) the two steps write those tokens into it instead
-        # and return only their donated carried arrays.
+        # With the token ring (DecodeConfig.token_ring) `decode` and `speculate` write those tokens into it
+        # instead and return only their donated carried arrays; the forms that return them stay for a
+        # stream opened while another reads the device's ring (compiled only if one is).
+        host = None if self._interpreted else self.sharding.with_memory_kind("pinned_host")
+        self.decode_returning = Compiled(self._wrap(self._decode), (1, 2, 3, 4), "decode", self, opts,
+                                         out_shardings=(None,) * 4 + (host,))
+        self.speculate_returning = Compiled(self._wrap(self._speculate), (1, 2, 3, 4, 5), "speculate", self, opts,
+                                            out_shardings=(None,) * 5 + (host, host))
         self.rings = self._token_rings()
         if self.rings is not None:
-            self.decode = Compiled(self._wrap(self._decode_to_ring), (1, 2, 3, 4), "decode", self, opts)
-            self.speculate = Compiled(self._wrap(self._speculate_to_ring), (1, 2, 3, 4, 5), "speculate", self,
-                                      opts)
+            self.decode = Compiled(self._wrap(self._decode_to_ring), (1, 2, 3, 4), "decode_to_ring", self, opts)
+            self.speculate = Compiled(self._wrap(self._speculate_to_ring), (1, 2, 3, 4, 5), "speculate_to_ring",
+                                      self, opts)
         else:
-            host = None if self._interpreted else self.sharding.with_memory_kind("pinned_host")
-            self.decode = Compiled(self._wrap(self._decode), (1, 2, 3, 4), "decode", self, opts,
-                                   out_shardings=(None,) * 4 + (host,))
-            self.speculate = Compiled(self._wrap(self._speculate), (1, 2, 3, 4, 5), "speculate", self, opts,
-                                      out_shardings=(None,) * 5 + (host, host))
+            self.decode, self.speculate = self.decode_returning, self.speculate_returning
         self.decode_loop = Compiled(self._wrap(self._decode_loop), (1, 2, 3, 4), "decode_loop", self, opts)
         self.speculate_loop = Compiled(self._wrap(self._speculate_loop), (1, 2, 3, 4, 5), "speculate_loop", self,
                                        opts)
@@ -323,8 +325,9 @@ class Engine:
         return sum(c.compile_s for c in self.steps())
 
     def steps(self) -> tuple[Compiled, ...]:
-        return (self.forward, self.draft, self.decode, self.speculate, self.decode_loop, self.speculate_loop,
-                self.first_token, self.first_draft)
+        return tuple(dict.fromkeys((self.forward, self.draft, self.decode, self.speculate, self.decode_returning,
+                                    self.speculate_returning, self.decode_loop, self.speculate_loop,
+                                    self.first_token, self.first_draft)))
 
     @property
     def num_arguments(self) -> int:
@@ -675,10 +678,12 @@ class Generator:
         eng = self.engine
         cache, token, pos, key, params = s["cache"], s["token"], s["pos"], s["key"], s["params"]
         pending = None
-        step = eng.decode.executable(eng.state, cache, token, pos, key, params)   # the loop's shapes never change
-        if eng.ring is not None:
+        if eng.ring is not None and eng.ring.acquire():
+            step = eng.decode.executable(eng.state, cache, token, pos, key, params)
             yield from self._ring_steps(lambda c: step(eng.state, *c, params), (cache, token, pos, key), 2)
             return
+        # the loop's shapes never change: the executable is looked up once
+        step = eng.decode_returning.executable(eng.state, cache, token, pos, key, params)
         while True:
             cache, token, pos, key, emitted = step(eng.state, cache, token, pos, key, params)
             self.stats["steps"] += 1
@@ -690,10 +695,11 @@ class Generator:
         eng = self.engine
         cache, token, draft, pos, key, params = s["cache"], s["token"], s["draft"], s["pos"], s["key"], s["params"]
         pending = None
-        step = eng.speculate.executable(eng.state, cache, token, draft, pos, key, params)
-        if eng.ring is not None:
+        if eng.ring is not None and eng.ring.acquire():
+            step = eng.speculate.executable(eng.state, cache, token, draft, pos, key, params)
             yield from self._ring_steps(lambda c: step(eng.state, *c, params), (cache, token, draft, pos, key), 3)
             return
+        step = eng.speculate_returning.executable(eng.state, cache, token, draft, pos, key, params)
         while True:
             cache, token, draft, pos, key, em, n = step(eng.state, cache, token, draft, pos, key, params)
             self.stats["steps"] += 1
@@ -706,24 +712,28 @@ class Generator:
 
     def _ring_steps(self, step, carry, at: int):
         """`_plain_steps` / `_speculative_steps` for steps that write their tokens into the engine's token
-        ring: dispatch step i+1, then read step i's tokens from the ring under its position (carry[at]
-        before it), the next position that plus their count. The first token has been read, so no step of
-        an earlier generation is still running when the ring is cleared."""
-        ring_ = self.engine.ring
-        ring_.clear()
-        pos = int(np.asarray(carry[at]).reshape(-1)[0])
-        pending = False
-        while True:
-            carry = step(carry)
-            self.stats["steps"] += 1
-            if pending:
-                toks = [int(t) for t in ring_.read(pos)]
-                pos += len(toks)
-                if self.mtp:
-                    self.stats["drafted"] += 1
-                    self.stats["accepted"] += len(toks) - 1
-                yield toks
-            pending = True
+        ring, which this stream has acquired (released when it ends): dispatch step i+1, then read step
+        i's tokens from the ring under its position (carry[at] before it), the next position that plus
+        their count. The first token has been read, so no step of an earlier generation is still running
+        when the ring is cleared."""
+        tokens = self.engine.ring
+        try:
+            tokens.clear()
+            pos = int(np.asarray(carry[at]).reshape(-1)[0])
+            pending = False
+            while True:
+                carry = step(carry)
+                self.stats["steps"] += 1
+                if pending:
+                    toks = [int(t) for t in tokens.read(pos)]
+                    pos += len(toks)
+                    if self.mtp:
+                        self.stats["drafted"] += 1
+                        self.stats["accepted"] += len(toks) - 1
+                    yield toks
+                pending = True
+        finally:
+            tokens.release()
 
     def generate(self, prompt_ids, max_new_tokens: int, sampling: Sampling | None = None,
                  stop_tokens: Sequence[int] | None = None) -> list[int]:
