@@ -110,6 +110,20 @@ def test_it_lowers_only_where_the_engine_runs():
             ring.TokenRing(jax.devices()[0])
 
 
+def test_a_stream_takes_every_device_of_its_rings():
+    """An engine over devices 0 and 1 and one on device 1 cannot both stream on rings (the first's
+    steps write into device 1's ring too); one on device 2 can; all free once given back."""
+    from types import SimpleNamespace as NS
+    on = lambda *ids: [NS(device=NS(id=i)) for i in ids]
+    assert ring.acquire(on(0, 1))
+    assert not ring.acquire(on(1)) and not ring.acquire(on(1, 5))
+    assert ring.acquire(on(2))
+    ring.release(on(0, 1))
+    ring.release(on(2))
+    assert ring.acquire(on(0, 1, 2, 5))
+    ring.release(on(0, 1, 2, 5))
+
+
 class _HostRing(ring.TokenRing):
     """The reader over a ring in plain host memory (no engine): what the kernel's stores leave there."""
 
@@ -235,5 +249,5 @@ def test_two_open_streams_on_one_device_do_not_share_the_ring(tiny_random, host_
     # each compiled the ring's step before its stream; only the second needed the other form
     assert a.engine.decode.compiles == 1 and a.engine.decode_returning.compiles == 0
     assert b.engine.decode.compiles == 1 and b.engine.decode_returning.compiles == 1
-    assert host_ring.acquire()
-    host_ring.release()
+    assert ring.acquire([host_ring])
+    ring.release([host_ring])

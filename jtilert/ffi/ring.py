@@ -79,9 +79,27 @@ _lock = threading.Lock()
 _in_use: set[int] = set()   # the devices whose ring an open stream reads
 
 
+def acquire(rings) -> bool:
+    """Takes the devices of `rings` (`TokenRing`s) for one stream: False (nothing taken) where an open
+    stream holds any of them. A stream's steps write into the ring of every device they run on, and two
+    streams writing into one ring would share its keys."""
+    devices = {r.device.id for r in rings}
+    with _lock:
+        if devices & _in_use:
+            return False
+        _in_use.update(devices)
+        return True
+
+
+def release(rings) -> None:
+    """Gives back what `acquire(rings)` took."""
+    with _lock:
+        _in_use.difference_update(r.device.id for r in rings)
+
+
 class TokenRing:
-    """A device's token ring as the host reads it (the engine allocates it on first use). One stream at
-    a time reads a device's ring (`acquire`): two would share its keys."""
+    """A device's token ring as the host reads it (the engine allocates it on first use); a stream takes
+    it with `acquire` first."""
 
     def __init__(self, device: jax.Device):
         lib, why = _lib.load()
@@ -91,18 +109,6 @@ class TokenRing:
         addr = lib.token_ring(int(device.local_hardware_id))
         self.slots = np.ctypeslib.as_array((ctypes.c_int32 * (SLOTS * SLOT_INTS)).from_address(addr))
         self.slots = self.slots.reshape(SLOTS, SLOT_INTS)
-
-    def acquire(self) -> bool:
-        """Takes the device's ring for one stream; False where another open stream reads it."""
-        with _lock:
-            if self.device.id in _in_use:
-                return False
-            _in_use.add(self.device.id)
-            return True
-
-    def release(self) -> None:
-        with _lock:
-            _in_use.discard(self.device.id)
 
     def clear(self) -> None:
         """Every key -1: call it before a generation starts, with no step of an earlier one running."""

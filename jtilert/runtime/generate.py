@@ -678,7 +678,7 @@ class Generator:
         eng = self.engine
         cache, token, pos, key, params = s["cache"], s["token"], s["pos"], s["key"], s["params"]
         pending = None
-        if eng.ring is not None and eng.ring.acquire():
+        if eng.rings is not None and ring.acquire(eng.rings):
             step = eng.decode.executable(eng.state, cache, token, pos, key, params)
             yield from self._ring_steps(lambda c: step(eng.state, *c, params), (cache, token, pos, key), 2)
             return
@@ -695,7 +695,7 @@ class Generator:
         eng = self.engine
         cache, token, draft, pos, key, params = s["cache"], s["token"], s["draft"], s["pos"], s["key"], s["params"]
         pending = None
-        if eng.ring is not None and eng.ring.acquire():
+        if eng.rings is not None and ring.acquire(eng.rings):
             step = eng.speculate.executable(eng.state, cache, token, draft, pos, key, params)
             yield from self._ring_steps(lambda c: step(eng.state, *c, params), (cache, token, draft, pos, key), 3)
             return
@@ -712,7 +712,7 @@ class Generator:
 
     def _ring_steps(self, step, carry, at: int):
         """`_plain_steps` / `_speculative_steps` for steps that write their tokens into the engine's token
-        ring, which this stream has acquired (released when it ends): dispatch step i+1, then read step
+        rings, which this stream has acquired (released when it ends): dispatch step i+1, then read step
         i's tokens from the ring under its position (carry[at] before it), the next position that plus
         their count. The first token has been read, so no step of an earlier generation is still running
         when the ring is cleared."""
@@ -733,7 +733,7 @@ class Generator:
                     yield toks
                 pending = True
         finally:
-            tokens.release()
+            ring.release(self.engine.rings)
 
     def generate(self, prompt_ids, max_new_tokens: int, sampling: Sampling | None = None,
                  stop_tokens: Sequence[int] | None = None) -> list[int]:
