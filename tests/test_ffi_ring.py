@@ -51,6 +51,21 @@ def test_the_carried_position_keeps_the_write(monkeypatch, loop):
     assert re.search(r"\(tensor<1xi32>, tensor<1xi32>, tensor<1xi32>\) -> tensor<1xi32>", calls[0]), calls[0]
 
 
+def test_inside_shard_map_each_device_writes(monkeypatch):
+    """With tp > 1 the step runs under shard_map (as `Engine._wrap` makes it): one call a device, each
+    writing into its own device's ring."""
+    if jax.device_count() < 2:
+        pytest.skip("needs 2 host devices (tests/conftest.py sets XLA_FLAGS)")
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+    monkeypatch.setattr(ffi_ops, "EMIT_WITHOUT_GPU", True)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+    f = jax.jit(jax.shard_map(lambda p, t: (ring.write(p, t * 2), t * 2), mesh=mesh, in_specs=(P(), P()),
+                              out_specs=(P(), P()), check_vma=False))
+    txt = _cuda_text(f, S((), jnp.int32), S((1,), jnp.int32))
+    assert len([line for line in txt.splitlines() if "custom_call @jtilert_token_ring" in line]) == 1, txt
+
+
 def test_an_unused_position_drops_the_write(monkeypatch):
     """What the docstring warns of: the write's result unused, JAX drops the call."""
     monkeypatch.setattr(ffi_ops, "EMIT_WITHOUT_GPU", True)
