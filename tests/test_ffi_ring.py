@@ -259,7 +259,9 @@ def test_two_open_streams_on_one_device_do_not_share_the_ring(tiny_random, host_
     want = [list(jtilert.Generator(tiny_random, max_seq_len=64, config=jtilert.DecodeConfig(token_ring=False))
                  .stream(p, 10, stop_tokens=[])) for p in prompts]
     a, b = (jtilert.Generator(tiny_random, max_seq_len=64) for _ in prompts)
-    got = list(zip(*(g.stream(p, 10, stop_tokens=[]) for g, p in zip((a, b), prompts))))
+    _lib._warned.clear()  # noqa: SLF001
+    with pytest.warns(RuntimeWarning, match="another open stream reads the token ring"):
+        got = list(zip(*(g.stream(p, 10, stop_tokens=[]) for g, p in zip((a, b), prompts))))
     assert [list(t) for t in zip(*got)] == want
     # each compiled the ring's step before its stream; only the second needed the other form
     assert a.engine.decode.compiles == 1 and a.engine.decode_returning.compiles == 0

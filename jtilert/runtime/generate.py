@@ -678,7 +678,7 @@ class Generator:
         eng = self.engine
         cache, token, pos, key, params = s["cache"], s["token"], s["pos"], s["key"], s["params"]
         pending = None
-        if eng.rings is not None and ring.acquire(eng.rings):
+        if self._take_rings():
             step = eng.decode.executable(eng.state, cache, token, pos, key, params)
             yield from self._ring_steps(lambda c: step(eng.state, *c, params), (cache, token, pos, key), 2)
             return
@@ -695,7 +695,7 @@ class Generator:
         eng = self.engine
         cache, token, draft, pos, key, params = s["cache"], s["token"], s["draft"], s["pos"], s["key"], s["params"]
         pending = None
-        if eng.rings is not None and ring.acquire(eng.rings):
+        if self._take_rings():
             step = eng.speculate.executable(eng.state, cache, token, draft, pos, key, params)
             yield from self._ring_steps(lambda c: step(eng.state, *c, params), (cache, token, draft, pos, key), 3)
             return
@@ -709,6 +709,19 @@ class Generator:
                 self.stats["accepted"] += n_h - 1
                 yield [int(t) for t in em_h[:n_h]]
             pending = (_HostCopy(em), _HostCopy(n))
+
+    def _take_rings(self) -> bool:
+        """Whether this stream's steps write into the engine's token rings (`ring.acquire`): not where it
+        has none, nor while another open stream holds one of them (then its steps return their tokens,
+        with a warning once)."""
+        rings = self.engine.rings
+        if rings is None:
+            return False
+        if ring.acquire(rings):
+            return True
+        _lib.warn_once("token-ring-busy", "jtilert: another open stream reads the token ring of a device this "
+                                          "stream runs on; its steps return their tokens instead (compiled now)")
+        return False
 
     def _ring_steps(self, step, carry, at: int):
         """`_plain_steps` / `_speculative_steps` for steps that write their tokens into the engine's token
