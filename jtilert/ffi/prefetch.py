@@ -38,12 +38,9 @@ prefetch_l2_p = Primitive("jtilert_prefetch_l2")
 
 
 def _abstract(layer, layer_offset, after, *arrays):
-    aval = layer.update(shape=(1,), dtype=np.dtype(np.int32))
-    mat = getattr(layer, "mat", None)
-    if mat is not None:   # inside shard_map: varying along every axis an operand varies along
-        vma = frozenset().union(*(_ops._vma(a) for a in (layer, layer_offset, after, *arrays)))  # noqa: SLF001
-        aval = aval.update(manual_axis_type=mat.update(varying=vma))
-    return aval
+    # int32 [1]; inside shard_map varying along every axis an operand varies along
+    vma = frozenset().union(*(_ops._vma(a) for a in (layer_offset, after, *arrays)))  # noqa: SLF001
+    return _ops._out_aval(layer, None, shape=(1,), dtype=np.int32, extra_vma=vma)  # noqa: SLF001
 
 
 # JAX's effect of a side-effecting FFI call (what jax.ffi.ffi_call(has_side_effect=True) carries):

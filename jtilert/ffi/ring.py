@@ -33,12 +33,9 @@ token_ring_p = Primitive("jtilert_token_ring")
 
 
 def _abstract(pos, values, count):
-    aval = pos.update(shape=(1,), dtype=np.dtype(np.int32))
-    mat = getattr(pos, "mat", None)
-    if mat is not None:   # inside shard_map: varying along every axis an operand varies along
-        vma = frozenset().union(*(_ops._vma(a) for a in (pos, values, count)))  # noqa: SLF001
-        aval = aval.update(manual_axis_type=mat.update(varying=vma))
-    return aval
+    # int32 [1]; inside shard_map varying along every axis an operand varies along
+    return _ops._out_aval(pos, None, shape=(1,), dtype=np.int32,  # noqa: SLF001
+                          extra_vma=_ops._vma(values) | _ops._vma(count))  # noqa: SLF001
 
 
 token_ring_p.def_abstract_eval(_abstract)
