@@ -677,13 +677,12 @@ class Generator:
         """One step per call, pipelined: dispatch step i+1, then read step i's token."""
         eng = self.engine
         cache, token, pos, key, params = s["cache"], s["token"], s["pos"], s["key"], s["params"]
-        pending = None
         if self._take_rings():
-            step = eng.decode.executable(eng.state, cache, token, pos, key, params)
-            yield from self._ring_steps(lambda c: step(eng.state, *c, params), (cache, token, pos, key), 2)
+            yield from self._ring_steps(eng.decode, (cache, token, pos, key), params, 2)
             return
         # the loop's shapes never change: the executable is looked up once
         step = eng.decode_returning.executable(eng.state, cache, token, pos, key, params)
+        pending = None
         while True:
             cache, token, pos, key, emitted = step(eng.state, cache, token, pos, key, params)
             self.stats["steps"] += 1
@@ -694,12 +693,11 @@ class Generator:
     def _speculative_steps(self, s):
         eng = self.engine
         cache, token, draft, pos, key, params = s["cache"], s["token"], s["draft"], s["pos"], s["key"], s["params"]
-        pending = None
         if self._take_rings():
-            step = eng.speculate.executable(eng.state, cache, token, draft, pos, key, params)
-            yield from self._ring_steps(lambda c: step(eng.state, *c, params), (cache, token, draft, pos, key), 3)
+            yield from self._ring_steps(eng.speculate, (cache, token, draft, pos, key), params, 3)
             return
         step = eng.speculate_returning.executable(eng.state, cache, token, draft, pos, key, params)
+        pending = None
         while True:
             cache, token, draft, pos, key, em, n = step(eng.state, cache, token, draft, pos, key, params)
             self.stats["steps"] += 1
@@ -723,19 +721,22 @@ class Generator:
                                           "stream runs on; its steps return their tokens instead (compiled now)")
         return False
 
-    def _ring_steps(self, step, carry, at: int):
-        """`_plain_steps` / `_speculative_steps` for steps that write their tokens into the engine's token
-        rings, which this stream has acquired (released when it ends): dispatch step i+1, then read step
-        i's tokens from the ring under its position (carry[at] before it), the next position that plus
-        their count. The first token has been read, so no step of an earlier generation is still running
-        when the ring is cleared."""
-        tokens = self.engine.ring
+    def _ring_steps(self, compiled: Compiled, carry, params, at: int):
+        """`_plain_steps` / `_speculative_steps` for the step `compiled` (`Engine.decode` or
+        `Engine.speculate`), which writes its tokens into the engine's token rings; this stream has
+        acquired them and releases them when it ends. Dispatch step i+1, then read step i's tokens from
+        the ring under its position (carry[at] before it), the next position that plus their count. The
+        first token has been read, so no step of an earlier generation is still running when the ring
+        is cleared."""
+        eng = self.engine
+        tokens = eng.ring
         try:
+            step = compiled.executable(eng.state, *carry, params)   # looked up once
             tokens.clear()
             pos = int(np.asarray(carry[at]).reshape(-1)[0])
             pending = False
             while True:
-                carry = step(carry)
+                carry = step(eng.state, *carry, params)
                 self.stats["steps"] += 1
                 if pending:
                     toks = [int(t) for t in tokens.read(pos)]
@@ -746,7 +747,7 @@ class Generator:
                     yield toks
                 pending = True
         finally:
-            ring.release(self.engine.rings)
+            ring.release(eng.rings)
 
     def generate(self, prompt_ids, max_new_tokens: int, sampling: Sampling | None = None,
                  stop_tokens: Sequence[int] | None = None) -> list[int]:
