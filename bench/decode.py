@@ -383,7 +383,6 @@ def host_loop(eng, cache, token, draft, pos, params, key, mtp, n):
     host_loop.compile_s = time.perf_counter() - t
     exe = step.executable(eng.state, *out[:keep], params)   # looked up once, as the Generator's loops do
     if eng.ring is not None:   # the steps write their tokens into the token ring (DecodeConfig.token_ring)
-        eng.ring.clear()
         return ring_loop(lambda *c: exe(eng.state, *c, params), out[:keep], n, eng.ring, keep - 2)
     return call_loop(lambda *c: exe(eng.state, *c, params), out, keep, n)
 
@@ -407,8 +406,9 @@ def call_loop(call, out, keep: int, n: int):
 
 def ring_loop(call, carry, n: int, tokens, at: int = 2):
     """`call_loop` for a step that leaves its tokens in the token ring `tokens` under its position
-    (carry[at]): each call dispatched before the previous step's tokens are read from their slot, as
-    `Generator.stream` does."""
+    (carry[at]): the ring cleared (the steps before are done), then each call dispatched before the
+    previous step's tokens are read from their slot, as `Generator.stream` does."""
+    tokens.clear()
     pos = int(np.asarray(carry[at]).ravel()[0])
     t = time.perf_counter()
     enqueue = []
@@ -472,7 +472,6 @@ def call_variant_loops(eng, carry, params, n):
     for name, call in calls.items():
         res = jax.block_until_ready(call(*carry))   # warm
         if name == "shipped" and eng.ring is not None:
-            eng.ring.clear()
             loop_s, enqueue_s, carry = ring_loop(call, res, n, eng.ring)
         else:
             loop_s, enqueue_s, carry = call_loop(call, res, 4, n)
