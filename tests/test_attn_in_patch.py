@@ -1,10 +1,10 @@
 """bench/experiments/attn_in.patch: the attention's input projections (x_proj, then q_b | wq_b of its normed
 q_a) as one Pallas kernel of four phases handed off through a grid-wide semaphore (`jtilert.pallas.attn_in`),
-the op `attn_in` taking one token's two rmsnorm_linear kernels' place. On an H100 it is correct and 1.8×
-slower than the step's two kernels (bench/RESULTS.md, session 35), so it stays a patch while the time of
-its phases is found. It still applies to a copy of the checkout, and there its phases equal the reference
-in interpret mode, the one kernel lowers at the real shapes, and the op table chooses it at decode
-shapes."""
+the op `attn_in` taking one token's two rmsnorm_linear kernels' place. On an H100 it is correct and, alone,
+faster than the step's two kernels, but the 36-layer step is slower with it (bench/RESULTS.md, session
+36), so it stays a patch. It still applies to a copy of the checkout, and there its phases equal the
+reference in interpret mode, the one kernel lowers at the real shapes, and the op table chooses it at
+decode shapes."""
 
 from __future__ import annotations
 

@@ -3,8 +3,8 @@
 //
 // Why: a step that returns its token as an output (even into pinned host
 // memory) gets a new output buffer on every call, and XLA updates its
-// command buffer for the moved address before launching it; that update is
-// most of a call's host time. Written by a kernel into one fixed pinned
+// command buffer for the moved address before launching it, which adds to
+// every call's host time. Written by a kernel into one fixed pinned
 // buffer, the token leaves the step's outputs alone: every call's buffers
 // are the donated ones of the call before.
 //
