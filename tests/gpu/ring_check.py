@@ -1,0 +1,54 @@
+"""On a GPU: Generator.stream through the token ring (DecodeConfig.token_ring, the default) gives the
+same tokens as the steps that return them, on the embedded tiny model, plain and with MTP, greedy and
+sampled, two requests in turn; and the time per token of each."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+
+import jtilert
+from jtilert.ops.table import DecodeConfig
+
+
+def run(ring: bool, mtp: bool, backend: str, sampling):
+    model = jtilert.load("tiny")
+    cfg = dataclasses.replace(DecodeConfig(backend=backend), token_ring=ring)
+    gen = jtilert.Generator(model, max_seq_len=1024, mtp=mtp, config=cfg)
+    prompt = jtilert.tokenizer("tiny").encode("The if statement")
+    out = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        ids = list(gen.stream(prompt, 120, sampling=sampling))
+        out.append({"ids": ids, "s": time.perf_counter() - t0})
+    return {"ring_used": gen.engine.rings is not None, "requests": out, "stats": {k: v for k, v in gen.stats.items()
+                                                                           if isinstance(v, (int, float))}}
+
+
+def main():
+    results, bad = {}, 0
+    for backend in ("reference", "pallas"):
+        for mtp in (False, True):
+            for name, sampling in (("greedy", jtilert.Sampling(temperature=0.0)),
+                                   ("sampled", jtilert.Sampling(temperature=0.8, top_p=0.95, seed=1))):
+                key = f"{backend}/{'mtp' if mtp else 'plain'}/{name}"
+                ring = run(True, mtp, backend, sampling)
+                ret = run(False, mtp, backend, sampling)
+                same = [a["ids"] == b["ids"] for a, b in zip(ring["requests"], ret["requests"])]
+                ok = ring["ring_used"] and not ret["ring_used"] and all(same)
+                bad += not ok
+                results[key] = {"ok": ok, "same": same, "ring": ring, "returning": ret}
+                print(("PASS" if ok else "FAIL"), key, "ring used:", ring["ring_used"],
+                      "tokens:", [len(r["ids"]) for r in ring["requests"]],
+                      "ms/token ring %s returning %s" % (ring["stats"].get("ms_per_token"),
+                                                             ret["stats"].get("ms_per_token", -1)), flush=True)
+    if len(sys.argv) > 1:
+        json.dump(results, open(sys.argv[1], "w"), indent=1)
+    print("OK" if not bad else f"{bad} FAILED")
+    sys.exit(bool(bad))
+
+
+if __name__ == "__main__":
+    main()
