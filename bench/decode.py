@@ -37,7 +37,7 @@ from jtilert.store import checkpoint
 from jtilert.parallel import sharding
 from jtilert.pallas import lowering_cache
 from jtilert.runtime import compile_cache
-from jtilert.runtime.generate import Engine
+from jtilert.runtime.generate import MAX_STOPS, STREAM_STEPS, Engine
 from jtilert.model.transformer import Layout, _no_topk, decode_weights, init_cache, router_in_bf16
 from jtilert.ops.table import DecodeConfig
 
@@ -373,17 +373,26 @@ def compile_breakdown(jitted, args: tuple, profile: bool = False) -> dict:
 
 def host_loop(eng, cache, token, draft, pos, params, key, mtp, n):
     """(seconds per step, median enqueue seconds of one call, the carried arrays) of the loop
-    `Generator.stream` runs: one step per call, dispatched before the previous step's token is read
-    (the position advances by one row per step, or two per MTP step)."""
-    step = eng.speculate if mtp else eng.decode
+    `Generator.stream` runs: with the token ring, `n` calls of STREAM_STEPS steps, two in flight, each
+    step's tokens read from the ring as it writes them; without, `n` calls of one step, each
+    dispatched before the previous step's token is read (the position advances by one row per step,
+    or two per MTP step)."""
     carry = (cache, token, draft, pos, key) if mtp else (cache, token, pos, key)
     keep = len(carry)
+    if eng.ring is not None:   # DecodeConfig.token_ring
+        stream = eng.speculate_stream if mtp else eng.decode_stream
+        stops = eng.place(np.full(MAX_STOPS, -1, np.int32))
+        left = eng.place(np.int32((n + 3) * STREAM_STEPS * 2))   # never reached
+        t = time.perf_counter()
+        out = jax.block_until_ready(stream(eng.state, *carry, left, params, stops))  # compile (and warm)
+        host_loop.compile_s = time.perf_counter() - t
+        exe = stream.executable(eng.state, *out, params, stops)   # looked up once, as the Generator does
+        return ring_loop(lambda *c: exe(eng.state, *c, params, stops), out, n, eng.ring, keep - 2, STREAM_STEPS)
+    step = eng.speculate if mtp else eng.decode
     t = time.perf_counter()
     out = jax.block_until_ready(step(eng.state, *carry, params))  # compile (and warm)
     host_loop.compile_s = time.perf_counter() - t
-    exe = step.executable(eng.state, *out[:keep], params)   # looked up once, as the Generator's loops do
-    if eng.ring is not None:   # the steps write their tokens into the token ring (DecodeConfig.token_ring)
-        return ring_loop(lambda *c: exe(eng.state, *c, params), out[:keep], n, eng.ring, keep - 2)
+    exe = step.executable(eng.state, *out[:keep], params)
     return call_loop(lambda *c: exe(eng.state, *c, params), out, keep, n)
 
 
@@ -404,40 +413,49 @@ def call_loop(call, out, keep: int, n: int):
     return (time.perf_counter() - t) / n, statistics.median(enqueue), out[:keep]
 
 
-def ring_loop(call, carry, n: int, tokens, at: int = 2):
-    """`call_loop` for a step that leaves its tokens in the token ring `tokens` under its position
-    (carry[at]): the ring cleared (the steps before are done), then each call dispatched before the
-    previous step's tokens are read from their slot, as `Generator.stream` does."""
+def ring_loop(call, carry, n: int, tokens, at: int = 2, steps: int = 1):
+    """`call_loop` for calls of `steps` steps each that leave their tokens in the token ring `tokens`
+    under each step's position (carry[at]), as `Generator.stream` runs them: the ring cleared (the
+    steps before are done), two calls dispatched, then each call's steps read from their slots as they
+    are written and the next call dispatched. (seconds per step, median enqueue seconds of one call,
+    the carried arrays)."""
     tokens.clear()
     pos = int(np.asarray(carry[at]).ravel()[0])
     t = time.perf_counter()
     enqueue = []
-    for i in range(n):
+
+    def dispatch(carry):
         t0 = time.perf_counter()
         carry = call(*carry)
         enqueue.append(time.perf_counter() - t0)
-        if i:
+        return carry
+    for i in range(n):
+        carry = dispatch(carry)
+        for _ in range(steps if i else 0):   # the steps of the call before this one
             pos += len(tokens.read(pos))
-    tokens.read(pos)
+    for _ in range(steps):
+        pos += len(tokens.read(pos))
     jax.block_until_ready(carry)
-    return (time.perf_counter() - t) / n, statistics.median(enqueue), carry
+    return (time.perf_counter() - t) / (n * steps), statistics.median(enqueue), carry
 
 
 def call_variant_loops(eng, carry, params, n):
-    """What makes a call's enqueue cost: the plain step's host loop (one step per call, looked up once)
-    in six forms, each compiled with the step's XLA options: "shipped" (`Engine.decode` as the
-    Generator's stream runs it: the four carried arrays donated, the token written into the engine's
-    token ring where the engine loads (`DecodeConfig.token_ring`), else a fifth output, as
-    "host_output_pinned"); "host_output_pinned" (the token again as a fifth output, written into
-    pinned host memory and read by the host); "host_output_on_device" (that output in device memory,
-    copied to the host after the step); "no_host_output" (the four carried arrays only, nothing read:
-    not a usable loop, the diagnostic); "host_copy_program" (the step of "no_host_output", then a
-    second program of its own that copies the new token into pinned host memory: the step's buffers
-    keep their addresses from call to call, the copy's enqueue counts in the call's);
-    "host_output_donated" (as "host_output_pinned", but the pinned host output written into one of
-    two pinned buffers that the calls donate in turn, each read before it is donated again: no host
-    allocation per call, two addresses in turn). `carry`: (cache, token, pos, key). Returns ({form:
-    {enqueue_ms, host_loop_ms}}, the carry after)."""
+    """What makes a call's enqueue cost: the plain step's host loop (looked up once) in these forms,
+    each compiled with the step's XLA options: "host_output_pinned" (`Engine.decode`, one step a call:
+    the four carried arrays donated, the token again as a fifth output written into pinned host memory
+    and read by the host: what `Generator.stream` runs where there is no token ring);
+    "host_output_on_device" (that output in device memory, copied to the host after the step);
+    "no_host_output" (the four carried arrays only, nothing read: not a usable loop, the diagnostic);
+    "host_copy_program" (the step of "no_host_output", then a second program of its own that copies the
+    new token into pinned host memory: the step's buffers keep their addresses from call to call, the
+    copy's enqueue counts in the call's); "host_output_donated" (as "host_output_pinned", but the pinned
+    host output written into one of two pinned buffers that the calls donate in turn, each read before
+    it is donated again: no host allocation per call, two addresses in turn). Where the engine's token
+    ring is (`DecodeConfig.token_ring`) also "token_ring" (one step a call, the token written into the
+    ring, every output donated) and "token_ring_stream" (`Engine.decode_stream`, what the stream runs
+    there: STREAM_STEPS steps a call, two calls in flight; its enqueue is a call's, its host loop a
+    step's). `carry`: (cache, token, pos, key). Returns ({form: {enqueue_ms, host_loop_ms,
+    steps_per_call}}, the carry after); "host_output_pinned" also has "host_trace"."""
     run = eng._wrap(Engine._decode)
     host = None if eng._interpreted else eng.sharding.with_memory_kind("pinned_host")
 
@@ -463,20 +481,27 @@ def call_variant_loops(eng, carry, params, n):
         buffers.append(res[4])
         return res
 
-    calls = {"shipped": with_state(eng.decode.executable(eng.state, *carry, params)),
-             "host_output_pinned": with_state(variant(run, out_shardings=(None,) * 4 + (host,))),
+    calls = {"host_output_pinned": with_state(eng.decode.executable(eng.state, *carry, params)),
              "host_output_on_device": with_state(variant(run)),
              "no_host_output": plain,
              "host_copy_program": host_copy,
              "host_output_donated": into_donated}
+    if eng.ring is not None:
+        calls["token_ring"] = with_state(variant(eng._wrap(Engine._decode_to_ring)))
+        stops = eng.place(np.full(MAX_STOPS, -1, np.int32))
+        left = eng.place(np.int32((n + 3) * STREAM_STEPS))   # never reached
+        stream = eng.decode_stream.executable(eng.state, *carry, left, params, stops)
+        calls["token_ring_stream"] = lambda *c: stream(eng.state, *c, params, stops)
     for name, call in calls.items():
-        res = jax.block_until_ready(call(*carry))   # warm
-        if name == "shipped" and eng.ring is not None:
-            loop_s, enqueue_s, carry = ring_loop(call, res, n, eng.ring)
+        keep, steps = (5, STREAM_STEPS) if name == "token_ring_stream" else (4, 1)
+        res = jax.block_until_ready(call(*carry, *([left] if keep == 5 else [])))   # warm
+        if name.startswith("token_ring"):
+            loop_s, enqueue_s, res = ring_loop(call, res, n, eng.ring, 2, steps)
         else:
-            loop_s, enqueue_s, carry = call_loop(call, res, 4, n)
-        out[name] = {"enqueue_ms": enqueue_s * 1e3, "host_loop_ms": loop_s * 1e3}
-    out["shipped"]["host_trace"], carry = traced_calls(calls["shipped"], carry, n)
+            loop_s, enqueue_s, res = call_loop(call, res, keep, n)
+        carry = tuple(res[:4])
+        out[name] = {"enqueue_ms": enqueue_s * 1e3, "host_loop_ms": loop_s * 1e3, "steps_per_call": steps}
+    out["host_output_pinned"]["host_trace"], carry = traced_calls(calls["host_output_pinned"], carry, n)
     return out, tuple(carry)
 
 

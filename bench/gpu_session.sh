@@ -126,10 +126,11 @@
 #   loops        the 61-layer pallas step under each layer-loop form of LOOPS (default four and eight layers per
 #                iteration), one process
 #   compileprofile  the same first compile with XLA's stage under JAX's profiler (host events by name)
-#   callvariants the step loop (the layers that fit the GPU, `share_layers`), one step per call, in bench.decode
-#                --call-variants' forms (as shipped: the token ring; the token as a pinned host output, without
-#                any output, the output on the device, a copy program, donated host buffers): what a call's
-#                ~1 ms enqueue is
+#   callvariants the step loop (the layers that fit the GPU, `share_layers`) in bench.decode --call-variants'
+#                forms (one step a call: the token as a pinned host output, without any output, the output on
+#                the device, a copy program, donated host buffers, the token ring; and the stream's calls of
+#                STREAM_STEPS steps through the ring): what a call's ~1 ms enqueue is, and what a step's host
+#                loop costs
 #   callvariants_ab  the same, 100 calls per form, for .baseline (another tree, carried) then this checkout
 #   build        the CUDA engine library and self-test (python -m jtilert.ffi.build --selftest)
 #   select       the engine's top-k select: self-test + CUDA-graph timings (after build)

@@ -263,8 +263,62 @@ def test_two_open_streams_on_one_device_do_not_share_the_ring(tiny_random, host_
     with pytest.warns(RuntimeWarning, match="another open stream reads the token ring"):
         got = list(zip(*(g.stream(p, 10, stop_tokens=[]) for g, p in zip((a, b), prompts))))
     assert [list(t) for t in zip(*got)] == want
-    # each compiled the ring's step before its stream; only the second needed the other form
-    assert a.engine.decode.compiles == 1 and a.engine.decode_returning.compiles == 0
-    assert b.engine.decode.compiles == 1 and b.engine.decode_returning.compiles == 1
+    # each compiled the ring's steps before its stream; only the second needed the steps that return
+    assert a.engine.decode_stream.compiles == 1 and a.engine.decode.compiles == 0
+    assert b.engine.decode_stream.compiles == 1 and b.engine.decode.compiles == 1
     assert ring.acquire([host_ring])
     ring.release([host_ring])
+
+
+@pytest.mark.parametrize("mtp", [False, True])
+def test_the_device_loop_ends_at_a_stop_token_or_the_budget(tiny_random, host_ring, mtp):
+    """The ring's calls run up to STREAM_STEPS steps each, two in flight: over several calls the tokens
+    are the returning steps', and the device writes no step past a stop token or the token budget
+    (the calls in flight after the last one run none), whatever the host had dispatched."""
+    import jtilert
+    from jtilert.runtime.generate import STREAM_STEPS
+    prompt = [3, 17, 5, 9]
+    plain = jtilert.Generator(tiny_random, max_seq_len=128, mtp=mtp, config=jtilert.DecodeConfig(token_ring=False))
+    gen = jtilert.Generator(tiny_random, max_seq_len=128, mtp=mtp)
+    n = 3 * STREAM_STEPS + 5     # more steps than the two calls dispatched first
+    want = list(plain.stream(prompt, n, stop_tokens=[]))
+    assert list(gen.stream(prompt, n, stop_tokens=[])) == want
+    written = lambda: sorted(int(k) for k in host_ring.slots[:, 0] if k >= 0)
+    keys = written()
+    assert keys[0] == len(prompt) and keys[-1] < len(prompt) + n - 1, keys   # n - 1 tokens after the first
+    assert len(keys) == gen.stats["steps"], (keys, gen.stats)
+    # a stop token: the stream ends with it, and no step after it is written
+    at = next(i for i in range(3, len(want)) if want[i] not in want[:i])
+    got = list(gen.stream(prompt, n, stop_tokens=[want[at]]))
+    assert got == want[:at + 1]
+    keys = written()
+    assert len(keys) == gen.stats["steps"], (keys, gen.stats)
+    assert keys[-1] + (2 if mtp else 1) >= len(prompt) + at and keys[-1] < len(prompt) + at, keys
+
+
+@pytest.mark.parametrize("mtp", [False, True])
+def test_bench_decode_times_the_stream_through_the_ring(tiny_random, host_ring, mtp):
+    """bench.decode's host loop runs what the stream runs where the ring is: calls of STREAM_STEPS steps
+    read from the ring (every step's slot written under its position); its call variants add the ring's
+    two forms."""
+    import jtilert
+    from bench import decode
+    from jtilert.runtime.generate import STREAM_STEPS, Engine
+    eng = Engine(tiny_random)
+    assert eng.ring is host_ring
+    context, n = 20, 3
+    cache = decode.random_cache(eng, decode.cache_rows(context, 2 * n * STREAM_STEPS + 8))
+    token, draft = eng.place(jnp.array([1], jnp.int32)), eng.place(jnp.array([2], jnp.int32))
+    pos, key = eng.place(jnp.int32(context)), eng.place(jax.random.PRNGKey(0))
+    params = eng.place(jtilert.Sampling().arrays())
+    per_step, enqueue, carry = decode.host_loop(eng, cache, token, draft, pos, params, key, mtp, n)
+    assert per_step > 0 and enqueue > 0 and len(carry) == (6 if mtp else 5)
+    end = int(carry[3 if mtp else 2])
+    keys = sorted(int(k) for k in host_ring.slots[:, 0] if k >= 0)
+    assert keys[-1] < end and len(keys) == min(n * STREAM_STEPS, ring.SLOTS), (keys, end)
+    if mtp:
+        return
+    out, carry = decode.call_variant_loops(eng, carry[:4], params, n)
+    assert {"token_ring", "token_ring_stream", "host_output_pinned"} <= set(out)
+    assert out["token_ring_stream"]["steps_per_call"] == STREAM_STEPS and out["token_ring"]["steps_per_call"] == 1
+    assert all(v["enqueue_ms"] > 0 and v["host_loop_ms"] > 0 for v in out.values())

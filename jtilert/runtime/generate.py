@@ -6,8 +6,11 @@ and the loop-carried scalars; everything it carries (cache, token, position, key
 buffers keep their device addresses from call to call. Each step is compiled ahead of time, once per
 shape (`Compiled`), and sampling settings are arrays: nothing compiles while generating.
 
-`Generator.stream` runs one step per call and yields each token as soon as it is read back; the
-host dispatches step i+1 before it reads step i's token, so the device never waits for Python.
+`Generator.stream` yields each token as soon as its step has made it. On a GPU with the token ring
+(`DecodeConfig.token_ring`) a call runs up to `STREAM_STEPS` steps, each writing its tokens into pinned
+host memory as it ends, and the host keeps two calls in flight; elsewhere a call runs one step and
+returns its token, and the host dispatches step i+1 before it reads step i's. Either way the device
+never waits for Python.
 `Generator.generate` runs the steps on the device in a loop that ends at a stop token or the
 token budget (`GENERATE_STEPS` steps per call at most).
 """
@@ -38,7 +41,9 @@ from jtilert.runtime import compile_cache
 from jtilert.runtime.sampling import Sampling, is_int, sample, verify
 
 GENERATE_STEPS = 64   # decode steps per call of `generate` (the loop on the device exits early at a stop)
-MAX_STOPS = 8         # stop tokens `generate` checks on the device
+STREAM_STEPS = 8      # decode steps per call of `stream` through the token ring (each token read as it is made)
+MAX_STOPS = 8         # stop tokens the device loops check (`stream` checks any number on the host too)
+assert 2 * STREAM_STEPS * 2 <= ring.SLOTS   # two calls in flight, two positions a step at most (MTP)
 
 
 class Compiled:
@@ -112,26 +117,26 @@ class Engine:
         self.forward = Compiled(self._wrap(self._forward), (1,), "forward", self)
         self.draft = Compiled(self._wrap(self._draft), (1,), "draft", self)   # MTP prefill: chunk-shaped
         opts = self.step_options   # the decode-shaped steps: DecodeConfig.xla_options
-        # What `stream` reads after every step (the token; MTP: the emitted tokens and their count) the
-        # step itself writes into pinned host memory, so reading it starts no transfer of its own. Not
-        # where the kernels run in GPU interpret mode: their ordered host callbacks add an effect token
-        # to the step's outputs, which jax 0.11.2 leaves out when it lowers the outputs' memory kinds
-        # (a failed zip); there the token stays in device memory and `_HostCopy` copies it.
-        # With the token ring (DecodeConfig.token_ring) `decode` and `speculate` write those tokens into it
-        # instead and return only their donated carried arrays; the forms that return them stay for a
-        # stream opened while another reads the device's ring (compiled only if one is).
+        # What a step returns for `stream` (the token; MTP: the emitted tokens and their count) it writes
+        # into pinned host memory itself, so reading it starts no transfer of its own. Not where the
+        # kernels run in GPU interpret mode: their ordered host callbacks add an effect token to the
+        # step's outputs, which jax 0.11.2 leaves out when it lowers the outputs' memory kinds (a failed
+        # zip); there the token stays in device memory and `_HostCopy` copies it.
         host = None if self._interpreted else self.sharding.with_memory_kind("pinned_host")
-        self.decode_returning = Compiled(self._wrap(self._decode), (1, 2, 3, 4), "decode", self, opts,
-                                         out_shardings=(None,) * 4 + (host,))
-        self.speculate_returning = Compiled(self._wrap(self._speculate), (1, 2, 3, 4, 5), "speculate", self, opts,
-                                            out_shardings=(None,) * 5 + (host, host))
+        self.decode = Compiled(self._wrap(self._decode), (1, 2, 3, 4), "decode", self, opts,
+                               out_shardings=(None,) * 4 + (host,))
+        self.speculate = Compiled(self._wrap(self._speculate), (1, 2, 3, 4, 5), "speculate", self, opts,
+                                  out_shardings=(None,) * 5 + (host, host))
+        # With the token ring (DecodeConfig.token_ring) `stream` runs up to STREAM_STEPS steps a call
+        # instead, each writing its tokens into the ring as soon as they exist; every output is a donated
+        # carried array. None where there is no ring.
         self.rings = self._token_rings()
+        self.decode_stream = self.speculate_stream = None
         if self.rings is not None:
-            self.decode = Compiled(self._wrap(self._decode_to_ring), (1, 2, 3, 4), "decode_to_ring", self, opts)
-            self.speculate = Compiled(self._wrap(self._speculate_to_ring), (1, 2, 3, 4, 5), "speculate_to_ring",
-                                      self, opts)
-        else:
-            self.decode, self.speculate = self.decode_returning, self.speculate_returning
+            self.decode_stream = Compiled(self._wrap(self._decode_stream), (1, 2, 3, 4, 5), "decode_stream", self,
+                                          opts)
+            self.speculate_stream = Compiled(self._wrap(self._speculate_stream), (1, 2, 3, 4, 5, 6),
+                                             "speculate_stream", self, opts)
         self.decode_loop = Compiled(self._wrap(self._decode_loop), (1, 2, 3, 4), "decode_loop", self, opts)
         self.speculate_loop = Compiled(self._wrap(self._speculate_loop), (1, 2, 3, 4, 5), "speculate_loop", self,
                                        opts)
@@ -243,12 +248,41 @@ class Engine:
         return cache, token, ring.write(pos, token), key
 
     @staticmethod
+    def _decode_stream(model, ops, cache, token, pos, key, left, params, stops):
+        """Up to STREAM_STEPS `_decode_to_ring` steps, ending after a stop token (one of `stops`) or
+        when `left`, the tokens still wanted, is 0: (cache, token, pos, key, left), all carried."""
+        def body(c):
+            cache, token, pos, key, left, i = c
+            cache, token, pos, key = Engine._decode_to_ring(model, ops, cache, token, pos, key, params)
+            return cache, token, pos, key, jnp.where(jnp.any(stops == token[0]), 0, left - 1), i + 1
+
+        c = jax.lax.while_loop(lambda c: (c[5] < STREAM_STEPS) & (c[4] > 0), body,
+                               (cache, token, pos, key, left, jnp.int32(0)))
+        return c[:5]
+
+    @staticmethod
     def _speculate_to_ring(model, ops, cache, token, draft, pos, key, params):
         """`_speculate` with its emitted tokens and their count written into the token ring under the
-        step's position, not returned (the write gives the next position)."""
+        step's position, not returned (the write gives the next position). Also returns the emitted
+        tokens and their count, for the stop test of `_speculate_stream`."""
         cache, token, draft, _, key, emitted, n = Engine._speculate(model, ops, cache, token, draft, pos, key,
                                                                      params)
-        return cache, token, draft, ring.write(pos, emitted, n), key   # the next position, pos + n
+        return cache, token, draft, ring.write(pos, emitted, n), key, emitted, n   # the next position, pos + n
+
+    @staticmethod
+    def _speculate_stream(model, ops, cache, token, draft, pos, key, left, params, stops):
+        """Up to STREAM_STEPS `_speculate_to_ring` steps (1 or 2 tokens each), ending after a stop token
+        or when `left`, the tokens still wanted, is 0 or less: (cache, token, draft, pos, key, left)."""
+        def body(c):
+            cache, token, draft, pos, key, left, i = c
+            cache, token, draft, pos, key, em, n = Engine._speculate_to_ring(model, ops, cache, token, draft, pos,
+                                                                             key, params)
+            stop = jnp.any(stops == em[0]) | ((n == 2) & jnp.any(stops == em[1]))
+            return cache, token, draft, pos, key, jnp.where(stop, 0, left - n), i + 1
+
+        c = jax.lax.while_loop(lambda c: (c[6] < STREAM_STEPS) & (c[5] > 0), body,
+                               (cache, token, draft, pos, key, left, jnp.int32(0)))
+        return c[:6]
 
     @staticmethod
     def _speculate(model, ops, cache, token, draft, pos, key, params):
@@ -325,9 +359,9 @@ class Engine:
         return sum(c.compile_s for c in self.steps())
 
     def steps(self) -> tuple[Compiled, ...]:
-        return tuple(dict.fromkeys((self.forward, self.draft, self.decode, self.speculate, self.decode_returning,
-                                    self.speculate_returning, self.decode_loop, self.speculate_loop,
-                                    self.first_token, self.first_draft)))
+        steps = (self.forward, self.draft, self.decode, self.speculate, self.decode_stream, self.speculate_stream,
+                 self.decode_loop, self.speculate_loop, self.first_token, self.first_draft)
+        return tuple(c for c in steps if c is not None)
 
     @property
     def num_arguments(self) -> int:
@@ -602,13 +636,15 @@ class Generator:
             if self.mtp:
                 draft_logits, _ = eng.draft.executable(eng.state, cache, hidden, eng.aval((c,), i32), scalar).out_info
                 draft = eng.first_draft.executable(draft_logits, scalar).out_info
-        stops = (eng.aval((MAX_STOPS,), i32), scalar) if loop else ()
-        if self.mtp:
-            step = eng.speculate_loop if loop else eng.speculate
-            step.executable(eng.state, cache, token, draft, scalar, key, params, *stops)
+        stops = eng.aval((MAX_STOPS,), i32)
+        carry = (cache, token, draft, scalar, key) if self.mtp else (cache, token, scalar, key)
+        if loop:
+            (eng.speculate_loop if self.mtp else eng.decode_loop).executable(eng.state, *carry, params, stops, scalar)
+        elif eng.rings is not None:
+            (eng.speculate_stream if self.mtp else eng.decode_stream).executable(eng.state, *carry, scalar, params,
+                                                                                 stops)
         else:
-            step = eng.decode_loop if loop else eng.decode
-            step.executable(eng.state, cache, token, scalar, key, params, *stops)
+            (eng.speculate if self.mtp else eng.decode).executable(eng.state, *carry, params)
 
     def _start(self, prompt_ids, max_new_tokens, sampling, loop: bool):
         """Compile what is missing, prefill and make the first token: (first token id, device state for
@@ -660,7 +696,7 @@ class Generator:
         if first in stops or done >= max_new_tokens:
             self._finish_stats(t1)
             return
-        steps = self._speculative_steps(s) if self.mtp else self._plain_steps(s)
+        steps = self._ring_steps(s, stops, max_new_tokens - 1) if self._take_rings() else self._returned_steps(s)
         try:
             for toks in steps:
                 for tok in toks:
@@ -673,40 +709,38 @@ class Generator:
             steps.close()
             self._finish_stats(t1)
 
-    def _plain_steps(self, s):
-        """One step per call, pipelined: dispatch step i+1, then read step i's token."""
-        eng = self.engine
-        cache, token, pos, key, params = s["cache"], s["token"], s["pos"], s["key"], s["params"]
-        if self._take_rings():
-            yield from self._ring_steps(eng.decode, (cache, token, pos, key), params, 2)
-            return
-        # the loop's shapes never change: the executable is looked up once
-        step = eng.decode_returning.executable(eng.state, cache, token, pos, key, params)
-        pending = None
-        while True:
-            cache, token, pos, key, emitted = step(eng.state, cache, token, pos, key, params)
-            self.stats["steps"] += 1
-            if pending is not None:
-                yield [int(pending.result()[0])]
-            pending = _HostCopy(emitted)
+    def _carry(self, s) -> tuple:
+        """The arrays the decode steps carry from call to call, from `_start`'s state."""
+        return tuple(s[k] for k in (("cache", "token", "draft", "pos", "key") if self.mtp else
+                                    ("cache", "token", "pos", "key")))
 
-    def _speculative_steps(self, s):
-        eng = self.engine
-        cache, token, draft, pos, key, params = s["cache"], s["token"], s["draft"], s["pos"], s["key"], s["params"]
-        if self._take_rings():
-            yield from self._ring_steps(eng.speculate, (cache, token, draft, pos, key), params, 3)
-            return
-        step = eng.speculate_returning.executable(eng.state, cache, token, draft, pos, key, params)
+    def _count(self, toks: list) -> list:
+        """Counts one step that emitted `toks` in `stats` (MTP: one draft, accepted if two)."""
+        self.stats["steps"] += 1
+        if self.mtp:
+            self.stats["drafted"] += 1
+            self.stats["accepted"] += len(toks) - 1
+        return toks
+
+    def _returned_steps(self, s):
+        """One step per call (`Engine.decode` / `Engine.speculate`), pipelined: dispatch step i+1, then
+        read step i's tokens from what it returned."""
+        eng, params = self.engine, s["params"]
+        carry = self._carry(s)
+        keep = len(carry)
+        # the loop's shapes never change: the executable is looked up once
+        step = (eng.speculate if self.mtp else eng.decode).executable(eng.state, *carry, params)
         pending = None
         while True:
-            cache, token, draft, pos, key, em, n = step(eng.state, cache, token, draft, pos, key, params)
-            self.stats["steps"] += 1
+            out = step(eng.state, *carry, params)
+            carry = out[:keep]
             if pending is not None:
-                em_h, n_h = pending[0].result(), int(pending[1].result())
-                self.stats["drafted"] += 1
-                self.stats["accepted"] += n_h - 1
-                yield [int(t) for t in em_h[:n_h]]
-            pending = (_HostCopy(em), _HostCopy(n))
+                if self.mtp:
+                    em, n = pending[0].result(), int(pending[1].result())
+                    yield self._count([int(t) for t in em[:n]])
+                else:
+                    yield self._count([int(pending[0].result()[0])])
+            pending = [_HostCopy(x) for x in out[keep:]]
 
     def _take_rings(self) -> bool:
         """Whether this stream's steps write into the engine's token rings (`ring.acquire`): not where it
@@ -721,31 +755,33 @@ class Generator:
                                           "stream runs on; its steps return their tokens instead (compiled now)")
         return False
 
-    def _ring_steps(self, compiled: Compiled, carry, params, at: int):
-        """`_plain_steps` / `_speculative_steps` for the step `compiled` (`Engine.decode` or
-        `Engine.speculate`), which writes its tokens into the engine's token rings; this stream has
-        acquired them and releases them when it ends. Dispatch step i+1, then read step i's tokens from
-        the ring under its position (carry[at] before it), the next position that plus their count. The
-        first token has been read, so no step of an earlier generation is still running when the ring
-        is cleared."""
-        eng = self.engine
+    def _ring_steps(self, s, stops: set, left: int):
+        """The stream's steps through the token rings, which it has acquired (and releases when it ends):
+        calls of `Engine.decode_stream` / `speculate_stream`, each up to STREAM_STEPS steps that end at a
+        stop token or once `left` tokens are made. Two calls are in flight; each step's tokens are read
+        from the ring under its position as soon as the step writes them (the next position is that plus
+        their count), and once a call's steps are read the next call is dispatched. So the host is never
+        more than 2 · STREAM_STEPS steps (4 · STREAM_STEPS positions, ≤ ring.SLOTS) behind the device.
+        The request's first token has been read, so no step of an earlier request is still running when
+        the ring is cleared. The device checks the first MAX_STOPS stop tokens; the stream checks all."""
+        eng, params = self.engine, s["params"]
         tokens = eng.ring
         try:
-            step = compiled.executable(eng.state, *carry, params)   # looked up once
+            first = sorted(stops)[:MAX_STOPS]
+            stop_arr = eng.place(np.array(first + [-1] * (MAX_STOPS - len(first)), np.int32))
+            carry = (*self._carry(s), eng.place(np.int32(left)))
+            compiled = eng.speculate_stream if self.mtp else eng.decode_stream
+            step = compiled.executable(eng.state, *carry, params, stop_arr)   # looked up once
             tokens.clear()
-            pos = int(np.asarray(carry[at]).reshape(-1)[0])
-            pending = False
+            pos = int(np.asarray(s["pos"]).reshape(-1)[0])
+            for _ in range(2):
+                carry = step(eng.state, *carry, params, stop_arr)
             while True:
-                carry = step(eng.state, *carry, params)
-                self.stats["steps"] += 1
-                if pending:
+                for _ in range(STREAM_STEPS):
                     toks = [int(t) for t in tokens.read(pos)]
                     pos += len(toks)
-                    if self.mtp:
-                        self.stats["drafted"] += 1
-                        self.stats["accepted"] += len(toks) - 1
-                    yield toks
-                pending = True
+                    yield self._count(toks)
+                carry = step(eng.state, *carry, params, stop_arr)
         finally:
             ring.release(eng.rings)
 
