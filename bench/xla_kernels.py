@@ -161,9 +161,11 @@ def h200():
 
 
 def compile_programs(cfg, *, context: int, backend: str, mtp: bool, loop: bool, want: set[str],
-                     options: dict) -> list[dict]:
+                     options: dict, ring: bool = False) -> list[dict]:
     """Prepares a Generator for `cfg` (abstract weights) and compiles the programs named in `want` for
-    the H200: per program its XLA compile seconds, memory and `launches`; the optimized HLO text too."""
+    the H200: per program its XLA compile seconds, memory and `launches`; the optimized HLO text too.
+    ring: the engine has a token ring (a stand-in: preparing reads only its device), so `stream`'s
+    steps are the ring's (`decode_stream`, `speculate_stream`)."""
     from jax._src import compiler
     from jax._src.lib import xla_client as xc
 
@@ -171,7 +173,7 @@ def compile_programs(cfg, *, context: int, backend: str, mtp: bool, loop: bool, 
     from jtilert.ffi import ops as ffi_ops
     from jtilert.model.transformer import abstract_model
     from jtilert.pallas import interpret
-    from jtilert.runtime.generate import Compiled, Generator
+    from jtilert.runtime.generate import Compiled, Engine, Generator
     from jtilert.runtime.sampling import Sampling
 
     dev = h200()
@@ -201,14 +203,19 @@ def compile_programs(cfg, *, context: int, backend: str, mtp: bool, loop: bool, 
                      "temp_gib": mem.temp_size_in_bytes / 2**30, **launches(text)})
         return lowered
 
-    saved = Compiled.executable
+    class StandInRing:
+        device = dev
+
+    saved, saved_rings = Compiled.executable, Engine._token_rings
     Compiled.executable = compile_for_h200
+    if ring:
+        Engine._token_rings = lambda self: [StandInRing()] if self.config.token_ring else None
     try:
         with interpret.compile_for_gpu():
             gen = Generator(abstract_model(cfg, "fp8", jnp.bfloat16), max_seq_len=context, backend=backend, mtp=mtp)
             gen._prepare(Sampling(), loop=loop)
     finally:
-        Compiled.executable = saved
+        Compiled.executable, Engine._token_rings = saved, saved_rings
     return rows
 
 
@@ -225,6 +232,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--program", default="decode", help="programs to compile, comma-separated (decode, "
                     "decode_loop with --loop, speculate with --mtp, forward, first_token, ...)")
     ap.add_argument("--loop", action="store_true", help="prepare generate()'s device loop, not stream()'s step")
+    ap.add_argument("--ring", action="store_true", help="stream()'s steps through the token ring (decode_stream, "
+                    "speculate_stream), as on a GPU where the CUDA engine loads")
     ap.add_argument("--option", action="append", default=[], help="an XLA option NAME=VALUE for these compiles")
     ap.add_argument("--out", help="write the result (without the HLO) as JSON here")
     ap.add_argument("--hlo", help="write the first program's optimized HLO here")
@@ -232,7 +241,7 @@ def main(argv=None) -> list[dict]:
     options = dict(kv.split("=", 1) for kv in a.option)
     cfg = preset(a.preset, num_hidden_layers=a.layers)
     rows = compile_programs(cfg, context=a.context, backend=a.backend, mtp=a.mtp, loop=a.loop,
-                            want=set(a.program.split(",")), options=options)
+                            want=set(a.program.split(",")), options=options, ring=a.ring)
     for r in rows:
         loops = ", ".join(f"{x['loop']} {x['trips']} × {x['kernels_per_trip']}" for x in r["loops"])
         print(f"{r['program']}: {r['kernels']} kernels a call ({a.preset}, {a.layers} layers, context {a.context}); "

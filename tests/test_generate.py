@@ -337,10 +337,15 @@ def test_xla_options_reach_the_decode_steps_only(tiny_random, gen):
     default = {"xla_disable_hlo_passes": "rematerialization", "xla_gpu_command_buffer_scheduling_mode": "CONCURRENT",
                "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL"}
     assert jtilert.DecodeConfig().xla_options == tuple(sorted(default.items()))
-    assert gen.engine.decode_loop._options == default
+    # the device loops' also record every thunk sequence into a CUDA graph (Engine.loop_options)
+    short = {"xla_gpu_graph_min_graph_size": "1"}
+    assert gen.engine.decode._options == default and gen.engine.decode_loop._options == {**default, **short}
     g = jtilert.Generator(tiny_random, max_seq_len=256, config=cfg)
     assert g.generate(PROMPT, 12, stop_tokens=[]) == gen.generate(PROMPT, 12, stop_tokens=[])
-    assert g.engine.forward._options is None and g.engine.decode_loop._options == dict(cfg.xla_options)
+    assert g.engine.forward._options is None and g.engine.decode._options == dict(cfg.xla_options)
+    assert g.engine.decode_loop._options == {**dict(cfg.xla_options), **short}
+    plain = jtilert.Generator(tiny_random, max_seq_len=256, config=jtilert.DecodeConfig(xla_options=()))
+    assert plain.engine.decode_loop._options is None
     bad = jtilert.Generator(tiny_random, max_seq_len=256, config=jtilert.DecodeConfig(
         xla_options=(("xla_gpu_command_buffer_scheduling_mode", "BOGUS"),)))
     with pytest.raises(Exception, match="not a valid enum value"):   # XLA read it: it reached the compile

@@ -130,3 +130,20 @@ def test_the_step_compiled_for_an_h200(tmp_path):
     # one CUDA graph holds the step, its loop and the sampler's branches; the host runs the token's
     # copy to pinned memory beside it
     assert step["graph"]["command_buffers"] == 1 and step["graph"]["outside"] <= 5, step["graph"]
+
+
+@pytest.mark.skipif(not XLA_PYTHON.exists(), reason="no .venv-xla (make xla-venv; .ci/run makes it)")
+@pytest.mark.parametrize("program", ["decode_stream", "speculate_stream"])
+def test_the_streams_device_loop_is_one_cuda_graph(tmp_path, program):
+    """A stream call through the token ring is a device loop of decode steps; its top level is the
+    loop and a copy, which XLA would leave to the host under its default minimum graph size (each
+    step's condition read back, the call as long as its steps). `Engine.loop_options` has it recorded
+    into one CUDA graph, nothing outside; the ring's write in every step."""
+    out = tmp_path / "r.json"
+    args = ["--layers", "4", "--ring", "--program", program, "--out", str(out)]
+    proc = subprocess.run([str(XLA_PYTHON), "-m", "bench.xla_kernels", *args, *(["--mtp"] if "spec" in program else [])],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [step] = json.loads(out.read_text())["programs"]
+    assert step["graph"]["command_buffers"] == 1 and step["graph"]["outside"] == 0, step["graph"]
+    assert step["names"]["jtilert_token_ring"] == 1, step["names"]

@@ -132,14 +132,15 @@ class Engine:
         # carried array. None where there is no ring.
         self.rings = self._token_rings()
         self.decode_stream = self.speculate_stream = None
+        loop_opts = self.loop_options
         if self.rings is not None:
             self.decode_stream = Compiled(self._wrap(self._decode_stream), (1, 2, 3, 4, 5), "decode_stream", self,
-                                          opts)
+                                          loop_opts)
             self.speculate_stream = Compiled(self._wrap(self._speculate_stream), (1, 2, 3, 4, 5, 6),
-                                             "speculate_stream", self, opts)
-        self.decode_loop = Compiled(self._wrap(self._decode_loop), (1, 2, 3, 4), "decode_loop", self, opts)
+                                             "speculate_stream", self, loop_opts)
+        self.decode_loop = Compiled(self._wrap(self._decode_loop), (1, 2, 3, 4), "decode_loop", self, loop_opts)
         self.speculate_loop = Compiled(self._wrap(self._speculate_loop), (1, 2, 3, 4, 5), "speculate_loop", self,
-                                       opts)
+                                       loop_opts)
         self.first_token = Compiled(_first_token, (2,), "first_token", self)
         self.first_draft = Compiled(_first_draft, (), "first_draft", self)
 
@@ -188,6 +189,16 @@ class Engine:
     def step_options(self) -> dict | None:
         """XLA compile options of the decode-shaped steps (`DecodeConfig.xla_options`; None: XLA's own)."""
         return dict(self.config.xla_options) or None
+
+    @property
+    def loop_options(self) -> dict | None:
+        """XLA compile options of the steps that loop over decode steps on the device (`stream`'s calls
+        through the ring, `generate`'s): the step's, with every thunk sequence recorded into a CUDA
+        graph however short. Such a program's top level can be its loop and a copy, and XLA records no
+        sequence of fewer than `xla_gpu_graph_min_graph_size` thunks (default 5): the loop would run
+        from the host, each step's condition read back before the next (RESULTS.md, session 37)."""
+        opts = self.step_options
+        return None if opts is None else {**opts, "xla_gpu_graph_min_graph_size": "1"}
 
     def program_identity(self, name: str) -> tuple | None:
         return None if self._identity is None else (name, *self._identity)
