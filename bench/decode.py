@@ -172,14 +172,16 @@ def _random_leaf(key, shape, dtype, scales: bool):
     return jax.random.normal(key, shape, jnp.float32).astype(dtype)
 
 
-def device_loop(eng: Engine, mtp: bool):
-    """decode (or MTP) steps in one compiled loop, always restarting at the same position; the
-    number of steps is an argument, so one compile serves every loop length."""
+def device_loop(eng: Engine, mtp: bool, advance: bool = False):
+    """decode (or MTP) steps in one compiled loop, every step at the same position (`advance`: step
+    i at pos + i, or pos + 2i for MTP steps, as served steps move on); the number of steps is an
+    argument, so one compile serves every loop length."""
     step = eng._wrap(eng._speculate if mtp else eng._decode)
 
-    def run(state, cache, token, draft, pos, params, key, steps):
-        def body(_, c):
+    def run(state, cache, token, draft, pos0, params, key, steps):
+        def body(i, c):
             cache, token, draft, key = c
+            pos = pos0 + i * (2 if mtp else 1) if advance else pos0
             if mtp:
                 cache, token, draft, _, key, _, _ = step(state, cache, token, draft, pos, key, params)
             else:
@@ -316,6 +318,12 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
               "tok_s": 1.0 / device_s, "compile_s": compile_s, "compile_stages": compile_stages,
               "precompiled": precompiled, "steps_timed": 3 * steps * samples,
               "call_overhead_ms": (statistics.median(short) - steps * device_s) * 1e3, "timing": timing}
+    if call_variants:
+        # the same timing with each step at its own position, as the served steps run
+        loop = device_loop(eng, mtp, advance=True)
+        timed(n1)   # compile
+        result["advancing_step_ms"] = statistics.median((timed(n2) - timed(n1)) / steps
+                                                        for _ in range(samples)) * 1e3
     if host:
         host_s, enqueue_s, carry = host_loop(eng, cache, token, draft, pos, params, key, mtp, host_steps)
         cache = carry[0]
