@@ -250,7 +250,9 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
                                                        split_indexer=split_indexer, layer_loop=loop,
                                                        l2_prefetch=l2_prefetch, engine_moe=engine_moe, **opts))
     host_steps = steps * samples
-    rows = cache_rows(context, steps + host_steps)
+    # rows for the longest run of steps from `context`: a timed loop's 2n, or the host loop's calls
+    # (STREAM_STEPS steps each through the token ring, one more call to warm)
+    rows = cache_rows(context, max(2 * steps, (host_steps + 1) * STREAM_STEPS))
     cache = random_cache(eng, rows)
     token, draft = eng.place(jnp.array([1], jnp.int32)), eng.place(jnp.array([2], jnp.int32))
     pos = eng.place(jnp.int32(context))
@@ -331,7 +333,7 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
                       host_overhead_frac=max(0.0, host_s - device_s) / host_s, enqueue_ms=enqueue_s * 1e3,
                       arguments=eng.num_arguments, step_compile_s=host_loop.compile_s)
         if call_variants and not mtp and eng.tp == 1:
-            result["call_variants"], carry = call_variant_loops(eng, carry, params, host_steps)
+            result["call_variants"], carry = call_variant_loops(eng, carry, params, host_steps, context)
             cache = carry[0]
     else:
         carry = (cache, token, pos, key)
@@ -447,7 +449,7 @@ def ring_loop(call, carry, n: int, tokens, at: int = 2, steps: int = 1):
     return (time.perf_counter() - t) / (n * steps), statistics.median(enqueue), carry
 
 
-def call_variant_loops(eng, carry, params, n):
+def call_variant_loops(eng, carry, params, n, start: int):
     """What makes a call's enqueue cost: the plain step's host loop (looked up once) in these forms,
     each compiled with the step's XLA options: "host_output_pinned" (`Engine.decode`, one step a call:
     the four carried arrays donated, the token again as a fifth output written into pinned host memory
@@ -462,7 +464,8 @@ def call_variant_loops(eng, carry, params, n):
     ring is (`DecodeConfig.token_ring`) also "token_ring" (one step a call, the token written into the
     ring, every output donated) and "token_ring_stream" (`Engine.decode_stream`, what the stream runs
     there: STREAM_STEPS steps a call, two calls in flight; its enqueue is a call's, its host loop a
-    step's). `carry`: (cache, token, pos, key). Returns ({form: {enqueue_ms, host_loop_ms,
+    step's). `carry`: (cache, token, pos, key); every form starts at position `start`, so each runs
+    `n` calls' steps within the cache's rows. Returns ({form: {enqueue_ms, host_loop_ms,
     steps_per_call}}, the carry after); "host_output_pinned" also has "host_trace"."""
     run = eng._wrap(Engine._decode)
     host = None if eng._interpreted else eng.sharding.with_memory_kind("pinned_host")
@@ -502,6 +505,7 @@ def call_variant_loops(eng, carry, params, n):
         calls["token_ring_stream"] = lambda *c: stream(eng.state, *c, params, stops)
     for name, call in calls.items():
         keep, steps = (5, STREAM_STEPS) if name == "token_ring_stream" else (4, 1)
+        carry = (carry[0], carry[1], eng.place(np.int32(start)), carry[3])
         res = jax.block_until_ready(call(*carry, *([left] if keep == 5 else [])))   # warm
         if name.startswith("token_ring"):
             loop_s, enqueue_s, res = ring_loop(call, res, n, eng.ring, 2, steps)
@@ -509,6 +513,7 @@ def call_variant_loops(eng, carry, params, n):
             loop_s, enqueue_s, res = call_loop(call, res, keep, n)
         carry = tuple(res[:4])
         out[name] = {"enqueue_ms": enqueue_s * 1e3, "host_loop_ms": loop_s * 1e3, "steps_per_call": steps}
+    carry = (carry[0], carry[1], eng.place(np.int32(start)), carry[3])
     out["host_output_pinned"]["host_trace"], carry = traced_calls(calls["host_output_pinned"], carry, n)
     return out, tuple(carry)
 
