@@ -140,7 +140,7 @@ def test_the_streams_device_loop_is_one_cuda_graph(tmp_path, program):
     step's condition read back, the call as long as its steps). `Engine.loop_options` has it recorded
     into one CUDA graph, nothing outside; the ring's write in every step."""
     out = tmp_path / "r.json"
-    args = ["--layers", "4", "--ring", "--program", program, "--out", str(out)]
+    args = ["--preset", "tiny", "--layers", "2", "--ring", "--program", program, "--out", str(out)]
     proc = subprocess.run([str(XLA_PYTHON), "-m", "bench.xla_kernels", *args, *(["--mtp"] if "spec" in program else [])],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
