@@ -778,8 +778,7 @@ class Generator:
         eng, params = self.engine, s["params"]
         tokens = eng.ring
         try:
-            first = sorted(stops)[:MAX_STOPS]
-            stop_arr = eng.place(np.array(first + [-1] * (MAX_STOPS - len(first)), np.int32))
+            stop_arr = eng.place(_stop_array(sorted(stops)[:MAX_STOPS]))
             carry = (*self._carry(s), eng.place(np.int32(left)))
             compiled = eng.speculate_stream if self.mtp else eng.decode_stream
             step = compiled.executable(eng.state, *carry, params, stop_arr)   # looked up once
@@ -810,7 +809,7 @@ class Generator:
         out = [first]
         t1 = time.perf_counter()
         eng = self.engine
-        stop_arr = eng.place(np.array(stops + [-1] * (MAX_STOPS - len(stops)), np.int32))
+        stop_arr = eng.place(_stop_array(stops))
         cache, token, pos, key, params = s["cache"], s["token"], s["pos"], s["key"], s["params"]
         draft = s.get("draft")
         while out[-1] not in stops and len(out) < max_new_tokens:
@@ -839,6 +838,11 @@ class Generator:
         """Fraction of MTP drafts accepted in the last generation (None without MTP)."""
         d = self.stats.get("drafted", 0)
         return self.stats["accepted"] / d if self.mtp and d else None
+
+
+def _stop_array(stops: list) -> np.ndarray:
+    """Up to MAX_STOPS stop tokens as the device loops take them: int32 [MAX_STOPS], -1 past them."""
+    return np.array(list(stops) + [-1] * (MAX_STOPS - len(stops)), np.int32)
 
 
 def _seed_key(seed: int) -> np.ndarray:
