@@ -50,6 +50,9 @@
 #                its inputs (--shadow, both models), then their logits with one kernel at a time (GOLDEN_MODELS)
 #   prep         tests/gpu/prep_check.py: the mla_prep and index_prep kernels vs their references at
 #                dsv32/glm5-tp8-shard shapes
+#   ringcheck    tests/gpu/ring_check.py: Generator.stream through the token ring against the steps that
+#                return their tokens (tiny model, both backends, plain and MTP, greedy and sampled), and
+#                the time a token of each (after build)
 #   route        tests/gpu/route_check.py: the engine's router selection vs the reference, and their times
 #   moe          tests/gpu/moe_check.py: the engine's one-launch MoE vs the reference and the pallas path, and
 #                their times per MoE in a dependent chain
@@ -419,6 +422,7 @@ for part in "$@"; do
       step goldencheck 300 python3 tests/gpu/golden_check.py --out "$WORK/golden_check.json" \
         ${GOLDEN_MODELS:+--models $GOLDEN_MODELS} ;;
     prep) step prep 300 python3 tests/gpu/prep_check.py --out "$WORK/prep.json" ;;
+    ringcheck) step ringcheck 200 python3 tests/gpu/ring_check.py "$WORK/ring_check.json" ;;
     route) step route 200 python3 tests/gpu/route_check.py --out "$WORK/route.json" ;;
     moe) step moe 400 python3 tests/gpu/moe_check.py --out "$WORK/moe.json" ;;
     moepatch)  # the one-launch MoE check (part moe) in a copy of this checkout with PATCH (a bench/experiments
