@@ -345,6 +345,16 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
             return holder[0]
         result["kernel_profile"] = kernel_profile(one_step, 1)
         result["kernel_profile"]["gaps_ms"] = device_s * 1e3 - result["kernel_profile"]["busy_ms"]
+        if eng.ring is not None and eng.tp == 1:
+            # one call of the stream's program (STREAM_STEPS steps through the token ring), per step:
+            # the served step's kernels against the timing loop's (loop_kernel_profile)
+            stops, left = eng.place(np.full(MAX_STOPS, -1, np.int32)), eng.place(np.int32(1 << 30))
+            served = [(*holder[0][:4], left)]
+
+            def one_call():
+                served[0] = eng.decode_stream(eng.state, *served[0], params, stops)
+                return served[0]
+            result["stream_kernel_profile"] = kernel_profile(one_call, STREAM_STEPS)
     if loop_profile is not None:
         result["loop_kernel_profile"] = {k: loop_profile[k] for k in ("kernels", "busy_ms", "gaps_ms", "groups")}
     if step_timeline is not None:

@@ -236,7 +236,7 @@ for part in "$@"; do
       JTILERT_COMPILATION_CACHE=$WORK/xla_cache_profile step compileprofile 300 $DEC --layers 61 --backend pallas \
         --steps 5 --samples 2 --compile-profile --out "$WORK/compileprofile.json" ;;
     callvariants) step callvariants 420 $DEC --layers "$(share_layers)" --backend pallas --steps 5 --samples 6 \
-                    --call-variants --out "$WORK/callvariants.json" ;;
+                    --call-variants --kernels --out "$WORK/callvariants.json" ;;
     golden) JAX_PLATFORMS=cuda step golden 400 python3 -m pytest -q -p no:cacheprovider -x tests/test_golden_kernels.py ;;
     decode) step decode 480 $DEC --layers 61 --backend "$B" --kernels --samples 10 \
               --out "$WORK/decode.json" --plot "$WORK/decode.png" ;;
