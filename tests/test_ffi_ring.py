@@ -326,3 +326,30 @@ def test_bench_decode_times_the_stream_through_the_ring(tiny_random, host_ring, 
     assert keys == list(range(context + STREAM_STEPS, context + (n + 1) * STREAM_STEPS)), keys
     assert out["token_ring_stream"]["steps_per_call"] == STREAM_STEPS and out["token_ring"]["steps_per_call"] == 1
     assert all(v["enqueue_ms"] > 0 and v["host_loop_ms"] > 0 for v in out.values())
+
+
+def test_bench_decode_profiles_before_the_host_loops_trace(tiny_random, host_ring, monkeypatch):
+    """With --kernels and --call-variants on a GPU (stood in for: CUPTI and the backend's name mocked),
+    every CUPTI profile, the stream call's included (per step of the timing loop's profiled call),
+    comes before the call variants trace under JAX's profiler, after which CUPTI drops records (a
+    device run aborted on it)."""
+    import contextlib
+
+    from bench import decode
+    traced = []
+
+    def cupti(run):
+        assert not traced, "a CUPTI profile after JAX's profiler"
+        jax.block_until_ready(run())
+        return [("k_1", 1e-6)], 1e-6
+
+    def trace(*args, **kw):
+        traced.append(True)
+        return contextlib.nullcontext()
+    monkeypatch.setattr(decode, "_cupti", cupti)
+    monkeypatch.setattr(decode.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(decode.jax.profiler, "trace", trace)
+    monkeypatch.setattr(decode, "host_events", lambda *a, **k: [])
+    r = decode.bench_backend(tiny_random, "reference", 20, False, 2, 2, kernels=True, call_variants=True)
+    assert traced and r["stream_kernel_profile"]["kernels"] == 1 / 2 and r["kernel_profile"]["kernels"] == 1
+    assert r["loop_kernel_profile"]["kernels"] == 1 / 2 and r["host_loop_ms"] > 0
