@@ -172,6 +172,22 @@ def _random_leaf(key, shape, dtype, scales: bool):
     return jax.random.normal(key, shape, jnp.float32).astype(dtype)
 
 
+def step_times(timed, n1, n2, steps: int, samples: int) -> tuple[list, list, str]:
+    """(seconds a step, per sample; seconds of each n-step call; how they were taken) from `samples`
+    pairs of `timed(n1)` and `timed(n2)` calls of a loop of n and 2n steps. A call costs its dispatch
+    (flattening the arguments: milliseconds at 61 layers) plus its steps; the difference of a 2n- and
+    an n-step loop is n steps of device time alone. Where timer noise is larger than n steps (tiny
+    models on a busy CPU) the n-step loop with its dispatch is the figure: an upper bound."""
+    per_step, short = [], []
+    for _ in range(samples):
+        t1, t2 = timed(n1), timed(n2)
+        per_step.append((t2 - t1) / steps)
+        short.append(t1)
+    if statistics.median(per_step) > 0:
+        return per_step, short, "difference of 2n- and n-step loops"
+    return [t / steps for t in short], short, "n-step loop with its dispatch (upper bound)"
+
+
 def device_loop(eng: Engine, mtp: bool, advance: bool = False):
     """decode (or MTP) steps in one compiled loop, every step at the same position (`advance`: step
     i at pos + i, or pos + 2i for MTP steps, as served steps move on); the number of steps is an
@@ -278,18 +294,8 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
     lowering_cache.background_idle()
     precompiled = {"kernels": lowering_cache.precompiled, "busy_s": round(lowering_cache.precompile_s, 3)}
     compile_s = sum(v for k, v in compile_stages.items() if k.endswith("_s"))
-    # A call costs its dispatch (flattening ~30 arrays per layer: milliseconds at 61 layers) plus its
-    # steps; the difference of a 2n- and an n-step loop is n steps of device time alone.
-    per_step, short = [], []  # per-step differences, n-step loop times
-    for _ in range(samples):
-        t1, t2 = timed(n1), timed(n2)
-        per_step.append((t2 - t1) / steps)
-        short.append(t1)
+    per_step, short, timing = step_times(timed, n1, n2, steps, samples)
     device_s = statistics.median(per_step)
-    timing = "difference of 2n- and n-step loops"
-    if device_s <= 0:  # timer noise larger than n steps (tiny models on a busy CPU): an upper bound
-        per_step = [t / steps for t in short]
-        device_s, timing = statistics.median(per_step), "n-step loop with its dispatch (upper bound)"
 
     loop_profile = None
     if kernels and jax.default_backend() == "gpu":
@@ -324,8 +330,7 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
         # the same timing with each step at its own position, as the served steps run
         loop = device_loop(eng, mtp, advance=True)
         timed(n1)   # compile
-        result["advancing_step_ms"] = statistics.median((timed(n2) - timed(n1)) / steps
-                                                        for _ in range(samples)) * 1e3
+        result["advancing_step_ms"] = statistics.median(step_times(timed, n1, n2, steps, samples)[0]) * 1e3
     if kernels and jax.default_backend() == "gpu" and not mtp and step_timeline is None:
         # before the host loops: their call variants trace calls under JAX's profiler, after which
         # CUPTI drops records
