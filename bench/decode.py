@@ -8,8 +8,9 @@ fills the caches with random entries for `context` positions (as an injected pre
 times decode steps:
 - device time per step: `steps` consecutive steps inside one compiled loop (one dispatch, so no host
   time), repeated `samples` times; median and p90 over the samples;
-- host overhead: the pipelined Python loop `Generator.stream` runs (one step per call), minus the
-  device time; the enqueue time of one call (until the call returns, the step still running);
+- host overhead: the pipelined Python loop `Generator.stream` runs (with the token ring, calls of
+  STREAM_STEPS steps; without, one step a call), minus the device time; the enqueue time of one call
+  (until the call returns, its steps still running; `steps_per_call` says how many);
 - bytes per step, counted from the parameters actually read (the chosen experts only, one embedding
   row) plus the KV reads; the copy bandwidth measured in the same run; floor = bytes / bandwidth.
 """
@@ -37,7 +38,7 @@ from jtilert.store import checkpoint
 from jtilert.parallel import sharding
 from jtilert.pallas import lowering_cache
 from jtilert.runtime import compile_cache
-from jtilert.runtime.generate import MAX_STOPS, STREAM_STEPS, Engine
+from jtilert.runtime.generate import STREAM_STEPS, Engine, _stop_array
 from jtilert.model.transformer import Layout, _no_topk, decode_weights, init_cache, router_in_bf16
 from jtilert.ops.table import DecodeConfig
 
@@ -172,6 +173,13 @@ def _random_leaf(key, shape, dtype, scales: bool):
     return jax.random.normal(key, shape, jnp.float32).astype(dtype)
 
 
+def bench_rows(context: int, steps: int, samples: int) -> int:
+    """Cache rows of `bench_backend` for the longest run of steps from `context`: a timed loop's 2n
+    steps, or the host loop's calls (steps · samples of them, STREAM_STEPS steps each through the token
+    ring, one more call to warm)."""
+    return cache_rows(context, max(2 * steps, (steps * samples + 1) * STREAM_STEPS))
+
+
 def step_times(timed, n1, n2, steps: int, samples: int) -> tuple[list, list, str]:
     """(seconds a step, per sample; seconds of each n-step call; how they were taken) from `samples`
     pairs of `timed(n1)` and `timed(n2)` calls of a loop of n and 2n steps. A call costs its dispatch
@@ -250,8 +258,9 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
                   layer_loop: str = "loop", xla_options: tuple | None = None, call_variants: bool = False,
                   trace_timeline: bool = False, l2_prefetch: bool = False, engine_moe: bool = False,
                   compile_profile: bool = False, timeline_layers: tuple[int, int] = timeline.DETAIL_LAYERS) -> dict:
-    """xla_options: DecodeConfig.xla_options (None: its default). call_variants: also time the plain
-    step's host loop in the forms of `call_variant_loops` (tp = 1). trace_timeline: right after the
+    """xla_options: DecodeConfig.xla_options (None: its default). call_variants: also time the step
+    loop with each step at its own position (`advancing_step_ms`), and the plain step's host loop in
+    the forms of `call_variant_loops` (tp = 1). trace_timeline: right after the
     timed loops (and their CUPTI profile), one call of the loop of TIMELINE_STEPS steps under JAX's
     profiler: the kernels' start and end times in one step (bench/timeline.py's summary, the result's
     "timeline"; `timeline_layers` [lo, hi) listed kernel by kernel); no CUPTI profile may follow it
@@ -266,9 +275,7 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
                                                        split_indexer=split_indexer, layer_loop=loop,
                                                        l2_prefetch=l2_prefetch, engine_moe=engine_moe, **opts))
     host_steps = steps * samples
-    # rows for the longest run of steps from `context`: a timed loop's 2n, or the host loop's calls
-    # (STREAM_STEPS steps each through the token ring, one more call to warm)
-    rows = cache_rows(context, max(2 * steps, (host_steps + 1) * STREAM_STEPS))
+    rows = bench_rows(context, steps, samples)
     cache = random_cache(eng, rows)
     token, draft = eng.place(jnp.array([1], jnp.int32)), eng.place(jnp.array([2], jnp.int32))
     pos = eng.place(jnp.int32(context))
@@ -345,16 +352,18 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
         carry = holder[0][:4]
         if eng.ring is not None and eng.tp == 1:
             # one call of the stream's program through the token ring, as many steps as the timing
-            # loop's profiled call: the served step's kernels against the timing loop's
-            stops = eng.place(np.full(MAX_STOPS, -1, np.int32))
-            carry = jax.block_until_ready(eng.decode_stream(eng.state, *carry, eng.place(np.int32(steps)), params,
+            # loop's profiled call up to a call's STREAM_STEPS: the served step's kernels against the
+            # timing loop's
+            k = min(steps, STREAM_STEPS)
+            stops = eng.place(_stop_array([]))
+            carry = jax.block_until_ready(eng.decode_stream(eng.state, *carry, eng.place(np.int32(k)), params,
                                                             stops))[:4]   # warm
-            served = [(*carry, eng.place(np.int32(steps)))]
+            served = [(*carry, eng.place(np.int32(k)))]
 
             def one_call():
                 served[0] = eng.decode_stream(eng.state, *served[0], params, stops)
                 return served[0]
-            result["stream_kernel_profile"] = kernel_profile(one_call, steps)
+            result["stream_kernel_profile"] = kernel_profile(one_call, k)
             carry = served[0][:4]
         cache, token, key = carry[0], carry[1], carry[3]
         pos = eng.place(jnp.int32(context))
@@ -363,6 +372,7 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
         cache = carry[0]
         result.update(host_loop_ms=host_s * 1e3, host_overhead_ms=max(0.0, host_s - device_s) * 1e3,
                       host_overhead_frac=max(0.0, host_s - device_s) / host_s, enqueue_ms=enqueue_s * 1e3,
+                      steps_per_call=STREAM_STEPS if eng.ring is not None else 1,
                       arguments=eng.num_arguments, step_compile_s=host_loop.compile_s)
         if call_variants and not mtp and eng.tp == 1:
             result["call_variants"], carry = call_variant_loops(eng, carry, params, host_steps, context)
@@ -415,7 +425,7 @@ def host_loop(eng, cache, token, draft, pos, params, key, mtp, n):
     keep = len(carry)
     if eng.ring is not None:   # DecodeConfig.token_ring
         stream = eng.speculate_stream if mtp else eng.decode_stream
-        stops = eng.place(np.full(MAX_STOPS, -1, np.int32))
+        stops = eng.place(_stop_array([]))
         left = eng.place(np.int32((n + 3) * STREAM_STEPS * 2))   # never reached
         t = time.perf_counter()
         out = jax.block_until_ready(stream(eng.state, *carry, left, params, stops))  # compile (and warm)
@@ -523,7 +533,7 @@ def call_variant_loops(eng, carry, params, n, start: int):
              "host_output_donated": into_donated}
     if eng.ring is not None:
         calls["token_ring"] = with_state(variant(eng._wrap(Engine._decode_to_ring)))
-        stops = eng.place(np.full(MAX_STOPS, -1, np.int32))
+        stops = eng.place(_stop_array([]))
         left = eng.place(np.int32((n + 3) * STREAM_STEPS))   # never reached
         stream = eng.decode_stream.executable(eng.state, *carry, left, params, stops)
         calls["token_ring_stream"] = lambda *c: stream(eng.state, *c, params, stops)
@@ -606,7 +616,8 @@ def main(argv=None) -> dict:
     p.add_argument("--plot", default=None, help="write a PNG chart here")
     p.add_argument("--compile-profile", action="store_true",
                    help="the first compile's XLA stage under JAX's profiler: its host events by name in compile_stages")
-    p.add_argument("--kernels", action="store_true", help="CUPTI profile of one step: kernel count, busy time, groups")
+    p.add_argument("--kernels", action="store_true", help="CUPTI profiles of one step, of the timing loop and (with the token ring) of a stream call: "
+                   "kernel count, busy time, groups")
     p.add_argument("--breakdown", action="store_true",
                    help="time variants without attention / without MLP to split the step (first all-reduce only)")
     p.add_argument("--timeline", action="store_true",
@@ -632,7 +643,7 @@ def main(argv=None) -> dict:
         fmt = a.fmt or ("fp8" if cfg.index_quant == "fp8" else "bf16")
         model = jtilert.random_model(cfg, fmt=fmt, mesh=mesh)
     cfg = model.cfg
-    if cache_rows(a.context, a.steps * (a.samples + 1)) > cfg.max_position_embeddings:
+    if bench_rows(a.context, a.steps, a.samples) > cfg.max_position_embeddings:
         raise SystemExit(f"--context {a.context} too large for this model")
     nbytes = step_bytes(model, a.context, a.tp)
     bw = copy_bandwidth()

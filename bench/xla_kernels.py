@@ -230,7 +230,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--backend", default="pallas")
     ap.add_argument("--mtp", action="store_true")
     ap.add_argument("--program", default="decode", help="programs to compile, comma-separated (decode, "
-                    "decode_loop with --loop, speculate with --mtp, forward, first_token, ...)")
+                    "decode_loop with --loop, speculate with --mtp, decode_stream / speculate_stream with "
+                    "--ring, forward, first_token, ...)")
     ap.add_argument("--loop", action="store_true", help="prepare generate()'s device loop, not stream()'s step")
     ap.add_argument("--ring", action="store_true", help="stream()'s steps through the token ring (decode_stream, "
                     "speculate_stream), as on a GPU where the CUDA engine loads")

@@ -283,7 +283,9 @@ def test_the_device_loop_ends_at_a_stop_token_or_the_budget(tiny_random, host_ri
     n = 3 * STREAM_STEPS + 5     # more steps than the two calls dispatched first
     want = list(plain.stream(prompt, n, stop_tokens=[]))
     assert list(gen.stream(prompt, n, stop_tokens=[])) == want
-    written = lambda: sorted(int(k) for k in host_ring.slots[:, 0] if k >= 0)
+    def written():   # once every call in flight has run (their writes are host callbacks)
+        jax.effects_barrier()
+        return sorted(int(k) for k in host_ring.slots[:, 0] if k >= 0)
     keys = written()
     assert keys[0] == len(prompt) and keys[-1] < len(prompt) + n - 1, keys   # n - 1 tokens after the first
     assert len(keys) == gen.stats["steps"], (keys, gen.stats)
@@ -352,4 +354,8 @@ def test_bench_decode_profiles_before_the_host_loops_trace(tiny_random, host_rin
     monkeypatch.setattr(decode, "host_events", lambda *a, **k: [])
     r = decode.bench_backend(tiny_random, "reference", 20, False, 2, 2, kernels=True, call_variants=True)
     assert traced and r["stream_kernel_profile"]["kernels"] == 1 / 2 and r["kernel_profile"]["kernels"] == 1
-    assert r["loop_kernel_profile"]["kernels"] == 1 / 2 and r["host_loop_ms"] > 0
+    assert r["loop_kernel_profile"]["kernels"] == 1 / 2 and r["host_loop_ms"] > 0 and r["steps_per_call"] == 8
+    # a timing loop of more steps than a stream call's: the call's steps are what its profile divides by
+    traced.clear()
+    r = decode.bench_backend(tiny_random, "reference", 20, False, 10, 1, kernels=True, call_variants=True)
+    assert r["stream_kernel_profile"]["kernels"] == 1 / 8

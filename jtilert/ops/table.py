@@ -71,7 +71,9 @@ class DecodeConfig:
         (two kernels and a conditional node), so fewer iterations cost less, and the body compiles
         this many copies of the layer (bench/RESULTS.md, session 14, measures 1, 2 and 4).
     xla_options: XLA compile options of the decode-shaped steps only (decode, MTP verify and draft, their
-        device loops; prefill chunks keep XLA's defaults), as (name, value) pairs or a dict. The default
+        device loops, which also record every thunk sequence into a CUDA graph where these options are
+        given: `Engine.loop_options`; prefill chunks keep XLA's defaults), as (name, value) pairs or a
+        dict. The default
         (`STEP_XLA_OPTIONS`) records the layer loops into the step's CUDA graph too (command buffers
         over WHILE and CONDITIONAL besides XLA's kernel kinds: one graph launch per call instead of one
         per layer, so the host enqueues a call in about a millisecond) and orders that graph by its
@@ -93,12 +95,13 @@ class DecodeConfig:
         kernels (routed gate/up, routed down, shared gate/up, shared down); a decode-shaped call the
         engine does not take runs those four, with a warning once per shape and reason (prefill runs
         them without a word). Off by default: slower in the step (bench/RESULTS.md, session 25).
-    token_ring: on a GPU where the CUDA engine loads, the decode steps that `Generator.stream` runs one
-        per call leave their new tokens in the engine's token ring (`jtilert.ffi.ring`, fixed pinned host
-        memory the host reads) instead of returning them as an output: every output of such a step is
-        then a donated carried array, so XLA launches its command buffer without updating it for a moved
-        output. Elsewhere the steps return their tokens (on a GPU where the engine does not load, with a
-        warning once).
+    token_ring: on a GPU where the CUDA engine loads, the decode steps that `Generator.stream` runs
+        leave their new tokens in the engine's token ring (`jtilert.ffi.ring`, fixed pinned host memory
+        the host reads) instead of returning them as an output: every output of a call is then a donated
+        carried array, so XLA launches its command buffer without updating it for a moved output, and a
+        call runs up to `STREAM_STEPS` steps on the device, the host reading each step's tokens as it
+        ends. Elsewhere a call runs one step and returns its tokens (on a GPU where the engine does not
+        load, with a warning once).
     """
 
     backend: str = "reference"

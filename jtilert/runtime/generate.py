@@ -194,7 +194,7 @@ class Engine:
     def loop_options(self) -> dict | None:
         """XLA compile options of the steps that loop over decode steps on the device (`stream`'s calls
         through the ring, `generate`'s): the step's, with every thunk sequence recorded into a CUDA
-        graph however short. Such a program's top level can be its loop and a copy, and XLA records no
+        graph however short (None where the step's are: XLA's own, which leave loops to the host). Such a program's top level can be its loop and a copy, and XLA records no
         sequence of fewer than `xla_gpu_graph_min_graph_size` thunks (default 5): the loop would run
         from the host, each step's condition read back before the next (RESULTS.md, session 37)."""
         opts = self.step_options
@@ -274,8 +274,8 @@ class Engine:
     @staticmethod
     def _speculate_to_ring(model, ops, cache, token, draft, pos, key, params):
         """`_speculate` with its emitted tokens and their count written into the token ring under the
-        step's position, not returned (the write gives the next position). Also returns the emitted
-        tokens and their count, for the stop test of `_speculate_stream`."""
+        step's position (the write gives the next position); they are returned too, for the stop test
+        of `_speculate_stream`."""
         cache, token, draft, _, key, emitted, n = Engine._speculate(model, ops, cache, token, draft, pos, key,
                                                                      params)
         return cache, token, draft, ring.write(pos, emitted, n), key, emitted, n   # the next position, pos + n
@@ -633,8 +633,9 @@ class Generator:
 
     def _prepare(self, sampling: Sampling, loop: bool) -> None:
         """Compile, before the clock starts, every step the coming generation runs: the prefill chunk,
-        the first token (and the MTP block's prefill and first draft), then one decode step per call
-        (`stream`) or the device loop (`generate`). Shapes are known without running anything; each
+        the first token (and the MTP block's prefill and first draft), then the stream's calls
+        (`Engine.decode_stream` / `speculate_stream` through the token ring, else one step a call) or the
+        device loop (`generate`). Shapes are known without running anything; each
         step compiles once per Generator."""
         eng, i32 = self.engine, jnp.int32
         cache = jax.tree_util.tree_map(lambda x: eng.aval(x.shape, x.dtype),
