@@ -38,7 +38,7 @@ from jtilert.store import checkpoint
 from jtilert.parallel import sharding
 from jtilert.pallas import lowering_cache
 from jtilert.runtime import compile_cache
-from jtilert.runtime.generate import STREAM_STEPS, Engine, _stop_array
+from jtilert.runtime.generate import STREAM_STEPS, Engine, stop_array
 from jtilert.model.transformer import Layout, _no_topk, decode_weights, init_cache, router_in_bf16
 from jtilert.ops.table import DecodeConfig
 
@@ -355,7 +355,7 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
             # loop's profiled call up to a call's STREAM_STEPS: the served step's kernels against the
             # timing loop's
             k = min(steps, STREAM_STEPS)
-            stops = eng.place(_stop_array([]))
+            stops = eng.place(stop_array([]))
             carry = jax.block_until_ready(eng.decode_stream(eng.state, *carry, eng.place(np.int32(k)), params,
                                                             stops))[:4]   # warm
             served = [(*carry, eng.place(np.int32(k)))]
@@ -425,7 +425,7 @@ def host_loop(eng, cache, token, draft, pos, params, key, mtp, n):
     keep = len(carry)
     if eng.ring is not None:   # DecodeConfig.token_ring
         stream = eng.speculate_stream if mtp else eng.decode_stream
-        stops = eng.place(_stop_array([]))
+        stops = eng.place(stop_array([]))
         left = eng.place(np.int32((n + 3) * STREAM_STEPS * 2))   # never reached
         t = time.perf_counter()
         out = jax.block_until_ready(stream(eng.state, *carry, left, params, stops))  # compile (and warm)
@@ -533,7 +533,7 @@ def call_variant_loops(eng, carry, params, n, start: int):
              "host_output_donated": into_donated}
     if eng.ring is not None:
         calls["token_ring"] = with_state(variant(eng._wrap(Engine._decode_to_ring)))
-        stops = eng.place(_stop_array([]))
+        stops = eng.place(stop_array([]))
         left = eng.place(np.int32((n + 3) * STREAM_STEPS))   # never reached
         stream = eng.decode_stream.executable(eng.state, *carry, left, params, stops)
         calls["token_ring_stream"] = lambda *c: stream(eng.state, *c, params, stops)

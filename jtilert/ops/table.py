@@ -73,11 +73,10 @@ class DecodeConfig:
     xla_options: XLA compile options of the decode-shaped steps only (decode, MTP verify and draft, their
         device loops, which also record every thunk sequence into a CUDA graph where these options are
         given: `Engine.loop_options`; prefill chunks keep XLA's defaults), as (name, value) pairs or a
-        dict. The default
-        (`STEP_XLA_OPTIONS`) records the layer loops into the step's CUDA graph too (command buffers
-        over WHILE and CONDITIONAL besides XLA's kernel kinds: one graph launch per call instead of one
-        per layer, so the host enqueues a call in about a millisecond) and orders that graph by its
-        buffers instead of serializing it, so a layer's independent kernels overlap (the indexer beside
+        dict. The default (`STEP_XLA_OPTIONS`) records the layer loops into the step's CUDA graph too
+        (command buffers over WHILE and CONDITIONAL besides XLA's kernel kinds: one graph launch per call
+        instead of one per layer, so the host enqueues a call in about a millisecond) and orders that
+        graph by its buffers instead of serializing it, so a layer's independent kernels overlap (the indexer beside
         MLA's query path, the shared expert beside the routed ones). It also turns off XLA's
         rematerialization: where the weights and caches come near XLA's memory limit (a GPU's share
         of DeepSeek-V3.2 at 128K context) that pass recomputes the layer loop's index arithmetic

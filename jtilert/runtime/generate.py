@@ -194,9 +194,10 @@ class Engine:
     def loop_options(self) -> dict | None:
         """XLA compile options of the steps that loop over decode steps on the device (`stream`'s calls
         through the ring, `generate`'s): the step's, with every thunk sequence recorded into a CUDA
-        graph however short (None where the step's are: XLA's own, which leave loops to the host). Such a program's top level can be its loop and a copy, and XLA records no
-        sequence of fewer than `xla_gpu_graph_min_graph_size` thunks (default 5): the loop would run
-        from the host, each step's condition read back before the next (RESULTS.md, session 37)."""
+        graph however short (None where the step's are: XLA's own, which leave loops to the host).
+        Such a program's top level can be its loop and a copy, and XLA records no sequence of fewer
+        than `xla_gpu_graph_min_graph_size` thunks (default 5): the loop would run from the host, each
+        step's condition read back before the next (RESULTS.md, session 37)."""
         opts = self.step_options
         return None if opts is None else {**opts, "xla_gpu_graph_min_graph_size": "1"}
 
@@ -259,17 +260,29 @@ class Engine:
         return cache, token, ring.write(pos, token), key
 
     @staticmethod
-    def _decode_stream(model, ops, cache, token, pos, key, left, params, stops):
-        """Up to STREAM_STEPS `_decode_to_ring` steps, ending after a stop token (one of `stops`) or
-        when `left`, the tokens still wanted, is 0: (cache, token, pos, key, left), all carried."""
+    def _stream_loop(step, carry: tuple, left, stops) -> tuple:
+        """Up to STREAM_STEPS calls of `step(carry) -> (carry, emitted, n)` (a step writing its first n
+        emitted tokens into the token ring), ending after a step whose n tokens hold a stop token (one
+        of `stops`) or once `left`, the tokens still wanted, is 0 or less: (*carry, left), all carried
+        to the next call."""
         def body(c):
-            cache, token, pos, key, left, i = c
-            cache, token, pos, key = Engine._decode_to_ring(model, ops, cache, token, pos, key, params)
-            return cache, token, pos, key, jnp.where(jnp.any(stops == token[0]), 0, left - 1), i + 1
+            carry, left, i = c
+            carry, emitted, n = step(carry)
+            made = jnp.arange(emitted.shape[0]) < n
+            stop = jnp.any(made[:, None] & (emitted[:, None] == stops[None, :]))
+            return carry, jnp.where(stop, 0, left - n), i + 1
 
-        c = jax.lax.while_loop(lambda c: (c[5] < STREAM_STEPS) & (c[4] > 0), body,
-                               (cache, token, pos, key, left, jnp.int32(0)))
-        return c[:5]
+        carry, left, _ = jax.lax.while_loop(lambda c: (c[2] < STREAM_STEPS) & (c[1] > 0), body,
+                                            (carry, left, jnp.int32(0)))
+        return (*carry, left)
+
+    @staticmethod
+    def _decode_stream(model, ops, cache, token, pos, key, left, params, stops):
+        """`_stream_loop` of `_decode_to_ring` steps: (cache, token, pos, key, left)."""
+        def step(c):
+            c = Engine._decode_to_ring(model, ops, *c, params)
+            return c, c[1], jnp.int32(1)   # the step's token
+        return Engine._stream_loop(step, (cache, token, pos, key), left, stops)
 
     @staticmethod
     def _speculate_to_ring(model, ops, cache, token, draft, pos, key, params):
@@ -282,18 +295,12 @@ class Engine:
 
     @staticmethod
     def _speculate_stream(model, ops, cache, token, draft, pos, key, left, params, stops):
-        """Up to STREAM_STEPS `_speculate_to_ring` steps (1 or 2 tokens each), ending after a stop token
-        or when `left`, the tokens still wanted, is 0 or less: (cache, token, draft, pos, key, left)."""
-        def body(c):
-            cache, token, draft, pos, key, left, i = c
-            cache, token, draft, pos, key, em, n = Engine._speculate_to_ring(model, ops, cache, token, draft, pos,
-                                                                             key, params)
-            stop = jnp.any(stops == em[0]) | ((n == 2) & jnp.any(stops == em[1]))
-            return cache, token, draft, pos, key, jnp.where(stop, 0, left - n), i + 1
-
-        c = jax.lax.while_loop(lambda c: (c[6] < STREAM_STEPS) & (c[5] > 0), body,
-                               (cache, token, draft, pos, key, left, jnp.int32(0)))
-        return c[:6]
+        """`_stream_loop` of `_speculate_to_ring` steps (1 or 2 tokens each): (cache, token, draft, pos,
+        key, left)."""
+        def step(c):
+            *c, emitted, n = Engine._speculate_to_ring(model, ops, *c, params)
+            return tuple(c), emitted, n
+        return Engine._stream_loop(step, (cache, token, draft, pos, key), left, stops)
 
     @staticmethod
     def _speculate(model, ops, cache, token, draft, pos, key, params):
@@ -779,7 +786,7 @@ class Generator:
         eng, params = self.engine, s["params"]
         tokens = eng.ring
         try:
-            stop_arr = eng.place(_stop_array(sorted(stops)[:MAX_STOPS]))
+            stop_arr = eng.place(stop_array(sorted(stops)[:MAX_STOPS]))
             carry = (*self._carry(s), eng.place(np.int32(left)))
             compiled = eng.speculate_stream if self.mtp else eng.decode_stream
             step = compiled.executable(eng.state, *carry, params, stop_arr)   # looked up once
@@ -810,7 +817,7 @@ class Generator:
         out = [first]
         t1 = time.perf_counter()
         eng = self.engine
-        stop_arr = eng.place(_stop_array(stops))
+        stop_arr = eng.place(stop_array(stops))
         cache, token, pos, key, params = s["cache"], s["token"], s["pos"], s["key"], s["params"]
         draft = s.get("draft")
         while out[-1] not in stops and len(out) < max_new_tokens:
@@ -841,7 +848,7 @@ class Generator:
         return self.stats["accepted"] / d if self.mtp and d else None
 
 
-def _stop_array(stops: list) -> np.ndarray:
+def stop_array(stops: list) -> np.ndarray:
     """Up to MAX_STOPS stop tokens as the device loops take them: int32 [MAX_STOPS], -1 past them."""
     return np.array(list(stops) + [-1] * (MAX_STOPS - len(stops)), np.int32)
 
