@@ -355,13 +355,12 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
             # loop's profiled call up to a call's STREAM_STEPS: the served step's kernels against the
             # timing loop's
             k = min(steps, STREAM_STEPS)
-            stops = eng.place(stop_array([]))
-            carry = jax.block_until_ready(eng.decode_stream(eng.state, *carry, eng.place(np.int32(k)), params,
-                                                            stops))[:4]   # warm
+            call, first = stream_call(eng, False, carry, k, params)
+            carry = jax.block_until_ready(call(*first))[:4]   # warm
             served = [(*carry, eng.place(np.int32(k)))]
 
             def one_call():
-                served[0] = eng.decode_stream(eng.state, *served[0], params, stops)
+                served[0] = call(*served[0])
                 return served[0]
             result["stream_kernel_profile"] = kernel_profile(one_call, k)
             carry = served[0][:4]
@@ -424,14 +423,11 @@ def host_loop(eng, cache, token, draft, pos, params, key, mtp, n):
     carry = (cache, token, draft, pos, key) if mtp else (cache, token, pos, key)
     keep = len(carry)
     if eng.ring is not None:   # DecodeConfig.token_ring
-        stream = eng.speculate_stream if mtp else eng.decode_stream
-        stops = eng.place(stop_array([]))
-        left = eng.place(np.int32((n + 3) * STREAM_STEPS * 2))   # never reached
         t = time.perf_counter()
-        out = jax.block_until_ready(stream(eng.state, *carry, left, params, stops))  # compile (and warm)
+        call, first = stream_call(eng, mtp, carry, (n + 3) * STREAM_STEPS * 2, params)   # never reached
+        out = jax.block_until_ready(call(*first))  # compile (and warm)
         host_loop.compile_s = time.perf_counter() - t
-        exe = stream.executable(eng.state, *out, params, stops)   # looked up once, as the Generator does
-        return ring_loop(lambda *c: exe(eng.state, *c, params, stops), out, n, eng.ring, keep - 2, STREAM_STEPS)
+        return ring_loop(call, out, n, eng.ring, keep - 2, STREAM_STEPS)
     step = eng.speculate if mtp else eng.decode
     t = time.perf_counter()
     out = jax.block_until_ready(step(eng.state, *carry, params))  # compile (and warm)
@@ -455,6 +451,18 @@ def call_loop(call, out, keep: int, n: int):
         pending = out[-1] if len(out) > keep else None
     jax.block_until_ready(out)
     return (time.perf_counter() - t) / n, statistics.median(enqueue), out[:keep]
+
+
+def stream_call(eng, mtp: bool, carry, left: int, params):
+    """(call, first): the stream's program through the token ring (`Engine.decode_stream` /
+    `speculate_stream`, no stop token, looked up once as the Generator's stream does) as a call of its
+    carried arrays, and `carry` with `left`, the tokens still wanted, placed after it: the first call's
+    arguments."""
+    stream = eng.speculate_stream if mtp else eng.decode_stream
+    stops = eng.place(stop_array([]))
+    first = (*carry, eng.place(np.int32(left)))
+    exe = stream.executable(eng.state, *first, params, stops)
+    return (lambda *c: exe(eng.state, *c, params, stops)), first
 
 
 def ring_loop(call, carry, n: int, tokens, at: int = 2, steps: int = 1):
@@ -531,16 +539,15 @@ def call_variant_loops(eng, carry, params, n, start: int):
              "no_host_output": plain,
              "host_copy_program": host_copy,
              "host_output_donated": into_donated}
+    extra = {}   # what a form carries after the four: the stream's tokens still wanted
     if eng.ring is not None:
         calls["token_ring"] = with_state(variant(eng._wrap(Engine._decode_to_ring)))
-        stops = eng.place(stop_array([]))
-        left = eng.place(np.int32((n + 3) * STREAM_STEPS))   # never reached
-        stream = eng.decode_stream.executable(eng.state, *carry, left, params, stops)
-        calls["token_ring_stream"] = lambda *c: stream(eng.state, *c, params, stops)
+        calls["token_ring_stream"], first = stream_call(eng, False, carry, (n + 3) * STREAM_STEPS, params)
+        extra["token_ring_stream"] = first[4:]   # never reached
     for name, call in calls.items():
-        keep, steps = (5, STREAM_STEPS) if name == "token_ring_stream" else (4, 1)
+        keep, steps = (5, STREAM_STEPS) if name in extra else (4, 1)
         carry = (carry[0], carry[1], eng.place(np.int32(start)), carry[3])
-        res = jax.block_until_ready(call(*carry, *([left] if keep == 5 else [])))   # warm
+        res = jax.block_until_ready(call(*carry, *extra.get(name, ())))   # warm
         if name.startswith("token_ring"):
             loop_s, enqueue_s, res = ring_loop(call, res, n, eng.ring, 2, steps)
         else:
@@ -616,8 +623,8 @@ def main(argv=None) -> dict:
     p.add_argument("--plot", default=None, help="write a PNG chart here")
     p.add_argument("--compile-profile", action="store_true",
                    help="the first compile's XLA stage under JAX's profiler: its host events by name in compile_stages")
-    p.add_argument("--kernels", action="store_true", help="CUPTI profiles of one step, of the timing loop and (with the token ring) of a stream call: "
-                   "kernel count, busy time, groups")
+    p.add_argument("--kernels", action="store_true", help="CUPTI profiles of one step, of the timing loop "
+                   "and (with the token ring) of a stream call: kernel count, busy time, groups")
     p.add_argument("--breakdown", action="store_true",
                    help="time variants without attention / without MLP to split the step (first all-reduce only)")
     p.add_argument("--timeline", action="store_true",
