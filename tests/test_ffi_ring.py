@@ -145,6 +145,10 @@ class _HostRing(ring.TokenRing):
     def __init__(self):   # noqa: super().__init__ needs the engine
         self.slots = np.full((ring.SLOTS, ring.SLOT_INTS), -1, np.int32)
 
+    def keys(self) -> list[int]:
+        """The keys written since the ring was cleared, in order."""
+        return sorted(int(k) for k in self.slots[:, 0] if k >= 0)
+
     def store(self, pos, values):   # as ring_write_kernel: values, count, then the key
         slot = self.slots[pos % ring.SLOTS]
         slot[2:2 + len(values)] = values
@@ -242,7 +246,7 @@ def test_stream_through_the_ring_gives_the_same_tokens(tiny_random, host_ring, m
     assert gen.engine.ring is host_ring
     got = list(gen.stream(prompt, 12, stop_tokens=[]))
     assert got == want
-    keys = sorted(int(k) for k in host_ring.slots[:, 0] if k >= 0)
+    keys = host_ring.keys()
     assert keys[0] == len(prompt) and len(keys) >= gen.stats["steps"] - 1
     if mtp:
         assert gen.stats["drafted"] >= 1 and gen.acceptance == plain.acceptance
@@ -285,7 +289,7 @@ def test_the_device_loop_ends_at_a_stop_token_or_the_budget(tiny_random, host_ri
     assert list(gen.stream(prompt, n, stop_tokens=[])) == want
     def written():   # once every call in flight has run (their writes are host callbacks)
         jax.effects_barrier()
-        return sorted(int(k) for k in host_ring.slots[:, 0] if k >= 0)
+        return host_ring.keys()
     keys = written()
     assert keys[0] == len(prompt) and keys[-1] < len(prompt) + n - 1, keys   # n - 1 tokens after the first
     assert len(keys) == gen.stats["steps"], (keys, gen.stats)
@@ -316,7 +320,7 @@ def test_bench_decode_times_the_stream_through_the_ring(tiny_random, host_ring, 
     per_step, enqueue, carry = decode.host_loop(eng, cache, token, draft, pos, params, key, mtp, n)
     assert per_step > 0 and enqueue > 0 and len(carry) == (6 if mtp else 5)
     end = int(carry[3 if mtp else 2])
-    keys = sorted(int(k) for k in host_ring.slots[:, 0] if k >= 0)
+    keys = host_ring.keys()
     assert keys[-1] < end and len(keys) == min(n * STREAM_STEPS, ring.SLOTS), (keys, end)
     if mtp:
         return
@@ -324,7 +328,7 @@ def test_bench_decode_times_the_stream_through_the_ring(tiny_random, host_ring, 
     assert {"token_ring", "token_ring_stream", "host_output_pinned"} <= set(out)
     # each form starts at the same position: the last, the stream's, wrote n calls' steps after its
     # call to warm
-    keys = sorted(int(k) for k in host_ring.slots[:, 0] if k >= 0)
+    keys = host_ring.keys()
     assert keys == list(range(context + STREAM_STEPS, context + (n + 1) * STREAM_STEPS)), keys
     assert out["token_ring_stream"]["steps_per_call"] == STREAM_STEPS and out["token_ring"]["steps_per_call"] == 1
     assert all(v["enqueue_ms"] > 0 and v["host_loop_ms"] > 0 for v in out.values())
