@@ -27,7 +27,14 @@ def commit() -> str:
     return head + " dirty" if _git("status", "--porcelain", "--untracked-files=no") else head
 
 
+# environment variables that change how the runtime runs a program (not what is traced): a command
+# line records those that are set
+RUNTIME_ENV = ("PJRT_GPU_ENABLE_ASYNC_DISPATCH",)
+
+
 def command(module: str, argv) -> str:
-    """The command line that ran `module` with `argv` (None: this process's own arguments)."""
+    """The command line that ran `module` with `argv` (None: this process's own arguments), after the
+    RUNTIME_ENV variables that are set."""
     args = sys.argv[1:] if argv is None else list(argv)
-    return " ".join(shlex.quote(x) for x in [os.path.basename(sys.executable), "-m", module, *args])
+    env = [f"{k}={os.environ[k]}" for k in RUNTIME_ENV if k in os.environ]
+    return " ".join(shlex.quote(x) for x in [*env, os.path.basename(sys.executable), "-m", module, *args])
