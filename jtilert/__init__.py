@@ -10,6 +10,7 @@ from jtilert.model.config import ModelConfig
 from jtilert.model.presets import PRESETS, preset
 from jtilert.store.convert import convert
 from jtilert.runtime.generate import Generator, score
+from jtilert.runtime.dispatch import use_dispatch_thread
 from jtilert.model.transformer import Transformer, init_cache, random_model
 from jtilert.ops.table import DecodeConfig
 from jtilert.runtime.sampling import Sampling
@@ -20,4 +21,5 @@ from jtilert.store.synthetic import random_checkpoint
 compile_cache.enable()
 
 __all__ = ["DecodeConfig", "ModelConfig", "PRESETS", "preset", "Generator", "score", "Transformer", "init_cache", "random_model",
-           "Sampling", "tokenizer", "make_mesh", "load", "save", "convert", "verify", "random_checkpoint"]
+           "Sampling", "tokenizer", "make_mesh", "load", "save", "convert", "verify", "random_checkpoint",
+           "use_dispatch_thread"]

@@ -30,6 +30,14 @@ def test_generate_streams_text_and_reports_speed():
     assert "tokens/s" in last and "MTP acceptance" in last
 
 
+def test_generate_turns_the_dispatch_thread_on_before_jax_starts():
+    """--dispatch-thread in a fresh process: nothing used JAX before the flag is applied (else
+    `use_dispatch_thread` refuses), and the text is decoded."""
+    r = cli("generate", "--model", "tiny", "--prompt", "The ", "--max-new-tokens", "4", "--dispatch-thread")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("The ")
+
+
 @pytest.mark.parametrize("args, message", [
     (["generate", "--model", "no-such-model", "--prompt", "x"], "no checkpoint at 'no-such-model'"),
     (["generate", "--model", "glm-5", "--prompt", "x"], "no embedded weights"),

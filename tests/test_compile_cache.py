@@ -230,3 +230,40 @@ def test_streamed_outputs_are_written_to_pinned_host_memory(programs, tiny_rando
         kinds = [o.sharding.memory_kind for o in jax.tree_util.tree_leaves(exe.out_info)]
         assert kinds[-1] == "pinned_host" and set(kinds[:-1]) == {"device"}, kinds
     assert gen.cached_programs > 0
+
+
+def test_under_the_dispatch_thread_the_streamed_token_stays_in_device_memory(programs, tiny_random, monkeypatch):
+    """With PjRt's dispatch thread on (`jtilert.runtime.dispatch`) a pinned host output is read before
+    the step writes it, so the returning steps keep their token in device memory: the same tokens, and
+    the program cache keys the two forms apart (a program stored without the thread is not read with it)."""
+    want = list(jtilert.Generator(tiny_random, max_seq_len=64).stream(np.arange(1, 20), 6, stop_tokens=[]))
+    monkeypatch.setenv("PJRT_GPU_ENABLE_ASYNC_DISPATCH", "1")
+    gen = jtilert.Generator(tiny_random, max_seq_len=64)
+    assert list(gen.stream(np.arange(1, 20), 6, stop_tokens=[])) == want
+    assert gen.cached_programs == 0
+    eng = gen.engine
+    cache = eng.new_cache(gen.rows)
+    one, pos, key = eng.place(np.zeros(1, np.int32)), eng.place(np.int32(20)), eng.place(np.zeros(2, np.uint32))
+    exe = eng.decode.executable(eng.state, cache, one, pos, key, eng.place(jtilert.Sampling().arrays()))
+    assert {o.sharding.memory_kind for o in jax.tree_util.tree_leaves(exe.out_info)} == {"device"}
+
+
+def test_the_dispatch_thread_is_turned_on_before_jax_makes_its_clients():
+    """`use_dispatch_thread` sets PjRt's variable in a fresh process; once JAX's clients exist it
+    refuses (the setting is read when they are made), unless the variable was set already."""
+    code = ("import os, jax, jtilert\n"
+            "jtilert.use_dispatch_thread()\n"
+            "print(os.environ.get('PJRT_GPU_ENABLE_ASYNC_DISPATCH'))\n"
+            "jax.devices()\n"
+            "try:\n"
+            "    os.environ.pop('PJRT_GPU_ENABLE_ASYNC_DISPATCH'); jtilert.use_dispatch_thread(); print('no error')\n"
+            "except RuntimeError as e:\n"
+            "    print('refused:', e)\n"
+            "os.environ['PJRT_GPU_ENABLE_ASYNC_DISPATCH'] = '1'; jtilert.use_dispatch_thread(); print('on already')\n")
+    env = {k: v for k, v in os.environ.items() if k != "PJRT_GPU_ENABLE_ASYNC_DISPATCH"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**env, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.strip().splitlines()
+    assert lines[0] == "1" and lines[1].startswith("refused:") and "clients are made" in lines[1]
+    assert lines[2] == "on already"

@@ -37,7 +37,7 @@ from jtilert.model.transformer import Layout, Transformer, decode_weights, init_
 from jtilert.ops.table import DecodeConfig, Ops, ops_identity
 from jtilert.pallas import interpret
 from jtilert.parallel import sharding
-from jtilert.runtime import compile_cache
+from jtilert.runtime import compile_cache, dispatch
 from jtilert.runtime.sampling import Sampling, is_int, sample, verify
 
 GENERATE_STEPS = 64   # decode steps per call of `generate` (the loop on the device exits early at a stop)
@@ -121,8 +121,9 @@ class Engine:
         # into pinned host memory itself, so reading it starts no transfer of its own. Not where the
         # kernels run in GPU interpret mode: their ordered host callbacks add an effect token to the
         # step's outputs, which jax 0.11.2 leaves out when it lowers the outputs' memory kinds (a failed
-        # zip); there the token stays in device memory and `_HostCopy` copies it.
-        host = None if self._interpreted else self.sharding.with_memory_kind("pinned_host")
+        # zip); nor under PjRt's dispatch thread, where a pinned host output is read before the step
+        # writes it (`dispatch`). There the token stays in device memory and `_HostCopy` copies it.
+        host = None if self._interpreted or dispatch.on() else self.sharding.with_memory_kind("pinned_host")
         self.decode = Compiled(self._wrap(self._decode), (1, 2, 3, 4), "decode", self, opts,
                                out_shardings=(None,) * 4 + (host,))
         self.speculate = Compiled(self._wrap(self._speculate), (1, 2, 3, 4, 5), "speculate", self, opts,
@@ -148,8 +149,9 @@ class Engine:
     def _program_identity(self) -> tuple | None:
         """What the steps close over, for their keys in the program cache (`compile_cache`): the
         model (config, dtype, module graph), the DecodeConfig, the mesh, and whether the CUDA engine
-        loaded (its ops lower to plain XLA where it did not), and what the op table runs (an op
-        replaced in `OPS`, as a benchmark's variant does, is another program). None (not cached) where
+        loaded (its ops lower to plain XLA where it did not), what the op table runs (an op replaced
+        in `OPS`, as a benchmark's variant does, is another program), and whether the dispatch thread
+        is on (the returning steps' token output is in device memory then). None (not cached) where
         the kernels run in GPU interpret mode: their host callbacks cannot be stored."""
         if self._interpreted:
             return None
@@ -157,7 +159,8 @@ class Engine:
                                               tuple(int(d.id) for d in self.mesh.devices.flat))
         engine = (_lib.load()[1] or "loaded") if self._may_use_engine() else None
         graph = hashlib.sha256(repr(self.graphdef).encode()).hexdigest()
-        return repr(self.cfg), jnp.dtype(self.dtype).name, repr(self.config), graph, mesh, engine, ops_identity()
+        return (repr(self.cfg), jnp.dtype(self.dtype).name, repr(self.config), graph, mesh, engine, ops_identity(),
+                dispatch.on())
 
     def _may_use_engine(self) -> bool:
         """Whether tracing may call the CUDA engine (a GPU, and a config that uses it)."""
