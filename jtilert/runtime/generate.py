@@ -321,42 +321,44 @@ class Engine:
         return cache, nxt[None], new_draft[None], pos + n, key, jnp.stack([first, second]), n
 
     @staticmethod
-    def _decode_loop(model, ops, cache, token, pos, key, params, stops, budget):
-        """Up to GENERATE_STEPS decode steps, ending after a stop token or `budget` tokens:
-        (cache, token, pos, key, tokens [GENERATE_STEPS], count)."""
+    def _generate_loop(step, carry: tuple, stops, budget, width: int) -> tuple:
+        """Up to GENERATE_STEPS calls of `step(carry) -> (carry, emitted [width], n)` (a step that emits
+        its first n tokens), their tokens gathered in one array; the loop ends after a step that emits a
+        stop token (one of `stops`; the output ends at it) or once `budget` tokens are out:
+        (*carry, tokens [width · (GENERATE_STEPS + 1)], count, steps)."""
         def cond(c):
-            return (c[5] < jnp.minimum(budget, GENERATE_STEPS)) & ~c[6]
+            return (c[2] < jnp.minimum(budget, width * GENERATE_STEPS)) & (c[3] < GENERATE_STEPS) & ~c[4]
 
         def body(c):
-            cache, token, pos, key, out, n, _ = c
-            cache, token, pos, key, _ = Engine._decode(model, ops, cache, token, pos, key, params)
-            return cache, token, pos, key, out.at[n].set(token[0]), n + 1, jnp.any(stops == token[0])
+            carry, out, n, steps, _ = c
+            carry, emitted, made = step(carry)
+            hit = (jnp.arange(width) < made) & jnp.any(emitted[:, None] == stops[None, :], axis=1)
+            stop = jnp.any(hit)
+            made = jnp.where(stop, jnp.argmax(hit) + 1, made)   # up to the first stop token
+            out = jax.lax.dynamic_update_slice(out, emitted, (n,))
+            return carry, out, n + made, steps + 1, stop
 
-        out = jnp.zeros(GENERATE_STEPS, jnp.int32)
-        c = jax.lax.while_loop(cond, body, (cache, token, pos, key, out, jnp.int32(0), jnp.bool_(False)))
-        return c[:6]
+        out = jnp.zeros(width * (GENERATE_STEPS + 1), jnp.int32)
+        z = jnp.int32(0)
+        carry, out, n, steps, _ = jax.lax.while_loop(cond, body, (carry, out, z, z, jnp.bool_(False)))
+        return (*carry, out, n, steps)
+
+    @staticmethod
+    def _decode_loop(model, ops, cache, token, pos, key, params, stops, budget):
+        """`_generate_loop` of decode steps: (cache, token, pos, key, tokens, count, steps)."""
+        def step(c):
+            *c, token = Engine._decode(model, ops, *c, params)
+            return tuple(c), token, jnp.int32(1)
+        return Engine._generate_loop(step, (cache, token, pos, key), stops, budget, 1)
 
     @staticmethod
     def _speculate_loop(model, ops, cache, token, draft, pos, key, params, stops, budget):
-        """Up to GENERATE_STEPS MTP steps (1 or 2 tokens each), ending after a stop token or `budget`
-        tokens: (cache, token, draft, pos, key, tokens [2 · GENERATE_STEPS], count, drafted, accepted)."""
-        def cond(c):
-            return (c[6] < jnp.minimum(budget, 2 * GENERATE_STEPS)) & (c[7] < GENERATE_STEPS) & ~c[9]
-
-        def body(c):
-            cache, token, draft, pos, key, out, n, steps, acc, _ = c
-            cache, token, draft, pos, key, em, cnt = Engine._speculate(model, ops, cache, token, draft, pos, key,
-                                                                       params)
-            out = jax.lax.dynamic_update_slice(out, em, (n,))
-            first_stops = jnp.any(stops == em[0])
-            stop = first_stops | ((cnt == 2) & jnp.any(stops == em[1]))
-            cnt = jnp.where(first_stops, 1, cnt)   # a stop token as the first of two ends the output there
-            return cache, token, draft, pos, key, out, n + cnt, steps + 1, acc + (cnt - 1), stop
-
-        out = jnp.zeros(2 * GENERATE_STEPS + 2, jnp.int32)
-        z = jnp.int32(0)
-        c = jax.lax.while_loop(cond, body, (cache, token, draft, pos, key, out, z, z, z, jnp.bool_(False)))
-        return c[:9]
+        """`_generate_loop` of MTP steps (1 or 2 tokens each; the drafts accepted are count − steps):
+        (cache, token, draft, pos, key, tokens, count, steps)."""
+        def step(c):
+            *c, emitted, n = Engine._speculate(model, ops, *c, params)
+            return tuple(c), emitted, n
+        return Engine._generate_loop(step, (cache, token, draft, pos, key), stops, budget, 2)
 
     # --- caches ------------------------------------------------------------------------------
     def new_cache(self, rows: int) -> dict:
@@ -821,21 +823,17 @@ class Generator:
         t1 = time.perf_counter()
         eng = self.engine
         stop_arr = eng.place(stop_array(stops))
-        cache, token, pos, key, params = s["cache"], s["token"], s["pos"], s["key"], s["params"]
-        draft = s.get("draft")
+        loop = eng.speculate_loop if self.mtp else eng.decode_loop
+        carry, params = self._carry(s), s["params"]
         while out[-1] not in stops and len(out) < max_new_tokens:
             budget = eng.place(np.int32(max_new_tokens - len(out)))
+            *carry, toks, n, steps = loop(eng.state, *carry, params, stop_arr, budget)
+            n, steps = int(n), int(steps)
+            self.stats["steps"] += steps
             if self.mtp:
-                cache, token, draft, pos, key, toks, n, steps, acc = eng.speculate_loop(
-                    eng.state, cache, token, draft, pos, key, params, stop_arr, budget)
-                self.stats["drafted"] += int(steps)
-                self.stats["accepted"] += int(acc)
-                self.stats["steps"] += int(steps)
-            else:
-                cache, token, pos, key, toks, n = eng.decode_loop(eng.state, cache, token, pos, key, params,
-                                                                  stop_arr, budget)
-                self.stats["steps"] += int(n)
-            new = [int(t) for t in np.asarray(toks)[:int(n)]]
+                self.stats["drafted"] += steps
+                self.stats["accepted"] += n - steps
+            new = [int(t) for t in np.asarray(toks)[:n]]
             for t in new:
                 out.append(t)
                 if t in stops or len(out) >= max_new_tokens:
