@@ -17,7 +17,7 @@ def _generate(args) -> None:
                                ("--max-seq-len", args.max_seq_len, 0)):
         if value < least:
             raise ValueError(f"{flag} must be >= {least}, got {value}")
-    if args.dispatch_thread:
+    if not args.no_dispatch_thread:   # this process runs jtilert's programs only: none has a pinned host output
         jtilert.use_dispatch_thread()
     sampling = jtilert.Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     path = checkpoint.resolve(args.model)
@@ -112,9 +112,9 @@ def main(argv=None) -> int:
                         "runs in the chunks of least estimated cost (default 1024,128)")
     g.add_argument("--no-check", action="store_true",
                    help="load without comparing the checkpoint's files with their checksums")
-    g.add_argument("--dispatch-thread", action="store_true",
-                   help="launch every step from PjRt's dispatch thread (PJRT_GPU_ENABLE_ASYNC_DISPATCH=1): a call "
-                        "returns once its arguments are handled (jtilert.use_dispatch_thread)")
+    g.add_argument("--no-dispatch-thread", action="store_true",
+                   help="launch each step from this thread, not PjRt's dispatch thread (jtilert.use_dispatch_thread, "
+                        "on by default here: a call returns once its arguments are handled)")
     g.set_defaults(run=_generate)
 
     i = sub.add_parser("info", help="describe a checkpoint")

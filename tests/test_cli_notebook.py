@@ -31,11 +31,12 @@ def test_generate_streams_text_and_reports_speed():
 
 
 def test_generate_turns_the_dispatch_thread_on_before_jax_starts():
-    """--dispatch-thread in a fresh process: nothing used JAX before the flag is applied (else
-    `use_dispatch_thread` refuses), and the text is decoded."""
-    r = cli("generate", "--model", "tiny", "--prompt", "The ", "--max-new-tokens", "4", "--dispatch-thread")
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("The ")
+    """The CLI turns PjRt's dispatch thread on (nothing may use JAX before that, or
+    `use_dispatch_thread` refuses and the command fails) unless told not to; the same text either way."""
+    args = ("generate", "--model", "tiny", "--prompt", "The ", "--max-new-tokens", "6")
+    on, off = cli(*args), cli(*args, "--no-dispatch-thread")
+    assert on.returncode == 0 and off.returncode == 0, on.stderr + off.stderr
+    assert on.stdout.startswith("The ") and on.stdout.splitlines()[0] == off.stdout.splitlines()[0]
 
 
 @pytest.mark.parametrize("args, message", [
