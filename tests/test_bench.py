@@ -51,6 +51,7 @@ def test_decode_bench_writes_every_field(tmp_path, monkeypatch):
                for v in run["call_variants"].values())
     assert run["call_variants"]["host_output_pinned"]["host_trace"]
     assert run["steps_per_call"] == 1 and "advancing_step_ms" in run   # no GPU: no ring
+    assert run["served_step_ms"] > 0 and run["host_over_served_frac"] < 1
     assert (tmp_path / "c.png").stat().st_size > 1000
 
 

@@ -317,11 +317,16 @@ def test_bench_decode_times_the_stream_through_the_ring(tiny_random, host_ring, 
     token, draft = eng.place(jnp.array([1], jnp.int32)), eng.place(jnp.array([2], jnp.int32))
     pos, key = eng.place(jnp.int32(context)), eng.place(jax.random.PRNGKey(0))
     params = eng.place(jtilert.Sampling().arrays())
-    per_step, enqueue, carry = decode.host_loop(eng, cache, token, draft, pos, params, key, mtp, n)
-    assert per_step > 0 and enqueue > 0 and len(carry) == (6 if mtp else 5)
+    per_step, enqueue, served, carry = decode.host_loop(eng, cache, token, draft, pos, params, key, mtp, n)
+    assert per_step > 0 and enqueue > 0 and served > 0 and len(carry) == (6 if mtp else 5)
+    # the stream's n calls after one to warm (from the context + the warm call's steps), then the same n
+    # calls queued from the context again: every step's slot written, the queued calls' from the context
     end = int(carry[3 if mtp else 2])
     keys = host_ring.keys()
-    assert keys[-1] < end and len(keys) == min(n * STREAM_STEPS, ring.SLOTS), (keys, end)
+    assert keys[0] == context and end >= context + n * STREAM_STEPS, (keys, end)
+    if not mtp:
+        assert end == context + n * STREAM_STEPS
+        assert keys == list(range(context, context + (n + 1) * STREAM_STEPS)), keys
     if mtp:
         return
     out, carry = decode.call_variant_loops(eng, carry[:4], params, n, context)
