@@ -10,6 +10,7 @@ import sys
 def _generate(args) -> None:
     import jtilert
     from jtilert.parallel import sharding
+    from jtilert.runtime import dispatch
     from jtilert.store import checkpoint
     from jtilert.runtime.tokenizer import load_tokenizer
 
@@ -17,7 +18,9 @@ def _generate(args) -> None:
                                ("--max-seq-len", args.max_seq_len, 0)):
         if value < least:
             raise ValueError(f"{flag} must be >= {least}, got {value}")
-    if not args.no_dispatch_thread:   # this process runs jtilert's programs only: none has a pinned host output
+    # a process of its own runs jtilert's programs only, none with a pinned host output; called from a
+    # process that uses JAX already (`jtilert.cli.main` from Python), the process keeps its setting
+    if not args.no_dispatch_thread and not dispatch.clients_made():
         jtilert.use_dispatch_thread()
     sampling = jtilert.Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     path = checkpoint.resolve(args.model)

@@ -28,13 +28,18 @@ def on() -> bool:
     return os.environ.get(ENV, "").strip() == "1"
 
 
+def clients_made() -> bool:
+    """Whether JAX has made its clients, after which the dispatch thread can no longer change."""
+    return xla_bridge.backends_are_initialized()
+
+
 def use_dispatch_thread() -> None:
     """Turn the dispatch thread on for this process. It must come before JAX makes its clients (before
     the first array, device query or compile); after that the setting can no longer change and this
     raises, unless the thread is on already (`PJRT_GPU_ENABLE_ASYNC_DISPATCH=1` in the environment)."""
     if on():
         return
-    if xla_bridge.backends_are_initialized():
+    if clients_made():
         raise RuntimeError(f"use_dispatch_thread: JAX's clients are made already, so the dispatch thread can no "
                            f"longer be turned on; call it before anything else uses JAX, or start the process "
                            f"with {ENV}=1")
