@@ -531,7 +531,8 @@ def call_variant_loops(eng, carry, params, n, start: int):
     there: STREAM_STEPS steps a call, two calls in flight; its enqueue is a call's, its host loop a
     step's). `carry`: (cache, token, pos, key); every form starts at position `start`, so each runs
     `n` calls' steps within the cache's rows. Returns ({form: {enqueue_ms, host_loop_ms,
-    steps_per_call}}, the carry after); "host_output_pinned" also has "host_trace"."""
+    steps_per_call}}, the carry after); "host_output_pinned" and "token_ring_stream" also have
+    "host_trace"."""
     run = eng._wrap(Engine._decode)
     host = None if eng._interpreted else eng.sharding.with_memory_kind("pinned_host")
 
@@ -565,7 +566,7 @@ def call_variant_loops(eng, carry, params, n, start: int):
     extra = {}   # what a form carries after the four: the stream's tokens still wanted
     if eng.ring is not None:
         calls["token_ring"] = with_state(variant(eng._wrap(Engine._decode_to_ring)))
-        calls["token_ring_stream"], first = stream_call(eng, False, carry, (n + 3) * STREAM_STEPS, params)
+        calls["token_ring_stream"], first = stream_call(eng, False, carry, (2 * n + 3) * STREAM_STEPS, params)
         extra["token_ring_stream"] = first[4:]   # never reached
     for name, call in calls.items():
         keep, steps = (5, STREAM_STEPS) if name in extra else (4, 1)
@@ -576,20 +577,31 @@ def call_variant_loops(eng, carry, params, n, start: int):
         else:
             loop_s, enqueue_s, res = call_loop(call, res, keep, n)
         carry = tuple(res[:4])
+        extra[name] = tuple(res[4:]) if name in extra else ()   # the stream's budget, carried on
         out[name] = {"enqueue_ms": enqueue_s * 1e3, "host_loop_ms": loop_s * 1e3, "steps_per_call": steps}
-    carry = (carry[0], carry[1], eng.place(np.int32(start)), carry[3])
-    out["host_output_pinned"]["host_trace"], carry = traced_calls(calls["host_output_pinned"], carry, n)
-    return out, tuple(carry)
+
+    def restart(carry):
+        return carry[0], carry[1], eng.place(np.int32(start)), carry[3]
+    out["host_output_pinned"]["host_trace"], res = traced_calls(
+        lambda: call_loop(calls["host_output_pinned"], restart(carry) + (None,), 4, n), n)
+    carry = tuple(res[:4])
+    if "token_ring_stream" in calls:
+        out["token_ring_stream"]["host_trace"], res = traced_calls(
+            lambda: ring_loop(calls["token_ring_stream"], restart(carry) + extra["token_ring_stream"], n, eng.ring,
+                              2, STREAM_STEPS), n)
+        carry = tuple(res[:4])
+    return out, carry
 
 
-def traced_calls(call, carry, n: int, top: int = 40):
-    """Where the host time of a call goes: `n` calls of `call_loop` under JAX's profiler, its host
-    events (XLA's runtime TraceMe annotations: execute, buffer donation, command-buffer update and
-    launch, ...) summed by name and divided by n: [(name, µs per call, events per call)], the
-    largest first; nested events each count. Returns (that list, the carried arrays)."""
+def traced_calls(loop, n: int, top: int = 40):
+    """Where the host time of a call goes: `loop()`, a `call_loop` or `ring_loop` of `n` calls, under
+    JAX's profiler, its host events (XLA's runtime TraceMe annotations: execute, buffer donation,
+    command-buffer update and launch, ...) summed by name and divided by n: [(name, µs per call,
+    events per call)], the largest first; nested events each count. Returns (that list, the loop's
+    carried arrays)."""
     folder = tempfile.mkdtemp()
     with jax.profiler.trace(folder, create_perfetto_trace=True):
-        _, _, carry = call_loop(call, tuple(carry) + (None,), len(carry), n)
+        *_, carry = loop()
     return host_events(folder, n, top), carry
 
 
