@@ -51,7 +51,8 @@
 #   prep         tests/gpu/prep_check.py: the mla_prep and index_prep kernels vs their references at
 #                dsv32/glm5-tp8-shard shapes
 #   asyncdispatch  callvariants, then callvariants and ringcheck with PJRT_GPU_ENABLE_ASYNC_DISPATCH=1 (PjRt's GPU
-#                client runs each execution's thunk walk and graph launch on a dispatch thread) (after build)
+#                client runs each execution's thunk walk and graph launch on a dispatch thread), then
+#                tests/gpu/async_dispatch_check.py: the stream's forms under it, each in its own process (after build)
 #   ringcheck    tests/gpu/ring_check.py: Generator.stream through the token ring against the steps that
 #                return their tokens (tiny model, both backends, plain and MTP, greedy and sampled), and
 #                the time a token of each (after build)
@@ -245,7 +246,8 @@ for part in "$@"; do
         --kernels --out "$WORK/callvariants.json"
       PJRT_GPU_ENABLE_ASYNC_DISPATCH=1 step callvariants_async 420 $DEC --layers "$(share_layers)" --backend pallas \
         --steps 5 --samples 6 --call-variants --kernels --out "$WORK/callvariants_async.json"
-      PJRT_GPU_ENABLE_ASYNC_DISPATCH=1 step ringcheck_async 200 python3 tests/gpu/ring_check.py "$WORK/ring_check_async.json" ;;
+      PJRT_GPU_ENABLE_ASYNC_DISPATCH=1 step ringcheck_async 200 python3 tests/gpu/ring_check.py "$WORK/ring_check_async.json"
+      step async_dispatch_check 300 python3 tests/gpu/async_dispatch_check.py "$WORK/async_dispatch_check.json" ;;
     golden) JAX_PLATFORMS=cuda step golden 400 python3 -m pytest -q -p no:cacheprovider -x tests/test_golden_kernels.py ;;
     decode) step decode 480 $DEC --layers 61 --backend "$B" --kernels --samples 10 \
               --out "$WORK/decode.json" --plot "$WORK/decode.png" ;;

@@ -1,7 +1,10 @@
-"""On a GPU, under PjRt's dispatch thread (PJRT_GPU_ENABLE_ASYNC_DISPATCH=1): which Generator.stream
-forms run, each in a process of its own (a crash ends only its own form). Forms: the ring's stream, the
-steps that return their token into pinned host memory (the stream without a ring), and those steps with
-the token left in device memory; each with the program cache on and off."""
+"""On a GPU, under PjRt's dispatch thread (PJRT_GPU_ENABLE_ASYNC_DISPATCH=1): Generator.stream's forms,
+each in a process of its own (a crash ends only its own form), with the program cache on and off.
+Forms: "ring" (the token ring's stream), "returning" (the steps that return their token, as the Engine
+builds them under the thread: in device memory), and "pinned" (those steps forced to write the token
+into pinned host memory, as without the thread: jax 0.11.2 reads it before the step writes it, or
+crashes). "ring" and "returning" must give the tokens that the returning steps give without the thread;
+"pinned" is reported, for the day jax mends it."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ import subprocess
 import sys
 import time
 
-FORMS = ("ring", "pinned", "device")
+FORMS = ("ring", "returning", "pinned")
 
 
 def one(form: str) -> dict:
@@ -22,9 +25,11 @@ def one(form: str) -> dict:
 
     cfg = dataclasses.replace(DecodeConfig(backend="pallas"), token_ring=form == "ring")
     gen = jtilert.Generator(jtilert.load("tiny"), max_seq_len=1024, config=cfg)
-    if form == "device":   # the returning step with every output in device memory (`_HostCopy` copies)
+    if form == "pinned":
         eng = gen.engine
-        eng.decode = Compiled(eng._wrap(eng._decode), (1, 2, 3, 4), "decode_device", eng, eng.step_options)
+        host = eng.sharding.with_memory_kind("pinned_host")
+        eng.decode = Compiled(eng._wrap(eng._decode), (1, 2, 3, 4), "decode_pinned", eng, eng.step_options,
+                              out_shardings=(None,) * 4 + (host,))
     prompt = jtilert.tokenizer("tiny").encode("The if statement")
     out = []
     for _ in range(2):
@@ -34,31 +39,38 @@ def one(form: str) -> dict:
     return {"requests": out, "ms_per_token": gen.stats.get("ms_per_token")}
 
 
+def run(form: str, env: dict) -> dict:
+    p = subprocess.run([sys.executable, "-X", "faulthandler", __file__, "--form", form], env=env,
+                       capture_output=True, text=True, timeout=240)
+    lines = [x for x in p.stdout.splitlines() if x.startswith("{")]
+    res = json.loads(lines[-1]) if p.returncode == 0 and lines else None
+    tail = [x for x in p.stderr.splitlines() if "arning" not in x][-12:]
+    return {"rc": p.returncode, "result": res, "stderr_tail": tail if p.returncode else []}
+
+
 def main():
     if len(sys.argv) > 2 and sys.argv[1] == "--form":
         print(json.dumps(one(sys.argv[2])))
         return
-    results = {}
+    base = {k: v for k, v in os.environ.items() if k != "PJRT_GPU_ENABLE_ASYNC_DISPATCH"}
+    want = run("returning", dict(base, JTILERT_PROGRAM_CACHE="off"))["result"]
+    results, bad = {"without_thread": want}, want is None
     for cache in ("on", "off"):
         for form in FORMS:
-            env = dict(os.environ, PJRT_GPU_ENABLE_ASYNC_DISPATCH="1", JTILERT_PROGRAM_CACHE=cache)
-            p = subprocess.run([sys.executable, "-X", "faulthandler", __file__, "--form", form], env=env,
-                               capture_output=True, text=True, timeout=240)
             key = f"{form}/cache_{cache}"
-            lines = [x for x in p.stdout.splitlines() if x.startswith("{")]
-            res = json.loads(lines[-1]) if p.returncode == 0 and lines else None
-            tail = [x for x in p.stderr.splitlines() if "arning" not in x][-12:]
-            results[key] = {"rc": p.returncode, "result": res, "stderr_tail": tail if p.returncode else []}
-            print(key, "rc", p.returncode, "ms/token", res and res["ms_per_token"], flush=True)
-            if p.returncode:
-                print("\n".join(tail), flush=True)
-    ref = results.get("device/cache_off", {}).get("result")
-    for k, v in results.items():
-        if v["result"] and ref:
-            print(k, "same tokens as device/cache_off:", [a["ids"] == b["ids"] for a, b in
-                                                          zip(v["result"]["requests"], ref["requests"])])
+            r = results[key] = run(form, dict(base, PJRT_GPU_ENABLE_ASYNC_DISPATCH="1", JTILERT_PROGRAM_CACHE=cache))
+            same = r["result"] is not None and want is not None and [a["ids"] for a in r["result"]["requests"]] == [
+                a["ids"] for a in want["requests"]]
+            r["same_tokens"] = same
+            bad += form != "pinned" and not same
+            print(key, "rc", r["rc"], "same tokens as without the thread:", same, "ms/token",
+                  r["result"] and r["result"]["ms_per_token"], flush=True)
+            if r["rc"]:
+                print("\n".join(r["stderr_tail"]), flush=True)
     if len(sys.argv) > 1:
         json.dump(results, open(sys.argv[1], "w"), indent=1)
+    print("OK" if not bad else "FAILED")
+    sys.exit(bool(bad))
 
 
 if __name__ == "__main__":
