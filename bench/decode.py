@@ -9,7 +9,8 @@ times decode steps:
 - device time per step: `steps` consecutive steps inside one compiled loop (one dispatch, so no host
   time), repeated `samples` times; median and p90 over the samples;
 - host overhead: the pipelined Python loop `Generator.stream` runs (with the token ring, calls of
-  STREAM_STEPS steps; without, one step a call), minus the device time; the enqueue time of one call
+  STREAM_STEPS steps; without, one step a call), minus the device time of the timing loop, and minus
+  that of the same calls queued with nothing read (`served_step_ms`); the enqueue time of one call
   (until the call returns, its steps still running; `steps_per_call` says how many);
 - bytes per step, counted from the parameters actually read (the chosen experts only, one embedding
   row) plus the KV reads; the copy bandwidth measured in the same run; floor = bytes / bandwidth.
@@ -568,9 +569,11 @@ def call_variant_loops(eng, carry, params, n, start: int):
         calls["token_ring"] = with_state(variant(eng._wrap(Engine._decode_to_ring)))
         calls["token_ring_stream"], first = stream_call(eng, False, carry, (2 * n + 3) * STREAM_STEPS, params)
         extra["token_ring_stream"] = first[4:]   # never reached
+    def restart(carry):
+        return carry[0], carry[1], eng.place(np.int32(start)), carry[3]
     for name, call in calls.items():
         keep, steps = (5, STREAM_STEPS) if name in extra else (4, 1)
-        carry = (carry[0], carry[1], eng.place(np.int32(start)), carry[3])
+        carry = restart(carry)
         res = jax.block_until_ready(call(*carry, *extra.get(name, ())))   # warm
         if name.startswith("token_ring"):
             loop_s, enqueue_s, res = ring_loop(call, res, n, eng.ring, 2, steps)
@@ -579,9 +582,6 @@ def call_variant_loops(eng, carry, params, n, start: int):
         carry = tuple(res[:4])
         extra[name] = tuple(res[4:]) if name in extra else ()   # the stream's budget, carried on
         out[name] = {"enqueue_ms": enqueue_s * 1e3, "host_loop_ms": loop_s * 1e3, "steps_per_call": steps}
-
-    def restart(carry):
-        return carry[0], carry[1], eng.place(np.int32(start)), carry[3]
     out["host_output_pinned"]["host_trace"], res = traced_calls(
         lambda: call_loop(calls["host_output_pinned"], restart(carry) + (None,), 4, n), n)
     carry = tuple(res[:4])

@@ -192,6 +192,10 @@ patched_tree() {  # patched_tree PATCH: this checkout with PATCH applied (patch 
   fi
   echo "$t"
 }
+call_variants() {  # call_variants NAME: part callvariants' run, logged as NAME, its JSON $WORK/NAME.json
+  step "$1" 420 $DEC --layers "$(share_layers)" --backend pallas --steps 5 --samples 6 --call-variants --kernels \
+    --out "$WORK/$1.json"
+}
 share_layers() {  # the layers of dsv32-tp8-shard that fit this GPU: 61 on an H200; 36 on an H100, where the
   # 61 layers' 81.8 GiB of fp8 weights pass the 59 GiB that JAX takes of its 80 GB
   local mib
@@ -238,14 +242,11 @@ for part in "$@"; do
     compileprofile)  # the first compile, cold, with XLA's stage under JAX's profiler: where its seconds go
       JTILERT_COMPILATION_CACHE=$WORK/xla_cache_profile step compileprofile 300 $DEC --layers 61 --backend pallas \
         --steps 5 --samples 2 --compile-profile --out "$WORK/compileprofile.json" ;;
-    callvariants) step callvariants 420 $DEC --layers "$(share_layers)" --backend pallas --steps 5 --samples 6 \
-                    --call-variants --kernels --out "$WORK/callvariants.json" ;;
+    callvariants) call_variants callvariants ;;
     asyncdispatch)  # PjRt's GPU client launching each program from a dispatch thread of its own: part
       # callvariants without it, then with it, then the ring's stream check with it (after build)
-      step callvariants 420 $DEC --layers "$(share_layers)" --backend pallas --steps 5 --samples 6 --call-variants \
-        --kernels --out "$WORK/callvariants.json"
-      PJRT_GPU_ENABLE_ASYNC_DISPATCH=1 step callvariants_async 420 $DEC --layers "$(share_layers)" --backend pallas \
-        --steps 5 --samples 6 --call-variants --kernels --out "$WORK/callvariants_async.json"
+      call_variants callvariants
+      PJRT_GPU_ENABLE_ASYNC_DISPATCH=1 call_variants callvariants_async
       PJRT_GPU_ENABLE_ASYNC_DISPATCH=1 step ringcheck_async 200 python3 tests/gpu/ring_check.py "$WORK/ring_check_async.json"
       step async_dispatch_check 300 python3 tests/gpu/async_dispatch_check.py "$WORK/async_dispatch_check.json" ;;
     golden) JAX_PLATFORMS=cuda step golden 400 python3 -m pytest -q -p no:cacheprovider -x tests/test_golden_kernels.py ;;

@@ -271,8 +271,7 @@ class Engine:
         def body(c):
             carry, left, i = c
             carry, emitted, n = step(carry)
-            made = jnp.arange(emitted.shape[0]) < n
-            stop = jnp.any(made[:, None] & (emitted[:, None] == stops[None, :]))
+            stop = jnp.any(_stop_hits(emitted, n, stops))
             return carry, jnp.where(stop, 0, left - n), i + 1
 
         carry, left, _ = jax.lax.while_loop(lambda c: (c[2] < STREAM_STEPS) & (c[1] > 0), body,
@@ -332,7 +331,7 @@ class Engine:
         def body(c):
             carry, out, n, steps, _ = c
             carry, emitted, made = step(carry)
-            hit = (jnp.arange(width) < made) & jnp.any(emitted[:, None] == stops[None, :], axis=1)
+            hit = _stop_hits(emitted, made, stops)
             stop = jnp.any(hit)
             made = jnp.where(stop, jnp.argmax(hit) + 1, made)   # up to the first stop token
             out = jax.lax.dynamic_update_slice(out, emitted, (n,))
@@ -847,6 +846,11 @@ class Generator:
         """Fraction of MTP drafts accepted in the last generation (None without MTP)."""
         d = self.stats.get("drafted", 0)
         return self.stats["accepted"] / d if self.mtp and d else None
+
+
+def _stop_hits(emitted, n, stops):
+    """Which of a step's emitted tokens (its first n are made) are stop tokens: bool [len(emitted)]."""
+    return (jnp.arange(emitted.shape[0]) < n) & jnp.any(emitted[:, None] == stops[None, :], axis=1)
 
 
 def stop_array(stops: list) -> np.ndarray:
