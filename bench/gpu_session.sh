@@ -57,6 +57,9 @@
 #                return their tokens (tiny model, both backends, plain and MTP, greedy and sampled), and
 #                the time a token of each (after build)
 #   route        tests/gpu/route_check.py: the engine's router selection vs the reference, and their times
+#   router       the one-launch router (DecodeConfig.engine_router): part route, tests/gpu/decode_check.py with
+#                --engine-router, then bench.decode at the share's layers, pallas, without and with --engine-router,
+#                back to back (after build)
 #   moe          tests/gpu/moe_check.py: the engine's one-launch MoE vs the reference and the pallas path, and
 #                their times per MoE in a dependent chain
 #   moepatch     part moe on a copy of this checkout with PATCH applied (a bench/experiments patch of moe.cu)
@@ -436,6 +439,13 @@ for part in "$@"; do
     prep) step prep 300 python3 tests/gpu/prep_check.py --out "$WORK/prep.json" ;;
     ringcheck) step ringcheck 200 python3 tests/gpu/ring_check.py "$WORK/ring_check.json" ;;
     route) step route 200 python3 tests/gpu/route_check.py --out "$WORK/route.json" ;;
+    router)
+      step route 200 python3 tests/gpu/route_check.py --out "$WORK/route.json"
+      step router_check 150 python3 tests/gpu/decode_check.py --engine-router --out "$WORK/router_check.json"
+      n=$(share_layers)
+      step router_off 200 $DEC --layers "$n" --backend pallas --kernels --samples 6 --out "$WORK/router_off.json"
+      step router_on 200 $DEC --layers "$n" --backend pallas --kernels --samples 6 --engine-router \
+        --out "$WORK/router_on.json" ;;
     moe) step moe 400 python3 tests/gpu/moe_check.py --out "$WORK/moe.json" ;;
     moepatch)  # the one-launch MoE check (part moe) in a copy of this checkout with PATCH (a bench/experiments
       # patch of cuda/src/moe.cu) applied: beside part moe's figures for this checkout in the same call

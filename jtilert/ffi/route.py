@@ -1,13 +1,20 @@
-"""The MoE router's selection in one launch: the engine's ``route_select`` (cuda/src/route.cu).
+"""The MoE router's selection in one launch: the engine's ``route_select`` (cuda/src/route.cu), and
+the whole router of a MoE layer in one launch: its ``norm_route``.
 
 ``select_experts(cfg, partials, bias, layer)`` is ``jtilert.ops.reference.select_experts(cfg, logits,
 bias[layer])`` (sigmoid scores, the group-limited choice of the top experts, ties to the lower index,
 the normalised weights) for the logits ``partials[0] + partials[1] + ..`` (the router GEMV's split-K
 partial sums [S, T, E] fp32, added in that order) and the bias stack [L, E] fp32 read at ``layer`` on
 the device (its base and offset, two operands the kernel adds: `jtilert.ops.layer.Layer`): one
-kernel where XLA runs the sum and the selection as a chain of small fusions. Elsewhere (no GPU, no
-library, shapes the kernel does not take) XLA runs the same sum and the reference selection, with
-one warning per reason.
+kernel where XLA runs the sum and the selection as a chain of small fusions.
+
+``norm_route(cfg, x, norm_weight, eps, gate, bias, layer)`` is ``jtilert.ops.reference.norm_route``
+on layer ``layer`` of the stacks: the norm of x, the router GEMV and the selection in one launch
+(`DecodeConfig.engine_router`), where the pallas path runs the router's Pallas GEMV, then
+``select_experts``.
+
+Elsewhere (no GPU, no library, shapes a kernel does not take) XLA runs the reference, with one
+warning per reason.
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ from jtilert.ops import reference
 from jtilert.ops.layer import Layer
 
 MAX_EXPERTS = 1024   # JT_ROUTE_MAX_EXPERTS: one thread per expert
+NORM_ROUTE_MAX_EXPERTS = 512   # JT_NORM_ROUTE_MAX_EXPERTS
+MAX_TOKENS = 8       # JT_ROUTE_MAX_TOKENS: norm_route's tokens
 
 route_select_p = Primitive("jtilert_route_select")
 route_select_p.multiple_results = True
@@ -115,3 +124,100 @@ def select_experts(cfg, partials, bias, layer):
         partials, bias, *Layer.of(layer).operands(), n_group=int(cfg.n_group),
         topk_group=int(cfg.topk_group), k=int(cfg.num_experts_per_tok), norm=int(bool(cfg.norm_topk_prob)),
         scaling=float(cfg.routed_scaling_factor)))
+
+
+# ---- the whole router in one launch --------------------------------------------------------------
+
+norm_route_p = Primitive("jtilert_norm_route")
+norm_route_p.multiple_results = True
+
+
+def _norm_route_abstract(x, norm_weight, gate, bias, layer, layer_offset, *, k, **_):  # noqa: ARG001
+    t, e = x.shape[0], gate.shape[1]
+    return (x.update(shape=x.shape, dtype=np.dtype(jnp.bfloat16)), x.update(shape=(t, e), dtype=np.dtype(np.float32)),
+            x.update(shape=(t, k), dtype=np.dtype(np.float32)), x.update(shape=(t, k), dtype=np.dtype(np.int32)))
+
+
+norm_route_p.def_abstract_eval(_norm_route_abstract)
+
+
+def _norm_route_reference(cfg, x, norm_weight, eps, gate, bias, layer):
+    """(f, logits, weights, ids): reference.norm_route on layer `layer` of the stacks, its logits too."""
+    index = Layer.of(layer).index()
+    norm_weight, gate, bias = (jax.lax.dynamic_index_in_dim(a, index, 0, keepdims=False)
+                               for a in (norm_weight, gate, bias))
+    f = reference.rms_norm(x, norm_weight, eps)
+    logits = reference.router_logits(f, gate)
+    return (f, logits, *reference.select_experts(cfg, logits, bias))
+
+
+def _norm_route_lower_xla(ctx, x, norm_weight, gate, bias, layer, layer_offset, *, eps, n_group, topk_group, k,
+                          norm, scaling):
+    cfg = _Routing(n_group, topk_group, k, norm, scaling)
+    def run(x, nw, g, b, i, o):
+        return list(_norm_route_reference(cfg, x, nw, eps, g, b, Layer(i[0], o[0])))
+    return mlir.lower_fun(run, multiple_results=True)(ctx, x, norm_weight, gate, bias, layer, layer_offset)
+
+
+def _norm_route_lower_cuda(ctx, x, norm_weight, gate, bias, layer, layer_offset, *, eps, n_group, topk_group, k,
+                           norm, scaling):
+    if not _ops.EMIT_WITHOUT_GPU:  # noqa: SLF001
+        lib, why = _lib.load()
+        if lib is None:
+            _warn_norm_route(why)
+            return _norm_route_lower_xla(ctx, x, norm_weight, gate, bias, layer, layer_offset, eps=eps,
+                                         n_group=n_group, topk_group=topk_group, k=k, norm=norm, scaling=scaling)
+    return jax.ffi.ffi_lowering("jtilert_norm_route")(
+        ctx, x, norm_weight, gate, bias, layer, layer_offset, eps=np.float32(eps), n_group=np.int32(n_group),
+        topk_group=np.int32(topk_group), norm=np.int32(norm), scaling=np.float32(scaling))
+
+
+mlir.register_lowering(norm_route_p, _norm_route_lower_xla)
+mlir.register_lowering(norm_route_p, _norm_route_lower_cuda, platform="cuda")
+
+
+def _warn_norm_route(why):
+    _lib.warn_once("norm_route:" + why, f"jtilert.ffi: CUDA norm_route not used ({why}); running the reference "
+                   "norm, router and selection in XLA")
+
+
+def norm_route_unsupported(cfg, x, norm_weight, gate, bias) -> str | None:
+    """Why the one-launch router does not take these arrays (None: it does): the stacks [L, ...]."""
+    t, h = x.shape if x.ndim == 2 else (0, 0)
+    if x.ndim != 2 or x.dtype != jnp.bfloat16 or not 1 <= t <= MAX_TOKENS or h % 8:
+        return f"x {x.dtype}{list(x.shape)} (bfloat16 [T, H], T <= {MAX_TOKENS}, H a multiple of 8)"
+    if (norm_weight.ndim != 2 or norm_weight.shape[1] != h or gate.ndim != 3 or gate.shape[2] != h
+            or norm_weight.shape[0] != gate.shape[0]
+            or not {norm_weight.dtype, gate.dtype} <= {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)}):
+        return (f"norm weight {norm_weight.dtype}{list(norm_weight.shape)}, gate {gate.dtype}{list(gate.shape)} "
+                "(stacks [L, H] and [L, E, H], bfloat16 or float32)")
+    e = gate.shape[1]
+    if bias.dtype != jnp.float32 or bias.shape != (gate.shape[0], e):
+        return f"bias {bias.dtype}{list(bias.shape)} (float32 [L, E])"
+    if e > NORM_ROUTE_MAX_EXPERTS or e % cfg.n_group or not 1 <= cfg.topk_group <= cfg.n_group:
+        return f"{e} experts in {cfg.n_group} groups (at most {NORM_ROUTE_MAX_EXPERTS}, whole groups)"
+    if not 1 <= cfg.num_experts_per_tok <= e:
+        return f"k={cfg.num_experts_per_tok} of {e} experts"
+    return None
+
+
+def norm_route_logits(cfg, x, norm_weight, eps, gate, bias, layer):
+    """(f [T, H] bf16, logits [T, E] fp32, weights [T, k] fp32, ids [T, k] int32): the norm of x with layer
+    `layer` of the norm weight stack [L, H], the router's logits with the gate stack [L, E, H], the
+    selection with the bias stack [L, E] (`layer` a `jtilert.ops.layer.Layer` or an int32 scalar, may
+    be traced), in one launch."""
+    why = norm_route_unsupported(cfg, x, norm_weight, gate, bias)
+    ok, no_engine = _ops.engine_status()
+    if why is not None or not ok:
+        _warn_norm_route(why or no_engine)
+        return _norm_route_reference(cfg, x, norm_weight, eps, gate, bias, layer)
+    return tuple(norm_route_p.bind(
+        x, norm_weight, gate, bias, *Layer.of(layer).operands(), eps=float(eps), n_group=int(cfg.n_group),
+        topk_group=int(cfg.topk_group), k=int(cfg.num_experts_per_tok), norm=int(bool(cfg.norm_topk_prob)),
+        scaling=float(cfg.routed_scaling_factor)))
+
+
+def norm_route(cfg, x, norm_weight, eps, gate, bias, layer):
+    """(f, weights, ids) of `norm_route_logits`: the contract of `jtilert.ops.reference.norm_route`."""
+    f, _, w, ids = norm_route_logits(cfg, x, norm_weight, eps, gate, bias, layer)
+    return f, w, ids

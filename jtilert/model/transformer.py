@@ -275,7 +275,7 @@ class MoE(nnx.Module):
         if self.norm is None:
             weights, ids = ops("route", self.cfg, x, *gate, layer=layer)
             return ops.moe(x, weights, ids, *arrays, residual=residual)
-        f, weights, ids = ops("norm_route", self.cfg, x, *self.norm.args(), *gate, layer=layer)
+        f, weights, ids = ops.norm_route(self.cfg, x, *self.norm.args(), *gate, layer=layer)
         return ops.moe(x, weights, ids, *arrays, residual=residual, norm=self.norm.args(), x_normed=f)
 
 

@@ -409,9 +409,14 @@ def sparse_mla_heads_linear(q_lat, q_pe, kv_cache, pe_cache, idx, scale: float, 
 
 # ---- MoE router -----------------------------------------------------------------------------
 
+def router_logits(x: jax.Array, gate: jax.Array) -> jax.Array:
+    """The router's logits [T, E] in fp32: x [T, H] · gate [E, H]ᵀ, both read in fp32."""
+    return jnp.einsum("th,eh->te", x.astype(F32), gate.astype(F32))
+
+
 def route(cfg: ModelConfig, x: jax.Array, gate: jax.Array, bias: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Sigmoid group-limited routing: (weights [T, k] fp32, expert ids [T, k] int32)."""
-    return select_experts(cfg, jnp.einsum("th,eh->te", x.astype(F32), gate.astype(F32)), bias)
+    return select_experts(cfg, router_logits(x, gate), bias)
 
 
 def norm_route(cfg: ModelConfig, x: jax.Array, norm_weight: jax.Array, eps: float, gate: jax.Array,

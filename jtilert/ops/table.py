@@ -33,6 +33,8 @@ import numpy as np
 from jtilert import ffi
 from jtilert.ffi import _lib
 from jtilert.ffi import moe as ffi_moe
+from jtilert.ffi import ops as ffi_ops
+from jtilert.ffi import route as ffi_route
 from jtilert.ops import reference
 from jtilert.ops.layer import Layer
 from jtilert.pallas import index_prep, indexer, interpret, mla_prep, sparse_mla
@@ -94,6 +96,11 @@ class DecodeConfig:
         kernels (routed gate/up, routed down, shared gate/up, shared down); a decode-shaped call the
         engine does not take runs those four, with a warning once per shape and reason (prefill runs
         them without a word). Off by default: slower in the step (bench/RESULTS.md, session 25).
+    engine_router: backend "pallas": a MoE layer's norm, router GEMV and expert selection (op
+        "norm_route", decode-shaped calls) as one launch of the CUDA engine's
+        `jtilert.ffi.route.norm_route` instead of the router's Pallas GEMV and the engine's selection;
+        where it does not apply, those two, with a warning once per shape and reason. Off by default:
+        bench/RESULTS.md has not measured it in the step yet.
     token_ring: on a GPU where the CUDA engine loads, the decode steps that `Generator.stream` runs
         leave their new tokens in the engine's token ring (`jtilert.ffi.ring`, fixed pinned host memory
         the host reads) instead of returning them as an output: every output of a call is then a donated
@@ -112,6 +119,7 @@ class DecodeConfig:
     xla_options: tuple[tuple[str, str], ...] = STEP_XLA_OPTIONS
     l2_prefetch: bool = False
     engine_moe: bool = False
+    engine_router: bool = False
     token_ring: bool = True
 
     def __post_init__(self):
@@ -482,6 +490,21 @@ class Ops:
         g, gs, u, us, d, ds = arrays
         hidden = self("swiglu_hidden", x, g, gs, u, us, *norm, layer=layer)
         return self.linear_all_reduce(hidden, d, ds, layer, residual=residual)
+
+    def norm_route(self, cfg, x, norm_weight, eps, gate, bias, layer=None):
+        """Op "norm_route": (f, weights, ids). With `DecodeConfig.engine_router`, a decode-shaped call on
+        stacked weights runs as the engine's one launch (`jtilert.ffi.route.norm_route`) where it
+        applies; otherwise the op's table entry (the router's Pallas GEMV, then the selection)."""
+        if self.config.engine_router and self._kernels and _tokens(x) <= MAX_DECODE_TOKENS:
+            why = ("weights not stacked per layer (no layer index)" if layer is None else
+                   ffi_route.norm_route_unsupported(cfg, x, norm_weight, gate, bias)
+                   or ffi_ops.engine_status()[1] or None)
+            if why is None:
+                return ffi_route.norm_route(cfg, x, norm_weight, eps, gate, bias, _layer_argument(layer))
+            shapes = _shapes((x, gate))
+            _lib.warn_once(f"ops:engine_router:{shapes}:{why}", f"jtilert: engine_router but the engine's one-launch "
+                           f"router does not take norm_route on {shapes} ({why}); running the pallas path", UserWarning)
+        return self("norm_route", cfg, x, norm_weight, eps, gate, bias, layer=layer)
 
     def moe(self, x, weights, ids, experts: tuple, shared: tuple, layer=None, residual=None, norm=(None, 0.0),
             x_normed=None):

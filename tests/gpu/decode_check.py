@@ -4,7 +4,8 @@ steps after a 4-token prefill.
 Both paths compute in bf16; the same model computed in fp32 tells how far bf16 rounding alone moves
 the logits (`bf16_reference_vs_fp32`), the yardstick for the pallas path's error.
 
-    PYTHONPATH=. python3 tests/gpu/decode_check.py [--preset dsv32-tp8-shard] [--layers 4] [--out check.json]
+    PYTHONPATH=. python3 tests/gpu/decode_check.py [--preset dsv32-tp8-shard] [--layers 4] [--engine-router]
+        [--out check.json]
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 
 import jtilert
 from jtilert.ops import table as ops
+from jtilert.ops.table import DecodeConfig
 
 
 def stacked_gemv_errors() -> dict:
@@ -70,6 +72,8 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--per-op", action="store_true", help="also each kernel alone (the others on the reference)")
+    p.add_argument("--engine-router", action="store_true",
+                   help="also the pallas path with DecodeConfig.engine_router (the MoE router in one engine launch)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     cfg = jtilert.preset(a.preset, num_hidden_layers=a.layers)
@@ -83,8 +87,8 @@ def main(argv=None) -> int:
         return {"max_abs_err_over_max": float(np.abs(got[dec] - want[dec]).max() / np.abs(want[dec]).max()),
                 "argmax_agree": float(np.mean(got[dec].argmax(-1) == want[dec].argmax(-1)))}
 
-    def compare():
-        pal = jtilert.score(model, ids, prefill=4, backend="pallas")
+    def compare(**config):
+        pal = jtilert.score(model, ids, prefill=4, config=DecodeConfig(backend="pallas", **config))
         return {**error(pal, ref), "vs_fp32": error(pal, ref32)}
 
     result = {"preset": a.preset, "layers": a.layers, "steps": a.steps, **compare(), "bf16_reference_vs_fp32": error(ref, ref32),
@@ -96,9 +100,15 @@ def main(argv=None) -> int:
     # (bf16_reference_vs_fp32), so the bound is relative: the pallas path must be about as close to
     # the fp32 computation as the bf16 reference is, and pick the same tokens about as often.
     ref_err = result["bf16_reference_vs_fp32"]
-    result["ok"] = bool(result["vs_fp32"]["max_abs_err_over_max"] <= 1.25 * ref_err["max_abs_err_over_max"]
-                        and result["vs_fp32"]["argmax_agree"] >= ref_err["argmax_agree"] - 1.5 / a.steps
-                        and max(result["index_weights"]) < 1e-5)   # fp32 sums in another order
+
+    def close(r):
+        return (r["vs_fp32"]["max_abs_err_over_max"] <= 1.25 * ref_err["max_abs_err_over_max"]
+                and r["vs_fp32"]["argmax_agree"] >= ref_err["argmax_agree"] - 1.5 / a.steps)
+    result["ok"] = bool(close(result) and max(result["index_weights"]) < 1e-5)   # fp32 sums in another order
+    if a.engine_router:
+        result["engine_router"] = compare(engine_router=True)
+        print("engine_router:", result["engine_router"], flush=True)
+        result["ok"] = bool(result["ok"] and close(result["engine_router"]))
     if a.per_op:
         table = dict(ops.OPS)
         for name, op in table.items():

@@ -204,6 +204,22 @@ cudaError_t jt_route_select(cudaStream_t stream, const float* partials, int S,
                             float scaling, int norm, float* out_w,
                             int32_t* out_ids);
 
+#define JT_ROUTE_MAX_TOKENS 8
+#define JT_NORM_ROUTE_MAX_EXPERTS 512   // a thread an expert; 512 threads keep 128 registers each
+// A MoE layer's whole router in one launch: f = rms_norm(x, norm_weight[l], eps)
+// (x [T, H] bf16, T <= JT_ROUTE_MAX_TOKENS, H % 8 == 0, E <= JT_NORM_ROUTE_MAX_EXPERTS; the norm weight stack
+// [L, H] bf16 or fp32 (norm_dtype), f [T, H] bf16 rounded as the reference
+// rounds it), logits = f . gate[l]^T in fp32 (gate [L, E, H] bf16 or fp32,
+// gate_dtype; logits [T, E] fp32), then the selection of jt_route_select from
+// those logits with bias row l, l = *layer + *layer_offset. Calls on one device
+// must not overlap (the CTAs' arrival counter is a device global).
+// cudaErrorInvalidValue for shapes it does not take.
+cudaError_t jt_norm_route(cudaStream_t stream, const void* x, const void* norm_weight,
+                          int norm_dtype, const void* gate, int gate_dtype, const float* bias,
+                          const int32_t* layer, const int32_t* layer_offset, int T, int H, int E,
+                          float eps, int n_group, int topk_group, int k, float scaling, int norm,
+                          void* f_out, float* logits, float* out_w, int32_t* out_ids);
+
 // ---- a MoE layer's experts for one decode token (src/moe.cu) ----
 #define JT_MOE_CTAS 128          // one persistent launch of this many CTAs (all resident)
 #define JT_MOE_MAX_VEC 8192      // H and (k + 1) * I at most
