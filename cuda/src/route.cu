@@ -389,10 +389,7 @@ cudaError_t launch_norm_route(cudaStream_t stream, const __nv_bfloat16* x, const
                               __nv_bfloat16* f_out, float* logits, float* out_w,
                               int32_t* out_ids) {
   const NormRouteShape s = norm_route_shape(T, H, E, n_group, k);
-  if (s.rows > kNormRouteMaxRows) return cudaErrorInvalidValue;
-  const cudaError_t e = cudaFuncSetAttribute(norm_route_kernel<W>,
-                                             cudaFuncAttributeMaxDynamicSharedMemorySize, (int)s.smem);
-  if (e != cudaSuccess) return e;
+  if (s.rows > kNormRouteMaxRows || s.smem > (size_t)JT_NORM_ROUTE_MAX_SMEM) return cudaErrorInvalidValue;
   norm_route_kernel<W><<<s.ctas, s.threads, s.smem, stream>>>(
       x, norm_weight, norm_f32, gate, bias, layer, layer_offset, T, H, E, s.rows, eps, n_group,
       topk_group, k, scaling, norm, f_out, logits, out_w, out_ids);
@@ -400,6 +397,17 @@ cudaError_t launch_norm_route(cudaStream_t stream, const __nv_bfloat16* x, const
 }
 
 }  // namespace
+
+// Raises norm_route's dynamic shared-memory limit (jt_prepare_device, once a device).
+int prepare_route_kernels(int max_smem) {
+  const int smem = max_smem < JT_NORM_ROUTE_MAX_SMEM ? max_smem : JT_NORM_ROUTE_MAX_SMEM;
+  cudaError_t e = cudaFuncSetAttribute(norm_route_kernel<__nv_bfloat16>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e == cudaSuccess)
+    e = cudaFuncSetAttribute(norm_route_kernel<float>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  return (int)e;
+}
+
 }  // namespace jt
 
 extern "C" cudaError_t jt_route_select(cudaStream_t stream, const float* partials,

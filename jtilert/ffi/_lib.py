@@ -185,6 +185,22 @@ def load() -> tuple[Lib | None, str]:
         return lib, why
 
 
+def load_prepared() -> tuple[Lib | None, str]:
+    """`load`, with every local GPU prepared (the kernels' shared-memory limits raised): for a custom
+    call's lowering, which runs in the main thread before XLA runs anything. (None, reason) on a failure."""
+    import jax  # noqa: PLC0415
+
+    lib, why = load()
+    if lib is None:
+        return None, why
+    try:
+        for d in jax.local_devices(backend="gpu"):
+            lib.prepare(int(d.local_hardware_id))
+    except Exception as e:  # noqa: BLE001 - any failure means: fall back
+        return None, f"{type(e).__name__}: {e}"
+    return lib, ""
+
+
 def register_targets() -> Lib:
     """Builds (if needed) and loads the library and registers its FFI targets for CUDA without a GPU,
     and makes `load` return it: for compiling programs for a GPU on a machine without one

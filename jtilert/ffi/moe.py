@@ -68,16 +68,10 @@ def _lower_xla(ctx, f, weights, ids, *rest):
 
 
 def _lower_cuda(ctx, *args):
-    # every local GPU's shared-memory limit raised here, in the main thread, before XLA runs anything
     if not _ops.EMIT_WITHOUT_GPU:  # noqa: SLF001
-        lib, why = _lib.load()
-        try:
-            if lib is None:
-                raise RuntimeError(why)
-            for d in jax.local_devices(backend="gpu"):
-                lib.prepare(int(d.local_hardware_id))
-        except Exception as e:  # noqa: BLE001 - any failure means: fall back
-            _warn(f"{type(e).__name__}: {e}")
+        lib, why = _lib.load_prepared()
+        if lib is None:
+            _warn(why)
             return _lower_xla(ctx, *args)
     return jax.ffi.ffi_lowering("jtilert_moe_decode")(ctx, *args, timeout_ms=np.int64(_lib.timeout_ms()))
 

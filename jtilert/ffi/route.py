@@ -35,6 +35,7 @@ from jtilert.ops.layer import Layer
 MAX_EXPERTS = 1024   # JT_ROUTE_MAX_EXPERTS: one thread per expert
 NORM_ROUTE_MAX_EXPERTS = 512   # JT_NORM_ROUTE_MAX_EXPERTS
 MAX_TOKENS = 8       # JT_ROUTE_MAX_TOKENS: norm_route's tokens
+NORM_ROUTE_MAX_SMEM = 200 * 1024   # JT_NORM_ROUTE_MAX_SMEM: f [T, H] bf16 and the selection's floats
 
 route_select_p = Primitive("jtilert_route_select")
 route_select_p.multiple_results = True
@@ -162,7 +163,7 @@ def _norm_route_lower_xla(ctx, x, norm_weight, gate, bias, layer, layer_offset, 
 def _norm_route_lower_cuda(ctx, x, norm_weight, gate, bias, layer, layer_offset, *, eps, n_group, topk_group, k,
                            norm, scaling):
     if not _ops.EMIT_WITHOUT_GPU:  # noqa: SLF001
-        lib, why = _lib.load()
+        lib, why = _lib.load_prepared()
         if lib is None:
             _warn_norm_route(why)
             return _norm_route_lower_xla(ctx, x, norm_weight, gate, bias, layer, layer_offset, eps=eps,
@@ -192,6 +193,8 @@ def norm_route_unsupported(cfg, x, norm_weight, gate, bias) -> str | None:
         return (f"norm weight {norm_weight.dtype}{list(norm_weight.shape)}, gate {gate.dtype}{list(gate.shape)} "
                 "(stacks [L, H] and [L, E, H], bfloat16 or float32)")
     e = gate.shape[1]
+    if 2 * t * h + 8192 > NORM_ROUTE_MAX_SMEM:
+        return f"f [{t}, {h}] in shared memory: over {NORM_ROUTE_MAX_SMEM // 1024} KiB"
     if bias.dtype != jnp.float32 or bias.shape != (gate.shape[0], e):
         return f"bias {bias.dtype}{list(bias.shape)} (float32 [L, E])"
     if e > NORM_ROUTE_MAX_EXPERTS or e % cfg.n_group or not 1 <= cfg.topk_group <= cfg.n_group:
