@@ -289,3 +289,29 @@ def test_ops_say_once_why_the_one_launch_router_does_not_run():
     np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(want[2]))
     msgs = [str(w.message) for w in rec if "engine_router" in str(w.message)]
     assert len(msgs) == 1 and "norm_route" in msgs[0] and "not stacked" in msgs[0], msgs
+
+
+def test_the_decode_step_with_engine_router_gives_the_references_logits(tiny_fp8, monkeypatch):
+    """The tiny fp8 model's decode steps with `DecodeConfig.engine_router` (the primitive bound at every
+    MoE layer, as on a GPU with the engine, and lowered by XLA here): the reference's logits and greedy
+    tokens, as the pallas path without it."""
+    import jtilert
+    from jtilert.ops import table
+    monkeypatch.setattr(ffi_ops, "EMIT_WITHOUT_GPU", True)
+    jax.clear_caches()
+    table._jitted.cache_clear()  # noqa: SLF001
+    table._kernel.cache_clear()  # noqa: SLF001
+    layers = []
+    real = route.norm_route
+    monkeypatch.setattr(table.ffi_route, "norm_route", lambda *a: layers.append(a[-1]) or real(*a))
+    prompt = np.random.RandomState(1).randint(0, 256, 40)
+    ref = jtilert.score(tiny_fp8, prompt, prefill=36)[36:]
+    config = table.DecodeConfig(backend="pallas", engine_router=True)
+    got = jtilert.score(tiny_fp8, prompt, prefill=36, config=config)[36:]
+    moe_layers = tiny_fp8.cfg.num_hidden_layers - tiny_fp8.cfg.first_k_dense_replace
+    assert layers and len(layers) <= moe_layers, layers   # traced once a MoE loop body or in-line layer
+    err = np.abs(got - ref).max()
+    assert err <= 2e-2 * np.abs(ref).max()
+    top2 = np.sort(ref, axis=-1)[:, -2:]
+    clear = (top2[:, 1] - top2[:, 0]) > 2 * err
+    assert clear.sum() >= 2 and (got.argmax(-1) == ref.argmax(-1))[clear].all()
