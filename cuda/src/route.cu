@@ -228,6 +228,8 @@ __global__ void __launch_bounds__(JT_NORM_ROUTE_MAX_EXPERTS) norm_route_kernel(c
   const bool has_row = row < E;
   const int chunks = H / kCols;  // 16-byte chunks of a gate row
   const uint4* wrow = reinterpret_cast<const uint4*>(gate + ((size_t)L * E + (has_row ? row : 0)) * H);
+  // (the selection's bias, read now: its load is not on the last CTA's path)
+  const float bias_i = tid < E ? __ldg(bias + (size_t)L * E + tid) : 0.f;
 
   // 1. this thread's first chunks of its gate row in flight while x is normed
   uint4 w[kNormRouteBatch];
@@ -353,7 +355,6 @@ __global__ void __launch_bounds__(JT_NORM_ROUTE_MAX_EXPERTS) norm_route_kernel(c
   __syncthreads();
   if (!last) return;
   __threadfence();
-  const float bias_i = tid < E ? bias[(size_t)L * E + tid] : 0.f;
   for (int t = 0; t < T; ++t) {
     const float logit = tid < E ? __ldcg(logits + (size_t)t * E + tid) : 0.f;
     select_token(logit, bias_i, E, n_group, topk_group, k, scaling, norm, sel, out_w + (size_t)t * k,
