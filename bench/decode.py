@@ -43,7 +43,7 @@ from jtilert.runtime.generate import STREAM_STEPS, Engine, stop_array
 from jtilert.model.transformer import Layout, _no_topk, decode_weights, init_cache, router_in_bf16
 from jtilert.ops.table import DecodeConfig
 
-from bench import provenance, timeline
+from bench import clocks, provenance, timeline
 
 
 CPU_COPY_BYTES = 256 << 20   # the array copy_bandwidth passes over on a CPU (the tests shrink it)
@@ -303,7 +303,10 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
     lowering_cache.background_idle()
     precompiled = {"kernels": lowering_cache.precompiled, "busy_s": round(lowering_cache.precompile_s, 3)}
     compile_s = sum(v for k, v in compile_stages.items() if k.endswith("_s"))
-    per_step, short, timing = step_times(timed, n1, n2, steps, samples)
+    # the GPU's clocks in each part: the served steps' small kernels ran slower than the timing loop's
+    gpu_clocks, dev = {}, jax.devices()[0]
+    with clocks.sampled(gpu_clocks, "timing_loop", dev):
+        per_step, short, timing = step_times(timed, n1, n2, steps, samples)
     device_s = statistics.median(per_step)
 
     loop_profile = None
@@ -311,7 +314,8 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
         # The same program as the step time: busy time per step of one n-step loop call. The one-step
         # profile below is another program (Engine.decode), so its busy time against this step time
         # does not show whether kernels overlap; this one does (busy > step: they ran concurrently).
-        loop_profile = kernel_profile(lambda: timed(n1), steps)
+        with clocks.sampled(gpu_clocks, "loop_profile", dev):
+            loop_profile = kernel_profile(lambda: timed(n1), steps)
         loop_profile["gaps_ms"] = device_s * 1e3 - loop_profile["busy_ms"]
     step_timeline = None
     if trace_timeline and not mtp:
@@ -350,7 +354,8 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
         def one_step():
             holder[0] = eng.decode(eng.state, *holder[0][:4], params)
             return holder[0]
-        result["kernel_profile"] = kernel_profile(one_step, 1)
+        with clocks.sampled(gpu_clocks, "one_step_profile", dev):
+            result["kernel_profile"] = kernel_profile(one_step, 1)
         result["kernel_profile"]["gaps_ms"] = device_s * 1e3 - result["kernel_profile"]["busy_ms"]
         carry = holder[0][:4]
         if eng.ring is not None and eng.tp == 1:
@@ -365,13 +370,15 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
             def one_call():
                 served[0] = call(*served[0])
                 return served[0]
-            result["stream_kernel_profile"] = kernel_profile(one_call, k)
+            with clocks.sampled(gpu_clocks, "stream_profile", dev):
+                result["stream_kernel_profile"] = kernel_profile(one_call, k)
             carry = served[0][:4]
         cache, token, key = carry[0], carry[1], carry[3]
         pos = eng.place(jnp.int32(context))
     if host:
-        host_s, enqueue_s, served_s, carry = host_loop(eng, cache, token, draft, pos, params, key, mtp,
-                                                       host_steps)
+        with clocks.sampled(gpu_clocks, "host_loop", dev):
+            host_s, enqueue_s, served_s, carry = host_loop(eng, cache, token, draft, pos, params, key, mtp,
+                                                           host_steps)
         cache = carry[0]
         # the host loop against the timing loop's step (host_overhead_*), and against the same calls
         # queued with nothing read (served_step_ms: the served steps' device time; host_over_served_frac)
@@ -381,7 +388,8 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
                       steps_per_call=STREAM_STEPS if eng.ring is not None else 1,
                       arguments=eng.num_arguments, step_compile_s=host_loop.compile_s)
         if call_variants and not mtp and eng.tp == 1:
-            result["call_variants"], carry = call_variant_loops(eng, carry, params, host_steps, context)
+            with clocks.sampled(gpu_clocks, "call_variants", dev):
+                result["call_variants"], carry = call_variant_loops(eng, carry, params, host_steps, context)
             cache = carry[0]
     else:
         carry = (cache, token, pos, key)
@@ -389,6 +397,7 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
         result["loop_kernel_profile"] = {k: loop_profile[k] for k in ("kernels", "busy_ms", "gaps_ms", "groups")}
     if step_timeline is not None:
         result["timeline"] = step_timeline
+    result["clocks"] = gpu_clocks
     stats = jax.devices()[0].memory_stats() or {}
     result["peak_device_bytes"] = int(stats.get("peak_bytes_in_use", 0))
     return result
