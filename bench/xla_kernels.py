@@ -162,12 +162,12 @@ def h200():
 
 def compile_programs(cfg, *, context: int, backend: str, mtp: bool, loop: bool, want: set[str],
                      options: dict, ring: bool = False, engine_router: bool = False,
-                     layers_per_iteration: int | None = None) -> list[dict]:
+                     engine_index_weights: bool = False, layers_per_iteration: int | None = None) -> list[dict]:
     """Prepares a Generator for `cfg` (abstract weights) and compiles the programs named in `want` for
     the H200: per program its XLA compile seconds, memory and `launches`; the optimized HLO text too.
     ring: the engine has a token ring (a stand-in: preparing reads only its device), so `stream`'s
-    steps are the ring's (`decode_stream`, `speculate_stream`). engine_router, layers_per_iteration (None:
-    its default): DecodeConfig's."""
+    steps are the ring's (`decode_stream`, `speculate_stream`). engine_router, engine_index_weights,
+    layers_per_iteration (None: its default): DecodeConfig's."""
     from jax._src import compiler
     from jax._src.lib import xla_client as xc
 
@@ -217,6 +217,7 @@ def compile_programs(cfg, *, context: int, backend: str, mtp: bool, loop: bool, 
         with interpret.compile_for_gpu():
             gen = Generator(abstract_model(cfg, "fp8", jnp.bfloat16), max_seq_len=context, mtp=mtp,
                             config=DecodeConfig(backend=backend, engine_router=engine_router,
+                                                engine_index_weights=engine_index_weights,
                                                 **({} if layers_per_iteration is None else
                                                    {"layers_per_iteration": layers_per_iteration})))
             gen._prepare(Sampling(), loop=loop)
@@ -243,6 +244,8 @@ def main(argv=None) -> list[dict]:
                     "speculate_stream), as on a GPU where the CUDA engine loads")
     ap.add_argument("--engine-router", action="store_true", help="DecodeConfig.engine_router: the MoE layers' "
                     "norm, router GEMV and selection in one engine launch")
+    ap.add_argument("--engine-index-weights", action="store_true", help="DecodeConfig.engine_index_weights: the "
+                    "indexer's head weights in one engine launch")
     ap.add_argument("--layers-per-iteration", type=int, default=None,
                     help="DecodeConfig.layers_per_iteration (default: DecodeConfig's)")
     ap.add_argument("--option", action="append", default=[], help="an XLA option NAME=VALUE for these compiles")
@@ -253,7 +256,8 @@ def main(argv=None) -> list[dict]:
     cfg = preset(a.preset, num_hidden_layers=a.layers)
     rows = compile_programs(cfg, context=a.context, backend=a.backend, mtp=a.mtp, loop=a.loop,
                             want=set(a.program.split(",")), options=options, ring=a.ring,
-                            engine_router=a.engine_router, layers_per_iteration=a.layers_per_iteration)
+                            engine_router=a.engine_router, engine_index_weights=a.engine_index_weights,
+                            layers_per_iteration=a.layers_per_iteration)
     for r in rows:
         loops = ", ".join(f"{x['loop']} {x['trips']} × {x['kernels_per_trip']}" for x in r["loops"])
         print(f"{r['program']}: {r['kernels']} kernels a call ({a.preset}, {a.layers} layers, context {a.context}); "
@@ -269,7 +273,8 @@ def main(argv=None) -> list[dict]:
                   "commit": provenance.commit(), "command": provenance.command("bench.xla_kernels", argv),
                   "jax": jax.__version__,
                   "preset": a.preset, "layers": a.layers, "context": a.context, "backend": a.backend,
-                  "engine_router": a.engine_router, "layers_per_iteration": a.layers_per_iteration,
+                  "engine_router": a.engine_router, "engine_index_weights": a.engine_index_weights,
+                  "layers_per_iteration": a.layers_per_iteration,
                   "options": options, "target": TARGET.name,
                   "programs": [{k: v for k, v in r.items() if k != "hlo"} for r in rows]}
         pathlib.Path(a.out).write_text(json.dumps(result, indent=1))

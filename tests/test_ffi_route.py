@@ -291,27 +291,76 @@ def test_ops_say_once_why_the_one_launch_router_does_not_run():
     assert len(msgs) == 1 and "norm_route" in msgs[0] and "not stacked" in msgs[0], msgs
 
 
-def test_the_decode_step_with_engine_router_gives_the_references_logits(tiny_fp8, monkeypatch):
-    """The tiny fp8 model's decode steps with `DecodeConfig.engine_router` (the primitive bound at every
-    MoE layer, as on a GPU with the engine, and lowered by XLA here): the reference's logits and greedy
-    tokens, as the pallas path without it."""
+def test_the_decode_step_with_the_engines_norm_gemvs_gives_the_references_logits(tiny_fp8, monkeypatch):
+    """The tiny fp8 model's decode steps with `DecodeConfig.engine_router` and `engine_index_weights` (the
+    primitives bound at every MoE layer and every indexer, as on a GPU with the engine, and lowered by
+    XLA here): the reference's logits and greedy tokens, as the pallas path without them."""
     import jtilert
     from jtilert.ops import table
     monkeypatch.setattr(ffi_ops, "EMIT_WITHOUT_GPU", True)
     jax.clear_caches()
     table._jitted.cache_clear()  # noqa: SLF001
     table._kernel.cache_clear()  # noqa: SLF001
-    layers = []
-    real = route.norm_route
+    layers, indexers = [], []
+    real, real_iw = route.norm_route, route.index_weights
     monkeypatch.setattr(table.ffi_route, "norm_route", lambda *a: layers.append(a[-1]) or real(*a))
+    monkeypatch.setattr(table.ffi_route, "index_weights", lambda *a: indexers.append(a[-1]) or real_iw(*a))
     prompt = np.random.RandomState(1).randint(0, 256, 40)
     ref = jtilert.score(tiny_fp8, prompt, prefill=36)[36:]
-    config = table.DecodeConfig(backend="pallas", engine_router=True)
+    config = table.DecodeConfig(backend="pallas", engine_router=True, engine_index_weights=True)
     got = jtilert.score(tiny_fp8, prompt, prefill=36, config=config)[36:]
     moe_layers = tiny_fp8.cfg.num_hidden_layers - tiny_fp8.cfg.first_k_dense_replace
     assert layers and len(layers) <= moe_layers, layers   # traced once a MoE loop body or in-line layer
+    assert indexers and len(indexers) <= tiny_fp8.cfg.num_hidden_layers, indexers
     err = np.abs(got - ref).max()
     assert err <= 2e-2 * np.abs(ref).max()
     top2 = np.sort(ref, axis=-1)[:, -2:]
     clear = (top2[:, 1] - top2[:, 0]) > 2 * err
     assert clear.sum() >= 2 and (got.argmax(-1) == ref.argmax(-1))[clear].all()
+
+
+
+# ---- the indexer's head weights on the same kernel (index_weights) ---------------------------------
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_index_weights_primitive_xla_lowering_equals_reference(dtype, monkeypatch):
+    monkeypatch.setattr(ffi_ops, "EMIT_WITHOUT_GPU", True)
+    x, nw, w, _ = _router_inputs(3, 64, 256, seed=5, gate_dtype=dtype)
+    run = jax.jit(lambda *a: route.index_weights(a[0], a[1], 1e-6, a[2], Layer(a[3], -1)))
+    assert "jtilert_norm_gemv" in str(run.trace(x, nw, w, jnp.int32(3)).jaxpr)
+    want = jax.jit(reference.index_weights, static_argnums=2)(x, nw[2], 1e-6, w[2])
+    np.testing.assert_allclose(np.asarray(run(x, nw, w, jnp.int32(3))), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+def test_index_weights_cuda_lowering_emits_one_custom_call_on_the_whole_stacks(monkeypatch):
+    monkeypatch.setattr(ffi_ops, "EMIT_WITHOUT_GPU", True)
+    x, nw, w, _ = _router_inputs(1, 64, 7168, layers=3, gate_dtype=jnp.float32)
+    run = jax.jit(lambda *a: route.index_weights(a[0], a[1], 1e-6, a[2], a[3]))
+    txt = run.trace(x, nw, w, jnp.int32(2)).lower(lowering_platforms=("cuda",)).as_text()
+    call = [line for line in txt.splitlines() if "custom_call @jtilert_norm_gemv" in line]
+    assert len(call) == 1 and "tensor<3x64x7168xf32>" in call[0] and "tensor<1x64xf32>" in call[0], call
+    assert not [line for line in txt.splitlines() if "dynamic_slice" in line]
+
+
+def test_index_weights_shapes_it_does_not_take_name_themselves():
+    x, nw, w, _ = _router_inputs(1, 64, 128, layers=2)
+    assert route.index_weights_unsupported(x, nw, w) is None
+    assert "T <= 8" in route.index_weights_unsupported(jnp.zeros((9, 128), jnp.bfloat16), nw, w)
+    assert "stacks" in route.index_weights_unsupported(x, nw, w[0])
+    assert "2048 rows" in route.index_weights_unsupported(x, nw, jnp.zeros((2, 2048, 128), jnp.float32))
+
+
+def test_ops_run_the_engines_index_weights_only_when_asked(monkeypatch):
+    from jtilert.ops.table import DecodeConfig, Ops
+    monkeypatch.setattr(ffi_ops, "EMIT_WITHOUT_GPU", True)
+    x, nw, w, _ = _router_inputs(1, 64, 256, layers=3, gate_dtype=jnp.float32)
+
+    def calls(**config):
+        ops = Ops(DecodeConfig(backend="pallas", **config))
+        run = jax.jit(lambda *a: ops.index_weights(a[0], a[1], 1e-6, a[2], layer=Layer(a[3], 1)))
+        with interpret.compile_for_gpu():
+            txt = run.trace(x, nw, w, jnp.int32(0)).lower(lowering_platforms=("cuda",)).as_text()
+        return [line.split("custom_call @")[1].split("(")[0] for line in txt.splitlines() if "custom_call @" in line]
+    assert calls(engine_index_weights=True) == ["jtilert_norm_gemv"]
+    off = calls()
+    assert "jtilert_norm_gemv" not in off and off, off   # the Pallas FMA GEMV

@@ -18,18 +18,22 @@
 //   finishing kernel), one CTA per token. A thread issues its partial loads
 //   (up to kPartialsBatch) and its bias load at once, so the sum waits for one
 //   round trip to L2.
-// - norm_route_kernel: the whole router of a MoE layer in one launch, from the
-//   layer's input x [T, H] bf16: f = rms_norm(x) (written out: the experts'
-//   input), logits = f . gate^T in fp32, then the selection of every token.
-//   Each CTA takes R expert rows of the gate (NT / R threads a row, every load
-//   of its rows issued before it norms x), norms x itself into shared memory
-//   (x is 14 KB a token, read from L2 by every CTA), reduces its rows in a
-//   fixed order and writes their logits. The last CTA to finish (an arrival
-//   counter: each CTA's logits are stored and fenced before it counts) reads
-//   every logit back from L2 and selects. The counter wraps to zero at the
-//   last arrival (atomicInc), so every launch starts from zero; it is a device
-//   global, so the calls on one device must not overlap (a step's MoE layers
-//   are a chain).
+// - norm_gemv_kernel with a selection (k > 0): the whole router of a MoE layer
+//   in one launch (jt_norm_route), from the layer's input x [T, H] bf16:
+//   f = rms_norm(x) (written out: the experts' input), logits = f . gate^T in
+//   fp32, then the selection of every token.
+//
+// norm_gemv_kernel: y = rms_norm(x) . W^T in fp32 for a small W [N, H] (bf16
+// or fp32; without a selection it is the indexer's head weights,
+// jt_norm_gemv). Each CTA takes R rows of W (NT / R threads a row, every load
+// of its rows issued before it norms x), norms x itself into shared memory (x
+// is 14 KB a token, read from L2 by every CTA), reduces its rows in a fixed
+// order and writes them. With a selection, the last CTA to finish (an arrival
+// counter: each CTA's logits are stored and fenced before it counts) reads
+// every logit back from L2 and selects. The counter wraps to zero at the last
+// arrival (atomicInc), so every launch starts from zero; it is a device
+// global, so the calls on one device must not overlap (a step's MoE layers are
+// a chain).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -42,9 +46,9 @@ namespace jt {
 namespace {
 
 constexpr int kPartialsBatch = 16;  // partial loads in flight per thread
-constexpr int kNormRouteCtas = 128;  // norm_route: CTAs at most (one wave)
-constexpr int kNormRouteBatch = 16;  // norm_route: 16-byte weight loads in flight per thread
-constexpr int kNormRouteMaxRows = 8; // norm_route: expert rows per CTA at most
+constexpr int kNormGemvCtas = 128;   // norm_gemv: CTAs at most (one wave)
+constexpr int kNormGemvBatch = 16;   // norm_gemv: 16-byte weight loads in flight per thread
+constexpr int kNormGemvMaxRows = 8;  // norm_gemv: rows per CTA at most
 
 __device__ unsigned int g_norm_route_arrivals = 0;  // CTAs of the running norm_route call done
 
@@ -199,12 +203,14 @@ __device__ __forceinline__ void chunk_floats<float>(const uint4& v, float* out) 
   out[3] = __uint_as_float(v.w);
 }
 
-// norm_route_kernel, one CTA of NT threads (a multiple of 256, >= E, <= 512), C CTAs,
-// R rows each (R divides NT: NT / R threads a row, a multiple of 32). Shared
-// memory: f [T, H] bf16, then select_smem_floats(E, n_group, k) floats, then
-// the reductions' [NT / 32, T] floats and 1/rms [T].
+// norm_gemv_kernel, one CTA of NT threads (a multiple of 256, >= E with a
+// selection, <= 512), C CTAs, R rows each (R divides NT: NT / R threads a row,
+// a multiple of 32); E the rows of W (the experts). k == 0: no selection (bias,
+// f_out, out_w and out_ids unused; f_out may be null anyway). Shared memory:
+// f [T, H] bf16, then select_smem_floats(E, n_group, k) floats, then the
+// reductions' [NT / 32, T] floats and 1/rms [T].
 template <typename W>
-__global__ void __launch_bounds__(JT_NORM_ROUTE_MAX_EXPERTS) norm_route_kernel(const __nv_bfloat16* __restrict__ x,
+__global__ void __launch_bounds__(JT_NORM_ROUTE_MAX_EXPERTS) norm_gemv_kernel(const __nv_bfloat16* __restrict__ x,
                                   const void* __restrict__ norm_weight, int norm_f32,
                                   const W* __restrict__ gate, const float* __restrict__ bias,
                                   const int32_t* __restrict__ layer,
@@ -229,12 +235,12 @@ __global__ void __launch_bounds__(JT_NORM_ROUTE_MAX_EXPERTS) norm_route_kernel(c
   const int chunks = H / kCols;  // 16-byte chunks of a gate row
   const uint4* wrow = reinterpret_cast<const uint4*>(gate + ((size_t)L * E + (has_row ? row : 0)) * H);
   // (the selection's bias, read now: its load is not on the last CTA's path)
-  const float bias_i = tid < E ? __ldg(bias + (size_t)L * E + tid) : 0.f;
+  const float bias_i = k > 0 && tid < E ? __ldg(bias + (size_t)L * E + tid) : 0.f;
 
   // 1. this thread's first chunks of its gate row in flight while x is normed
-  uint4 w[kNormRouteBatch];
+  uint4 w[kNormGemvBatch];
 #pragma unroll
-  for (int m = 0; m < kNormRouteBatch; ++m) {
+  for (int m = 0; m < kNormGemvBatch; ++m) {
     const int c = at + m * tpr;
     if (has_row && c < chunks) w[m] = __ldg(wrow + c);
   }
@@ -286,7 +292,7 @@ __global__ void __launch_bounds__(JT_NORM_ROUTE_MAX_EXPERTS) norm_route_kernel(c
       for (int j = 0; j < 8; ++j)
         o[j] = __float2bfloat16_rn(nw[j] * __bfloat162float(__float2bfloat16_rn(v[j] * rs)));
       reinterpret_cast<uint4*>(f)[(size_t)t * xchunks + c] = out;
-      if (blockIdx.x == 0) reinterpret_cast<uint4*>(f_out)[(size_t)t * xchunks + c] = out;
+      if (blockIdx.x == 0 && f_out != nullptr) reinterpret_cast<uint4*>(f_out)[(size_t)t * xchunks + c] = out;
     }
   }
   __syncthreads();
@@ -295,16 +301,16 @@ __global__ void __launch_bounds__(JT_NORM_ROUTE_MAX_EXPERTS) norm_route_kernel(c
   float acc[JT_ROUTE_MAX_TOKENS];
 #pragma unroll
   for (int t = 0; t < JT_ROUTE_MAX_TOKENS; ++t) acc[t] = 0.f;
-  for (int c0 = 0; c0 < chunks; c0 += kNormRouteBatch * tpr) {
+  for (int c0 = 0; c0 < chunks; c0 += kNormGemvBatch * tpr) {
     if (c0 > 0) {
 #pragma unroll
-      for (int m = 0; m < kNormRouteBatch; ++m) {
+      for (int m = 0; m < kNormGemvBatch; ++m) {
         const int c = c0 + at + m * tpr;
         if (has_row && c < chunks) w[m] = __ldg(wrow + c);
       }
     }
 #pragma unroll
-    for (int m = 0; m < kNormRouteBatch; ++m) {
+    for (int m = 0; m < kNormGemvBatch; ++m) {
       const int c = c0 + at + m * tpr;
       if (!has_row || c >= chunks) continue;
       float wv[kCols];
@@ -343,8 +349,9 @@ __global__ void __launch_bounds__(JT_NORM_ROUTE_MAX_EXPERTS) norm_route_kernel(c
     float a = 0.f;
     for (int j = 0; j < (tpr >> 5); ++j) a += red[(w0 + j) * JT_ROUTE_MAX_TOKENS + at];
     logits[(size_t)at * E + row] = a;
-    __threadfence();  // in L2 before this CTA counts its arrival
+    if (k > 0) __threadfence();  // in L2 before this CTA counts its arrival
   }
+  if (k == 0) return;
 
   // 6. the last CTA to arrive selects: every CTA's logits are in L2 before it counts
   __syncthreads();
@@ -362,20 +369,20 @@ __global__ void __launch_bounds__(JT_NORM_ROUTE_MAX_EXPERTS) norm_route_kernel(c
   }
 }
 
-// norm_route's launch shape: R rows a CTA (the fewest, a power of two, that
+// norm_gemv's launch shape: R rows a CTA (the fewest, a power of two, that
 // keep the CTAs to one wave), ceil(E / R) CTAs, NT threads (a multiple of 256
-// that covers the E experts of the selection).
-struct NormRouteShape {
+// that covers the E experts of a selection).
+struct NormGemvShape {
   int rows, ctas, threads;
   size_t smem;
 };
 
-NormRouteShape norm_route_shape(int T, int H, int E, int n_group, int k) {
-  NormRouteShape s;
+NormGemvShape norm_gemv_shape(int T, int H, int E, int n_group, int k) {
+  NormGemvShape s;
   s.rows = 1;
-  while ((E + s.rows - 1) / s.rows > kNormRouteCtas) s.rows *= 2;
+  while ((E + s.rows - 1) / s.rows > kNormGemvCtas) s.rows *= 2;
   s.ctas = (E + s.rows - 1) / s.rows;
-  s.threads = ((E + 255) / 256) * 256;
+  s.threads = k > 0 ? ((E + 255) / 256) * 256 : 256;
   const int floats = ((select_smem_floats(E, n_group, k) + 3) & ~3) +
                      (s.threads / 32) * JT_ROUTE_MAX_TOKENS + JT_ROUTE_MAX_TOKENS;
   s.smem = (size_t)T * H * 2 + (size_t)floats * sizeof(float);
@@ -383,29 +390,52 @@ NormRouteShape norm_route_shape(int T, int H, int E, int n_group, int k) {
 }
 
 template <typename W>
-cudaError_t launch_norm_route(cudaStream_t stream, const __nv_bfloat16* x, const void* norm_weight,
-                              int norm_f32, const W* gate, const float* bias, const int32_t* layer,
-                              const int32_t* layer_offset, int T, int H, int E, float eps,
-                              int n_group, int topk_group, int k, float scaling, int norm,
-                              __nv_bfloat16* f_out, float* logits, float* out_w,
-                              int32_t* out_ids) {
-  const NormRouteShape s = norm_route_shape(T, H, E, n_group, k);
-  if (s.rows > kNormRouteMaxRows || s.smem > (size_t)JT_NORM_ROUTE_MAX_SMEM) return cudaErrorInvalidValue;
-  norm_route_kernel<W><<<s.ctas, s.threads, s.smem, stream>>>(
+cudaError_t launch_norm_gemv(cudaStream_t stream, const __nv_bfloat16* x, const void* norm_weight,
+                             int norm_f32, const W* gate, const float* bias, const int32_t* layer,
+                             const int32_t* layer_offset, int T, int H, int E, float eps,
+                             int n_group, int topk_group, int k, float scaling, int norm,
+                             __nv_bfloat16* f_out, float* logits, float* out_w,
+                             int32_t* out_ids) {
+  const NormGemvShape s = norm_gemv_shape(T, H, E, n_group, k);
+  if (s.rows > kNormGemvMaxRows || s.smem > (size_t)JT_NORM_ROUTE_MAX_SMEM) return cudaErrorInvalidValue;
+  norm_gemv_kernel<W><<<s.ctas, s.threads, s.smem, stream>>>(
       x, norm_weight, norm_f32, gate, bias, layer, layer_offset, T, H, E, s.rows, eps, n_group,
       topk_group, k, scaling, norm, f_out, logits, out_w, out_ids);
   return cudaGetLastError();
 }
 
+// Both calls' gate / W operand, by its dtype code.
+cudaError_t launch_norm_gemv_any(cudaStream_t stream, const void* x, const void* norm_weight,
+                                 int norm_dtype, const void* gate, int gate_dtype, const float* bias,
+                                 const int32_t* layer, const int32_t* layer_offset, int T, int H,
+                                 int E, float eps, int n_group, int topk_group, int k,
+                                 float scaling, int norm, void* f_out, float* logits,
+                                 float* out_w, int32_t* out_ids) {
+  if (T < 1 || T > JT_ROUTE_MAX_TOKENS || H < 8 || H % 8 != 0 || E < 1 ||
+      (norm_dtype != JT_BF16 && norm_dtype != JT_F32) ||
+      (gate_dtype != JT_BF16 && gate_dtype != JT_F32))
+    return cudaErrorInvalidValue;
+  const __nv_bfloat16* xb = static_cast<const __nv_bfloat16*>(x);
+  __nv_bfloat16* fb = static_cast<__nv_bfloat16*>(f_out);
+  const int nf32 = norm_dtype == JT_F32;
+  if (gate_dtype == JT_BF16)
+    return launch_norm_gemv(stream, xb, norm_weight, nf32, static_cast<const __nv_bfloat16*>(gate),
+                            bias, layer, layer_offset, T, H, E, eps, n_group, topk_group, k,
+                            scaling, norm, fb, logits, out_w, out_ids);
+  return launch_norm_gemv(stream, xb, norm_weight, nf32, static_cast<const float*>(gate), bias,
+                          layer, layer_offset, T, H, E, eps, n_group, topk_group, k, scaling,
+                          norm, fb, logits, out_w, out_ids);
+}
+
 }  // namespace
 
-// Raises norm_route's dynamic shared-memory limit (jt_prepare_device, once a device).
+// Raises norm_gemv's dynamic shared-memory limit (jt_prepare_device, once a device).
 int prepare_route_kernels(int max_smem) {
   const int smem = max_smem < JT_NORM_ROUTE_MAX_SMEM ? max_smem : JT_NORM_ROUTE_MAX_SMEM;
-  cudaError_t e = cudaFuncSetAttribute(norm_route_kernel<__nv_bfloat16>,
+  cudaError_t e = cudaFuncSetAttribute(norm_gemv_kernel<__nv_bfloat16>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e == cudaSuccess)
-    e = cudaFuncSetAttribute(norm_route_kernel<float>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    e = cudaFuncSetAttribute(norm_gemv_kernel<float>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   return (int)e;
 }
 
@@ -436,20 +466,20 @@ extern "C" cudaError_t jt_norm_route(cudaStream_t stream, const void* x,
                                      int topk_group, int k, float scaling, int norm,
                                      void* f_out, float* logits, float* out_w,
                                      int32_t* out_ids) {
-  if (T < 1 || T > JT_ROUTE_MAX_TOKENS || H < 8 || H % 8 != 0 || E < 1 ||
-      E > JT_NORM_ROUTE_MAX_EXPERTS || k < 1 || k > E || n_group < 1 || E % n_group != 0 ||
-      topk_group < 1 || topk_group > n_group ||
-      (norm_dtype != JT_BF16 && norm_dtype != JT_F32) ||
-      (gate_dtype != JT_BF16 && gate_dtype != JT_F32))
+  if (E > JT_NORM_ROUTE_MAX_EXPERTS || k < 1 || k > E || n_group < 1 || E % n_group != 0 ||
+      topk_group < 1 || topk_group > n_group || f_out == nullptr)
     return cudaErrorInvalidValue;
-  const __nv_bfloat16* xb = static_cast<const __nv_bfloat16*>(x);
-  __nv_bfloat16* fb = static_cast<__nv_bfloat16*>(f_out);
-  const int nf32 = norm_dtype == JT_F32;
-  if (gate_dtype == JT_BF16)
-    return jt::launch_norm_route(stream, xb, norm_weight, nf32, static_cast<const __nv_bfloat16*>(gate),
-                                 bias, layer, layer_offset, T, H, E, eps, n_group, topk_group, k,
-                                 scaling, norm, fb, logits, out_w, out_ids);
-  return jt::launch_norm_route(stream, xb, norm_weight, nf32, static_cast<const float*>(gate), bias,
-                               layer, layer_offset, T, H, E, eps, n_group, topk_group, k, scaling,
-                               norm, fb, logits, out_w, out_ids);
+  return jt::launch_norm_gemv_any(stream, x, norm_weight, norm_dtype, gate, gate_dtype, bias, layer,
+                                  layer_offset, T, H, E, eps, n_group, topk_group, k, scaling, norm,
+                                  f_out, logits, out_w, out_ids);
+}
+
+extern "C" cudaError_t jt_norm_gemv(cudaStream_t stream, const void* x, const void* norm_weight,
+                                    int norm_dtype, const void* w, int w_dtype,
+                                    const int32_t* layer, const int32_t* layer_offset, int T,
+                                    int H, int N, float eps, float* out) {
+  if (N > JT_NORM_GEMV_MAX_ROWS) return cudaErrorInvalidValue;
+  return jt::launch_norm_gemv_any(stream, x, norm_weight, norm_dtype, w, w_dtype, nullptr, layer,
+                                  layer_offset, T, H, N, eps, 1, 1, 0, 0.f, 0, nullptr, out,
+                                  nullptr, nullptr);
 }

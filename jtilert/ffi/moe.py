@@ -67,17 +67,8 @@ def _lower_xla(ctx, f, weights, ids, *rest):
     return mlir.lower_fun(fn, multiple_results=False)(ctx, f, weights, ids, *rest)
 
 
-def _lower_cuda(ctx, *args):
-    if not _ops.EMIT_WITHOUT_GPU:  # noqa: SLF001
-        lib, why = _lib.load_prepared()
-        if lib is None:
-            _warn(why)
-            return _lower_xla(ctx, *args)
-    return jax.ffi.ffi_lowering("jtilert_moe_decode")(ctx, *args, timeout_ms=np.int64(_lib.timeout_ms()))
-
-
-mlir.register_lowering(moe_decode_p, _lower_xla)
-mlir.register_lowering(moe_decode_p, _lower_cuda, platform="cuda")
+_ops.register_engine_lowerings(moe_decode_p, "jtilert_moe_decode", _lower_xla, lambda why: _warn(why),
+                               lambda: {"timeout_ms": np.int64(_lib.timeout_ms())})
 
 
 def _warn(why):

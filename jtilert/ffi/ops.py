@@ -73,6 +73,21 @@ def engine_status() -> tuple[bool, str]:
     return lib is not None, why
 
 
+def register_engine_lowerings(prim, target: str, xla_lowering, warn, attrs) -> None:
+    """Registers `prim`'s lowerings: `xla_lowering` everywhere, and on CUDA the engine's FFI call `target`
+    with the attributes `attrs(**params)` where the library loads with every local GPU prepared (or
+    under EMIT_WITHOUT_GPU); on CUDA without it, `warn(reason)` and the XLA lowering."""
+    def lower_cuda(ctx, *args, **params):
+        if not EMIT_WITHOUT_GPU:
+            lib, why = _lib.load_prepared()
+            if lib is None:
+                warn(why)
+                return xla_lowering(ctx, *args, **params)
+        return jax.ffi.ffi_lowering(target)(ctx, *args, **attrs(**params))
+    mlir.register_lowering(prim, xla_lowering)
+    mlir.register_lowering(prim, lower_cuda, platform="cuda")
+
+
 def _fallback_warning(why: str) -> None:
     _lib.warn_once("fallback:" + why,
                    f"jtilert.ffi: CUDA engine not used ({why}); falling back to the XLA path "

@@ -13,6 +13,9 @@ on layer ``layer`` of the stacks: the norm of x, the router GEMV and the selecti
 (`DecodeConfig.engine_router`), where the pallas path runs the router's Pallas GEMV, then
 ``select_experts``.
 
+``index_weights(x, norm_weight, eps, w, layer)`` is ``jtilert.ops.reference.index_weights`` (the
+indexer's head weights) with the same kernel, without the selection (`DecodeConfig.engine_index_weights`).
+
 Elsewhere (no GPU, no library, shapes a kernel does not take) XLA runs the reference, with one
 warning per reason.
 """
@@ -36,6 +39,7 @@ MAX_EXPERTS = 1024   # JT_ROUTE_MAX_EXPERTS: one thread per expert
 NORM_ROUTE_MAX_EXPERTS = 512   # JT_NORM_ROUTE_MAX_EXPERTS
 MAX_TOKENS = 8       # JT_ROUTE_MAX_TOKENS: norm_route's tokens
 NORM_ROUTE_MAX_SMEM = 200 * 1024   # JT_NORM_ROUTE_MAX_SMEM: f [T, H] bf16 and the selection's floats
+NORM_GEMV_MAX_ROWS = 1024          # JT_NORM_GEMV_MAX_ROWS
 
 route_select_p = Primitive("jtilert_route_select")
 route_select_p.multiple_results = True
@@ -77,20 +81,14 @@ def _lower_xla(ctx, partials, bias, layer, layer_offset, *, n_group, topk_group,
                           multiple_results=True)(ctx, partials, bias, layer, layer_offset)
 
 
-def _lower_cuda(ctx, partials, bias, layer, layer_offset, *, n_group, topk_group, k, norm, scaling):
-    if not _ops.EMIT_WITHOUT_GPU:  # noqa: SLF001
-        lib, why = _lib.load()
-        if lib is None:
-            _warn(why)
-            return _lower_xla(ctx, partials, bias, layer, layer_offset, n_group=n_group, topk_group=topk_group,
-                              k=k, norm=norm, scaling=scaling)
-    return jax.ffi.ffi_lowering("jtilert_route_select")(
-        ctx, partials, bias, layer, layer_offset, n_group=np.int32(n_group), topk_group=np.int32(topk_group),
-        norm=np.int32(norm), scaling=np.float32(scaling))
+def _attributes(*, n_group, topk_group, k, norm, scaling, eps=None):   # noqa: ARG001 (k: the results' shape)
+    attrs = dict(n_group=np.int32(n_group), topk_group=np.int32(topk_group), norm=np.int32(norm),
+                 scaling=np.float32(scaling))
+    return attrs if eps is None else dict(attrs, eps=np.float32(eps))
 
 
-mlir.register_lowering(route_select_p, _lower_xla)
-mlir.register_lowering(route_select_p, _lower_cuda, platform="cuda")
+_ops.register_engine_lowerings(route_select_p, "jtilert_route_select", _lower_xla, lambda why: _warn(why),
+                               _attributes)
 
 
 def _warn(why):
@@ -160,21 +158,8 @@ def _norm_route_lower_xla(ctx, x, norm_weight, gate, bias, layer, layer_offset, 
     return mlir.lower_fun(run, multiple_results=True)(ctx, x, norm_weight, gate, bias, layer, layer_offset)
 
 
-def _norm_route_lower_cuda(ctx, x, norm_weight, gate, bias, layer, layer_offset, *, eps, n_group, topk_group, k,
-                           norm, scaling):
-    if not _ops.EMIT_WITHOUT_GPU:  # noqa: SLF001
-        lib, why = _lib.load_prepared()
-        if lib is None:
-            _warn_norm_route(why)
-            return _norm_route_lower_xla(ctx, x, norm_weight, gate, bias, layer, layer_offset, eps=eps,
-                                         n_group=n_group, topk_group=topk_group, k=k, norm=norm, scaling=scaling)
-    return jax.ffi.ffi_lowering("jtilert_norm_route")(
-        ctx, x, norm_weight, gate, bias, layer, layer_offset, eps=np.float32(eps), n_group=np.int32(n_group),
-        topk_group=np.int32(topk_group), norm=np.int32(norm), scaling=np.float32(scaling))
-
-
-mlir.register_lowering(norm_route_p, _norm_route_lower_xla)
-mlir.register_lowering(norm_route_p, _norm_route_lower_cuda, platform="cuda")
+_ops.register_engine_lowerings(norm_route_p, "jtilert_norm_route", _norm_route_lower_xla,
+                               lambda why: _warn_norm_route(why), _attributes)
 
 
 def _warn_norm_route(why):
@@ -182,19 +167,27 @@ def _warn_norm_route(why):
                    "norm, router and selection in XLA")
 
 
-def norm_route_unsupported(cfg, x, norm_weight, gate, bias) -> str | None:
-    """Why the one-launch router does not take these arrays (None: it does): the stacks [L, ...]."""
+def _norm_gemv_unsupported(x, norm_weight, w) -> str | None:
+    """Why the norm GEMV kernel does not take x, the norm weight stack [L, H] and the weight stack [L, N, H]."""
     t, h = x.shape if x.ndim == 2 else (0, 0)
     if x.ndim != 2 or x.dtype != jnp.bfloat16 or not 1 <= t <= MAX_TOKENS or h % 8:
         return f"x {x.dtype}{list(x.shape)} (bfloat16 [T, H], T <= {MAX_TOKENS}, H a multiple of 8)"
-    if (norm_weight.ndim != 2 or norm_weight.shape[1] != h or gate.ndim != 3 or gate.shape[2] != h
-            or norm_weight.shape[0] != gate.shape[0]
-            or not {norm_weight.dtype, gate.dtype} <= {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)}):
-        return (f"norm weight {norm_weight.dtype}{list(norm_weight.shape)}, gate {gate.dtype}{list(gate.shape)} "
-                "(stacks [L, H] and [L, E, H], bfloat16 or float32)")
-    e = gate.shape[1]
+    if (norm_weight.ndim != 2 or norm_weight.shape[1] != h or w.ndim != 3 or w.shape[2] != h
+            or norm_weight.shape[0] != w.shape[0]
+            or not {norm_weight.dtype, w.dtype} <= {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)}):
+        return (f"norm weight {norm_weight.dtype}{list(norm_weight.shape)}, weights {w.dtype}{list(w.shape)} "
+                "(stacks [L, H] and [L, N, H], bfloat16 or float32)")
     if 2 * t * h + 8192 > NORM_ROUTE_MAX_SMEM:
         return f"f [{t}, {h}] in shared memory: over {NORM_ROUTE_MAX_SMEM // 1024} KiB"
+    return None
+
+
+def norm_route_unsupported(cfg, x, norm_weight, gate, bias) -> str | None:
+    """Why the one-launch router does not take these arrays (None: it does): the stacks [L, ...]."""
+    why = _norm_gemv_unsupported(x, norm_weight, gate)
+    if why is not None:
+        return why
+    e = gate.shape[1]
     if bias.dtype != jnp.float32 or bias.shape != (gate.shape[0], e):
         return f"bias {bias.dtype}{list(bias.shape)} (float32 [L, E])"
     if e > NORM_ROUTE_MAX_EXPERTS or e % cfg.n_group or not 1 <= cfg.topk_group <= cfg.n_group:
@@ -224,3 +217,55 @@ def norm_route(cfg, x, norm_weight, eps, gate, bias, layer):
     """(f, weights, ids) of `norm_route_logits`: the contract of `jtilert.ops.reference.norm_route`."""
     f, _, w, ids = norm_route_logits(cfg, x, norm_weight, eps, gate, bias, layer)
     return f, w, ids
+
+
+# ---- a small fp32 GEMV of the normed input in one launch: the indexer's head weights -------------------
+
+norm_gemv_p = Primitive("jtilert_norm_gemv")
+
+
+def _norm_gemv_abstract(x, norm_weight, w, layer, layer_offset, *, eps):  # noqa: ARG001
+    return x.update(shape=(x.shape[0], w.shape[1]), dtype=np.dtype(np.float32))
+
+
+norm_gemv_p.def_abstract_eval(_norm_gemv_abstract)
+
+
+def _index_weights_reference(x, norm_weight, eps, w, layer):
+    index = Layer.of(layer).index()
+    norm_weight, w = (jax.lax.dynamic_index_in_dim(a, index, 0, keepdims=False) for a in (norm_weight, w))
+    return reference.index_weights(x, norm_weight, eps, w)
+
+
+def _norm_gemv_lower_xla(ctx, x, norm_weight, w, layer, layer_offset, *, eps):
+    return mlir.lower_fun(lambda x, nw, w, i, o: _index_weights_reference(x, nw, eps, w, Layer(i[0], o[0])),
+                          multiple_results=False)(ctx, x, norm_weight, w, layer, layer_offset)
+
+
+def _warn_norm_gemv(why):
+    _lib.warn_once("norm_gemv:" + why, f"jtilert.ffi: CUDA norm_gemv not used ({why}); running the reference "
+                   "norm and projection in XLA")
+
+
+_ops.register_engine_lowerings(norm_gemv_p, "jtilert_norm_gemv", _norm_gemv_lower_xla,
+                               lambda why: _warn_norm_gemv(why), lambda *, eps: {"eps": np.float32(eps)})
+
+
+def index_weights_unsupported(x, norm_weight, w) -> str | None:
+    """Why the one-launch norm GEMV does not take these arrays (None: it does): the stacks [L, ...]."""
+    why = _norm_gemv_unsupported(x, norm_weight, w)
+    if why is None and w.shape[1] > NORM_GEMV_MAX_ROWS:
+        why = f"{w.shape[1]} rows (at most {NORM_GEMV_MAX_ROWS})"
+    return why
+
+
+def index_weights(x, norm_weight, eps, w, layer):
+    """`jtilert.ops.reference.index_weights` on layer `layer` of the stacks (norm weight [L, H], weights
+    [L, N, H] fp32 or bf16): rms_norm(x) · W[layer]ᵀ in fp32, [T, N], in one launch of the engine's norm
+    GEMV (the router's kernel without its selection)."""
+    why = index_weights_unsupported(x, norm_weight, w)
+    ok, no_engine = _ops.engine_status()
+    if why is not None or not ok:
+        _warn_norm_gemv(why or no_engine)
+        return _index_weights_reference(x, norm_weight, eps, w, layer)
+    return norm_gemv_p.bind(x, norm_weight, w, *Layer.of(layer).operands(), eps=float(eps))

@@ -101,6 +101,11 @@ class DecodeConfig:
         `jtilert.ffi.route.norm_route` instead of the router's Pallas GEMV and the engine's selection;
         where it does not apply, those two, with a warning once per shape and reason. Off by default:
         bench/RESULTS.md has not measured it in the step yet.
+    engine_index_weights: backend "pallas": the indexer's head weights (op "index_weights",
+        decode-shaped calls) as one launch of the same engine kernel without the selection
+        (`jtilert.ffi.route.index_weights`) instead of the Pallas FMA GEMV and XLA's sum of its
+        split-K partials; where it does not apply, those, with a warning once. Off by default: not
+        measured in the step yet.
     token_ring: on a GPU where the CUDA engine loads, the decode steps that `Generator.stream` runs
         leave their new tokens in the engine's token ring (`jtilert.ffi.ring`, fixed pinned host memory
         the host reads) instead of returning them as an output: every output of a call is then a donated
@@ -120,6 +125,7 @@ class DecodeConfig:
     l2_prefetch: bool = False
     engine_moe: bool = False
     engine_router: bool = False
+    engine_index_weights: bool = False
     token_ring: bool = True
 
     def __post_init__(self):
@@ -495,16 +501,33 @@ class Ops:
         """Op "norm_route": (f, weights, ids). With `DecodeConfig.engine_router`, a decode-shaped call on
         stacked weights runs as the engine's one launch (`jtilert.ffi.route.norm_route`) where it
         applies; otherwise the op's table entry (the router's Pallas GEMV, then the selection)."""
-        if self.config.engine_router and self._kernels and _tokens(x) <= MAX_DECODE_TOKENS:
-            why = ("weights not stacked per layer (no layer index)" if layer is None else
-                   ffi_route.norm_route_unsupported(cfg, x, norm_weight, gate, bias)
-                   or ffi_ops.engine_status()[1] or None)
-            if why is None:
-                return ffi_route.norm_route(cfg, x, norm_weight, eps, gate, bias, _layer_argument(layer))
-            shapes = _shapes((x, gate))
-            _lib.warn_once(f"ops:engine_router:{shapes}:{why}", f"jtilert: engine_router but the engine's one-launch "
-                           f"router does not take norm_route on {shapes} ({why}); running the pallas path", UserWarning)
+        if self._engine_applies("engine_router", "norm_route", x, gate, layer,
+                                lambda: ffi_route.norm_route_unsupported(cfg, x, norm_weight, gate, bias)):
+            return ffi_route.norm_route(cfg, x, norm_weight, eps, gate, bias, _layer_argument(layer))
         return self("norm_route", cfg, x, norm_weight, eps, gate, bias, layer=layer)
+
+    def index_weights(self, x, norm_weight, eps, w, layer=None):
+        """Op "index_weights". With `DecodeConfig.engine_index_weights`, a decode-shaped call on stacked
+        weights runs as the engine's norm GEMV (`jtilert.ffi.route.index_weights`) where it applies;
+        otherwise the op's table entry."""
+        if self._engine_applies("engine_index_weights", "index_weights", x, w, layer,
+                                lambda: ffi_route.index_weights_unsupported(x, norm_weight, w)):
+            return ffi_route.index_weights(x, norm_weight, eps, w, _layer_argument(layer))
+        return self("index_weights", x, norm_weight, eps, w, layer=layer)
+
+    def _engine_applies(self, flag: str, name: str, x, w, layer, unsupported) -> bool:
+        """Whether DecodeConfig.<flag> asks for the engine's kernel of op `name` on this decode-shaped
+        call and it applies (stacked weights, `unsupported()` None, the engine usable); where it was
+        asked for and does not apply, a warning once per shape and reason."""
+        if not (getattr(self.config, flag) and self._kernels and _tokens(x) <= MAX_DECODE_TOKENS):
+            return False
+        why = ("weights not stacked per layer (no layer index)" if layer is None else
+               unsupported() or ffi_ops.engine_status()[1] or None)
+        if why is not None:
+            shapes = _shapes((x, w))
+            _lib.warn_once(f"ops:{flag}:{shapes}:{why}", f"jtilert: {flag} but the engine's kernel does not "
+                           f"take {name} on {shapes} ({why}); running the pallas path", UserWarning)
+        return why is None
 
     def moe(self, x, weights, ids, experts: tuple, shared: tuple, layer=None, residual=None, norm=(None, 0.0),
             x_normed=None):

@@ -9,8 +9,9 @@ same routers' shapes (hidden 7168 / 6144 / 128), bf16 and fp32 stacks, 1-4 token
 reference's norm (at most one bf16 step apart, in under 1 % of the values), the logits against the
 fp32 product of the kernel's own f with the gate (1e-4), the ids and weights against
 `reference.select_experts` of the kernel's own logits (exactly / 1e-6); its device time against the
-pallas path's router GEMV and selection (CUPTI, the sum of their kernels). JSON to --out; exit code 1
-on a mismatch.
+pallas path's router GEMV and selection (CUPTI, the sum of their kernels). The same kernel without
+the selection, the indexer's head weights (`route.index_weights`), against the reference and the
+Pallas FMA GEMV. JSON to --out; exit code 1 on a mismatch.
 
     PYTHONPATH=. python3 tests/gpu/route_check.py [--out route.json]
 """
@@ -33,6 +34,7 @@ from jtilert.ffi import route  # noqa: E402
 from jtilert.model.presets import TINY  # noqa: E402
 from jtilert.ops import reference  # noqa: E402
 from jtilert.ops.layer import Layer  # noqa: E402
+from jtilert.pallas import gemv as pallas_gemv  # noqa: E402
 from jtilert.pallas import moe as pallas_moe  # noqa: E402
 
 HIDDEN = {256: (7168, 6144), 16: (TINY.hidden_size,)}   # the routers' hidden sizes by their experts
@@ -66,7 +68,9 @@ def main(argv=None) -> int:
                      "xla_reference_us": _median_us(ref, partials, bias, jnp.int32(3))})
         print(rows[-1], flush=True)
     norm_rows, norm_ok = norm_route_rows()
-    result = {"device": jax.devices()[0].device_kind, "rows": rows, "norm_route": norm_rows, "ok": ok and norm_ok}
+    iw_rows, iw_ok = index_weights_rows()
+    result = {"device": jax.devices()[0].device_kind, "rows": rows, "norm_route": norm_rows,
+              "index_weights": iw_rows, "ok": ok and norm_ok and iw_ok}
     ok = result["ok"]
     print("ok" if ok else "FAIL", flush=True)
     if a.out:
@@ -108,6 +112,33 @@ def norm_route_rows() -> tuple[list, bool]:
                          "norm_route_us": _median_us(kern, x, nw, gate, bias, jnp.int32(3)),
                          "pallas_router_and_select_us": _median_us(pallas, x, nw, gate, bias, jnp.int32(3))})
             print(rows[-1], flush=True)
+    return rows, ok
+
+
+def index_weights_rows() -> tuple[list, bool]:
+    """The indexer's head weights (`route.index_weights`: the norm GEMV without a selection) at
+    DeepSeek-V3.2's, GLM-5's and the tiny model's shapes against the reference's normed x (op by op: no
+    excess precision) times the weights in float64 on the host, as decode_check.py checks the Pallas
+    kernel (1e-4 of the largest: fp32 sums in another order, and a 1/rms an ulp apart may round an
+    element of f the other way), and its time against the Pallas FMA GEMV with XLA's sum."""
+    rows, ok = [], True
+    kern = jax.jit(lambda x, nw, w, i: route.index_weights(x, nw, 1e-6, w, Layer(i, 1)))
+    pallas = jax.jit(lambda x, nw, w, i: pallas_gemv.index_weights(x, nw, 1e-6, w, layer=Layer(i, 1)))
+    for heads, h in ((64, 7168), (32, 6144), (TINY.index_n_heads, TINY.hidden_size)):
+        for t in (1, 2, 4):
+            x, nw, w, _ = _router_inputs(t, heads, h, layers=8, seed=t, gate_dtype=jnp.float32)
+            got = np.asarray(kern(x, nw, w, jnp.int32(4)))
+            normed = np.asarray(reference.rms_norm(x, nw[5], 1e-6), np.float64)
+            want = normed @ np.asarray(w[5], np.float64).T
+            err = float(np.abs(got - want).max() / np.abs(want).max())
+            rows.append({"heads": heads, "hidden": h, "tokens": t, "max_err_over_max": err, "ok": err <= 1e-4})
+            ok &= rows[-1]["ok"]
+            print(rows[-1], flush=True)
+        x, nw, w, _ = _router_inputs(1, heads, h, layers=61, gate_dtype=jnp.float32)
+        rows.append({"heads": heads, "hidden": h, "timing_T1": True,
+                     "norm_gemv_us": _median_us(kern, x, nw, w, jnp.int32(3)),
+                     "pallas_fma_gemv_and_sum_us": _median_us(pallas, x, nw, w, jnp.int32(3))})
+        print(rows[-1], flush=True)
     return rows, ok
 
 

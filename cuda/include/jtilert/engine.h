@@ -222,6 +222,14 @@ cudaError_t jt_norm_route(cudaStream_t stream, const void* x, const void* norm_w
                           float eps, int n_group, int topk_group, int k, float scaling, int norm,
                           void* f_out, float* logits, float* out_w, int32_t* out_ids);
 
+#define JT_NORM_GEMV_MAX_ROWS 1024
+// y = rms_norm(x, norm_weight[l], eps) . w[l]^T in fp32, as jt_norm_route's
+// logits (the same kernel without the selection): w [L, N, H] bf16 or fp32,
+// N <= JT_NORM_GEMV_MAX_ROWS, out [T, N] fp32; the indexer's head weights.
+cudaError_t jt_norm_gemv(cudaStream_t stream, const void* x, const void* norm_weight,
+                         int norm_dtype, const void* w, int w_dtype, const int32_t* layer,
+                         const int32_t* layer_offset, int T, int H, int N, float eps, float* out);
+
 // ---- a MoE layer's experts for one decode token (src/moe.cu) ----
 #define JT_MOE_CTAS 128          // one persistent launch of this many CTAs (all resident)
 #define JT_MOE_MAX_VEC 8192      // H and (k + 1) * I at most
