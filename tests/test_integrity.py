@@ -199,6 +199,36 @@ def test_save_onto_a_disk_that_fills_up(tiny_random, small_disk, monkeypatch, ca
     assert not [r for r in caplog.records if r.levelname == "ERROR"]
 
 
+def test_an_array_that_cannot_be_made_waits_for_the_writes_begun(tmp_path, monkeypatch):
+    """When a later array cannot be made (its metadata write finds the disk full), the writes already
+    begun end before the error is raised: the caller's cleanup then removes everything (none writes on
+    behind it)."""
+    from jtilert.store import arrays
+    awaited = []
+
+    class Write:
+        def result(self):
+            awaited.append(True)
+
+    class Array:
+        def __getitem__(self, index):
+            return self
+
+        def write(self, data):
+            return Write()
+    made = []
+
+    def create(*a):
+        made.append(a[1])
+        if len(made) == 2:
+            raise ValueError("RESOURCE_EXHAUSTED: No space left on device [os_error_code='28']")
+        return Array()
+    monkeypatch.setattr(arrays, "create", create)
+    with pytest.raises(ValueError, match="No space left"):
+        arrays.write_arrays(tmp_path, {"a": (np.ones(4, np.float32), (4,)), "b": (np.ones(4, np.float32), (4,))})
+    assert made == ["a", "b"] and awaited == [True]
+
+
 def test_save_into_a_read_only_folder(tiny_random, read_only_dir):
     dst = read_only_dir / "x"
     with pytest.raises(OSError, match=rf"cannot save to {re.escape(str(dst))}: (Read-only file system|Permission "

@@ -189,18 +189,20 @@ def write_arrays(root: Path, arrays: dict[str, tuple]) -> None:
     shard (one replica of it) in one write, cut into chunks by TensorStore."""
     root.mkdir(parents=True, exist_ok=True)
     ctx = context()
-    writes, shards = [], {}
-    for name, (x, chunk) in arrays.items():
-        arr = create(root, name, x.shape, x.dtype, chunk, ctx)
-        if isinstance(x, jax.Array):
-            parts = [(s.index, s.data) for s in x.addressable_shards if s.replica_id == 0]
-            shards[name] = x.sharding.shard_shape(x.shape)
-        else:
-            parts = [(..., x)]
-            shards[name] = x.shape
-        for index, data in parts:
-            writes.append(arr[index].write(np.asarray(data)))
-    errors = []
+    writes, shards, errors = [], {}, []
+    try:
+        for name, (x, chunk) in arrays.items():
+            arr = create(root, name, x.shape, x.dtype, chunk, ctx)
+            if isinstance(x, jax.Array):
+                parts = [(s.index, s.data) for s in x.addressable_shards if s.replica_id == 0]
+                shards[name] = x.sharding.shard_shape(x.shape)
+            else:
+                parts = [(..., x)]
+                shards[name] = x.shape
+            for index, data in parts:
+                writes.append(arr[index].write(np.asarray(data)))
+    except Exception as e:  # an array that cannot be made (a full disk): the writes begun still end first
+        errors.append(e)
     for w in writes:   # every write finishes before an error is raised: none runs on behind it
         try:
             w.result()
