@@ -364,3 +364,17 @@ def test_ops_run_the_engines_index_weights_only_when_asked(monkeypatch):
     assert calls(engine_index_weights=True) == ["jtilert_norm_gemv"]
     off = calls()
     assert "jtilert_norm_gemv" not in off and off, off   # the Pallas FMA GEMV
+
+
+def test_the_python_limits_are_the_engines():
+    """route.py's shape limits are engine.h's (the Python side refuses what the kernels would)."""
+    import re
+    header = (ROOT / "cuda" / "include" / "jtilert" / "engine.h").read_text()
+
+    def define(name):
+        return eval(re.search(rf"#define {name} (.+?)(?:\s*//.*)?$", header, re.M).group(1))  # noqa: S307
+    assert define("JT_ROUTE_MAX_EXPERTS") == route.MAX_EXPERTS
+    assert define("JT_ROUTE_MAX_TOKENS") == route.MAX_TOKENS
+    assert define("JT_NORM_ROUTE_MAX_EXPERTS") == route.NORM_ROUTE_MAX_EXPERTS
+    assert define("JT_NORM_GEMV_MAX_SMEM") == route.NORM_GEMV_MAX_SMEM
+    assert define("JT_NORM_GEMV_MAX_ROWS") == route.NORM_GEMV_MAX_ROWS

@@ -397,7 +397,7 @@ cudaError_t launch_norm_gemv(cudaStream_t stream, const __nv_bfloat16* x, const 
                              __nv_bfloat16* f_out, float* logits, float* out_w,
                              int32_t* out_ids) {
   const NormGemvShape s = norm_gemv_shape(T, H, E, n_group, k);
-  if (s.rows > kNormGemvMaxRows || s.smem > (size_t)JT_NORM_ROUTE_MAX_SMEM) return cudaErrorInvalidValue;
+  if (s.rows > kNormGemvMaxRows || s.smem > (size_t)JT_NORM_GEMV_MAX_SMEM) return cudaErrorInvalidValue;
   norm_gemv_kernel<W><<<s.ctas, s.threads, s.smem, stream>>>(
       x, norm_weight, norm_f32, gate, bias, layer, layer_offset, T, H, E, s.rows, eps, n_group,
       topk_group, k, scaling, norm, f_out, logits, out_w, out_ids);
@@ -431,7 +431,7 @@ cudaError_t launch_norm_gemv_any(cudaStream_t stream, const void* x, const void*
 
 // Raises norm_gemv's dynamic shared-memory limit (jt_prepare_device, once a device).
 int prepare_route_kernels(int max_smem) {
-  const int smem = max_smem < JT_NORM_ROUTE_MAX_SMEM ? max_smem : JT_NORM_ROUTE_MAX_SMEM;
+  const int smem = max_smem < JT_NORM_GEMV_MAX_SMEM ? max_smem : JT_NORM_GEMV_MAX_SMEM;
   cudaError_t e = cudaFuncSetAttribute(norm_gemv_kernel<__nv_bfloat16>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e == cudaSuccess)

@@ -38,7 +38,7 @@ from jtilert.ops.layer import Layer
 MAX_EXPERTS = 1024   # JT_ROUTE_MAX_EXPERTS: one thread per expert
 NORM_ROUTE_MAX_EXPERTS = 512   # JT_NORM_ROUTE_MAX_EXPERTS
 MAX_TOKENS = 8       # JT_ROUTE_MAX_TOKENS: norm_route's tokens
-NORM_ROUTE_MAX_SMEM = 200 * 1024   # JT_NORM_ROUTE_MAX_SMEM: f [T, H] bf16 and the selection's floats
+NORM_GEMV_MAX_SMEM = 200 * 1024   # JT_NORM_GEMV_MAX_SMEM: f [T, H] bf16 and the selection's floats
 NORM_GEMV_MAX_ROWS = 1024          # JT_NORM_GEMV_MAX_ROWS
 
 route_select_p = Primitive("jtilert_route_select")
@@ -177,8 +177,8 @@ def _norm_gemv_unsupported(x, norm_weight, w) -> str | None:
             or not {norm_weight.dtype, w.dtype} <= {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)}):
         return (f"norm weight {norm_weight.dtype}{list(norm_weight.shape)}, weights {w.dtype}{list(w.shape)} "
                 "(stacks [L, H] and [L, N, H], bfloat16 or float32)")
-    if 2 * t * h + 8192 > NORM_ROUTE_MAX_SMEM:
-        return f"f [{t}, {h}] in shared memory: over {NORM_ROUTE_MAX_SMEM // 1024} KiB"
+    if 2 * t * h + 8192 > NORM_GEMV_MAX_SMEM:
+        return f"f [{t}, {h}] in shared memory: over {NORM_GEMV_MAX_SMEM // 1024} KiB"
     return None
 
 

@@ -206,10 +206,10 @@ cudaError_t jt_route_select(cudaStream_t stream, const float* partials, int S,
 
 #define JT_ROUTE_MAX_TOKENS 8
 #define JT_NORM_ROUTE_MAX_EXPERTS 512   // a thread an expert; 512 threads keep 128 registers each
-#define JT_NORM_ROUTE_MAX_SMEM (200 * 1024)  // f [T, H] bf16 in shared memory, and the selection's
+#define JT_NORM_GEMV_MAX_SMEM (200 * 1024)  // f [T, H] bf16 in shared memory, and the selection's
 // A MoE layer's whole router in one launch: f = rms_norm(x, norm_weight[l], eps)
 // (x [T, H] bf16, T <= JT_ROUTE_MAX_TOKENS, H % 8 == 0, E <= JT_NORM_ROUTE_MAX_EXPERTS,
-// 2 T H bytes + 8 KB <= JT_NORM_ROUTE_MAX_SMEM; the norm weight stack
+// 2 T H bytes + 8 KB <= JT_NORM_GEMV_MAX_SMEM; the norm weight stack
 // [L, H] bf16 or fp32 (norm_dtype), f [T, H] bf16 rounded as the reference
 // rounds it), logits = f . gate[l]^T in fp32 (gate [L, E, H] bf16 or fp32,
 // gate_dtype; logits [T, E] fp32), then the selection of jt_route_select from
