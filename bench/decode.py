@@ -258,16 +258,17 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
                   engine: bool = False, host: bool = True, kernels: bool = False, split_indexer: bool = False,
                   layer_loop: str = "loop", xla_options: tuple | None = None, call_variants: bool = False,
                   trace_timeline: bool = False, l2_prefetch: bool = False, engine_moe: bool = False,
-                  engine_router: bool = False, engine_index_weights: bool = False, compile_profile: bool = False, timeline_layers: tuple[int, int] = timeline.DETAIL_LAYERS) -> dict:
+                  engine_router: bool = False, engine_index_weights: bool = False, compile_profile: bool = False,
+                  timeline_layers: tuple[int, int] = timeline.DETAIL_LAYERS) -> dict:
     """xla_options: DecodeConfig.xla_options (None: its default). call_variants: also time the step
     loop with each step at its own position (`advancing_step_ms`), and the plain step's host loop in
     the forms of `call_variant_loops` (tp = 1). trace_timeline: right after the
     timed loops (and their CUPTI profile), one call of the loop of TIMELINE_STEPS steps under JAX's
     profiler: the kernels' start and end times in one step (bench/timeline.py's summary, the result's
     "timeline"; `timeline_layers` [lo, hi) listed kernel by kernel); no CUPTI profile may follow it
-    (the one-step kernel profile is left out). l2_prefetch,
-    engine_moe, engine_router, engine_index_weights: DecodeConfig's. compile_profile: the first compile's XLA stage under JAX's profiler
-    (`compile_breakdown`)."""
+    (the one-step kernel profile is left out). l2_prefetch, engine_moe, engine_router,
+    engine_index_weights: DecodeConfig's. compile_profile: the first compile's XLA stage under JAX's
+    profiler (`compile_breakdown`)."""
     opts = {} if xla_options is None else {"xla_options": xla_options}
     loop, _, per = layer_loop.partition("/")   # "loop/2": DecodeConfig.layers_per_iteration = 2
     if per:                                    # (else DecodeConfig's default)
@@ -663,7 +664,8 @@ def main(argv=None) -> dict:
     p.add_argument("--engine-moe", action="store_true",
                    help="DecodeConfig.engine_moe: each MoE layer in one launch of the engine's persistent kernel")
     p.add_argument("--engine-router", action="store_true",
-                   help="DecodeConfig.engine_router: each MoE layer's norm, router GEMV and selection in one engine launch")
+                   help="DecodeConfig.engine_router: each MoE layer's norm, router GEMV and selection in one "
+                        "engine launch")
     p.add_argument("--engine-index-weights", action="store_true",
                    help="DecodeConfig.engine_index_weights: the indexer's head weights in one engine launch")
     p.add_argument("--split-indexer", action="store_true",
