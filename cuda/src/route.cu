@@ -188,7 +188,7 @@ __device__ __forceinline__ void bf16x8(const uint4& v, float* out) {
   }
 }
 
-// The weights of one 16-byte chunk of a gate row as floats: 8 bf16 or 4 fp32.
+// The weights of one 16-byte chunk of a row of W as floats: 8 bf16 or 4 fp32.
 template <typename W>
 __device__ __forceinline__ void chunk_floats(const uint4& v, float* out);
 template <>
@@ -212,13 +212,13 @@ __device__ __forceinline__ void chunk_floats<float>(const uint4& v, float* out) 
 template <typename W>
 __global__ void __launch_bounds__(JT_NORM_ROUTE_MAX_EXPERTS) norm_gemv_kernel(const __nv_bfloat16* __restrict__ x,
                                   const void* __restrict__ norm_weight, int norm_f32,
-                                  const W* __restrict__ gate, const float* __restrict__ bias,
+                                  const W* __restrict__ w, const float* __restrict__ bias,
                                   const int32_t* __restrict__ layer,
                                   const int32_t* __restrict__ layer_offset, int T, int H,
                                   int E, int R, float eps, int n_group, int topk_group, int k,
                                   float scaling, int norm, __nv_bfloat16* __restrict__ f_out,
                                   float* logits, float* out_w, int32_t* out_ids) {
-  constexpr int kCols = 16 / sizeof(W);  // gate columns in a 16-byte chunk
+  constexpr int kCols = 16 / sizeof(W);  // W's columns in a 16-byte chunk
   extern __shared__ float4 sm4[];
   __nv_bfloat16* f = reinterpret_cast<__nv_bfloat16*>(sm4);  // [T, H]
   float* sel = reinterpret_cast<float*>(f + (size_t)T * H);    // 16-byte aligned: H % 8 == 0
@@ -232,17 +232,17 @@ __global__ void __launch_bounds__(JT_NORM_ROUTE_MAX_EXPERTS) norm_gemv_kernel(co
   const int tpr = blockDim.x / R;  // threads of a row
   const int row = blockIdx.x * R + tid / tpr, at = tid % tpr;
   const bool has_row = row < E;
-  const int chunks = H / kCols;  // 16-byte chunks of a gate row
-  const uint4* wrow = reinterpret_cast<const uint4*>(gate + ((size_t)L * E + (has_row ? row : 0)) * H);
+  const int chunks = H / kCols;  // 16-byte chunks of a row of W
+  const uint4* wrow = reinterpret_cast<const uint4*>(w + ((size_t)L * E + (has_row ? row : 0)) * H);
   // (the selection's bias, read now: its load is not on the last CTA's path)
   const float bias_i = k > 0 && tid < E ? __ldg(bias + (size_t)L * E + tid) : 0.f;
 
-  // 1. this thread's first chunks of its gate row in flight while x is normed
-  uint4 w[kNormGemvBatch];
+  // 1. this thread's first chunks of its row of W in flight while x is normed
+  uint4 chunk[kNormGemvBatch];
 #pragma unroll
   for (int m = 0; m < kNormGemvBatch; ++m) {
     const int c = at + m * tpr;
-    if (has_row && c < chunks) w[m] = __ldg(wrow + c);
+    if (has_row && c < chunks) chunk[m] = __ldg(wrow + c);
   }
 
   // 2. 1/rms of every token: the sum of squares in fp32, its mean, + eps
@@ -306,7 +306,7 @@ __global__ void __launch_bounds__(JT_NORM_ROUTE_MAX_EXPERTS) norm_gemv_kernel(co
 #pragma unroll
       for (int m = 0; m < kNormGemvBatch; ++m) {
         const int c = c0 + at + m * tpr;
-        if (has_row && c < chunks) w[m] = __ldg(wrow + c);
+        if (has_row && c < chunks) chunk[m] = __ldg(wrow + c);
       }
     }
 #pragma unroll
@@ -314,7 +314,7 @@ __global__ void __launch_bounds__(JT_NORM_ROUTE_MAX_EXPERTS) norm_gemv_kernel(co
       const int c = c0 + at + m * tpr;
       if (!has_row || c >= chunks) continue;
       float wv[kCols];
-      chunk_floats<W>(w[m], wv);
+      chunk_floats<W>(chunk[m], wv);
 #pragma unroll
       for (int t = 0; t < JT_ROUTE_MAX_TOKENS; ++t) {  // compile-time indices keep acc[] in registers
         if (t >= T) break;
@@ -391,7 +391,7 @@ NormGemvShape norm_gemv_shape(int T, int H, int E, int n_group, int k) {
 
 template <typename W>
 cudaError_t launch_norm_gemv(cudaStream_t stream, const __nv_bfloat16* x, const void* norm_weight,
-                             int norm_f32, const W* gate, const float* bias, const int32_t* layer,
+                             int norm_f32, const W* w, const float* bias, const int32_t* layer,
                              const int32_t* layer_offset, int T, int H, int E, float eps,
                              int n_group, int topk_group, int k, float scaling, int norm,
                              __nv_bfloat16* f_out, float* logits, float* out_w,
@@ -399,30 +399,30 @@ cudaError_t launch_norm_gemv(cudaStream_t stream, const __nv_bfloat16* x, const 
   const NormGemvShape s = norm_gemv_shape(T, H, E, n_group, k);
   if (s.rows > kNormGemvMaxRows || s.smem > (size_t)JT_NORM_GEMV_MAX_SMEM) return cudaErrorInvalidValue;
   norm_gemv_kernel<W><<<s.ctas, s.threads, s.smem, stream>>>(
-      x, norm_weight, norm_f32, gate, bias, layer, layer_offset, T, H, E, s.rows, eps, n_group,
+      x, norm_weight, norm_f32, w, bias, layer, layer_offset, T, H, E, s.rows, eps, n_group,
       topk_group, k, scaling, norm, f_out, logits, out_w, out_ids);
   return cudaGetLastError();
 }
 
-// Both calls' gate / W operand, by its dtype code.
+// Both calls' W operand (the router's gate), by its dtype code.
 cudaError_t launch_norm_gemv_any(cudaStream_t stream, const void* x, const void* norm_weight,
-                                 int norm_dtype, const void* gate, int gate_dtype, const float* bias,
+                                 int norm_dtype, const void* w, int w_dtype, const float* bias,
                                  const int32_t* layer, const int32_t* layer_offset, int T, int H,
                                  int E, float eps, int n_group, int topk_group, int k,
                                  float scaling, int norm, void* f_out, float* logits,
                                  float* out_w, int32_t* out_ids) {
   if (T < 1 || T > JT_ROUTE_MAX_TOKENS || H < 8 || H % 8 != 0 || E < 1 ||
       (norm_dtype != JT_BF16 && norm_dtype != JT_F32) ||
-      (gate_dtype != JT_BF16 && gate_dtype != JT_F32))
+      (w_dtype != JT_BF16 && w_dtype != JT_F32))
     return cudaErrorInvalidValue;
   const __nv_bfloat16* xb = static_cast<const __nv_bfloat16*>(x);
   __nv_bfloat16* fb = static_cast<__nv_bfloat16*>(f_out);
   const int nf32 = norm_dtype == JT_F32;
-  if (gate_dtype == JT_BF16)
-    return launch_norm_gemv(stream, xb, norm_weight, nf32, static_cast<const __nv_bfloat16*>(gate),
+  if (w_dtype == JT_BF16)
+    return launch_norm_gemv(stream, xb, norm_weight, nf32, static_cast<const __nv_bfloat16*>(w),
                             bias, layer, layer_offset, T, H, E, eps, n_group, topk_group, k,
                             scaling, norm, fb, logits, out_w, out_ids);
-  return launch_norm_gemv(stream, xb, norm_weight, nf32, static_cast<const float*>(gate), bias,
+  return launch_norm_gemv(stream, xb, norm_weight, nf32, static_cast<const float*>(w), bias,
                           layer, layer_offset, T, H, E, eps, n_group, topk_group, k, scaling,
                           norm, fb, logits, out_w, out_ids);
 }

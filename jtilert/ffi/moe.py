@@ -67,13 +67,13 @@ def _lower_xla(ctx, f, weights, ids, *rest):
     return mlir.lower_fun(fn, multiple_results=False)(ctx, f, weights, ids, *rest)
 
 
-_ops.register_engine_lowerings(moe_decode_p, "jtilert_moe_decode", _lower_xla, lambda why: _warn(why),
-                               lambda: {"timeout_ms": np.int64(_lib.timeout_ms())})
-
-
 def _warn(why):
     _lib.warn_once("moe_decode:" + why, f"jtilert.ffi: the engine's MoE not used ({why}); running the "
                    "reference experts in XLA")
+
+
+_ops.register_engine_lowerings(moe_decode_p, "jtilert_moe_decode", _lower_xla, _warn,
+                               lambda: {"timeout_ms": np.int64(_lib.timeout_ms())})
 
 
 def unsupported(f, weights, ids, experts, shared, residual) -> str | None:

@@ -87,13 +87,12 @@ def _attributes(*, n_group, topk_group, k, norm, scaling, eps=None):   # noqa: A
     return attrs if eps is None else dict(attrs, eps=np.float32(eps))
 
 
-_ops.register_engine_lowerings(route_select_p, "jtilert_route_select", _lower_xla, lambda why: _warn(why),
-                               _attributes)
-
-
 def _warn(why):
     _lib.warn_once("route:" + why, f"jtilert.ffi: CUDA route selection not used ({why}); "
                    "running the reference selection in XLA")
+
+
+_ops.register_engine_lowerings(route_select_p, "jtilert_route_select", _lower_xla, _warn, _attributes)
 
 
 def unsupported(cfg, partials, bias) -> str | None:
@@ -158,13 +157,13 @@ def _norm_route_lower_xla(ctx, x, norm_weight, gate, bias, layer, layer_offset, 
     return mlir.lower_fun(run, multiple_results=True)(ctx, x, norm_weight, gate, bias, layer, layer_offset)
 
 
-_ops.register_engine_lowerings(norm_route_p, "jtilert_norm_route", _norm_route_lower_xla,
-                               lambda why: _warn_norm_route(why), _attributes)
-
-
 def _warn_norm_route(why):
     _lib.warn_once("norm_route:" + why, f"jtilert.ffi: CUDA norm_route not used ({why}); running the reference "
                    "norm, router and selection in XLA")
+
+
+_ops.register_engine_lowerings(norm_route_p, "jtilert_norm_route", _norm_route_lower_xla,
+                               _warn_norm_route, _attributes)
 
 
 def _norm_gemv_unsupported(x, norm_weight, w) -> str | None:
@@ -248,7 +247,7 @@ def _warn_norm_gemv(why):
 
 
 _ops.register_engine_lowerings(norm_gemv_p, "jtilert_norm_gemv", _norm_gemv_lower_xla,
-                               lambda why: _warn_norm_gemv(why), lambda *, eps: {"eps": np.float32(eps)})
+                               _warn_norm_gemv, lambda *, eps: {"eps": np.float32(eps)})
 
 
 def index_weights_unsupported(x, norm_weight, w) -> str | None:

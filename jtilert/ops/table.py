@@ -234,9 +234,12 @@ def _engine_moe_unsupported(axis, f, weights, ids, experts, shared, residual, la
         return f"{_tokens(f)} tokens (it takes one)"
     if residual is None:
         return "no residual to add"
-    if layer is None:
-        return "weights not stacked per layer (no layer index)"
-    return ffi_moe.unsupported(f, weights, ids, experts, shared, residual)
+    return _unstacked(layer) or ffi_moe.unsupported(f, weights, ids, experts, shared, residual)
+
+
+def _unstacked(layer) -> str | None:
+    """Why an engine kernel that reads its layer of the weight stacks cannot take a call without one."""
+    return "weights not stacked per layer (no layer index)" if layer is None else None
 
 
 def _lm_head_unsupported(x, w, k) -> str | None:
@@ -501,8 +504,9 @@ class Ops:
         """Op "norm_route": (f, weights, ids). With `DecodeConfig.engine_router`, a decode-shaped call on
         stacked weights runs as the engine's one launch (`jtilert.ffi.route.norm_route`) where it
         applies; otherwise the op's table entry (the router's Pallas GEMV, then the selection)."""
-        if self._engine_applies("engine_router", "norm_route", x, gate, layer,
-                                lambda: ffi_route.norm_route_unsupported(cfg, x, norm_weight, gate, bias)):
+        if self._engine_applies("engine_router", "norm_route", x, gate, lambda: (
+                _unstacked(layer) or ffi_route.norm_route_unsupported(cfg, x, norm_weight, gate, bias)
+                or ffi_ops.engine_status()[1] or None)):
             return ffi_route.norm_route(cfg, x, norm_weight, eps, gate, bias, _layer_argument(layer))
         return self("norm_route", cfg, x, norm_weight, eps, gate, bias, layer=layer)
 
@@ -510,19 +514,19 @@ class Ops:
         """Op "index_weights". With `DecodeConfig.engine_index_weights`, a decode-shaped call on stacked
         weights runs as the engine's norm GEMV (`jtilert.ffi.route.index_weights`) where it applies;
         otherwise the op's table entry."""
-        if self._engine_applies("engine_index_weights", "index_weights", x, w, layer,
-                                lambda: ffi_route.index_weights_unsupported(x, norm_weight, w)):
+        if self._engine_applies("engine_index_weights", "index_weights", x, w, lambda: (
+                _unstacked(layer) or ffi_route.index_weights_unsupported(x, norm_weight, w)
+                or ffi_ops.engine_status()[1] or None)):
             return ffi_route.index_weights(x, norm_weight, eps, w, _layer_argument(layer))
         return self("index_weights", x, norm_weight, eps, w, layer=layer)
 
-    def _engine_applies(self, flag: str, name: str, x, w, layer, unsupported) -> bool:
+    def _engine_applies(self, flag: str, name: str, x, w, unsupported) -> bool:
         """Whether DecodeConfig.<flag> asks for the engine's kernel of op `name` on this decode-shaped
-        call and it applies (stacked weights, `unsupported()` None, the engine usable); where it was
-        asked for and does not apply, a warning once per shape and reason."""
+        call and it applies (`unsupported()`: None, else why not); where it was asked for and does not
+        apply, a warning once per shape (x's and w's) and reason."""
         if not (getattr(self.config, flag) and self._kernels and _tokens(x) <= MAX_DECODE_TOKENS):
             return False
-        why = ("weights not stacked per layer (no layer index)" if layer is None else
-               unsupported() or ffi_ops.engine_status()[1] or None)
+        why = unsupported()
         if why is not None:
             shapes = _shapes((x, w))
             _lib.warn_once(f"ops:{flag}:{shapes}:{why}", f"jtilert: {flag} but the engine's kernel does not "
@@ -542,13 +546,9 @@ class Ops:
         if (norm[0] is None) != (x_normed is None):
             raise ValueError("moe: a norm goes with the normed input the router wrote, and only with it")
         f = x if x_normed is None else x_normed
-        if self.config.engine_moe and self._kernels and _tokens(x) <= MAX_DECODE_TOKENS:
-            why = _engine_moe_unsupported(self.axis, f, weights, ids, experts, shared, residual, layer)
-            if why is None:
-                return ffi_moe.moe_decode(f, weights, ids, experts, shared, residual, layer)
-            shapes = _shapes((f, experts[0]))
-            _lib.warn_once(f"ops:engine_moe:{shapes}:{why}", f"jtilert: engine_moe but the engine's one-launch "
-                           f"MoE does not take moe on {shapes} ({why}); running the pallas path", UserWarning)
+        if self._engine_applies("engine_moe", "moe", f, experts[0], lambda: _engine_moe_unsupported(
+                self.axis, f, weights, ids, experts, shared, residual, layer)):
+            return ffi_moe.moe_decode(f, weights, ids, experts, shared, residual, layer)
         g, gs, u, us, d, ds = experts
         sg, sgs, su, sus, sd, sds = shared
         hs = self("swiglu_hidden", x, sg, sgs, su, sus, *norm, layer=layer)
