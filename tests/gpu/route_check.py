@@ -44,6 +44,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
+    # The references' fp32 products in fp32, not TF32 (XLA's default for f32 dots on the GPU).
+    jax.config.update("jax_default_matmul_precision", "highest")
     rows, ok = [], True
     for case in CASES:
         cfg = _cfg(*case)
