@@ -100,12 +100,12 @@ class DecodeConfig:
         "norm_route", decode-shaped calls) as one launch of the CUDA engine's
         `jtilert.ffi.route.norm_route` instead of the router's Pallas GEMV and the engine's selection;
         where it does not apply, those two, with a warning once per shape and reason. Off by default:
-        bench/RESULTS.md has not measured it in the step yet.
+        exact, and slower alone and in the step (bench/RESULTS.md, session 40).
     engine_index_weights: backend "pallas": the indexer's head weights (op "index_weights",
         decode-shaped calls) as one launch of the same engine kernel without the selection
         (`jtilert.ffi.route.index_weights`) instead of the Pallas FMA GEMV and XLA's sum of its
-        split-K partials; where it does not apply, those, with a warning once. Off by default: not
-        measured in the step yet.
+        split-K partials; where it does not apply, those, with a warning once. Off by default: exact,
+        and slower in the step (bench/RESULTS.md, session 40).
     token_ring: on a GPU where the CUDA engine loads, the decode steps that `Generator.stream` runs
         leave their new tokens in the engine's token ring (`jtilert.ffi.ring`, fixed pinned host memory
         the host reads) instead of returning them as an output: every output of a call is then a donated
