@@ -197,23 +197,29 @@ def step_times(timed, n1, n2, steps: int, samples: int) -> tuple[list, list, str
     return [t / steps for t in short], short, "n-step loop with its dispatch (upper bound)"
 
 
-def device_loop(eng: Engine, mtp: bool, advance: bool = False):
+def device_loop(eng: Engine, mtp: bool, advance: bool = False, fed: bool = False):
     """decode (or MTP) steps in one compiled loop, every step at the same position (`advance`: step
     i at pos + i, or pos + 2i for MTP steps, as served steps move on); the number of steps is an
-    argument, so one compile serves every loop length."""
+    argument, so one compile serves every loop length. `fed` (decode steps): step i reads token
+    fed[i % len(fed)] of an extra int32 argument instead of the token the step before made (which is
+    still made, and carried), so the steps' tokens vary as a served stream's do."""
     step = eng._wrap(eng._speculate if mtp else eng._decode)
 
-    def run(state, cache, token, draft, pos0, params, key, steps):
+    def run(state, cache, token, draft, pos0, params, key, steps, ids=None):
         def body(i, c):
             cache, token, draft, key = c
             pos = pos0 + i * (2 if mtp else 1) if advance else pos0
             if mtp:
                 cache, token, draft, _, key, _, _ = step(state, cache, token, draft, pos, key, params)
             else:
-                cache, token, _, key, _ = step(state, cache, token, pos, key, params)
+                given = token if ids is None else jax.lax.dynamic_slice(ids, (i % ids.shape[0],), (1,))
+                cache, made, _, key, _ = step(state, cache, given, pos, key, params)
+                token = made if ids is None else jnp.maximum(token, made)   # made stays live
             return cache, token, draft, key
         return jax.lax.fori_loop(0, steps, body, (cache, token, draft, key))
 
+    if fed and mtp:
+        raise ValueError("device_loop: fed tokens are for decode steps")
     return jax.jit(run, donate_argnums=(1,), compiler_options=eng.step_options)
 
 
@@ -261,7 +267,8 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
                   engine_router: bool = False, engine_index_weights: bool = False, compile_profile: bool = False,
                   timeline_layers: tuple[int, int] = timeline.DETAIL_LAYERS) -> dict:
     """xla_options: DecodeConfig.xla_options (None: its default). call_variants: also time the step
-    loop with each step at its own position (`advancing_step_ms`), and the plain step's host loop in
+    loop with each step at its own position (`advancing_step_ms`), the same with each step reading
+    another token (`fed_token_step_ms`, decode steps), and the plain step's host loop in
     the forms of `call_variant_loops` (tp = 1). trace_timeline: right after the
     timed loops (and their CUPTI profile), one call of the loop of TIMELINE_STEPS steps under JAX's
     profiler: the kernels' start and end times in one step (bench/timeline.py's summary, the result's
@@ -347,6 +354,21 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
         loop = device_loop(eng, mtp, advance=True)
         timed(n1)   # compile
         result["advancing_step_ms"] = statistics.median(step_times(timed, n1, n2, steps, samples)[0]) * 1e3
+        if not mtp:
+            # and with every step reading another token (random ids), as a served stream's steps do
+            # where the timing loop's token soon repeats itself: is it the data that makes the served
+            # steps' kernels slower?
+            ids = eng.place(jax.random.randint(jax.random.PRNGKey(1), (997,), 0, model.cfg.vocab_size, jnp.int32))
+            fed_loop = device_loop(eng, mtp, advance=True, fed=True)
+
+            def fed_timed(n):
+                nonlocal cache, token, draft, key
+                t = time.perf_counter()
+                cache, token, draft, key = jax.block_until_ready(
+                    fed_loop(eng.state, cache, token, draft, pos, params, key, n, ids))
+                return time.perf_counter() - t
+            fed_timed(n1)   # compile
+            result["fed_token_step_ms"] = statistics.median(step_times(fed_timed, n1, n2, steps, samples)[0]) * 1e3
     if kernels and jax.default_backend() == "gpu" and not mtp and step_timeline is None:
         # before the host loops: their call variants trace calls under JAX's profiler, after which
         # CUPTI drops records
@@ -759,6 +781,10 @@ def main(argv=None) -> dict:
             print(f"{r['backend']}/{r['layer_loop']}: the stream's host loop {r['host_loop_ms']:.3f} ms a step, the same "
                   f"calls queued (served steps' device time) {r['served_step_ms']:.3f} ms: the host's share "
                   f"{100 * r['host_over_served_frac']:.1f} %")
+        if "fed_token_step_ms" in r:
+            print(f"{r['backend']}/{r['layer_loop']}: the timing loop's step {r['step_ms_median']:.3f} ms; with the "
+                  f"positions moving {r['advancing_step_ms']:.3f} ms, and each step fed another token "
+                  f"{r['fed_token_step_ms']:.3f} ms")
         prof = r.get("kernel_profile")
         if prof:
             print(f"{r['backend']}/{r['layer_loop']}: {prof['kernels']:.0f} kernels per step, {prof['busy_ms']:.3f} ms busy, "

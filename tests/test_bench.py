@@ -50,7 +50,7 @@ def test_decode_bench_writes_every_field(tmp_path, monkeypatch):
     assert all(v["enqueue_ms"] > 0 and v["host_loop_ms"] > 0 and v["steps_per_call"] == 1
                for v in run["call_variants"].values())
     assert run["call_variants"]["host_output_pinned"]["host_trace"]
-    assert run["steps_per_call"] == 1 and "advancing_step_ms" in run   # no GPU: no ring
+    assert run["steps_per_call"] == 1 and "advancing_step_ms" in run and "fed_token_step_ms" in run   # no ring here
     assert run["served_step_ms"] > 0 and run["host_over_served_frac"] < 1
     assert (tmp_path / "c.png").stat().st_size > 1000
 
@@ -383,3 +383,31 @@ def test_gpu_session_empties_a_work_folder_left_by_an_earlier_call(tmp_path):
     assert run.returncode == 0, run.stderr
     assert sorted(p.name for p in work.iterdir()) == ["session.txt"]
     assert "emptying" in run.stderr
+
+
+def test_the_fed_timing_loop_steps_on_the_given_tokens(tiny_random):
+    """`device_loop(fed=True)`'s step i reads ids[i % len(ids)], not the token the step before made: two
+    fed steps write the same cache as two plain steps given those tokens one at a time (the plain
+    loop's first step reads its token argument), and other ids write another cache."""
+    import jtilert
+    from jtilert.runtime.generate import Engine
+    from jtilert.ops.table import DecodeConfig
+
+    eng = Engine(tiny_random, config=DecodeConfig())
+    params, key = eng.place(jtilert.Sampling().arrays()), eng.place(jax.random.PRNGKey(0))
+    pos, one = eng.place(jnp.int32(5)), eng.place(jnp.int32(1))
+    draft = eng.place(jnp.array([0], jnp.int32))
+    fresh = lambda: decode.random_cache(eng, 16)   # noqa: E731  (each loop donates its cache)
+    fed, plain = decode.device_loop(eng, False, advance=True, fed=True), decode.device_loop(eng, False, advance=True)
+    ids = eng.place(jnp.array([7, 3], jnp.int32))
+    got, _, _, _ = fed(eng.state, fresh(), eng.place(jnp.array([1], jnp.int32)), draft, pos, params, key,
+                       eng.place(jnp.int32(2)), ids)
+    want = fresh()
+    for i, t in enumerate((7, 3)):
+        want, _, _, _ = plain(eng.state, want, eng.place(jnp.array([t], jnp.int32)), draft,
+                              eng.place(jnp.int32(5 + i)), params, key, one)
+    other, _, _, _ = fed(eng.state, fresh(), eng.place(jnp.array([1], jnp.int32)), draft, pos, params, key,
+                         eng.place(jnp.int32(2)), eng.place(jnp.array([9, 3], jnp.int32)))
+    leaves = lambda c: [np.asarray(c[k], np.float32) for k in sorted(c)]   # noqa: E731
+    assert all(np.array_equal(a, b) for a, b in zip(leaves(got), leaves(want)))
+    assert not all(np.array_equal(a, b) for a, b in zip(leaves(got), leaves(other)))
