@@ -318,6 +318,44 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
         per_step, short, timing = step_times(timed, n1, n2, steps, samples)
     device_s = statistics.median(per_step)
 
+    # The served steps and the timing-loop variants before any CUPTI profile: once CUPTI has run in a
+    # process, every later call costs more, which the timing loop's 2n − n difference cancels and a
+    # served call does not (bench/RESULTS.md, session 40: the served step 0.33 ms slower on an H100).
+    early = {}
+    if host:
+        with clocks.sampled(gpu_clocks, "host_loop", dev):
+            host_s, enqueue_s, served_s, carry = host_loop(eng, cache, token, draft, pos, params, key, mtp,
+                                                           host_steps)
+        cache, token, key = carry[0], carry[1], carry[4 if mtp else 3]   # (a stream call's `left` after them)
+        draft = carry[2] if mtp else draft
+        pos = eng.place(jnp.int32(context))
+        # the host loop against the timing loop's step (host_overhead_*), and against the same calls
+        # queued with nothing read (served_step_ms: the served steps' device time; host_over_served_frac)
+        early.update(host_loop_ms=host_s * 1e3, host_overhead_ms=max(0.0, host_s - device_s) * 1e3,
+                     host_overhead_frac=max(0.0, host_s - device_s) / host_s, served_step_ms=served_s * 1e3,
+                     host_over_served_frac=(host_s - served_s) / host_s, enqueue_ms=enqueue_s * 1e3,
+                     steps_per_call=STREAM_STEPS if eng.ring is not None else 1,
+                     arguments=eng.num_arguments, step_compile_s=host_loop.compile_s)
+    if call_variants:
+        # the same timing with each step at its own position, as the served steps run
+        loop = device_loop(eng, mtp, advance=True)
+        timed(n1)   # compile
+        early["advancing_step_ms"] = statistics.median(step_times(timed, n1, n2, steps, samples)[0]) * 1e3
+        if not mtp:
+            # and with every step reading another token (random ids), as a served stream's steps do
+            # where the timing loop's token soon repeats itself: is it the data that makes the served
+            # steps' kernels slower?
+            ids = eng.place(jax.random.randint(jax.random.PRNGKey(1), (997,), 0, model.cfg.vocab_size, jnp.int32))
+            fed_loop = device_loop(eng, mtp, advance=True, fed=True)
+
+            def fed_timed(n):
+                nonlocal cache, token, draft, key
+                t = time.perf_counter()
+                cache, token, draft, key = jax.block_until_ready(
+                    fed_loop(eng.state, cache, token, draft, pos, params, key, n, ids))
+                return time.perf_counter() - t
+            fed_timed(n1)   # compile
+            early["fed_token_step_ms"] = statistics.median(step_times(fed_timed, n1, n2, steps, samples)[0]) * 1e3
     loop_profile = None
     if kernels and jax.default_backend() == "gpu":
         # The same program as the step time: busy time per step of one n-step loop call. The one-step
@@ -348,30 +386,11 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
               "step_ms_median": device_s * 1e3, "step_ms_p90": float(np.percentile(per_step, 90)) * 1e3,
               "tok_s": 1.0 / device_s, "compile_s": compile_s, "compile_stages": compile_stages,
               "precompiled": precompiled, "steps_timed": 3 * steps * samples,
-              "call_overhead_ms": (statistics.median(short) - steps * device_s) * 1e3, "timing": timing}
-    if call_variants:
-        # the same timing with each step at its own position, as the served steps run
-        loop = device_loop(eng, mtp, advance=True)
-        timed(n1)   # compile
-        result["advancing_step_ms"] = statistics.median(step_times(timed, n1, n2, steps, samples)[0]) * 1e3
-        if not mtp:
-            # and with every step reading another token (random ids), as a served stream's steps do
-            # where the timing loop's token soon repeats itself: is it the data that makes the served
-            # steps' kernels slower?
-            ids = eng.place(jax.random.randint(jax.random.PRNGKey(1), (997,), 0, model.cfg.vocab_size, jnp.int32))
-            fed_loop = device_loop(eng, mtp, advance=True, fed=True)
-
-            def fed_timed(n):
-                nonlocal cache, token, draft, key
-                t = time.perf_counter()
-                cache, token, draft, key = jax.block_until_ready(
-                    fed_loop(eng.state, cache, token, draft, pos, params, key, n, ids))
-                return time.perf_counter() - t
-            fed_timed(n1)   # compile
-            result["fed_token_step_ms"] = statistics.median(step_times(fed_timed, n1, n2, steps, samples)[0]) * 1e3
+              "call_overhead_ms": (statistics.median(short) - steps * device_s) * 1e3, "timing": timing,
+              **early}
     if kernels and jax.default_backend() == "gpu" and not mtp and step_timeline is None:
-        # before the host loops: their call variants trace calls under JAX's profiler, after which
-        # CUPTI drops records
+        # before the call variants: they trace calls under JAX's profiler, after which CUPTI drops
+        # records
         carry = (cache, token, pos, key)
         holder = [jax.block_until_ready(eng.decode(eng.state, *carry, params))]
 
@@ -399,24 +418,11 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
             carry = served[0][:4]
         cache, token, key = carry[0], carry[1], carry[3]
         pos = eng.place(jnp.int32(context))
-    if host:
-        with clocks.sampled(gpu_clocks, "host_loop", dev):
-            host_s, enqueue_s, served_s, carry = host_loop(eng, cache, token, draft, pos, params, key, mtp,
-                                                           host_steps)
+    if host and call_variants and not mtp and eng.tp == 1:
+        with clocks.sampled(gpu_clocks, "call_variants", dev):
+            result["call_variants"], carry = call_variant_loops(eng, (cache, token, pos, key), params, host_steps,
+                                                                context)
         cache = carry[0]
-        # the host loop against the timing loop's step (host_overhead_*), and against the same calls
-        # queued with nothing read (served_step_ms: the served steps' device time; host_over_served_frac)
-        result.update(host_loop_ms=host_s * 1e3, host_overhead_ms=max(0.0, host_s - device_s) * 1e3,
-                      host_overhead_frac=max(0.0, host_s - device_s) / host_s, served_step_ms=served_s * 1e3,
-                      host_over_served_frac=(host_s - served_s) / host_s, enqueue_ms=enqueue_s * 1e3,
-                      steps_per_call=STREAM_STEPS if eng.ring is not None else 1,
-                      arguments=eng.num_arguments, step_compile_s=host_loop.compile_s)
-        if call_variants and not mtp and eng.tp == 1:
-            with clocks.sampled(gpu_clocks, "call_variants", dev):
-                result["call_variants"], carry = call_variant_loops(eng, carry, params, host_steps, context)
-            cache = carry[0]
-    else:
-        carry = (cache, token, pos, key)
     if loop_profile is not None:
         result["loop_kernel_profile"] = {k: loop_profile[k] for k in ("kernels", "busy_ms", "gaps_ms", "groups")}
     if step_timeline is not None:

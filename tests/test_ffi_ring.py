@@ -340,18 +340,25 @@ def test_bench_decode_times_the_stream_through_the_ring(tiny_random, host_ring, 
     assert all(v["enqueue_ms"] > 0 and v["host_loop_ms"] > 0 for v in out.values())
 
 
-def test_bench_decode_profiles_before_the_host_loops_trace(tiny_random, host_ring, monkeypatch):
+def test_bench_decode_profiles_before_the_call_variants_trace(tiny_random, host_ring, monkeypatch):
     """With --kernels and --call-variants on a GPU (stood in for: CUPTI and the backend's name mocked),
     every CUPTI profile, the stream call's included (per step of the timing loop's profiled call),
     comes before the call variants trace under JAX's profiler, after which CUPTI drops records (a
-    device run aborted on it)."""
+    device run aborted on it); and the served steps' host loop comes before every CUPTI profile, which
+    slows every later call of the process."""
     import contextlib
 
     from bench import decode
-    traced = []
+    traced, order = [], []
+    real_host_loop = decode.host_loop
+
+    def host_loop(*args, **kw):
+        order.append("host loop")
+        return real_host_loop(*args, **kw)   # (it sets host_loop.compile_s on this wrapper, as bench_backend reads it)
 
     def cupti(run):
         assert not traced, "a CUPTI profile after JAX's profiler"
+        assert order == ["host loop"], "a CUPTI profile before the served steps' host loop"
         jax.block_until_ready(run())
         return [("k_1", 1e-6)], 1e-6
 
@@ -359,6 +366,7 @@ def test_bench_decode_profiles_before_the_host_loops_trace(tiny_random, host_rin
         traced.append(True)
         return contextlib.nullcontext()
     monkeypatch.setattr(decode, "_cupti", cupti)
+    monkeypatch.setattr(decode, "host_loop", host_loop)
     monkeypatch.setattr(decode.jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(decode.jax.profiler, "trace", trace)
     monkeypatch.setattr(decode, "host_events", lambda *a, **k: [])
@@ -367,5 +375,6 @@ def test_bench_decode_profiles_before_the_host_loops_trace(tiny_random, host_rin
     assert r["loop_kernel_profile"]["kernels"] == 1 / 2 and r["host_loop_ms"] > 0 and r["steps_per_call"] == 8
     # a timing loop of more steps than a stream call's: the call's steps are what its profile divides by
     traced.clear()
+    order.clear()
     r = decode.bench_backend(tiny_random, "reference", 20, False, 10, 1, kernels=True, call_variants=True)
     assert r["stream_kernel_profile"]["kernels"] == 1 / 8
