@@ -57,6 +57,10 @@
 #                return their tokens (tiny model, both backends, plain and MTP, greedy and sampled), and
 #                the time a token of each (after build)
 #   route        tests/gpu/route_check.py: the engine's router selection vs the reference, and their times
+#   envab        bench.decode at the share's layers, pallas, without --kernels (no CUPTI), one process each:
+#                this script's environment, the same without XLA_FLAGS, with the program cache on, and this
+#                script's environment again (what one process to the next varies): does the environment
+#                change the step or the served step a user gets?
 #   router       the engine's norm GEMVs (DecodeConfig.engine_router: the MoE router in one launch; engine_index_weights:
 #                the indexer's head weights): part route, tests/gpu/decode_check.py with --engine-norm-gemvs, then
 #                bench.decode at the share's layers, pallas, without them, with --engine-router, with both, back to back
@@ -440,6 +444,16 @@ for part in "$@"; do
     prep) step prep 300 python3 tests/gpu/prep_check.py --out "$WORK/prep.json" ;;
     ringcheck) step ringcheck 200 python3 tests/gpu/ring_check.py "$WORK/ring_check.json" ;;
     route) step route 200 python3 tests/gpu/route_check.py --out "$WORK/route.json" ;;
+    envab)
+      n=$(share_layers)
+      for v in session no_xla_flags program_cache session_again; do
+        case $v in
+          no_xla_flags) e=(env XLA_FLAGS=) ;;
+          program_cache) e=(env JTILERT_PROGRAM_CACHE=on) ;;
+          *) e=() ;;
+        esac
+        step "envab_$v" 200 "${e[@]}" $DEC --layers "$n" --backend pallas --samples 6 --out "$WORK/envab_$v.json"
+      done ;;
     router)
       step route 200 python3 tests/gpu/route_check.py --out "$WORK/route.json"
       step router_check 150 python3 tests/gpu/decode_check.py --engine-norm-gemvs --out "$WORK/router_check.json"
