@@ -318,9 +318,8 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
         per_step, short, timing = step_times(timed, n1, n2, steps, samples)
     device_s = statistics.median(per_step)
 
-    # The served steps and the timing-loop variants before any CUPTI profile: once CUPTI has run in a
-    # process, every later call costs more, which the timing loop's 2n − n difference cancels and a
-    # served call does not (bench/RESULTS.md, session 40: the served step 0.33 ms slower on an H100).
+    # The served steps and the timing-loop variants before any CUPTI profile: served calls measured
+    # after CUPTI has profiled in the process run slower (bench/RESULTS.md, session 40).
     early = {}
     if host:
         with clocks.sampled(gpu_clocks, "host_loop", dev):
