@@ -197,15 +197,18 @@ def step_times(timed, n1, n2, steps: int, samples: int) -> tuple[list, list, str
     return [t / steps for t in short], short, "n-step loop with its dispatch (upper bound)"
 
 
-def device_loop(eng: Engine, mtp: bool, advance: bool = False, fed: bool = False):
+def device_loop(eng: Engine, mtp: bool, advance: bool = False):
     """decode (or MTP) steps in one compiled loop, every step at the same position (`advance`: step
     i at pos + i, or pos + 2i for MTP steps, as served steps move on); the number of steps is an
-    argument, so one compile serves every loop length. `fed` (decode steps): step i reads token
-    fed[i % len(fed)] of an extra int32 argument instead of the token the step before made (which is
-    still made, and carried), so the steps' tokens vary as a served stream's do."""
+    argument, so one compile serves every loop length. Given a last argument `ids` (int32 [N], decode
+    steps), step i reads token ids[i % N] instead of the token the step before made (which is still
+    made, and carried), so the steps' tokens vary as a served stream's do."""
     step = eng._wrap(eng._speculate if mtp else eng._decode)
 
     def run(state, cache, token, draft, pos0, params, key, steps, ids=None):
+        if mtp and ids is not None:
+            raise ValueError("device_loop: fed tokens are for decode steps")
+
         def body(i, c):
             cache, token, draft, key = c
             pos = pos0 + i * (2 if mtp else 1) if advance else pos0
@@ -218,8 +221,6 @@ def device_loop(eng: Engine, mtp: bool, advance: bool = False, fed: bool = False
             return cache, token, draft, key
         return jax.lax.fori_loop(0, steps, body, (cache, token, draft, key))
 
-    if fed and mtp:
-        raise ValueError("device_loop: fed tokens are for decode steps")
     return jax.jit(run, donate_argnums=(1,), compiler_options=eng.step_options)
 
 
@@ -292,13 +293,14 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
     pos = eng.place(jnp.int32(context))
     params = eng.place(jtilert.Sampling().arrays())
     key = eng.place(jax.random.PRNGKey(0))
-    loop = device_loop(eng, mtp)
+    loop, fed = device_loop(eng, mtp), ()   # fed: the loop's token ids, where it is given some
     n1, n2 = eng.place(jnp.int32(steps)), eng.place(jnp.int32(2 * steps))
 
     def timed(n):
         nonlocal cache, token, draft, key
         t = time.perf_counter()
-        cache, token, draft, key = jax.block_until_ready(loop(eng.state, cache, token, draft, pos, params, key, n))
+        cache, token, draft, key = jax.block_until_ready(loop(eng.state, cache, token, draft, pos, params, key, n,
+                                                              *fed))
         return time.perf_counter() - t
 
     # the first call as a Generator's compile makes it (the kernels lowered in parallel first), each
@@ -336,25 +338,19 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
                      steps_per_call=STREAM_STEPS if eng.ring is not None else 1,
                      arguments=eng.num_arguments, step_compile_s=host_loop.compile_s)
     if call_variants:
-        # the same timing with each step at its own position, as the served steps run
-        loop = device_loop(eng, mtp, advance=True)
+        # the same timing with each step at its own position, as the served steps run (the timing
+        # loop back after, for its profile and trace below)
+        timing_loop, loop = loop, device_loop(eng, mtp, advance=True)
         timed(n1)   # compile
         early["advancing_step_ms"] = statistics.median(step_times(timed, n1, n2, steps, samples)[0]) * 1e3
         if not mtp:
             # and with every step reading another token (random ids), as a served stream's steps do
             # where the timing loop's token soon repeats itself: is it the data that makes the served
             # steps' kernels slower?
-            ids = eng.place(jax.random.randint(jax.random.PRNGKey(1), (997,), 0, model.cfg.vocab_size, jnp.int32))
-            fed_loop = device_loop(eng, mtp, advance=True, fed=True)
-
-            def fed_timed(n):
-                nonlocal cache, token, draft, key
-                t = time.perf_counter()
-                cache, token, draft, key = jax.block_until_ready(
-                    fed_loop(eng.state, cache, token, draft, pos, params, key, n, ids))
-                return time.perf_counter() - t
-            fed_timed(n1)   # compile
-            early["fed_token_step_ms"] = statistics.median(step_times(fed_timed, n1, n2, steps, samples)[0]) * 1e3
+            fed = (eng.place(jax.random.randint(jax.random.PRNGKey(1), (997,), 0, model.cfg.vocab_size, jnp.int32)),)
+            timed(n1)   # compile
+            early["fed_token_step_ms"] = statistics.median(step_times(timed, n1, n2, steps, samples)[0]) * 1e3
+        loop, fed = timing_loop, ()
     loop_profile = None
     if kernels and jax.default_backend() == "gpu":
         # The same program as the step time: busy time per step of one n-step loop call. The one-step

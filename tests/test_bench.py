@@ -386,7 +386,7 @@ def test_gpu_session_empties_a_work_folder_left_by_an_earlier_call(tmp_path):
 
 
 def test_the_fed_timing_loop_steps_on_the_given_tokens(tiny_random):
-    """`device_loop(fed=True)`'s step i reads ids[i % len(ids)], not the token the step before made: two
+    """`device_loop` given ids: its step i reads ids[i % len(ids)], not the token the step before made: two
     fed steps write the same cache as two plain steps given those tokens one at a time (the plain
     loop's first step reads its token argument), and other ids write another cache."""
     import jtilert
@@ -398,15 +398,15 @@ def test_the_fed_timing_loop_steps_on_the_given_tokens(tiny_random):
     pos, one = eng.place(jnp.int32(5)), eng.place(jnp.int32(1))
     draft = eng.place(jnp.array([0], jnp.int32))
     fresh = lambda: decode.random_cache(eng, 16)   # noqa: E731  (each loop donates its cache)
-    fed, plain = decode.device_loop(eng, False, advance=True, fed=True), decode.device_loop(eng, False, advance=True)
+    loop = decode.device_loop(eng, False, advance=True)
     ids = eng.place(jnp.array([7, 3], jnp.int32))
-    got, _, _, _ = fed(eng.state, fresh(), eng.place(jnp.array([1], jnp.int32)), draft, pos, params, key,
+    got, _, _, _ = loop(eng.state, fresh(), eng.place(jnp.array([1], jnp.int32)), draft, pos, params, key,
                        eng.place(jnp.int32(2)), ids)
     want = fresh()
     for i, t in enumerate((7, 3)):
-        want, _, _, _ = plain(eng.state, want, eng.place(jnp.array([t], jnp.int32)), draft,
+        want, _, _, _ = loop(eng.state, want, eng.place(jnp.array([t], jnp.int32)), draft,
                               eng.place(jnp.int32(5 + i)), params, key, one)
-    other, _, _, _ = fed(eng.state, fresh(), eng.place(jnp.array([1], jnp.int32)), draft, pos, params, key,
+    other, _, _, _ = loop(eng.state, fresh(), eng.place(jnp.array([1], jnp.int32)), draft, pos, params, key,
                          eng.place(jnp.int32(2)), eng.place(jnp.array([9, 3], jnp.int32)))
     leaves = lambda c: [np.asarray(c[k], np.float32) for k in sorted(c)]   # noqa: E731
     assert all(np.array_equal(a, b) for a, b in zip(leaves(got), leaves(want)))

@@ -344,13 +344,23 @@ def test_bench_decode_profiles_before_the_call_variants_trace(tiny_random, host_
     """With --kernels and --call-variants on a GPU (stood in for: CUPTI and the backend's name mocked),
     every CUPTI profile, the stream call's included (per step of the timing loop's profiled call),
     comes before the call variants trace under JAX's profiler, after which CUPTI drops records (a
-    device run aborted on it); and the served steps' host loop comes before every CUPTI profile, which
-    slows every later call of the process."""
+    device run aborted on it); the served steps' host loop comes before every CUPTI profile, which
+    slows every later call of the process; and the loop profile is the timing loop's (steps at one
+    position), not that of the call variants' timing loops run before it."""
     import contextlib
 
     from bench import decode
-    traced, order = [], []
-    real_host_loop = decode.host_loop
+    traced, order, loops_run = [], [], []
+    real_host_loop, real_device_loop = decode.host_loop, decode.device_loop
+
+    def device_loop(eng, mtp, advance=False):
+        loop = real_device_loop(eng, mtp, advance)
+
+        def run(*args):
+            loops_run.append(advance)
+            return loop(*args)
+        run.trace = loop.trace   # (the first compile is timed stage by stage)
+        return run
 
     def host_loop(*args, **kw):
         order.append("host loop")
@@ -358,8 +368,12 @@ def test_bench_decode_profiles_before_the_call_variants_trace(tiny_random, host_
 
     def cupti(run):
         assert not traced, "a CUPTI profile after JAX's profiler"
-        assert order == ["host loop"], "a CUPTI profile before the served steps' host loop"
+        assert order[:1] == ["host loop"], "a CUPTI profile before the served steps' host loop"
+        loops_run.clear()
         jax.block_until_ready(run())
+        order.append("profile")
+        if order.count("profile") == 1:   # the loop profile
+            assert loops_run == [False], "the loop profile ran another loop than the timing loop"
         return [("k_1", 1e-6)], 1e-6
 
     def trace(*args, **kw):
@@ -367,6 +381,7 @@ def test_bench_decode_profiles_before_the_call_variants_trace(tiny_random, host_
         return contextlib.nullcontext()
     monkeypatch.setattr(decode, "_cupti", cupti)
     monkeypatch.setattr(decode, "host_loop", host_loop)
+    monkeypatch.setattr(decode, "device_loop", device_loop)
     monkeypatch.setattr(decode.jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(decode.jax.profiler, "trace", trace)
     monkeypatch.setattr(decode, "host_events", lambda *a, **k: [])
