@@ -48,6 +48,9 @@ from bench import clocks, provenance, timeline
 
 CPU_COPY_BYTES = 256 << 20   # the array copy_bandwidth passes over on a CPU (the tests shrink it)
 TIMELINE_STEPS = 4           # steps of the call --timeline traces (bench/timeline.py reads its second whole step)
+QUEUED_LOOP_STEPS = (1, 8, 32)            # steps a call of the timing loop's program in `queued_forms`
+QUEUED_STREAM_STEPS = (STREAM_STEPS, 32)  # and of the stream's program through the token ring
+QUEUED_TOTAL = 128                        # steps of each form's round (a multiple of every k above)
 
 
 def copy_bandwidth() -> float:
@@ -177,8 +180,8 @@ def _random_leaf(key, shape, dtype, scales: bool):
 def bench_rows(context: int, steps: int, samples: int) -> int:
     """Cache rows of `bench_backend` for the longest run of steps from `context`: a timed loop's 2n
     steps, or the host loop's calls (steps · samples of them, STREAM_STEPS steps each through the token
-    ring, one more call to warm)."""
-    return cache_rows(context, max(2 * steps, (steps * samples + 1) * STREAM_STEPS))
+    ring, one more call to warm), or a round of `queued_forms`."""
+    return cache_rows(context, max(2 * steps, (steps * samples + 1) * STREAM_STEPS, QUEUED_TOTAL))
 
 
 def step_times(timed, n1, n2, steps: int, samples: int) -> tuple[list, list, str]:
@@ -269,7 +272,8 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
                   timeline_layers: tuple[int, int] = timeline.DETAIL_LAYERS) -> dict:
     """xla_options: DecodeConfig.xla_options (None: its default). call_variants: also time the step
     loop with each step at its own position (`advancing_step_ms`), the same with each step reading
-    another token (`fed_token_step_ms`, decode steps), and the plain step's host loop in
+    another token (`fed_token_step_ms`, decode steps), a call's fixed device cost (`queued`: the
+    forms of `queued_forms`, decode steps, tp = 1), and the plain step's host loop in
     the forms of `call_variant_loops` (tp = 1). trace_timeline: right after the
     timed loops (and their CUPTI profile), one call of the loop of TIMELINE_STEPS steps under JAX's
     profiler: the kernels' start and end times in one step (bench/timeline.py's summary, the result's
@@ -351,6 +355,10 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
             timed(n1)   # compile
             early["fed_token_step_ms"] = statistics.median(step_times(timed, n1, n2, steps, samples)[0]) * 1e3
         loop, fed = timing_loop, ()
+        if not mtp and eng.tp == 1:
+            # a call's fixed device cost, from calls of 1 to 32 steps queued (before any CUPTI profile)
+            early["queued"], (cache, token, _, key) = queued_forms(eng, (cache, token, pos, key), params, context,
+                                                                   QUEUED_TOTAL)
     loop_profile = None
     if kernels and jax.default_backend() == "gpu":
         # The same program as the step time: busy time per step of one n-step loop call. The one-step
@@ -513,16 +521,86 @@ def call_loop(call, out, keep: int, n: int):
     return (time.perf_counter() - t) / n, statistics.median(enqueue), out[:keep]
 
 
-def stream_call(eng, mtp: bool, carry, left: int, params):
+def stream_call(eng, mtp: bool, carry, left: int, params, steps: int = STREAM_STEPS):
     """(call, first): the stream's program through the token ring (`Engine.decode_stream` /
     `speculate_stream`, no stop token, looked up once as the Generator's stream does) as a call of its
     carried arrays, and `carry` with `left`, the tokens still wanted, placed after it: the first call's
-    arguments."""
-    stream = eng.speculate_stream if mtp else eng.decode_stream
+    arguments. steps: the steps a call runs at most (another than STREAM_STEPS compiles the decode
+    stream's program for it here, with the engine's loop options)."""
     stops = eng.place(stop_array([]))
     first = (*carry, eng.place(np.int32(left)))
-    exe = stream.executable(eng.state, *first, params, stops)
+    if steps == STREAM_STEPS:
+        stream = eng.speculate_stream if mtp else eng.decode_stream
+        exe = stream.executable(eng.state, *first, params, stops)
+    elif mtp:
+        raise ValueError("stream_call: MTP streams run STREAM_STEPS steps a call")
+    else:
+        fn = eng._wrap(functools.partial(Engine._decode_stream, steps=steps))
+        exe = jax.jit(fn, donate_argnums=(1, 2, 3, 4, 5)).lower(eng.state, *first, params, stops).compile(
+            eng.loop_options)
     return (lambda *c: exe(eng.state, *c, params, stops)), first
+
+
+def call_fit(ms: dict) -> dict:
+    """The least-squares fit of t(k) = step + call / k to {k: ms a step of calls of k steps}:
+    {"ms_per_step": ms, "call_ms": a call's fixed cost, "step_ms": a step's}."""
+    x = np.array([1.0 / k for k in ms])
+    a = np.vstack([np.ones_like(x), x]).T
+    (step, call), *_ = np.linalg.lstsq(a, np.array(list(ms.values()), float), rcond=None)
+    return {"ms_per_step": ms, "call_ms": float(call), "step_ms": float(step)}
+
+
+def queued_forms(eng, carry, params, start: int, total: int, rounds: int = 3):
+    """What a call costs the device beyond its steps. `total` decode steps in calls queued back to back,
+    nothing read, k steps a call: the timing loop's program (`device_loop`, every step at `start`) for
+    k in QUEUED_LOOP_STEPS, and where the token ring is, the stream's program (positions moving from
+    `start`) for k in QUEUED_STREAM_STEPS; each form's median of `rounds` rounds, ms a step. Between
+    the forms of one program only the number of calls changes, so the least-squares fit of
+    t(k) = step + call / k gives a call's fixed device cost (`call_ms`) and a step's (`step_ms`).
+    carry: (cache, token, pos, key). Returns ({program: {"ms_per_step": {k: ms}, "call_ms", "step_ms"}},
+    the carry after)."""
+    cache, token, pos, key = carry
+    draft = eng.place(jnp.array([2], jnp.int32))
+    loop = device_loop(eng, False)
+    out = {}
+
+    def rounds_of(run):   # run() -> seconds of `total` steps
+        return statistics.median(run() for _ in range(rounds)) / total * 1e3
+
+    here = eng.place(jnp.int32(start))
+    ms = {}
+    for k in QUEUED_LOOP_STEPS:
+        n = eng.place(jnp.int32(k))
+        cache, token, draft, key = jax.block_until_ready(loop(eng.state, cache, token, draft, here, params, key, n))
+
+        def run():
+            nonlocal cache, token, draft, key
+            t = time.perf_counter()
+            for _ in range(total // k):
+                cache, token, draft, key = loop(eng.state, cache, token, draft, here, params, key, n)
+            jax.block_until_ready(cache)
+            return time.perf_counter() - t
+        ms[k] = rounds_of(run)
+    out["timing_loop"] = call_fit(ms)
+    if eng.ring is not None:
+        ms = {}
+        for k in QUEUED_STREAM_STEPS:
+            call, first = stream_call(eng, False, (cache, token, eng.place(jnp.int32(start)), key), 4 * total,
+                                      params, k)
+            state = list(jax.block_until_ready(call(*first)))   # compile (and warm)
+
+            def run():
+                state[2] = eng.place(jnp.int32(start))
+                jax.block_until_ready(state[2])
+                t = time.perf_counter()
+                for _ in range(total // k):
+                    state[:] = call(*state)
+                jax.block_until_ready(state)
+                return time.perf_counter() - t
+            ms[k] = rounds_of(run)
+            cache, token, _, key, _ = state
+        out["stream"] = call_fit(ms)
+    return out, (cache, token, pos, key)
 
 
 def ring_loop(call, carry, n: int, tokens, at: int = 2, steps: int = 1):
@@ -786,6 +864,10 @@ def main(argv=None) -> dict:
             print(f"{r['backend']}/{r['layer_loop']}: the timing loop's step {r['step_ms_median']:.3f} ms; with the "
                   f"positions moving {r['advancing_step_ms']:.3f} ms, and each step fed another token "
                   f"{r['fed_token_step_ms']:.3f} ms")
+        for program, q in r.get("queued", {}).items():
+            each = ", ".join(f"{k}: {v:.3f}" for k, v in q["ms_per_step"].items())
+            print(f"{r['backend']}/{r['layer_loop']}: {program}'s program in queued calls, ms a step by steps a call "
+                  f"{each}; fit: {q['step_ms']:.3f} ms a step + {q['call_ms']:.3f} ms a call")
         prof = r.get("kernel_profile")
         if prof:
             print(f"{r['backend']}/{r['layer_loop']}: {prof['kernels']:.0f} kernels per step, {prof['busy_ms']:.3f} ms busy, "

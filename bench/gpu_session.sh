@@ -61,6 +61,9 @@
 #                this script's environment, the same without XLA_FLAGS, with the program cache on, and this
 #                script's environment again (what one process to the next varies): does the environment
 #                change the step or the served step a user gets?
+#   queued       bench.decode --call-variants without --kernels (no CUPTI), twice: the timing loop's program and the
+#                stream's in calls of 1 to 32 steps queued back to back (`queued_forms`): a call's fixed device cost
+#                against a step's
 #   router       the engine's norm GEMVs (DecodeConfig.engine_router: the MoE router in one launch; engine_index_weights:
 #                the indexer's head weights): part route, tests/gpu/decode_check.py with --engine-norm-gemvs, then
 #                bench.decode at the share's layers, pallas, without them, with --engine-router, with both, back to back
@@ -444,6 +447,11 @@ for part in "$@"; do
     prep) step prep 300 python3 tests/gpu/prep_check.py --out "$WORK/prep.json" ;;
     ringcheck) step ringcheck 200 python3 tests/gpu/ring_check.py "$WORK/ring_check.json" ;;
     route) step route 200 python3 tests/gpu/route_check.py --out "$WORK/route.json" ;;
+    queued)  # a call's fixed device cost: the call variants without CUPTI, two processes (their spread)
+      for r in 1 2; do
+        step "queued_$r" 300 $DEC --layers "$(share_layers)" --backend pallas --steps 5 --samples 6 --call-variants \
+          --out "$WORK/queued_$r.json"
+      done ;;
     envab)
       n=$(share_layers)
       for v in session no_xla_flags program_cache session_again; do

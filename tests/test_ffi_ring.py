@@ -340,6 +340,37 @@ def test_bench_decode_times_the_stream_through_the_ring(tiny_random, host_ring, 
     assert all(v["enqueue_ms"] > 0 and v["host_loop_ms"] > 0 for v in out.values())
 
 
+def test_bench_decode_call_fit():
+    """The fit of a call's fixed cost: exact on t(k) = step + call / k."""
+    from bench import decode
+    r = decode.call_fit({k: 3.0 + 1.4 / k for k in (1, 8, 32)})
+    assert abs(r["call_ms"] - 1.4) < 1e-9 and abs(r["step_ms"] - 3.0) < 1e-9
+    r = decode.call_fit({8: 3.2, 32: 3.2})   # no fixed cost
+    assert abs(r["call_ms"]) < 1e-9 and abs(r["step_ms"] - 3.2) < 1e-9
+
+
+def test_bench_decode_queued_forms(tiny_random, host_ring):
+    """bench.decode's queued forms run the timing loop's program and the stream's, at every number of
+    steps a call; the stream's at its own and at 32 steps a call write the ring from the start position
+    on, total steps in all (the last round's)."""
+    import jtilert
+    from bench import decode
+    from jtilert.runtime.generate import Engine
+    eng = Engine(tiny_random)
+    context, total = 20, 32
+    cache = decode.random_cache(eng, decode.cache_rows(context, 2 * total))
+    carry = (cache, eng.place(jnp.array([1], jnp.int32)), eng.place(jnp.int32(context)),
+             eng.place(jax.random.PRNGKey(0)))
+    params = eng.place(jtilert.Sampling().arrays())
+    out, carry = decode.queued_forms(eng, carry, params, context, total, rounds=1)
+    assert set(out["timing_loop"]["ms_per_step"]) == set(decode.QUEUED_LOOP_STEPS)
+    assert set(out["stream"]["ms_per_step"]) == set(decode.QUEUED_STREAM_STEPS)
+    assert all(v > 0 for form in out.values() for v in form["ms_per_step"].values())
+    jax.effects_barrier()
+    assert host_ring.keys() == list(range(context, context + total)), host_ring.keys()
+    assert len(carry) == 4 and int(carry[2]) == context
+
+
 def test_bench_decode_profiles_before_the_call_variants_trace(tiny_random, host_ring, monkeypatch):
     """With --kernels and --call-variants on a GPU (stood in for: CUPTI and the backend's name mocked),
     every CUPTI profile, the stream call's included (per step of the timing loop's profiled call),
@@ -385,8 +416,10 @@ def test_bench_decode_profiles_before_the_call_variants_trace(tiny_random, host_
     monkeypatch.setattr(decode.jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(decode.jax.profiler, "trace", trace)
     monkeypatch.setattr(decode, "host_events", lambda *a, **k: [])
+    monkeypatch.setattr(decode, "QUEUED_TOTAL", 32)
     r = decode.bench_backend(tiny_random, "reference", 20, False, 2, 2, kernels=True, call_variants=True)
     assert traced and r["stream_kernel_profile"]["kernels"] == 1 / 2 and r["kernel_profile"]["kernels"] == 1
+    assert set(r["queued"]) == {"timing_loop", "stream"}   # measured before the profiles
     assert r["loop_kernel_profile"]["kernels"] == 1 / 2 and r["host_loop_ms"] > 0 and r["steps_per_call"] == 8
     # a timing loop of more steps than a stream call's: the call's steps are what its profile divides by
     traced.clear()

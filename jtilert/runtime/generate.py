@@ -263,8 +263,8 @@ class Engine:
         return cache, token, ring.write(pos, token), key
 
     @staticmethod
-    def _stream_loop(step, carry: tuple, left, stops) -> tuple:
-        """Up to STREAM_STEPS calls of `step(carry) -> (carry, emitted, n)` (a step writing its first n
+    def _stream_loop(step, carry: tuple, left, stops, steps: int = STREAM_STEPS) -> tuple:
+        """Up to `steps` calls of `step(carry) -> (carry, emitted, n)` (a step writing its first n
         emitted tokens into the token ring), ending after a step whose n tokens hold a stop token (one
         of `stops`) or once `left`, the tokens still wanted, is 0 or less: (*carry, left), all carried
         to the next call."""
@@ -274,17 +274,17 @@ class Engine:
             stop = jnp.any(_stop_hits(emitted, n, stops))
             return carry, jnp.where(stop, 0, left - n), i + 1
 
-        carry, left, _ = jax.lax.while_loop(lambda c: (c[2] < STREAM_STEPS) & (c[1] > 0), body,
+        carry, left, _ = jax.lax.while_loop(lambda c: (c[2] < steps) & (c[1] > 0), body,
                                             (carry, left, jnp.int32(0)))
         return (*carry, left)
 
     @staticmethod
-    def _decode_stream(model, ops, cache, token, pos, key, left, params, stops):
-        """`_stream_loop` of `_decode_to_ring` steps: (cache, token, pos, key, left)."""
+    def _decode_stream(model, ops, cache, token, pos, key, left, params, stops, steps: int = STREAM_STEPS):
+        """`_stream_loop` of `_decode_to_ring` steps, up to `steps` a call: (cache, token, pos, key, left)."""
         def step(c):
             c = Engine._decode_to_ring(model, ops, *c, params)
             return c, c[1], jnp.int32(1)   # the step's token
-        return Engine._stream_loop(step, (cache, token, pos, key), left, stops)
+        return Engine._stream_loop(step, (cache, token, pos, key), left, stops, steps)
 
     @staticmethod
     def _speculate_to_ring(model, ops, cache, token, draft, pos, key, params):
