@@ -554,52 +554,60 @@ def queued_forms(eng, carry, params, start: int, total: int, rounds: int = 3):
     """What a call costs the device beyond its steps. `total` decode steps in calls queued back to back,
     nothing read, k steps a call: the timing loop's program (`device_loop`, every step at `start`) for
     k in QUEUED_LOOP_STEPS, and where the token ring is, the stream's program (positions moving from
-    `start`) for k in QUEUED_STREAM_STEPS; each form's median of `rounds` rounds, ms a step. Between
-    the forms of one program only the number of calls changes, so the least-squares fit of
-    t(k) = step + call / k gives a call's fixed device cost (`call_ms`) and a step's (`step_ms`).
-    carry: (cache, token, pos, key). Returns ({program: {"ms_per_step": {k: ms}, "call_ms", "step_ms"}},
-    the carry after)."""
+    `start`) for k in QUEUED_STREAM_STEPS; each form's median of `rounds` rounds, ms a step, and the
+    median enqueue of a call (a call that returns only when the call before it has ended shows here as
+    the device time of its steps). Between the forms of one program only the number of calls changes,
+    so the least-squares fit of t(k) = step + call / k gives a call's fixed device cost (`call_ms`) and a
+    step's (`step_ms`). carry: (cache, token, pos, key). Returns ({program: {"ms_per_step": {k: ms},
+    "enqueue_ms": {k: ms}, "call_ms", "step_ms"}}, the carry after)."""
     cache, token, pos, key = carry
     draft = eng.place(jnp.array([2], jnp.int32))
     loop = device_loop(eng, False)
+    here = eng.place(jnp.int32(start))
     out = {}
 
-    def rounds_of(run):   # run() -> seconds of `total` steps
-        return statistics.median(run() for _ in range(rounds)) / total * 1e3
-
-    here = eng.place(jnp.int32(start))
-    ms = {}
-    for k in QUEUED_LOOP_STEPS:
-        n = eng.place(jnp.int32(k))
-        cache, token, draft, key = jax.block_until_ready(loop(eng.state, cache, token, draft, here, params, key, n))
-
-        def run():
-            nonlocal cache, token, draft, key
-            t = time.perf_counter()
-            for _ in range(total // k):
-                cache, token, draft, key = loop(eng.state, cache, token, draft, here, params, key, n)
-            jax.block_until_ready(cache)
-            return time.perf_counter() - t
-        ms[k] = rounds_of(run)
-    out["timing_loop"] = call_fit(ms)
-    if eng.ring is not None:
-        ms = {}
-        for k in QUEUED_STREAM_STEPS:
-            call, first = stream_call(eng, False, (cache, token, eng.place(jnp.int32(start)), key), 4 * total,
-                                      params, k)
-            state = list(jax.block_until_ready(call(*first)))   # compile (and warm)
-
-            def run():
-                state[2] = eng.place(jnp.int32(start))
-                jax.block_until_ready(state[2])
+    def measured(forms):   # {k: (restart, call)} -> the program's entry
+        ms, enqueue = {}, {}
+        for k, (restart, call) in forms.items():
+            per, each = [], []
+            for _ in range(rounds):
+                jax.block_until_ready(restart())
                 t = time.perf_counter()
                 for _ in range(total // k):
-                    state[:] = call(*state)
-                jax.block_until_ready(state)
-                return time.perf_counter() - t
-            ms[k] = rounds_of(run)
-            cache, token, _, key, _ = state
-        out["stream"] = call_fit(ms)
+                    t0 = time.perf_counter()
+                    last = call()
+                    each.append(time.perf_counter() - t0)
+                jax.block_until_ready(last)
+                per.append((time.perf_counter() - t) / total * 1e3)
+            ms[k], enqueue[k] = statistics.median(per), statistics.median(each) * 1e3
+        return {**call_fit(ms), "enqueue_ms": enqueue}
+
+    def loop_form(k):
+        n = eng.place(jnp.int32(k))
+
+        def call():
+            nonlocal cache, token, draft, key
+            cache, token, draft, key = loop(eng.state, cache, token, draft, here, params, key, n)
+            return cache
+        return call, call   # (restart: one call more, which compiles and warms the first time)
+    out["timing_loop"] = measured({k: loop_form(k) for k in QUEUED_LOOP_STEPS})
+    if eng.ring is not None:
+        state = [cache, token, here, key, eng.place(jnp.int32(4 * total))]   # the stream's carried arrays
+
+        def stream_form(k):
+            fn, _ = stream_call(eng, False, tuple(state[:4]), 4 * total, params, k)   # compiled here
+
+            def restart():   # the positions from the start again, the tokens wanted never reached
+                state[2], state[4] = eng.place(jnp.int32(start)), eng.place(jnp.int32(4 * total))
+                return state
+
+            def call():
+                state[:] = fn(*state)
+                return state
+            jax.block_until_ready((restart(), call()))   # warm
+            return restart, call
+        out["stream"] = measured({k: stream_form(k) for k in QUEUED_STREAM_STEPS})
+        cache, token, _, key, _ = state
     return out, (cache, token, pos, key)
 
 
@@ -867,7 +875,8 @@ def main(argv=None) -> dict:
         for program, q in r.get("queued", {}).items():
             each = ", ".join(f"{k}: {v:.3f}" for k, v in q["ms_per_step"].items())
             print(f"{r['backend']}/{r['layer_loop']}: {program}'s program in queued calls, ms a step by steps a call "
-                  f"{each}; fit: {q['step_ms']:.3f} ms a step + {q['call_ms']:.3f} ms a call")
+                  f"{each}; fit: {q['step_ms']:.3f} ms a step + {q['call_ms']:.3f} ms a call; enqueue ms a call "
+                  + ", ".join(f"{k}: {v:.3f}" for k, v in q["enqueue_ms"].items()))
         prof = r.get("kernel_profile")
         if prof:
             print(f"{r['backend']}/{r['layer_loop']}: {prof['kernels']:.0f} kernels per step, {prof['busy_ms']:.3f} ms busy, "
