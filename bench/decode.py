@@ -200,12 +200,13 @@ def step_times(timed, n1, n2, steps: int, samples: int) -> tuple[list, list, str
     return [t / steps for t in short], short, "n-step loop with its dispatch (upper bound)"
 
 
-def device_loop(eng: Engine, mtp: bool, advance: bool = False):
+def device_loop(eng: Engine, mtp: bool, advance: bool = False, options: dict | None = None):
     """decode (or MTP) steps in one compiled loop, every step at the same position (`advance`: step
     i at pos + i, or pos + 2i for MTP steps, as served steps move on); the number of steps is an
     argument, so one compile serves every loop length. Given a last argument `ids` (int32 [N], decode
     steps), step i reads token ids[i % N] instead of the token the step before made (which is still
-    made, and carried), so the steps' tokens vary as a served stream's do."""
+    made, and carried), so the steps' tokens vary as a served stream's do. options: XLA's compile
+    options (default the engine's step options)."""
     step = eng._wrap(eng._speculate if mtp else eng._decode)
 
     def run(state, cache, token, draft, pos0, params, key, steps, ids=None):
@@ -224,7 +225,7 @@ def device_loop(eng: Engine, mtp: bool, advance: bool = False):
             return cache, token, draft, key
         return jax.lax.fori_loop(0, steps, body, (cache, token, draft, key))
 
-    return jax.jit(run, donate_argnums=(1,), compiler_options=eng.step_options)
+    return jax.jit(run, donate_argnums=(1,), compiler_options=eng.step_options if options is None else options)
 
 
 class _Skipped(nnx.Module):
@@ -521,15 +522,15 @@ def call_loop(call, out, keep: int, n: int):
     return (time.perf_counter() - t) / n, statistics.median(enqueue), out[:keep]
 
 
-def stream_call(eng, mtp: bool, carry, left: int, params, steps: int = STREAM_STEPS):
+def stream_call(eng, mtp: bool, carry, left: int, params, steps: int = STREAM_STEPS, options: dict | None = None):
     """(call, first): the stream's program through the token ring (`Engine.decode_stream` /
     `speculate_stream`, no stop token, looked up once as the Generator's stream does) as a call of its
     carried arrays, and `carry` with `left`, the tokens still wanted, placed after it: the first call's
-    arguments. steps: the steps a call runs at most (another than STREAM_STEPS compiles the decode
-    stream's program for it here, with the engine's loop options)."""
+    arguments. steps: the steps a call runs at most; options: XLA's compile options (either given
+    compiles the decode stream's program here, by default with the engine's loop options)."""
     stops = eng.place(stop_array([]))
     first = (*carry, eng.place(np.int32(left)))
-    if steps == STREAM_STEPS:
+    if steps == STREAM_STEPS and options is None:
         stream = eng.speculate_stream if mtp else eng.decode_stream
         exe = stream.executable(eng.state, *first, params, stops)
     elif mtp:
@@ -537,7 +538,7 @@ def stream_call(eng, mtp: bool, carry, left: int, params, steps: int = STREAM_ST
     else:
         fn = eng._wrap(functools.partial(Engine._decode_stream, steps=steps))
         exe = jax.jit(fn, donate_argnums=(1, 2, 3, 4, 5)).lower(eng.state, *first, params, stops).compile(
-            eng.loop_options)
+            eng.loop_options if options is None else options)
     return (lambda *c: exe(eng.state, *c, params, stops)), first
 
 
@@ -550,65 +551,77 @@ def call_fit(ms: dict) -> dict:
     return {"ms_per_step": ms, "call_ms": float(call), "step_ms": float(step)}
 
 
+def queued(forms: dict, total: int, rounds: int = 3) -> dict:
+    """`total` steps in calls queued back to back, nothing read, for each form {k: (restart, call)} of
+    one program (call() makes one call of k steps and returns what it carries; restart() readies the
+    next round and returns something to wait for), each the median of `rounds` rounds: {"ms_per_step":
+    {k: ms}, "enqueue_ms": {k: the median enqueue of a call}, and `call_fit`'s "call_ms", "step_ms"}.
+    A call that returns only when the call before it has ended shows its steps' device time as its
+    enqueue."""
+    ms, enqueue = {}, {}
+    for k, (restart, call) in forms.items():
+        per, each = [], []
+        for _ in range(rounds):
+            jax.block_until_ready(restart())
+            t = time.perf_counter()
+            for _ in range(total // k):
+                t0 = time.perf_counter()
+                last = call()
+                each.append(time.perf_counter() - t0)
+            jax.block_until_ready(last)
+            per.append((time.perf_counter() - t) / total * 1e3)
+        ms[k], enqueue[k] = statistics.median(per), statistics.median(each) * 1e3
+    return {**call_fit(ms), "enqueue_ms": enqueue}
+
+
+def loop_form(eng, loop, carry: list, pos, params, k: int) -> tuple:
+    """(restart, call) for `queued`: calls of k steps of `loop` (a `device_loop`), every step at `pos`;
+    carry: [cache, token, draft, key], replaced by each call's. restart is one call more (the first
+    compiles and warms)."""
+    n = eng.place(jnp.int32(k))
+
+    def call():
+        carry[:] = loop(eng.state, carry[0], carry[1], carry[2], pos, params, carry[3], n)
+        return carry
+    return call, call
+
+
+def stream_form(eng, call, state: list, start: int, left: int) -> tuple:
+    """(restart, call) for `queued`: calls of a `stream_call`'s `call`; state: its carried arrays
+    (cache, token, pos, key, left), replaced by each call's. restart: the positions from `start`
+    again and `left` tokens wanted (never reached). Warmed once here."""
+    def restart():
+        state[2], state[4] = eng.place(jnp.int32(start)), eng.place(jnp.int32(left))
+        return state
+
+    def one():
+        state[:] = call(*state)
+        return state
+    jax.block_until_ready((restart(), one()))
+    return restart, one
+
+
 def queued_forms(eng, carry, params, start: int, total: int, rounds: int = 3):
-    """What a call costs the device beyond its steps. `total` decode steps in calls queued back to back,
-    nothing read, k steps a call: the timing loop's program (`device_loop`, every step at `start`) for
-    k in QUEUED_LOOP_STEPS, and where the token ring is, the stream's program (positions moving from
-    `start`) for k in QUEUED_STREAM_STEPS; each form's median of `rounds` rounds, ms a step, and the
-    median enqueue of a call (a call that returns only when the call before it has ended shows here as
-    the device time of its steps). Between the forms of one program only the number of calls changes,
-    so the least-squares fit of t(k) = step + call / k gives a call's fixed device cost (`call_ms`) and a
-    step's (`step_ms`). carry: (cache, token, pos, key). Returns ({program: {"ms_per_step": {k: ms},
-    "enqueue_ms": {k: ms}, "call_ms", "step_ms"}}, the carry after)."""
+    """What a call costs the device beyond its steps (`queued`): k steps a call of the timing loop's
+    program (`device_loop`, every step at `start`) for k in QUEUED_LOOP_STEPS, and where the token ring
+    is, of the stream's program (positions moving from `start`) for k in QUEUED_STREAM_STEPS. Between
+    the forms of one program only the number of calls changes, so the fit of t(k) = step + call / k
+    gives a call's fixed device cost (`call_ms`) and a step's (`step_ms`). carry: (cache, token, pos,
+    key). Returns ({program: `queued`'s entry}, the carry after)."""
     cache, token, pos, key = carry
-    draft = eng.place(jnp.array([2], jnp.int32))
-    loop = device_loop(eng, False)
     here = eng.place(jnp.int32(start))
-    out = {}
-
-    def measured(forms):   # {k: (restart, call)} -> the program's entry
-        ms, enqueue = {}, {}
-        for k, (restart, call) in forms.items():
-            per, each = [], []
-            for _ in range(rounds):
-                jax.block_until_ready(restart())
-                t = time.perf_counter()
-                for _ in range(total // k):
-                    t0 = time.perf_counter()
-                    last = call()
-                    each.append(time.perf_counter() - t0)
-                jax.block_until_ready(last)
-                per.append((time.perf_counter() - t) / total * 1e3)
-            ms[k], enqueue[k] = statistics.median(per), statistics.median(each) * 1e3
-        return {**call_fit(ms), "enqueue_ms": enqueue}
-
-    def loop_form(k):
-        n = eng.place(jnp.int32(k))
-
-        def call():
-            nonlocal cache, token, draft, key
-            cache, token, draft, key = loop(eng.state, cache, token, draft, here, params, key, n)
-            return cache
-        return call, call   # (restart: one call more, which compiles and warms the first time)
-    out["timing_loop"] = measured({k: loop_form(k) for k in QUEUED_LOOP_STEPS})
+    state = [cache, token, eng.place(jnp.array([2], jnp.int32)), key]
+    loop = device_loop(eng, False)
+    out = {"timing_loop": queued({k: loop_form(eng, loop, state, here, params, k) for k in QUEUED_LOOP_STEPS},
+                                 total, rounds)}
     if eng.ring is not None:
-        state = [cache, token, here, key, eng.place(jnp.int32(4 * total))]   # the stream's carried arrays
-
-        def stream_form(k):
-            fn, _ = stream_call(eng, False, tuple(state[:4]), 4 * total, params, k)   # compiled here
-
-            def restart():   # the positions from the start again, the tokens wanted never reached
-                state[2], state[4] = eng.place(jnp.int32(start)), eng.place(jnp.int32(4 * total))
-                return state
-
-            def call():
-                state[:] = fn(*state)
-                return state
-            jax.block_until_ready((restart(), call()))   # warm
-            return restart, call
-        out["stream"] = measured({k: stream_form(k) for k in QUEUED_STREAM_STEPS})
-        cache, token, _, key, _ = state
-    return out, (cache, token, pos, key)
+        state = [state[0], state[1], here, state[3], None]   # the stream's carried arrays
+        forms = {}
+        for k in QUEUED_STREAM_STEPS:
+            call, _ = stream_call(eng, False, tuple(state[:4]), 4 * total, params, k)
+            forms[k] = stream_form(eng, call, state, start, 4 * total)
+        out["stream"] = queued(forms, total, rounds)
+    return out, (state[0], state[1], pos, state[3])
 
 
 def ring_loop(call, carry, n: int, tokens, at: int = 2, steps: int = 1):

@@ -64,6 +64,8 @@
 #   queued       bench.decode --call-variants without --kernels (no CUPTI), twice: the timing loop's program and the
 #                stream's in calls of 1 to 32 steps queued back to back (`queued_forms`): a call's fixed device cost
 #                against a step's
+#   streamstep   bench/experiments/stream_step.py: the timing loop's and the stream's programs in calls of STREAM_STEPS
+#                steps queued, one change at a time (XLA options, the ring write), rounds alternating the forms
 #   router       the engine's norm GEMVs (DecodeConfig.engine_router: the MoE router in one launch; engine_index_weights:
 #                the indexer's head weights): part route, tests/gpu/decode_check.py with --engine-norm-gemvs, then
 #                bench.decode at the share's layers, pallas, without them, with --engine-router, with both, back to back
@@ -452,6 +454,8 @@ for part in "$@"; do
         step "queued_$r" 300 $DEC --layers "$(share_layers)" --backend pallas --steps 5 --samples 6 --call-variants \
           --out "$WORK/queued_$r.json"
       done ;;
+    streamstep) step streamstep 300 python3 -m bench.experiments.stream_step --layers "$(share_layers)" \
+                  --out "$WORK/stream_step.json" ;;
     envab)
       n=$(share_layers)
       for v in session no_xla_flags program_cache session_again; do

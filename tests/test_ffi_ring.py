@@ -371,6 +371,33 @@ def test_bench_decode_queued_forms(tiny_random, host_ring):
     assert len(carry) == 4 and int(carry[2]) == context
 
 
+def test_stream_step_experiment(tiny_random, host_ring, tmp_path):
+    """bench/experiments/stream_step.py runs every form on the tiny model and writes its JSON; the
+    stream's form writes the ring (positions from the context on), the form without the ring write
+    does not."""
+    import json
+
+    from bench import decode
+    from bench.experiments import stream_step
+    from jtilert.runtime.generate import STREAM_STEPS, Engine
+    out, total = tmp_path / "s.json", 2 * STREAM_STEPS
+    stream_step.main(["--preset", "tiny", "--layers", "2", "--backend", "reference", "--context", "20",
+                      "--total", str(total), "--rounds", "1", "--out", str(out)])
+    r = json.loads(out.read_text())
+    assert set(r["ms_per_step"]) == {"timing_loop", "timing_loop_graph1", "stream", "stream_no_ring",
+                                     "stream_step_options"}
+    assert all(v > 0 for v in r["ms_per_step"].values())
+    every = stream_step.forms(Engine(tiny_random), 20, total)
+    jax.effects_barrier()
+    host_ring.clear()
+    decode.queued({STREAM_STEPS: every["stream_no_ring"]}, total, 1)
+    jax.effects_barrier()
+    assert host_ring.keys() == []
+    decode.queued({STREAM_STEPS: every["stream"]}, total, 1)
+    jax.effects_barrier()
+    assert host_ring.keys() == list(range(20, 20 + total)), host_ring.keys()
+
+
 def test_bench_decode_profiles_before_the_call_variants_trace(tiny_random, host_ring, monkeypatch):
     """With --kernels and --call-variants on a GPU (stood in for: CUPTI and the backend's name mocked),
     every CUPTI profile, the stream call's included (per step of the timing loop's profiled call),
