@@ -574,14 +574,14 @@ def queued(forms: dict, total: int, rounds: int = 3) -> dict:
     return {**call_fit(ms), "enqueue_ms": enqueue}
 
 
-def loop_form(eng, loop, carry: list, pos, params, k: int) -> tuple:
-    """(restart, call) for `queued`: calls of k steps of `loop` (a `device_loop`), every step at `pos`;
-    carry: [cache, token, draft, key], replaced by each call's. restart is one call more (the first
-    compiles and warms)."""
+def loop_form(eng, loop, carry: list, pos, params, k: int, ids: tuple = ()) -> tuple:
+    """(restart, call) for `queued`: calls of k steps of `loop` (a `device_loop`) from `pos` (and fed
+    `ids`, where given); carry: [cache, token, draft, key], replaced by each call's. restart is one call
+    more (the first compiles and warms)."""
     n = eng.place(jnp.int32(k))
 
     def call():
-        carry[:] = loop(eng.state, carry[0], carry[1], carry[2], pos, params, carry[3], n)
+        carry[:] = loop(eng.state, carry[0], carry[1], carry[2], pos, params, carry[3], n, *ids)
         return carry
     return call, call
 

@@ -384,8 +384,8 @@ def test_stream_step_experiment(tiny_random, host_ring, tmp_path):
     stream_step.main(["--preset", "tiny", "--layers", "2", "--backend", "reference", "--context", "20",
                       "--total", str(total), "--rounds", "1", "--out", str(out)])
     r = json.loads(out.read_text())
-    assert set(r["ms_per_step"]) == {"timing_loop", "timing_loop_graph1", "stream", "stream_no_ring",
-                                     "stream_step_options"}
+    assert set(r["ms_per_step"]) == {"timing_loop", "timing_loop_graph1", "timing_loop_served", "stream",
+                                     "stream_no_ring", "stream_step_options"}
     assert all(v > 0 for v in r["ms_per_step"].values())
     every = stream_step.forms(Engine(tiny_random), 20, total)
     jax.effects_barrier()

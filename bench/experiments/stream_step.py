@@ -4,8 +4,10 @@ one change at a time, in rounds that alternate the forms on one machine:
 
   timing_loop          the timing loop's program (`device_loop`), the engine's step options
   timing_loop_graph1   the same compiled with the stream's options (`Engine.loop_options`: every thunk
-                       sequence recorded into a CUDA graph, so the loop over the steps is a graph's
-                       conditional node instead of running from the host)
+                       sequence recorded into a CUDA graph; compiled for an H200 on the CPU, this program's
+                       graph is the same either way, so this form is the control)
+  timing_loop_served   the timing loop's program with the stream's data: positions moving, each step fed
+                       another of 997 random tokens
   stream               the stream's program through the token ring, as `Generator.stream` runs it
   stream_no_ring       the same with no ring write (the next position pos + 1, computed in the step)
   stream_step_options  the stream's program compiled with the engine's step options
@@ -44,9 +46,12 @@ def forms(eng, context: int, total: int) -> dict:
     state = [decode.random_cache(eng, rows), eng.place(jnp.array([1], jnp.int32)),
              eng.place(jnp.array([2], jnp.int32)), eng.place(jax.random.PRNGKey(0))]
     out = {}
-    for name, options in (("timing_loop", None), ("timing_loop_graph1", eng.loop_options)):
-        out[name] = decode.loop_form(eng, decode.device_loop(eng, False, options=options), state, here, params,
-                                     STREAM_STEPS)
+    ids = (eng.place(jax.random.randint(jax.random.PRNGKey(1), (997,), 0, eng.cfg.vocab_size, jnp.int32)),)
+    for name, options, advance, fed in (("timing_loop", None, False, ()),
+                                        ("timing_loop_graph1", eng.loop_options, False, ()),
+                                        ("timing_loop_served", None, True, ids)):
+        loop = decode.device_loop(eng, False, advance, options)
+        out[name] = decode.loop_form(eng, loop, state, here, params, STREAM_STEPS, fed)
         jax.block_until_ready(out[name][0]())   # compile
     stream = [decode.random_cache(eng, rows, seed=1), eng.place(jnp.array([1], jnp.int32)),
               eng.place(jnp.int32(context)), eng.place(jax.random.PRNGKey(1)), None]
