@@ -385,7 +385,7 @@ def test_stream_step_experiment(tiny_random, host_ring, tmp_path):
                       "--total", str(total), "--rounds", "1", "--out", str(out)])
     r = json.loads(out.read_text())
     assert set(r["ms_per_step"]) == {"timing_loop", "timing_loop_graph1", "timing_loop_served", "stream",
-                                     "stream_no_ring", "stream_step_options"}
+                                     "stream_no_ring", "stream_step_options", "stream_fixed_count"}
     assert all(v > 0 for v in r["ms_per_step"].values())
     every = stream_step.forms(Engine(tiny_random), 20, total)
     jax.effects_barrier()
@@ -393,9 +393,11 @@ def test_stream_step_experiment(tiny_random, host_ring, tmp_path):
     decode.queued({STREAM_STEPS: every["stream_no_ring"]}, total, 1)
     jax.effects_barrier()
     assert host_ring.keys() == []
-    decode.queued({STREAM_STEPS: every["stream"]}, total, 1)
-    jax.effects_barrier()
-    assert host_ring.keys() == list(range(20, 20 + total)), host_ring.keys()
+    for form in ("stream", "stream_fixed_count"):
+        host_ring.clear()
+        decode.queued({STREAM_STEPS: every[form]}, total, 1)
+        jax.effects_barrier()
+        assert host_ring.keys() == list(range(20, 20 + total)), (form, host_ring.keys())
 
 
 def test_bench_decode_profiles_before_the_call_variants_trace(tiny_random, host_ring, monkeypatch):

@@ -11,6 +11,8 @@ one change at a time, in rounds that alternate the forms on one machine:
   stream               the stream's program through the token ring, as `Generator.stream` runs it
   stream_no_ring       the same with no ring write (the next position pos + 1, computed in the step)
   stream_step_options  the stream's program compiled with the engine's step options
+  stream_fixed_count   the stream's program with a loop of exactly STREAM_STEPS steps: no stop test and no
+                       token budget in the loop's condition (as the timing loop's)
 
   PYTHONPATH=. python3 -m bench.experiments.stream_step --layers 36 --out stream_step.json
 """
@@ -35,6 +37,11 @@ from jtilert.runtime.generate import STREAM_STEPS, Engine
 
 def _no_ring_write(pos, values, count=None):
     return pos + (jnp.ravel(jnp.asarray(values)).shape[0] if count is None else count)
+
+
+def _fixed_count_loop(step, carry: tuple, left, stops, steps: int = STREAM_STEPS) -> tuple:
+    carry = jax.lax.fori_loop(0, steps, lambda i, c: step(c)[0], carry)
+    return (*carry, left)
 
 
 def forms(eng, context: int, total: int) -> dict:
@@ -63,6 +70,8 @@ def forms(eng, context: int, total: int) -> dict:
     out["stream"] = stream_form()
     out["stream_no_ring"] = stream_form(eng.loop_options, mock.patch.object(ring, "write", _no_ring_write))
     out["stream_step_options"] = stream_form(eng.step_options or {})
+    out["stream_fixed_count"] = stream_form(eng.loop_options, mock.patch.object(Engine, "_stream_loop",
+                                                                                  staticmethod(_fixed_count_loop)))
     return out
 
 
