@@ -385,7 +385,8 @@ def test_stream_step_experiment(tiny_random, host_ring, tmp_path):
                       "--total", str(total), "--rounds", "1", "--out", str(out)])
     r = json.loads(out.read_text())
     assert set(r["ms_per_step"]) == {"timing_loop", "timing_loop_graph1", "timing_loop_served", "stream",
-                                     "stream_no_ring", "stream_step_options", "stream_fixed_count"}
+                                     "stream_no_ring", "stream_step_options", "stream_fixed_count",
+                                     "stream_guarded"}
     assert all(v > 0 for v in r["ms_per_step"].values())
     every = stream_step.forms(Engine(tiny_random), 20, total)
     jax.effects_barrier()
@@ -393,7 +394,7 @@ def test_stream_step_experiment(tiny_random, host_ring, tmp_path):
     decode.queued({STREAM_STEPS: every["stream_no_ring"]}, total, 1)
     jax.effects_barrier()
     assert host_ring.keys() == []
-    for form in ("stream", "stream_fixed_count"):
+    for form in ("stream", "stream_fixed_count", "stream_guarded"):
         host_ring.clear()
         decode.queued({STREAM_STEPS: every[form]}, total, 1)
         jax.effects_barrier()

@@ -13,6 +13,8 @@ one change at a time, in rounds that alternate the forms on one machine:
   stream_step_options  the stream's program compiled with the engine's step options
   stream_fixed_count   the stream's program with a loop of exactly STREAM_STEPS steps: no stop test and no
                        token budget in the loop's condition (as the timing loop's)
+  stream_guarded       the same loop of STREAM_STEPS steps, each step under a conditional that skips it once
+                       a stop token came or the budget is spent (what a fixed-count stream would need)
 
   PYTHONPATH=. python3 -m bench.experiments.stream_step --layers 36 --out stream_step.json
 """
@@ -32,7 +34,7 @@ import jtilert
 from bench import decode, provenance
 from jtilert.ffi import ring
 from jtilert.ops.table import DecodeConfig
-from jtilert.runtime.generate import STREAM_STEPS, Engine
+from jtilert.runtime.generate import STREAM_STEPS, Engine, _stop_hits
 
 
 def _no_ring_write(pos, values, count=None):
@@ -41,6 +43,18 @@ def _no_ring_write(pos, values, count=None):
 
 def _fixed_count_loop(step, carry: tuple, left, stops, steps: int = STREAM_STEPS) -> tuple:
     carry = jax.lax.fori_loop(0, steps, lambda i, c: step(c)[0], carry)
+    return (*carry, left)
+
+
+def _guarded_loop(step, carry: tuple, left, stops, steps: int = STREAM_STEPS) -> tuple:
+    def body(i, c):
+        carry, left = c
+
+        def run(carry):
+            carry, emitted, n = step(carry)
+            return carry, jnp.where(jnp.any(_stop_hits(emitted, n, stops)), 0, left - n)
+        return jax.lax.cond(left > 0, run, lambda carry: (carry, left), carry)
+    carry, left = jax.lax.fori_loop(0, steps, body, (carry, left))
     return (*carry, left)
 
 
@@ -72,6 +86,8 @@ def forms(eng, context: int, total: int) -> dict:
     out["stream_step_options"] = stream_form(eng.step_options or {})
     out["stream_fixed_count"] = stream_form(eng.loop_options, mock.patch.object(Engine, "_stream_loop",
                                                                                   staticmethod(_fixed_count_loop)))
+    out["stream_guarded"] = stream_form(eng.loop_options, mock.patch.object(Engine, "_stream_loop",
+                                                                              staticmethod(_guarded_loop)))
     return out
 
 
