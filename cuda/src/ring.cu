@@ -16,9 +16,11 @@
 // Protocol: the kernel writes the values and the count, makes them visible
 // to the host (__threadfence_system), then writes the key last, and returns
 // the next step's position (the key plus the count) in device memory: the
-// step carries it, which is what keeps the call in XLA's program. (A
+// program uses it, which is what keeps the call in XLA's program (a
 // side-effecting call would keep it too, but XLA then spends about a
-// millisecond more on every launch of the step.) The host
+// millisecond more on every launch of the step). A count of 0 writes
+// nothing (the stream's loop writes each step's tokens while the step after
+// it runs, and nothing before its first step). The host
 // waits until the slot's key equals the position it expects and only then
 // reads the count and the values (x86 keeps the order of loads). Positions
 // only grow within a generation, so a slot is written again only after
@@ -49,14 +51,15 @@ __global__ void ring_write_kernel(int32_t* ring, const int32_t* __restrict__ pos
                                   const int32_t* __restrict__ values, int n_values,
                                   const int32_t* __restrict__ count, int32_t* next) {
   const int32_t p = *pos;
+  const int32_t n = count != nullptr ? *count : n_values;
+  next[0] = p + n;
+  if (n == 0) return;  // no tokens: the slot is left alone
   const int32_t s = ((p % JT_RING_SLOTS) + JT_RING_SLOTS) % JT_RING_SLOTS;
   volatile int32_t* slot = ring + (int64_t)s * JT_RING_SLOT_INTS;
   for (int i = 0; i < n_values; ++i) slot[2 + i] = values[i];
-  const int32_t n = count != nullptr ? *count : n_values;
   slot[1] = n;
   __threadfence_system();  // the values and count reach the host before the key
   slot[0] = p;
-  next[0] = p + n;
 }
 
 }  // namespace
