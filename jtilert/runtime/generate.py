@@ -7,8 +7,8 @@ buffers keep their device addresses from call to call. Each step is compiled ahe
 shape (`Compiled`), and sampling settings are arrays: nothing compiles while generating.
 
 `Generator.stream` yields each token as soon as its step has made it. On a GPU with the token ring
-(`DecodeConfig.token_ring`) a call runs up to `STREAM_STEPS` steps, each writing its tokens into pinned
-host memory as it ends, and the host keeps two calls in flight; elsewhere a call runs one step and
+(`DecodeConfig.token_ring`) a call runs up to `STREAM_STEPS` steps, each step's tokens written into
+pinned host memory while the next step runs, and the host keeps two calls in flight; elsewhere a call runs one step and
 returns its token, and the host dispatches step i+1 before it reads step i's. Either way the device
 never waits for Python.
 `Generator.generate` runs the steps on the device in a loop that ends at a stop token or the
@@ -129,7 +129,7 @@ class Engine:
         self.speculate = Compiled(self._wrap(self._speculate), (1, 2, 3, 4, 5), "speculate", self, opts,
                                   out_shardings=(None,) * 5 + (host, host))
         # With the token ring (DecodeConfig.token_ring) `stream` runs up to STREAM_STEPS steps a call
-        # instead, each writing its tokens into the ring as soon as they exist; every output is a donated
+        # instead, each step's tokens written into the ring during the step after it; every output is a donated
         # carried array. None where there is no ring.
         self.rings = self._token_rings()
         self.decode_stream = self.speculate_stream = None
