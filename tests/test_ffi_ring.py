@@ -388,7 +388,7 @@ def test_stream_step_experiment(tiny_random, host_ring, tmp_path):
     stream_step.main(["--preset", "tiny", "--layers", "2", "--backend", "reference", "--context", "20",
                       "--total", str(total), "--rounds", "1", "--out", str(out)])
     r = json.loads(out.read_text())
-    assert set(r["ms_per_step"]) == {"timing_loop", "timing_loop_served", "stream", "stream_write_at_end",
+    assert set(r["ms_per_step"]) == {"timing_loop", "timing_loop_served", "stream", "stream_write_behind",
                                      "stream_no_ring"}
     assert all(v > 0 for v in r["ms_per_step"].values())
     every = stream_step.forms(Engine(tiny_random), 20, total)
@@ -397,7 +397,7 @@ def test_stream_step_experiment(tiny_random, host_ring, tmp_path):
     decode.queued({STREAM_STEPS: every["stream_no_ring"]}, total, 1)
     jax.effects_barrier()
     assert host_ring.keys() == []
-    for form in ("stream", "stream_write_at_end"):
+    for form in ("stream", "stream_write_behind"):
         host_ring.clear()
         decode.queued({STREAM_STEPS: every[form]}, total, 1)
         jax.effects_barrier()

@@ -16,11 +16,10 @@
 // Protocol: the kernel writes the values and the count, makes them visible
 // to the host (__threadfence_system), then writes the key last, and returns
 // the next step's position (the key plus the count) in device memory: the
-// program uses it, which is what keeps the call in XLA's program (a
+// step carries it, which is what keeps the call in XLA's program (a
 // side-effecting call would keep it too, but XLA then spends about a
 // millisecond more on every launch of the step). A count of 0 writes
-// nothing (the stream's loop writes each step's tokens while the step after
-// it runs, and nothing before its first step). The host
+// nothing. The host
 // waits until the slot's key equals the position it expects and only then
 // reads the count and the values (x86 keeps the order of loads). Positions
 // only grow within a generation, so a slot is written again only after

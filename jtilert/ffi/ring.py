@@ -4,8 +4,8 @@ A step that returns its token as an output gets a new output buffer on every cal
 command buffer for the moved address before each launch. ``write(pos, values, count)`` instead has one
 kernel copy the step's tokens into a slot of pinned host memory that the CUDA engine allocated once per
 device (slot ``pos`` mod SLOTS, keyed by ``pos``), and returns the next step's position, ``pos +
-count``: the program uses that position (the stream's loop checks it against its own), which keeps the
-call in the program, so every output of the step is a donated carried array. (The call is not side-effecting: a side-effecting FFI call costs
+count``: the step carries that position, which keeps the call in the program, so every output of the
+step is a donated carried array. (The call is not side-effecting: a side-effecting FFI call costs
 every launch of the step about a millisecond more, bench/RESULTS.md session 36.)
 ``TokenRing(device).read(pos)`` waits on the host until the slot's key is ``pos`` and returns the
 values. The write needs the engine (a GPU): elsewhere it does not lower, and ``TokenRing`` raises.
@@ -63,7 +63,8 @@ def write(pos, values, count=None):
     """Writes ``values`` (int32 [k], 1 ≤ k ≤ MAX_VALUES) and ``count`` (how many of them the host should
     take; default k; 0 writes nothing) into the token ring under the key ``pos`` (an int32 scalar or [1]:
     the step's position, which only grows within a generation). Returns the next position, ``pos +
-    count``, in ``pos``'s shape: use it (an unused result lets JAX and XLA drop the write)."""
+    count``, in ``pos``'s shape: carry it to the next step (an unused result lets JAX and XLA drop the
+    write)."""
     values = jnp.ravel(jnp.asarray(values, jnp.int32))
     if not 1 <= values.shape[0] <= MAX_VALUES:
         raise ValueError(f"token_ring: 1 to {MAX_VALUES} values, got {values.shape[0]}")

@@ -110,8 +110,8 @@ class DecodeConfig:
         leave their new tokens in the engine's token ring (`jtilert.ffi.ring`, fixed pinned host memory
         the host reads) instead of returning them as an output: every output of a call is then a donated
         carried array, so XLA launches its command buffer without updating it for a moved output, and a
-        call runs up to `STREAM_STEPS` steps on the device, the host reading each step's tokens as they
-        land (written while the next step runs). Elsewhere a call runs one step and returns its tokens (on a GPU where the engine does not
+        call runs up to `STREAM_STEPS` steps on the device, the host reading each step's tokens as it
+        ends. Elsewhere a call runs one step and returns its tokens (on a GPU where the engine does not
         load, with a warning once).
     """
 

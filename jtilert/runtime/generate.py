@@ -7,8 +7,8 @@ buffers keep their device addresses from call to call. Each step is compiled ahe
 shape (`Compiled`), and sampling settings are arrays: nothing compiles while generating.
 
 `Generator.stream` yields each token as soon as its step has made it. On a GPU with the token ring
-(`DecodeConfig.token_ring`) a call runs up to `STREAM_STEPS` steps, each step's tokens written into
-pinned host memory while the next step runs, and the host keeps two calls in flight; elsewhere a call runs one step and
+(`DecodeConfig.token_ring`) a call runs up to `STREAM_STEPS` steps, each writing its tokens into pinned
+host memory as it ends, and the host keeps two calls in flight; elsewhere a call runs one step and
 returns its token, and the host dispatches step i+1 before it reads step i's. Either way the device
 never waits for Python.
 `Generator.generate` runs the steps on the device in a loop that ends at a stop token or the
@@ -129,7 +129,7 @@ class Engine:
         self.speculate = Compiled(self._wrap(self._speculate), (1, 2, 3, 4, 5), "speculate", self, opts,
                                   out_shardings=(None,) * 5 + (host, host))
         # With the token ring (DecodeConfig.token_ring) `stream` runs up to STREAM_STEPS steps a call
-        # instead, each step's tokens written into the ring during the step after it; every output is a donated
+        # instead, each writing its tokens into the ring as soon as they exist; every output is a donated
         # carried array. None where there is no ring.
         self.rings = self._token_rings()
         self.decode_stream = self.speculate_stream = None
@@ -256,50 +256,53 @@ class Engine:
         return cache, token, pos + 1, key, token
 
     @staticmethod
-    def _stream_loop(step, carry: tuple, at: int, width: int, left, stops, steps: int = STREAM_STEPS) -> tuple:
-        """Up to `steps` calls of `step(carry) -> (carry, emitted [width], n)` (a step that makes its first
-        n emitted tokens and moves the position, carry[at], on by n), ending after a step whose n tokens
-        hold a stop token (one of `stops`) or once `left`, the tokens still wanted, is 0 or less:
-        (*carry, left), all carried to the next call.
+    def _decode_to_ring(model, ops, cache, token, pos, key, params):
+        """`_decode` with its token written into the token ring under the step's position, not returned
+        (the write gives the next position, pos + 1)."""
+        cache, token, _, key, _ = Engine._decode(model, ops, cache, token, pos, key, params)
+        return cache, token, ring.write(pos, token), key
 
-        Each step's tokens go into the token ring under its position while the next step runs, and the
-        last step's after the loop. Within the loop's CUDA graph an iteration ends only when all its
-        nodes have, so a write at the end of its own step would hold the next step back by the write's
-        latency (bench/RESULTS.md, session 41). A write returns the position after the step it wrote;
-        `left` keeps its value only where that is the position the loop expects (it always is), which
-        keeps the write in the program."""
-        def written(pending, pos, left):
-            where, values, n = pending
-            return jnp.where(ring.write(where, values, n) == pos, left, -1)
-
+    @staticmethod
+    def _stream_loop(step, carry: tuple, left, stops, steps: int = STREAM_STEPS) -> tuple:
+        """Up to `steps` calls of `step(carry) -> (carry, emitted, n)` (a step writing its first n
+        emitted tokens into the token ring), ending after a step whose n tokens hold a stop token (one
+        of `stops`) or once `left`, the tokens still wanted, is 0 or less: (*carry, left), all carried
+        to the next call."""
         def body(c):
-            carry, left, i, pending = c
-            pos = carry[at]
-            left = written(pending, pos, left)   # the step before's tokens, beside this step
+            carry, left, i = c
             carry, emitted, n = step(carry)
             stop = jnp.any(_stop_hits(emitted, n, stops))
-            return carry, jnp.where(stop, 0, left - n), i + 1, (pos, emitted, jnp.asarray(n, jnp.int32))
+            return carry, jnp.where(stop, 0, left - n), i + 1
 
-        nothing = (carry[at], jnp.zeros(width, jnp.int32), jnp.int32(0))   # a write of no tokens writes nothing
-        carry, left, _, pending = jax.lax.while_loop(lambda c: (c[2] < steps) & (c[1] > 0), body,
-                                                     (carry, left, jnp.int32(0), nothing))
-        return (*carry, written(pending, carry[at], left))
+        carry, left, _ = jax.lax.while_loop(lambda c: (c[2] < steps) & (c[1] > 0), body,
+                                            (carry, left, jnp.int32(0)))
+        return (*carry, left)
 
     @staticmethod
     def _decode_stream(model, ops, cache, token, pos, key, left, params, stops, steps: int = STREAM_STEPS):
-        """`_stream_loop` of decode steps, up to `steps` a call: (cache, token, pos, key, left)."""
+        """`_stream_loop` of `_decode_to_ring` steps, up to `steps` a call: (cache, token, pos, key, left)."""
         def step(c):
-            c = Engine._decode(model, ops, *c, params)
-            return c[:4], c[4], jnp.int32(1)   # the step's token
-        return Engine._stream_loop(step, (cache, token, pos, key), 2, 1, left, stops, steps)
+            c = Engine._decode_to_ring(model, ops, *c, params)
+            return c, c[1], jnp.int32(1)   # the step's token
+        return Engine._stream_loop(step, (cache, token, pos, key), left, stops, steps)
+
+    @staticmethod
+    def _speculate_to_ring(model, ops, cache, token, draft, pos, key, params):
+        """`_speculate` with its emitted tokens and their count written into the token ring under the
+        step's position (the write gives the next position); they are returned too, for the stop test
+        of `_speculate_stream`."""
+        cache, token, draft, _, key, emitted, n = Engine._speculate(model, ops, cache, token, draft, pos, key,
+                                                                     params)
+        return cache, token, draft, ring.write(pos, emitted, n), key, emitted, n   # the next position, pos + n
 
     @staticmethod
     def _speculate_stream(model, ops, cache, token, draft, pos, key, left, params, stops):
-        """`_stream_loop` of MTP steps (1 or 2 tokens each): (cache, token, draft, pos, key, left)."""
+        """`_stream_loop` of `_speculate_to_ring` steps (1 or 2 tokens each): (cache, token, draft, pos,
+        key, left)."""
         def step(c):
-            *c, emitted, n = Engine._speculate(model, ops, *c, params)
+            *c, emitted, n = Engine._speculate_to_ring(model, ops, *c, params)
             return tuple(c), emitted, n
-        return Engine._stream_loop(step, (cache, token, draft, pos, key), 3, 2, left, stops)
+        return Engine._stream_loop(step, (cache, token, draft, pos, key), left, stops)
 
     @staticmethod
     def _speculate(model, ops, cache, token, draft, pos, key, params):
