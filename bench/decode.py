@@ -35,6 +35,7 @@ import numpy as np
 from flax import nnx
 
 import jtilert
+from jtilert.ffi import ring
 from jtilert.store import checkpoint
 from jtilert.parallel import sharding
 from jtilert.pallas import lowering_cache
@@ -536,7 +537,7 @@ def stream_call(eng, mtp: bool, carry, left: int, params, steps: int = STREAM_ST
     elif mtp:
         raise ValueError("stream_call: MTP streams run STREAM_STEPS steps a call")
     else:
-        fn = eng._wrap(functools.partial(Engine._decode_stream, steps=steps))
+        fn = eng._wrap(functools.partial(Engine._decode_stream, steps=steps, behind=eng.config.ring_write_behind))
         exe = jax.jit(fn, donate_argnums=(1, 2, 3, 4, 5)).lower(eng.state, *first, params, stops).compile(
             eng.loop_options if options is None else options)
     return (lambda *c: exe(eng.state, *c, params, stops)), first
@@ -650,6 +651,13 @@ def ring_loop(call, carry, n: int, tokens, at: int = 2, steps: int = 1):
     return (time.perf_counter() - t) / (n * steps), statistics.median(enqueue), carry
 
 
+def decode_to_ring(model, ops, cache, token, pos, key, params):
+    """`Engine._decode` with its token written into the token ring under the step's position instead of
+    returned (the write gives the next position): call variant "token_ring"."""
+    cache, token, _, key, _ = Engine._decode(model, ops, cache, token, pos, key, params)
+    return cache, token, ring.write(pos, token), key
+
+
 def call_variant_loops(eng, carry, params, n, start: int):
     """What makes a call's enqueue cost: the plain step's host loop (looked up once) in these forms,
     each compiled with the step's XLA options: "host_output_pinned" (`Engine.decode`, one step a call:
@@ -701,7 +709,7 @@ def call_variant_loops(eng, carry, params, n, start: int):
              "host_output_donated": into_donated}
     extra = {}   # what a form carries after the four: the stream's tokens still wanted
     if eng.ring is not None:
-        calls["token_ring"] = with_state(variant(eng._wrap(Engine._decode_to_ring)))
+        calls["token_ring"] = with_state(variant(eng._wrap(decode_to_ring)))
         calls["token_ring_stream"], first = stream_call(eng, False, carry, (2 * n + 3) * STREAM_STEPS, params)
         extra["token_ring_stream"] = first[4:]   # never reached
     def restart(carry):

@@ -56,6 +56,7 @@
 #   ringcheck    tests/gpu/ring_check.py: Generator.stream through the token ring against the steps that
 #                return their tokens (tiny model, both backends, plain and MTP, greedy and sampled), and
 #                the time a token of each (after build)
+#   ringbehind   the same with DecodeConfig.ring_write_behind (each step's tokens written while the next step runs)
 #   route        tests/gpu/route_check.py: the engine's router selection vs the reference, and their times
 #   envab        bench.decode at the share's layers, pallas, without --kernels (no CUPTI), one process each:
 #                this script's environment, the same without XLA_FLAGS, with the program cache on, and this
@@ -448,6 +449,7 @@ for part in "$@"; do
         ${GOLDEN_MODELS:+--models $GOLDEN_MODELS} ;;
     prep) step prep 300 python3 tests/gpu/prep_check.py --out "$WORK/prep.json" ;;
     ringcheck) step ringcheck 200 python3 tests/gpu/ring_check.py "$WORK/ring_check.json" ;;
+    ringbehind) step ringbehind 300 python3 tests/gpu/ring_check.py --write-behind "$WORK/ring_behind.json" ;;
     route) step route 200 python3 tests/gpu/route_check.py --out "$WORK/route.json" ;;
     queued)  # a call's fixed device cost: the call variants without CUPTI, two processes (their spread)
       for r in 1 2; do

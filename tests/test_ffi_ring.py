@@ -237,16 +237,46 @@ def host_ring(monkeypatch):
     return r
 
 
+@pytest.mark.parametrize("behind", [False, True])
+def test_the_stream_loops_carry_what_depends_on_the_write(behind):
+    """In the stream's loop body the ring write's result is used: as the next position (the write at
+    each step's end), or (the write behind) by the budget and by all three of the next write's
+    operands, so that in the CUDA graph nothing overwrites what a write reads before it has read it
+    (an order by control edges alone left an MTP stream's position unwritten on a GPU)."""
+    from jtilert.runtime.generate import Engine
+
+    def step(c):   # a two-token step: position first
+        pos, tok = c
+        return (pos + 2, tok + 1), jnp.stack([tok, tok + 1]), jnp.int32(2)
+
+    def loop(pos, tok, left, stops):
+        return Engine._stream_loop(step, (pos, tok), 0, 2, left, stops, behind=behind)
+    jaxpr = jax.make_jaxpr(loop)(jnp.int32(0), jnp.int32(1), jnp.int32(5), jnp.full(8, -1, jnp.int32))
+    [w] = [e for e in jaxpr.eqns if e.primitive.name == "while"]
+    body = w.params["body_jaxpr"].jaxpr
+    deps = set()
+    for e in body.eqns:
+        if e.primitive is ring.token_ring_p or any(type(v).__name__ != "Literal" and v in deps for v in e.invars):
+            deps.update(e.outvars)
+    out = body.outvars   # (pos, tok), left, i[, (pos, tokens, count) of the step to write]
+    if behind:
+        assert [v in deps for v in out] == [False, False, True, False, True, True, True]
+    else:
+        assert [v in deps for v in out] == [True, False, False, False]
+
+
+@pytest.mark.parametrize("behind", [False, True])
 @pytest.mark.parametrize("mtp", [False, True])
-def test_stream_through_the_ring_gives_the_same_tokens(tiny_random, host_ring, mtp):
-    """The whole stream with the steps writing into a ring: the tokens of the steps that return them
-    (greedy, plain and MTP: one or two tokens a step), the ring keyed by each step's position."""
+def test_stream_through_the_ring_gives_the_same_tokens(tiny_random, host_ring, mtp, behind):
+    """The whole stream with the steps writing into a ring (at each step's end, or while the next step
+    runs): the tokens of the steps that return them (greedy, plain and MTP: one or two tokens a step),
+    the ring keyed by each step's position."""
     import jtilert
     prompt = [3, 17, 5, 9]
     plain = jtilert.Generator(tiny_random, max_seq_len=64, mtp=mtp, config=jtilert.DecodeConfig(token_ring=False))
     assert plain.engine.rings is None
     want = list(plain.stream(prompt, 12, stop_tokens=[]))
-    gen = jtilert.Generator(tiny_random, max_seq_len=64, mtp=mtp)
+    gen = jtilert.Generator(tiny_random, max_seq_len=64, mtp=mtp, config=jtilert.DecodeConfig(ring_write_behind=behind))
     assert gen.engine.ring is host_ring
     got = list(gen.stream(prompt, 12, stop_tokens=[]))
     assert got == want
@@ -278,8 +308,9 @@ def test_two_open_streams_on_one_device_do_not_share_the_ring(tiny_random, host_
     ring.release([host_ring])
 
 
+@pytest.mark.parametrize("behind", [False, True])
 @pytest.mark.parametrize("mtp", [False, True])
-def test_the_device_loop_ends_at_a_stop_token_or_the_budget(tiny_random, host_ring, mtp):
+def test_the_device_loop_ends_at_a_stop_token_or_the_budget(tiny_random, host_ring, mtp, behind):
     """The ring's calls run up to STREAM_STEPS steps each, two in flight: over several calls the tokens
     are the returning steps', and the device writes no step past a stop token or the token budget
     (the calls in flight after the last one run none), whatever the host had dispatched."""
@@ -287,7 +318,7 @@ def test_the_device_loop_ends_at_a_stop_token_or_the_budget(tiny_random, host_ri
     from jtilert.runtime.generate import STREAM_STEPS
     prompt = [3, 17, 5, 9]
     plain = jtilert.Generator(tiny_random, max_seq_len=128, mtp=mtp, config=jtilert.DecodeConfig(token_ring=False))
-    gen = jtilert.Generator(tiny_random, max_seq_len=128, mtp=mtp)
+    gen = jtilert.Generator(tiny_random, max_seq_len=128, mtp=mtp, config=jtilert.DecodeConfig(ring_write_behind=behind))
     n = 3 * STREAM_STEPS + 5     # more steps than the two calls dispatched first
     want = list(plain.stream(prompt, n, stop_tokens=[]))
     assert list(gen.stream(prompt, n, stop_tokens=[])) == want

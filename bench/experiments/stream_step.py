@@ -7,9 +7,8 @@ one change at a time, in rounds that alternate the forms on one machine:
                         random tokens
   stream                the stream's program through the token ring, as `Generator.stream` runs it (each
                         step's tokens written at the end of the step, the next position the write's result)
-  stream_write_behind   the same with each step's tokens written while the next step runs (the last step's
-                        after the loop), the next position computed in the step and checked against the
-                        write's result
+  stream_write_behind   the same with each step's tokens written while the next step runs
+                        (`DecodeConfig.ring_write_behind`)
   stream_no_ring        the stream's program with no ring write at all
 
   PYTHONPATH=. python3 -m bench.experiments.stream_step --layers 36 --out stream_step.json
@@ -19,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import statistics
 from unittest import mock
@@ -30,37 +30,11 @@ import jtilert
 from bench import decode, provenance
 from jtilert.ffi import ring
 from jtilert.ops.table import DecodeConfig
-from jtilert.runtime.generate import STREAM_STEPS, Engine, _stop_hits
+from jtilert.runtime.generate import STREAM_STEPS, Engine
 
 
 def _no_ring_write(pos, values, count=None):
     return pos + (jnp.ravel(jnp.asarray(values)).shape[0] if count is None else count)
-
-
-def _write_behind_stream(model, ops, cache, token, pos, key, left, params, stops, steps: int = STREAM_STEPS):
-    """`Engine._decode_stream` with each step's token written into the ring during the step after it (at
-    the start of the next iteration, beside that step's work; the last one after the loop). In the loop's
-    CUDA graph an iteration ends only when all its nodes have, so a write at the end of its own step holds
-    the next step back by the write's latency. `left` keeps its value where the write's result is the
-    position the loop expects (always), which keeps the write in the program. A write of 0 tokens writes
-    nothing (the first iteration's). Correct for decode steps on the GPU in session 41; the same loop for
-    MTP steps (1 or 2 tokens) left a position unwritten there (bench/RESULTS.md)."""
-    def written(pending, at, left):
-        where, values, n = pending
-        return jnp.where(ring.write(where, values, n) == at, left, -1)
-
-    def body(c):
-        carry, left, i, pending = c
-        at = carry[2]
-        left = written(pending, at, left)   # the step before's token, beside this step
-        cache, token, nxt, key, _ = Engine._decode(model, ops, *carry, params)
-        stop = jnp.any(_stop_hits(token, 1, stops))
-        return (cache, token, nxt, key), jnp.where(stop, 0, left - 1), i + 1, (at, token, jnp.int32(1))
-
-    nothing = (pos, jnp.zeros(1, jnp.int32), jnp.int32(0))
-    carry, left, _, pending = jax.lax.while_loop(lambda c: (c[2] < steps) & (c[1] > 0), body,
-                                                 ((cache, token, pos, key), left, jnp.int32(0), nothing))
-    return (*carry, written(pending, carry[2], left))
 
 
 def forms(eng, context: int, total: int) -> dict:
@@ -86,8 +60,8 @@ def forms(eng, context: int, total: int) -> dict:
                                          None if patch is None else eng.loop_options)
         return decode.stream_form(eng, call, stream, context, 4 * total)
     out["stream"] = stream_form()
-    out["stream_write_behind"] = stream_form(mock.patch.object(Engine, "_decode_stream",
-                                                               staticmethod(_write_behind_stream)))
+    out["stream_write_behind"] = stream_form(mock.patch.object(eng, "config",
+                                                               dataclasses.replace(eng.config, ring_write_behind=True)))
     out["stream_no_ring"] = stream_form(mock.patch.object(ring, "write", _no_ring_write))
     return out
 

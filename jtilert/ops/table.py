@@ -113,6 +113,10 @@ class DecodeConfig:
         call runs up to `STREAM_STEPS` steps on the device, the host reading each step's tokens as it
         ends. Elsewhere a call runs one step and returns its tokens (on a GPU where the engine does not
         load, with a warning once).
+    ring_write_behind: with the token ring, each step of a stream call writes its tokens while the next
+        step runs (the last step's after the call's loop) instead of at its own end, where the next step
+        waits for the write: 0.13 ms a step on an H100 (bench/RESULTS.md, session 41). Off by default
+        until checked on a GPU: a first form of it left an MTP stream's position unwritten there.
     """
 
     backend: str = "reference"
@@ -127,6 +131,7 @@ class DecodeConfig:
     engine_router: bool = False
     engine_index_weights: bool = False
     token_ring: bool = True
+    ring_write_behind: bool = False
 
     def __post_init__(self):
         opts = self.xla_options.items() if isinstance(self.xla_options, dict) else self.xla_options

@@ -135,10 +135,11 @@ class Engine:
         self.decode_stream = self.speculate_stream = None
         loop_opts = self.loop_options
         if self.rings is not None:
-            self.decode_stream = Compiled(self._wrap(self._decode_stream), (1, 2, 3, 4, 5), "decode_stream", self,
-                                          loop_opts)
-            self.speculate_stream = Compiled(self._wrap(self._speculate_stream), (1, 2, 3, 4, 5, 6),
-                                             "speculate_stream", self, loop_opts)
+            behind = config.ring_write_behind
+            self.decode_stream = Compiled(self._wrap(functools.partial(self._decode_stream, behind=behind)),
+                                          (1, 2, 3, 4, 5), "decode_stream", self, loop_opts)
+            self.speculate_stream = Compiled(self._wrap(functools.partial(self._speculate_stream, behind=behind)),
+                                             (1, 2, 3, 4, 5, 6), "speculate_stream", self, loop_opts)
         self.decode_loop = Compiled(self._wrap(self._decode_loop), (1, 2, 3, 4), "decode_loop", self, loop_opts)
         self.speculate_loop = Compiled(self._wrap(self._speculate_loop), (1, 2, 3, 4, 5), "speculate_loop", self,
                                        loop_opts)
@@ -256,53 +257,68 @@ class Engine:
         return cache, token, pos + 1, key, token
 
     @staticmethod
-    def _decode_to_ring(model, ops, cache, token, pos, key, params):
-        """`_decode` with its token written into the token ring under the step's position, not returned
-        (the write gives the next position, pos + 1)."""
-        cache, token, _, key, _ = Engine._decode(model, ops, cache, token, pos, key, params)
-        return cache, token, ring.write(pos, token), key
+    def _stream_loop(step, carry: tuple, at: int, width: int, left, stops, steps: int = STREAM_STEPS,
+                     behind: bool = False) -> tuple:
+        """Up to `steps` calls of `step(carry) -> (carry, emitted [width], n)` (a step that makes its first
+        n emitted tokens and moves the position, carry[at], on by n), each step's tokens written into the
+        token ring under its position, ending after a step whose n tokens hold a stop token (one of
+        `stops`) or once `left`, the tokens still wanted, is 0 or less: (*carry, left), all carried to
+        the next call.
 
-    @staticmethod
-    def _stream_loop(step, carry: tuple, left, stops, steps: int = STREAM_STEPS) -> tuple:
-        """Up to `steps` calls of `step(carry) -> (carry, emitted, n)` (a step writing its first n
-        emitted tokens into the token ring), ending after a step whose n tokens hold a stop token (one
-        of `stops`) or once `left`, the tokens still wanted, is 0 or less: (*carry, left), all carried
-        to the next call."""
-        def body(c):
-            carry, left, i = c
+        A write returns the position after the step it wrote, which keeps it in the program. By default
+        a step's tokens are written at its end and the loop carries the write's result as the next
+        position. `behind` (`DecodeConfig.ring_write_behind`): each step's tokens are written while the
+        next step runs, and the last step's after the loop. Within the loop's CUDA graph an iteration
+        ends only when all its nodes have, so a write at the end of its own step holds the next step
+        back by the write's latency (bench/RESULTS.md, session 41). There the position moves on in
+        the step, and the write's result is checked against it: the budget, and the next write's
+        position, tokens and count, pass through that check, so they depend on the write by data and
+        nothing overwrites what it reads before it has read it. (A mismatch, which never happens, ends
+        the stream: left = -1.)"""
+        if not behind:
+            def body(c):
+                carry, left, i = c
+                pos = carry[at]
+                carry, emitted, n = step(carry)
+                carry = (*carry[:at], ring.write(pos, emitted, n), *carry[at + 1:])   # the next position
+                stop = jnp.any(_stop_hits(emitted, n, stops))
+                return carry, jnp.where(stop, 0, left - n), i + 1
+
+            carry, left, _ = jax.lax.while_loop(lambda c: (c[2] < steps) & (c[1] > 0), body,
+                                                (carry, left, jnp.int32(0)))
+            return (*carry, left)
+
+        def body_behind(c):
+            carry, left, i, pending = c
+            pos = carry[at]
+            ok = ring.write(*pending) == pos   # the step before's tokens, beside this step
             carry, emitted, n = step(carry)
             stop = jnp.any(_stop_hits(emitted, n, stops))
-            return carry, jnp.where(stop, 0, left - n), i + 1
+            left = jnp.where(ok, jnp.where(stop, 0, left - n), -1)
+            pending = (jnp.where(ok, pos, -1), jnp.where(ok, emitted, -1), jnp.where(ok, n, 0).astype(jnp.int32))
+            return carry, left, i + 1, pending
 
-        carry, left, _ = jax.lax.while_loop(lambda c: (c[2] < steps) & (c[1] > 0), body,
-                                            (carry, left, jnp.int32(0)))
-        return (*carry, left)
+        nothing = (carry[at], jnp.zeros(width, jnp.int32), jnp.int32(0))   # a write of no tokens writes nothing
+        carry, left, _, pending = jax.lax.while_loop(lambda c: (c[2] < steps) & (c[1] > 0), body_behind,
+                                                     (carry, left, jnp.int32(0), nothing))
+        return (*carry, jnp.where(ring.write(*pending) == carry[at], left, -1))
 
     @staticmethod
-    def _decode_stream(model, ops, cache, token, pos, key, left, params, stops, steps: int = STREAM_STEPS):
-        """`_stream_loop` of `_decode_to_ring` steps, up to `steps` a call: (cache, token, pos, key, left)."""
+    def _decode_stream(model, ops, cache, token, pos, key, left, params, stops, steps: int = STREAM_STEPS,
+                       behind: bool = False):
+        """`_stream_loop` of decode steps, up to `steps` a call: (cache, token, pos, key, left)."""
         def step(c):
-            c = Engine._decode_to_ring(model, ops, *c, params)
-            return c, c[1], jnp.int32(1)   # the step's token
-        return Engine._stream_loop(step, (cache, token, pos, key), left, stops, steps)
+            c = Engine._decode(model, ops, *c, params)
+            return c[:4], c[4], jnp.int32(1)   # the step's token
+        return Engine._stream_loop(step, (cache, token, pos, key), 2, 1, left, stops, steps, behind)
 
     @staticmethod
-    def _speculate_to_ring(model, ops, cache, token, draft, pos, key, params):
-        """`_speculate` with its emitted tokens and their count written into the token ring under the
-        step's position (the write gives the next position); they are returned too, for the stop test
-        of `_speculate_stream`."""
-        cache, token, draft, _, key, emitted, n = Engine._speculate(model, ops, cache, token, draft, pos, key,
-                                                                     params)
-        return cache, token, draft, ring.write(pos, emitted, n), key, emitted, n   # the next position, pos + n
-
-    @staticmethod
-    def _speculate_stream(model, ops, cache, token, draft, pos, key, left, params, stops):
-        """`_stream_loop` of `_speculate_to_ring` steps (1 or 2 tokens each): (cache, token, draft, pos,
-        key, left)."""
+    def _speculate_stream(model, ops, cache, token, draft, pos, key, left, params, stops, behind: bool = False):
+        """`_stream_loop` of MTP steps (1 or 2 tokens each): (cache, token, draft, pos, key, left)."""
         def step(c):
-            *c, emitted, n = Engine._speculate_to_ring(model, ops, *c, params)
+            *c, emitted, n = Engine._speculate(model, ops, *c, params)
             return tuple(c), emitted, n
-        return Engine._stream_loop(step, (cache, token, draft, pos, key), left, stops)
+        return Engine._stream_loop(step, (cache, token, draft, pos, key), 3, 2, left, stops, behind=behind)
 
     @staticmethod
     def _speculate(model, ops, cache, token, draft, pos, key, params):

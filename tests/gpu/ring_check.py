@@ -1,6 +1,11 @@
 """On a GPU: Generator.stream through the token ring (DecodeConfig.token_ring, the default) gives the
 same tokens as the steps that return them, on the embedded tiny model, plain and with MTP, greedy and
-sampled, two requests in turn; and the time per token of each."""
+sampled, two requests in turn; and the time per token of each.
+
+    python3 tests/gpu/ring_check.py [--write-behind] [out.json]
+
+--write-behind: the ring's streams with DecodeConfig.ring_write_behind (each step's tokens written
+while the next step runs)."""
 
 from __future__ import annotations
 
@@ -13,9 +18,9 @@ import jtilert
 from jtilert.ops.table import DecodeConfig
 
 
-def run(ring: bool, mtp: bool, backend: str, sampling):
+def run(ring: bool, mtp: bool, backend: str, sampling, behind: bool = False):
     model = jtilert.load("tiny")
-    cfg = dataclasses.replace(DecodeConfig(backend=backend), token_ring=ring)
+    cfg = dataclasses.replace(DecodeConfig(backend=backend), token_ring=ring, ring_write_behind=behind)
     gen = jtilert.Generator(model, max_seq_len=1024, mtp=mtp, config=cfg)
     prompt = jtilert.tokenizer("tiny").encode("The if statement")
     out = []
@@ -30,13 +35,16 @@ def run(ring: bool, mtp: bool, backend: str, sampling):
 
 
 def main():
+    args = sys.argv[1:]
+    behind = "--write-behind" in args
+    args = [a for a in args if a != "--write-behind"]
     results, bad = {}, 0
     for backend in ("reference", "pallas"):
         for mtp in (False, True):
             for name, sampling in (("greedy", jtilert.Sampling(temperature=0.0)),
                                    ("sampled", jtilert.Sampling(temperature=0.8, top_p=0.95, seed=1))):
                 key = f"{backend}/{'mtp' if mtp else 'plain'}/{name}"
-                ring = run(True, mtp, backend, sampling)
+                ring = run(True, mtp, backend, sampling, behind)
                 ret = run(False, mtp, backend, sampling)
                 same = [a["ids"] == b["ids"] for a, b in zip(ring["requests"], ret["requests"])]
                 ok = ring["ring_used"] and not ret["ring_used"] and all(same)
@@ -46,8 +54,8 @@ def main():
                       "tokens:", [len(r["ids"]) for r in ring["requests"]],
                       "ms/token ring %s returning %s" % (ring["stats"].get("ms_per_token"),
                                                              ret["stats"].get("ms_per_token", -1)), flush=True)
-    if len(sys.argv) > 1:
-        json.dump(results, open(sys.argv[1], "w"), indent=1)
+    if args:
+        json.dump(results, open(args[0], "w"), indent=1)
     print("OK" if not bad else f"{bad} FAILED")
     sys.exit(bool(bad))
 
