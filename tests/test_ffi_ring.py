@@ -176,7 +176,8 @@ def test_a_key_of_an_earlier_generation_is_not_taken():
     with pytest.raises(TimeoutError, match="position 5 .*key -1"):
         r.read(5, timeout_s=0.01)
     r.store(5 + ring.SLOTS, [12])   # the same slot, another position
-    with pytest.raises(TimeoutError, match=f"key {5 + ring.SLOTS}"):
+    r.store(7, [13, 14])
+    with pytest.raises(TimeoutError, match=rf"key {5 + ring.SLOTS}; the ring's keys: \[7, {5 + ring.SLOTS}\]"):
         r.read(5, timeout_s=0.01)
 
 

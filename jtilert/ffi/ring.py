@@ -123,6 +123,7 @@ class TokenRing:
                 now = time.perf_counter()
                 deadline = deadline or now + timeout_s
                 if now > deadline:
+                    keys = sorted(int(k) for k in self.slots[:, 0] if k >= 0)
                     raise TimeoutError(f"token ring: no step wrote position {pos} within {timeout_s} s "
-                                       f"(its slot holds key {int(slot[0])})")
+                                       f"(its slot holds key {int(slot[0])}; the ring's keys: {keys})")
         return slot[2:2 + int(slot[1])].copy()
