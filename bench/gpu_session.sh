@@ -153,7 +153,7 @@
 #                loop costs
 #   callvariants_ab  the same, 100 calls per form, for .baseline (another tree, carried) then this checkout
 #   build        the CUDA engine library and self-test (python -m jtilert.ffi.build --selftest)
-#   select       the engine's top-k select: self-test + CUDA-graph timings (after build)
+#   select       the engine's one-GPU self-tests (top-k select, token ring) and their CUDA-graph timings (after build)
 #   selectpatch  part select in a copy of this checkout with PATCH applied
 #   tp2          bench.decode at tp=2, 4 layers, psum vs the engine's all-reduce (2 GPUs, after build)
 #   engine       tests/gpu/run_engine_gpu.sh: the whole engine check (2 GPUs, ~12 min)

@@ -309,8 +309,7 @@ def test_two_open_streams_on_one_device_do_not_share_the_ring(tiny_random, host_
     ring.release([host_ring])
 
 
-@pytest.mark.parametrize("behind", [False, True])
-@pytest.mark.parametrize("mtp", [False, True])
+@pytest.mark.parametrize("mtp,behind", [(False, False), (True, False), (True, True)])
 def test_the_device_loop_ends_at_a_stop_token_or_the_budget(tiny_random, host_ring, mtp, behind):
     """The ring's calls run up to STREAM_STEPS steps each, two in flight: over several calls the tokens
     are the returning steps', and the device writes no step past a stop token or the token budget
@@ -407,23 +406,17 @@ def test_bench_decode_queued_forms(tiny_random, host_ring):
     assert len(carry) == 4 and int(carry[2]) == context
 
 
-def test_stream_step_experiment(tiny_random, host_ring, tmp_path):
-    """bench/experiments/stream_step.py runs every form on the tiny model and writes its JSON; the
-    stream's form writes the ring (positions from the context on), the form without the ring write
-    does not."""
-    import json
-
+def test_stream_step_experiment(tiny_random, host_ring):
+    """bench/experiments/stream_step.py's forms all run; the stream's and the write-behind form write
+    the ring (positions from the context on), the form without the ring write does not."""
     from bench import decode
     from bench.experiments import stream_step
     from jtilert.runtime.generate import STREAM_STEPS, Engine
-    out, total = tmp_path / "s.json", 2 * STREAM_STEPS
-    stream_step.main(["--preset", "tiny", "--layers", "2", "--backend", "reference", "--context", "20",
-                      "--total", str(total), "--rounds", "1", "--out", str(out)])
-    r = json.loads(out.read_text())
-    assert set(r["ms_per_step"]) == {"timing_loop", "timing_loop_served", "stream", "stream_write_behind",
-                                     "stream_no_ring"}
-    assert all(v > 0 for v in r["ms_per_step"].values())
+    total = 2 * STREAM_STEPS
     every = stream_step.forms(Engine(tiny_random), 20, total)
+    assert set(every) == {"timing_loop", "timing_loop_served", "stream", "stream_write_behind", "stream_no_ring"}
+    ms = stream_step.rounds({k: v for k, v in every.items() if k.startswith("timing")}, total, 1)
+    assert all(len(v) == 1 and v[0] > 0 for v in ms.values())
     jax.effects_barrier()
     host_ring.clear()
     decode.queued({STREAM_STEPS: every["stream_no_ring"]}, total, 1)

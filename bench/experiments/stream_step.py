@@ -66,6 +66,15 @@ def forms(eng, context: int, total: int) -> dict:
     return out
 
 
+def rounds(every: dict, total: int, n: int) -> dict:
+    """{name: [ms a step, one a round]}: `n` rounds, each form once a round in turn."""
+    ms = {name: [] for name in every}
+    for _ in range(n):
+        for name, form in every.items():
+            ms[name].append(decode.queued({STREAM_STEPS: form}, total, 1)["ms_per_step"][STREAM_STEPS])
+    return ms
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="dsv32-tp8-shard")
@@ -81,11 +90,7 @@ def main(argv=None):
     eng = Engine(model, config=DecodeConfig(backend=a.backend))
     if eng.ring is None:
         raise SystemExit("stream_step: the token ring did not load (the CUDA engine is needed)")
-    every = forms(eng, a.context, a.total)
-    ms = {name: [] for name in every}
-    for _ in range(a.rounds):
-        for name, form in every.items():
-            ms[name].append(decode.queued({STREAM_STEPS: form}, a.total, 1)["ms_per_step"][STREAM_STEPS])
+    ms = rounds(forms(eng, a.context, a.total), a.total, a.rounds)
     result = {"device": jax.devices()[0].device_kind, "commit": provenance.commit(),
               "command": provenance.command("bench.experiments.stream_step", argv), "layers": a.layers,
               "backend": a.backend, "context": a.context, "steps_per_call": STREAM_STEPS, "total": a.total,

@@ -11,7 +11,8 @@
 // exact top-k (topk_select) against a sorted reference on device 0; the
 // token ring on device 0.
 // --small keeps sizes tiny for compute-sanitizer. --bench also times the ops
-// inside CUDA graphs and a NVLink ping-pong (the latency floor).
+// inside CUDA graphs, one token ring write and a NVLink ping-pong (the latency
+// floor). --select-only runs the one-GPU tests alone (top-k, token ring).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -1537,8 +1538,9 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
-  if (select_only) {  // the one-GPU top-k alone: no group needed
+  if (select_only) {  // the one-GPU tests alone (top-k, token ring): no group needed
     run_select_tests(small, iters);
+    test_token_ring(bench);
     if (bench) run_select_bench();
     std::printf("%s: %d failure(s)\n", g_fail ? "FAILED" : "OK", g_fail);
     return g_fail ? 1 : 0;
