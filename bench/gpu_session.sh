@@ -57,6 +57,9 @@
 #                return their tokens (tiny model, both backends, plain and MTP, greedy and sampled), and
 #                the time a token of each (after build)
 #   ringbehind   the same with DecodeConfig.ring_write_behind (each step's tokens written while the next step runs)
+#   ringdebug    bench/experiments/ring_behind.py: the tiny model's MTP stream program with the write behind, called by
+#                hand and streamed, under CONCURRENT scheduling, XLA's serial one and the loop run from the host
+#                (RING_FORMS picks), each form's compiled HLO in ring_debug_hlo/ (after build)
 #   route        tests/gpu/route_check.py: the engine's router selection vs the reference, and their times
 #   envab        bench.decode at the share's layers, pallas, without --kernels (no CUPTI), one process each:
 #                this script's environment, the same without XLA_FLAGS, with the program cache on, and this
@@ -450,6 +453,8 @@ for part in "$@"; do
     prep) step prep 300 python3 tests/gpu/prep_check.py --out "$WORK/prep.json" ;;
     ringcheck) step ringcheck 200 python3 tests/gpu/ring_check.py "$WORK/ring_check.json" ;;
     ringbehind) step ringbehind 300 python3 tests/gpu/ring_check.py --write-behind "$WORK/ring_behind.json" ;;
+    ringdebug) step ringdebug 300 python3 -m bench.experiments.ring_behind --out "$WORK/ring_debug.json" \
+                 --hlo "$WORK/ring_debug_hlo" ${RING_FORMS:+--forms $RING_FORMS} ;;
     route) step route 200 python3 tests/gpu/route_check.py --out "$WORK/route.json" ;;
     queued)  # a call's fixed device cost: the call variants without CUPTI, two processes (their spread)
       for r in 1 2; do

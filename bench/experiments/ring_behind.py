@@ -1,0 +1,103 @@
+"""On a GPU: why an MTP stream with DecodeConfig.ring_write_behind stops writing the token ring
+(tests/gpu/ring_check.py --write-behind, bench/RESULTS.md session 41).
+
+The tiny model's MTP stream program, called by hand one call at a time (each call waited for), under
+each of FORMS: after every call the carried position and budget, and the ring's keys with their counts.
+Then `Generator.stream` (two calls in flight) with a short ring timeout. A form that fails only under
+CONCURRENT scheduling points at a missing edge in XLA's command-buffer graph; one that fails with the
+loop run from the host too points at the program itself.
+
+    python3 -m bench.experiments.ring_behind [--out ring_behind.json] [--hlo DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+
+import numpy as np
+
+import jtilert
+from jtilert.ffi import ring
+from jtilert.ops.table import STEP_XLA_OPTIONS, DecodeConfig
+from jtilert.runtime.generate import STREAM_STEPS, stop_array
+
+_SERIAL = tuple((k, v) for k, v in STEP_XLA_OPTIONS if k != "xla_gpu_command_buffer_scheduling_mode")
+_HOST_LOOP = tuple((k, "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL" if k == "xla_gpu_enable_command_buffer" else v)
+                   for k, v in STEP_XLA_OPTIONS)
+FORMS = {   # name: (ring_write_behind, xla_options)
+    "behind": (True, STEP_XLA_OPTIONS),
+    "behind_serial": (True, _SERIAL),
+    "behind_host_loop": (True, _HOST_LOOP),
+    "at_end": (False, STEP_XLA_OPTIONS),
+}
+CALLS = 4
+
+
+def keys(tokens: ring.TokenRing) -> list:
+    """The ring's written slots as (key, count), by key."""
+    return sorted((int(s[0]), int(s[1])) for s in tokens.slots if s[0] >= 0)
+
+
+def by_hand(gen, prompt, hlo: pathlib.Path | None, name: str) -> list:
+    """CALLS calls of the MTP stream program, each waited for: what each left behind."""
+    first, s = gen._start(prompt, 120, jtilert.Sampling(temperature=0.0), loop=False)   # noqa: SLF001
+    eng = gen.engine
+    stops = eng.place(stop_array([]))
+    carry = (*gen._carry(s), eng.place(np.int32(100)))   # noqa: SLF001
+    exe = eng.speculate_stream.executable(eng.state, *carry, s["params"], stops)
+    if hlo is not None:
+        try:
+            (hlo / f"{name}.txt").write_text(exe.as_text())
+        except Exception as e:   # noqa: BLE001  (the text is a help, not the experiment)
+            print(name, "no HLO text:", e)
+    eng.ring.clear()
+    calls = [{"start_pos": int(np.asarray(s["pos"]).reshape(-1)[0])}]
+    for i in range(CALLS):
+        carry = exe(eng.state, *carry, s["params"], stops)
+        pos, left = (int(np.asarray(carry[k]).reshape(-1)[0]) for k in (3, 5))
+        calls.append({"call": i, "pos": pos, "left": left, "keys": keys(eng.ring)})
+        print(name, calls[-1], flush=True)
+    return calls
+
+
+def streamed(gen, prompt, name: str) -> dict:
+    """Generator.stream as users run it (two calls in flight), each ring read given 10 s."""
+    read = ring.TokenRing.read
+    ring.TokenRing.read = lambda self, pos, timeout_s=10.0: read(self, pos, timeout_s)
+    try:
+        ids = list(gen.stream(prompt, 60, sampling=jtilert.Sampling(temperature=0.0)))
+        out = {"ok": True, "tokens": len(ids)}
+    except TimeoutError as e:
+        out = {"ok": False, "error": str(e), "keys": keys(gen.engine.ring)}
+    finally:
+        ring.TokenRing.read = read
+    print(name, "stream", out, flush=True)
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--out")
+    p.add_argument("--hlo", type=pathlib.Path, help="a folder for each form's compiled HLO")
+    p.add_argument("--forms", default=",".join(FORMS))
+    a = p.parse_args()
+    if a.hlo is not None:
+        a.hlo.mkdir(parents=True, exist_ok=True)
+    model = jtilert.load("tiny")
+    prompt = jtilert.tokenizer("tiny").encode("The if statement")
+    results = {"stream_steps": STREAM_STEPS}
+    for name in a.forms.split(","):
+        behind, options = FORMS[name]
+        cfg = dataclasses.replace(DecodeConfig(backend="reference"), ring_write_behind=behind,
+                                  xla_options=options)
+        gen = jtilert.Generator(model, max_seq_len=1024, mtp=True, config=cfg)
+        results[name] = {"by_hand": by_hand(gen, prompt, a.hlo, name), "stream": streamed(gen, prompt, name)}
+    if a.out:
+        pathlib.Path(a.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
