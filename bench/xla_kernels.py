@@ -162,12 +162,14 @@ def h200():
 
 def compile_programs(cfg, *, context: int, backend: str, mtp: bool, loop: bool, want: set[str],
                      options: dict, ring: bool = False, engine_router: bool = False,
-                     engine_index_weights: bool = False, layers_per_iteration: int | None = None) -> list[dict]:
+                     engine_index_weights: bool = False, layers_per_iteration: int | None = None,
+                     ring_write_behind: bool = False, dump: str | None = None) -> list[dict]:
     """Prepares a Generator for `cfg` (abstract weights) and compiles the programs named in `want` for
     the H200: per program its XLA compile seconds, memory and `launches`; the optimized HLO text too.
     ring: the engine has a token ring (a stand-in: preparing reads only its device), so `stream`'s
     steps are the ring's (`decode_stream`, `speculate_stream`). engine_router, engine_index_weights,
-    layers_per_iteration (None: its default): DecodeConfig's."""
+    layers_per_iteration (None: its default), ring_write_behind: DecodeConfig's. dump: a folder that keeps
+    XLA's dump of each program (its HLO passes and thunk sequence)."""
     from jax._src import compiler
     from jax._src.lib import xla_client as xc
 
@@ -189,15 +191,16 @@ def compile_programs(cfg, *, context: int, backend: str, mtp: bool, loop: bool, 
         lowered = traced.lower(lowering_platforms=("cuda",))
         if self._name not in want:
             return lowered
-        with tempfile.TemporaryDirectory() as dump:   # XLA writes the thunk sequence there
-            overrides = {**(self._options or {}), **options, "xla_dump_to": dump, "xla_dump_hlo_module_re": "jit_run"}
+        with tempfile.TemporaryDirectory() as tmp:   # XLA writes the thunk sequence there
+            where = tmp if dump is None else os.path.join(dump, self._name)
+            overrides = {**(self._options or {}), **options, "xla_dump_to": where, "xla_dump_hlo_module_re": "jit_run"}
             opts = compiler.get_compile_options(num_replicas=1, num_partitions=1, device_assignment=np.array([[dev.id]]),
                                                 backend=dev.client, env_options_overrides=overrides)
             t = time.perf_counter()
             exe = dev.client.compile(lowered.compiler_ir("stablehlo"), executable_devices=xc.DeviceList((dev,)),
                                      compile_options=opts)
             seconds = time.perf_counter() - t
-            [thunks] = pathlib.Path(dump).glob("*.thunk_sequence_after_thunk_passes.txt")
+            [thunks] = pathlib.Path(where).glob("*.thunk_sequence_after_thunk_passes.txt")
             cuda_graph = graph(thunks.read_text())
         text = exe.hlo_modules()[0].to_string()
         mem = exe.get_compiled_memory_stats()
@@ -218,6 +221,7 @@ def compile_programs(cfg, *, context: int, backend: str, mtp: bool, loop: bool, 
             gen = Generator(abstract_model(cfg, "fp8", jnp.bfloat16), max_seq_len=context, mtp=mtp,
                             config=DecodeConfig(backend=backend, engine_router=engine_router,
                                                 engine_index_weights=engine_index_weights,
+                                                ring_write_behind=ring_write_behind,
                                                 **({} if layers_per_iteration is None else
                                                    {"layers_per_iteration": layers_per_iteration})))
             gen._prepare(Sampling(), loop=loop)
@@ -251,13 +255,16 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--option", action="append", default=[], help="an XLA option NAME=VALUE for these compiles")
     ap.add_argument("--out", help="write the result (without the HLO) as JSON here")
     ap.add_argument("--hlo", help="write the first program's optimized HLO here")
+    ap.add_argument("--ring-write-behind", action="store_true", help="DecodeConfig.ring_write_behind (with --ring)")
+    ap.add_argument("--dump", help="keep XLA's dump of each program in DIR/<program>")
     a = ap.parse_args(argv)
     options = dict(kv.split("=", 1) for kv in a.option)
     cfg = preset(a.preset, num_hidden_layers=a.layers)
     rows = compile_programs(cfg, context=a.context, backend=a.backend, mtp=a.mtp, loop=a.loop,
                             want=set(a.program.split(",")), options=options, ring=a.ring,
                             engine_router=a.engine_router, engine_index_weights=a.engine_index_weights,
-                            layers_per_iteration=a.layers_per_iteration)
+                            layers_per_iteration=a.layers_per_iteration, ring_write_behind=a.ring_write_behind,
+                            dump=a.dump)
     for r in rows:
         loops = ", ".join(f"{x['loop']} {x['trips']} × {x['kernels_per_trip']}" for x in r["loops"])
         print(f"{r['program']}: {r['kernels']} kernels a call ({a.preset}, {a.layers} layers, context {a.context}); "
