@@ -1,9 +1,10 @@
 """On a GPU: why an MTP stream with DecodeConfig.ring_write_behind stops writing the token ring
 (tests/gpu/ring_check.py --write-behind, bench/RESULTS.md session 41).
 
-The tiny model's MTP stream program, called by hand one call at a time (each call waited for), under
-each of FORMS: after every call the carried position and budget, and the ring's keys with their counts.
-Then `Generator.stream` (two calls in flight) with a short ring timeout. A form that fails only under
+The tiny model's MTP stream program, called by hand under each of FORMS: one call at a time (each
+waited for: after every call the carried position and budget, and the ring's keys with their counts),
+then all calls queued at once (the same, after the last). Then `Generator.stream` (two calls in
+flight) with a short ring timeout. A form that fails only under
 CONCURRENT scheduling points at a missing edge in XLA's command-buffer graph; one that fails with the
 loop run from the host too points at the program itself.
 
@@ -41,14 +42,15 @@ def keys(tokens: ring.TokenRing) -> list:
     return sorted((int(s[0]), int(s[1])) for s in tokens.slots if s[0] >= 0)
 
 
-def by_hand(gen, prompt, hlo: pathlib.Path | None, name: str) -> list:
-    """CALLS calls of the MTP stream program, each waited for: what each left behind."""
+def by_hand(gen, prompt, hlo: pathlib.Path | None, name: str, wait: bool) -> list:
+    """CALLS calls of the MTP stream program, each waited for (`wait`) or all queued at once: what
+    each left behind (queued: read after the last)."""
     first, s = gen._start(prompt, 120, jtilert.Sampling(temperature=0.0), loop=False)   # noqa: SLF001
     eng = gen.engine
     stops = eng.place(stop_array([]))
     carry = (*gen._carry(s), eng.place(np.int32(100)))   # noqa: SLF001
     exe = eng.speculate_stream.executable(eng.state, *carry, s["params"], stops)
-    if hlo is not None:
+    if hlo is not None and wait:
         try:
             (hlo / f"{name}.txt").write_text(exe.as_text())
         except Exception as e:   # noqa: BLE001  (the text is a help, not the experiment)
@@ -57,10 +59,17 @@ def by_hand(gen, prompt, hlo: pathlib.Path | None, name: str) -> list:
     calls = [{"start_pos": int(np.asarray(s["pos"]).reshape(-1)[0])}]
     for i in range(CALLS):
         carry = exe(eng.state, *carry, s["params"], stops)
-        pos, left = (int(np.asarray(carry[k]).reshape(-1)[0]) for k in (3, 5))
-        calls.append({"call": i, "pos": pos, "left": left, "keys": keys(eng.ring)})
-        print(name, calls[-1], flush=True)
+        if wait:
+            calls.append(state(i, carry, eng))
+    if not wait:
+        calls.append(state(CALLS - 1, carry, eng))
+    print(name, "waited" if wait else "queued", calls, flush=True)
     return calls
+
+
+def state(i: int, carry, eng) -> dict:
+    pos, left = (int(np.asarray(carry[k]).reshape(-1)[0]) for k in (3, 5))
+    return {"call": i, "pos": pos, "left": left, "keys": keys(eng.ring)}
 
 
 def streamed(gen, prompt, name: str) -> dict:
@@ -94,7 +103,8 @@ def main():
         cfg = dataclasses.replace(DecodeConfig(backend="reference"), ring_write_behind=behind,
                                   xla_options=options)
         gen = jtilert.Generator(model, max_seq_len=1024, mtp=True, config=cfg)
-        results[name] = {"by_hand": by_hand(gen, prompt, a.hlo, name), "stream": streamed(gen, prompt, name)}
+        results[name] = {"waited": by_hand(gen, prompt, a.hlo, name, True),
+                         "queued": by_hand(gen, prompt, None, name, False), "stream": streamed(gen, prompt, name)}
     if a.out:
         pathlib.Path(a.out).write_text(json.dumps(results, indent=1))
 
