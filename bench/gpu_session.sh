@@ -59,7 +59,7 @@
 #   ringbehind   the same with DecodeConfig.ring_write_behind (each step's tokens written while the next step runs)
 #   ringdebug    bench/experiments/ring_behind.py: the tiny model's MTP stream program with the write behind, called by
 #                hand and streamed, under CONCURRENT scheduling, XLA's serial one and the loop run from the host
-#                (RING_FORMS picks), each form's compiled HLO in ring_debug_hlo/ (after build)
+#                (RING_FORMS picks, each in its own process), each form's compiled HLO in ring_debug_hlo/ (after build)
 #   route        tests/gpu/route_check.py: the engine's router selection vs the reference, and their times
 #   envab        bench.decode at the share's layers, pallas, without --kernels (no CUPTI), one process each:
 #                this script's environment, the same without XLA_FLAGS, with the program cache on, and this
@@ -453,8 +453,11 @@ for part in "$@"; do
     prep) step prep 300 python3 tests/gpu/prep_check.py --out "$WORK/prep.json" ;;
     ringcheck) step ringcheck 200 python3 tests/gpu/ring_check.py "$WORK/ring_check.json" ;;
     ringbehind) step ringbehind 300 python3 tests/gpu/ring_check.py --write-behind "$WORK/ring_behind.json" ;;
-    ringdebug) step ringdebug 300 python3 -m bench.experiments.ring_behind --out "$WORK/ring_debug.json" \
-                 --hlo "$WORK/ring_debug_hlo" ${RING_FORMS:+--forms $RING_FORMS} ;;
+    ringdebug)  # each form in a process of its own: one that hangs leaves the others their time
+      for f in ${RING_FORMS:-behind behind_serial behind_host_loop at_end}; do
+        step "ringdebug_$f" 100 python3 -m bench.experiments.ring_behind --forms "$f" --stuck-s 80 \
+          --out "$WORK/ring_debug_$f.json" --hlo "$WORK/ring_debug_hlo"
+      done ;;
     route) step route 200 python3 tests/gpu/route_check.py --out "$WORK/route.json" ;;
     queued)  # a call's fixed device cost: the call variants without CUPTI, two processes (their spread)
       for r in 1 2; do

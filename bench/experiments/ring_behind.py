@@ -14,6 +14,7 @@ loop run from the host too points at the program itself.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import dataclasses
 import json
 import pathlib
@@ -59,8 +60,10 @@ def by_hand(gen, prompt, hlo: pathlib.Path | None, name: str, wait: bool) -> lis
     calls = [{"start_pos": int(np.asarray(s["pos"]).reshape(-1)[0])}]
     for i in range(CALLS):
         carry = exe(eng.state, *carry, s["params"], stops)
+        print(name, "call", i, "enqueued", flush=True)
         if wait:
             calls.append(state(i, carry, eng))
+            print(name, calls[-1], flush=True)
     if not wait:
         calls.append(state(CALLS - 1, carry, eng))
     print(name, "waited" if wait else "queued", calls, flush=True)
@@ -92,7 +95,9 @@ def main():
     p.add_argument("--out")
     p.add_argument("--hlo", type=pathlib.Path, help="a folder for each form's compiled HLO")
     p.add_argument("--forms", default=",".join(FORMS))
+    p.add_argument("--stuck-s", type=float, default=240.0, help="print every thread's stack and exit after this")
     a = p.parse_args()
+    faulthandler.dump_traceback_later(a.stuck_s, exit=True)   # where the host waits, if it hangs
     if a.hlo is not None:
         a.hlo.mkdir(parents=True, exist_ok=True)
     model = jtilert.load("tiny")
