@@ -18,6 +18,8 @@ import faulthandler
 import dataclasses
 import json
 import pathlib
+import threading
+import time
 
 import numpy as np
 
@@ -36,6 +38,7 @@ FORMS = {   # name: (ring_write_behind, xla_options)
     "at_end": (False, STEP_XLA_OPTIONS),
 }
 CALLS = 4
+PROBE_S = 20.0
 
 
 def keys(tokens: ring.TokenRing) -> list:
@@ -71,8 +74,22 @@ def by_hand(gen, prompt, hlo: pathlib.Path | None, name: str, wait: bool) -> lis
 
 
 def state(i: int, carry, eng) -> dict:
+    """What call i left behind, once it has ended. If it has not ended after PROBE_S, the ring is
+    probed: its keys printed, cleared, and printed again a second later (keys that come back were
+    written again by a call still running)."""
+    probe = threading.Timer(PROBE_S, lambda: probe_ring(eng.ring, i))
+    probe.start()
     pos, left = (int(np.asarray(carry[k]).reshape(-1)[0]) for k in (3, 5))
+    probe.cancel()
     return {"call": i, "pos": pos, "left": left, "keys": keys(eng.ring)}
+
+
+def probe_ring(tokens: ring.TokenRing, i: int) -> None:
+    before = keys(tokens)
+    tokens.clear()
+    time.sleep(1.0)
+    print(f"call {i} not ended after {PROBE_S} s; keys {before}; a second after clearing them: {keys(tokens)}",
+          flush=True)
 
 
 def streamed(gen, prompt, name: str) -> dict:
