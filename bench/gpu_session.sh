@@ -56,7 +56,8 @@
 #   ringcheck    tests/gpu/ring_check.py: Generator.stream through the token ring against the steps that
 #                return their tokens (tiny model, both backends, plain and MTP, greedy and sampled), and
 #                the time a token of each (after build)
-#   ringbehind   the same with DecodeConfig.ring_write_behind (each step's tokens written while the next step runs)
+#   ringbehind   the same with DecodeConfig.ring_write_behind (each step's tokens written while the next step runs;
+#                plain streams: MTP streams ignore it)
 #   ringdebug    bench/experiments/ring_behind.py: the tiny model's MTP stream program with the write behind, called by
 #                hand and streamed, under CONCURRENT scheduling, XLA's serial one and the loop run from the host
 #                (RING_FORMS picks, each in its own process), each form's compiled HLO in ring_debug_hlo/ (after build)

@@ -3,8 +3,8 @@
 
 The tiny model's MTP stream program, called by hand under each of FORMS: one call at a time (each
 waited for: after every call the carried position and budget, and the ring's keys with their counts),
-then all calls queued at once (the same, after the last). Then `Generator.stream` (two calls in
-flight) with a short ring timeout. A form that fails only under
+then all calls queued at once (the same, after the last): the program built here, since the Engine's
+MTP streams ignore the option. Then `Generator.stream` (two calls in flight) with a short ring timeout. A form that fails only under
 CONCURRENT scheduling points at a missing edge in XLA's command-buffer graph; one that fails with the
 loop run from the host too points at the program itself.
 
@@ -15,18 +15,20 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import functools
 import dataclasses
 import json
 import pathlib
 import threading
 import time
 
+import jax
 import numpy as np
 
 import jtilert
 from jtilert.ffi import ring
 from jtilert.ops.table import STEP_XLA_OPTIONS, DecodeConfig
-from jtilert.runtime.generate import STREAM_STEPS, stop_array
+from jtilert.runtime.generate import STREAM_STEPS, Engine, stop_array
 
 _SERIAL = tuple((k, v) for k, v in STEP_XLA_OPTIONS if k != "xla_gpu_command_buffer_scheduling_mode")
 _HOST_LOOP = tuple((k, "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL" if k == "xla_gpu_enable_command_buffer" else v)
@@ -46,6 +48,15 @@ def keys(tokens: ring.TokenRing) -> list:
     return sorted((int(s[0]), int(s[1])) for s in tokens.slots if s[0] >= 0)
 
 
+def speculate_stream(model, ops, cache, token, draft, pos, key, left, params, stops, behind: bool):
+    """`Engine._speculate_stream` with the write behind too (the Engine's MTP streams write at each
+    step's end)."""
+    def step(c):
+        *c, emitted, n = Engine._speculate(model, ops, *c, params)   # noqa: SLF001
+        return tuple(c), emitted, n
+    return Engine._stream_loop(step, (cache, token, draft, pos, key), 3, 2, left, stops, behind=behind)   # noqa: SLF001
+
+
 def by_hand(gen, prompt, hlo: pathlib.Path | None, name: str, wait: bool) -> list:
     """CALLS calls of the MTP stream program, each waited for (`wait`) or all queued at once: what
     each left behind (queued: read after the last)."""
@@ -53,7 +64,9 @@ def by_hand(gen, prompt, hlo: pathlib.Path | None, name: str, wait: bool) -> lis
     eng = gen.engine
     stops = eng.place(stop_array([]))
     carry = (*gen._carry(s), eng.place(np.int32(100)))   # noqa: SLF001
-    exe = eng.speculate_stream.executable(eng.state, *carry, s["params"], stops)
+    exe = jax.jit(eng._wrap(functools.partial(speculate_stream, behind=gen.engine.config.ring_write_behind)),   # noqa: SLF001
+                  donate_argnums=(1, 2, 3, 4, 5, 6)).lower(eng.state, *carry, s["params"], stops).compile(
+        eng.loop_options)
     if hlo is not None and wait:
         try:
             (hlo / f"{name}.txt").write_text(exe.as_text())

@@ -138,8 +138,11 @@ class Engine:
             behind = config.ring_write_behind
             self.decode_stream = Compiled(self._wrap(functools.partial(self._decode_stream, behind=behind)),
                                           (1, 2, 3, 4, 5), "decode_stream", self, loop_opts)
-            self.speculate_stream = Compiled(self._wrap(functools.partial(self._speculate_stream, behind=behind)),
-                                             (1, 2, 3, 4, 5, 6), "speculate_stream", self, loop_opts)
+            # MTP streams write at each step's end whatever ring_write_behind says (`Generator` warns):
+            # with the write behind, the second call of their program never ends on a GPU (RESULTS.md,
+            # session 42).
+            self.speculate_stream = Compiled(self._wrap(self._speculate_stream), (1, 2, 3, 4, 5, 6),
+                                             "speculate_stream", self, loop_opts)
         self.decode_loop = Compiled(self._wrap(self._decode_loop), (1, 2, 3, 4), "decode_loop", self, loop_opts)
         self.speculate_loop = Compiled(self._wrap(self._speculate_loop), (1, 2, 3, 4, 5), "speculate_loop", self,
                                        loop_opts)
@@ -313,12 +316,13 @@ class Engine:
         return Engine._stream_loop(step, (cache, token, pos, key), 2, 1, left, stops, steps, behind)
 
     @staticmethod
-    def _speculate_stream(model, ops, cache, token, draft, pos, key, left, params, stops, behind: bool = False):
-        """`_stream_loop` of MTP steps (1 or 2 tokens each): (cache, token, draft, pos, key, left)."""
+    def _speculate_stream(model, ops, cache, token, draft, pos, key, left, params, stops):
+        """`_stream_loop` of MTP steps (1 or 2 tokens each), each writing at its end: (cache, token,
+        draft, pos, key, left)."""
         def step(c):
             *c, emitted, n = Engine._speculate(model, ops, *c, params)
             return tuple(c), emitted, n
-        return Engine._stream_loop(step, (cache, token, draft, pos, key), 3, 2, left, stops, behind=behind)
+        return Engine._stream_loop(step, (cache, token, draft, pos, key), 3, 2, left, stops)
 
     @staticmethod
     def _speculate(model, ops, cache, token, draft, pos, key, params):
@@ -534,6 +538,10 @@ class Generator:
         sharding.check_memory(sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(cache)), mesh,
                               f"the cache of Generator(max_seq_len={max_seq_len}) ({self.rows} positions)")
         self.engine = Engine(model, mesh, config)
+        if mtp and config.ring_write_behind and self.engine.rings is not None:
+            _lib.warn_once("ring-write-behind-mtp", "jtilert: DecodeConfig.ring_write_behind does not apply to MTP "
+                                                    "streams (the second call of their program with it never ends "
+                                                    "on a GPU); each of their steps writes its tokens at its end")
         self._cache = None
         self._injected_ids: np.ndarray | None = None   # the token ids an injected cache holds
         self.stats: dict = {}
