@@ -455,7 +455,7 @@ for part in "$@"; do
     ringcheck) step ringcheck 200 python3 tests/gpu/ring_check.py "$WORK/ring_check.json" ;;
     ringbehind) step ringbehind 300 python3 tests/gpu/ring_check.py --write-behind "$WORK/ring_behind.json" ;;
     ringdebug)  # each form in a process of its own: one that hangs leaves the others their time
-      for f in ${RING_FORMS:-behind behind_serial behind_host_loop at_end}; do
+      for f in ${RING_FORMS:-behind_serial behind_host_loop behind_unrolled at_end}; do
         step "ringdebug_$f" 100 python3 -m bench.experiments.ring_behind --forms "$f" --stuck-s 80 \
           --out "$WORK/ring_debug_$f.json" --hlo "$WORK/ring_debug_hlo"
       done ;;

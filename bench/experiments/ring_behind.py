@@ -1,12 +1,12 @@
-"""On a GPU: why an MTP stream with DecodeConfig.ring_write_behind stops writing the token ring
-(tests/gpu/ring_check.py --write-behind, bench/RESULTS.md session 41).
+"""On a GPU: why the second call of an MTP stream with DecodeConfig.ring_write_behind never ends
+(bench/RESULTS.md, sessions 41-42).
 
-The tiny model's MTP stream program, called by hand under each of FORMS: one call at a time (each
-waited for: after every call the carried position and budget, and the ring's keys with their counts),
-then all calls queued at once (the same, after the last): the program built here, since the Engine's
-MTP streams ignore the option. Then `Generator.stream` (two calls in flight) with a short ring timeout. A form that fails only under
-CONCURRENT scheduling points at a missing edge in XLA's command-buffer graph; one that fails with the
-loop run from the host too points at the program itself.
+The tiny model's MTP stream program with the write behind (built here: the Engine's MTP streams ignore
+the option), called by hand under each of FORMS: one call at a time (after every call the carried
+position and budget, and the ring's keys with their counts; a call not ended after PROBE_S has the ring
+probed), then all calls queued at once. A form that hangs only under CONCURRENT scheduling points at a
+missing edge in XLA's command-buffer graph; one that hangs with the loop run from the host too, at the
+program; one that ends with the layers unrolled, at a layer loop that never ends.
 
     python3 -m bench.experiments.ring_behind [--out ring_behind.json] [--hlo DIR]
 """
@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import functools
-import dataclasses
 import json
 import pathlib
 import threading
@@ -33,11 +32,12 @@ from jtilert.runtime.generate import STREAM_STEPS, Engine, stop_array
 _SERIAL = tuple((k, v) for k, v in STEP_XLA_OPTIONS if k != "xla_gpu_command_buffer_scheduling_mode")
 _HOST_LOOP = tuple((k, "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL" if k == "xla_gpu_enable_command_buffer" else v)
                    for k, v in STEP_XLA_OPTIONS)
-FORMS = {   # name: (ring_write_behind, xla_options)
-    "behind": (True, STEP_XLA_OPTIONS),
-    "behind_serial": (True, _SERIAL),
-    "behind_host_loop": (True, _HOST_LOOP),
-    "at_end": (False, STEP_XLA_OPTIONS),
+FORMS = {   # name: DecodeConfig fields (backend "reference")
+    "behind": {"ring_write_behind": True},
+    "behind_serial": {"ring_write_behind": True, "xla_options": _SERIAL},
+    "behind_host_loop": {"ring_write_behind": True, "xla_options": _HOST_LOOP},
+    "behind_unrolled": {"ring_write_behind": True, "layer_loop": "unrolled"},   # no layer loop inside the step
+    "at_end": {},
 }
 CALLS = 4
 PROBE_S = 20.0
@@ -105,21 +105,6 @@ def probe_ring(tokens: ring.TokenRing, i: int) -> None:
           flush=True)
 
 
-def streamed(gen, prompt, name: str) -> dict:
-    """Generator.stream as users run it (two calls in flight), each ring read given 10 s."""
-    read = ring.TokenRing.read
-    ring.TokenRing.read = lambda self, pos, timeout_s=10.0: read(self, pos, timeout_s)
-    try:
-        ids = list(gen.stream(prompt, 60, sampling=jtilert.Sampling(temperature=0.0)))
-        out = {"ok": True, "tokens": len(ids)}
-    except TimeoutError as e:
-        out = {"ok": False, "error": str(e), "keys": keys(gen.engine.ring)}
-    finally:
-        ring.TokenRing.read = read
-    print(name, "stream", out, flush=True)
-    return out
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out")
@@ -134,12 +119,10 @@ def main():
     prompt = jtilert.tokenizer("tiny").encode("The if statement")
     results = {"stream_steps": STREAM_STEPS}
     for name in a.forms.split(","):
-        behind, options = FORMS[name]
-        cfg = dataclasses.replace(DecodeConfig(backend="reference"), ring_write_behind=behind,
-                                  xla_options=options)
+        cfg = DecodeConfig(backend="reference", **FORMS[name])
         gen = jtilert.Generator(model, max_seq_len=1024, mtp=True, config=cfg)
         results[name] = {"waited": by_hand(gen, prompt, a.hlo, name, True),
-                         "queued": by_hand(gen, prompt, None, name, False), "stream": streamed(gen, prompt, name)}
+                         "queued": by_hand(gen, prompt, None, name, False)}
     if a.out:
         pathlib.Path(a.out).write_text(json.dumps(results, indent=1))
 
