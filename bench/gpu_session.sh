@@ -59,8 +59,9 @@
 #   ringbehind   the same with DecodeConfig.ring_write_behind (each step's tokens written while the next step runs;
 #                plain streams: MTP streams ignore it)
 #   ringdebug    bench/experiments/ring_behind.py: the tiny model's MTP stream program with the write behind, called by
-#                hand and streamed, under CONCURRENT scheduling, XLA's serial one and the loop run from the host
-#                (RING_FORMS picks, each in its own process), each form's compiled HLO in ring_debug_hlo/ (after build)
+#                hand, under XLA's serial scheduling, with the loop run from the host, with the layers unrolled, and
+#                the write at the end (RING_FORMS picks among its FORMS, each in its own process; `behind`, the
+#                shipped options, hung in session 42), each form's compiled HLO in ring_debug_hlo/ (after build)
 #   route        tests/gpu/route_check.py: the engine's router selection vs the reference, and their times
 #   envab        bench.decode at the share's layers, pallas, without --kernels (no CUPTI), one process each:
 #                this script's environment, the same without XLA_FLAGS, with the program cache on, and this
