@@ -6,7 +6,8 @@ the option), called by hand under each of FORMS: one call at a time (after every
 position and budget, and the ring's keys with their counts; a call not ended after PROBE_S has the ring
 probed), then all calls queued at once. A form that hangs only under CONCURRENT scheduling points at a
 missing edge in XLA's command-buffer graph; one that hangs with the loop run from the host too, at the
-program; one that ends with the layers unrolled, at a layer loop that never ends.
+program; one that ends with the layers unrolled, at a layer loop that never ends; one that ends
+when the graph is not updated for moved temporaries, at XLA's update of the loop body.
 
     python3 -m bench.experiments.ring_behind [--out ring_behind.json] [--hlo DIR]
 """
@@ -37,6 +38,10 @@ FORMS = {   # name: DecodeConfig fields (backend "reference")
     "behind_serial": {"ring_write_behind": True, "xla_options": _SERIAL},
     "behind_host_loop": {"ring_write_behind": True, "xla_options": _HOST_LOOP},
     "behind_unrolled": {"ring_write_behind": True, "layer_loop": "unrolled"},   # no layer loop inside the step
+    # the graph recorded once and not updated for moved temporaries (XLA then allocates through its VMM
+    # allocator, each temporary at one virtual address)
+    "behind_skip_temp": {"ring_write_behind": True,
+                         "xla_options": STEP_XLA_OPTIONS + (("xla_gpu_command_buffer_update_mode", "SKIP_TEMP"),)},
     "at_end": {},
 }
 CALLS = 4
