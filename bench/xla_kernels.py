@@ -255,7 +255,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--option", action="append", default=[], help="an XLA option NAME=VALUE for these compiles")
     ap.add_argument("--out", help="write the result (without the HLO) as JSON here")
     ap.add_argument("--hlo", help="write the first program's optimized HLO here")
-    ap.add_argument("--ring-write-behind", action="store_true", help="DecodeConfig.ring_write_behind (with --ring; decode_stream: MTP streams ignore it)")
+    ap.add_argument("--ring-write-behind", action="store_true",
+                    help="DecodeConfig.ring_write_behind (with --ring; decode_stream: MTP streams ignore it)")
     ap.add_argument("--dump", help="keep XLA's dump of each program in DIR/<program>")
     a = ap.parse_args(argv)
     options = dict(kv.split("=", 1) for kv in a.option)
