@@ -193,7 +193,8 @@ def compile_programs(cfg, *, context: int, backend: str, mtp: bool, loop: bool, 
             return lowered
         with tempfile.TemporaryDirectory() as tmp:   # XLA writes the thunk sequence there
             where = tmp if dump is None else os.path.join(dump, self._name)
-            overrides = {**(self._options or {}), **options, "xla_dump_to": where, "xla_dump_hlo_module_re": "jit_run"}
+            overrides = {**(self._options or {}), **options, "xla_dump_to": where,
+                         "xla_dump_hlo_module_re": "jit_run"}
             opts = compiler.get_compile_options(num_replicas=1, num_partitions=1, device_assignment=np.array([[dev.id]]),
                                                 backend=dev.client, env_options_overrides=overrides)
             t = time.perf_counter()

@@ -69,8 +69,8 @@ def by_hand(gen, prompt, hlo: pathlib.Path | None, name: str, wait: bool) -> lis
     eng = gen.engine
     stops = eng.place(stop_array([]))
     carry = (*gen._carry(s), eng.place(np.int32(100)))   # noqa: SLF001
-    exe = jax.jit(eng._wrap(functools.partial(speculate_stream, behind=gen.engine.config.ring_write_behind)),   # noqa: SLF001
-                  donate_argnums=(1, 2, 3, 4, 5, 6)).lower(eng.state, *carry, s["params"], stops).compile(
+    fn = eng._wrap(functools.partial(speculate_stream, behind=eng.config.ring_write_behind))   # noqa: SLF001
+    exe = jax.jit(fn, donate_argnums=(1, 2, 3, 4, 5, 6)).lower(eng.state, *carry, s["params"], stops).compile(
         eng.loop_options)
     if hlo is not None and wait:
         try:
