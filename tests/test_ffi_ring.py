@@ -6,6 +6,7 @@ self-test runs the kernel on the GPU (cuda/tests/selftest.cu, test_token_ring)."
 
 from __future__ import annotations
 
+import functools
 import pathlib
 import re
 import subprocess
@@ -491,3 +492,48 @@ def test_bench_decode_profiles_before_the_call_variants_trace(tiny_random, host_
     order.clear()
     r = decode.bench_backend(tiny_random, "reference", 20, False, 10, 1, kernels=True, call_variants=True)
     assert r["stream_kernel_profile"]["kernels"] == 1 / 8
+
+
+def test_the_ring_behind_experiment_calls_the_mtp_stream_with_the_write_behind(tiny_random, host_ring):
+    """bench/experiments/ring_behind.py builds the MTP stream program with the write behind itself (the
+    Engine's MTP streams ignore the option): two ring writes in its loop's program, and its calls by
+    hand, waited for and queued, leave the positions and keys of the steps they ran."""
+    import jtilert
+    from bench.experiments import ring_behind
+    from jtilert.ops.table import DecodeConfig
+    from jtilert.runtime.generate import STREAM_STEPS
+
+    with pytest.warns(RuntimeWarning, match="does not apply to MTP"):
+        _lib._warned.clear()  # noqa: SLF001
+        gen = jtilert.Generator(tiny_random, max_seq_len=128, mtp=True,
+                                config=DecodeConfig(backend="reference", **ring_behind.FORMS["behind"]))
+    eng = gen.engine
+
+    def writes(jaxpr) -> int:   # the ring's writes (host callbacks here), in every nested program
+        n = 0
+        for e in jaxpr.eqns:
+            n += e.primitive.name == "io_callback"
+            for p in e.params.values():
+                for sub in p if isinstance(p, (tuple, list)) else (p,):
+                    sub = sub.jaxpr if isinstance(sub, jax.extend.core.ClosedJaxpr) else sub
+                    if isinstance(sub, jax.extend.core.Jaxpr):
+                        n += writes(sub)
+        return n
+
+    _, s = gen._start([3, 17, 5, 9], 60, jtilert.Sampling(temperature=0.0), loop=False)   # noqa: SLF001
+    carry = (*gen._carry(s), eng.place(np.int32(100)))   # noqa: SLF001
+    stops = eng.place(np.full(8, -1, np.int32))
+    for behind, n in ((True, 2), (False, 1)):
+        fn = eng._wrap(functools.partial(ring_behind.speculate_stream, behind=behind))   # noqa: SLF001
+        assert writes(jax.make_jaxpr(fn)(eng.state, *carry, s["params"], stops).jaxpr) == n
+    waited = ring_behind.by_hand(gen, [3, 17, 5, 9], None, "behind", True)
+    queued = ring_behind.by_hand(gen, [3, 17, 5, 9], None, "behind", False)
+    assert len(waited) == 1 + ring_behind.CALLS
+    before = {"pos": waited[0]["start_pos"], "left": 100}
+    for after in waited[1:]:   # each call: STREAM_STEPS steps, each keyed by its position, 1 or 2 tokens
+        ran = [(k, c) for k, c in after["keys"] if before["pos"] <= k < after["pos"]]
+        assert len(ran) == STREAM_STEPS and sum(c for _, c in ran) == after["pos"] - before["pos"], (before, after)
+        assert all(k + c == k2 for (k, c), (k2, _) in zip(ran, ran[1:]))
+        assert before["left"] - after["left"] == after["pos"] - before["pos"]
+        before = after
+    assert queued[-1]["pos"] == waited[-1]["pos"] and queued[-1]["keys"] == waited[-1]["keys"]
