@@ -10,6 +10,8 @@ one change at a time, in rounds that alternate the forms on one machine:
   stream_write_behind   the same with each step's tokens written while the next step runs
                         (`DecodeConfig.ring_write_behind`)
   stream_no_ring        the stream's program with no ring write at all
+  stream_write_nothing  the stream's program with its ring write in place but writing nothing (a count of
+                        0: the engine's kernel launched, no store to host memory, no system fence)
 
   PYTHONPATH=. python3 -m bench.experiments.stream_step --layers 36 --out stream_step.json
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import statistics
 from unittest import mock
@@ -35,6 +38,13 @@ from jtilert.runtime.generate import STREAM_STEPS, Engine
 
 def _no_ring_write(pos, values, count=None):
     return pos + (jnp.ravel(jnp.asarray(values)).shape[0] if count is None else count)
+
+
+def _write_nothing(write, pos, values, count=None):
+    """`write` (the ring's) with a count of 0, still in the program: the next position is its result
+    plus the step's count."""
+    n = jnp.int32(jnp.ravel(jnp.asarray(values)).shape[0]) if count is None else count
+    return write(pos, values, jnp.zeros_like(n)) + n
 
 
 def forms(eng, context: int, total: int) -> dict:
@@ -63,6 +73,8 @@ def forms(eng, context: int, total: int) -> dict:
     out["stream_write_behind"] = stream_form(mock.patch.object(eng, "config",
                                                                dataclasses.replace(eng.config, ring_write_behind=True)))
     out["stream_no_ring"] = stream_form(mock.patch.object(ring, "write", _no_ring_write))
+    out["stream_write_nothing"] = stream_form(mock.patch.object(ring, "write",
+                                                                functools.partial(_write_nothing, ring.write)))
     return out
 
 
