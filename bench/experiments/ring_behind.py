@@ -7,7 +7,10 @@ position and budget, and the ring's keys with their counts; a call not ended aft
 probed), then all calls queued at once. A form that hangs only under CONCURRENT scheduling points at a
 missing edge in XLA's command-buffer graph; one that hangs with the loop run from the host too, at the
 program; one that ends with the layers unrolled, at a layer loop that never ends; one that ends
-when the graph is not updated for moved temporaries, at XLA's update of the loop body.
+when the graph is not updated for moved temporaries, at XLA's update of the loop body; one that ends
+without PDL, at programmatic edges in the loop's body. XLA runs a program that calls an FFI target
+from the host on its first execution (a warm-up: the thunks one by one, the loops from the host) and
+records its CUDA graph on the second, so a first call says nothing about the graph.
 
     python3 -m bench.experiments.ring_behind [--out ring_behind.json] [--hlo DIR]
 """
@@ -30,7 +33,7 @@ from jtilert.ffi import ring
 from jtilert.ops.table import STEP_XLA_OPTIONS, DecodeConfig
 from jtilert.runtime.generate import STREAM_STEPS, Engine, stop_array
 
-_SERIAL = tuple((k, v) for k, v in STEP_XLA_OPTIONS if k != "xla_gpu_command_buffer_scheduling_mode")
+_SERIAL = tuple((k, "SERIALIZE" if k == "xla_gpu_command_buffer_scheduling_mode" else v) for k, v in STEP_XLA_OPTIONS)
 _HOST_LOOP = tuple((k, "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL" if k == "xla_gpu_enable_command_buffer" else v)
                    for k, v in STEP_XLA_OPTIONS)
 FORMS = {   # name: DecodeConfig fields (backend "reference")
@@ -42,6 +45,8 @@ FORMS = {   # name: DecodeConfig fields (backend "reference")
     # allocator, each temporary at one virtual address)
     "behind_skip_temp": {"ring_write_behind": True,
                          "xla_options": STEP_XLA_OPTIONS + (("xla_gpu_command_buffer_update_mode", "SKIP_TEMP"),)},
+    # no programmatic dependent launch edges in the graph (XLA's default puts them between kernels)
+    "behind_no_pdl": {"ring_write_behind": True, "xla_options": STEP_XLA_OPTIONS + (("xla_gpu_enable_pdl", False),)},
     "at_end": {},
 }
 CALLS = 4
