@@ -19,8 +19,9 @@
 #                and end in its second step (bench/timeline.py) → timeline.json ("timeline" in the run),
 #                timeline.png (Gantt chart of layers 4-7), timeline.log
 #   contexts     the same, pallas only, at contexts 32K and 128K (issue 14's long-context targets)
-#   glm5         bench.decode for GLM-5's share (glm5-tp8-shard, all 78 layers, context 4096), pallas and plain
-#                XLA, CUPTI kernel profile: its step time, never measured (90.5 GiB of arguments: an H200)
+#   glm5         bench.decode for GLM-5's share (glm5-tp8-shard, context 4096), pallas and plain XLA, CUPTI kernel
+#                profile: its step time, never measured. All 78 layers on an H200 (90 GiB of weights); 41 on an
+#                H100 (about 47 GiB, as part decode's 36 layers of dsv32-tp8-shard: a step of fewer layers)
 #   breakdown    bench.decode at 8 layers with the attention / MLP timing variants (issue 7)
 #   checkpoint   a 4-layer bf16 dsv32-tp8-shard HF checkpoint at $CK (on the CPU), for the comparison with
 #                transformers, bench/vs_transformers.py (context 1024, 64 new tokens, greedy, batch 1; run it
@@ -217,9 +218,16 @@ call_variants() {  # call_variants NAME: part callvariants' run, logged as NAME,
 }
 share_layers() {  # the layers of dsv32-tp8-shard that fit this GPU: 61 on an H200; 36 on an H100, where the
   # 61 layers' 81.8 GiB of fp8 weights pass the 59 GiB that JAX takes of its 80 GB
+  if big_gpu; then echo 61; else echo 36; fi
+}
+glm5_layers() {  # the same for glm5-tp8-shard: all 78 (90.2 GiB) on an H200; 41 (about 47 GiB, as
+  # dsv32's 36) on an H100
+  if big_gpu; then echo 78; else echo 41; fi
+}
+big_gpu() {  # more than 100 GB of GPU memory (an H200)
   local mib
   mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
-  if [ "${mib:-0}" -gt 100000 ]; then echo 61; else echo 36; fi
+  [ "${mib:-0}" -gt 100000 ]
 }
 DEC="python3 -m bench.decode --preset dsv32-tp8-shard --context 4096"
 VS="python3 -m bench.vs_transformers $CK ${VS_ARGS:---context 1024 --new 64 --samples 10}"
@@ -352,7 +360,8 @@ for part in "$@"; do
         --out "$WORK/defaults_now.json"
       XLA_FLAGS="" step defaults_concurrent_only 200 $DEC --layers 61 --backend pallas --kernels --samples 6 \
         --xla-option xla_gpu_command_buffer_scheduling_mode=CONCURRENT --out "$WORK/defaults_concurrent_only.json" ;;
-    glm5) step glm5 480 python3 -m bench.decode --preset glm5-tp8-shard --context 4096 --backend pallas,reference \
+    glm5) step glm5 480 python3 -m bench.decode --preset glm5-tp8-shard --layers "$(glm5_layers)" --context 4096 \
+            --backend pallas,reference \
             --kernels --samples 6 --out "$WORK/glm5.json" ;;
     mtp_glm5) step mtp_glm5 540 python3 -m bench.decode --preset glm5-tp8-shard --context 4096 --backend pallas \
                 --mtp --samples 6 --out "$WORK/mtp_glm5.json" ;;
