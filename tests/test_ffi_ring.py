@@ -6,7 +6,6 @@ self-test runs the kernel on the GPU (cuda/tests/selftest.cu, test_token_ring)."
 
 from __future__ import annotations
 
-import functools
 import pathlib
 import re
 import subprocess
@@ -326,7 +325,8 @@ def test_the_device_loop_ends_at_a_stop_token_or_the_budget(tiny_random, host_ri
     from jtilert.runtime.generate import STREAM_STEPS
     prompt = [3, 17, 5, 9]
     plain = jtilert.Generator(tiny_random, max_seq_len=128, mtp=mtp, config=jtilert.DecodeConfig(token_ring=False))
-    gen = jtilert.Generator(tiny_random, max_seq_len=128, mtp=mtp, config=jtilert.DecodeConfig(ring_write_behind=behind))
+    gen = jtilert.Generator(tiny_random, max_seq_len=128, mtp=mtp,
+                            config=jtilert.DecodeConfig(ring_write_behind=behind))
     n = 3 * STREAM_STEPS + 5     # more steps than the two calls dispatched first
     want = list(plain.stream(prompt, n, stop_tokens=[]))
     assert list(gen.stream(prompt, n, stop_tokens=[])) == want
@@ -503,13 +503,13 @@ def test_bench_decode_profiles_before_the_call_variants_trace(tiny_random, host_
 
 
 def test_the_ring_behind_experiment_calls_the_mtp_stream_with_the_write_behind(tiny_random, host_ring):
-    """bench/experiments/ring_behind.py builds the MTP stream program with the write behind itself (the
-    Engine's MTP streams ignore the option): two ring writes in its loop's program, and its calls by
-    hand, waited for and queued, leave the positions and keys of the steps they ran."""
+    """bench/experiments/ring_behind.py's MTP stream program takes the write behind (the Engine's own
+    MTP streams ignore the option): two ring writes in its program against the Engine's one, and its
+    calls by hand, waited for and queued, leave the positions and keys of the steps they ran."""
     import jtilert
     from bench.experiments import ring_behind
     from jtilert.ops.table import DecodeConfig
-    from jtilert.runtime.generate import STREAM_STEPS
+    from jtilert.runtime.generate import STREAM_STEPS, Engine
 
     with pytest.warns(RuntimeWarning, match="does not apply to MTP"):
         _lib._warned.clear()  # noqa: SLF001
@@ -518,21 +518,13 @@ def test_the_ring_behind_experiment_calls_the_mtp_stream_with_the_write_behind(t
     eng = gen.engine
 
     def writes(jaxpr) -> int:   # the ring's writes (host callbacks here), in every nested program
-        n = 0
-        for e in jaxpr.eqns:
-            n += e.primitive.name == "io_callback"
-            for p in e.params.values():
-                for sub in p if isinstance(p, (tuple, list)) else (p,):
-                    sub = sub.jaxpr if isinstance(sub, jax.extend.core.ClosedJaxpr) else sub
-                    if isinstance(sub, jax.extend.core.Jaxpr):
-                        n += writes(sub)
-        return n
+        from decode_jaxprs import sub_jaxprs   # tests/decode_jaxprs.py
+        return sum((e.primitive.name == "io_callback") + sum(map(writes, sub_jaxprs(e))) for e in jaxpr.eqns)
 
     _, s = gen._start([3, 17, 5, 9], 60, jtilert.Sampling(temperature=0.0), loop=False)   # noqa: SLF001
     carry = (*gen._carry(s), eng.place(np.int32(100)))   # noqa: SLF001
     stops = eng.place(np.full(8, -1, np.int32))
-    for behind, n in ((True, 2), (False, 1)):
-        fn = eng._wrap(functools.partial(ring_behind.speculate_stream, behind=behind))   # noqa: SLF001
+    for fn, n in ((ring_behind.stream_program(eng), 2), (eng._wrap(Engine._speculate_stream), 1)):   # noqa: SLF001
         assert writes(jax.make_jaxpr(fn)(eng.state, *carry, s["params"], stops).jaxpr) == n
     waited = ring_behind.by_hand(gen, [3, 17, 5, 9], None, "behind", True)
     queued = ring_behind.by_hand(gen, [3, 17, 5, 9], None, "behind", False)

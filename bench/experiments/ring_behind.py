@@ -1,8 +1,8 @@
 """On a GPU: why the second call of an MTP stream with DecodeConfig.ring_write_behind never ends
 (bench/RESULTS.md, sessions 41-42).
 
-The tiny model's MTP stream program with the write behind (built here: the Engine's MTP streams ignore
-the option), called by hand under each of FORMS: one call at a time (after every call the carried
+The tiny model's MTP stream program with the write behind (`stream_program`: the Engine's own MTP
+streams ignore the option), called by hand under each of FORMS: one call at a time (after every call the carried
 position and budget, and the ring's keys with their counts; a call not ended after PROBE_S has the ring
 probed), then all calls queued at once. A form that hangs only under CONCURRENT scheduling points at a
 missing edge in XLA's command-buffer graph; one that hangs with the loop run from the host too, at the
@@ -33,7 +33,8 @@ from jtilert.ffi import ring
 from jtilert.ops.table import STEP_XLA_OPTIONS, DecodeConfig
 from jtilert.runtime.generate import STREAM_STEPS, Engine, stop_array
 
-_SERIAL = tuple((k, "SERIALIZE" if k == "xla_gpu_command_buffer_scheduling_mode" else v) for k, v in STEP_XLA_OPTIONS)
+_SERIAL = tuple((k, "SERIALIZE" if k == "xla_gpu_command_buffer_scheduling_mode" else v)
+                for k, v in STEP_XLA_OPTIONS)
 _HOST_LOOP = tuple((k, "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL" if k == "xla_gpu_enable_command_buffer" else v)
                    for k, v in STEP_XLA_OPTIONS)
 FORMS = {   # name: DecodeConfig fields (backend "reference")
@@ -46,7 +47,8 @@ FORMS = {   # name: DecodeConfig fields (backend "reference")
     "behind_skip_temp": {"ring_write_behind": True,
                          "xla_options": STEP_XLA_OPTIONS + (("xla_gpu_command_buffer_update_mode", "SKIP_TEMP"),)},
     # no programmatic dependent launch edges in the graph (XLA's default puts them between kernels)
-    "behind_no_pdl": {"ring_write_behind": True, "xla_options": STEP_XLA_OPTIONS + (("xla_gpu_enable_pdl", False),)},
+    "behind_no_pdl": {"ring_write_behind": True,
+                      "xla_options": STEP_XLA_OPTIONS + (("xla_gpu_enable_pdl", False),)},
     "at_end": {},
 }
 CALLS = 4
@@ -58,25 +60,21 @@ def keys(tokens: ring.TokenRing) -> list:
     return sorted((int(s[0]), int(s[1])) for s in tokens.slots if s[0] >= 0)
 
 
-def speculate_stream(model, ops, cache, token, draft, pos, key, left, params, stops, behind: bool):
-    """`Engine._speculate_stream` with the write behind too (the Engine's MTP streams write at each
-    step's end)."""
-    def step(c):
-        *c, emitted, n = Engine._speculate(model, ops, *c, params)   # noqa: SLF001
-        return tuple(c), emitted, n
-    return Engine._stream_loop(step, (cache, token, draft, pos, key), 3, 2, left, stops, behind=behind)   # noqa: SLF001
+def stream_program(eng):
+    """The Engine's MTP stream step with the write behind where its config asks for it (the Engine's own
+    MTP streams never take it)."""
+    return eng._wrap(functools.partial(Engine._speculate_stream, behind=eng.config.ring_write_behind))   # noqa: SLF001
 
 
 def by_hand(gen, prompt, hlo: pathlib.Path | None, name: str, wait: bool) -> list:
     """CALLS calls of the MTP stream program, each waited for (`wait`) or all queued at once: what
     each left behind (queued: read after the last)."""
-    first, s = gen._start(prompt, 120, jtilert.Sampling(temperature=0.0), loop=False)   # noqa: SLF001
+    _, s = gen._start(prompt, 120, jtilert.Sampling(temperature=0.0), loop=False)   # noqa: SLF001
     eng = gen.engine
     stops = eng.place(stop_array([]))
     carry = (*gen._carry(s), eng.place(np.int32(100)))   # noqa: SLF001
-    fn = eng._wrap(functools.partial(speculate_stream, behind=eng.config.ring_write_behind))   # noqa: SLF001
-    exe = jax.jit(fn, donate_argnums=(1, 2, 3, 4, 5, 6)).lower(eng.state, *carry, s["params"], stops).compile(
-        eng.loop_options)
+    exe = jax.jit(stream_program(eng), donate_argnums=(1, 2, 3, 4, 5, 6)).lower(
+        eng.state, *carry, s["params"], stops).compile(eng.loop_options)
     if hlo is not None and wait:
         try:
             (hlo / f"{name}.txt").write_text(exe.as_text())

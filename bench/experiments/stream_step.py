@@ -64,7 +64,7 @@ def forms(eng, context: int, total: int) -> dict:
     stream = [decode.random_cache(eng, rows, seed=1), eng.place(jnp.array([1], jnp.int32)),
               eng.place(jnp.int32(context)), eng.place(jax.random.PRNGKey(1)), None]
 
-    def stream_form(patch=None):
+    def stream_form(patch=None):   # options given: compiled here under the patch, not the engine's program
         with patch or contextlib.nullcontext():
             call, _ = decode.stream_call(eng, False, tuple(stream[:4]), 4 * total, params, STREAM_STEPS,
                                          None if patch is None else eng.loop_options)

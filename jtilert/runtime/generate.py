@@ -316,13 +316,13 @@ class Engine:
         return Engine._stream_loop(step, (cache, token, pos, key), 2, 1, left, stops, steps, behind)
 
     @staticmethod
-    def _speculate_stream(model, ops, cache, token, draft, pos, key, left, params, stops):
-        """`_stream_loop` of MTP steps (1 or 2 tokens each), each writing at its end: (cache, token,
-        draft, pos, key, left)."""
+    def _speculate_stream(model, ops, cache, token, draft, pos, key, left, params, stops, behind: bool = False):
+        """`_stream_loop` of MTP steps (1 or 2 tokens each): (cache, token, draft, pos, key, left). The
+        Engine leaves `behind` off (see its construction); bench/experiments/ring_behind.py sets it."""
         def step(c):
             *c, emitted, n = Engine._speculate(model, ops, *c, params)
             return tuple(c), emitted, n
-        return Engine._stream_loop(step, (cache, token, draft, pos, key), 3, 2, left, stops)
+        return Engine._stream_loop(step, (cache, token, draft, pos, key), 3, 2, left, stops, behind=behind)
 
     @staticmethod
     def _speculate(model, ops, cache, token, draft, pos, key, params):
