@@ -10,7 +10,9 @@ program; one that ends with the layers unrolled, at a layer loop that never ends
 when the graph is not updated for moved temporaries, at XLA's update of the loop body; one that ends
 without PDL, at programmatic edges in the loop's body. XLA runs a program that calls an FFI target
 from the host on its first execution (a warm-up: the thunks one by one, the loops from the host) and
-records its CUDA graph on the second, so a first call says nothing about the graph.
+records its CUDA graph on the second, so a first call says nothing about the graph. `behind_pure` has no
+FFI call at all: each write replaced by what it returns (the position plus the count), so a hang there
+is XLA's graph of the loop, not the traced FFI node (its program's graph is recorded on its first call).
 
     python3 -m bench.experiments.ring_behind [--out ring_behind.json] [--hlo DIR]
 """
@@ -18,14 +20,17 @@ records its CUDA graph on the second, so a first call says nothing about the gra
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import functools
 import json
 import pathlib
 import threading
 import time
+from unittest import mock
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import jtilert
@@ -49,10 +54,18 @@ FORMS = {   # name: DecodeConfig fields (backend "reference")
     # no programmatic dependent launch edges in the graph (XLA's default puts them between kernels)
     "behind_no_pdl": {"ring_write_behind": True,
                       "xla_options": STEP_XLA_OPTIONS + (("xla_gpu_enable_pdl", False),)},
+    "behind_pure": {"ring_write_behind": True},   # run under pure_writes(): no FFI call in the program
     "at_end": {},
 }
+PURE = {"behind_pure"}
 CALLS = 4
 PROBE_S = 20.0
+
+
+def pure_write(pos, values, count=None):
+    """What `ring.write` returns (the next position), without writing anything."""
+    count = jnp.int32(jnp.ravel(values).shape[0]) if count is None else count
+    return pos + jnp.reshape(count, jnp.shape(pos)).astype(jnp.int32)
 
 
 def keys(tokens: ring.TokenRing) -> list:
@@ -129,8 +142,9 @@ def main():
     for name in a.forms.split(","):
         cfg = DecodeConfig(backend="reference", **FORMS[name])
         gen = jtilert.Generator(model, max_seq_len=1024, mtp=True, config=cfg)
-        results[name] = {"waited": by_hand(gen, prompt, a.hlo, name, True),
-                         "queued": by_hand(gen, prompt, None, name, False)}
+        with mock.patch.object(ring, "write", pure_write) if name in PURE else contextlib.nullcontext():
+            results[name] = {"waited": by_hand(gen, prompt, a.hlo, name, True),
+                             "queued": by_hand(gen, prompt, None, name, False)}
     if a.out:
         pathlib.Path(a.out).write_text(json.dumps(results, indent=1))
 
