@@ -538,7 +538,8 @@ def test_the_ring_behind_experiment_calls_the_mtp_stream_with_the_write_behind(t
         assert before["left"] - after["left"] == after["pos"] - before["pos"]
         before = after
     assert queued[-1]["pos"] == waited[-1]["pos"] and queued[-1]["keys"] == waited[-1]["keys"]
-    with mock.patch.object(ring_behind.ring, "write", ring_behind.pure_write):   # form behind_pure: no write,
-        pure = ring_behind.by_hand(gen, [3, 17, 5, 9], None, "behind_pure", True)   # the same steps
-    assert [c["pos"] for c in pure[1:]] == [c["pos"] for c in waited[1:]] and pure[-1]["keys"] == []
-    assert [c["left"] for c in pure[1:]] == [c["left"] for c in waited[1:]]
+    for name, wrote in (("behind_pure", []), ("behind_rooted", waited[-1]["keys"])):   # the same steps; the
+        with mock.patch.object(ring_behind.ring, "write", ring_behind.WRITES[name]):   # pure form writes nothing
+            calls = ring_behind.by_hand(gen, [3, 17, 5, 9], None, name, True)
+        assert [(c["pos"], c["left"]) for c in calls[1:]] == [(c["pos"], c["left"]) for c in waited[1:]], name
+        assert calls[-1]["keys"] == wrote, name

@@ -13,6 +13,9 @@ from the host on its first execution (a warm-up: the thunks one by one, the loop
 records its CUDA graph on the second, so a first call says nothing about the graph. `behind_pure` has no
 FFI call at all: each write replaced by what it returns (the position plus the count), so a hang there
 is XLA's graph of the loop, not the traced FFI node (its program's graph is recorded on its first call).
+`behind_rooted` gives the write a kernel before it in its iteration (its tokens pass through a select), so
+it is no longer a root of the loop body's graph; `behind_lhs` schedules the graph's nodes in the order
+of XLA's latency-hiding scheduler (its LHS mode) instead of by their buffers alone.
 
     python3 -m bench.experiments.ring_behind [--out ring_behind.json] [--hlo DIR]
 """
@@ -40,6 +43,7 @@ from jtilert.runtime.generate import STREAM_STEPS, Engine, stop_array
 
 _SERIAL = tuple((k, "SERIALIZE" if k == "xla_gpu_command_buffer_scheduling_mode" else v)
                 for k, v in STEP_XLA_OPTIONS)
+_LHS = tuple((k, "LHS" if k == "xla_gpu_command_buffer_scheduling_mode" else v) for k, v in STEP_XLA_OPTIONS)
 _HOST_LOOP = tuple((k, "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL" if k == "xla_gpu_enable_command_buffer" else v)
                    for k, v in STEP_XLA_OPTIONS)
 FORMS = {   # name: DecodeConfig fields (backend "reference")
@@ -54,10 +58,11 @@ FORMS = {   # name: DecodeConfig fields (backend "reference")
     # no programmatic dependent launch edges in the graph (XLA's default puts them between kernels)
     "behind_no_pdl": {"ring_write_behind": True,
                       "xla_options": STEP_XLA_OPTIONS + (("xla_gpu_enable_pdl", False),)},
-    "behind_pure": {"ring_write_behind": True},   # run under pure_writes(): no FFI call in the program
+    "behind_lhs": {"ring_write_behind": True, "xla_options": _LHS},
+    "behind_pure": {"ring_write_behind": True},     # ring.write replaced by WRITES[name]
+    "behind_rooted": {"ring_write_behind": True},
     "at_end": {},
 }
-PURE = {"behind_pure"}
 CALLS = 4
 PROBE_S = 20.0
 
@@ -66,6 +71,15 @@ def pure_write(pos, values, count=None):
     """What `ring.write` returns (the next position), without writing anything."""
     count = jnp.int32(jnp.ravel(values).shape[0]) if count is None else count
     return pos + jnp.reshape(count, jnp.shape(pos)).astype(jnp.int32)
+
+
+def rooted_write(pos, values, count=None, write=ring.write):
+    """`ring.write` after a kernel of the same iteration: the tokens pass through a select (the same
+    values: positions are never negative), which XLA cannot fold into the FFI call."""
+    return write(pos, jnp.where(jnp.reshape(pos, ()) >= 0, values, -1), count)
+
+
+WRITES = {"behind_pure": pure_write, "behind_rooted": rooted_write}   # forms that replace ring.write
 
 
 def keys(tokens: ring.TokenRing) -> list:
@@ -142,7 +156,7 @@ def main():
     for name in a.forms.split(","):
         cfg = DecodeConfig(backend="reference", **FORMS[name])
         gen = jtilert.Generator(model, max_seq_len=1024, mtp=True, config=cfg)
-        with mock.patch.object(ring, "write", pure_write) if name in PURE else contextlib.nullcontext():
+        with mock.patch.object(ring, "write", WRITES[name]) if name in WRITES else contextlib.nullcontext():
             results[name] = {"waited": by_hand(gen, prompt, a.hlo, name, True),
                              "queued": by_hand(gen, prompt, None, name, False)}
     if a.out:
