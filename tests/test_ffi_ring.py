@@ -53,6 +53,20 @@ def test_the_carried_position_keeps_the_write(monkeypatch, loop):
     assert re.search(r"\(tensor<1xi32>, tensor<1xi32>, tensor<1xi32>\) -> tensor<1xi32>", calls[0]), calls[0]
 
 
+def test_the_next_position_takes_the_keys_buffer(monkeypatch):
+    """The write's result is aliased to its key (`pos`): XLA writes the next position over it, so a
+    loop that carries it needs no copy into the carried buffer after the write (a memcpy node at the
+    end of each step's graph, where the next step waits on it). The kernel reads the key before it
+    writes the result."""
+    monkeypatch.setattr(ffi_ops, "EMIT_WITHOUT_GPU", True)
+    txt = _cuda_text(jax.jit(lambda pos, tok: ring.write(pos, tok * 3 + pos)), S((), jnp.int32), S((1,), jnp.int32))
+    call = next(line for line in txt.splitlines() if "custom_call @jtilert_token_ring" in line)
+    assert re.search(r"output_operand_alias<output_tuple_indices = \[\], operand_index = 0,", call), call
+    src = (pathlib.Path(__file__).parents[1] / "cuda" / "src" / "ring.cu").read_text()
+    kernel = src[src.index("__global__ void ring_write_kernel"):]
+    assert kernel.index("= *pos;") < kernel.index("next[0] =")
+
+
 def test_inside_shard_map_each_device_writes(monkeypatch):
     """With tp > 1 the step runs under shard_map (as `Engine._wrap` makes it): one call a device, each
     writing into its own device's ring."""

@@ -597,7 +597,8 @@ ffi::Error PrefetchL2Impl(cudaStream_t stream, int32_t dev,
 // A step's new tokens into the device's token ring (src/ring.cu): `values`
 // (int32, 1 to JT_RING_MAX_VALUES of them) and `count` (one int32: how many
 // of them are the step's) under the key `pos` (one int32). The result (int32
-// [1]) is the next step's position, pos + count. The same launch on every
+// [1]) is the next step's position, pos + count, written over pos (the
+// lowering aliases them, jtilert/ffi/ring.py). The same launch on every
 // call.
 ffi::Error TokenRingImpl(cudaStream_t stream, int32_t dev, ffi::AnyBuffer pos,
                          ffi::AnyBuffer values, ffi::AnyBuffer count,

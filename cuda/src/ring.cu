@@ -46,9 +46,10 @@ constexpr int kMaxDevices = 64;
 std::mutex g_ring_mutex;
 Ring g_rings[kMaxDevices];
 
-__global__ void ring_write_kernel(int32_t* ring, const int32_t* __restrict__ pos,
+__global__ void ring_write_kernel(int32_t* ring, const int32_t* pos,
                                   const int32_t* __restrict__ values, int n_values,
                                   const int32_t* __restrict__ count, int32_t* next) {
+  // `next` may be `pos`'s buffer (XLA aliases them): the key is read before the result is written.
   const int32_t p = *pos;
   const int32_t n = count != nullptr ? *count : n_values;
   next[0] = p + n;

@@ -52,7 +52,9 @@ def _lower_cuda(ctx, pos, values, count):
         lib, why = _lib.load()
         if lib is None:
             raise NotImplementedError(f"token_ring: the CUDA engine is not loaded ({why})")
-    return jax.ffi.ffi_lowering("jtilert_token_ring")(ctx, pos, values, count)
+    # The next position is written over the key's buffer: a loop that carries it then needs no copy into
+    # the carried buffer after the write (a memcpy node on which the next step would wait).
+    return jax.ffi.ffi_lowering("jtilert_token_ring", operand_output_aliases={0: 0})(ctx, pos, values, count)
 
 
 mlir.register_lowering(token_ring_p, _no_engine)
