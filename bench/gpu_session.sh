@@ -63,8 +63,8 @@
 #                hand, under XLA's serial scheduling, with the loop run from the host, with the layers unrolled, with
 #                the graph not updated for moved temporaries, without PDL, with no FFI call, with a kernel before the
 #                write, under XLA's LHS scheduling, and the write at the end (RING_FORMS picks among its FORMS, default
-#                the forms not yet run on a GPU and the control, each in its own process killed after RING_STUCK_S,
-#                default 80; `behind`, the shipped options, hung in session 42), each form's HLO in ring_debug_hlo/
+#                the forms not yet run on a GPU and the control, each in its own process, ended when a call has not
+#                ended after RING_STUCK_S, default 60; `behind`, the shipped options, hung in session 42), each form's HLO in ring_debug_hlo/
 #                (after build)
 #   route        tests/gpu/route_check.py: the engine's router selection vs the reference, and their times
 #   envab        bench.decode at the share's layers, pallas, without --kernels (no CUPTI), one process each:
@@ -469,7 +469,7 @@ for part in "$@"; do
     ringbehind) step ringbehind 300 python3 tests/gpu/ring_check.py --write-behind "$WORK/ring_behind.json" ;;
     ringdebug)  # each form in a process of its own: one that hangs leaves the others their time
       for f in ${RING_FORMS:-behind_lhs behind_rooted at_end}; do
-        step "ringdebug_$f" 100 python3 -m bench.experiments.ring_behind --forms "$f" --stuck-s "${RING_STUCK_S:-80}" \
+        step "ringdebug_$f" 100 python3 -m bench.experiments.ring_behind --forms "$f" --stuck-s "${RING_STUCK_S:-60}" \
           --out "$WORK/ring_debug_$f.json" --hlo "$WORK/ring_debug_hlo"
       done ;;
     route) step route 200 python3 tests/gpu/route_check.py --out "$WORK/route.json" ;;

@@ -65,6 +65,8 @@ FORMS = {   # name: DecodeConfig fields (backend "reference")
 }
 CALLS = 4
 PROBE_S = 20.0
+STUCK_S: float | None = None   # main's --stuck-s: a call not ended after it has every thread's stack printed
+                               # and the process ended
 
 
 def pure_write(pos, values, count=None):
@@ -127,8 +129,11 @@ def state(i: int, carry, eng) -> dict:
     written again by a call still running)."""
     probe = threading.Timer(PROBE_S, lambda: probe_ring(eng.ring, i))
     probe.start()
+    if STUCK_S is not None:
+        faulthandler.dump_traceback_later(STUCK_S, exit=True)   # where the host waits, if it hangs
     pos, left = (int(np.asarray(carry[k]).reshape(-1)[0]) for k in (3, 5))
     probe.cancel()
+    faulthandler.cancel_dump_traceback_later()
     return {"call": i, "pos": pos, "left": left, "keys": keys(eng.ring)}
 
 
@@ -141,13 +146,15 @@ def probe_ring(tokens: ring.TokenRing, i: int) -> None:
 
 
 def main():
+    global STUCK_S   # noqa: PLW0603  (state() reads it)
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out")
     p.add_argument("--hlo", type=pathlib.Path, help="a folder for each form's compiled HLO")
     p.add_argument("--forms", default=",".join(FORMS))
-    p.add_argument("--stuck-s", type=float, default=240.0, help="print every thread's stack and exit after this")
+    p.add_argument("--stuck-s", type=float, default=60.0,
+                   help="print every thread's stack and exit when a call has not ended after this")
     a = p.parse_args()
-    faulthandler.dump_traceback_later(a.stuck_s, exit=True)   # where the host waits, if it hangs
+    STUCK_S = a.stuck_s
     if a.hlo is not None:
         a.hlo.mkdir(parents=True, exist_ok=True)
     model = jtilert.load("tiny")
