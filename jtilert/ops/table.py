@@ -115,7 +115,7 @@ class DecodeConfig:
         load, with a warning once).
     ring_write_behind: with the token ring, each step of a stream call writes its tokens while the next
         step runs (the last step's after the call's loop) instead of at its own end, where the next step
-        waits for the write: 0.13 ms a step on an H100 (bench/RESULTS.md, session 41). Plain streams
+        waits for the write: 0.12 ms a step on an H100 (bench/RESULTS.md, session 43). Plain streams
         only: with it the second call of an MTP stream never ends on a GPU (session 42), so MTP streams
         write at each step's end, with a warning once. Off by default until that is understood.
     """
