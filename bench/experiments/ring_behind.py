@@ -65,8 +65,6 @@ FORMS = {   # name: DecodeConfig fields (backend "reference")
 }
 CALLS = 4
 PROBE_S = 20.0
-STUCK_S: float | None = None   # main's --stuck-s: a call not ended after it has every thread's stack printed
-                               # and the process ended
 
 
 def pure_write(pos, values, count=None):
@@ -95,7 +93,7 @@ def stream_program(eng):
     return eng._wrap(functools.partial(Engine._speculate_stream, behind=eng.config.ring_write_behind))   # noqa: SLF001
 
 
-def by_hand(gen, prompt, hlo: pathlib.Path | None, name: str, wait: bool) -> list:
+def by_hand(gen, prompt, hlo: pathlib.Path | None, name: str, wait: bool, stuck_s: float | None = None) -> list:
     """CALLS calls of the MTP stream program, each waited for (`wait`) or all queued at once: what
     each left behind (queued: read after the last)."""
     _, s = gen._start(prompt, 120, jtilert.Sampling(temperature=0.0), loop=False)   # noqa: SLF001
@@ -115,22 +113,23 @@ def by_hand(gen, prompt, hlo: pathlib.Path | None, name: str, wait: bool) -> lis
         carry = exe(eng.state, *carry, s["params"], stops)
         print(name, "call", i, "enqueued", flush=True)
         if wait:
-            calls.append(state(i, carry, eng))
+            calls.append(state(i, carry, eng, stuck_s))
             print(name, calls[-1], flush=True)
     if not wait:
-        calls.append(state(CALLS - 1, carry, eng))
+        calls.append(state(CALLS - 1, carry, eng, stuck_s))
     print(name, "waited" if wait else "queued", calls, flush=True)
     return calls
 
 
-def state(i: int, carry, eng) -> dict:
+def state(i: int, carry, eng, stuck_s: float | None = None) -> dict:
     """What call i left behind, once it has ended. If it has not ended after PROBE_S, the ring is
     probed: its keys printed, cleared, and printed again a second later (keys that come back were
-    written again by a call still running)."""
+    written again by a call still running). If it has not ended after `stuck_s`, every thread's stack is
+    printed and the process ends."""
     probe = threading.Timer(PROBE_S, lambda: probe_ring(eng.ring, i))
     probe.start()
-    if STUCK_S is not None:
-        faulthandler.dump_traceback_later(STUCK_S, exit=True)   # where the host waits, if it hangs
+    if stuck_s is not None:
+        faulthandler.dump_traceback_later(stuck_s, exit=True)   # where the host waits, if it hangs
     pos, left = (int(np.asarray(carry[k]).reshape(-1)[0]) for k in (3, 5))
     probe.cancel()
     faulthandler.cancel_dump_traceback_later()
@@ -146,7 +145,6 @@ def probe_ring(tokens: ring.TokenRing, i: int) -> None:
 
 
 def main():
-    global STUCK_S   # noqa: PLW0603  (state() reads it)
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out")
     p.add_argument("--hlo", type=pathlib.Path, help="a folder for each form's compiled HLO")
@@ -154,7 +152,6 @@ def main():
     p.add_argument("--stuck-s", type=float, default=60.0,
                    help="print every thread's stack and exit when a call has not ended after this")
     a = p.parse_args()
-    STUCK_S = a.stuck_s
     if a.hlo is not None:
         a.hlo.mkdir(parents=True, exist_ok=True)
     model = jtilert.load("tiny")
@@ -164,8 +161,8 @@ def main():
         cfg = DecodeConfig(backend="reference", **FORMS[name])
         gen = jtilert.Generator(model, max_seq_len=1024, mtp=True, config=cfg)
         with mock.patch.object(ring, "write", WRITES[name]) if name in WRITES else contextlib.nullcontext():
-            results[name] = {"waited": by_hand(gen, prompt, a.hlo, name, True),
-                             "queued": by_hand(gen, prompt, None, name, False)}
+            results[name] = {"waited": by_hand(gen, prompt, a.hlo, name, True, a.stuck_s),
+                             "queued": by_hand(gen, prompt, None, name, False, a.stuck_s)}
     if a.out:
         pathlib.Path(a.out).write_text(json.dumps(results, indent=1))
 
