@@ -430,34 +430,39 @@ def test_bench_decode_queued_forms(tiny_random, host_ring):
 
 
 def test_stream_step_experiment(tiny_random, host_ring):
-    """bench/experiments/stream_step.py's forms all run; the stream's and the write-behind form write
-    the ring (positions from the context on), the form without the ring write does not, and the form
-    that writes nothing calls the write once a step with a count of 0."""
+    """bench/experiments/stream_step.py's forms all run; the stream's, the write-behind form and the
+    write followed by a fusion write the ring (positions from the context on), the forms without the
+    ring write do not, and the form that writes nothing calls the write once a step with a count of 0."""
     from bench import decode
     from bench.experiments import stream_step
     from jtilert.runtime.generate import STREAM_STEPS, Engine
     total = 2 * STREAM_STEPS
     every = stream_step.forms(Engine(tiny_random), 20, total)
     assert set(every) == {"timing_loop", "timing_loop_served", "stream", "stream_write_behind", "stream_no_ring",
-                          "stream_write_nothing"}
+                          "stream_write_nothing", "stream_write_then_fusion", "stream_pallas_next"}
     ms = stream_step.rounds({k: v for k, v in every.items() if k.startswith("timing")}, total, 1)
     assert all(len(v) == 1 and v[0] > 0 for v in ms.values())
     jax.effects_barrier()
-    host_ring.clear()
-    decode.queued({STREAM_STEPS: every["stream_no_ring"]}, total, 1)
-    jax.effects_barrier()
-    assert host_ring.keys() == []
+    for form in ("stream_no_ring", "stream_pallas_next"):
+        host_ring.clear()
+        decode.queued({STREAM_STEPS: every[form]}, total, 1)
+        jax.effects_barrier()
+        assert host_ring.keys() == [], form
     stored = []
     store, host_ring.store = host_ring.store, lambda pos, values: stored.append(len(values))
     decode.queued({STREAM_STEPS: every["stream_write_nothing"]}, total, 1)
     jax.effects_barrier()
     host_ring.store = store
     assert host_ring.keys() == [] and stored == [0] * total, stored
-    for form in ("stream", "stream_write_behind"):
+    for form in ("stream", "stream_write_behind", "stream_write_then_fusion"):
         host_ring.clear()
         decode.queued({STREAM_STEPS: every[form]}, total, 1)
         jax.effects_barrier()
         assert host_ring.keys() == list(range(20, 20 + total)), (form, host_ring.keys())
+    from one_kernel import run_one_kernel   # the Mosaic kernel in stream_pallas_next's place: one launch, pos + count
+    nxt = run_one_kernel(stream_step.next_position, jnp.array([17], jnp.int32), jnp.array([5, 9], jnp.int32),
+                         jnp.int32(2))
+    assert nxt.tolist() == [19]
 
 
 def test_bench_decode_profiles_before_the_call_variants_trace(tiny_random, host_ring, monkeypatch):

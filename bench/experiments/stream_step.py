@@ -12,6 +12,13 @@ one change at a time, in rounds that alternate the forms on one machine:
   stream_no_ring        the stream's program with no ring write at all
   stream_write_nothing  the stream's program with its ring write in place but writing nothing (a count of
                         0: the engine's kernel launched, no store to host memory, no system fence)
+  stream_write_then_fusion  the stream's ring write followed by an XLA kernel that reads its result (the
+                        next position, max(·, 0)), so that the FFI call is not the last node of the step
+  stream_pallas_next    no ring write: the next position computed by a one-warpgroup Mosaic-GPU kernel in
+                        its place (then sliced by XLA), so a custom call of jax's own sits where the write is
+
+The last two tell whether a step pays for the engine's FFI node at its end, for any custom call there,
+or for the write being the step's last node.
 
   PYTHONPATH=. python3 -m bench.experiments.stream_step --layers 36 --out stream_step.json
 """
@@ -27,12 +34,14 @@ import statistics
 from unittest import mock
 
 import jax
+import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 import jtilert
 from bench import decode, provenance
 from jtilert.ffi import ring
 from jtilert.ops.table import DecodeConfig
+from jtilert.pallas import interpret
 from jtilert.runtime.generate import STREAM_STEPS, Engine
 
 
@@ -45,6 +54,36 @@ def _write_nothing(write, pos, values, count=None):
     plus the step's count."""
     n = jnp.int32(jnp.ravel(jnp.asarray(values)).shape[0]) if count is None else count
     return write(pos, values, jnp.zeros_like(n)) + n
+
+
+def _then_fusion(write, pos, values, count=None):
+    """`write` (the ring's) with an XLA kernel after it that reads its result: positions are never
+    negative, so max(next, 0) is the next position, which XLA cannot know."""
+    return jnp.maximum(write(pos, values, count), 0)
+
+
+LANES = 128
+
+
+def next_position(pos, values, count=None):
+    """What `ring.write` returns (pos + count), computed by one Mosaic-GPU kernel of one warpgroup on
+    int32 [LANES] vectors (the copies to and from shared memory need whole rows), the first lane kept."""
+    count = jnp.int32(jnp.ravel(values).shape[0]) if count is None else count
+
+    def body(p_gmem, n_gmem, o_gmem, p_smem, n_smem, o_smem, barrier):
+        plgpu.copy_gmem_to_smem(p_gmem, p_smem, barrier)
+        plgpu.copy_gmem_to_smem(n_gmem, n_smem, barrier)
+        plgpu.barrier_wait(barrier)
+        o_smem[...] = p_smem[...] + n_smem[...]
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_gmem)
+        plgpu.wait_smem_to_gmem(0)
+
+    kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((LANES,), jnp.int32),
+                          scratch_types=[plgpu.SMEM((LANES,), jnp.int32)] * 3 + [plgpu.Barrier(num_arrivals=2)],
+                          interpret=interpret.params(), kernel_name="jtilert_experiment_next_position")
+    wide = lambda v: jnp.broadcast_to(jnp.reshape(v, (1,)).astype(jnp.int32), (LANES,))
+    return jnp.reshape(kernel(wide(pos), wide(count))[:1], jnp.shape(pos))
 
 
 def forms(eng, context: int, total: int) -> dict:
@@ -75,6 +114,9 @@ def forms(eng, context: int, total: int) -> dict:
     out["stream_no_ring"] = stream_form(mock.patch.object(ring, "write", _no_ring_write))
     out["stream_write_nothing"] = stream_form(mock.patch.object(ring, "write",
                                                                 functools.partial(_write_nothing, ring.write)))
+    out["stream_write_then_fusion"] = stream_form(mock.patch.object(ring, "write",
+                                                                    functools.partial(_then_fusion, ring.write)))
+    out["stream_pallas_next"] = stream_form(mock.patch.object(ring, "write", next_position))
     return out
 
 
