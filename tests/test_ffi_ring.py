@@ -439,7 +439,8 @@ def test_stream_step_experiment(tiny_random, host_ring):
     total = 2 * STREAM_STEPS
     every = stream_step.forms(Engine(tiny_random), 20, total)
     assert set(every) == {"timing_loop", "timing_loop_served", "stream", "stream_write_behind", "stream_no_ring",
-                          "stream_write_nothing", "stream_write_then_fusion", "stream_pallas_next"}
+                          "stream_write_nothing", "stream_write_then_fusion", "stream_pallas_next",
+                          "timing_loop_no_pdl", "stream_no_pdl"}
     ms = stream_step.rounds({k: v for k, v in every.items() if k.startswith("timing")}, total, 1)
     assert all(len(v) == 1 and v[0] > 0 for v in ms.values())
     jax.effects_barrier()
@@ -454,7 +455,7 @@ def test_stream_step_experiment(tiny_random, host_ring):
     jax.effects_barrier()
     host_ring.store = store
     assert host_ring.keys() == [] and stored == [0] * total, stored
-    for form in ("stream", "stream_write_behind", "stream_write_then_fusion"):
+    for form in ("stream", "stream_write_behind", "stream_write_then_fusion", "stream_no_pdl"):
         host_ring.clear()
         decode.queued({STREAM_STEPS: every[form]}, total, 1)
         jax.effects_barrier()

@@ -17,8 +17,13 @@ one change at a time, in rounds that alternate the forms on one machine:
   stream_pallas_next    no ring write: the next position computed by a one-warpgroup Mosaic-GPU kernel in
                         its place (then sliced by XLA), so a custom call of jax's own sits where the write is
 
-The last two tell whether a step pays for the engine's FFI node at its end, for any custom call there,
-or for the write being the step's last node.
+  timing_loop_no_pdl, stream_no_pdl  the timing loop's and the stream's programs without programmatic
+                        dependent launches (`xla_gpu_enable_pdl=false`): XLA gives PDL edges only between
+                        kernel nodes, so the write's node breaks the chain of early launches around it
+
+stream_write_then_fusion and stream_pallas_next tell whether a step pays for the engine's FFI node at its
+end, for any custom call there, or for the write being the step's last node; the two no_pdl forms whether
+what the write costs is PDL's overlap lost around it (then their gap is smaller than the default's).
 
   PYTHONPATH=. python3 -m bench.experiments.stream_step --layers 36 --out stream_step.json
 """
@@ -96,8 +101,10 @@ def forms(eng, context: int, total: int) -> dict:
              eng.place(jnp.array([2], jnp.int32)), eng.place(jax.random.PRNGKey(0))]
     out = {}
     ids = (eng.place(jax.random.randint(jax.random.PRNGKey(1), (997,), 0, eng.cfg.vocab_size, jnp.int32)),)
-    for name, advance, fed in (("timing_loop", False, ()), ("timing_loop_served", True, ids)):
-        out[name] = decode.loop_form(eng, decode.device_loop(eng, False, advance), state, here, params,
+    no_pdl = {**(eng.step_options or {}), "xla_gpu_enable_pdl": False}
+    for name, advance, fed, options in (("timing_loop", False, (), None), ("timing_loop_served", True, ids, None),
+                                        ("timing_loop_no_pdl", False, (), no_pdl)):
+        out[name] = decode.loop_form(eng, decode.device_loop(eng, False, advance, options), state, here, params,
                                      STREAM_STEPS, fed)
         jax.block_until_ready(out[name][0]())   # compile
     stream = [decode.random_cache(eng, rows, seed=1), eng.place(jnp.array([1], jnp.int32)),
@@ -117,6 +124,9 @@ def forms(eng, context: int, total: int) -> dict:
     out["stream_write_then_fusion"] = stream_form(mock.patch.object(ring, "write",
                                                                     functools.partial(_then_fusion, ring.write)))
     out["stream_pallas_next"] = stream_form(mock.patch.object(ring, "write", next_position))
+    xla_no_pdl = tuple(eng.config.xla_options) + (("xla_gpu_enable_pdl", False),)
+    out["stream_no_pdl"] = stream_form(mock.patch.object(eng, "config",
+                                                         dataclasses.replace(eng.config, xla_options=xla_no_pdl)))
     return out
 
 
