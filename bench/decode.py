@@ -589,10 +589,11 @@ def loop_form(eng, loop, carry: list, pos, params, k: int, ids: tuple = ()) -> t
 
 def stream_form(eng, call, state: list, start: int, left: int) -> tuple:
     """(restart, call) for `queued`: calls of a `stream_call`'s `call`; state: its carried arrays
-    (cache, token, pos, key, left), replaced by each call's. restart: the positions from `start`
-    again and `left` tokens wanted (never reached). Warmed once here."""
+    (cache, token, pos, key, left), or (cache, token, draft, pos, key, left) for MTP, replaced by each
+    call's. restart: the positions from `start` again and `left` tokens wanted (never reached). Warmed
+    once here."""
     def restart():
-        state[2], state[4] = eng.place(jnp.int32(start)), eng.place(jnp.int32(left))
+        state[-3], state[-1] = eng.place(jnp.int32(start)), eng.place(jnp.int32(left))
         return state
 
     def one():

@@ -432,7 +432,8 @@ def test_bench_decode_queued_forms(tiny_random, host_ring):
 def test_stream_step_experiment(tiny_random, host_ring):
     """bench/experiments/stream_step.py's forms all run; the stream's, the write-behind form and the
     write followed by a fusion write the ring (positions from the context on), the forms without the
-    ring write do not, and the form that writes nothing calls the write once a step with a count of 0."""
+    ring write do not, the form that writes nothing calls the write once a step with a count of 0, and
+    the MTP stream writes one key a step."""
     from bench import decode
     from bench.experiments import stream_step
     from jtilert.runtime.generate import STREAM_STEPS, Engine
@@ -440,7 +441,7 @@ def test_stream_step_experiment(tiny_random, host_ring):
     every = stream_step.forms(Engine(tiny_random), 20, total)
     assert set(every) == {"timing_loop", "timing_loop_served", "stream", "stream_write_behind", "stream_no_ring",
                           "stream_write_nothing", "stream_write_then_fusion", "stream_pallas_next",
-                          "timing_loop_no_pdl", "stream_no_pdl"}
+                          "timing_loop_no_pdl", "stream_no_pdl", "mtp_timing_loop", "mtp_stream"}
     ms = stream_step.rounds({k: v for k, v in every.items() if k.startswith("timing")}, total, 1)
     assert all(len(v) == 1 and v[0] > 0 for v in ms.values())
     jax.effects_barrier()
@@ -460,6 +461,12 @@ def test_stream_step_experiment(tiny_random, host_ring):
         decode.queued({STREAM_STEPS: every[form]}, total, 1)
         jax.effects_barrier()
         assert host_ring.keys() == list(range(20, 20 + total)), (form, host_ring.keys())
+    host_ring.clear()   # MTP: a key a step, 1 or 2 tokens each, from the context on
+    decode.queued({STREAM_STEPS: every["mtp_stream"]}, total, 1)
+    jax.effects_barrier()
+    keys = host_ring.keys()
+    assert keys[0] == 20 and len(keys) == total and all(b - a in (1, 2) for a, b in zip(keys, keys[1:])), keys
+    assert stream_step.rounds({"mtp_timing_loop": every["mtp_timing_loop"]}, total, 1)["mtp_timing_loop"][0] > 0
     from one_kernel import run_one_kernel   # the Mosaic kernel in stream_pallas_next's place: one launch, pos + count
     nxt = run_one_kernel(stream_step.next_position, jnp.array([17], jnp.int32), jnp.array([5, 9], jnp.int32),
                          jnp.int32(2))

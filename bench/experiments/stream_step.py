@@ -21,6 +21,10 @@ one change at a time, in rounds that alternate the forms on one machine:
                         dependent launches (`xla_gpu_enable_pdl=false`): XLA gives PDL edges only between
                         kernel nodes, so the write's node breaks the chain of early launches around it
 
+  mtp_timing_loop, mtp_stream  the same pair for MTP steps (verify 2 tokens, then draft): the timing
+                        loop's MTP program and the MTP stream's through the ring (its write runs beside the
+                        draft's forward in the H200 compile: predicted to cost little)
+
 stream_write_then_fusion and stream_pallas_next tell whether a step pays for the engine's FFI node at its
 end, for any custom call there, or for the write being the step's last node; the two no_pdl forms whether
 what the write costs is PDL's overlap lost around it (then their gap is smaller than the default's).
@@ -124,6 +128,15 @@ def forms(eng, context: int, total: int) -> dict:
     out["stream_write_then_fusion"] = stream_form(mock.patch.object(ring, "write",
                                                                     functools.partial(_then_fusion, ring.write)))
     out["stream_pallas_next"] = stream_form(mock.patch.object(ring, "write", next_position))
+    mtp_state = [decode.random_cache(eng, rows, seed=2), *state[1:]]
+    out["mtp_timing_loop"] = decode.loop_form(eng, decode.device_loop(eng, True), mtp_state, here, params,
+                                              STREAM_STEPS)
+    jax.block_until_ready(out["mtp_timing_loop"][0]())   # compile
+    mtp_stream = [decode.random_cache(eng, rows, seed=3), eng.place(jnp.array([1], jnp.int32)),   # donated:
+                  eng.place(jnp.array([2], jnp.int32)), eng.place(jnp.int32(context)),             # its own
+                  eng.place(jax.random.PRNGKey(2)), None]
+    call, _ = decode.stream_call(eng, True, tuple(mtp_stream[:5]), 8 * total, params)
+    out["mtp_stream"] = decode.stream_form(eng, call, mtp_stream, context, 8 * total)
     xla_no_pdl = tuple(eng.config.xla_options) + (("xla_gpu_enable_pdl", False),)
     out["stream_no_pdl"] = stream_form(mock.patch.object(eng, "config",
                                                          dataclasses.replace(eng.config, xla_options=xla_no_pdl)))
