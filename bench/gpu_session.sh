@@ -478,7 +478,7 @@ for part in "$@"; do
         step "queued_$r" 300 $DEC --layers "$(share_layers)" --backend pallas --steps 5 --samples 6 --call-variants \
           --out "$WORK/queued_$r.json"
       done ;;
-    streamstep) step streamstep 300 python3 -m bench.experiments.stream_step --layers "$(share_layers)" \
+    streamstep) step streamstep 450 python3 -m bench.experiments.stream_step --layers "$(share_layers)" \
                   --out "$WORK/stream_step.json" ;;
     envab)
       n=$(share_layers)
