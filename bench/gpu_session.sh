@@ -20,8 +20,8 @@
 #                timeline.png (Gantt chart of layers 4-7), timeline.log
 #   contexts     the same, pallas only, at contexts 32K and 128K (issue 14's long-context targets)
 #   glm5         bench.decode for GLM-5's share (glm5-tp8-shard, context 4096), pallas and plain XLA, CUPTI kernel
-#                profile: its step time, never measured. All 78 layers on an H200 (90 GiB of weights); 41 on an
-#                H100 (about 47 GiB, as part decode's 36 layers of dsv32-tp8-shard: a step of fewer layers)
+#                profile. All 78 layers on an H200 (90 GiB of weights); 41 on an H100 (about 47 GiB, as part
+#                decode's 36 layers of dsv32-tp8-shard: a step of fewer layers)
 #   breakdown    bench.decode at 8 layers with the attention / MLP timing variants (issue 7)
 #   checkpoint   a 4-layer bf16 dsv32-tp8-shard HF checkpoint at $CK (on the CPU), for the comparison with
 #                transformers, bench/vs_transformers.py (context 1024, 64 new tokens, greedy, batch 1; run it
@@ -64,8 +64,8 @@
 #                the graph not updated for moved temporaries, without PDL, with no FFI call, with a kernel before the
 #                write, under XLA's LHS scheduling, and the write at the end (RING_FORMS picks among its FORMS, default
 #                the forms not yet run on a GPU and the control, each in its own process, ended when a call has not
-#                ended after RING_STUCK_S, default 60; `behind`, the shipped options, hung in session 42), each form's HLO in ring_debug_hlo/
-#                (after build)
+#                ended after RING_STUCK_S, default 60; `behind`, the shipped options, hung in session 42), each
+#                form's HLO in ring_debug_hlo/ (after build)
 #   route        tests/gpu/route_check.py: the engine's router selection vs the reference, and their times
 #   envab        bench.decode at the share's layers, pallas, without --kernels (no CUPTI), one process each:
 #                this script's environment, the same without XLA_FLAGS, with the program cache on, and this

@@ -37,28 +37,32 @@ import jax.numpy as jnp
 import numpy as np
 
 import jtilert
+from bench.experiments.stream_step import no_ring_write
 from jtilert.ffi import ring
 from jtilert.ops.table import STEP_XLA_OPTIONS, DecodeConfig
 from jtilert.runtime.generate import STREAM_STEPS, Engine, stop_array
 
-_SERIAL = tuple((k, "SERIALIZE" if k == "xla_gpu_command_buffer_scheduling_mode" else v)
-                for k, v in STEP_XLA_OPTIONS)
-_LHS = tuple((k, "LHS" if k == "xla_gpu_command_buffer_scheduling_mode" else v) for k, v in STEP_XLA_OPTIONS)
-_HOST_LOOP = tuple((k, "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL" if k == "xla_gpu_enable_command_buffer" else v)
-                   for k, v in STEP_XLA_OPTIONS)
+
+def _options(name: str, value) -> tuple:
+    """The step's XLA options (`STEP_XLA_OPTIONS`) with option `name` set to `value`."""
+    return tuple((k, v) for k, v in STEP_XLA_OPTIONS if k != name) + ((name, value),)
+
+
 FORMS = {   # name: DecodeConfig fields (backend "reference")
     "behind": {"ring_write_behind": True},
-    "behind_serial": {"ring_write_behind": True, "xla_options": _SERIAL},
-    "behind_host_loop": {"ring_write_behind": True, "xla_options": _HOST_LOOP},
+    "behind_serial": {"ring_write_behind": True,
+                      "xla_options": _options("xla_gpu_command_buffer_scheduling_mode", "SERIALIZE")},
+    "behind_host_loop": {"ring_write_behind": True,   # WHILE and CONDITIONAL left out: loops from the host
+                         "xla_options": _options("xla_gpu_enable_command_buffer", "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL")},
     "behind_unrolled": {"ring_write_behind": True, "layer_loop": "unrolled"},   # no layer loop inside the step
     # the graph recorded once and not updated for moved temporaries (XLA then allocates through its VMM
     # allocator, each temporary at one virtual address)
     "behind_skip_temp": {"ring_write_behind": True,
-                         "xla_options": STEP_XLA_OPTIONS + (("xla_gpu_command_buffer_update_mode", "SKIP_TEMP"),)},
+                         "xla_options": _options("xla_gpu_command_buffer_update_mode", "SKIP_TEMP")},
     # no programmatic dependent launch edges in the graph (XLA's default puts them between kernels)
-    "behind_no_pdl": {"ring_write_behind": True,
-                      "xla_options": STEP_XLA_OPTIONS + (("xla_gpu_enable_pdl", False),)},
-    "behind_lhs": {"ring_write_behind": True, "xla_options": _LHS},
+    "behind_no_pdl": {"ring_write_behind": True, "xla_options": _options("xla_gpu_enable_pdl", False)},
+    "behind_lhs": {"ring_write_behind": True,
+                   "xla_options": _options("xla_gpu_command_buffer_scheduling_mode", "LHS")},
     "behind_pure": {"ring_write_behind": True},     # ring.write replaced by WRITES[name]
     "behind_rooted": {"ring_write_behind": True},
     "at_end": {},
@@ -67,19 +71,13 @@ CALLS = 4
 PROBE_S = 20.0
 
 
-def pure_write(pos, values, count=None):
-    """What `ring.write` returns (the next position), without writing anything."""
-    count = jnp.int32(jnp.ravel(values).shape[0]) if count is None else count
-    return pos + jnp.reshape(count, jnp.shape(pos)).astype(jnp.int32)
-
-
 def rooted_write(pos, values, count=None, write=ring.write):
     """`ring.write` after a kernel of the same iteration: the tokens pass through a select (the same
     values: positions are never negative), which XLA cannot fold into the FFI call."""
     return write(pos, jnp.where(jnp.reshape(pos, ()) >= 0, values, -1), count)
 
 
-WRITES = {"behind_pure": pure_write, "behind_rooted": rooted_write}   # forms that replace ring.write
+WRITES = {"behind_pure": no_ring_write, "behind_rooted": rooted_write}   # forms that replace ring.write
 
 
 def keys(tokens: ring.TokenRing) -> list:

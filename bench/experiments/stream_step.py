@@ -54,14 +54,20 @@ from jtilert.pallas import interpret
 from jtilert.runtime.generate import STREAM_STEPS, Engine
 
 
-def _no_ring_write(pos, values, count=None):
-    return pos + (jnp.ravel(jnp.asarray(values)).shape[0] if count is None else count)
+def _count(values, count):
+    """The count `ring.write` takes for these values: all of them where none is given."""
+    return jnp.int32(jnp.ravel(jnp.asarray(values)).shape[0]) if count is None else count
+
+
+def no_ring_write(pos, values, count=None):
+    """What `ring.write` returns (the next position, pos + count), without writing anything."""
+    return pos + _count(values, count)
 
 
 def _write_nothing(write, pos, values, count=None):
     """`write` (the ring's) with a count of 0, still in the program: the next position is its result
     plus the step's count."""
-    n = jnp.int32(jnp.ravel(jnp.asarray(values)).shape[0]) if count is None else count
+    n = _count(values, count)
     return write(pos, values, jnp.zeros_like(n)) + n
 
 
@@ -77,7 +83,7 @@ LANES = 128
 def next_position(pos, values, count=None):
     """What `ring.write` returns (pos + count), computed by one Mosaic-GPU kernel of one warpgroup on
     int32 [LANES] vectors (the copies to and from shared memory need whole rows), the first lane kept."""
-    count = jnp.int32(jnp.ravel(values).shape[0]) if count is None else count
+    count = _count(values, count)
 
     def body(p_gmem, n_gmem, o_gmem, p_smem, n_smem, o_smem, barrier):
         plgpu.copy_gmem_to_smem(p_gmem, p_smem, barrier)
@@ -105,9 +111,10 @@ def forms(eng, context: int, total: int) -> dict:
              eng.place(jnp.array([2], jnp.int32)), eng.place(jax.random.PRNGKey(0))]
     out = {}
     ids = (eng.place(jax.random.randint(jax.random.PRNGKey(1), (997,), 0, eng.cfg.vocab_size, jnp.int32)),)
-    no_pdl = {**(eng.step_options or {}), "xla_gpu_enable_pdl": False}
+    # without PDL: the stream compiled under this config, the timing loop with its options
+    no_pdl = dataclasses.replace(eng.config, xla_options=eng.config.xla_options + (("xla_gpu_enable_pdl", False),))
     for name, advance, fed, options in (("timing_loop", False, (), None), ("timing_loop_served", True, ids, None),
-                                        ("timing_loop_no_pdl", False, (), no_pdl)):
+                                        ("timing_loop_no_pdl", False, (), dict(no_pdl.xla_options))):
         out[name] = decode.loop_form(eng, decode.device_loop(eng, False, advance, options), state, here, params,
                                      STREAM_STEPS, fed)
         jax.block_until_ready(out[name][0]())   # compile
@@ -122,7 +129,7 @@ def forms(eng, context: int, total: int) -> dict:
     out["stream"] = stream_form()
     out["stream_write_behind"] = stream_form(mock.patch.object(eng, "config",
                                                                dataclasses.replace(eng.config, ring_write_behind=True)))
-    out["stream_no_ring"] = stream_form(mock.patch.object(ring, "write", _no_ring_write))
+    out["stream_no_ring"] = stream_form(mock.patch.object(ring, "write", no_ring_write))
     out["stream_write_nothing"] = stream_form(mock.patch.object(ring, "write",
                                                                 functools.partial(_write_nothing, ring.write)))
     out["stream_write_then_fusion"] = stream_form(mock.patch.object(ring, "write",
@@ -137,9 +144,7 @@ def forms(eng, context: int, total: int) -> dict:
                   eng.place(jax.random.PRNGKey(2)), None]
     call, _ = decode.stream_call(eng, True, tuple(mtp_stream[:5]), 8 * total, params)
     out["mtp_stream"] = decode.stream_form(eng, call, mtp_stream, context, 8 * total)
-    xla_no_pdl = tuple(eng.config.xla_options) + (("xla_gpu_enable_pdl", False),)
-    out["stream_no_pdl"] = stream_form(mock.patch.object(eng, "config",
-                                                         dataclasses.replace(eng.config, xla_options=xla_no_pdl)))
+    out["stream_no_pdl"] = stream_form(mock.patch.object(eng, "config", no_pdl))
     return out
 
 
