@@ -534,12 +534,13 @@ def stream_call(eng, mtp: bool, carry, left: int, params, steps: int = STREAM_ST
     if steps == STREAM_STEPS and options is None:
         stream = eng.speculate_stream if mtp else eng.decode_stream
         exe = stream.executable(eng.state, *first, params, stops)
-    elif mtp:
+    elif mtp and steps != STREAM_STEPS:
         raise ValueError("stream_call: MTP streams run STREAM_STEPS steps a call")
-    else:
-        fn = eng._wrap(functools.partial(Engine._decode_stream, steps=steps, behind=eng.config.ring_write_behind))
-        exe = jax.jit(fn, donate_argnums=(1, 2, 3, 4, 5)).lower(eng.state, *first, params, stops).compile(
-            eng.loop_options if options is None else options)
+    else:   # the Engine's program (MTP: never with the write behind), compiled here
+        fn = (Engine._speculate_stream if mtp else
+              functools.partial(Engine._decode_stream, steps=steps, behind=eng.config.ring_write_behind))
+        exe = jax.jit(eng._wrap(fn), donate_argnums=tuple(range(1, len(first) + 1))).lower(
+            eng.state, *first, params, stops).compile(eng.loop_options if options is None else options)
     return (lambda *c: exe(eng.state, *c, params, stops)), first
 
 

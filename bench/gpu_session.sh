@@ -76,6 +76,7 @@
 #                against a step's
 #   streamstep   bench/experiments/stream_step.py: the timing loop's and the stream's programs in calls of STREAM_STEPS
 #                steps queued, one change at a time (XLA options, the ring write), rounds alternating the forms
+#                (STREAM_FORMS=a,b,... picks some)
 #   router       the engine's norm GEMVs (DecodeConfig.engine_router: the MoE router in one launch; engine_index_weights:
 #                the indexer's head weights): part route, tests/gpu/decode_check.py with --engine-norm-gemvs, then
 #                bench.decode at the share's layers, pallas, without them, with --engine-router, with both, back to back
@@ -478,7 +479,7 @@ for part in "$@"; do
         step "queued_$r" 300 $DEC --layers "$(share_layers)" --backend pallas --steps 5 --samples 6 --call-variants \
           --out "$WORK/queued_$r.json"
       done ;;
-    streamstep) step streamstep 450 python3 -m bench.experiments.stream_step --layers "$(share_layers)" \
+    streamstep) step streamstep 450 python3 -m bench.experiments.stream_step --layers "$(share_layers)" ${STREAM_FORMS:+--forms $STREAM_FORMS} \
                   --out "$WORK/stream_step.json" ;;
     envab)
       n=$(share_layers)

@@ -439,9 +439,7 @@ def test_stream_step_experiment(tiny_random, host_ring):
     from jtilert.runtime.generate import STREAM_STEPS, Engine
     total = 2 * STREAM_STEPS
     every = stream_step.forms(Engine(tiny_random), 20, total)
-    assert set(every) == {"timing_loop", "timing_loop_served", "stream", "stream_write_behind", "stream_no_ring",
-                          "stream_write_nothing", "stream_write_then_fusion", "stream_pallas_next",
-                          "timing_loop_no_pdl", "stream_no_pdl", "mtp_timing_loop", "mtp_stream"}
+    assert list(every) == list(stream_step.FORMS) and len(every) == 17
     ms = stream_step.rounds({k: v for k, v in every.items() if k.startswith("timing")}, total, 1)
     assert all(len(v) == 1 and v[0] > 0 for v in ms.values())
     jax.effects_barrier()
@@ -456,17 +454,23 @@ def test_stream_step_experiment(tiny_random, host_ring):
     jax.effects_barrier()
     host_ring.store = store
     assert host_ring.keys() == [] and stored == [0] * total, stored
-    for form in ("stream", "stream_write_behind", "stream_write_then_fusion", "stream_no_pdl"):
+    for form in ("stream", "stream_write_behind", "stream_write_then_fusion", "stream_no_pdl", "stream_lhs",
+                 "stream_write_behind_lhs"):
         host_ring.clear()
         decode.queued({STREAM_STEPS: every[form]}, total, 1)
         jax.effects_barrier()
         assert host_ring.keys() == list(range(20, 20 + total)), (form, host_ring.keys())
-    host_ring.clear()   # MTP: a key a step, 1 or 2 tokens each, from the context on
-    decode.queued({STREAM_STEPS: every["mtp_stream"]}, total, 1)
-    jax.effects_barrier()
-    keys = host_ring.keys()
-    assert keys[0] == 20 and len(keys) == total and all(b - a in (1, 2) for a, b in zip(keys, keys[1:])), keys
-    assert stream_step.rounds({"mtp_timing_loop": every["mtp_timing_loop"]}, total, 1)["mtp_timing_loop"][0] > 0
+    for form in ("mtp_stream", "mtp_stream_lhs"):   # MTP: a key a step, 1 or 2 tokens each, from the context on
+        host_ring.clear()
+        decode.queued({STREAM_STEPS: every[form]}, total, 1)
+        jax.effects_barrier()
+        keys = host_ring.keys()
+        assert keys[0] == 20 and len(keys) == total and all(b - a in (1, 2) for a, b in zip(keys, keys[1:])), keys
+    for form in ("mtp_timing_loop", "mtp_timing_loop_lhs"):
+        assert stream_step.rounds({form: every[form]}, total, 1)[form][0] > 0
+    assert list(stream_step.forms(Engine(tiny_random), 20, total, ["stream_lhs"])) == ["stream_lhs"]
+    with pytest.raises(ValueError, match="no form"):
+        stream_step.forms(Engine(tiny_random), 20, total, ["stream_lsh"])
     from one_kernel import run_one_kernel   # the Mosaic kernel in stream_pallas_next's place: one launch, pos + count
     nxt = run_one_kernel(stream_step.next_position, jnp.array([17], jnp.int32), jnp.array([5, 9], jnp.int32),
                          jnp.int32(2))

@@ -25,11 +25,17 @@ one change at a time, in rounds that alternate the forms on one machine:
                         loop's MTP program and the MTP stream's through the ring (its write runs beside the
                         draft's forward in the H200 compile: predicted to cost little)
 
+  timing_loop_lhs, stream_lhs, stream_write_behind_lhs, mtp_timing_loop_lhs, mtp_stream_lhs  the same
+                        programs with the CUDA graph's edges taken from XLA's scheduled order
+                        (`xla_gpu_command_buffer_scheduling_mode=LHS`) instead of from buffer overlaps
+                        (CONCURRENT, DecodeConfig's default): under LHS the MTP stream with the write behind
+                        ends on the GPU (bench/experiments/ring_behind.py); does LHS cost the step anything?
+
 stream_write_then_fusion and stream_pallas_next tell whether a step pays for the engine's FFI node at its
 end, for any custom call there, or for the write being the step's last node; the two no_pdl forms whether
 what the write costs is PDL's overlap lost around it (then their gap is smaller than the default's).
 
-  PYTHONPATH=. python3 -m bench.experiments.stream_step --layers 36 --out stream_step.json
+  PYTHONPATH=. python3 -m bench.experiments.stream_step --layers 36 [--forms a,b,...] --out stream_step.json
 """
 
 from __future__ import annotations
@@ -101,51 +107,90 @@ def next_position(pos, values, count=None):
     return jnp.reshape(kernel(wide(pos), wide(count))[:1], jnp.shape(pos))
 
 
-def forms(eng, context: int, total: int) -> dict:
-    """{name: (restart, call)} of every form, each `queued`-ready at STREAM_STEPS steps a call (the
-    timing loop's forms carry one cache, the stream's another)."""
+FORMS = ("timing_loop", "timing_loop_served", "timing_loop_no_pdl", "timing_loop_lhs", "stream",
+         "stream_write_behind", "stream_no_ring", "stream_write_nothing", "stream_write_then_fusion",
+         "stream_pallas_next", "stream_no_pdl", "stream_lhs", "stream_write_behind_lhs", "mtp_timing_loop",
+         "mtp_timing_loop_lhs", "mtp_stream", "mtp_stream_lhs")
+
+
+def forms(eng, context: int, total: int, only=None) -> dict:
+    """{name: (restart, call)} of the forms named in `only` (default every form, FORMS), each
+    `queued`-ready at STREAM_STEPS steps a call (the timing loop's forms carry one cache, the stream's
+    another, the MTP forms theirs)."""
     params = eng.place(jtilert.Sampling().arrays())
     rows = decode.cache_rows(context, 2 * total)
     here = eng.place(jnp.int32(context))
     state = [decode.random_cache(eng, rows), eng.place(jnp.array([1], jnp.int32)),
              eng.place(jnp.array([2], jnp.int32)), eng.place(jax.random.PRNGKey(0))]
-    out = {}
     ids = (eng.place(jax.random.randint(jax.random.PRNGKey(1), (997,), 0, eng.cfg.vocab_size, jnp.int32)),)
-    # without PDL: the stream compiled under this config, the timing loop with its options
-    no_pdl = dataclasses.replace(eng.config, xla_options=eng.config.xla_options + (("xla_gpu_enable_pdl", False),))
-    for name, advance, fed, options in (("timing_loop", False, (), None), ("timing_loop_served", True, ids, None),
-                                        ("timing_loop_no_pdl", False, (), dict(no_pdl.xla_options))):
-        out[name] = decode.loop_form(eng, decode.device_loop(eng, False, advance, options), state, here, params,
-                                     STREAM_STEPS, fed)
-        jax.block_until_ready(out[name][0]())   # compile
+    # without PDL, and with the graph's edges from XLA's scheduled order (LHS) instead of buffer overlaps:
+    # the streams compiled under these configs, the timing loops with their options
+    no_pdl = _with_options(eng.config, xla_gpu_enable_pdl=False)
+    lhs = _with_options(eng.config, xla_gpu_command_buffer_scheduling_mode="LHS")
     stream = [decode.random_cache(eng, rows, seed=1), eng.place(jnp.array([1], jnp.int32)),
               eng.place(jnp.int32(context)), eng.place(jax.random.PRNGKey(1)), None]
+    mtp_loop = [decode.random_cache(eng, rows, seed=2), *state[1:]]
+    mtp_stream = [decode.random_cache(eng, rows, seed=3), eng.place(jnp.array([1], jnp.int32)),   # donated:
+                  eng.place(jnp.array([2], jnp.int32)), eng.place(jnp.int32(context)),             # its own
+                  eng.place(jax.random.PRNGKey(2)), None]
 
-    def stream_form(patch=None):   # options given: compiled here under the patch, not the engine's program
+    def timing_loop(config=None, advance=False, fed=(), mtp=False):
+        options = None if config is None else dict(config.xla_options)
+        form = decode.loop_form(eng, decode.device_loop(eng, mtp, advance, options), mtp_loop if mtp else state,
+                                here, params, STREAM_STEPS, fed)
+        jax.block_until_ready(form[0]())   # compile
+        return form
+
+    def stream_form(patch=None, config=None):
+        """The stream's program, compiled under `patch` (a ring.write replaced) or `config` (another
+        DecodeConfig), where given, instead of the engine's own."""
+        if config is not None:
+            patch = mock.patch.object(eng, "config", config)
         with patch or contextlib.nullcontext():
             call, _ = decode.stream_call(eng, False, tuple(stream[:4]), 4 * total, params, STREAM_STEPS,
                                          None if patch is None else eng.loop_options)
         return decode.stream_form(eng, call, stream, context, 4 * total)
-    out["stream"] = stream_form()
-    out["stream_write_behind"] = stream_form(mock.patch.object(eng, "config",
-                                                               dataclasses.replace(eng.config, ring_write_behind=True)))
-    out["stream_no_ring"] = stream_form(mock.patch.object(ring, "write", no_ring_write))
-    out["stream_write_nothing"] = stream_form(mock.patch.object(ring, "write",
-                                                                functools.partial(_write_nothing, ring.write)))
-    out["stream_write_then_fusion"] = stream_form(mock.patch.object(ring, "write",
-                                                                    functools.partial(_then_fusion, ring.write)))
-    out["stream_pallas_next"] = stream_form(mock.patch.object(ring, "write", next_position))
-    mtp_state = [decode.random_cache(eng, rows, seed=2), *state[1:]]
-    out["mtp_timing_loop"] = decode.loop_form(eng, decode.device_loop(eng, True), mtp_state, here, params,
-                                              STREAM_STEPS)
-    jax.block_until_ready(out["mtp_timing_loop"][0]())   # compile
-    mtp_stream = [decode.random_cache(eng, rows, seed=3), eng.place(jnp.array([1], jnp.int32)),   # donated:
-                  eng.place(jnp.array([2], jnp.int32)), eng.place(jnp.int32(context)),             # its own
-                  eng.place(jax.random.PRNGKey(2)), None]
-    call, _ = decode.stream_call(eng, True, tuple(mtp_stream[:5]), 8 * total, params)
-    out["mtp_stream"] = decode.stream_form(eng, call, mtp_stream, context, 8 * total)
-    out["stream_no_pdl"] = stream_form(mock.patch.object(eng, "config", no_pdl))
-    return out
+
+    def mtp_stream_form(config=None):
+        with mock.patch.object(eng, "config", config) if config is not None else contextlib.nullcontext():
+            call, _ = decode.stream_call(eng, True, tuple(mtp_stream[:5]), 8 * total, params, STREAM_STEPS,
+                                         None if config is None else eng.loop_options)
+        return decode.stream_form(eng, call, mtp_stream, context, 8 * total)
+
+    def write(replacement):
+        return mock.patch.object(ring, "write", replacement)
+
+    behind = dataclasses.replace(eng.config, ring_write_behind=True)
+    build = {
+        "timing_loop": timing_loop,
+        "timing_loop_served": lambda: timing_loop(advance=True, fed=ids),
+        "timing_loop_no_pdl": lambda: timing_loop(no_pdl),
+        "timing_loop_lhs": lambda: timing_loop(lhs),
+        "stream": stream_form,
+        "stream_write_behind": lambda: stream_form(config=behind),
+        "stream_no_ring": lambda: stream_form(write(no_ring_write)),
+        "stream_write_nothing": lambda: stream_form(write(functools.partial(_write_nothing, ring.write))),
+        "stream_write_then_fusion": lambda: stream_form(write(functools.partial(_then_fusion, ring.write))),
+        "stream_pallas_next": lambda: stream_form(write(next_position)),
+        "stream_no_pdl": lambda: stream_form(config=no_pdl),
+        "stream_lhs": lambda: stream_form(config=lhs),
+        "stream_write_behind_lhs": lambda: stream_form(config=dataclasses.replace(lhs, ring_write_behind=True)),
+        "mtp_timing_loop": lambda: timing_loop(mtp=True),
+        "mtp_timing_loop_lhs": lambda: timing_loop(lhs, mtp=True),
+        "mtp_stream": mtp_stream_form,
+        "mtp_stream_lhs": lambda: mtp_stream_form(lhs),
+    }
+    assert list(build) == list(FORMS)
+    unknown = set(only or ()) - set(build)
+    if unknown:
+        raise ValueError(f"stream_step: no form {sorted(unknown)}; the forms: {', '.join(FORMS)}")
+    return {name: build[name]() for name in (only or FORMS)}
+
+
+def _with_options(config: DecodeConfig, **options) -> DecodeConfig:
+    """`config` with these XLA options set (others kept)."""
+    kept = tuple((k, v) for k, v in config.xla_options if k not in options)
+    return dataclasses.replace(config, xla_options=kept + tuple(options.items()))
 
 
 def rounds(every: dict, total: int, n: int) -> dict:
@@ -165,6 +210,7 @@ def main(argv=None):
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--total", type=int, default=128, help="steps a round of each form")
     p.add_argument("--rounds", type=int, default=4, help="rounds, each form once a round in turn")
+    p.add_argument("--forms", default=None, help="comma-separated forms to time (default all: FORMS)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     cfg = jtilert.preset(a.preset, num_hidden_layers=a.layers)
@@ -172,7 +218,7 @@ def main(argv=None):
     eng = Engine(model, config=DecodeConfig(backend=a.backend))
     if eng.ring is None:
         raise SystemExit("stream_step: the token ring did not load (the CUDA engine is needed)")
-    ms = rounds(forms(eng, a.context, a.total), a.total, a.rounds)
+    ms = rounds(forms(eng, a.context, a.total, a.forms.split(",") if a.forms else None), a.total, a.rounds)
     result = {"device": jax.devices()[0].device_kind, "commit": provenance.commit(),
               "command": provenance.command("bench.experiments.stream_step", argv), "layers": a.layers,
               "backend": a.backend, "context": a.context, "steps_per_call": STREAM_STEPS, "total": a.total,
