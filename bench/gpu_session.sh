@@ -60,6 +60,9 @@
 #   ringbehind   the same with DecodeConfig.ring_write_behind (each step's tokens written while the next step runs;
 #                plain streams: MTP streams ignore it)
 #   ringdebug    bench/experiments/ring_behind.py: the tiny model's MTP stream program with the write behind, called by
+#   ringgraph    part ringdebug's forms (RING_FORMS, default behind and at_end) with XLA's logs of every command's
+#                buffers and the loop body's graph edges (command_executor, execution_graph) and the CUDA graphs as
+#                .dot files (gpu_command_buffer's VLOG 10, under --xla_dump_to=$WORK/ringgraph_<form>)
 #                hand, under XLA's serial scheduling, with the loop run from the host, with the layers unrolled, with
 #                the graph not updated for moved temporaries, without PDL, with no FFI call, with a kernel before the
 #                write, under XLA's LHS scheduling, and the write at the end (RING_FORMS picks among its FORMS, default
@@ -472,6 +475,14 @@ for part in "$@"; do
       for f in ${RING_FORMS:-behind_lhs behind_rooted at_end}; do
         step "ringdebug_$f" 100 python3 -m bench.experiments.ring_behind --forms "$f" --stuck-s "${RING_STUCK_S:-60}" \
           --out "$WORK/ring_debug_$f.json" --hlo "$WORK/ring_debug_hlo"
+      done ;;
+    ringgraph)  # part ringdebug's forms with XLA's logs of each command's buffers and the graph's edges, and
+      # the CUDA graphs as .dot files (gpu_command_buffer's VLOG 10 writes them under --xla_dump_to)
+      for f in ${RING_FORMS:-behind at_end}; do
+        TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_executor=3,execution_graph=2,gpu_command_buffer=10 \
+          XLA_FLAGS="$XLA_FLAGS --xla_dump_to=$WORK/ringgraph_$f" step "ringgraph_$f" 100 \
+          python3 -m bench.experiments.ring_behind --forms "$f" --stuck-s "${RING_STUCK_S:-40}" \
+          --out "$WORK/ring_graph_$f.json"
       done ;;
     route) step route 200 python3 tests/gpu/route_check.py --out "$WORK/route.json" ;;
     queued)  # a call's fixed device cost: the call variants without CUPTI, two processes (their spread)
