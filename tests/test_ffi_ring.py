@@ -468,9 +468,8 @@ def test_stream_step_experiment(tiny_random, host_ring):
         assert keys[0] == 20 and len(keys) == total and all(b - a in (1, 2) for a, b in zip(keys, keys[1:])), keys
     for form in ("mtp_timing_loop", "mtp_timing_loop_lhs"):
         assert stream_step.rounds({form: every[form]}, total, 1)[form][0] > 0
-    assert list(stream_step.forms(Engine(tiny_random), 20, total, ["stream_lhs"])) == ["stream_lhs"]
-    with pytest.raises(ValueError, match="no form"):
-        stream_step.forms(Engine(tiny_random), 20, total, ["stream_lsh"])
+    with pytest.raises(ValueError, match="no form"):   # before any compile
+        stream_step.forms(None, 20, total, ["stream_lsh"])
     from one_kernel import run_one_kernel   # the Mosaic kernel in stream_pallas_next's place: one launch, pos + count
     nxt = run_one_kernel(stream_step.next_position, jnp.array([17], jnp.int32), jnp.array([5, 9], jnp.int32),
                          jnp.int32(2))
@@ -574,3 +573,13 @@ def test_the_ring_behind_experiment_calls_the_mtp_stream_with_the_write_behind(t
             calls = ring_behind.by_hand(gen, [3, 17, 5, 9], None, name, True)
         assert [(c["pos"], c["left"]) for c in calls[1:]] == [(c["pos"], c["left"]) for c in waited[1:]], name
         assert calls[-1]["keys"] == wrote, name
+    # the keyed form: the same steps and keys, its program one xor of the key more than the write behind's
+    keyed = ring_behind.by_hand(gen, [3, 17, 5, 9], None, "behind_keyed", True)
+    assert [(c["pos"], c["left"], c["keys"]) for c in keyed[1:]] == [(c["pos"], c["left"], c["keys"]) for c in waited[1:]]
+
+    def xors(jaxpr) -> int:
+        from decode_jaxprs import sub_jaxprs
+        return sum((e.primitive.name == "xor") + sum(map(xors, sub_jaxprs(e))) for e in jaxpr.eqns)
+    args = (eng.state, *carry, s["params"], stops)
+    assert xors(jax.make_jaxpr(ring_behind.keyed_program(eng))(*args).jaxpr) == \
+        xors(jax.make_jaxpr(ring_behind.stream_program(eng))(*args).jaxpr) + 1

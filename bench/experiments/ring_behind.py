@@ -14,7 +14,8 @@ records its CUDA graph on the second, so a first call says nothing about the gra
 FFI call at all: each write replaced by what it returns (the position plus the count), so a hang there
 is XLA's graph of the loop, not the traced FFI node (its program's graph is recorded on its first call).
 `behind_rooted` gives the write a kernel before it in its iteration (its tokens pass through a select), so
-it is no longer a root of the loop body's graph; `behind_lhs` schedules the graph's nodes in the order
+it is no longer a root of the loop body's graph; `behind_keyed` orders the write before the step's IF
+nodes (the sampling's conditionals), which it otherwise runs beside (`keyed_program`); `behind_lhs` schedules the graph's nodes in the order
 of XLA's latency-hiding scheduler (its LHS mode) instead of by their buffers alone.
 
     python3 -m bench.experiments.ring_behind [--out ring_behind.json] [--hlo DIR]
@@ -65,6 +66,7 @@ FORMS = {   # name: DecodeConfig fields (backend "reference")
                    "xla_options": _options("xla_gpu_command_buffer_scheduling_mode", "LHS")},
     "behind_pure": {"ring_write_behind": True},     # ring.write replaced by WRITES[name]
     "behind_rooted": {"ring_write_behind": True},
+    "behind_keyed": {"ring_write_behind": True},   # the program of PROGRAMS[name]
     "at_end": {},
 }
 CALLS = 4
@@ -78,6 +80,35 @@ def rooted_write(pos, values, count=None, write=ring.write):
 
 
 WRITES = {"behind_pure": no_ring_write, "behind_rooted": rooted_write}   # forms that replace ring.write
+
+
+def keyed_program(eng):
+    """The MTP stream program (`stream_program`) with each step's random key tied to the write before it
+    in its iteration (the key xor 0: the same values), so the key's split, which feeds the sampling's
+    conditionals, waits for the write: in the CUDA graph the write's node is then ordered before the
+    step's IF nodes, while the rest of the step's forward still runs beside it."""
+    inner = stream_program(eng)
+    write, speculate = ring.write, Engine._speculate
+
+    def run(*args):   # the patches hold while the program is traced, one list of writes per trace
+        written = []
+
+        def keyed_write(pos, values, count=None):
+            written.append(write(pos, values, count))
+            return written[-1]
+
+        def keyed_speculate(model, ops, cache, token, draft, pos, key, params):
+            if written:   # the write before this step in its iteration
+                key = key ^ jnp.where(jnp.reshape(written.pop(), ()) < 0, 1, 0).astype(key.dtype)
+            return speculate(model, ops, cache, token, draft, pos, key, params)
+
+        with mock.patch.object(ring, "write", keyed_write), \
+                mock.patch.object(Engine, "_speculate", staticmethod(keyed_speculate)):
+            return inner(*args)
+    return run
+
+
+PROGRAMS = {"behind_keyed": keyed_program}   # forms that change the program around the write
 
 
 def keys(tokens: ring.TokenRing) -> list:
@@ -98,7 +129,7 @@ def by_hand(gen, prompt, hlo: pathlib.Path | None, name: str, wait: bool, stuck_
     eng = gen.engine
     stops = eng.place(stop_array([]))
     carry = (*gen._carry(s), eng.place(np.int32(100)))   # noqa: SLF001
-    exe = jax.jit(stream_program(eng), donate_argnums=(1, 2, 3, 4, 5, 6)).lower(
+    exe = jax.jit(PROGRAMS.get(name, stream_program)(eng), donate_argnums=(1, 2, 3, 4, 5, 6)).lower(
         eng.state, *carry, s["params"], stops).compile(eng.loop_options)
     if hlo is not None and wait:
         try:

@@ -117,6 +117,9 @@ def forms(eng, context: int, total: int, only=None) -> dict:
     """{name: (restart, call)} of the forms named in `only` (default every form, FORMS), each
     `queued`-ready at STREAM_STEPS steps a call (the timing loop's forms carry one cache, the stream's
     another, the MTP forms theirs)."""
+    unknown = set(only or ()) - set(FORMS)
+    if unknown:
+        raise ValueError(f"stream_step: no form {sorted(unknown)}; the forms: {', '.join(FORMS)}")
     params = eng.place(jtilert.Sampling().arrays())
     rows = decode.cache_rows(context, 2 * total)
     here = eng.place(jnp.int32(context))
@@ -181,9 +184,6 @@ def forms(eng, context: int, total: int, only=None) -> dict:
         "mtp_stream_lhs": lambda: mtp_stream_form(lhs),
     }
     assert list(build) == list(FORMS)
-    unknown = set(only or ()) - set(build)
-    if unknown:
-        raise ValueError(f"stream_step: no form {sorted(unknown)}; the forms: {', '.join(FORMS)}")
     return {name: build[name]() for name in (only or FORMS)}
 
 
