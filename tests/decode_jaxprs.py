@@ -41,6 +41,11 @@ def sub_jaxprs(eqn):
                 yield x
 
 
+def count_primitives(jaxpr, name: str) -> int:
+    """How often primitive `name` occurs in a jaxpr and every jaxpr nested in it."""
+    return sum((e.primitive.name == name) + sum(count_primitives(j, name) for j in sub_jaxprs(e)) for e in jaxpr.eqns)
+
+
 def layer_loops(jaxpr) -> list[tuple]:
     """The layer loops of a step's jaxpr (`Transformer._layers`: dense, then MoE), per loop: (its body's
     jaxpr, the body's counter: the trip's first layer, the layers a trip: the counter's increment)."""

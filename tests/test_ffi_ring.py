@@ -439,11 +439,11 @@ def test_stream_step_experiment(tiny_random, host_ring):
     from jtilert.runtime.generate import STREAM_STEPS, Engine
     total = 2 * STREAM_STEPS
     every = stream_step.forms(Engine(tiny_random), 20, total)
-    assert list(every) == list(stream_step.FORMS) and len(every) == 17
+    assert list(every) == list(stream_step.FORMS) and len(every) == 20
     ms = stream_step.rounds({k: v for k, v in every.items() if k.startswith("timing")}, total, 1)
     assert all(len(v) == 1 and v[0] > 0 for v in ms.values())
     jax.effects_barrier()
-    for form in ("stream_no_ring", "stream_pallas_next"):
+    for form in ("stream_no_ring", "stream_pallas_next", "stream_no_ring_no_cond"):
         host_ring.clear()
         decode.queued({STREAM_STEPS: every[form]}, total, 1)
         jax.effects_barrier()
@@ -455,7 +455,7 @@ def test_stream_step_experiment(tiny_random, host_ring):
     host_ring.store = store
     assert host_ring.keys() == [] and stored == [0] * total, stored
     for form in ("stream", "stream_write_behind", "stream_write_then_fusion", "stream_no_pdl", "stream_lhs",
-                 "stream_write_behind_lhs"):
+                 "stream_write_behind_lhs", "stream_no_cond"):
         host_ring.clear()
         decode.queued({STREAM_STEPS: every[form]}, total, 1)
         jax.effects_barrier()
@@ -474,6 +474,28 @@ def test_stream_step_experiment(tiny_random, host_ring):
     nxt = run_one_kernel(stream_step.next_position, jnp.array([17], jnp.int32), jnp.array([5, 9], jnp.int32),
                          jnp.int32(2))
     assert nxt.tolist() == [19]
+
+
+def test_the_token_without_conditionals_is_the_steps_token(tiny_random):
+    """stream_step's next_token_without_conditionals: the decode step's program without a cond (the
+    shipped one has them), and the same greedy token as the shipped step from the same state."""
+    import jtilert
+    from bench import decode
+    from bench.experiments import stream_step
+    from decode_jaxprs import count_primitives
+    from jtilert.model.transformer import Transformer
+    from jtilert.runtime.generate import Engine
+
+    eng = Engine(tiny_random)
+    args = (eng.state, decode.random_cache(eng, 32), eng.place(jnp.array([7], jnp.int32)), eng.place(jnp.int32(3)),
+            eng.place(jax.random.PRNGKey(0)), eng.place(jtilert.Sampling().arrays()))
+    step = eng._wrap(Engine._decode)   # noqa: SLF001
+
+    shipped = jax.jit(step)(*args)[1]
+    assert count_primitives(jax.make_jaxpr(step)(*args).jaxpr, "cond") >= 2
+    with mock.patch.object(Transformer, "next_token", stream_step.next_token_without_conditionals):
+        assert count_primitives(jax.make_jaxpr(step)(*args).jaxpr, "cond") == 0
+        assert jax.jit(lambda *a: step(*a))(*args)[1].tolist() == shipped.tolist()   # a new trace
 
 
 def test_bench_decode_profiles_before_the_call_variants_trace(tiny_random, host_ring, monkeypatch):
@@ -548,9 +570,10 @@ def test_the_ring_behind_experiment_calls_the_mtp_stream_with_the_write_behind(t
                                 config=DecodeConfig(backend="reference", **ring_behind.FORMS["behind"]))
     eng = gen.engine
 
+    from decode_jaxprs import count_primitives   # tests/decode_jaxprs.py
+
     def writes(jaxpr) -> int:   # the ring's writes (host callbacks here), in every nested program
-        from decode_jaxprs import sub_jaxprs   # tests/decode_jaxprs.py
-        return sum((e.primitive.name == "io_callback") + sum(map(writes, sub_jaxprs(e))) for e in jaxpr.eqns)
+        return count_primitives(jaxpr, "io_callback")
 
     _, s = gen._start([3, 17, 5, 9], 60, jtilert.Sampling(temperature=0.0), loop=False)   # noqa: SLF001
     carry = (*gen._carry(s), eng.place(np.int32(100)))   # noqa: SLF001
@@ -573,13 +596,16 @@ def test_the_ring_behind_experiment_calls_the_mtp_stream_with_the_write_behind(t
             calls = ring_behind.by_hand(gen, [3, 17, 5, 9], None, name, True)
         assert [(c["pos"], c["left"]) for c in calls[1:]] == [(c["pos"], c["left"]) for c in waited[1:]], name
         assert calls[-1]["keys"] == wrote, name
-    # the keyed form: the same steps and keys, its program one xor of the key more than the write behind's
-    keyed = ring_behind.by_hand(gen, [3, 17, 5, 9], None, "behind_keyed", True)
-    assert [(c["pos"], c["left"], c["keys"]) for c in keyed[1:]] == [(c["pos"], c["left"], c["keys"]) for c in waited[1:]]
+    # the keyed and the unconditional forms: the same steps and keys; the keyed program has one xor of the
+    # key more than the write behind's, the unconditional one no cond (the write behind's has some)
+    for name in ("behind_keyed", "behind_no_cond"):
+        calls = ring_behind.by_hand(gen, [3, 17, 5, 9], None, name, True)
+        assert [(c["pos"], c["left"], c["keys"]) for c in calls[1:]] == \
+            [(c["pos"], c["left"], c["keys"]) for c in waited[1:]], name
 
-    def xors(jaxpr) -> int:
-        from decode_jaxprs import sub_jaxprs
-        return sum((e.primitive.name == "xor") + sum(map(xors, sub_jaxprs(e))) for e in jaxpr.eqns)
     args = (eng.state, *carry, s["params"], stops)
-    assert xors(jax.make_jaxpr(ring_behind.keyed_program(eng))(*args).jaxpr) == \
-        xors(jax.make_jaxpr(ring_behind.stream_program(eng))(*args).jaxpr) + 1
+    behind, keyed, unconditional = (jax.make_jaxpr(program(eng))(*args).jaxpr for program in
+                                    (ring_behind.stream_program, ring_behind.keyed_program,
+                                     ring_behind.unconditional_program))
+    assert count_primitives(keyed, "xor") == count_primitives(behind, "xor") + 1
+    assert count_primitives(behind, "cond") > 0 and count_primitives(unconditional, "cond") == 0

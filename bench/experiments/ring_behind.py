@@ -15,7 +15,8 @@ FFI call at all: each write replaced by what it returns (the position plus the c
 is XLA's graph of the loop, not the traced FFI node (its program's graph is recorded on its first call).
 `behind_rooted` gives the write a kernel before it in its iteration (its tokens pass through a select), so
 it is no longer a root of the loop body's graph; `behind_keyed` orders the write before the step's IF
-nodes (the sampling's conditionals), which it otherwise runs beside (`keyed_program`); `behind_lhs` schedules the graph's nodes in the order
+nodes (the sampling's conditionals), which it otherwise runs beside (`keyed_program`); `behind_no_cond`
+has no conditional at all (`unconditional_program`); `behind_lhs` schedules the graph's nodes in the order
 of XLA's latency-hiding scheduler (its LHS mode) instead of by their buffers alone.
 
     python3 -m bench.experiments.ring_behind [--out ring_behind.json] [--hlo DIR]
@@ -66,7 +67,8 @@ FORMS = {   # name: DecodeConfig fields (backend "reference")
                    "xla_options": _options("xla_gpu_command_buffer_scheduling_mode", "LHS")},
     "behind_pure": {"ring_write_behind": True},     # ring.write replaced by WRITES[name]
     "behind_rooted": {"ring_write_behind": True},
-    "behind_keyed": {"ring_write_behind": True},   # the program of PROGRAMS[name]
+    "behind_keyed": {"ring_write_behind": True},   # the programs of PROGRAMS[name]
+    "behind_no_cond": {"ring_write_behind": True},
     "at_end": {},
 }
 CALLS = 4
@@ -108,7 +110,24 @@ def keyed_program(eng):
     return run
 
 
-PROGRAMS = {"behind_keyed": keyed_program}   # forms that change the program around the write
+def select_cond(pred, true_fn, false_fn, *operands):
+    """`lax.cond` as both branches and a select: the same values, no conditional in the program."""
+    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), true_fn(*operands), false_fn(*operands))
+
+
+def unconditional_program(eng):
+    """The MTP stream program (`stream_program`) traced with every `lax.cond` as a select
+    (`select_cond`), so the loop body's CUDA graph has no IF node for the write behind to run beside."""
+    inner = stream_program(eng)
+
+    def run(*args):
+        with mock.patch.object(jax.lax, "cond", select_cond):
+            return inner(*args)
+    return run
+
+
+PROGRAMS = {"behind_keyed": keyed_program,   # forms that change the program around the write
+            "behind_no_cond": unconditional_program}
 
 
 def keys(tokens: ring.TokenRing) -> list:

@@ -31,6 +31,11 @@ one change at a time, in rounds that alternate the forms on one machine:
                         (CONCURRENT, DecodeConfig's default): under LHS the MTP stream with the write behind
                         ends on the GPU (bench/experiments/ring_behind.py); does LHS cost the step anything?
 
+  timing_loop_no_cond, stream_no_cond, stream_no_ring_no_cond  the timing loop, the stream and the stream
+                        without its write, each step's token made without conditionals (no IF nodes in the
+                        step's graph: `next_token_without_conditionals`): does a custom call after the
+                        step's IF nodes cost what a custom call at the step's end costs?
+
 stream_write_then_fusion and stream_pallas_next tell whether a step pays for the engine's FFI node at its
 end, for any custom call there, or for the write being the step's last node; the two no_pdl forms whether
 what the write costs is PDL's overlap lost around it (then their gap is smaller than the default's).
@@ -55,9 +60,11 @@ import jax.numpy as jnp
 import jtilert
 from bench import decode, provenance
 from jtilert.ffi import ring
+from jtilert.model.transformer import HEAD_CANDIDATES, Transformer
 from jtilert.ops.table import DecodeConfig
 from jtilert.pallas import interpret
 from jtilert.runtime.generate import STREAM_STEPS, Engine
+from jtilert.runtime.sampling import filtered_logprobs
 
 
 def _count(values, count):
@@ -107,10 +114,24 @@ def next_position(pos, values, count=None):
     return jnp.reshape(kernel(wide(pos), wide(count))[:1], jnp.shape(pos))
 
 
+def next_token_without_conditionals(self, ops, h, params, key):
+    """`Transformer.next_token` without its conditionals (its two `lax.cond`s are the IF nodes of the
+    step's CUDA graph): the token always from the head's top candidates, the greedy and the sampled
+    choice both computed and one selected. The same token for greedy and for top-k ≤ HEAD_CANDIDATES
+    (the settings the forms run: greedy)."""
+    w = self.lm_head.weight[...]
+    vals, ids = ops.top_candidates(*ops("lm_head_topk", self.norm(h), w, min(HEAD_CANDIDATES, w.shape[0])),
+                                   w.shape[0])
+    greedy = jnp.argmax(vals[0]).astype(jnp.int32)
+    drawn = jax.random.categorical(key, filtered_logprobs(vals[0], params)).astype(jnp.int32)
+    return ids[0, jnp.where(params["temperature"] <= 0, greedy, drawn)][None]
+
+
 FORMS = ("timing_loop", "timing_loop_served", "timing_loop_no_pdl", "timing_loop_lhs", "stream",
          "stream_write_behind", "stream_no_ring", "stream_write_nothing", "stream_write_then_fusion",
          "stream_pallas_next", "stream_no_pdl", "stream_lhs", "stream_write_behind_lhs", "mtp_timing_loop",
-         "mtp_timing_loop_lhs", "mtp_stream", "mtp_stream_lhs")
+         "mtp_timing_loop_lhs", "mtp_stream", "mtp_stream_lhs", "timing_loop_no_cond", "stream_no_cond",
+         "stream_no_ring_no_cond")
 
 
 def forms(eng, context: int, total: int, only=None) -> dict:
@@ -137,11 +158,12 @@ def forms(eng, context: int, total: int, only=None) -> dict:
                   eng.place(jnp.array([2], jnp.int32)), eng.place(jnp.int32(context)),             # its own
                   eng.place(jax.random.PRNGKey(2)), None]
 
-    def timing_loop(config=None, advance=False, fed=(), mtp=False):
+    def timing_loop(config=None, advance=False, fed=(), mtp=False, patch=None):
         options = None if config is None else dict(config.xla_options)
         form = decode.loop_form(eng, decode.device_loop(eng, mtp, advance, options), mtp_loop if mtp else state,
                                 here, params, STREAM_STEPS, fed)
-        jax.block_until_ready(form[0]())   # compile
+        with patch or contextlib.nullcontext():
+            jax.block_until_ready(form[0]())   # compile
         return form
 
     def stream_form(patch=None, config=None):
@@ -163,6 +185,13 @@ def forms(eng, context: int, total: int, only=None) -> dict:
     def write(replacement):
         return mock.patch.object(ring, "write", replacement)
 
+    @contextlib.contextmanager
+    def no_cond(*patches):   # these patches and the step's token without conditionals
+        with contextlib.ExitStack() as stack:
+            for patch in (mock.patch.object(Transformer, "next_token", next_token_without_conditionals), *patches):
+                stack.enter_context(patch)
+            yield
+
     behind = dataclasses.replace(eng.config, ring_write_behind=True)
     build = {
         "timing_loop": timing_loop,
@@ -182,6 +211,9 @@ def forms(eng, context: int, total: int, only=None) -> dict:
         "mtp_timing_loop_lhs": lambda: timing_loop(lhs, mtp=True),
         "mtp_stream": mtp_stream_form,
         "mtp_stream_lhs": lambda: mtp_stream_form(lhs),
+        "timing_loop_no_cond": lambda: timing_loop(patch=no_cond()),
+        "stream_no_cond": lambda: stream_form(no_cond()),
+        "stream_no_ring_no_cond": lambda: stream_form(no_cond(write(no_ring_write))),
     }
     assert list(build) == list(FORMS)
     return {name: build[name]() for name in (only or FORMS)}
