@@ -107,9 +107,6 @@
 #   chain        bench/experiments/gemv_chain.cu: a chain of 32 fp8 GEMVs (14.7 MB each; then 128 of 1 MB),
 #                one launch each against one persistent launch with and without its weight stream
 #                running ahead (CUDA, no JAX)
-#   attnin       tests/gpu/attn_in_check.py on this checkout with bench/experiments/attn_in.patch: the attention's
-#                input projections as one kernel (four phases, a grid-wide semaphore) and as its phases launched
-#                one by one, against the reference and the step's two rmsnorm_linear kernels, CUPTI µs of each
 #   pchain       bench/experiments/pallas_chain.py: dependent fp8 GEMVs on the fp8x2 wgmma arithmetic in Pallas, the
 #                attention's input pairs (x_proj-like [2304, 7168] of x, q_b | wq_b [11264, 1536] of its output,
 #                inputs RMS-normed, 16 pairs over 132 CTAs, against the step's own rmsnorm_linear pair), the same
@@ -400,10 +397,6 @@ for part in "$@"; do
                  --out "$WORK/pallas_chain_1mb.json" ;;
         esac
       done ;;
-    attnin)  # tests/gpu/attn_in_check.py in this checkout with bench/experiments/attn_in.patch applied: the
-      # attention's input projections as one kernel against the reference and the step's two kernels
-      t=$(patched_tree bench/experiments/attn_in.patch) && (cd "$t" && PYTHONPATH=$PWD step attn_in_check 200 \
-        python3 tests/gpu/attn_in_check.py --out "$WORK/attn_in_check.json") ;;
     gemvbound)
       step gemvbound 300 python3 -m bench.experiments.gemv_bound --out "$WORK/gemvbound.json" ;;
     w8a8)

@@ -24,11 +24,3 @@ def run_patched(tmp_path, patch: str, pytest_args: list[str]) -> subprocess.Comp
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args],
                           cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(tmp_path)})
 
-
-def assert_patched_tests_pass(tmp_path, patch: str, pytest_args: list[str], changed: str, text: str) -> None:
-    """`run_patched`, then assert that the patch put `text` into file `changed` (a path under the copy)
-    and that the tests it ran passed (their output's tail in the message where not)."""
-    r = run_patched(tmp_path, patch, pytest_args)
-    assert text in (tmp_path / changed).read_text(), f"{patch} did not put {text!r} into {changed}"
-    assert r.returncode == 0 and " passed" in r.stdout and " failed" not in r.stdout, (
-        r.stdout[-3000:] + r.stderr[-2000:])

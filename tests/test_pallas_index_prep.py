@@ -186,18 +186,3 @@ def test_matrices_are_the_split_and_the_rotation():
         else:
             np.testing.assert_array_equal(xs, x)
         np.testing.assert_allclose(xs @ hp, x @ signs, rtol=1e-5, atol=1e-4)
-
-
-@pytest.mark.skipif(__import__("shutil").which("patch") is None, reason="patch not found")
-def test_the_index_prep_in_indexer_patch_applies_and_its_checks_pass(tmp_path):
-    """bench/experiments/index_prep_in_indexer.patch (not yet measured on a GPU: index_prep's work done by
-    the indexer's CTAs in one launch, op index_prep_scores) still applies, and its checks pass in the
-    patched copy: the fused kernel equal bit for bit to index_prep then the indexer, its refusals, the
-    decode layer on it against the reference, the op table's choice, the layer bodies' launch budget and
-    its shared memory against Mosaic's count."""
-    from experiment_patch import run_patched   # tests/experiment_patch.py (tests/ is on sys.path)
-    r = run_patched(tmp_path, "index_prep_in_indexer.patch", [
-        "tests/test_pallas_index_fused.py", "tests/test_ops_table.py", "tests/test_kernel_shapes.py", "-k",
-        "fused or layer_glue_stays_within_budget or (decode_shapes and dsv32) or (smem_count_is_mosaics and indexer)"])
-    assert "prep_append_scores" in (tmp_path / "jtilert/ops/table.py").read_text()
-    assert r.returncode == 0 and "12 passed" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
