@@ -60,15 +60,16 @@
 #   ringbehind   the same with DecodeConfig.ring_write_behind (each step's tokens written while the next step runs;
 #                plain streams: MTP streams ignore it)
 #   ringdebug    bench/experiments/ring_behind.py: the tiny model's MTP stream program with the write behind, called by
+#                hand, under XLA's serial scheduling, with the loop run from the host, with the layers unrolled, with
+#                the graph not updated for moved temporaries, without PDL, with no FFI call, with a kernel before the
+#                write, under XLA's LHS scheduling, with the step's key tied to the write, with no conditional, and
+#                the write at the end (RING_FORMS picks among its FORMS, default the forms not yet run on a GPU and
+#                the control, each in its own process, ended when a call has not ended after RING_STUCK_S, default
+#                60; `behind`, the shipped options, hung in session 42), each form's HLO in ring_debug_hlo/ (after
+#                build)
 #   ringgraph    part ringdebug's forms (RING_FORMS, default behind and at_end) with XLA's logs of every command's
 #                buffers and the loop body's graph edges (command_executor, execution_graph) and the CUDA graphs as
 #                .dot files (gpu_command_buffer's VLOG 10, under --xla_dump_to=$WORK/ringgraph_<form>)
-#                hand, under XLA's serial scheduling, with the loop run from the host, with the layers unrolled, with
-#                the graph not updated for moved temporaries, without PDL, with no FFI call, with a kernel before the
-#                write, under XLA's LHS scheduling, and the write at the end (RING_FORMS picks among its FORMS, default
-#                the forms not yet run on a GPU and the control, each in its own process, ended when a call has not
-#                ended after RING_STUCK_S, default 60; `behind`, the shipped options, hung in session 42), each
-#                form's HLO in ring_debug_hlo/ (after build)
 #   route        tests/gpu/route_check.py: the engine's router selection vs the reference, and their times
 #   envab        bench.decode at the share's layers, pallas, without --kernels (no CUPTI), one process each:
 #                this script's environment, the same without XLA_FLAGS, with the program cache on, and this
@@ -465,7 +466,7 @@ for part in "$@"; do
     ringcheck) step ringcheck 200 python3 tests/gpu/ring_check.py "$WORK/ring_check.json" ;;
     ringbehind) step ringbehind 300 python3 tests/gpu/ring_check.py --write-behind "$WORK/ring_behind.json" ;;
     ringdebug)  # each form in a process of its own: one that hangs leaves the others their time
-      for f in ${RING_FORMS:-behind_lhs behind_rooted at_end}; do
+      for f in ${RING_FORMS:-behind_keyed behind_no_cond at_end}; do
         step "ringdebug_$f" 100 python3 -m bench.experiments.ring_behind --forms "$f" --stuck-s "${RING_STUCK_S:-60}" \
           --out "$WORK/ring_debug_$f.json" --hlo "$WORK/ring_debug_hlo"
       done ;;
