@@ -575,14 +575,12 @@ def test_the_ring_behind_experiment_calls_the_mtp_stream_with_the_write_behind(t
 
     from decode_jaxprs import count_primitives   # tests/decode_jaxprs.py
 
-    def writes(jaxpr) -> int:   # the ring's writes (host callbacks here), in every nested program
-        return count_primitives(jaxpr, "io_callback")
-
     _, s = gen._start([3, 17, 5, 9], 60, jtilert.Sampling(temperature=0.0), loop=False)   # noqa: SLF001
     carry = (*gen._carry(s), eng.place(np.int32(100)))   # noqa: SLF001
     stops = eng.place(np.full(8, -1, np.int32))
     for fn, n in ((ring_behind.stream_program(eng), 2), (eng._wrap(Engine._speculate_stream), 1)):   # noqa: SLF001
-        assert writes(jax.make_jaxpr(fn)(eng.state, *carry, s["params"], stops).jaxpr) == n
+        # the ring's writes (host callbacks here), in every nested program
+        assert count_primitives(jax.make_jaxpr(fn)(eng.state, *carry, s["params"], stops).jaxpr, "io_callback") == n
     waited = ring_behind.by_hand(gen, [3, 17, 5, 9], None, "behind", True)
     queued = ring_behind.by_hand(gen, [3, 17, 5, 9], None, "behind", False)
     assert len(waited) == 1 + ring_behind.CALLS

@@ -39,32 +39,29 @@ import jax.numpy as jnp
 import numpy as np
 
 import jtilert
-from bench.experiments.stream_step import no_ring_write
+from bench.experiments.stream_step import no_ring_write, with_options
 from jtilert.ffi import ring
 from jtilert.ops.table import STEP_XLA_OPTIONS, DecodeConfig
 from jtilert.runtime.generate import STREAM_STEPS, Engine, stop_array
 
-
-def _options(name: str, value) -> tuple:
-    """The step's XLA options (`STEP_XLA_OPTIONS`) with option `name` set to `value`."""
-    return tuple((k, v) for k, v in STEP_XLA_OPTIONS if k != name) + ((name, value),)
-
+_step_options = functools.partial(with_options, STEP_XLA_OPTIONS)   # the step's XLA options, some changed
 
 FORMS = {   # name: DecodeConfig fields (backend "reference")
     "behind": {"ring_write_behind": True},
     "behind_serial": {"ring_write_behind": True,
-                      "xla_options": _options("xla_gpu_command_buffer_scheduling_mode", "SERIALIZE")},
+                      "xla_options": _step_options(xla_gpu_command_buffer_scheduling_mode="SERIALIZE")},
     "behind_host_loop": {"ring_write_behind": True,   # WHILE and CONDITIONAL left out: loops from the host
-                         "xla_options": _options("xla_gpu_enable_command_buffer", "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL")},
+                         "xla_options": _step_options(
+                             xla_gpu_enable_command_buffer="FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL")},
     "behind_unrolled": {"ring_write_behind": True, "layer_loop": "unrolled"},   # no layer loop inside the step
     # the graph recorded once and not updated for moved temporaries (XLA then allocates through its VMM
     # allocator, each temporary at one virtual address)
     "behind_skip_temp": {"ring_write_behind": True,
-                         "xla_options": _options("xla_gpu_command_buffer_update_mode", "SKIP_TEMP")},
+                         "xla_options": _step_options(xla_gpu_command_buffer_update_mode="SKIP_TEMP")},
     # no programmatic dependent launch edges in the graph (XLA's default puts them between kernels)
-    "behind_no_pdl": {"ring_write_behind": True, "xla_options": _options("xla_gpu_enable_pdl", False)},
+    "behind_no_pdl": {"ring_write_behind": True, "xla_options": _step_options(xla_gpu_enable_pdl=False)},
     "behind_lhs": {"ring_write_behind": True,
-                   "xla_options": _options("xla_gpu_command_buffer_scheduling_mode", "LHS")},
+                   "xla_options": _step_options(xla_gpu_command_buffer_scheduling_mode="LHS")},
     "behind_pure": {"ring_write_behind": True},     # ring.write replaced by WRITES[name]
     "behind_rooted": {"ring_write_behind": True},
     "behind_keyed": {"ring_write_behind": True},   # the programs of PROGRAMS[name]

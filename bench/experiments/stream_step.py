@@ -149,8 +149,9 @@ def forms(eng, context: int, total: int, only=None) -> dict:
     ids = (eng.place(jax.random.randint(jax.random.PRNGKey(1), (997,), 0, eng.cfg.vocab_size, jnp.int32)),)
     # without PDL, and with the graph's edges from XLA's scheduled order (LHS) instead of buffer overlaps:
     # the streams compiled under these configs, the timing loops with their options
-    no_pdl = _with_options(eng.config, xla_gpu_enable_pdl=False)
-    lhs = _with_options(eng.config, xla_gpu_command_buffer_scheduling_mode="LHS")
+    no_pdl = dataclasses.replace(eng.config, xla_options=with_options(eng.config.xla_options, xla_gpu_enable_pdl=False))
+    lhs = dataclasses.replace(eng.config, xla_options=with_options(eng.config.xla_options,
+                                                                   xla_gpu_command_buffer_scheduling_mode="LHS"))
     stream = [decode.random_cache(eng, rows, seed=1), eng.place(jnp.array([1], jnp.int32)),
               eng.place(jnp.int32(context)), eng.place(jax.random.PRNGKey(1)), None]
     mtp_loop = [decode.random_cache(eng, rows, seed=2), *state[1:]]
@@ -219,10 +220,9 @@ def forms(eng, context: int, total: int, only=None) -> dict:
     return {name: build[name]() for name in (only or FORMS)}
 
 
-def _with_options(config: DecodeConfig, **options) -> DecodeConfig:
-    """`config` with these XLA options set (others kept)."""
-    kept = tuple((k, v) for k, v in config.xla_options if k not in options)
-    return dataclasses.replace(config, xla_options=kept + tuple(options.items()))
+def with_options(options: tuple, **changes) -> tuple:
+    """XLA options `options` ((name, value) pairs, as DecodeConfig.xla_options) with `changes` set."""
+    return tuple((k, v) for k, v in options if k not in changes) + tuple(changes.items())
 
 
 def rounds(every: dict, total: int, n: int) -> dict:
