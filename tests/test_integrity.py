@@ -229,6 +229,39 @@ def test_an_array_that_cannot_be_made_waits_for_the_writes_begun(tmp_path, monke
     assert made == ["a", "b"] and awaited == [True]
 
 
+def test_a_failed_chunk_write_waits_for_the_arrays_other_chunks(tmp_path, monkeypatch):
+    """TensorStore ends a write of many chunks at the first chunk that fails while the others go on; each
+    chunk is therefore its own write, and every one of them ends before the error is raised."""
+    from jtilert.store import arrays
+    boxes, awaited = [], []
+
+    class Write:
+        def __init__(self, box):
+            self.box = box
+
+        def result(self):
+            awaited.append(self.box)
+            if self.box == (4, 8):
+                raise ValueError("RESOURCE_EXHAUSTED: No space left on device [os_error_code='28']")
+
+    class Array:
+        def __getitem__(self, box):
+            return Piece((box[0].start, box[0].stop))
+
+    class Piece:
+        def __init__(self, box):
+            self.box = box
+
+        def write(self, data):
+            boxes.append((self.box, data.tolist()))
+            return Write(self.box)
+    monkeypatch.setattr(arrays, "create", lambda *a: Array())
+    with pytest.raises(ValueError, match="No space left"):
+        arrays.write_arrays(tmp_path, {"a": (np.arange(10, dtype=np.float32), (4,))})
+    assert boxes == [((0, 4), [0, 1, 2, 3]), ((4, 8), [4, 5, 6, 7]), ((8, 10), [8, 9])]
+    assert awaited == [(0, 4), (4, 8), (8, 10)]
+
+
 def test_save_into_a_read_only_folder(tiny_random, read_only_dir):
     dst = read_only_dir / "x"
     with pytest.raises(OSError, match=rf"cannot save to {re.escape(str(dst))}: (Read-only file system|Permission "

@@ -185,8 +185,10 @@ class Checker:
 
 
 def write_arrays(root: Path, arrays: dict[str, tuple]) -> None:
-    """Write whole arrays {name: (jax or numpy array, chunk shape)} and the tree metadata: each device's
-    shard (one replica of it) in one write, cut into chunks by TensorStore."""
+    """Write whole arrays {name: (jax or numpy array, chunk shape)} and the tree metadata: one replica of each
+    device's shard, in one TensorStore write per chunk. A write of many chunks ends with the first chunk that
+    fails while the others go on writing; a write of one chunk ends only when its file is written or has
+    failed, so once every write has ended, none runs on behind an error (and the caller's cleanup)."""
     root.mkdir(parents=True, exist_ok=True)
     ctx = context()
     writes, shards, errors = [], {}, []
@@ -197,10 +199,10 @@ def write_arrays(root: Path, arrays: dict[str, tuple]) -> None:
                 parts = [(s.index, s.data) for s in x.addressable_shards if s.replica_id == 0]
                 shards[name] = x.sharding.shard_shape(x.shape)
             else:
-                parts = [(..., x)]
+                parts = [((slice(None),) * x.ndim, x)]
                 shards[name] = x.shape
             for index, data in parts:
-                writes.append(arr[index].write(np.asarray(data)))
+                writes += [arr[box].write(piece) for box, piece in _chunk_pieces(x.shape, chunk, index, data)]
     except Exception as e:  # an array that cannot be made (a full disk): the writes begun still end first
         errors.append(e)
     for w in writes:   # every write finishes before an error is raised: none runs on behind it
@@ -211,6 +213,16 @@ def write_arrays(root: Path, arrays: dict[str, tuple]) -> None:
     if errors:
         raise errors[0]
     write_tree_metadata(root, shards)
+
+
+def _chunk_pieces(shape: tuple, chunk: tuple, index: tuple, data):
+    """(box in the array, numpy data) of each chunk's part in the shard `data` at `index` (slices)."""
+    data = np.asarray(data)
+    lo = [sl.indices(n)[0] for sl, n in zip(index, shape)]
+    for _, box in chunk_boxes(shape, chunk):
+        cut = tuple(slice(max(b.start, l), min(b.stop, l + m)) for b, l, m in zip(box, lo, data.shape))
+        if all(c.start < c.stop for c in cut):
+            yield cut, data[tuple(slice(c.start - l, c.stop - l) for c, l in zip(cut, lo))]
 
 
 _encoders: dict = {}
