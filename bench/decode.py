@@ -270,7 +270,7 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
                   engine: bool = False, host: bool = True, kernels: bool = False, split_indexer: bool = False,
                   layer_loop: str = "loop", xla_options: tuple | None = None, call_variants: bool = False,
                   trace_timeline: bool = False, l2_prefetch: bool = False, engine_moe: bool = False,
-                  engine_router: bool = False, engine_index_weights: bool = False, compile_profile: bool = False,
+                  compile_profile: bool = False,
                   timeline_layers: tuple[int, int] = timeline.DETAIL_LAYERS) -> dict:
     """xla_options: DecodeConfig.xla_options (None: its default). call_variants: also time the step
     loop with each step at its own position (`advancing_step_ms`), the same with each step reading
@@ -280,18 +280,15 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
     timed loops (and their CUPTI profile), one call of the loop of TIMELINE_STEPS steps under JAX's
     profiler: the kernels' start and end times in one step (bench/timeline.py's summary, the result's
     "timeline"; `timeline_layers` [lo, hi) listed kernel by kernel); no CUPTI profile may follow it
-    (the one-step kernel profile is left out). l2_prefetch, engine_moe, engine_router,
-    engine_index_weights: DecodeConfig's. compile_profile: the first compile's XLA stage under JAX's
-    profiler (`compile_breakdown`)."""
+    (the one-step kernel profile is left out). l2_prefetch, engine_moe: DecodeConfig's. compile_profile:
+    the first compile's XLA stage under JAX's profiler (`compile_breakdown`)."""
     opts = {} if xla_options is None else {"xla_options": xla_options}
     loop, _, per = layer_loop.partition("/")   # "loop/2": DecodeConfig.layers_per_iteration = 2
     if per:                                    # (else DecodeConfig's default)
         opts["layers_per_iteration"] = int(per)
     eng = Engine(model, mesh=mesh, config=DecodeConfig(backend=backend, engine_all_reduce=engine,
                                                        split_indexer=split_indexer, layer_loop=loop,
-                                                       l2_prefetch=l2_prefetch, engine_moe=engine_moe,
-                                                       engine_router=engine_router,
-                                                       engine_index_weights=engine_index_weights, **opts))
+                                                       l2_prefetch=l2_prefetch, engine_moe=engine_moe, **opts))
     host_steps = steps * samples
     rows = bench_rows(context, steps, samples)
     cache = random_cache(eng, rows)
@@ -387,7 +384,6 @@ def bench_backend(model, backend: str, context: int, mtp: bool, steps: int, samp
     result = {"backend": backend, "layer_loop": layer_loop, "layers_per_iteration": eng.config.layers_per_iteration,
               "xla_options": dict(eng.config.xla_options), "mtp": mtp, "tp": eng.tp, "all_reduce": "engine" if engine else "psum",
               "split_indexer": split_indexer, "l2_prefetch": l2_prefetch, "engine_moe": engine_moe,
-              "engine_router": engine_router, "engine_index_weights": engine_index_weights,
               "step_ms_median": device_s * 1e3, "step_ms_p90": float(np.percentile(per_step, 90)) * 1e3,
               "tok_s": 1.0 / device_s, "compile_s": compile_s, "compile_stages": compile_stages,
               "precompiled": precompiled, "steps_timed": 3 * steps * samples,
@@ -795,11 +791,6 @@ def main(argv=None) -> dict:
                    help="DecodeConfig.l2_prefetch: o_proj's weights prefetched into L2 during the attention chain")
     p.add_argument("--engine-moe", action="store_true",
                    help="DecodeConfig.engine_moe: each MoE layer in one launch of the engine's persistent kernel")
-    p.add_argument("--engine-router", action="store_true",
-                   help="DecodeConfig.engine_router: each MoE layer's norm, router GEMV and selection in one "
-                        "engine launch")
-    p.add_argument("--engine-index-weights", action="store_true",
-                   help="DecodeConfig.engine_index_weights: the indexer's head weights in one engine launch")
     p.add_argument("--split-indexer", action="store_true",
                    help="with --tp: each rank scores 1/tp of the cached positions, top-k lists merged")
     p.add_argument("--steps", type=int, default=10, help="steps per timed sample")
@@ -860,7 +851,6 @@ def main(argv=None) -> dict:
                                   kernels=a.kernels and not mtp and not traced, split_indexer=a.split_indexer,
                                   layer_loop=loop, xla_options=tuple(tuple(kv.split("=", 1)) for kv in a.xla_option) or None,
                                   call_variants=a.call_variants, l2_prefetch=a.l2_prefetch, engine_moe=a.engine_moe,
-                                  engine_router=a.engine_router, engine_index_weights=a.engine_index_weights,
                                   compile_profile=a.compile_profile,
                                   trace_timeline=a.timeline and backend == "pallas" and not mtp and not traced,
                                   timeline_layers=a.timeline_layers)

@@ -81,10 +81,6 @@
 #   streamstep   bench/experiments/stream_step.py: the timing loop's and the stream's programs in calls of STREAM_STEPS
 #                steps queued, one change at a time (XLA options, the ring write), rounds alternating the forms
 #                (STREAM_FORMS=a,b,... picks some)
-#   router       the engine's norm GEMVs (DecodeConfig.engine_router: the MoE router in one launch; engine_index_weights:
-#                the indexer's head weights): part route, tests/gpu/decode_check.py with --engine-norm-gemvs, then
-#                bench.decode at the share's layers, pallas, without them, with --engine-router, with both, back to back
-#                (after build)
 #   moe          tests/gpu/moe_check.py: the engine's one-launch MoE vs the reference and the pallas path, and
 #                their times per MoE in a dependent chain
 #   moepatch     part moe on a copy of this checkout with PATCH applied (a bench/experiments patch of moe.cu)
@@ -496,15 +492,6 @@ for part in "$@"; do
         esac
         step "envab_$v" 200 "${e[@]}" $DEC --layers "$n" --backend pallas --samples 6 --out "$WORK/envab_$v.json"
       done ;;
-    router)
-      step route 200 python3 tests/gpu/route_check.py --out "$WORK/route.json"
-      step router_check 150 python3 tests/gpu/decode_check.py --engine-norm-gemvs --out "$WORK/router_check.json"
-      n=$(share_layers)
-      step router_off 200 $DEC --layers "$n" --backend pallas --kernels --samples 6 --out "$WORK/router_off.json"
-      step router_on 200 $DEC --layers "$n" --backend pallas --kernels --samples 6 --engine-router \
-        --out "$WORK/router_on.json"
-      step router_iw 200 $DEC --layers "$n" --backend pallas --kernels --samples 6 --engine-router \
-        --engine-index-weights --out "$WORK/router_iw.json" ;;
     moe) step moe 400 python3 tests/gpu/moe_check.py --out "$WORK/moe.json" ;;
     moepatch)  # the one-launch MoE check (part moe) in a copy of this checkout with PATCH (a bench/experiments
       # patch of cuda/src/moe.cu) applied: beside part moe's figures for this checkout in the same call

@@ -161,15 +161,14 @@ def h200():
 
 
 def compile_programs(cfg, *, context: int, backend: str, mtp: bool, loop: bool, want: set[str],
-                     options: dict, ring: bool = False, engine_router: bool = False,
-                     engine_index_weights: bool = False, layers_per_iteration: int | None = None,
+                     options: dict, ring: bool = False, layers_per_iteration: int | None = None,
                      ring_write_behind: bool = False, dump: str | None = None) -> list[dict]:
     """Prepares a Generator for `cfg` (abstract weights) and compiles the programs named in `want` for
     the H200: per program its XLA compile seconds, memory and `launches`; the optimized HLO text too.
     ring: the engine has a token ring (a stand-in: preparing reads only its device), so `stream`'s
-    steps are the ring's (`decode_stream`, `speculate_stream`). engine_router, engine_index_weights,
-    layers_per_iteration (None: its default), ring_write_behind: DecodeConfig's. dump: a folder that keeps
-    XLA's dump of each program (its HLO passes and thunk sequence)."""
+    steps are the ring's (`decode_stream`, `speculate_stream`). layers_per_iteration (None: its default),
+    ring_write_behind: DecodeConfig's. dump: a folder that keeps XLA's dump of each program (its HLO
+    passes and thunk sequence)."""
     from jax._src import compiler
     from jax._src.lib import xla_client as xc
 
@@ -220,9 +219,7 @@ def compile_programs(cfg, *, context: int, backend: str, mtp: bool, loop: bool, 
     try:
         with interpret.compile_for_gpu():
             gen = Generator(abstract_model(cfg, "fp8", jnp.bfloat16), max_seq_len=context, mtp=mtp,
-                            config=DecodeConfig(backend=backend, engine_router=engine_router,
-                                                engine_index_weights=engine_index_weights,
-                                                ring_write_behind=ring_write_behind,
+                            config=DecodeConfig(backend=backend, ring_write_behind=ring_write_behind,
                                                 **({} if layers_per_iteration is None else
                                                    {"layers_per_iteration": layers_per_iteration})))
             gen._prepare(Sampling(), loop=loop)
@@ -247,10 +244,6 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--loop", action="store_true", help="prepare generate()'s device loop, not stream()'s step")
     ap.add_argument("--ring", action="store_true", help="stream()'s steps through the token ring (decode_stream, "
                     "speculate_stream), as on a GPU where the CUDA engine loads")
-    ap.add_argument("--engine-router", action="store_true", help="DecodeConfig.engine_router: the MoE layers' "
-                    "norm, router GEMV and selection in one engine launch")
-    ap.add_argument("--engine-index-weights", action="store_true", help="DecodeConfig.engine_index_weights: the "
-                    "indexer's head weights in one engine launch")
     ap.add_argument("--layers-per-iteration", type=int, default=None,
                     help="DecodeConfig.layers_per_iteration (default: DecodeConfig's)")
     ap.add_argument("--option", action="append", default=[], help="an XLA option NAME=VALUE for these compiles")
@@ -264,7 +257,6 @@ def main(argv=None) -> list[dict]:
     cfg = preset(a.preset, num_hidden_layers=a.layers)
     rows = compile_programs(cfg, context=a.context, backend=a.backend, mtp=a.mtp, loop=a.loop,
                             want=set(a.program.split(",")), options=options, ring=a.ring,
-                            engine_router=a.engine_router, engine_index_weights=a.engine_index_weights,
                             layers_per_iteration=a.layers_per_iteration, ring_write_behind=a.ring_write_behind,
                             dump=a.dump)
     for r in rows:
@@ -282,7 +274,6 @@ def main(argv=None) -> list[dict]:
                   "commit": provenance.commit(), "command": provenance.command("bench.xla_kernels", argv),
                   "jax": jax.__version__,
                   "preset": a.preset, "layers": a.layers, "context": a.context, "backend": a.backend,
-                  "engine_router": a.engine_router, "engine_index_weights": a.engine_index_weights,
                   "layers_per_iteration": a.layers_per_iteration,
                   "options": options, "target": TARGET.name,
                   "programs": [{k: v for k, v in r.items() if k != "hlo"} for r in rows]}

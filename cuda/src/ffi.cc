@@ -20,8 +20,6 @@ JT_EXPORT XLA_FFI_Error* JtGemvAllReduce(XLA_FFI_CallFrame* call_frame);
 JT_EXPORT XLA_FFI_Error* JtMergeTopk(XLA_FFI_CallFrame* call_frame);
 JT_EXPORT XLA_FFI_Error* JtTopkSelect(XLA_FFI_CallFrame* call_frame);
 JT_EXPORT XLA_FFI_Error* JtRouteSelect(XLA_FFI_CallFrame* call_frame);
-JT_EXPORT XLA_FFI_Error* JtNormRoute(XLA_FFI_CallFrame* call_frame);
-JT_EXPORT XLA_FFI_Error* JtNormGemv(XLA_FFI_CallFrame* call_frame);
 JT_EXPORT XLA_FFI_Error* JtPrefetchL2(XLA_FFI_CallFrame* call_frame);
 JT_EXPORT XLA_FFI_Error* JtTokenRing(XLA_FFI_CallFrame* call_frame);
 JT_EXPORT XLA_FFI_Error* JtMoeDecode(XLA_FFI_CallFrame* call_frame);
@@ -415,68 +413,6 @@ ffi::Error RouteSelectImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> partials,
   return ffi::Error::Success();
 }
 
-// A MoE layer's whole router (src/route.cu, jt_norm_route): x [T, H] bf16,
-// the norm weight stack [L, H] and the gate stack [L, E, H] (bf16 or f32
-// each), the bias stack [L, E] f32 and the layer (base and offset) -> f [T, H]
-// bf16, logits [T, E] f32, weights [T, k] f32, ids [T, k] s32.
-ffi::Error NormRouteImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
-                         ffi::AnyBuffer norm_weight, ffi::AnyBuffer gate,
-                         ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::S32> layer,
-                         ffi::Buffer<ffi::S32> layer_offset,
-                         ffi::Result<ffi::Buffer<ffi::BF16>> f,
-                         ffi::Result<ffi::Buffer<ffi::F32>> logits,
-                         ffi::Result<ffi::Buffer<ffi::F32>> out_w,
-                         ffi::Result<ffi::Buffer<ffi::S32>> out_ids, float eps,
-                         int32_t n_group, int32_t topk_group, int32_t norm,
-                         float scaling) {
-  auto xd = x.dimensions();
-  auto nd = norm_weight.dimensions();
-  auto gd = gate.dimensions();
-  auto bd = bias.dimensions();
-  auto od = out_ids->dimensions();
-  if (xd.size() != 2 || nd.size() != 2 || gd.size() != 3 || bd.size() != 2 ||
-      od.size() != 2 || nd[1] != xd[1] || gd[2] != xd[1] || gd[0] != nd[0] ||
-      bd[0] != gd[0] || bd[1] != gd[1] || od[0] != xd[0] ||
-      f->element_count() != x.element_count() ||
-      logits->element_count() != (size_t)(xd[0] * gd[1]) ||
-      out_w->element_count() != out_ids->element_count() ||
-      layer.element_count() != 1 || layer_offset.element_count() != 1)
-    return ffi::Error::InvalidArgument("jtilert norm_route: shape mismatch");
-  cudaError_t e = jt_norm_route(
-      stream, x.untyped_data(), norm_weight.untyped_data(),
-      dtype_code(norm_weight.element_type()), gate.untyped_data(),
-      dtype_code(gate.element_type()), bias.typed_data(), layer.typed_data(),
-      layer_offset.typed_data(), (int)xd[0], (int)xd[1], (int)gd[1], eps, n_group,
-      topk_group, (int)od[1], scaling, norm, f->untyped_data(), logits->typed_data(),
-      out_w->typed_data(), out_ids->typed_data());
-  if (e != cudaSuccess) return cuda_error(e, "norm_route launch");
-  return ffi::Error::Success();
-}
-
-// y = rms_norm(x) . w[l]^T in fp32 (src/route.cu, jt_norm_gemv): x [T, H] bf16,
-// the norm weight stack [L, H] and w [L, N, H] (bf16 or f32 each), the layer
-// (base and offset) -> y [T, N] f32.
-ffi::Error NormGemvImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
-                        ffi::AnyBuffer norm_weight, ffi::AnyBuffer w,
-                        ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> layer_offset,
-                        ffi::Result<ffi::Buffer<ffi::F32>> y, float eps) {
-  auto xd = x.dimensions();
-  auto nd = norm_weight.dimensions();
-  auto wd = w.dimensions();
-  auto yd = y->dimensions();
-  if (xd.size() != 2 || nd.size() != 2 || wd.size() != 3 || yd.size() != 2 || nd[1] != xd[1] ||
-      wd[2] != xd[1] || wd[0] != nd[0] || yd[0] != xd[0] || yd[1] != wd[1] ||
-      layer.element_count() != 1 || layer_offset.element_count() != 1)
-    return ffi::Error::InvalidArgument("jtilert norm_gemv: shape mismatch");
-  cudaError_t e = jt_norm_gemv(stream, x.untyped_data(), norm_weight.untyped_data(),
-                               dtype_code(norm_weight.element_type()), w.untyped_data(),
-                               dtype_code(w.element_type()), layer.typed_data(),
-                               layer_offset.typed_data(), (int)xd[0], (int)xd[1], (int)wd[1], eps,
-                               y->typed_data());
-  if (e != cudaSuccess) return cuda_error(e, "norm_gemv launch");
-  return ffi::Error::Success();
-}
-
 // A MoE layer's experts for one decode token (src/moe.cu): f [1, H] bf16,
 // weights [1, k] f32, ids [1, k] s32, the routed gate/up [L, E, I, H] and down
 // [L, E, H, I] fp8 with their f32 block scales, the shared expert's [L, I, H] /
@@ -761,38 +697,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JtRouteSelect, RouteSelectImpl,
                                   .Attr<int32_t>("topk_group")
                                   .Attr<int32_t>("norm")
                                   .Attr<float>("scaling"),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JtNormRoute, NormRouteImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // x
-                                  .Arg<ffi::AnyBuffer>()          // norm weight stack
-                                  .Arg<ffi::AnyBuffer>()          // gate stack
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // bias stack
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer offset
-                                  .Ret<ffi::Buffer<ffi::BF16>>()  // f
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // logits
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // weights
-                                  .Ret<ffi::Buffer<ffi::S32>>()   // ids
-                                  .Attr<float>("eps")
-                                  .Attr<int32_t>("n_group")
-                                  .Attr<int32_t>("topk_group")
-                                  .Attr<int32_t>("norm")
-                                  .Attr<float>("scaling"),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JtNormGemv, NormGemvImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // x
-                                  .Arg<ffi::AnyBuffer>()          // norm weight stack
-                                  .Arg<ffi::AnyBuffer>()          // weight stack
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer offset
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // y
-                                  .Attr<float>("eps"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JtMoeDecode, MoeDecodeImpl,

@@ -8,7 +8,6 @@ namespace jt {
 int prepare_gemv_kernels(int max_smem);
 int prepare_topk_kernels(int max_smem);
 int prepare_moe_kernels(int max_smem);
-int prepare_route_kernels(int max_smem);
 }  // namespace jt
 
 namespace {
@@ -37,7 +36,6 @@ extern "C" int jt_prepare_device(int dev, char* err, int errlen) {
     rc = jt::prepare_gemv_kernels(max_smem);
     if (rc == 0) rc = jt::prepare_topk_kernels(max_smem);
     if (rc == 0) rc = jt::prepare_moe_kernels(max_smem);
-    if (rc == 0) rc = jt::prepare_route_kernels(max_smem);
     if (rc != 0) e = (cudaError_t)rc;
   }
   cudaSetDevice(prev);

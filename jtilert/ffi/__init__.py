@@ -8,10 +8,8 @@
   These three take ``layer=`` (int32, may be traced) with stacked [L, ...] weights: the kernel
   offsets its weight pointers by the layer it reads on the device (no XLA copy of ``w[layer]``).
 - ``merge_topk``, ``top_k`` / ``topk`` / ``split_topk``: exact top-k (``jtilert.ffi.select``).
-- ``route.select_experts(cfg, logits, bias, layer)``: the MoE router's selection in one launch;
-  ``route.norm_route(cfg, x, norm_weight, eps, gate, bias, layer)``: a MoE layer's norm, router GEMV
-  and selection in one launch (``jtilert.ffi.route``; the decode step's with
-  ``DecodeConfig.engine_router``).
+- ``route.select_experts(cfg, partials, bias, layer)``: the MoE router's selection in one launch
+  (``jtilert.ffi.route``).
 - ``moe.moe_decode(f, weights, ids, experts, shared, residual, layer)``: a MoE layer's routed and
   shared experts for one token in one persistent launch (``jtilert.ffi.moe``; the decode step's
   with ``DecodeConfig.engine_moe``).

@@ -275,7 +275,7 @@ class MoE(nnx.Module):
         if self.norm is None:
             weights, ids = ops("route", self.cfg, x, *gate, layer=layer)
             return ops.moe(x, weights, ids, *arrays, residual=residual)
-        f, weights, ids = ops.norm_route(self.cfg, x, *self.norm.args(), *gate, layer=layer)
+        f, weights, ids = ops("norm_route", self.cfg, x, *self.norm.args(), *gate, layer=layer)
         return ops.moe(x, weights, ids, *arrays, residual=residual, norm=self.norm.args(), x_normed=f)
 
 
@@ -305,7 +305,7 @@ class Indexer(nnx.Module):
         if norm is None:
             w = reference.linear(x.astype(F32), _at(self.weights_proj.weight[...], slot).astype(F32))
         else:
-            w = ops.index_weights(x, norm.weight[...], norm.eps, self.weights_proj.weight[...], layer=slot)
+            w = ops("index_weights", x, norm.weight[...], norm.eps, self.weights_proj.weight[...], layer=slot)
         # the key's norm, rope on q and k, their Hadamard rotation and q's fp8 quantisation (one kernel;
         # the projections' outputs are read in place): k comes out rotated, fp32 in fp8 mode
         q, w, k = ops("index_prep", cfg, q_x, q_col, k_x, k_col, self.k_norm.weight[...], self.k_norm.bias[...],

@@ -33,8 +33,6 @@ import numpy as np
 from jtilert import ffi
 from jtilert.ffi import _lib
 from jtilert.ffi import moe as ffi_moe
-from jtilert.ffi import ops as ffi_ops
-from jtilert.ffi import route as ffi_route
 from jtilert.ops import reference
 from jtilert.ops.layer import Layer
 from jtilert.pallas import index_prep, indexer, interpret, mla_prep, sparse_mla
@@ -96,16 +94,6 @@ class DecodeConfig:
         kernels (routed gate/up, routed down, shared gate/up, shared down); a decode-shaped call the
         engine does not take runs those four, with a warning once per shape and reason (prefill runs
         them without a word). Off by default: slower in the step (bench/RESULTS.md, session 25).
-    engine_router: backend "pallas": a MoE layer's norm, router GEMV and expert selection (op
-        "norm_route", decode-shaped calls) as one launch of the CUDA engine's
-        `jtilert.ffi.route.norm_route` instead of the router's Pallas GEMV and the engine's selection;
-        where it does not apply, those two, with a warning once per shape and reason. Off by default:
-        exact, and slower alone and in the step (bench/RESULTS.md, session 40).
-    engine_index_weights: backend "pallas": the indexer's head weights (op "index_weights",
-        decode-shaped calls) as one launch of the same engine kernel without the selection
-        (`jtilert.ffi.route.index_weights`) instead of the Pallas FMA GEMV and XLA's sum of its
-        split-K partials; where it does not apply, those, with a warning once. Off by default: exact,
-        and slower in the step (bench/RESULTS.md, session 40).
     token_ring: on a GPU where the CUDA engine loads, the decode steps that `Generator.stream` runs
         leave their new tokens in the engine's token ring (`jtilert.ffi.ring`, fixed pinned host memory
         the host reads) instead of returning them as an output: every output of a call is then a donated
@@ -129,8 +117,6 @@ class DecodeConfig:
     xla_options: tuple[tuple[str, str], ...] = STEP_XLA_OPTIONS
     l2_prefetch: bool = False
     engine_moe: bool = False
-    engine_router: bool = False
-    engine_index_weights: bool = False
     token_ring: bool = True
     ring_write_behind: bool = False
 
@@ -505,26 +491,6 @@ class Ops:
         g, gs, u, us, d, ds = arrays
         hidden = self("swiglu_hidden", x, g, gs, u, us, *norm, layer=layer)
         return self.linear_all_reduce(hidden, d, ds, layer, residual=residual)
-
-    def norm_route(self, cfg, x, norm_weight, eps, gate, bias, layer=None):
-        """Op "norm_route": (f, weights, ids). With `DecodeConfig.engine_router`, a decode-shaped call on
-        stacked weights runs as the engine's one launch (`jtilert.ffi.route.norm_route`) where it
-        applies; otherwise the op's table entry (the router's Pallas GEMV, then the selection)."""
-        if self._engine_applies("engine_router", "norm_route", x, gate, lambda: (
-                _unstacked(layer) or ffi_route.norm_route_unsupported(cfg, x, norm_weight, gate, bias)
-                or ffi_ops.engine_status()[1] or None)):
-            return ffi_route.norm_route(cfg, x, norm_weight, eps, gate, bias, _layer_argument(layer))
-        return self("norm_route", cfg, x, norm_weight, eps, gate, bias, layer=layer)
-
-    def index_weights(self, x, norm_weight, eps, w, layer=None):
-        """Op "index_weights". With `DecodeConfig.engine_index_weights`, a decode-shaped call on stacked
-        weights runs as the engine's norm GEMV (`jtilert.ffi.route.index_weights`) where it applies;
-        otherwise the op's table entry."""
-        if self._engine_applies("engine_index_weights", "index_weights", x, w, lambda: (
-                _unstacked(layer) or ffi_route.index_weights_unsupported(x, norm_weight, w)
-                or ffi_ops.engine_status()[1] or None)):
-            return ffi_route.index_weights(x, norm_weight, eps, w, _layer_argument(layer))
-        return self("index_weights", x, norm_weight, eps, w, layer=layer)
 
     def _engine_applies(self, flag: str, name: str, x, w, unsupported) -> bool:
         """Whether DecodeConfig.<flag> asks for the engine's kernel of op `name` on this decode-shaped

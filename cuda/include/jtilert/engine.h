@@ -204,32 +204,6 @@ cudaError_t jt_route_select(cudaStream_t stream, const float* partials, int S,
                             float scaling, int norm, float* out_w,
                             int32_t* out_ids);
 
-#define JT_ROUTE_MAX_TOKENS 8
-#define JT_NORM_ROUTE_MAX_EXPERTS 512   // a thread an expert; 512 threads keep 128 registers each
-#define JT_NORM_GEMV_MAX_SMEM (200 * 1024)  // f [T, H] bf16 in shared memory, and the selection's
-// A MoE layer's whole router in one launch: f = rms_norm(x, norm_weight[l], eps)
-// (x [T, H] bf16, T <= JT_ROUTE_MAX_TOKENS, H % 8 == 0, E <= JT_NORM_ROUTE_MAX_EXPERTS,
-// 2 T H bytes + 8 KB <= JT_NORM_GEMV_MAX_SMEM; the norm weight stack
-// [L, H] bf16 or fp32 (norm_dtype), f [T, H] bf16 rounded as the reference
-// rounds it), logits = f . gate[l]^T in fp32 (gate [L, E, H] bf16 or fp32,
-// gate_dtype; logits [T, E] fp32), then the selection of jt_route_select from
-// those logits with bias row l, l = *layer + *layer_offset. Calls on one device
-// must not overlap (the CTAs' arrival counter is a device global).
-// cudaErrorInvalidValue for shapes it does not take.
-cudaError_t jt_norm_route(cudaStream_t stream, const void* x, const void* norm_weight,
-                          int norm_dtype, const void* gate, int gate_dtype, const float* bias,
-                          const int32_t* layer, const int32_t* layer_offset, int T, int H, int E,
-                          float eps, int n_group, int topk_group, int k, float scaling, int norm,
-                          void* f_out, float* logits, float* out_w, int32_t* out_ids);
-
-#define JT_NORM_GEMV_MAX_ROWS 1024
-// y = rms_norm(x, norm_weight[l], eps) . w[l]^T in fp32, as jt_norm_route's
-// logits (the same kernel without the selection): w [L, N, H] bf16 or fp32,
-// N <= JT_NORM_GEMV_MAX_ROWS, out [T, N] fp32; the indexer's head weights.
-cudaError_t jt_norm_gemv(cudaStream_t stream, const void* x, const void* norm_weight,
-                         int norm_dtype, const void* w, int w_dtype, const int32_t* layer,
-                         const int32_t* layer_offset, int T, int H, int N, float eps, float* out);
-
 // ---- a MoE layer's experts for one decode token (src/moe.cu) ----
 #define JT_MOE_CTAS 128          // one persistent launch of this many CTAs (all resident)
 #define JT_MOE_MAX_VEC 8192      // H and (k + 1) * I at most
