@@ -224,21 +224,47 @@ def test_the_pallas_layout_gives_the_reference_logits():
     np.testing.assert_array_equal(jtilert.score(fp8, ids, prefill=20), jtilert.score(m, ids, prefill=20))
 
 
-@pytest.mark.parametrize("backend", ["reference", "pallas"])
-def test_a_bf16_valued_router_is_read_in_bf16_with_the_same_logits(backend, monkeypatch):
+def test_a_bf16_valued_router_is_read_in_bf16_with_the_same_logits(monkeypatch):
     """A router whose values are all bf16 values (random models, as the checkpoints' routers) is held
-    in bf16 by the decode model, and the logits are those of the fp32 router bit for bit: the router's
-    products are fp32 products of the same values (reference: XLA's fp32 einsum; pallas: the FMA GEMV,
-    interpret mode). One value that is not a bf16 value keeps the router in fp32."""
+    in bf16 by the decode model, and the logits are those of the fp32 router bit for bit (the reference
+    backend: XLA's fp32 einsum of the same values; the pallas path's router kernel, to fp32 rounding:
+    the next test). One value
+    that is not a bf16 value keeps the router in fp32."""
     from jtilert.model import transformer
     m = _model("tiny", "fp8")
     w = m.moe.gate.weight.get_value()
     assert w.dtype == jnp.float32 and transformer.router_in_bf16(w)
-    assert decode_weights(m, backend=backend).moe.gate.weight.get_value().dtype == jnp.bfloat16
+    for backend in ("reference", "pallas"):
+        assert decode_weights(m, backend=backend).moe.gate.weight.get_value().dtype == jnp.bfloat16
     ids = IDS[:22]   # two decode steps
-    bf16 = jtilert.score(m, ids, prefill=20, backend=backend)
+    bf16 = jtilert.score(m, ids, prefill=20)
     monkeypatch.setattr(transformer, "router_in_bf16", lambda w: False)
-    assert decode_weights(m, backend=backend).moe.gate.weight.get_value().dtype == jnp.float32
-    np.testing.assert_array_equal(bf16, jtilert.score(m, ids, prefill=20, backend=backend))
+    assert decode_weights(m, backend="pallas").moe.gate.weight.get_value().dtype == jnp.float32
+    np.testing.assert_array_equal(bf16, jtilert.score(m, ids, prefill=20))
     monkeypatch.undo()
     assert not transformer.router_in_bf16(w.at[0, 3, 5].add(1e-6))
+
+
+@pytest.mark.parametrize("normed", [False, True])
+def test_the_router_kernel_reads_a_bf16_router_as_its_fp32_values(normed):
+    """The pallas path's router kernel (the FMA GEMV, interpret mode) on a stack of bf16-valued routers:
+    held in bf16 or in fp32, the same normed x bit for bit and the same logits to fp32 rounding (the
+    products are exact in fp32 either way; the loads' widths differ, and so may the order of the sums),
+    for the routers of the tiny model's MoE layers read at a traced layer index."""
+    import jax
+    from jtilert.pallas import moe
+    m = _model("tiny", "fp8")
+    gate = m.moe.gate.weight.get_value()   # [L, E, H] fp32 holding bf16 values
+    x = jax.random.normal(jax.random.key(4), (1, gate.shape[2]), jnp.float32).astype(jnp.bfloat16)
+    nw = jax.random.normal(jax.random.key(5), gate.shape[::2], jnp.float32) * 0.1 + 1
+
+    def run(g, i):
+        return moe.norm_router_partials(x, nw, 1e-6, g, layer=i) if normed else (moe.router_partials(x, g, layer=i),)
+    for layer in range(gate.shape[0]):
+        f32 = jax.jit(run)(gate, jnp.int32(layer))
+        bf16 = jax.jit(run)(gate.astype(jnp.bfloat16), jnp.int32(layer))
+        logits = np.asarray(f32[0]).sum(0)
+        np.testing.assert_allclose(np.asarray(bf16[0]).sum(0), logits, rtol=0, atol=4e-7 * np.abs(logits).max())
+        if normed:
+            np.testing.assert_array_equal(np.asarray(bf16[1], np.float32), np.asarray(f32[1], np.float32))
+        assert np.abs(logits).max() > 0.5

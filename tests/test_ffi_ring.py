@@ -554,7 +554,7 @@ def test_bench_decode_profiles_before_the_call_variants_trace(tiny_random, host_
     # a timing loop of more steps than a stream call's: the call's steps are what its profile divides by
     traced.clear()
     order.clear()
-    r = decode.bench_backend(tiny_random, "reference", 20, False, 10, 1, kernels=True, call_variants=True)
+    r = decode.bench_backend(tiny_random, "reference", 20, False, 10, 1, kernels=True)
     assert r["stream_kernel_profile"]["kernels"] == 1 / 8
 
 
