@@ -1,11 +1,8 @@
 """Test set-up: 8 host devices for mesh tests (before jax is imported), fp32 matmuls on CPU, quick XLA compiles;
 the shared fixtures."""
 
-import atexit
 import logging
 import os
-import shutil
-import tempfile
 import warnings
 from types import SimpleNamespace
 
@@ -17,13 +14,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Tests patch traced code (op implementations, the engine's emit switch), which no program-cache key
 # sees: only tests/test_compile_cache.py turns the program cache on.
 os.environ["JTILERT_PROGRAM_CACHE"] = "off"
-# JAX's persistent compilation cache, which jtilert turns on, in a folder of this run's own (made by the
-# first process to import this file, pytest-xdist's controller, whose workers inherit it; removed when
-# that process ends): programs that several tests compile are read back, and the user's cache is
-# neither read nor written, so a run's time does not depend on what earlier runs left there.
-if "JTILERT_COMPILATION_CACHE" not in os.environ:
-    os.environ["JTILERT_COMPILATION_CACHE"] = tempfile.mkdtemp(prefix="jtilert-test-cache-")
-    atexit.register(shutil.rmtree, os.environ["JTILERT_COMPILATION_CACHE"], True)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
