@@ -430,8 +430,8 @@ def test_bench_decode_queued_forms(tiny_random, host_ring):
 
 
 def test_stream_step_experiment(tiny_random, host_ring):
-    """bench/experiments/stream_step.py's forms run (all but those that only change an XLA option, of
-    which the LHS ones stand for the rest); the stream's, the write-behind form and the write followed by
+    """bench/experiments/stream_step.py's forms run (all but the two that only change an XLA option); the
+    stream's, the write-behind form and the write followed by
     a fusion write the ring (positions from the context on), the forms without the ring write do not,
     the form that writes nothing calls the write once a step with a count of 0, and the MTP stream writes
     one key a step."""
@@ -456,20 +456,17 @@ def test_stream_step_experiment(tiny_random, host_ring):
     jax.effects_barrier()
     host_ring.store = store
     assert host_ring.keys() == [] and stored == [0] * total, stored
-    for form in ("stream", "stream_write_behind", "stream_write_then_fusion", "stream_lhs", "stream_write_behind_lhs",
-                 "stream_no_cond"):
+    for form in ("stream", "stream_write_behind", "stream_write_then_fusion", "stream_no_cond"):
         host_ring.clear()
         decode.queued({STREAM_STEPS: every[form]}, total, 1)
         jax.effects_barrier()
         assert host_ring.keys() == list(range(20, 20 + total)), (form, host_ring.keys())
-    for form in ("mtp_stream", "mtp_stream_lhs"):   # MTP: a key a step, 1 or 2 tokens each, from the context on
-        host_ring.clear()
-        decode.queued({STREAM_STEPS: every[form]}, total, 1)
-        jax.effects_barrier()
-        keys = host_ring.keys()
-        assert keys[0] == 20 and len(keys) == total and all(b - a in (1, 2) for a, b in zip(keys, keys[1:])), keys
-    for form in ("mtp_timing_loop", "mtp_timing_loop_lhs"):
-        assert stream_step.rounds({form: every[form]}, total, 1)[form][0] > 0
+    host_ring.clear()   # MTP: a key a step, 1 or 2 tokens each, from the context on
+    decode.queued({STREAM_STEPS: every["mtp_stream"]}, total, 1)
+    jax.effects_barrier()
+    keys = host_ring.keys()
+    assert keys[0] == 20 and len(keys) == total and all(b - a in (1, 2) for a, b in zip(keys, keys[1:])), keys
+    assert stream_step.rounds({"mtp_timing_loop": every["mtp_timing_loop"]}, total, 1)["mtp_timing_loop"][0] > 0
     with pytest.raises(ValueError, match="no form"):   # before any compile
         stream_step.forms(None, 20, total, ["stream_lsh"])
     from one_kernel import run_one_kernel   # the Mosaic kernel in stream_pallas_next's place: one launch, pos + count

@@ -25,12 +25,6 @@ one change at a time, in rounds that alternate the forms on one machine:
                         loop's MTP program and the MTP stream's through the ring (its write runs beside the
                         draft's forward in the H200 compile: predicted to cost little)
 
-  timing_loop_lhs, stream_lhs, stream_write_behind_lhs, mtp_timing_loop_lhs, mtp_stream_lhs  the same
-                        programs with the CUDA graph's edges taken from XLA's scheduled order
-                        (`xla_gpu_command_buffer_scheduling_mode=LHS`) instead of from buffer overlaps
-                        (CONCURRENT, DecodeConfig's default): under LHS the MTP stream with the write behind
-                        ends on the GPU (bench/experiments/ring_behind.py); does LHS cost the step anything?
-
   timing_loop_no_cond, stream_no_cond, stream_no_ring_no_cond  the timing loop, the stream and the stream
                         without its write, each step's token made without conditionals (no IF nodes in the
                         step's graph: `next_token_without_conditionals`): does a custom call after the
@@ -127,11 +121,9 @@ def next_token_without_conditionals(self, ops, h, params, key):
     return ids[0, jnp.where(params["temperature"] <= 0, greedy, drawn)][None]
 
 
-FORMS = ("timing_loop", "timing_loop_served", "timing_loop_no_pdl", "timing_loop_lhs", "stream",
-         "stream_write_behind", "stream_no_ring", "stream_write_nothing", "stream_write_then_fusion",
-         "stream_pallas_next", "stream_no_pdl", "stream_lhs", "stream_write_behind_lhs", "mtp_timing_loop",
-         "mtp_timing_loop_lhs", "mtp_stream", "mtp_stream_lhs", "timing_loop_no_cond", "stream_no_cond",
-         "stream_no_ring_no_cond")
+FORMS = ("timing_loop", "timing_loop_served", "timing_loop_no_pdl", "stream", "stream_write_behind",
+         "stream_no_ring", "stream_write_nothing", "stream_write_then_fusion", "stream_pallas_next", "stream_no_pdl",
+         "mtp_timing_loop", "mtp_stream", "timing_loop_no_cond", "stream_no_cond", "stream_no_ring_no_cond")
 
 
 def forms(eng, context: int, total: int, only=None) -> dict:
@@ -147,11 +139,8 @@ def forms(eng, context: int, total: int, only=None) -> dict:
     state = [decode.random_cache(eng, rows), eng.place(jnp.array([1], jnp.int32)),
              eng.place(jnp.array([2], jnp.int32)), eng.place(jax.random.PRNGKey(0))]
     ids = (eng.place(jax.random.randint(jax.random.PRNGKey(1), (997,), 0, eng.cfg.vocab_size, jnp.int32)),)
-    # without PDL, and with the graph's edges from XLA's scheduled order (LHS) instead of buffer overlaps:
-    # the streams compiled under these configs, the timing loops with their options
+    # without PDL: the stream compiled under this config, the timing loop with its options
     no_pdl = dataclasses.replace(eng.config, xla_options=with_options(eng.config.xla_options, xla_gpu_enable_pdl=False))
-    lhs = dataclasses.replace(eng.config, xla_options=with_options(eng.config.xla_options,
-                                                                   xla_gpu_command_buffer_scheduling_mode="LHS"))
     stream = [decode.random_cache(eng, rows, seed=1), eng.place(jnp.array([1], jnp.int32)),
               eng.place(jnp.int32(context)), eng.place(jax.random.PRNGKey(1)), None]
     mtp_loop = [decode.random_cache(eng, rows, seed=2), *state[1:]]
@@ -198,7 +187,6 @@ def forms(eng, context: int, total: int, only=None) -> dict:
         "timing_loop": timing_loop,
         "timing_loop_served": lambda: timing_loop(advance=True, fed=ids),
         "timing_loop_no_pdl": lambda: timing_loop(no_pdl),
-        "timing_loop_lhs": lambda: timing_loop(lhs),
         "stream": stream_form,
         "stream_write_behind": lambda: stream_form(config=behind),
         "stream_no_ring": lambda: stream_form(write(no_ring_write)),
@@ -206,12 +194,8 @@ def forms(eng, context: int, total: int, only=None) -> dict:
         "stream_write_then_fusion": lambda: stream_form(write(functools.partial(_then_fusion, ring.write))),
         "stream_pallas_next": lambda: stream_form(write(next_position)),
         "stream_no_pdl": lambda: stream_form(config=no_pdl),
-        "stream_lhs": lambda: stream_form(config=lhs),
-        "stream_write_behind_lhs": lambda: stream_form(config=dataclasses.replace(lhs, ring_write_behind=True)),
         "mtp_timing_loop": lambda: timing_loop(mtp=True),
-        "mtp_timing_loop_lhs": lambda: timing_loop(lhs, mtp=True),
         "mtp_stream": mtp_stream_form,
-        "mtp_stream_lhs": lambda: mtp_stream_form(lhs),
         "timing_loop_no_cond": lambda: timing_loop(patch=no_cond()),
         "stream_no_cond": lambda: stream_form(no_cond()),
         "stream_no_ring_no_cond": lambda: stream_form(no_cond(write(no_ring_write))),
