@@ -228,8 +228,7 @@ def test_a_bf16_valued_router_is_read_in_bf16_with_the_same_logits(monkeypatch):
     """A router whose values are all bf16 values (random models, as the checkpoints' routers) is held
     in bf16 by the decode model, and the logits are those of the fp32 router bit for bit (the reference
     backend: XLA's fp32 einsum of the same values; the pallas path's router kernel, to fp32 rounding:
-    the next test). One value
-    that is not a bf16 value keeps the router in fp32."""
+    the next test). One value that is not a bf16 value keeps the router in fp32."""
     from jtilert.model import transformer
     m = _model("tiny", "fp8")
     w = m.moe.gate.weight.get_value()

@@ -431,10 +431,9 @@ def test_bench_decode_queued_forms(tiny_random, host_ring):
 
 def test_stream_step_experiment(tiny_random, host_ring):
     """bench/experiments/stream_step.py's forms run (all but the two that only change an XLA option); the
-    stream's, the write-behind form and the write followed by
-    a fusion write the ring (positions from the context on), the forms without the ring write do not,
-    the form that writes nothing calls the write once a step with a count of 0, and the MTP stream writes
-    one key a step."""
+    stream's, the write-behind form and the write followed by a fusion write the ring (positions from the
+    context on), the forms without the ring write do not, the form that writes nothing calls the write
+    once a step with a count of 0, and the MTP stream writes one key a step."""
     from bench import decode
     from bench.experiments import stream_step
     from jtilert.runtime.generate import STREAM_STEPS, Engine

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import itertools
 import json
 import os
 import re
@@ -216,13 +217,14 @@ def write_arrays(root: Path, arrays: dict[str, tuple]) -> None:
 
 
 def _chunk_pieces(shape: tuple, chunk: tuple, index: tuple, data):
-    """(box in the array, numpy data) of each chunk's part in the shard `data` at `index` (slices)."""
+    """(box in the array, numpy data) of each chunk's part in the shard `data` at `index` (slices): the
+    chunks of the grid that the shard's box overlaps, each cut to the shard."""
     data = np.asarray(data)
     lo = [sl.indices(n)[0] for sl, n in zip(index, shape)]
-    for _, box in chunk_boxes(shape, chunk):
-        cut = tuple(slice(max(b.start, l), min(b.stop, l + m)) for b, l, m in zip(box, lo, data.shape))
-        if all(c.start < c.stop for c in cut):
-            yield cut, data[tuple(slice(c.start - l, c.stop - l) for c, l in zip(cut, lo))]
+    hi = [a + m for a, m in zip(lo, data.shape)]
+    for idx in itertools.product(*(range(a // c, -(-b // c)) for a, b, c in zip(lo, hi, chunk))):
+        cut = tuple(slice(max(i * c, a), min((i + 1) * c, b)) for i, c, a, b in zip(idx, chunk, lo, hi))
+        yield cut, data[tuple(slice(c.start - a, c.stop - a) for c, a in zip(cut, lo))]
 
 
 _encoders: dict = {}
