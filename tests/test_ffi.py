@@ -165,6 +165,42 @@ def test_build_dir_is_keyed_by_the_sources_and_their_folder(tmp_path, monkeypatc
     assert ffi_build.default_build_dir(copy) != before
 
 
+def test_a_library_is_found_only_once_its_build_has_ended(tmp_path, monkeypatch):
+    """Processes share the cache's build directory: one that looks while another links must neither load
+    the half-written library ("file too short") nor give up. `find_library` waits for the build's lock and
+    trusts only a library marked built; a build that fails (or is killed) leaves no mark."""
+    import importlib  # noqa: PLC0415
+    import threading  # noqa: PLC0415
+
+    ffi_build = importlib.import_module("jtilert.ffi.build")
+    monkeypatch.setenv("JTILERT_FFI_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("JTILERT_FFI_LIB", raising=False)
+    d = ffi_build.default_build_dir()
+    assert ffi_build.find_library() is None  # nothing built yet
+    d.mkdir(parents=True)
+    (d / ffi_build.LIB_NAME).write_bytes(b"\x7fELF")  # a link cut short
+    assert ffi_build.find_library() is None
+
+    found = []
+    with ffi_build._lock(ffi_build._lock_path(d)):  # a build in progress
+        looker = threading.Thread(target=lambda: found.append(ffi_build.find_library()))
+        looker.start()
+        looker.join(0.5)
+        assert looker.is_alive(), "find_library did not wait for the build in progress"
+        (d / ffi_build.BUILT).touch()
+    looker.join(10)
+    assert found == [d / ffi_build.LIB_NAME]
+
+    class Failed:
+        returncode, stdout = 1, "nvcc: error"
+
+    monkeypatch.setattr(ffi_build.subprocess, "run", lambda *a, **k: Failed())
+    monkeypatch.setattr(ffi_build, "source_dir", lambda: ROOT / "cuda")
+    with pytest.raises(RuntimeError, match="failed"):
+        ffi_build.build()
+    assert not (d / ffi_build.BUILT).exists() and ffi_build.find_library() is None
+
+
 # ------------------------------------------------------------------ fallbacks on 8 CPU devices
 
 def test_available_is_false_without_gpu():

@@ -6,6 +6,12 @@ prints the path of ``libjtilert_engine.so``. The default build directory is
 ``$JTILERT_FFI_CACHE`` or ``~/.cache/jtilert/ffi/<hash of the sources, their
 folder and the jax version>``, so a changed or moved source tree gets a fresh
 build and an unchanged one is reused. ``JTILERT_FFI_LIB`` names a prebuilt library instead.
+
+Many processes may share one build directory (a test suite, workers of a
+bench): a build holds an exclusive lock on ``<dir>.lock`` and, once the
+library is linked, writes ``<library>.built``; `find_library` takes the lock
+shared and trusts only a library with that mark, so no process loads one that
+is still being linked or whose link was killed.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import subprocess
 import sys
 
 LIB_NAME = "libjtilert_engine.so"
+BUILT = LIB_NAME + ".built"  # written after a complete build, removed before one starts
 
 
 def source_dir() -> pathlib.Path | None:
@@ -59,9 +66,10 @@ def find_library() -> pathlib.Path | None:
         p = pathlib.Path(env)
         return p if p.is_file() else None
     d = default_build_dir()
-    if d is not None and (d / LIB_NAME).is_file():
-        return d / LIB_NAME
-    return None
+    if d is None or not d.is_dir():
+        return None
+    with _lock(_lock_path(d), fcntl.LOCK_SH):  # waits for a build in progress
+        return d / LIB_NAME if (d / BUILT).is_file() and (d / LIB_NAME).is_file() else None
 
 
 def toolchain_missing() -> str | None:
@@ -74,11 +82,15 @@ def toolchain_missing() -> str | None:
     return None
 
 
+def _lock_path(bdir: pathlib.Path) -> pathlib.Path:
+    return bdir.parent / (bdir.name + ".lock")
+
+
 @contextlib.contextmanager
-def _lock(path: pathlib.Path):
+def _lock(path: pathlib.Path, kind: int = fcntl.LOCK_EX):
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+    with open(path, "a") as f:
+        fcntl.flock(f, kind)
         try:
             yield
         finally:
@@ -105,7 +117,9 @@ def build(build_dir: str | os.PathLike | None = None, *, selftest: bool = False,
         cfg += ["-G", "Ninja"]
     jobs = jobs or os.cpu_count() or 2
     out = None if verbose else subprocess.PIPE
-    with _lock(bdir.parent / (bdir.name + ".lock")):
+    lib = bdir / LIB_NAME
+    with _lock(_lock_path(bdir)):
+        (bdir / BUILT).unlink(missing_ok=True)
         if (bdir / "CMakeCache.txt").exists():
             # a cache from another generator cannot be reused
             gen = "Ninja" if shutil.which("ninja") else "Unix Makefiles"
@@ -116,9 +130,9 @@ def build(build_dir: str | os.PathLike | None = None, *, selftest: bool = False,
             if r.returncode != 0:
                 tail = (r.stdout or "")[-4000:]
                 raise RuntimeError(f"jtilert.ffi.build: {' '.join(cmd)} failed:\n{tail}")
-    lib = bdir / LIB_NAME
-    if not lib.is_file():
-        raise RuntimeError(f"jtilert.ffi.build: {lib} missing after the build")
+        if not lib.is_file():
+            raise RuntimeError(f"jtilert.ffi.build: {lib} missing after the build")
+        (bdir / BUILT).touch()
     return lib
 
 
