@@ -1,22 +1,17 @@
 """L2 prefetch of one layer of stacked weights: the engine's ``prefetch_l2`` (cuda/src/prefetch.cu).
 
-At batch 1 a decode layer's GEMVs stream their weights from HBM, while the attention chain before
-them (indexer, top-k, sparse MLA) is latency bound and leaves HBM mostly idle. ``prefetch_l2(layer,
-after, *stacks)`` issues, in one launch, L2 prefetches of layer ``layer`` of each stack ([L, ...],
-up to MAX_ARRAYS of them, e.g. o_proj's fp8 weights and scales, the router's gate) and returns a
-token (int32[1]); the kernel only issues the requests and the lines land in L2 while later kernels
-run. ``after`` is any array, not read: the call runs after the op that produces it (that is where
-the prefetch starts). The custom call is marked side-effecting, so XLA keeps it with its token
-unused; in a captured graph it then runs beside the chain that follows ``after``. ``ordered(x,
-token)`` is ``x`` with a data dependency on the token, for a consumer that must wait for it.
+At batch 1 a layer's GEMVs stream their weights from HBM while the attention chain before them
+(indexer, top-k, sparse MLA) is latency bound and leaves HBM mostly idle. ``prefetch_l2(layer,
+after, *stacks)`` issues, in one launch, L2 prefetches of layer ``layer`` of each stack ([L, ...], up
+to MAX_ARRAYS, e.g. o_proj's fp8 weights and scales) and returns a token (int32[1]). ``after`` is
+not read: the call runs after the op that produces it. The call is side-effecting, so XLA keeps it
+with its token unused; in a captured graph it runs beside the chain after ``after``. ``ordered(x,
+token)`` is ``x`` with a data dependency on the token.
 
-The prefetch is a cache hint: no result changes. The stacks are read where they are (the layer is
-read on the device as base + offset, `jtilert.ops.layer.Layer`, like the engine's stacked GEMVs):
-pass the stacks themselves, not a slice or a reshape that XLA would have to materialise. Where the
-engine does not run (a CPU; a GPU without the library, with one warning per reason) the call lowers
-to a zero token and does nothing.
+A cache hint: no result changes. Pass the stacks themselves (read on the device as base + offset,
+`jtilert.ops.layer.Layer`), not a slice or reshape XLA would materialise. Where the engine does not
+run (a CPU; a GPU without the library, one warning per reason) the call is a zero token.
 """
-
 from __future__ import annotations
 
 import jax

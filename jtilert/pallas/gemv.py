@@ -2,20 +2,17 @@
 
 y[t] = x[t] · Wᵀ for T ≤ 8 tokens (more are chunked), W [N, K] bf16 or fp8 e4m3 with 128×128 fp32
 block scales, fp32 accumulation; fused `rmsnorm_linear`, `linear_residual`, `swiglu_pair`. Each CTA
-owns 64 output rows and a 1/split_k share of K, streams its weights through a TMA pipeline in the
-checkpoint layout and prepares x while the first tiles arrive; split-K partials are summed by XLA,
-or by the row block's CTAs as one cluster (`split_sum`: on the GPU by default for a one-weight
-projection of 2..8 splits outside expert mode, e.g. x_proj). Engines (`GemvConfig`): "fp8x2", the
-default for fp8 weights in 128-blocks: x as two e4m3 halves (exact for bf16) in one wgmma B of 16
-columns, each block's sums scaled by its weight and x scales; "wgmma": the block scales folded into
-an f16 B, each weight tile converted e4m3 → f16; "fma": CUDA-core FMAs, for fp32 weights (the
-router). `layer=`: stacked weights [L, N, K] addressed on the device by the layer (base + offset,
-two operands the kernel adds: `jtilert.ops.layer.Layer`); expert mode
-(`ids`: `moe`, `heads_linear`) reads the selected experts' or heads' rows the same way; `prefix`: the
-kernel reads its window of a wider x (a slice outside would become a DynamicSliceFusion, which keeps
-XLA from capturing the layer loop as one CUDA graph). K a multiple of 64, any N.
+owns 64 output rows and a 1/split_k share of K, streams its weights by TMA in the checkpoint layout
+and prepares x while the first tiles arrive; split-K partials are summed by XLA or by the row
+block's CTAs as one cluster (`split_sum`). Engines (`GemvConfig`): "fp8x2", the default for fp8
+weights in 128-blocks: x as two e4m3 halves (exact for bf16) in one wgmma B, each block's sums scaled
+by its weight and x scales; "wgmma": the block scales folded into an f16 B; "fma": CUDA-core FMAs,
+for fp32 weights (the router). `layer=`: stacked weights [L, N, K] addressed on the device by the
+layer (`jtilert.ops.layer.Layer`); expert mode (`ids`: `moe`, `heads_linear`) reads the selected
+experts' or heads' rows the same way; `prefix`: the kernel reads its window of a wider x (a slice
+outside would be a DynamicSliceFusion, which keeps the layer loop out of one CUDA graph). K a
+multiple of 64, any N.
 """
-
 from __future__ import annotations
 
 import dataclasses

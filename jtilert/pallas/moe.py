@@ -1,23 +1,19 @@
-"""MoE decode path (Pallas Mosaic-GPU): router, selected experts' gate/up/SiLU, down + weighted sum;
-only the chosen experts' weights are read, steered by expert ids that stay on the device:
+"""MoE decode path (Pallas Mosaic-GPU); only the chosen experts' weights are read, steered by expert
+ids that stay on the device:
 
-* `expert_gate_up`: the `gemv` kernel in expert mode: grid (row block, split, selection); each CTA
-  reads ids[selection] and TMA-streams that expert's gate and up rows (SwiGLU epilogue, fp32).
-* `expert_down`: y[t] = Σ_i w_i · down[ids_i] · h_i as ONE GEMV over the gathered (selection, I)
-  axis: each K step's expert id picks the weight tile; w_i, the fp8 block scale and h_i are folded
-  into the B operand, so the weighted sum is the tensor core's accumulation; a residual (the
-  layer's) is added in its epilogue. A shared expert packed as one more expert
-  (`pack_shared_expert`) rides along with weight 1.
-* `route`: fp32 logits with the FMA engine of `gemv` (the reference's precision, so near-ties
-  select the same experts), then the selection on the [T, E] logits: with a layer index, one
-  launch of the CUDA engine (`jtilert.ffi.route`), else the reference's in plain JAX. `norm_route`:
-  the same with the FFN's RMSNorm applied by the router's kernel, which writes the normed x out for
-  the routed experts' kernels.
-`layer=` (a `jtilert.ops.layer.Layer` or an int32 scalar, may be traced): the weights are stacks
-[L, E, ...] taken as [L·E, ...] (a free reshape); the kernels read the layer on the device (base +
-offset) and add layer·E to the expert ids.
+* `expert_gate_up`: the `gemv` kernel in expert mode (grid: row block, split, selection); each CTA
+  streams the selected expert's gate and up rows (SwiGLU epilogue, fp32).
+* `expert_down`: y[t] = Σ_i w_i · down[ids_i] · h_i as one GEMV over the gathered (selection, I) axis:
+  w_i, the fp8 block scale and h_i are folded into the B operand, so the weighted sum is the tensor
+  core's accumulation; the layer's residual is added in its epilogue. A shared expert packed as one
+  more expert (`pack_shared_expert`) rides along with weight 1.
+* `route` / `norm_route`: fp32 logits on `gemv`'s FMA engine (the reference's precision, so near-ties
+  select the same experts; `norm_route` applies the FFN's RMSNorm and writes the normed x out), then
+  the selection: with a layer index one launch of the CUDA engine (`jtilert.ffi.route`), else the
+  reference's in plain JAX.
+`layer=`: the stacks [L, E, ...] are taken as [L·E, ...] (a free reshape); the kernels read the layer
+on the device and add layer·E to the expert ids.
 """
-
 from __future__ import annotations
 
 import functools
