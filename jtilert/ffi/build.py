@@ -68,8 +68,15 @@ def find_library() -> pathlib.Path | None:
     d = default_build_dir()
     if d is None or not d.is_dir():
         return None
-    with _lock(_lock_path(d), fcntl.LOCK_SH):  # waits for a build in progress
+
+    def built():
         return d / LIB_NAME if (d / BUILT).is_file() and (d / LIB_NAME).is_file() else None
+
+    try:
+        with _lock(_lock_path(d), fcntl.LOCK_SH):  # waits for a build in progress
+            return built()
+    except PermissionError:   # a cache this user may read but not lock: no build of its own runs there
+        return built()
 
 
 def toolchain_missing() -> str | None:
