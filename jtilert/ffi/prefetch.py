@@ -12,6 +12,7 @@ A cache hint: no result changes. Pass the stacks themselves (read on the device 
 `jtilert.ops.layer.Layer`), not a slice or reshape XLA would materialise. Where the engine does not
 run (a CPU; a GPU without the library, one warning per reason) the call is a zero token.
 """
+
 from __future__ import annotations
 
 import jax

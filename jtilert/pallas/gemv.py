@@ -13,6 +13,7 @@ experts' or heads' rows the same way; `prefix`: the kernel reads its window of a
 outside would be a DynamicSliceFusion, which keeps the layer loop out of one CUDA graph). K a
 multiple of 64, any N.
 """
+
 from __future__ import annotations
 
 import dataclasses

@@ -14,6 +14,7 @@ ids that stay on the device:
 `layer=`: the stacks [L, E, ...] are taken as [L·E, ...] (a free reshape); the kernels read the layer
 on the device and add layer·E to the expert ids.
 """
+
 from __future__ import annotations
 
 import functools
