@@ -147,3 +147,19 @@ def test_the_streams_device_loop_is_one_cuda_graph(tmp_path, program):
     [step] = json.loads(out.read_text())["programs"]
     assert step["graph"]["command_buffers"] == 1 and step["graph"]["outside"] == 0, step["graph"]
     assert step["names"]["jtilert_token_ring"] == 1, step["names"]
+
+
+@pytest.mark.skipif(not XLA_PYTHON.exists(), reason="no .venv-xla (make xla-venv; .ci/run makes it)")
+def test_a_token_buffer_in_host_memory_takes_the_loop_out_of_its_cuda_graph():
+    """bench/experiments/ring_host_copy.py (bench/RESULTS.md, session 46): XLA writes a step's token into a
+    carried buffer in pinned host memory by an async copy that no command buffer takes, so the device loop
+    runs from the host; with the buffer in device memory the loop is one CUDA graph, nothing outside."""
+    def launched(*args):
+        proc = subprocess.run([str(XLA_PYTHON), "-m", "bench.experiments.ring_host_copy", *args], cwd=ROOT,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    control, host = launched("--control"), launched()
+    assert control["command_buffers"] == 1 and control["outside"] == 0, control
+    assert host["outside"] > 0, host

@@ -3,8 +3,9 @@ ring's write is one, and a custom call at the step's end costs the plain stream 
 bench/RESULTS.md session 44)? A toy device loop, as `Engine.loop_options` compiles the stream's, whose
 carried token buffer is in pinned host memory: each step's token goes there by a dynamic-update-slice
 (JAX's `device_put` to `pinned_host` inside the loop). Compiled for the compile-only H200 of
-bench/xla_kernels.py (no GPU needed); prints XLA's thunk sequence: whether the loop stays one CUDA graph
-(`--control`: the same loop with its ring in device memory).
+bench/xla_kernels.py (no GPU needed); prints XLA's thunk sequence and what `xla_kernels.graph` reads
+from it: whether the loop stays one CUDA graph with nothing outside (`--control`: the same loop with its
+ring in device memory).
 
 The compile-only device has no memory kinds, so JAX drops them while lowering: the memory kinds and
 the placement annotation are written into the lowered module's text before XLA compiles it.
@@ -15,6 +16,7 @@ the placement annotation are written into the lowered module's text before XLA c
 from __future__ import annotations
 
 import argparse
+import json
 import pathlib
 import re
 import tempfile
@@ -27,7 +29,7 @@ from jax._src.interpreters import mlir
 from jax._src.lib import xla_client as xc
 from jax._src.lib.mlir import ir
 
-from bench.xla_kernels import h200
+from bench.xla_kernels import graph, h200
 from jtilert.ops.table import STEP_XLA_OPTIONS
 
 MARK = 1000   # added to each token: finds the token's value in the module's text
@@ -55,7 +57,7 @@ def host_ring_module(text: str) -> str:
     return re.sub(rf"dynamic_update_slice (%iterArg_\d+), %{token},", rf"dynamic_update_slice \1, %host{token},", text)
 
 
-def main(argv=None) -> str:
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--control", action="store_true", help="the ring in device memory")
     ap.add_argument("--dump", help="keep XLA's dump here (default: a temporary folder)")
@@ -74,7 +76,9 @@ def main(argv=None) -> str:
         dev.client.compile(module, executable_devices=xc.DeviceList((dev,)), compile_options=opts)
         seq = next(pathlib.Path(where).glob("*thunk_sequence_after_thunk_passes.txt")).read_text()
     print(seq)
-    return seq
+    launched = graph(seq)
+    print(json.dumps(launched))
+    return launched
 
 
 if __name__ == "__main__":
