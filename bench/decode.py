@@ -532,9 +532,9 @@ def stream_call(eng, mtp: bool, carry, left: int, params, steps: int = STREAM_ST
         exe = stream.executable(eng.state, *first, params, stops)
     elif mtp and steps != STREAM_STEPS:
         raise ValueError("stream_call: MTP streams run STREAM_STEPS steps a call")
-    else:   # the Engine's program (MTP: never with the write behind), compiled here
-        fn = (Engine._speculate_stream if mtp else
-              functools.partial(Engine._decode_stream, steps=steps, behind=eng.config.ring_write_behind))
+    else:   # the Engine's program, compiled here
+        fn = (functools.partial(Engine._speculate_stream, behind=eng.ring_behind) if mtp else
+              functools.partial(Engine._decode_stream, steps=steps, behind=eng.ring_behind))
         exe = jax.jit(eng._wrap(fn), donate_argnums=tuple(range(1, len(first) + 1))).lower(
             eng.state, *first, params, stops).compile(eng.loop_options if options is None else options)
     return (lambda *c: exe(eng.state, *c, params, stops)), first

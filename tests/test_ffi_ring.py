@@ -259,15 +259,16 @@ def test_the_stream_loops_carry_what_depends_on_the_write(behind):
     """In the stream's loop body the ring write's result is used: as the next position (the write at
     each step's end), or (the write behind) by the budget and by all three of the next write's
     operands, so that in the CUDA graph nothing overwrites what a write reads before it has read it
-    (an order by control edges alone left an MTP stream's position unwritten on a GPU)."""
+    (an order by control edges alone left an MTP stream's position unwritten on a GPU), and by the
+    step's random key (the item after the position), so that the step's sampling waits for it."""
     from jtilert.runtime.generate import Engine
 
-    def step(c):   # a two-token step: position first
-        pos, tok = c
-        return (pos + 2, tok + 1), jnp.stack([tok, tok + 1]), jnp.int32(2)
+    def step(c):   # a two-token step: position first, then the key it draws from
+        pos, key = c
+        return (pos + 2, key + 1), jnp.stack([key, key + 1]), jnp.int32(2)
 
-    def loop(pos, tok, left, stops):
-        return Engine._stream_loop(step, (pos, tok), 0, 2, left, stops, behind=behind)
+    def loop(pos, key, left, stops):
+        return Engine._stream_loop(step, (pos, key), 0, 2, left, stops, behind=behind)
     jaxpr = jax.make_jaxpr(loop)(jnp.int32(0), jnp.int32(1), jnp.int32(5), jnp.full(8, -1, jnp.int32))
     [w] = [e for e in jaxpr.eqns if e.primitive.name == "while"]
     body = w.params["body_jaxpr"].jaxpr
@@ -275,9 +276,9 @@ def test_the_stream_loops_carry_what_depends_on_the_write(behind):
     for e in body.eqns:
         if e.primitive is ring.token_ring_p or any(type(v).__name__ != "Literal" and v in deps for v in e.invars):
             deps.update(e.outvars)
-    out = body.outvars   # (pos, tok), left, i[, (pos, tokens, count) of the step to write]
+    out = body.outvars   # (pos, key), left, i[, (pos, tokens, count) of the step to write]
     if behind:
-        assert [v in deps for v in out] == [False, False, True, False, True, True, True]
+        assert [v in deps for v in out] == [False, True, True, False, True, True, True]
     else:
         assert [v in deps for v in out] == [True, False, False, False]
 
@@ -298,8 +299,9 @@ def test_stream_through_the_ring_gives_the_same_tokens(tiny_random, host_ring, m
         warnings.simplefilter("always")
         gen = jtilert.Generator(tiny_random, max_seq_len=64, mtp=mtp,
                                 config=jtilert.DecodeConfig(ring_write_behind=behind))
-    # MTP streams write at each step's end whatever the option says, and say so
-    assert any("ring_write_behind does not apply to MTP" in str(w.message) for w in caught) == (mtp and behind)
+    # plain and MTP streams alike take the write behind where asked for (the tiny model's layers have no
+    # conditionals), without a word
+    assert gen.engine.ring_behind == behind and not [w for w in caught if "ring_write_behind" in str(w.message)]
     assert gen.engine.ring is host_ring
     got = list(gen.stream(prompt, 12, stop_tokens=[]))
     assert got == want
@@ -309,6 +311,28 @@ def test_stream_through_the_ring_gives_the_same_tokens(tiny_random, host_ring, m
         assert gen.stats["drafted"] >= 1 and gen.acceptance == plain.acceptance
     # a second request on the same generator clears the ring first and reads only its own steps
     assert list(gen.stream(prompt[:2], 6, stop_tokens=[])) == list(plain.stream(prompt[:2], 6, stop_tokens=[]))
+
+
+def test_a_model_whose_layers_run_conditionals_writes_at_each_steps_end(host_ring):
+    """The shared indexer's layers run under a conditional, which the write behind would run beside:
+    such a model's streams write at each step's end (one write in the loop body, none after it), with a
+    warning once; a model without them takes the write behind (a second write, after the loop)."""
+    import jtilert
+    from decode_jaxprs import count_primitives
+    from jtilert.runtime.generate import Engine
+
+    def writes(eng):   # ring writes (host callbacks here) in the stream's program
+        args = (eng.state, eng.new_cache(32), eng.place(jnp.array([1], jnp.int32)), eng.place(jnp.int32(3)),
+                eng.place(jax.random.PRNGKey(0)), eng.place(np.int32(9)), eng.place(jtilert.Sampling().arrays()),
+                eng.place(np.full(8, -1, np.int32)))
+        return count_primitives(jax.make_jaxpr(eng.decode_stream._jit)(*args).jaxpr, "io_callback")   # noqa: SLF001
+
+    _lib._warned.clear()  # noqa: SLF001
+    with pytest.warns(RuntimeWarning, match="ring_write_behind does not apply to a model whose layers share"):
+        shared = Engine(jtilert.random_model("tiny-glm5", fmt="fp32"))
+    assert not shared.ring_behind and writes(shared) == 1
+    plain = Engine(jtilert.random_model("tiny", fmt="fp32"))
+    assert plain.ring_behind and writes(plain) == 2
 
 
 def test_two_open_streams_on_one_device_do_not_share_the_ring(tiny_random, host_ring):
@@ -436,10 +460,11 @@ def test_stream_step_experiment(tiny_random, host_ring):
     once a step with a count of 0, and the MTP stream writes one key a step."""
     from bench import decode
     from bench.experiments import stream_step
+    from jtilert.ops.table import DecodeConfig
     from jtilert.runtime.generate import STREAM_STEPS, Engine
     total = 2 * STREAM_STEPS
     run = [f for f in stream_step.FORMS if not f.endswith("_no_pdl")]
-    every = stream_step.forms(Engine(tiny_random), 20, total, run)
+    every = stream_step.forms(Engine(tiny_random, config=DecodeConfig(ring_write_behind=False)), 20, total, run)
     assert list(every) == run and len(every) == len(stream_step.FORMS) - 2
     ms = stream_step.rounds({k: v for k, v in every.items() if k.startswith("timing")}, total, 1)
     assert all(len(v) == 1 and v[0] > 0 for v in ms.values())
@@ -555,18 +580,16 @@ def test_bench_decode_profiles_before_the_call_variants_trace(tiny_random, host_
 
 
 def test_the_ring_behind_experiment_calls_the_mtp_stream_with_the_write_behind(tiny_random, host_ring):
-    """bench/experiments/ring_behind.py's MTP stream program takes the write behind (the Engine's own
-    MTP streams ignore the option): two ring writes in its program against the Engine's one, and its
-    calls by hand, waited for and queued, leave the positions and keys of the steps they ran."""
+    """bench/experiments/ring_behind.py's MTP stream program takes the write behind: two ring writes in
+    its program against the one of the program without it, and its calls by hand, waited for and
+    queued, leave the positions and keys of the steps they ran."""
     import jtilert
     from bench.experiments import ring_behind
     from jtilert.ops.table import DecodeConfig
     from jtilert.runtime.generate import STREAM_STEPS, Engine
 
-    with pytest.warns(RuntimeWarning, match="does not apply to MTP"):
-        _lib._warned.clear()  # noqa: SLF001
-        gen = jtilert.Generator(tiny_random, max_seq_len=128, mtp=True,
-                                config=DecodeConfig(backend="reference", **ring_behind.FORMS["behind"]))
+    gen = jtilert.Generator(tiny_random, max_seq_len=128, mtp=True,
+                            config=DecodeConfig(backend="reference", **ring_behind.FORMS["behind"]))
     eng = gen.engine
 
     from decode_jaxprs import count_primitives   # tests/decode_jaxprs.py

@@ -1,8 +1,9 @@
-"""On a GPU: why the second call of an MTP stream with DecodeConfig.ring_write_behind never ends
-(bench/RESULTS.md, sessions 41-42).
+"""On a GPU: why the second call of an MTP stream with the ring's write behind, as first built, never
+ends (bench/RESULTS.md, sessions 41-47). Since session 47 the Engine's streams tie each step's key to
+the write before it (`Engine._after_write`: form `behind_keyed`); the other `behind` forms leave it out.
 
-The tiny model's MTP stream program with the write behind (`stream_program`: the Engine's own MTP
-streams ignore the option), called by hand under each of FORMS: one call at a time (after every call the carried
+The tiny model's MTP stream program with the write behind (`stream_program`), called by hand under
+each of FORMS: one call at a time (after every call the carried
 position and budget, and the ring's keys with their counts; a call not ended after PROBE_S has the ring
 probed), then all calls queued at once. A form that hangs only under CONCURRENT scheduling points at a
 missing edge in XLA's command-buffer graph; one that hangs with the loop run from the host too, at the
@@ -15,7 +16,7 @@ FFI call at all: each write replaced by what it returns (the position plus the c
 is XLA's graph of the loop, not the traced FFI node (its program's graph is recorded on its first call).
 `behind_rooted` gives the write a kernel before it in its iteration (its tokens pass through a select), so
 it is no longer a root of the loop body's graph; `behind_keyed` orders the write before the step's IF
-nodes (the sampling's conditionals), which it otherwise runs beside (`keyed_program`); `behind_no_cond`
+nodes (the sampling's conditionals), which it otherwise runs beside (the Engine's own program); `behind_no_cond`
 has no conditional at all (`unconditional_program`); `behind_lhs` schedules the graph's nodes in the order
 of XLA's latency-hiding scheduler (its LHS mode) instead of by their buffers alone.
 
@@ -66,7 +67,7 @@ FORMS = {   # name: DecodeConfig fields (backend "reference")
     "behind_rooted": {"ring_write_behind": True},
     "behind_keyed": {"ring_write_behind": True},   # the programs of PROGRAMS[name]
     "behind_no_cond": {"ring_write_behind": True},
-    "at_end": {},
+    "at_end": {"ring_write_behind": False},
 }
 CALLS = 4
 PROBE_S = 20.0
@@ -82,29 +83,11 @@ WRITES = {"behind_pure": no_ring_write, "behind_rooted": rooted_write}   # forms
 
 
 def keyed_program(eng):
-    """The MTP stream program (`stream_program`) with each step's random key tied to the write before it
-    in its iteration (the key xor 0: the same values), so the key's split, which feeds the sampling's
-    conditionals, waits for the write: in the CUDA graph the write's node is then ordered before the
-    step's IF nodes, while the rest of the step's forward still runs beside it."""
-    inner = stream_program(eng)
-    write, speculate = ring.write, Engine._speculate
-
-    def run(*args):   # the patches hold while the program is traced, one list of writes per trace
-        written = []
-
-        def keyed_write(pos, values, count=None):
-            written.append(write(pos, values, count))
-            return written[-1]
-
-        def keyed_speculate(model, ops, cache, token, draft, pos, key, params):
-            if written:   # the write before this step in its iteration
-                key = key ^ jnp.where(jnp.reshape(written.pop(), ()) < 0, 1, 0).astype(key.dtype)
-            return speculate(model, ops, cache, token, draft, pos, key, params)
-
-        with mock.patch.object(ring, "write", keyed_write), \
-                mock.patch.object(Engine, "_speculate", staticmethod(keyed_speculate)):
-            return inner(*args)
-    return run
+    """The Engine's own MTP stream program: each step's random key tied to the write before it in its
+    iteration (`Engine._after_write`), so the key's split, which feeds the sampling's conditionals,
+    waits for the write: in the CUDA graph the write's node is then ordered before the step's IF nodes,
+    while the rest of the step's forward still runs beside it."""
+    return eng._wrap(functools.partial(Engine._speculate_stream, behind=eng.ring_behind))   # noqa: SLF001
 
 
 def select_cond(pred, true_fn, false_fn, *operands):
@@ -133,9 +116,14 @@ def keys(tokens: ring.TokenRing) -> list:
 
 
 def stream_program(eng):
-    """The Engine's MTP stream step with the write behind where its config asks for it (the Engine's own
-    MTP streams never take it)."""
-    return eng._wrap(functools.partial(Engine._speculate_stream, behind=eng.config.ring_write_behind))   # noqa: SLF001
+    """The Engine's MTP stream step with the write behind where its config asks for it, without the key
+    tied to the write (`Engine._after_write` left out): the write runs beside the step's IF nodes."""
+    inner = eng._wrap(functools.partial(Engine._speculate_stream, behind=eng.ring_behind))   # noqa: SLF001
+
+    def run(*args):   # the patch holds while the program is traced
+        with mock.patch.object(Engine, "_after_write", staticmethod(lambda key, ok: key)):
+            return inner(*args)
+    return run
 
 
 def by_hand(gen, prompt, hlo: pathlib.Path | None, name: str, wait: bool, stuck_s: float | None = None) -> list:

@@ -5,10 +5,10 @@ one change at a time, in rounds that alternate the forms on one machine:
   timing_loop           the timing loop's program (`device_loop`): every step at one position
   timing_loop_served    the same fed the stream's data: positions moving, each step another of 997
                         random tokens
-  stream                the stream's program through the token ring, as `Generator.stream` runs it (each
-                        step's tokens written at the end of the step, the next position the write's result)
-  stream_write_behind   the same with each step's tokens written while the next step runs
-                        (`DecodeConfig.ring_write_behind`)
+  stream                the stream's program through the token ring with each step's tokens written at the
+                        end of the step, the next position the write's result (`ring_write_behind=False`)
+  stream_write_behind   the same with each step's tokens written while the next step runs, before its
+                        sampling (`DecodeConfig.ring_write_behind`: as `Generator.stream` runs it)
   stream_no_ring        the stream's program with no ring write at all
   stream_write_nothing  the stream's program with its ring write in place but writing nothing (a count of
                         0: the engine's kernel launched, no store to host memory, no system fence)
@@ -231,7 +231,7 @@ def main(argv=None):
     a = p.parse_args(argv)
     cfg = jtilert.preset(a.preset, num_hidden_layers=a.layers)
     model = jtilert.random_model(cfg, fmt="fp8" if cfg.index_quant == "fp8" else "bf16")
-    eng = Engine(model, config=DecodeConfig(backend=a.backend))
+    eng = Engine(model, config=DecodeConfig(backend=a.backend, ring_write_behind=False))   # form `stream`
     if eng.ring is None:
         raise SystemExit("stream_step: the token ring did not load (the CUDA engine is needed)")
     ms = rounds(forms(eng, a.context, a.total, a.forms.split(",") if a.forms else None), a.total, a.rounds)

@@ -102,10 +102,10 @@ class DecodeConfig:
         ends. Elsewhere a call runs one step and returns its tokens (on a GPU where the engine does not
         load, with a warning once).
     ring_write_behind: with the token ring, each step of a stream call writes its tokens while the next
-        step runs (the last step's after the call's loop) instead of at its own end, where the next step
-        waits for the write: 0.12 ms a step on an H100 (bench/RESULTS.md, session 43). Plain streams
-        only: with it the second call of an MTP stream never ends on a GPU (session 42), so MTP streams
-        write at each step's end, with a warning once. Off by default until that is understood.
+        step runs, before that step's sampling (the last step's after the call's loop), instead of at its
+        own end, a program measured slower (bench/RESULTS.md, sessions 43-47). Not for models whose
+        layers share indexers (their layers run conditionals, `Engine.ring_behind`): those write at each
+        step's end, with a warning once.
     """
 
     backend: str = "reference"
@@ -118,7 +118,7 @@ class DecodeConfig:
     l2_prefetch: bool = False
     engine_moe: bool = False
     token_ring: bool = True
-    ring_write_behind: bool = False
+    ring_write_behind: bool = True
 
     def __post_init__(self):
         opts = self.xla_options.items() if isinstance(self.xla_options, dict) else self.xla_options

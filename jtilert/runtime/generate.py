@@ -135,14 +135,11 @@ class Engine:
         self.decode_stream = self.speculate_stream = None
         loop_opts = self.loop_options
         if self.rings is not None:
-            behind = config.ring_write_behind
+            behind = self.ring_behind
             self.decode_stream = Compiled(self._wrap(functools.partial(self._decode_stream, behind=behind)),
                                           (1, 2, 3, 4, 5), "decode_stream", self, loop_opts)
-            # MTP streams write at each step's end whatever ring_write_behind says (`Generator` warns):
-            # with the write behind, the second call of their program never ends on a GPU (RESULTS.md,
-            # session 42).
-            self.speculate_stream = Compiled(self._wrap(self._speculate_stream), (1, 2, 3, 4, 5, 6),
-                                             "speculate_stream", self, loop_opts)
+            self.speculate_stream = Compiled(self._wrap(functools.partial(self._speculate_stream, behind=behind)),
+                                             (1, 2, 3, 4, 5, 6), "speculate_stream", self, loop_opts)
         self.decode_loop = Compiled(self._wrap(self._decode_loop), (1, 2, 3, 4), "decode_loop", self, loop_opts)
         self.speculate_loop = Compiled(self._wrap(self._speculate_loop), (1, 2, 3, 4, 5), "speculate_loop", self,
                                        loop_opts)
@@ -171,6 +168,23 @@ class Engine:
         c = self.config
         return interpret.on_gpu() and (c.backend == "pallas" or c.engine_all_reduce or c.split_indexer
                                        or c.token_ring)
+
+    @property
+    def ring_behind(self) -> bool:
+        """Whether the stream's steps write their tokens into the ring while the next step runs
+        (DecodeConfig.ring_write_behind). Not where the model's layers run conditionals (the shared
+        indexer's layers, `Layout.all_full` false): the write runs beside a step's forward, and a CUDA
+        graph in which it runs beside a conditional node may never end (`_stream_loop`). Those streams
+        write at each step's end, with a warning once."""
+        if self.rings is None or not self.config.ring_write_behind:
+            return False
+        if not Layout.of(self.cfg).all_full:
+            _lib.warn_once("ring-write-behind-conditionals",
+                           "jtilert: DecodeConfig.ring_write_behind does not apply to a model whose layers share "
+                           "indexers (each layer's indexer runs under a conditional); each stream step writes its "
+                           "tokens at its end")
+            return False
+        return True
 
     def _token_rings(self) -> list | None:
         """The token ring of every device of the engine (`Generator.stream` reads the first's), or None
@@ -263,21 +277,23 @@ class Engine:
     def _stream_loop(step, carry: tuple, at: int, width: int, left, stops, steps: int = STREAM_STEPS,
                      behind: bool = False) -> tuple:
         """Up to `steps` calls of `step(carry) -> (carry, emitted [width], n)` (a step that makes its first
-        n emitted tokens and moves the position, carry[at], on by n), each step's tokens written into the
-        token ring under its position, ending after a step whose n tokens hold a stop token (one of
-        `stops`) or once `left`, the tokens still wanted, is 0 or less: (*carry, left), all carried to
-        the next call.
+        n emitted tokens, moves the position, carry[at], on by n and draws from the random key after it,
+        carry[at + 1]), each step's tokens written into the token ring under its position, ending after
+        a step whose n tokens hold a stop token (one of `stops`) or once `left`, the tokens still wanted,
+        is 0 or less: (*carry, left), all carried to the next call.
 
-        A write returns the position after the step it wrote, which keeps it in the program. By default
-        a step's tokens are written at its end and the loop carries the write's result as the next
-        position. `behind` (`DecodeConfig.ring_write_behind`): each step's tokens are written while the
-        next step runs, and the last step's after the loop. Within the loop's CUDA graph an iteration
-        ends only when all its nodes have, so a write at the end of its own step holds the next step
-        back by the write's latency (bench/RESULTS.md, session 41). There the position moves on in
-        the step, and the write's result is checked against it: the budget, and the next write's
-        position, tokens and count, pass through that check, so they depend on the write by data and
-        nothing overwrites what it reads before it has read it. (A mismatch, which never happens, ends
-        the stream: left = -1.)"""
+        A write returns the position after the step it wrote, which keeps it in the program. Without
+        `behind` a step's tokens are written at its end and the loop carries the write's result as the
+        next position, a program measured slower (bench/RESULTS.md, sessions 41-47). `behind`
+        (`DecodeConfig.ring_write_behind`): each step's tokens are written while the next step runs, and
+        the last step's after the loop. There the position moves on in the step, and the write's result
+        is checked against it: the budget, and the next write's position, tokens and count, pass through
+        that check, so they depend on the write by data and nothing overwrites what it reads before it
+        has read it. (A mismatch, which never happens, ends the stream: left = -1.) The step's random
+        key passes through that check too (`_after_write`), so the write runs beside the step's forward
+        but before its sampling: where the write ran beside the sampling's conditional nodes, the second
+        launch of the loop's CUDA graph never ended on a GPU (sessions 42-47; the model's layers have
+        none, `ring_behind`)."""
         if not behind:
             def body(c):
                 carry, left, i = c
@@ -295,6 +311,7 @@ class Engine:
             carry, left, i, pending = c
             pos = carry[at]
             ok = ring.write(*pending) == pos   # the step before's tokens, beside this step
+            carry = (*carry[:at + 1], Engine._after_write(carry[at + 1], ok), *carry[at + 2:])
             carry, emitted, n = step(carry)
             stop = jnp.any(_stop_hits(emitted, n, stops))
             left = jnp.where(ok, jnp.where(stop, 0, left - n), -1)
@@ -307,6 +324,12 @@ class Engine:
         return (*carry, jnp.where(ring.write(*pending) == carry[at], left, -1))
 
     @staticmethod
+    def _after_write(key, ok):
+        """The random key, unchanged, made to depend on the ring write's check `ok` (true unless the
+        stream ends), so that what draws from it waits for the write."""
+        return key ^ jnp.where(ok, 0, 1).astype(key.dtype)
+
+    @staticmethod
     def _decode_stream(model, ops, cache, token, pos, key, left, params, stops, steps: int = STREAM_STEPS,
                        behind: bool = False):
         """`_stream_loop` of decode steps, up to `steps` a call: (cache, token, pos, key, left)."""
@@ -317,8 +340,7 @@ class Engine:
 
     @staticmethod
     def _speculate_stream(model, ops, cache, token, draft, pos, key, left, params, stops, behind: bool = False):
-        """`_stream_loop` of MTP steps (1 or 2 tokens each): (cache, token, draft, pos, key, left). The
-        Engine leaves `behind` off (see its construction); bench/experiments/ring_behind.py sets it."""
+        """`_stream_loop` of MTP steps (1 or 2 tokens each): (cache, token, draft, pos, key, left)."""
         def step(c):
             *c, emitted, n = Engine._speculate(model, ops, *c, params)
             return tuple(c), emitted, n
@@ -538,10 +560,6 @@ class Generator:
         sharding.check_memory(sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(cache)), mesh,
                               f"the cache of Generator(max_seq_len={max_seq_len}) ({self.rows} positions)")
         self.engine = Engine(model, mesh, config)
-        if mtp and config.ring_write_behind and self.engine.rings is not None:
-            _lib.warn_once("ring-write-behind-mtp", "jtilert: DecodeConfig.ring_write_behind does not apply to MTP "
-                                                    "streams (the second call of their program with it never ends "
-                                                    "on a GPU); each of their steps writes its tokens at its end")
         self._cache = None
         self._injected_ids: np.ndarray | None = None   # the token ids an injected cache holds
         self.stats: dict = {}
