@@ -54,11 +54,11 @@
 #   asyncdispatch  callvariants, then callvariants and ringcheck with PJRT_GPU_ENABLE_ASYNC_DISPATCH=1 (PjRt's GPU
 #                client runs each execution's thunk walk and graph launch on a dispatch thread), then
 #                tests/gpu/async_dispatch_check.py: the stream's forms under it, each in its own process (after build)
-#   ringcheck    tests/gpu/ring_check.py: Generator.stream through the token ring against the steps that
-#                return their tokens (tiny model, both backends, plain and MTP, greedy and sampled), and
-#                the time a token of each (after build)
-#   ringbehind   the same with DecodeConfig.ring_write_behind (each step's tokens written while the next step runs;
-#                plain streams: MTP streams ignore it)
+#   ringcheck    tests/gpu/ring_check.py: Generator.stream through the token ring, each step's tokens written at its
+#                end, against the steps that return their tokens (tiny model, both backends, plain and MTP, greedy
+#                and sampled), and the time a token of each (after build)
+#   ringbehind   the same with DecodeConfig.ring_write_behind, the default (each step's tokens written while the
+#                next step runs, before its sampling)
 #   ringdebug    bench/experiments/ring_behind.py: the tiny model's MTP stream program with the write behind, called by
 #                hand, under XLA's serial scheduling, with the loop run from the host, with the layers unrolled, with
 #                the graph not updated for moved temporaries, without PDL, with no FFI call, with a kernel before the

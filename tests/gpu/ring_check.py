@@ -4,8 +4,8 @@ sampled, two requests in turn; and the time per token of each.
 
     python3 tests/gpu/ring_check.py [--write-behind] [out.json]
 
---write-behind: the ring's streams with DecodeConfig.ring_write_behind (each step's tokens written
-while the next step runs; MTP streams ignore it and write at each step's end)."""
+--write-behind: the ring's streams with DecodeConfig.ring_write_behind (the default: each step's tokens
+written while the next step runs, before its sampling); without it they write at each step's end."""
 
 from __future__ import annotations
 
