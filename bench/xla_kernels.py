@@ -162,7 +162,7 @@ def h200():
 
 def compile_programs(cfg, *, context: int, backend: str, mtp: bool, loop: bool, want: set[str],
                      options: dict, ring: bool = False, layers_per_iteration: int | None = None,
-                     ring_write_behind: bool = False, dump: str | None = None) -> list[dict]:
+                     ring_write_behind: bool = True, dump: str | None = None) -> list[dict]:
     """Prepares a Generator for `cfg` (abstract weights) and compiles the programs named in `want` for
     the H200: per program its XLA compile seconds, memory and `launches`; the optimized HLO text too.
     ring: the engine has a token ring (a stand-in: preparing reads only its device), so `stream`'s
@@ -249,15 +249,15 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--option", action="append", default=[], help="an XLA option NAME=VALUE for these compiles")
     ap.add_argument("--out", help="write the result (without the HLO) as JSON here")
     ap.add_argument("--hlo", help="write the first program's optimized HLO here")
-    ap.add_argument("--ring-write-behind", action="store_true",
-                    help="DecodeConfig.ring_write_behind (with --ring; decode_stream: MTP streams ignore it)")
+    ap.add_argument("--ring-write-at-end", action="store_true",
+                    help="DecodeConfig.ring_write_behind off (with --ring): each stream step writes at its end")
     ap.add_argument("--dump", help="keep XLA's dump of each program in DIR/<program>")
     a = ap.parse_args(argv)
     options = dict(kv.split("=", 1) for kv in a.option)
     cfg = preset(a.preset, num_hidden_layers=a.layers)
     rows = compile_programs(cfg, context=a.context, backend=a.backend, mtp=a.mtp, loop=a.loop,
                             want=set(a.program.split(",")), options=options, ring=a.ring,
-                            layers_per_iteration=a.layers_per_iteration, ring_write_behind=a.ring_write_behind,
+                            layers_per_iteration=a.layers_per_iteration, ring_write_behind=not a.ring_write_at_end,
                             dump=a.dump)
     for r in rows:
         loops = ", ".join(f"{x['loop']} {x['trips']} × {x['kernels_per_trip']}" for x in r["loops"])

@@ -138,7 +138,8 @@ def test_the_streams_device_loop_is_one_cuda_graph(tmp_path, program):
     """A stream call through the token ring is a device loop of decode steps; its top level is the
     loop and a copy, which XLA would leave to the host under its default minimum graph size (each
     step's condition read back, the call as long as its steps). `Engine.loop_options` has it recorded
-    into one CUDA graph, nothing outside; the ring's write in every step."""
+    into one CUDA graph, nothing outside; the ring's write in every step (behind it, the default) and
+    once after the loop, or only at each step's end."""
     out = tmp_path / "r.json"
     args = ["--preset", "tiny", "--layers", "2", "--ring", "--program", program, "--out", str(out)]
     proc = subprocess.run([str(XLA_PYTHON), "-m", "bench.xla_kernels", *args, *(["--mtp"] if "spec" in program else [])],
@@ -146,7 +147,8 @@ def test_the_streams_device_loop_is_one_cuda_graph(tmp_path, program):
     assert proc.returncode == 0, proc.stderr[-3000:]
     [step] = json.loads(out.read_text())["programs"]
     assert step["graph"]["command_buffers"] == 1 and step["graph"]["outside"] == 0, step["graph"]
-    assert step["names"]["jtilert_token_ring"] == 1, step["names"]
+    [loop] = [x for x in step["loops"] if "jtilert_token_ring" in x["names"]]
+    assert loop["names"]["jtilert_token_ring"] == 1 and step["names"]["jtilert_token_ring"] == 2, step["names"]
 
 
 @pytest.mark.skipif(not XLA_PYTHON.exists(), reason="no .venv-xla (make xla-venv; .ci/run makes it)")
