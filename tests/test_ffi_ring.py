@@ -480,7 +480,8 @@ def test_stream_step_experiment(tiny_random, host_ring):
     jax.effects_barrier()
     host_ring.store = store
     assert host_ring.keys() == [] and stored == [0] * total, stored
-    for form in ("stream", "stream_write_behind", "stream_write_then_fusion", "stream_no_cond"):
+    for form in ("stream", "stream_write_behind", "stream_write_then_fusion", "stream_no_cond",
+                 "stream_write_behind_other_cache"):
         host_ring.clear()
         decode.queued({STREAM_STEPS: every[form]}, total, 1)
         jax.effects_barrier()

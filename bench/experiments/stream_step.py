@@ -30,6 +30,11 @@ one change at a time, in rounds that alternate the forms on one machine:
                         step's graph: `next_token_without_conditionals`): does a custom call after the
                         step's IF nodes cost what a custom call at the step's end costs?
 
+  timing_loop_other_cache, stream_write_behind_other_cache  the timing loop and the write-behind stream
+                        on a second set of cache arrays, allocated after a spacer that stays alive: the same
+                        compiled programs with their caches elsewhere in memory (does a step's time follow
+                        where its buffers are? bench/RESULTS.md, session 47)
+
 stream_write_then_fusion and stream_pallas_next tell whether a step pays for the engine's FFI node at its
 end, for any custom call there, or for the write being the step's last node; the two no_pdl forms whether
 what the write costs is PDL's overlap lost around it (then their gap is smaller than the default's).
@@ -123,7 +128,8 @@ def next_token_without_conditionals(self, ops, h, params, key):
 
 FORMS = ("timing_loop", "timing_loop_served", "timing_loop_no_pdl", "stream", "stream_write_behind",
          "stream_no_ring", "stream_write_nothing", "stream_write_then_fusion", "stream_pallas_next", "stream_no_pdl",
-         "mtp_timing_loop", "mtp_stream", "timing_loop_no_cond", "stream_no_cond", "stream_no_ring_no_cond")
+         "mtp_timing_loop", "mtp_stream", "timing_loop_no_cond", "stream_no_cond", "stream_no_ring_no_cond",
+         "timing_loop_other_cache", "stream_write_behind_other_cache")
 
 
 def forms(eng, context: int, total: int, only=None) -> dict:
@@ -148,23 +154,32 @@ def forms(eng, context: int, total: int, only=None) -> dict:
                   eng.place(jnp.array([2], jnp.int32)), eng.place(jnp.int32(context)),             # its own
                   eng.place(jax.random.PRNGKey(2)), None]
 
-    def timing_loop(config=None, advance=False, fed=(), mtp=False, patch=None):
+    spacers = []   # kept alive while the forms run
+
+    def elsewhere(carry: list, seed: int) -> list:
+        """A copy of `carry` (its arrays are donated) with a new random cache, allocated after a spacer of
+        1 MiB + 12 KiB."""
+        spacers.append(eng.place(jnp.zeros((1 << 20) + 12288, jnp.uint8)))
+        return [decode.random_cache(eng, rows, seed=seed), *jax.tree.map(jnp.copy, carry[1:])]
+
+    def timing_loop(config=None, advance=False, fed=(), mtp=False, patch=None, carry=None):
         options = None if config is None else dict(config.xla_options)
-        form = decode.loop_form(eng, decode.device_loop(eng, mtp, advance, options), mtp_loop if mtp else state,
-                                here, params, STREAM_STEPS, fed)
+        form = decode.loop_form(eng, decode.device_loop(eng, mtp, advance, options),
+                                carry or (mtp_loop if mtp else state), here, params, STREAM_STEPS, fed)
         with patch or contextlib.nullcontext():
             jax.block_until_ready(form[0]())   # compile
         return form
 
-    def stream_form(patch=None, config=None):
+    def stream_form(patch=None, config=None, carry=None):
         """The stream's program, compiled under `patch` (a ring.write replaced) or `config` (another
-        DecodeConfig), where given, instead of the engine's own."""
+        DecodeConfig), where given, instead of the engine's own; on `carry`, where given."""
+        carry = carry or stream
         if config is not None:
             patch = mock.patch.object(eng, "config", config)
         with patch or contextlib.nullcontext():
-            call, _ = decode.stream_call(eng, False, tuple(stream[:4]), 4 * total, params, STREAM_STEPS,
+            call, _ = decode.stream_call(eng, False, tuple(carry[:4]), 4 * total, params, STREAM_STEPS,
                                          None if patch is None else eng.loop_options)
-        return decode.stream_form(eng, call, stream, context, 4 * total)
+        return decode.stream_form(eng, call, carry, context, 4 * total)
 
     def mtp_stream_form(config=None):
         with mock.patch.object(eng, "config", config) if config is not None else contextlib.nullcontext():
@@ -199,6 +214,8 @@ def forms(eng, context: int, total: int, only=None) -> dict:
         "timing_loop_no_cond": lambda: timing_loop(patch=no_cond()),
         "stream_no_cond": lambda: stream_form(no_cond()),
         "stream_no_ring_no_cond": lambda: stream_form(no_cond(write(no_ring_write))),
+        "timing_loop_other_cache": lambda: timing_loop(carry=elsewhere(state, 4)),
+        "stream_write_behind_other_cache": lambda: stream_form(config=behind, carry=elsewhere(stream, 5)),
     }
     assert list(build) == list(FORMS)
     return {name: build[name]() for name in (only or FORMS)}
