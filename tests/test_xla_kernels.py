@@ -138,8 +138,8 @@ def test_the_streams_device_loop_is_one_cuda_graph(tmp_path, program):
     """A stream call through the token ring is a device loop of decode steps; its top level is the
     loop and a copy, which XLA would leave to the host under its default minimum graph size (each
     step's condition read back, the call as long as its steps). `Engine.loop_options` has it recorded
-    into one CUDA graph, nothing outside; the ring's write in every step (behind it, the default) and
-    once after the loop, or only at each step's end."""
+    into one CUDA graph, nothing outside; the ring's write once in the loop's body and once after the
+    loop (the write behind, the default)."""
     out = tmp_path / "r.json"
     args = ["--preset", "tiny", "--layers", "2", "--ring", "--program", program, "--out", str(out)]
     proc = subprocess.run([str(XLA_PYTHON), "-m", "bench.xla_kernels", *args, *(["--mtp"] if "spec" in program else [])],
