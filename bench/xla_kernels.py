@@ -162,12 +162,12 @@ def h200():
 
 def compile_programs(cfg, *, context: int, backend: str, mtp: bool, loop: bool, want: set[str],
                      options: dict, ring: bool = False, layers_per_iteration: int | None = None,
-                     ring_write_behind: bool = True, dump: str | None = None) -> list[dict]:
+                     ring_write_behind: bool | None = None, dump: str | None = None) -> list[dict]:
     """Prepares a Generator for `cfg` (abstract weights) and compiles the programs named in `want` for
     the H200: per program its XLA compile seconds, memory and `launches`; the optimized HLO text too.
     ring: the engine has a token ring (a stand-in: preparing reads only its device), so `stream`'s
-    steps are the ring's (`decode_stream`, `speculate_stream`). layers_per_iteration (None: its default),
-    ring_write_behind: DecodeConfig's. dump: a folder that keeps XLA's dump of each program (its HLO
+    steps are the ring's (`decode_stream`, `speculate_stream`). layers_per_iteration, ring_write_behind:
+    DecodeConfig's (None: its default). dump: a folder that keeps XLA's dump of each program (its HLO
     passes and thunk sequence)."""
     from jax._src import compiler
     from jax._src.lib import xla_client as xc
@@ -219,9 +219,9 @@ def compile_programs(cfg, *, context: int, backend: str, mtp: bool, loop: bool, 
     try:
         with interpret.compile_for_gpu():
             gen = Generator(abstract_model(cfg, "fp8", jnp.bfloat16), max_seq_len=context, mtp=mtp,
-                            config=DecodeConfig(backend=backend, ring_write_behind=ring_write_behind,
-                                                **({} if layers_per_iteration is None else
-                                                   {"layers_per_iteration": layers_per_iteration})))
+                            config=DecodeConfig(backend=backend, **{k: v for k, v in (
+                                ("layers_per_iteration", layers_per_iteration),
+                                ("ring_write_behind", ring_write_behind)) if v is not None}))
             gen._prepare(Sampling(), loop=loop)
     finally:
         Compiled.executable, Engine._token_rings = saved, saved_rings
@@ -257,8 +257,8 @@ def main(argv=None) -> list[dict]:
     cfg = preset(a.preset, num_hidden_layers=a.layers)
     rows = compile_programs(cfg, context=a.context, backend=a.backend, mtp=a.mtp, loop=a.loop,
                             want=set(a.program.split(",")), options=options, ring=a.ring,
-                            layers_per_iteration=a.layers_per_iteration, ring_write_behind=not a.ring_write_at_end,
-                            dump=a.dump)
+                            layers_per_iteration=a.layers_per_iteration,
+                            ring_write_behind=False if a.ring_write_at_end else None, dump=a.dump)
     for r in rows:
         loops = ", ".join(f"{x['loop']} {x['trips']} × {x['kernels_per_trip']}" for x in r["loops"])
         print(f"{r['program']}: {r['kernels']} kernels a call ({a.preset}, {a.layers} layers, context {a.context}); "

@@ -118,7 +118,7 @@ def keys(tokens: ring.TokenRing) -> list:
 def stream_program(eng):
     """The Engine's MTP stream step with the write behind where its config asks for it, without the key
     tied to the write (`Engine._after_write` left out): the write runs beside the step's IF nodes."""
-    inner = eng._wrap(functools.partial(Engine._speculate_stream, behind=eng.ring_behind))   # noqa: SLF001
+    inner = keyed_program(eng)
 
     def run(*args):   # the patch holds while the program is traced
         with mock.patch.object(Engine, "_after_write", staticmethod(lambda key, ok: key)):
