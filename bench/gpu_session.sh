@@ -12,7 +12,8 @@
 #   kernels      bench/kernels.py --quick: projection / MoE / lm-head kernels vs XLA (issue 4; ~4 min)
 #   sweep        the same with the config sweeps (longer: the MoE sweep alone filled 5 minutes)
 #   attention    bench/attention.py (issue 5)
-#   decode       bench.decode: dsv32-tp8-shard, 61 layers, context 4096, CUPTI kernel profile (issue 7)
+#   decode       bench.decode: dsv32-tp8-shard, context 4096, CUPTI kernel profile (issue 7); 61 layers on an H200,
+#                36 on an H100 (share_layers)
 #   decodemoe    the same, pallas only, with DecodeConfig.engine_moe (each MoE layer one launch of the engine)
 #   timeline     the same, pallas only, with --timeline (TIMELINE_LAYERS=LO:HI: the layers listed kernel by kernel):
 #                one 4-step call under JAX's profiler, each kernel's start
@@ -278,7 +279,7 @@ for part in "$@"; do
       PJRT_GPU_ENABLE_ASYNC_DISPATCH=1 step ringcheck_async 200 python3 tests/gpu/ring_check.py "$WORK/ring_check_async.json"
       step async_dispatch_check 300 python3 tests/gpu/async_dispatch_check.py "$WORK/async_dispatch_check.json" ;;
     golden) JAX_PLATFORMS=cuda step golden 400 python3 -m pytest -q -p no:cacheprovider -x tests/test_golden_kernels.py ;;
-    decode) step decode 480 $DEC --layers 61 --backend "$B" --kernels --samples 10 \
+    decode) step decode 480 $DEC --layers "$(share_layers)" --backend "$B" --kernels --samples 10 \
               --out "$WORK/decode.json" --plot "$WORK/decode.png" ;;
     decodemoe) step decodemoe 480 $DEC --layers 61 --backend pallas --engine-moe --kernels --samples 10 \
                  --out "$WORK/decodemoe.json" --plot "$WORK/decodemoe.png" ;;
