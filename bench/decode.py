@@ -530,12 +530,8 @@ def stream_call(eng, mtp: bool, carry, left: int, params, steps: int = STREAM_ST
     if steps == STREAM_STEPS and options is None:
         stream = eng.speculate_stream if mtp else eng.decode_stream
         exe = stream.executable(eng.state, *first, params, stops)
-    elif mtp and steps != STREAM_STEPS:
-        raise ValueError("stream_call: MTP streams run STREAM_STEPS steps a call")
     else:   # the Engine's program, compiled here
-        fn = (functools.partial(Engine._speculate_stream, behind=eng.ring_behind) if mtp else
-              functools.partial(Engine._decode_stream, steps=steps, behind=eng.ring_behind))
-        exe = jax.jit(eng._wrap(fn), donate_argnums=tuple(range(1, len(first) + 1))).lower(
+        exe = jax.jit(eng._wrap(eng.stream_fn(mtp, steps)), donate_argnums=tuple(range(1, len(first) + 1))).lower(
             eng.state, *first, params, stops).compile(eng.loop_options if options is None else options)
     return (lambda *c: exe(eng.state, *c, params, stops)), first
 

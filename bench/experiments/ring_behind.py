@@ -87,7 +87,7 @@ def keyed_program(eng):
     iteration (`Engine._after_write`), so the key's split, which feeds the sampling's conditionals,
     waits for the write: in the CUDA graph the write's node is then ordered before the step's IF nodes,
     while the rest of the step's forward still runs beside it."""
-    return eng._wrap(functools.partial(Engine._speculate_stream, behind=eng.ring_behind))   # noqa: SLF001
+    return eng._wrap(eng.stream_fn(mtp=True))   # noqa: SLF001
 
 
 def select_cond(pred, true_fn, false_fn, *operands):

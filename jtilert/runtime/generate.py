@@ -135,11 +135,10 @@ class Engine:
         self.decode_stream = self.speculate_stream = None
         loop_opts = self.loop_options
         if self.rings is not None:
-            behind = self.ring_behind
-            self.decode_stream = Compiled(self._wrap(functools.partial(self._decode_stream, behind=behind)),
-                                          (1, 2, 3, 4, 5), "decode_stream", self, loop_opts)
-            self.speculate_stream = Compiled(self._wrap(functools.partial(self._speculate_stream, behind=behind)),
-                                             (1, 2, 3, 4, 5, 6), "speculate_stream", self, loop_opts)
+            self.decode_stream = Compiled(self._wrap(self.stream_fn(mtp=False)), (1, 2, 3, 4, 5), "decode_stream",
+                                          self, loop_opts)
+            self.speculate_stream = Compiled(self._wrap(self.stream_fn(mtp=True)), (1, 2, 3, 4, 5, 6),
+                                             "speculate_stream", self, loop_opts)
         self.decode_loop = Compiled(self._wrap(self._decode_loop), (1, 2, 3, 4), "decode_loop", self, loop_opts)
         self.speculate_loop = Compiled(self._wrap(self._speculate_loop), (1, 2, 3, 4, 5), "speculate_loop", self,
                                        loop_opts)
@@ -328,6 +327,15 @@ class Engine:
         """The random key, unchanged, made to depend on the ring write's check `ok` (true unless the
         stream ends), so that what draws from it waits for the write."""
         return key ^ jnp.where(ok, 0, 1).astype(key.dtype)
+
+    def stream_fn(self, mtp: bool, steps: int = STREAM_STEPS):
+        """The stream's program before `_wrap`: `_speculate_stream` (MTP, STREAM_STEPS steps a call) or
+        `_decode_stream` of up to `steps` steps a call, with this engine's ring write (`ring_behind`)."""
+        if mtp:
+            if steps != STREAM_STEPS:
+                raise ValueError(f"stream_fn: MTP streams run STREAM_STEPS ({STREAM_STEPS}) steps a call, not {steps}")
+            return functools.partial(self._speculate_stream, behind=self.ring_behind)
+        return functools.partial(self._decode_stream, steps=steps, behind=self.ring_behind)
 
     @staticmethod
     def _decode_stream(model, ops, cache, token, pos, key, left, params, stops, steps: int = STREAM_STEPS,
