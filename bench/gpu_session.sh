@@ -19,7 +19,7 @@
 #                one 4-step call under JAX's profiler, each kernel's start
 #                and end in its second step (bench/timeline.py) → timeline.json ("timeline" in the run),
 #                timeline.png (Gantt chart of layers 4-7), timeline.log
-#   contexts     the same, pallas only, at contexts 32K and 128K (issue 14's long-context targets)
+#   contexts     the same, pallas only, at contexts 32K and 128K (issue 14's long-context targets; share_layers)
 #   glm5         bench.decode for GLM-5's share (glm5-tp8-shard, context 4096), pallas and plain XLA, CUPTI kernel
 #                profile. All 78 layers on an H200 (90 GiB of weights); 41 on an H100 (about 47 GiB, as part
 #                decode's 36 layers of dsv32-tp8-shard: a step of fewer layers)
@@ -289,7 +289,7 @@ for part in "$@"; do
       [ -f "$WORK/timeline-timeline.png" ] && mv "$WORK/timeline-timeline.png" "$WORK/timeline.png" && pack ;;
     contexts)  # issue 14's long-context targets: the 61-layer pallas step at 32K and 128K, kernel profiles
       for c in 32768 131072; do
-        step "decode_$c" 300 python3 -m bench.decode --preset dsv32-tp8-shard --context $c --layers 61 \
+        step "decode_$c" 300 python3 -m bench.decode --preset dsv32-tp8-shard --context $c --layers "$(share_layers)" \
           --backend pallas --kernels --samples 6 --out "$WORK/decode_$c.json"
       done ;;
     breakdown) step breakdown 200 $DEC --layers 8 --backend "$B" --breakdown --samples 10 \
