@@ -33,7 +33,7 @@ one change at a time, in rounds that alternate the forms on one machine:
   timing_loop_other_cache, stream_write_behind_other_cache  the timing loop and the write-behind stream
                         on a second set of cache arrays, allocated after a spacer that stays alive: the same
                         compiled programs with their caches elsewhere in memory (does a step's time follow
-                        where its buffers are? bench/RESULTS.md, session 47)
+                        where its buffers are? bench/RESULTS.md, sessions 47-48)
 
 stream_write_then_fusion and stream_pallas_next tell whether a step pays for the engine's FFI node at its
 end, for any custom call there, or for the write being the step's last node; the two no_pdl forms whether
