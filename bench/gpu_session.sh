@@ -287,7 +287,7 @@ for part in "$@"; do
       step timeline 480 $DEC --layers 61 --backend pallas --kernels --samples 10 --timeline ${TIMELINE_LAYERS:+--timeline-layers $TIMELINE_LAYERS} \
         --out "$WORK/timeline.json"
       [ -f "$WORK/timeline-timeline.png" ] && mv "$WORK/timeline-timeline.png" "$WORK/timeline.png" && pack ;;
-    contexts)  # issue 14's long-context targets: the 61-layer pallas step at 32K and 128K, kernel profiles
+    contexts)  # issue 14's long-context targets: the pallas step (share_layers) at 32K and 128K, kernel profiles
       for c in 32768 131072; do
         step "decode_$c" 300 python3 -m bench.decode --preset dsv32-tp8-shard --context $c --layers "$(share_layers)" \
           --backend pallas --kernels --samples 6 --out "$WORK/decode_$c.json"
