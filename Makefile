@@ -15,18 +15,26 @@ for p in python3.14 python3.13 python3.12 python3 python $$HOME/.pyenv/versions/
     echo $$p; exit 0; fi; done; echo "no Python >= 3.12 on PATH or under pyenv" >&2; exit 1
 endef
 
+# A venv's packages come in two steps: the dependencies pyproject.toml lists for it, then the project
+# itself (editable). Only the second writes into the source tree (jtilert.egg-info), so it runs under a
+# lock on pyproject.toml: the two venvs install side by side (`make -j2 install xla-venv`).
+define pip_install
+$(1) -m pip install -q --upgrade pip
+$(1) -c 'import sys, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; print("\n".join(p["dependencies"] + p["optional-dependencies"][sys.argv[1]]))' $(2) > $(3)/requirements.txt
+$(1) -m pip install -q -r $(3)/requirements.txt
+flock pyproject.toml $(1) -m pip install -q -e '.[$(2)]'
+endef
+
 $(VENV)/.installed: pyproject.toml
 	@py=$$($(find_python)) && echo "using $$py" && $$py -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(call pip_install,$(PY),test,$(VENV))
 	touch $@
 
 # XLA's GPU compiler without a GPU: the project with jax's CUDA plugin (bench/xla_kernels.py), in a
 # venv of its own so that the tests' and the demo's jax never sees a CUDA plugin
 $(XLA_VENV)/.installed: pyproject.toml
 	@py=$$($(find_python)) && echo "using $$py" && $$py -m venv $(XLA_VENV)
-	$(XLA_VENV)/bin/python -m pip install -q --upgrade pip
-	$(XLA_VENV)/bin/python -m pip install -q -e '.[xla]'
+	$(call pip_install,$(XLA_VENV)/bin/python,xla,$(XLA_VENV))
 	touch $@
 
 .PHONY: demo test install xla-venv xla-kernels
