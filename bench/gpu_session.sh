@@ -60,17 +60,6 @@
 #                and sampled), and the time a token of each (after build)
 #   ringbehind   the same with DecodeConfig.ring_write_behind, the default (each step's tokens written while the
 #                next step runs, before its sampling)
-#   ringdebug    bench/experiments/ring_behind.py: the tiny model's MTP stream program with the write behind, called by
-#                hand, under XLA's serial scheduling, with the loop run from the host, with the layers unrolled, with
-#                the graph not updated for moved temporaries, without PDL, with no FFI call, with a kernel before the
-#                write, under XLA's LHS scheduling, with the step's key tied to the write, with no conditional, and
-#                the write at the end (RING_FORMS picks among its FORMS, default the forms not yet run on a GPU and
-#                the control, each in its own process, ended when a call has not ended after RING_STUCK_S, default
-#                60; `behind`, the shipped options, hung in session 42), each form's HLO in ring_debug_hlo/ (after
-#                build)
-#   ringgraph    part ringdebug's forms (RING_FORMS, default behind and at_end) with XLA's logs of every command's
-#                buffers and the loop body's graph edges (command_executor, execution_graph) and the CUDA graphs as
-#                .dot files (gpu_command_buffer's VLOG 10, under --xla_dump_to=$WORK/ringgraph_<form>)
 #   route        tests/gpu/route_check.py: the engine's router selection vs the reference, and their times
 #   envab        bench.decode at the share's layers, pallas, without --kernels (no CUPTI), one process each:
 #                this script's environment, the same without XLA_FLAGS, with the program cache on, and this
@@ -79,9 +68,9 @@
 #   queued       bench.decode --call-variants without --kernels (no CUPTI), twice: the timing loop's program and the
 #                stream's in calls of 1 to 32 steps queued back to back (`queued_forms`): a call's fixed device cost
 #                against a step's
-#   streamstep   bench/experiments/stream_step.py: the timing loop's and the stream's programs in calls of STREAM_STEPS
-#                steps queued, one change at a time (XLA options, the ring write), rounds alternating the forms
-#                (STREAM_FORMS=a,b,... picks some)
+#   streamstep   bench/experiments/stream_step.py: the timing loop's and the stream's programs (the ring written at
+#                each step's end and behind it, plain and MTP) in calls of STREAM_STEPS steps queued, rounds
+#                alternating the forms (STREAM_FORMS=a,b,... picks some)
 #   moe          tests/gpu/moe_check.py: the engine's one-launch MoE vs the reference and the pallas path, and
 #                their times per MoE in a dependent chain
 #   moepatch     part moe on a copy of this checkout with PATCH applied (a bench/experiments patch of moe.cu)
@@ -462,19 +451,6 @@ for part in "$@"; do
     prep) step prep 300 python3 tests/gpu/prep_check.py --out "$WORK/prep.json" ;;
     ringcheck) step ringcheck 200 python3 tests/gpu/ring_check.py "$WORK/ring_check.json" ;;
     ringbehind) step ringbehind 300 python3 tests/gpu/ring_check.py --write-behind "$WORK/ring_behind.json" ;;
-    ringdebug)  # each form in a process of its own: one that hangs leaves the others their time
-      for f in ${RING_FORMS:-behind_keyed behind_no_cond at_end}; do
-        step "ringdebug_$f" 100 python3 -m bench.experiments.ring_behind --forms "$f" --stuck-s "${RING_STUCK_S:-60}" \
-          --out "$WORK/ring_debug_$f.json" --hlo "$WORK/ring_debug_hlo"
-      done ;;
-    ringgraph)  # part ringdebug's forms with XLA's logs of each command's buffers and the graph's edges, and
-      # the CUDA graphs as .dot files (gpu_command_buffer's VLOG 10 writes them under --xla_dump_to)
-      for f in ${RING_FORMS:-behind at_end}; do
-        TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_executor=3,execution_graph=2,gpu_command_buffer=10 \
-          XLA_FLAGS="$XLA_FLAGS --xla_dump_to=$WORK/ringgraph_$f" step "ringgraph_$f" 100 \
-          python3 -m bench.experiments.ring_behind --forms "$f" --stuck-s "${RING_STUCK_S:-40}" \
-          --out "$WORK/ring_graph_$f.json"
-      done ;;
     route) step route 200 python3 tests/gpu/route_check.py --out "$WORK/route.json" ;;
     queued)  # a call's fixed device cost: the call variants without CUPTI, two processes (their spread)
       for r in 1 2; do

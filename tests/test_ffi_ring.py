@@ -10,7 +10,6 @@ import pathlib
 import re
 import subprocess
 import warnings
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -454,34 +453,23 @@ def test_bench_decode_queued_forms(tiny_random, host_ring):
 
 
 def test_stream_step_experiment(tiny_random, host_ring):
-    """bench/experiments/stream_step.py's forms run (all but the two that only change an XLA option); the
-    stream's, the write-behind form and the write followed by a fusion write the ring (positions from the
-    context on), the forms without the ring write do not, the form that writes nothing calls the write
-    once a step with a count of 0, and the MTP stream writes one key a step."""
+    """bench/experiments/stream_step.py's forms run: the timing loops time their steps, the stream's forms
+    (written at each step's end and written behind) write the ring from the context on, and the MTP
+    stream writes one key a step."""
     from bench import decode
     from bench.experiments import stream_step
     from jtilert.ops.table import DecodeConfig
     from jtilert.runtime.generate import STREAM_STEPS, Engine
     total = 2 * STREAM_STEPS
-    run = [f for f in stream_step.FORMS if not f.endswith("_no_pdl")]
-    every = stream_step.forms(Engine(tiny_random, config=DecodeConfig(ring_write_behind=False)), 20, total, run)
-    assert list(every) == run and len(every) == len(stream_step.FORMS) - 2
-    ms = stream_step.rounds({k: v for k, v in every.items() if k.startswith("timing")}, total, 1)
+    with pytest.raises(ValueError, match="no form"):   # before any compile
+        stream_step.forms(None, 20, total, ["stream_no_ring"])
+    every = stream_step.forms(Engine(tiny_random, config=DecodeConfig(ring_write_behind=False)), 20, total)
+    assert list(every) == list(stream_step.FORMS)
+    ms = stream_step.rounds({k: v for k, v in every.items() if "timing" in k}, total, 1)
+    assert set(ms) == {"timing_loop", "timing_loop_served", "mtp_timing_loop"}
     assert all(len(v) == 1 and v[0] > 0 for v in ms.values())
     jax.effects_barrier()
-    for form in ("stream_no_ring", "stream_pallas_next", "stream_no_ring_no_cond"):
-        host_ring.clear()
-        decode.queued({STREAM_STEPS: every[form]}, total, 1)
-        jax.effects_barrier()
-        assert host_ring.keys() == [], form
-    stored = []
-    store, host_ring.store = host_ring.store, lambda pos, values: stored.append(len(values))
-    decode.queued({STREAM_STEPS: every["stream_write_nothing"]}, total, 1)
-    jax.effects_barrier()
-    host_ring.store = store
-    assert host_ring.keys() == [] and stored == [0] * total, stored
-    for form in ("stream", "stream_write_behind", "stream_write_then_fusion", "stream_no_cond",
-                 "stream_write_behind_other_cache"):
+    for form in ("stream", "stream_write_behind"):
         host_ring.clear()
         decode.queued({STREAM_STEPS: every[form]}, total, 1)
         jax.effects_barrier()
@@ -491,36 +479,6 @@ def test_stream_step_experiment(tiny_random, host_ring):
     jax.effects_barrier()
     keys = host_ring.keys()
     assert keys[0] == 20 and len(keys) == total and all(b - a in (1, 2) for a, b in zip(keys, keys[1:])), keys
-    assert stream_step.rounds({"mtp_timing_loop": every["mtp_timing_loop"]}, total, 1)["mtp_timing_loop"][0] > 0
-    with pytest.raises(ValueError, match="no form"):   # before any compile
-        stream_step.forms(None, 20, total, ["stream_lsh"])
-    from one_kernel import run_one_kernel   # the Mosaic kernel in stream_pallas_next's place: one launch, pos + count
-    nxt = run_one_kernel(stream_step.next_position, jnp.array([17], jnp.int32), jnp.array([5, 9], jnp.int32),
-                         jnp.int32(2))
-    assert nxt.tolist() == [19]
-
-
-def test_the_token_without_conditionals_is_the_steps_token(tiny_random):
-    """stream_step's next_token_without_conditionals: the decode step's program without a cond (the
-    shipped one has them), and the same greedy token as the shipped step from the same state."""
-    import jtilert
-    from bench import decode
-    from bench.experiments import stream_step
-    from decode_jaxprs import count_primitives
-    from jtilert.model.transformer import Transformer
-    from jtilert.runtime.generate import Engine
-
-    eng = Engine(tiny_random)
-    args = (eng.state, decode.random_cache(eng, 32), eng.place(jnp.array([7], jnp.int32)), eng.place(jnp.int32(3)),
-            eng.place(jax.random.PRNGKey(0)), eng.place(jtilert.Sampling().arrays()))
-    step = eng._wrap(Engine._decode)   # noqa: SLF001
-
-    shipped = jax.jit(step)(*args)[1]
-    assert count_primitives(jax.make_jaxpr(step)(*args).jaxpr, "cond") >= 2
-    with mock.patch.object(Transformer, "next_token", stream_step.next_token_without_conditionals):
-        patched = lambda *a: step(*a)   # noqa: E731  (a new function: jax keeps the traces of `step`)
-        assert count_primitives(jax.make_jaxpr(patched)(*args).jaxpr, "cond") == 0
-        assert jax.jit(patched)(*args)[1].tolist() == shipped.tolist()
 
 
 def test_bench_decode_profiles_before_the_call_variants_trace(tiny_random, host_ring, monkeypatch):
@@ -578,55 +536,3 @@ def test_bench_decode_profiles_before_the_call_variants_trace(tiny_random, host_
     order.clear()
     r = decode.bench_backend(tiny_random, "reference", 20, False, 10, 1, kernels=True)
     assert r["stream_kernel_profile"]["kernels"] == 1 / 8
-
-
-def test_the_ring_behind_experiment_calls_the_mtp_stream_with_the_write_behind(tiny_random, host_ring):
-    """bench/experiments/ring_behind.py's MTP stream program takes the write behind: two ring writes in
-    its program against the one of the program without it, and its calls by hand, waited for and
-    queued, leave the positions and keys of the steps they ran."""
-    import jtilert
-    from bench.experiments import ring_behind
-    from jtilert.ops.table import DecodeConfig
-    from jtilert.runtime.generate import STREAM_STEPS, Engine
-
-    gen = jtilert.Generator(tiny_random, max_seq_len=128, mtp=True,
-                            config=DecodeConfig(backend="reference", **ring_behind.FORMS["behind"]))
-    eng = gen.engine
-
-    from decode_jaxprs import count_primitives   # tests/decode_jaxprs.py
-
-    _, s = gen._start([3, 17, 5, 9], 60, jtilert.Sampling(temperature=0.0), loop=False)   # noqa: SLF001
-    carry = (*gen._carry(s), eng.place(np.int32(100)))   # noqa: SLF001
-    stops = eng.place(np.full(8, -1, np.int32))
-    for fn, n in ((ring_behind.stream_program(eng), 2), (eng._wrap(Engine._speculate_stream), 1)):   # noqa: SLF001
-        # the ring's writes (host callbacks here), in every nested program
-        assert count_primitives(jax.make_jaxpr(fn)(eng.state, *carry, s["params"], stops).jaxpr, "io_callback") == n
-    waited = ring_behind.by_hand(gen, [3, 17, 5, 9], None, "behind", True)
-    queued = ring_behind.by_hand(gen, [3, 17, 5, 9], None, "behind", False)
-    assert len(waited) == 1 + ring_behind.CALLS
-    before = {"pos": waited[0]["start_pos"], "left": 100}
-    for after in waited[1:]:   # each call: STREAM_STEPS steps, each keyed by its position, 1 or 2 tokens
-        ran = [(k, c) for k, c in after["keys"] if before["pos"] <= k < after["pos"]]
-        assert len(ran) == STREAM_STEPS and sum(c for _, c in ran) == after["pos"] - before["pos"], (before, after)
-        assert all(k + c == k2 for (k, c), (k2, _) in zip(ran, ran[1:]))
-        assert before["left"] - after["left"] == after["pos"] - before["pos"]
-        before = after
-    assert queued[-1]["pos"] == waited[-1]["pos"] and queued[-1]["keys"] == waited[-1]["keys"]
-    for name, wrote in (("behind_pure", []), ("behind_rooted", waited[-1]["keys"])):   # the same steps; the
-        with mock.patch.object(ring_behind.ring, "write", ring_behind.WRITES[name]):   # pure form writes nothing
-            calls = ring_behind.by_hand(gen, [3, 17, 5, 9], None, name, True)
-        assert [(c["pos"], c["left"]) for c in calls[1:]] == [(c["pos"], c["left"]) for c in waited[1:]], name
-        assert calls[-1]["keys"] == wrote, name
-    # the keyed and the unconditional forms: the same steps and keys; the keyed program has one xor of the
-    # key more than the write behind's, the unconditional one no cond (the write behind's has some)
-    for name in ("behind_keyed", "behind_no_cond"):
-        calls = ring_behind.by_hand(gen, [3, 17, 5, 9], None, name, True)
-        assert [(c["pos"], c["left"], c["keys"]) for c in calls[1:]] == \
-            [(c["pos"], c["left"], c["keys"]) for c in waited[1:]], name
-
-    args = (eng.state, *carry, s["params"], stops)
-    behind, keyed, unconditional = (jax.make_jaxpr(program(eng))(*args).jaxpr for program in
-                                    (ring_behind.stream_program, ring_behind.keyed_program,
-                                     ring_behind.unconditional_program))
-    assert count_primitives(keyed, "xor") == count_primitives(behind, "xor") + 1
-    assert count_primitives(behind, "cond") > 0 and count_primitives(unconditional, "cond") == 0
