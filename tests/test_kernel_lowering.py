@@ -66,25 +66,6 @@ def _kernel_code(text: str) -> list[str]:
     return [asm for _, asm in kernel_modules(text)]
 
 
-def test_kernels_lowered_by_workers_are_the_kernels_jax_lowers():
-    """`prelower` lowers a step's kernels in forked workers before jax lowers the step: jax then
-    lowers none of them itself (the indexer's too, which writes its caches in place and so is lowered
-    from jax's discharged program), and the step's kernels are the ones a plain lowering makes."""
-    step, state, cache = decode_step("dsv32-tp8-shard", 4, Ops(DecodeConfig(backend="pallas")))
-    lowering_cache.clear()
-    with interp.compile_for_gpu():
-        traced = jax.jit(step).trace(state, cache)
-        before = lowering_cache.lowerings
-        n = lowering_cache.prelower(traced.jaxpr, workers=2)
-        parallel = traced.lower(lowering_platforms=("cuda",)).as_text()
-        assert n >= 12 and lowering_cache.lowerings - before == n   # the workers lowered every kernel
-        lowering_cache.clear()
-        before = lowering_cache.lowerings
-        plain = jax.jit(lambda s, c: step(s, c)).trace(state, cache).lower(lowering_platforms=("cuda",)).as_text()
-        assert lowering_cache.lowerings - before == n   # lowered again, here, one after another
-    assert _kernel_code(parallel) == _kernel_code(plain)
-
-
 _HASH = re.compile(r'kernel_hash = "((?:[^"\\]|\\.)*)"')
 
 
@@ -100,26 +81,35 @@ def _handed_kernels(monkeypatch) -> list:
     return handed
 
 
-def test_each_kernels_own_program_holds_the_module_the_step_compiles(monkeypatch):
-    """`prelower` hands every kernel of a step to the background compile once its lowering is kept,
-    and the one-kernel program the background compiles (`kernel_program`) carries the same module,
-    by the hash under which jaxlib keeps compiled kernels, as the step: so the step's compile finds
-    each kernel compiled. The decode step's kernels (stacked weights, a traced layer index, caches
-    written in place)."""
+def test_kernels_lowered_by_workers_are_the_kernels_jax_lowers_and_compiles_alone(monkeypatch):
+    """`prelower` lowers a step's kernels in forked workers before jax lowers the step: jax then
+    lowers none of them itself (the indexer's too, which writes its caches in place and so is lowered
+    from jax's discharged program), and the step's kernels are the ones a plain lowering makes.
+    `prelower` hands every kernel to the background compile once its lowering is kept, and the
+    one-kernel program the background compiles (`kernel_program`) carries the same module, by the hash
+    under which jaxlib keeps compiled kernels, as the step: so the step's compile finds each kernel
+    compiled. The decode step's kernels (stacked weights, a traced layer index, caches written in place)."""
     step, state, cache = decode_step("dsv32-tp8-shard", 4, Ops(DecodeConfig(backend="pallas")))
     handed = _handed_kernels(monkeypatch)
     lowering_cache.clear()
     with interp.compile_for_gpu():
         traced = jax.jit(step).trace(state, cache)
-        lowering_cache.prelower(traced.jaxpr, workers=2, background=True)
-        step_hashes = _kernel_hashes(traced.lower(lowering_platforms=("cuda",)).as_text())
+        before = lowering_cache.lowerings
+        n = lowering_cache.prelower(traced.jaxpr, workers=2, background=True)
+        parallel = traced.lower(lowering_platforms=("cuda",)).as_text()
+        assert n >= 12 and lowering_cache.lowerings - before == n   # the workers lowered every kernel
         kernels = {k.key: k for k in handed}
-        assert all(key in lowering_cache._cache for key in kernels)
+        assert len(kernels) == n and all(key in lowering_cache._cache for key in kernels)
         own = set()
         for k in kernels.values():
             fn, args = lowering_cache.kernel_program(k)
             own |= _kernel_hashes(jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text())
-    assert len(step_hashes) >= 12 and own == step_hashes
+        assert own == _kernel_hashes(parallel)
+        lowering_cache.clear()
+        before = lowering_cache.lowerings
+        plain = jax.jit(lambda s, c: step(s, c)).trace(state, cache).lower(lowering_platforms=("cuda",)).as_text()
+        assert lowering_cache.lowerings - before == n   # lowered again, here, one after another
+    assert _kernel_code(parallel) == _kernel_code(plain)
 
 
 def test_the_background_compile_takes_each_kept_kernel_once(monkeypatch):
