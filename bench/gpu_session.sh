@@ -493,7 +493,7 @@ for part in "$@"; do
           python3 "$root/bench/experiments/engine_ncu.py" --only route ${NCU_ARGS:-})
         (cd "$t" && PYTHONPATH=$PWD XLA_FLAGS="--xla_gpu_enable_command_buffer=" step "${n}_topk" 240 \
           ncu --clock-control none --replay-mode application --kernel-name regex:topk_ --launch-count 2 --section SpeedOfLight \
-          --section WarpStateStats --section SchedulerStats \
+          --section LaunchStats --section WarpStateStats --section SchedulerStats --section SourceCounters \
           python3 "$root/bench/experiments/engine_ncu.py" --only topk --repeat 1 ${NCU_ARGS:-})
       done ;;
     pdl)
