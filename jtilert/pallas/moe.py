@@ -149,7 +149,7 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
             plgpu.copy_gmem_to_smem(h_gmem, h_smem, h_bar.at[0])
         n_idx = lax.axis_index("n")
         s_idx = lax.axis_index("s")
-        k0 = s_idx * kc
+        k0 = s_idx * kc if split > 1 else 0   # a Python 0: B's blocks then know their selection statically
         row0 = n_idx * bn
         if res_in_kernel:   # the residual's rows of this block, while the weights stream
             zero = n_idx * 0   # a traced 0: the TMA box may then overhang T (zero fill)
@@ -162,6 +162,8 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
         w_v = [w_gmem[i // kper, i % kper] for i in range(nsel)]
 
         def pick(vals, i):
+            if isinstance(i, int):
+                return vals[i]
             out = vals[0]
             for ii in range(1, nsel):
                 out = jnp.where(i == ii, vals[ii], out)
