@@ -101,7 +101,8 @@ def test_a_trace_file_names_its_kernel(tmp_path):
 def test_every_kind_of_kernel_lowers_profiled(name, tmp_path):
     """kernel_ctas profiles every kernel of the step: each kind (warpgroup and lane semantics) lowers
     for CUDA with the profiler and its named body (then the trace's host callback needs a CUDA
-    backend, as above). MoE down for one token: its four tokens' form lowers in 15 s instead of 2."""
+    backend, as above). MoE down for one token: its lowering grows with the tokens, and one token
+    has the same kinds of code as four."""
     from tests.test_kernel_shapes import KERNELS, S, _q
     f, specs = KERNELS[name]
     if name == "MoE down":
