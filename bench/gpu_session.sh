@@ -76,7 +76,8 @@
 #   moepatch     part moe on a copy of this checkout with PATCH applied (a bench/experiments patch of moe.cu)
 #   ncumoe       ncu on the one-launch MoE: speed of light, warp stalls, memory, source counters
 #   ncu          Nsight Compute on the router's selection and the indexer's top-k launched alone
-#                (bench/experiments/engine_ncu.py): speed of light, launch, occupancy, warp stalls
+#                (bench/experiments/engine_ncu.py): speed of light, launch, occupancy, warp stalls (the top-k's
+#                by reason and by source line)
 #   unrolled     bench.decode 61 layers, pallas, the unrolled layer loop, CUPTI profile with kernel names
 #   scale8       bench.decode 8 layers, pallas, layer loop, CUPTI profile: enqueue and kernels vs layers
 #   before_after bench.decode 61 layers with kernel profiles: the code before issue 13 (.baseline, carried:
@@ -494,7 +495,12 @@ for part in "$@"; do
         (cd "$t" && PYTHONPATH=$PWD XLA_FLAGS="--xla_gpu_enable_command_buffer=" step "${n}_topk" 240 \
           ncu --clock-control none --replay-mode application --kernel-name regex:topk_ --launch-count 2 --section SpeedOfLight \
           --section LaunchStats --section WarpStateStats --section SchedulerStats --section SourceCounters \
-          python3 "$root/bench/experiments/engine_ncu.py" --only topk --repeat 1 ${NCU_ARGS:-})
+          --metrics 'regex:^smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio$' \
+          -o "/tmp/${n}_topk" -f python3 "$root/bench/experiments/engine_ncu.py" --only topk --repeat 1 ${NCU_ARGS:-})
+        # the report: every section's tables (the warp stalls by reason), then the stalls by source line (the
+        # engine builds with -lineinfo)
+        step "${n}_topk_details" 60 ncu -i "/tmp/${n}_topk.ncu-rep" --print-details all
+        step "${n}_topk_source" 60 ncu -i "/tmp/${n}_topk.ncu-rep" --page source --csv --print-source cuda,sass
       done ;;
     pdl)
       XLA_FLAGS="$XLA_FLAGS" step pdl_cmdbuf 120 python3 -m bench.pdl_probe --out "$WORK/pdl_cmdbuf.json"
