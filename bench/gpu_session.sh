@@ -482,16 +482,19 @@ for part in "$@"; do
         --section SchedulerStats --section MemoryWorkloadAnalysis --section SourceCounters \
         python3 -m bench.experiments.engine_ncu --only moe --repeat 3 ;;
     ncu)  # Nsight Compute on the engine's small kernels, this checkout's and each tree's in NCU_TREES (carried
-      # folders; the driver is this checkout's, the kernels the tree's; NCU_ARGS: the driver's arguments)
+      # folders; the driver is this checkout's, the kernels the tree's; NCU_ARGS: the driver's arguments;
+      # NCU_KERNELS: which of "route topk", default both)
       # (the top-k's cluster kernel hung under ncu's kernel replay: it runs under application replay, the
       # driver once per pass, with fewer sections)
       root=$PWD
       for t in . ${NCU_TREES:-}; do
         n=ncu_$( [ "$t" = . ] && echo this || basename "$t" | tr -d .)
+        [[ " ${NCU_KERNELS:-route topk} " == *" route "* ]] && \
         (cd "$t" && PYTHONPATH=$PWD XLA_FLAGS="--xla_gpu_enable_command_buffer=" step "${n}_route" 150 \
           ncu --clock-control none --kernel-name regex:route_select --section SpeedOfLight --section LaunchStats \
           --section Occupancy --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
           python3 "$root/bench/experiments/engine_ncu.py" --only route ${NCU_ARGS:-})
+        [[ " ${NCU_KERNELS:-route topk} " == *" topk "* ]] || continue
         (cd "$t" && PYTHONPATH=$PWD XLA_FLAGS="--xla_gpu_enable_command_buffer=" step "${n}_topk" 240 \
           ncu --clock-control none --replay-mode application --kernel-name regex:topk_ --launch-count 2 --section SpeedOfLight \
           --section LaunchStats --section WarpStateStats --section SchedulerStats --section SourceCounters \
@@ -499,7 +502,7 @@ for part in "$@"; do
           -o "/tmp/${n}_topk" -f python3 "$root/bench/experiments/engine_ncu.py" --only topk --repeat 1 ${NCU_ARGS:-})
         # the report: every section's tables (the warp stalls by reason), then the stalls by source line (the
         # engine builds with -lineinfo)
-        step "${n}_topk_details" 60 ncu -i "/tmp/${n}_topk.ncu-rep" --print-details all
+        step "${n}_topk_details" 60 bash -c "ncu -i /tmp/${n}_topk.ncu-rep --print-details all || ncu -i /tmp/${n}_topk.ncu-rep"
         step "${n}_topk_source" 60 ncu -i "/tmp/${n}_topk.ncu-rep" --page source --csv --print-source cuda,sass
       done ;;
     pdl)
