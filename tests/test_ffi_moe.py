@@ -252,12 +252,10 @@ def test_engine_moe_is_off_by_default():
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("git") is None, reason="nvcc or git not found")
-@pytest.mark.parametrize("patch,source,marker", [("moe_trace.patch", "moe.cu", "jt_moe_trace"),
-                                                  ("topk_push.patch", "select.cu", "push_to_cluster")])
+@pytest.mark.parametrize("patch,source,marker", [("moe_trace.patch", "moe.cu", "jt_moe_trace")])
 def test_the_experiment_patches_apply_to_the_engine_and_compile(tmp_path, patch, source, marker):
     """bench/experiments' patches of the engine still apply (moe_trace.patch: the stamps
-    bench/experiments/moe_trace.py reads; topk_push.patch: the cluster top-k's exchanges pushed), and the
-    patched source builds."""
+    bench/experiments/moe_trace.py reads), and the patched source builds."""
     shutil.copytree(ROOT / "cuda", tmp_path / "cuda")
     (tmp_path / "tests").mkdir()
     shutil.copy(ROOT / "tests" / "test_ffi_moe.py", tmp_path / "tests")

@@ -41,28 +41,29 @@
 // device must be stream-ordered (XLA's compute stream).
 //
 // Cluster variant (topk_cluster_kernel, chosen when n <= C * kClusterCap):
-// one thread-block cluster of C <= 16 CTAs per row, grid = T clusters, so the
-// row's CTAs meet at hardware cluster barriers (a few hundred ns) instead of
-// the global-memory barrier (3-4 us each), and exchange histograms and counts
-// through distributed shared memory; no spin-wait, no global scratch except
-// the sorted output's staging. Same steps as above, per digit level:
-//   1. every CTA counts the digits of its keys in the bucket into its own
-//      shared histogram hist[lvl] (never reused within a call, so a CTA may
-//      run ahead while others still read it) and the sums of its groups of
-//      kGroup bins into coarse[lvl]; cluster barrier;
-//   2. every CTA adds up the C coarse histograms (remote reads), finds the
-//      group that holds the k-th key, adds up that group's kGroup bins of the
-//      C fine histograms and finds the digit: the same digit in every CTA,
-//      with 1/14 of the remote reads that pulling whole histograms would take.
-// Then each CTA publishes its (above, in-bucket) counts in shared memory;
-// after a cluster barrier it sums those of the CTAs before it (remote reads)
-// and writes its entries like the grid kernel. A CTA leaves only after a last
-// cluster barrier that every CTA reaches after its last remote read. Sorted
-// output: staged in global memory, one more cluster barrier, then every CTA
-// sorts its 1/C share of the slots and ranks it against the other sorted
-// shares by binary search (cluster_rank_store: one more barrier; k * k / C^2
-// comparisons per CTA instead of the grid kernel's k * k / G).
+// one thread-block cluster of C <= 16 CTAs per row, grid = T clusters. The
+// row's CTAs exchange what they must through distributed shared memory by
+// pushing: each CTA writes its share into every CTA's copy of an exchange
+// buffer with st.async, whose bytes complete on that CTA's mbarrier, and
+// reads only its own copy (push_to_cluster, wait_pushes). No cluster barrier
+// and no GPU-wide fence sits on the way; no spin-wait in global memory; no
+// global scratch except the sorted output's staging. Per digit level:
+//   1. every CTA counts the digits of its keys in the bucket into its shared
+//      histogram hist[lvl] and, as it counts, into the sums of its groups of
+//      kGroup bins (zeroed with the histograms at the start), and pushes
+//      those group sums (the coarse histogram);
+//   2. every CTA adds up the C coarse histograms, finds the group that holds
+//      the k-th key, pushes its own kGroup bins of that group, adds up the C
+//      pushed and finds the digit: the same digit in every CTA, from 1/14 of
+//      the bytes that whole histograms would take.
+// Then each CTA pushes its (above, in-bucket) counts, sums those of the CTAs
+// before it and writes its entries like the grid kernel. Sorted output:
+// staged in global memory, a cluster barrier, then every CTA sorts its 1/C
+// share of the slots and ranks it against the other sorted shares by binary
+// search (cluster_rank_store: one more barrier; k * k / C^2 comparisons per
+// CTA instead of the grid kernel's k * k / G).
 #include <cooperative_groups.h>
+#include <cuda/ptx>
 
 #include <algorithm>
 #include <cstdio>
@@ -86,6 +87,7 @@ constexpr unsigned kOpTopkSelect = 4;  // JtStatus.op of a timed-out barrier
 constexpr int kMaxCluster = 16;     // CTAs per cluster (non-portable above 8)
 constexpr int kClusterCap = 12288;  // keys per CTA of a cluster (48 KiB)
 constexpr int kGroup = 16;          // bins per coarse group of the cluster merge
+constexpr int kCoarse = kBins / kGroup;  // coarse groups of the widest digit
 constexpr int kLoadBatch = 16;      // score loads in flight per thread
 // dynamic shared memory of the cluster kernel: its keys or the sorted staging
 constexpr int kClusterSmem = std::max(kClusterCap * 4, JT_TOPK_MAX_K * 8);
@@ -269,9 +271,11 @@ __device__ void load_keys(const float* src, int cnt, bool canonical_zero,
 }
 
 // hist[0..nb) (zeroed by the caller) += the digits (key >> shift) & (nb - 1)
-// of the keys in the bucket (pre, lo).
+// of the keys in the bucket (pre, lo); with `groups` (zeroed too), also
+// groups[d / kGroup] += the same counts.
 __device__ void count_digits(const uint32_t* keys, int cnt, uint32_t pre,
-                             int lo, int shift, int nb, uint32_t* hist) {
+                             int lo, int shift, int nb, uint32_t* hist,
+                             uint32_t* groups = nullptr) {
   const int tid = threadIdx.x;
   const int vpt = (cnt + kNT - 1) / kNT;  // same trip count for every thread
   for (int j = 0; j < vpt; ++j) {
@@ -283,8 +287,10 @@ __device__ void count_digits(const uint32_t* keys, int cnt, uint32_t pre,
     // one shared atomic per distinct digit in the warp: top digits of
     // similar scores collide a lot
     const unsigned peers = __match_any_sync(0xffffffffu, d);
-    if (d != 0xffffffffu && (tid & 31) == __ffs(peers) - 1)
+    if (d != 0xffffffffu && (tid & 31) == __ffs(peers) - 1) {
       atomicAdd(&hist[d], (uint32_t)__popc(peers));
+      if (groups != nullptr) atomicAdd(&groups[d / kGroup], (uint32_t)__popc(peers));
+    }
   }
   __syncthreads();
 }
@@ -426,6 +432,10 @@ __device__ void rank_store(const SelectParams& p, unsigned long long* st,
 __device__ __forceinline__ int level_shift(int lvl) {
   return lvl == 0 ? 21 : (lvl == 1 ? 10 : 0);
 }
+// Bins of level `lvl`'s digit: 2048, 2048, 1024.
+__device__ __forceinline__ int level_bins(int lvl) {
+  return 1 << ((lvl == 0 ? 32 : level_shift(lvl - 1)) - level_shift(lvl));
+}
 
 __global__ void __launch_bounds__(kNT) topk_select_kernel(SelectParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
@@ -513,22 +523,45 @@ __device__ __forceinline__ void cluster_wait() {
   asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
-// Adds up the C CTAs' arrays src[0..n) (n a multiple of 4, 16-byte aligned;
-// remote shared memory) into dst[0..n) (this CTA's, zeroed by the caller).
-__device__ void cluster_sum(const uint32_t* src, int n, uint32_t* dst) {
+// The cluster kernel's exchanges. A CTA pushes its share of an exchange into
+// slot g (its rank) of every cluster CTA's copy of the exchange buffer with
+// st.async, which completes its bytes on that CTA's copy of the exchange's
+// mbarrier; a CTA reads only its own copy, once its mbarrier's phase 0 has
+// completed (every CTA's bytes landed). This keeps cluster barriers off the
+// path: barrier.cluster.arrive.release (and fence.acq_rel.cluster), which
+// publishing plain shared-memory writes to the cluster needs, compile to a
+// GPU-wide MEMBAR.ALL.GPU on sm_90.
+//
+// Pushes words[0..n) (shared memory, n a multiple of 4) into slot g of every
+// CTA's dst[C][n], completing on its `bar`; thread t sends 16 bytes.
+__device__ void push_to_cluster(const uint32_t* words, int n, uint32_t* dst,
+                                uint64_t* bar) {
   namespace cg = cooperative_groups;
   const cg::cluster_group cl = cg::this_cluster();
-  const int nq = n / 4, C = (int)cl.num_blocks();
+  const int nq = n / 4, C = (int)cl.num_blocks(), g = (int)cl.block_rank();
   for (int t = threadIdx.x; t < C * nq; t += kNT) {
-    const uint4 v = reinterpret_cast<const uint4*>(
-        cl.map_shared_rank(const_cast<uint32_t*>(src), t / nq))[t % nq];
-    uint32_t* d = dst + 4 * (t % nq);
-    if (v.x) atomicAdd(d, v.x);
-    if (v.y) atomicAdd(d + 1, v.y);
-    if (v.z) atomicAdd(d + 2, v.z);
-    if (v.w) atomicAdd(d + 3, v.w);
+    const int r = t / nq, q = t % nq;
+    const uint4 v = reinterpret_cast<const uint4*>(words)[q];
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+    cuda::ptx::st_async(cl.map_shared_rank(dst + g * n + 4 * q, r), w,
+                        cl.map_shared_rank(bar, r));
   }
-  __syncthreads();
+}
+
+// Waits until every CTA's push into this CTA's exchange `bar` has landed; like
+// the grid kernel's barrier, gives up after the timeout with a status record.
+__device__ void wait_pushes(const SelectParams& p, uint64_t* bar, int where) {
+  if (cuda::ptx::mbarrier_try_wait_parity(bar, 0u)) return;
+  const unsigned long long t0 = globaltimer();
+  unsigned spins = 0;
+  while (!cuda::ptx::mbarrier_try_wait_parity(bar, 0u)) {
+    if (++spins == 256u) {
+      spins = 0;
+      if ((long long)(globaltimer() - t0) > p.timeout_ns)
+        fail_timeout(p.status, (int)blockIdx.y, kOpTopkSelect, (int)blockIdx.x,
+                     where, 0u);
+    }
+  }
 }
 
 // Sorted output of the cluster kernel, after the barrier behind the staging
@@ -609,58 +642,83 @@ __device__ void cluster_rank_store(const SelectParams& p, uint32_t* rank,
 // the cluster, gridDim.x = C, chunks of p.chunk <= kClusterCap keys.
 __global__ void __launch_bounds__(kNT) topk_cluster_kernel(SelectParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
-  // read by the other CTAs of the cluster
+  // this CTA's digit histograms, one per level (the sorted output's scratch after)
   __shared__ __align__(16) uint32_t hist[kLevels][kBins];
-  __shared__ __align__(16) uint32_t coarse[kLevels][kBins / kGroup];
-  __shared__ uint32_t my_counts[2];
-  // this CTA's
-  __shared__ __align__(16) uint32_t sum_coarse[kBins / kGroup];
+  __shared__ __align__(16) uint32_t coarse[kLevels][kCoarse];  // hist's group sums
+  // exchanges: every CTA's coarse histogram, the fine bins of the chosen group,
+  // the (above, in-bucket) counts, each by source rank (push_to_cluster)
+  __shared__ __align__(16) uint32_t x_coarse[kMaxCluster * kCoarse];  // [C][ng]
+  __shared__ __align__(16) uint32_t x_fine[kMaxCluster * kGroup];      // [C][kGroup]
+  __shared__ __align__(16) uint32_t x_counts[kMaxCluster * 4];         // [C][4]
+  // one mbarrier per exchange and level: coarse, fine, then the counts
+  __shared__ __align__(8) uint64_t bars[2 * kLevels + 1];
+  __shared__ __align__(16) uint32_t sum_coarse[kCoarse];
   __shared__ __align__(16) uint32_t sum_fine[kGroup];
   __shared__ uint32_t wc[2 * kWarps + 2];
-  __shared__ uint32_t found[3];
+  __shared__ uint32_t found[3];       // the coarse search's result, then the counts'
+  __shared__ uint32_t found_fine[3];  // apart: warp 0 writes it while others read found
   namespace cg = cooperative_groups;
-  const cg::cluster_group cl = cg::this_cluster();
-  const int g = blockIdx.x, tid = threadIdx.x;
+  namespace ptx = cuda::ptx;
+  const int g = blockIdx.x, C = gridDim.x, tid = threadIdx.x;
   const bool sorted = (p.mode & JT_TOPK_SORTED) != 0;
   const int k = p.k;
   const int base = g * p.chunk;
   const int cnt = max(0, min(p.chunk, p.n - base));
   uint32_t* keys = reinterpret_cast<uint32_t*>(smem);
+  // Each exchange's mbarrier expects all C pushes at once (phase 0); the
+  // buffers are reused from level to level, which is safe as a CTA pushes
+  // into an exchange only after it has received every CTA's share of the
+  // exchange before it, sent after that CTA's last read of this one.
+  if (tid == 0) {
+    for (int e = 0; e < 2 * kLevels + 1; ++e) {
+      const int lvl = e % kLevels;
+      const int words = e < kLevels ? level_bins(lvl) / kGroup : (e < 2 * kLevels ? kGroup : 4);
+      ptx::mbarrier_init(&bars[e], 1);
+      ptx::mbarrier_arrive_expect_tx(ptx::sem_release, ptx::scope_cta, ptx::space_shared,
+                                     &bars[e], (uint32_t)(C * words * 4));
+    }
+    ptx::fence_mbarrier_init(ptx::sem_release, ptx::scope_cluster);
+  }
+  // every CTA's mbarriers exist before any CTA pushes (the wait below)
+  ptx::barrier_cluster_arrive(ptx::sem_relaxed);
+  for (int b = tid; b < kLevels * kBins; b += kNT) (&hist[0][0])[b] = 0;
+  for (int b = tid; b < kLevels * kCoarse; b += kNT) (&coarse[0][0])[b] = 0;
   load_keys(p.scores + (size_t)blockIdx.y * p.n + base, cnt,
             (p.mode & JT_TOPK_CANONICAL_ZERO) != 0, keys);
+  ptx::barrier_cluster_wait();
 
   uint32_t pre = 0, need = (uint32_t)k;
   int lo = 32;
   for (int lvl = 0; lvl < kLevels; ++lvl) {
     const int shift = level_shift(lvl);
-    const int nb = 1 << (lo - shift), ng = nb / kGroup;
+    const int nb = level_bins(lvl), ng = nb / kGroup;
     uint32_t* h = hist[lvl];
-    for (int b = tid; b < nb; b += kNT) h[b] = 0;
-    for (int b = tid; b < ng; b += kNT) sum_coarse[b] = 0;
-    if (tid < kGroup) sum_fine[tid] = 0;
-    __syncthreads();
-    count_digits(keys, cnt, pre, lo, shift, nb, h);
-    // group sums: 4 bins per thread, 4 threads per group (nb / 4 is a
-    // multiple of 32: whole warps)
-    static_assert(kGroup == 16, "a group is 4 lanes x 4 bins");
-    for (int t = tid; t < nb / 4; t += kNT) {
-      const uint4 v = reinterpret_cast<const uint4*>(h)[t];
-      uint32_t s = v.x + v.y + v.z + v.w;
-      s += __shfl_xor_sync(0xffffffffu, s, 1);
-      s += __shfl_xor_sync(0xffffffffu, s, 2);
-      if ((t & 3) == 0) coarse[lvl][t / 4] = s;
+    count_digits(keys, cnt, pre, lo, shift, nb, h, coarse[lvl]);
+    push_to_cluster(coarse[lvl], ng, x_coarse, &bars[lvl]);
+    if (tid < ng) {  // the row's coarse histogram
+      wait_pushes(p, &bars[lvl], lvl);
+      uint32_t s = 0;
+      for (int r = 0; r < C; ++r) s += x_coarse[r * ng + tid];
+      sum_coarse[tid] = s;
     }
-    cluster_arrive();
-    cluster_wait();
-    cluster_sum(coarse[lvl], ng, sum_coarse);
+    __syncthreads();
     warp_find_digit(sum_coarse, ng, need, found);
     __syncthreads();
     const uint32_t grp = found[0], above_grp = found[1];
-    cluster_sum(h + grp * kGroup, kGroup, sum_fine);  // ends with __syncthreads
-    warp_find_digit(sum_fine, kGroup, need - above_grp, found);
+    push_to_cluster(h + grp * kGroup, kGroup, x_fine, &bars[kLevels + lvl]);
+    if (tid < 32) {  // the row's bins of that group, and the digit, by warp 0
+      wait_pushes(p, &bars[kLevels + lvl], kLevels + lvl);
+      if (tid < kGroup) {
+        uint32_t s = 0;
+        for (int r = 0; r < C; ++r) s += x_fine[r * kGroup + tid];
+        sum_fine[tid] = s;
+      }
+      __syncwarp();
+      warp_find_digit(sum_fine, kGroup, need - above_grp, found_fine);
+    }
     __syncthreads();
-    const uint32_t above = above_grp + found[1], in_d = found[2];
-    pre = (pre << (lo - shift)) | (grp * kGroup + found[0]);
+    const uint32_t above = above_grp + found_fine[1], in_d = found_fine[2];
+    pre = (pre << (lo - shift)) | (grp * kGroup + found_fine[0]);
     lo = shift;
     need -= above;
     if (in_d == need) break;  // the whole bucket is taken (in every CTA)
@@ -668,19 +726,15 @@ __global__ void __launch_bounds__(kNT) topk_cluster_kernel(SelectParams p) {
 
   uint32_t tot_gt, tot_eq;
   chunk_counts(keys, cnt, pre, lo, wc, &tot_gt, &tot_eq);
-  if (tid == 0) {
-    my_counts[0] = tot_gt;
-    my_counts[1] = tot_eq;
+  if (tid < C) {  // this CTA's counts to every CTA
+    const uint32_t w[4] = {tot_gt, tot_eq, 0u, 0u};
+    ptx::st_async(cg::this_cluster().map_shared_rank(&x_counts[4 * g], tid), w,
+                  cg::this_cluster().map_shared_rank(&bars[2 * kLevels], tid));
   }
-  cluster_arrive();
-  cluster_wait();
   if (tid < 32) {  // the counts of the CTAs before this one (C <= 32)
-    uint32_t gt = 0, eq = 0;
-    if (tid < g) {
-      const uint32_t* rc = cl.map_shared_rank(my_counts, tid);
-      gt = rc[0];
-      eq = rc[1];
-    }
+    wait_pushes(p, &bars[2 * kLevels], 2 * kLevels);
+    uint32_t gt = tid < g ? x_counts[4 * tid] : 0u;
+    uint32_t eq = tid < g ? x_counts[4 * tid + 1] : 0u;
     gt = __reduce_add_sync(0xffffffffu, gt);
     eq = __reduce_add_sync(0xffffffffu, eq);
     if (tid == 0) {
@@ -692,13 +746,12 @@ __global__ void __launch_bounds__(kNT) topk_cluster_kernel(SelectParams p) {
   const uint32_t gt_before = found[0], eq_before = found[1];
   const uint32_t offset = gt_before + min(eq_before, need);
   const uint32_t take = need > eq_before ? min(need - eq_before, tot_eq) : 0u;
-  // the last remote reads are done: this arrive lets the other CTAs exit
-  // (by index) or, after the staging, start ranking (sorted)
-  if (!sorted) cluster_arrive();
   write_selected(p, keys, cnt, base, pre, lo, offset, take, sorted, wc);
-  if (sorted) cluster_arrive();
+  if (!sorted) return;  // nothing of this CTA is read by another after its exchanges
+  // the staging is in global memory: the release orders it for the ranking
+  cluster_arrive();
   cluster_wait();
-  if (sorted) cluster_rank_store(p, hist[0], hist[1], hist[2], keys);
+  cluster_rank_store(p, hist[0], hist[1], hist[2], keys);
 }
 
 struct Scratch {
