@@ -235,12 +235,12 @@ def model_row(x, k, sorted_out=True, canonical_zero=False, sms=132, t=1, ctas=0)
 
 # ------------------------------------------------------------------ numpy model of the cluster kernel
 
-MAX_CLUSTER, CLUSTER_CAP, GROUP = 16, 12288, 16
+MAX_CLUSTER, CLUSTER_CAP, GROUP, HALF_CLUSTER_MAX_N = 16, 12288, 16, 6144
 
 
 def cluster_plan(n, k, ctas=0, max_cluster=MAX_CLUSTER):
     """make_cluster_plan: (C, chunk), or None where the grid kernel runs."""
-    c = -ctas if ctas < 0 else max_cluster
+    c = -ctas if ctas < 0 else min(8, max_cluster) if n <= HALF_CLUSTER_MAX_N else max_cluster
     if c < 2 or c > max_cluster or (k + c - 1) // c > BINS or c * CLUSTER_CAP < n:
         return None
     return c, (n + c - 1) // c
@@ -258,17 +258,17 @@ def model_cluster_row(x, k, sorted_out=True, canonical_zero=False, ctas=0):
         nb = 1 << (bkt.lo - shift)
         hist = [bkt.digits(c, shift, nb) for c in chunks]           # hist[lvl] of every CTA
         coarse = [h.reshape(-1, GROUP).sum(1) for h in hist]         # coarse[lvl]
-        # after the cluster barrier every CTA does the same: cluster_sum of the coarse histograms
+        # once every CTA's coarse histogram has been pushed, every CTA does the same: their sum
         sum_coarse = np.sum(coarse, axis=0)
         grp, above_grp, _ = find_digit(sum_coarse, need, threads=32)
-        sum_fine = np.sum([h[grp * GROUP:(grp + 1) * GROUP] for h in hist], axis=0)
+        sum_fine = np.sum([h[grp * GROUP:(grp + 1) * GROUP] for h in hist], axis=0)  # the pushed fine bins
         d, above, in_d = find_digit(sum_fine, need - above_grp, threads=32)
         assert in_d == sum(int(h[grp * GROUP + d]) for h in hist)
         bkt.narrow(shift, grp * GROUP + d)
         need -= above_grp + above
         if in_d == need:
             break
-    # my_counts of every CTA; after a cluster barrier warp 0 sums those of the CTAs before it
+    # every CTA's counts, pushed; warp 0 sums those of the CTAs before it
     counts = [(int(bkt.above(c).sum()), int(bkt.inside(c).sum())) for c in chunks]
     stage = stage_entries(chunks, chunk, k, need, bkt,
                           lambda g: tuple(int(v) for v in np.sum(counts[:g] or [(0, 0)], axis=0)))
@@ -392,8 +392,10 @@ def test_numpy_model_of_the_cluster_kernel_equals_lax_top_k(case):
 
 
 def test_cluster_plan_picks_the_variant_by_n():
-    assert cluster_plan(4096, 2048) == (16, 256)
+    assert cluster_plan(4096, 2048) == (8, 512)                         # rows up to 6144: 8 CTAs
     assert cluster_plan(4096, 2048, max_cluster=8) == (8, 512)
+    assert cluster_plan(6144, 2048) == (8, 768)
+    assert cluster_plan(6145, 2048) == (16, 385)
     assert cluster_plan(32769, 2048) == (16, 2049)
     assert cluster_plan(131072, 2048) == (16, 8192)
     assert cluster_plan(163840, 2048) == (16, 10240)
@@ -404,7 +406,8 @@ def test_cluster_plan_picks_the_variant_by_n():
     assert cluster_plan(8192, 8192, ctas=-2) is None                   # ranks > hist[0]
     assert cluster_plan(100, 100, ctas=-16) == (16, 7)                  # CTAs 15: no keys
     src = (ROOT / "cuda" / "src" / "select.cu").read_text()
-    for name, v in [("kMaxCluster", MAX_CLUSTER), ("kClusterCap", CLUSTER_CAP), ("kGroup", GROUP)]:
+    for name, v in [("kMaxCluster", MAX_CLUSTER), ("kClusterCap", CLUSTER_CAP), ("kGroup", GROUP),
+                    ("kHalfClusterMaxN", HALF_CLUSTER_MAX_N)]:
         assert f"constexpr int {name} = {v};" in src
 
 

@@ -803,13 +803,21 @@ int max_cluster_size() {
   return 0;
 }
 
+// Rows up to this many scores run on clusters of at most 8 CTAs by default:
+// with 16, each CTA holds only a few hundred keys, and the 8 more CTAs only
+// add pushes to every exchange (0.5 us faster at 4096 keys, level at 8192;
+// bench/RESULTS.md, session 51).
+constexpr int kHalfClusterMaxN = 6144;
+
 // Cluster plan: C = -ctas CTAs (1 too: a cluster of one, for the self-test and
 // tuning), or (ctas == 0) the largest cluster the GPU runs (16: the most CTAs
 // loading and counting keys at once; one CTA is slower even where the row fits
-// in it, bench/RESULTS.md), each with a chunk of ceil(n / C) <= kClusterCap keys.
+// in it), at most 8 for rows up to kHalfClusterMaxN, each CTA with a chunk of
+// ceil(n / C) <= kClusterCap keys.
 bool make_cluster_plan(const Scratch& s, int n, int k, int mode, int ctas,
                        Plan* p) {
-  const int C = ctas < 0 ? -ctas : s.max_cluster;
+  const int C = ctas < 0 ? -ctas
+                : n <= kHalfClusterMaxN ? std::min(8, s.max_cluster) : s.max_cluster;
   // a CTA's share of the sorted output (ranks, keys) lives in its histograms
   if (C < 1 || C > std::max(1, s.max_cluster) || (k + C - 1) / C > kBins ||
       (long long)C * kClusterCap < n)
