@@ -482,12 +482,14 @@ for part in "$@"; do
         --section SchedulerStats --section MemoryWorkloadAnalysis --section SourceCounters \
         python3 -m bench.experiments.engine_ncu --only moe --repeat 3 ;;
     ncu)  # Nsight Compute on the engine's small kernels, this checkout's and each tree's in NCU_TREES (carried
-      # folders; the driver is this checkout's, the kernels the tree's; NCU_ARGS: the driver's arguments;
-      # NCU_KERNELS: which of "route topk", default both)
+      # folders, or bench/experiments patches applied to this checkout here, as in part trees; the driver is
+      # this checkout's, the kernels the tree's; NCU_ARGS: the driver's arguments; NCU_KERNELS: which of
+      # "route topk", default both)
       # (the top-k's cluster kernel hung under ncu's kernel replay: it runs under application replay, the
       # driver once per pass, with fewer sections)
       root=$PWD
       for t in . ${NCU_TREES:-}; do
+        if [ "${t%.patch}" != "$t" ]; then t=$(patched_tree "$t") || continue; fi
         n=ncu_$( [ "$t" = . ] && echo this || basename "$t" | tr -d .)
         [[ " ${NCU_KERNELS:-route topk} " == *" route "* ]] && \
         (cd "$t" && PYTHONPATH=$PWD XLA_FLAGS="--xla_gpu_enable_command_buffer=" step "${n}_route" 150 \
