@@ -831,8 +831,9 @@ bool make_cluster_plan(const Scratch& s, int n, int k, int mode, int ctas,
 }
 
 // Rows up to this many scores go to the cluster kernel by default; longer rows
-// to the grid kernel (bench/RESULTS.md, "Engine top-k select").
-constexpr int kClusterDefaultMaxN = 32768;
+// to the grid kernel. By position the cluster kernel is faster up to about
+// 80K scores, sorted up to about 50K (bench/RESULTS.md, session 51).
+constexpr int kClusterDefaultMaxN = 49152;
 
 // Launch for T rows of n scores. ctas > 0: the grid kernel with `ctas` CTAs
 // per row; ctas < 0: the cluster kernel with clusters of -ctas CTAs; 0: the

@@ -1138,7 +1138,7 @@ void bench_select(int T, int n, int k, int mode, int ctas = 0) {
 void run_select_bench() {
   // the grid kernel (its default CTAs per row), clusters of 1, 8 and 16 (the
   // default picks one of them where the row fits)
-  for (int n : {4096, 5120, 6144, 8192, 12288, 32768, 131072, 163840})
+  for (int n : {4096, 5120, 6144, 8192, 12288, 32768, 49152, 131072, 163840})
     for (int mode : {JT_TOPK_SORTED, 0})
       for (int ctas : {grid_ctas(1), -1, -8, -16})
         if (jt_topk_select_ctas(0, 1, n, 2048, mode, ctas) > 0)
