@@ -40,14 +40,17 @@
 // status) is allocated once per device by jt_topk_prepare; calls on one
 // device must be stream-ordered (XLA's compute stream).
 //
-// Cluster variant (topk_cluster_kernel, chosen when n <= C * kClusterCap):
+// Cluster variant (topk_cluster_kernel, by default for rows up to
+// kClusterDefaultMaxN; it holds rows up to C * kClusterCap):
 // one thread-block cluster of C <= 16 CTAs per row, grid = T clusters. The
 // row's CTAs exchange what they must through distributed shared memory by
 // pushing: each CTA writes its share into every CTA's copy of an exchange
 // buffer with st.async, whose bytes complete on that CTA's mbarrier, and
-// reads only its own copy (push_to_cluster, wait_pushes). No cluster barrier
-// and no GPU-wide fence sits on the way; no spin-wait in global memory; no
-// global scratch except the sorted output's staging. Per digit level:
+// reads only its own copy (push_to_cluster, wait_pushes). The one cluster
+// barrier on the by-position path is a relaxed one at the start (every CTA's
+// mbarriers exist before the first push), which compiles to no fence: no
+// GPU-wide fence sits on the way; no spin-wait in global memory; no global
+// scratch except the sorted output's staging. Per digit level:
 //   1. every CTA counts the digits of its keys in the bucket into its shared
 //      histogram hist[lvl] and, as it counts, into the sums of its groups of
 //      kGroup bins (zeroed with the histograms at the start), and pushes
