@@ -204,6 +204,9 @@ patched_tree() {  # patched_tree PATCH: this checkout with PATCH applied (patch 
   fi
   echo "$t"
 }
+tree_of() {  # tree_of TREE: a folder as it is, or a bench/experiments patch made into patched_tree's folder
+  if [ "${1%.patch}" != "$1" ]; then patched_tree "$1"; else echo "$1"; fi
+}
 call_variants() {  # call_variants NAME: part callvariants' run, logged as NAME, its JSON $WORK/NAME.json
   step "$1" 420 $DEC --layers "$(share_layers)" --backend pallas --steps 5 --samples 6 --call-variants --kernels \
     --out "$WORK/$1.json"
@@ -338,7 +341,7 @@ for part in "$@"; do
       # patch (bench/experiments/*.patch) is this checkout with the patch applied, made here
       TREES_ROUND=$(( ${TREES_ROUND:-0} + 1 ))
       for t in ${TREES:-.baseline} .; do
-        if [ "${t%.patch}" != "$t" ]; then t=$(patched_tree "$t") || continue; fi
+        t=$(tree_of "$t") || continue
         n=tree_$( [ "$t" = . ] && echo this || basename "$t" | tr -d .)_$TREES_ROUND
         (cd "$t" && PYTHONPATH=$PWD step "$n" 200 $DEC --layers "${TREE_LAYERS:-$(share_layers)}" --backend pallas \
           --kernels --samples 6 ${TREE_ARGS:-} --out "$WORK/$n.json")
@@ -489,7 +492,7 @@ for part in "$@"; do
       # driver once per pass, with fewer sections)
       root=$PWD
       for t in . ${NCU_TREES:-}; do
-        if [ "${t%.patch}" != "$t" ]; then t=$(patched_tree "$t") || continue; fi
+        t=$(tree_of "$t") || continue
         n=ncu_$( [ "$t" = . ] && echo this || basename "$t" | tr -d .)
         [[ " ${NCU_KERNELS:-route topk} " == *" route "* ]] && \
         (cd "$t" && PYTHONPATH=$PWD XLA_FLAGS="--xla_gpu_enable_command_buffer=" step "${n}_route" 150 \
