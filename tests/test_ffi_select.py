@@ -241,7 +241,7 @@ MAX_CLUSTER, CLUSTER_CAP, GROUP, HALF_CLUSTER_MAX_N = 16, 12288, 16, 6144
 def cluster_plan(n, k, ctas=0, max_cluster=MAX_CLUSTER):
     """make_cluster_plan: (C, chunk), or None where the grid kernel runs."""
     c = -ctas if ctas < 0 else min(8, max_cluster) if n <= HALF_CLUSTER_MAX_N else max_cluster
-    if c < 2 or c > max_cluster or (k + c - 1) // c > BINS or c * CLUSTER_CAP < n:
+    if c < 1 or c > max(1, max_cluster) or (k + c - 1) // c > BINS or c * CLUSTER_CAP < n:
         return None
     return c, (n + c - 1) // c
 
@@ -382,10 +382,10 @@ def test_numpy_model_of_the_kernel_equals_lax_top_k(case):
 
 @pytest.mark.parametrize("case", CASES + [(1, 196608, 2048, "ties")], ids=str)
 def test_numpy_model_of_the_cluster_kernel_equals_lax_top_k(case):
-    """Clusters of 16 and of 8 CTAs (where the row fits) on the same cases."""
+    """Clusters of 16, 8 and 1 CTAs (where the row fits) on the same cases."""
     t, n, k, kind, *_ = case
     x = _scores(np.random.default_rng(n + k), t, n, kind)
-    sizes = [c for c in (-16, -8) if cluster_plan(n, k, c) is not None]
+    sizes = [c for c in (-16, -8, -1) if cluster_plan(n, k, c) is not None]
     assert sizes
     for c in sizes:
         _check_model(x, k, t, lambda row, sorted_out, c=c: model_cluster_row(row, k, sorted_out, ctas=c))
@@ -405,6 +405,9 @@ def test_cluster_plan_picks_the_variant_by_n():
     assert cluster_plan(131072, 2048, ctas=-8) is None
     assert cluster_plan(8192, 8192, ctas=-2) is None                   # ranks > hist[0]
     assert cluster_plan(100, 100, ctas=-16) == (16, 7)                  # CTAs 15: no keys
+    assert cluster_plan(4096, 2048, ctas=-1) == (1, 4096)               # one CTA: the self-test's C = 1
+    assert cluster_plan(4096, 2048, ctas=-1, max_cluster=0) == (1, 4096)  # a cluster of 1 needs no clusters
+    assert cluster_plan(4096, 2048, ctas=-2, max_cluster=0) is None
     src = (ROOT / "cuda" / "src" / "select.cu").read_text()
     for name, v in [("kMaxCluster", MAX_CLUSTER), ("kClusterCap", CLUSTER_CAP), ("kGroup", GROUP),
                     ("kHalfClusterMaxN", HALF_CLUSTER_MAX_N)]:
