@@ -653,57 +653,25 @@ def decode_to_ring(model, ops, cache, token, pos, key, params):
 
 
 def call_variant_loops(eng, carry, params, n, start: int):
-    """What makes a call's enqueue cost: the plain step's host loop (looked up once) in these forms,
-    each compiled with the step's XLA options: "host_output_pinned" (`Engine.decode`, one step a call:
-    the four carried arrays donated, the token again as a fifth output written into pinned host memory
-    and read by the host: what `Generator.stream` runs where there is no token ring);
-    "host_output_on_device" (that output in device memory, copied to the host after the step);
-    "no_host_output" (the four carried arrays only, nothing read: not a usable loop, the diagnostic);
-    "host_copy_program" (the step of "no_host_output", then a second program of its own that copies the
-    new token into pinned host memory: the step's buffers keep their addresses from call to call, the
-    copy's enqueue counts in the call's); "host_output_donated" (as "host_output_pinned", but the pinned
-    host output written into one of two pinned buffers that the calls donate in turn, each read before
-    it is donated again: no host allocation per call, two addresses in turn). Where the engine's token
-    ring is (`DecodeConfig.token_ring`) also "token_ring" (one step a call, the token written into the
-    ring, every output donated) and "token_ring_stream" (`Engine.decode_stream`, what the stream runs
-    there: STREAM_STEPS steps a call, two calls in flight; its enqueue is a call's, its host loop a
-    step's). `carry`: (cache, token, pos, key); every form starts at position `start`, so each runs
-    `n` calls' steps within the cache's rows. Returns ({form: {enqueue_ms, host_loop_ms,
-    steps_per_call}}, the carry after); "host_output_pinned" and "token_ring_stream" also have
-    "host_trace"."""
-    run = eng._wrap(Engine._decode)
-    host = None if eng._interpreted else eng.sharding.with_memory_kind("pinned_host")
-
-    def variant(fn, *extra, donate=(1, 2, 3, 4), **kw):
-        jitted = jax.jit(fn, donate_argnums=donate, **kw)
-        return jitted.lower(eng.state, *carry, params, *extra).compile(eng.step_options)
+    """What makes a call's enqueue cost: the plain step's host loop (looked up once) in the forms a
+    user's stream runs, each compiled with the step's XLA options: "host_output_pinned" (`Engine.decode`,
+    one step a call: the four carried arrays donated, the token again as a fifth output written into
+    pinned host memory and read by the host: what `Generator.stream` runs where there is no token
+    ring). Where the engine's token ring is (`DecodeConfig.token_ring`) also "token_ring" (one step a
+    call, the token written into the ring, every output donated) and "token_ring_stream"
+    (`Engine.decode_stream`, what the stream runs there: STREAM_STEPS steps a call, two calls in flight;
+    its enqueue is a call's, its host loop a step's). `carry`: (cache, token, pos, key); every form starts at position `start`, so each runs `n` calls' steps within the cache's rows.
+    Returns ({form: {enqueue_ms, host_loop_ms, steps_per_call}}, the carry after); "host_output_pinned"
+    and "token_ring_stream" also have "host_trace"."""
+    out, carry = {}, tuple(carry[:4])
 
     def with_state(exe):
         return lambda *c: exe(eng.state, *c, params)
-    out, carry = {}, tuple(carry[:4])
-    to_host = jax.jit(lambda t: t, out_shardings=host).lower(carry[1]).compile()
-    buffers = [jax.device_put(jnp.zeros_like(carry[1]), host) for _ in range(2)]   # call i writes buffers[i % 2]
-    plain = with_state(variant(lambda *a: run(*a)[:4]))
-    donated = variant(lambda st, c, t, p, k, pr, h: run(st, c, t, p, k, pr), buffers[0], donate=(1, 2, 3, 4, 6),
-                      out_shardings=(None,) * 4 + (host,), keep_unused=True)
-
-    def host_copy(*c):
-        res = plain(*c)
-        return (*res, to_host(res[1]))
-
-    def into_donated(*c):   # the buffer of two calls before: read by now
-        res = donated(eng.state, *c, params, buffers.pop(0))
-        buffers.append(res[4])
-        return res
-
-    calls = {"host_output_pinned": with_state(eng.decode.executable(eng.state, *carry, params)),
-             "host_output_on_device": with_state(variant(run)),
-             "no_host_output": plain,
-             "host_copy_program": host_copy,
-             "host_output_donated": into_donated}
+    calls = {"host_output_pinned": with_state(eng.decode.executable(eng.state, *carry, params))}
     extra = {}   # what a form carries after the four: the stream's tokens still wanted
     if eng.ring is not None:
-        calls["token_ring"] = with_state(variant(eng._wrap(decode_to_ring)))
+        ring_step = jax.jit(eng._wrap(decode_to_ring), donate_argnums=(1, 2, 3, 4))
+        calls["token_ring"] = with_state(ring_step.lower(eng.state, *carry, params).compile(eng.step_options))
         calls["token_ring_stream"], first = stream_call(eng, False, carry, (2 * n + 3) * STREAM_STEPS, params)
         extra["token_ring_stream"] = first[4:]   # never reached
     def restart(carry):
@@ -807,8 +775,8 @@ def main(argv=None) -> dict:
     p.add_argument("--timeline-layers", type=_layer_range, default=timeline.DETAIL_LAYERS, metavar="LO:HI",
                    help="the layers the timeline lists kernel by kernel, [LO, HI) (default %(default)s)")
     p.add_argument("--call-variants", action="store_true",
-                   help="also time the plain step's host loop with its host output in device memory and without it "
-                        "(what a call's enqueue costs; tp=1)")
+                   help="also time the plain step's host loop in the forms a stream runs: the token as a pinned "
+                        "host output, through the token ring (what a call's enqueue costs; tp=1)")
     a = p.parse_args(argv)
 
     mesh = jtilert.make_mesh(a.tp) if a.tp > 1 else None

@@ -145,10 +145,9 @@
 #                iteration), one process
 #   compileprofile  the same first compile with XLA's stage under JAX's profiler (host events by name)
 #   callvariants the step loop (the layers that fit the GPU, `share_layers`) in bench.decode --call-variants'
-#                forms (one step a call: the token as a pinned host output, without any output, the output on
-#                the device, a copy program, donated host buffers, the token ring; and the stream's calls of
-#                STREAM_STEPS steps through the ring): what a call's ~1 ms enqueue is, and what a step's host
-#                loop costs
+#                forms (one step a call: the token as a pinned host output, the token ring; and the stream's
+#                calls of STREAM_STEPS steps through the ring): what a call's enqueue is, and what a step's
+#                host loop costs
 #   callvariants_ab  the same, 100 calls per form, for .baseline (another tree, carried) then this checkout
 #   build        the CUDA engine library and self-test (python -m jtilert.ffi.build --selftest)
 #   select       the engine's one-GPU self-tests (top-k select, token ring) and their CUDA-graph timings (after build)
