@@ -660,9 +660,10 @@ def call_variant_loops(eng, carry, params, n, start: int):
     ring). Where the engine's token ring is (`DecodeConfig.token_ring`) also "token_ring" (one step a
     call, the token written into the ring, every output donated) and "token_ring_stream"
     (`Engine.decode_stream`, what the stream runs there: STREAM_STEPS steps a call, two calls in flight;
-    its enqueue is a call's, its host loop a step's). `carry`: (cache, token, pos, key); every form starts at position `start`, so each runs `n` calls' steps within the cache's rows.
-    Returns ({form: {enqueue_ms, host_loop_ms, steps_per_call}}, the carry after); "host_output_pinned"
-    and "token_ring_stream" also have "host_trace"."""
+    its enqueue is a call's, its host loop a step's). `carry`: (cache, token, pos, key); every form
+    starts at position `start`, so each runs `n` calls' steps within the cache's rows. Returns ({form:
+    {enqueue_ms, host_loop_ms, steps_per_call}}, the carry after); "host_output_pinned" and
+    "token_ring_stream" also have "host_trace"."""
     out, carry = {}, tuple(carry[:4])
 
     def with_state(exe):
