@@ -84,8 +84,8 @@
 #                git archive ba89fb0 | tar -x -C .baseline) then this checkout, pallas and reference (~10 min)
 #   ab           bench.decode 61 layers, pallas, kernel profiles: .baseline (another tree, carried) then this checkout
 #   base         the first half of ab alone (.baseline), for a "decode" part right after it
-#   unroll       bench.decode (share_layers), pallas: one and two layers per loop iteration
-#                (DecodeConfig.layers_per_iteration; UNROLLS picks the --layer-loop list, default loop,loop/2)
+#   unroll       bench.decode (share_layers), pallas: the layer loop at DecodeConfig's default layers per iteration
+#                and at two (layers_per_iteration; UNROLLS picks the --layer-loop list, default loop,loop/2)
 #   defaults     bench.decode 61 layers, pallas, without XLA_FLAGS: DecodeConfig's default options against
 #                CONCURRENT scheduling alone (XLA's own command-buffer kinds: the layer loops not captured)
 #   trees        the same for every tree in TREES (carried folders, default .baseline), then this checkout: a
@@ -345,7 +345,7 @@ for part in "$@"; do
         (cd "$t" && PYTHONPATH=$PWD step "$n" 200 $DEC --layers "${TREE_LAYERS:-$(share_layers)}" --backend pallas \
           --kernels --samples 6 ${TREE_ARGS:-} --out "$WORK/$n.json")
       done ;;
-    unroll)  # the layer loops with one and with two layers per iteration, one process
+    unroll)  # the layer loop at each of UNROLLS' layers per iteration, one process
       step unroll 300 $DEC --layers "$(share_layers)" --backend pallas --layer-loop "${UNROLLS:-loop,loop/2}" --kernels --samples 6 \
         --out "$WORK/unroll.json" ;;
     defaults)  # what a user gets: no XLA_FLAGS, DecodeConfig's default options, then the options before
