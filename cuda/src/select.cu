@@ -834,9 +834,9 @@ bool make_cluster_plan(const Scratch& s, int n, int k, int mode, int ctas,
 }
 
 // Rows up to this many scores go to the cluster kernel by default; longer rows
-// to the grid kernel: the length below which the cluster kernel is the faster
-// of the two for sorted output, and by position with a margin (the two cross
-// later there; bench/RESULTS.md, session 51).
+// to the grid kernel: about where the two cross for sorted output; by
+// position the cluster kernel stays the faster to longer rows
+// (bench/RESULTS.md, sessions 51 and 53).
 constexpr int kClusterDefaultMaxN = 49152;
 
 // Launch for T rows of n scores. ctas > 0: the grid kernel with `ctas` CTAs
