@@ -39,7 +39,6 @@ from jtilert.ffi import ring
 from jtilert.store import checkpoint
 from jtilert.parallel import sharding
 from jtilert.pallas import lowering_cache
-from jtilert.runtime import compile_cache
 from jtilert.runtime.generate import STREAM_STEPS, Engine, stop_array
 from jtilert.model.transformer import Layout, _no_topk, decode_weights, init_cache, router_in_bf16
 from jtilert.ops.table import DecodeConfig
