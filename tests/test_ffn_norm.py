@@ -7,13 +7,13 @@ of the norm (each FFN stack holds its layers' post-attention norm weights)."""
 
 from __future__ import annotations
 
-import itertools
 import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from interpreted import new_key, rel_err   # tests/interpreted.py (tests/ is on sys.path)
 
 import jtilert
 from jtilert.model.transformer import FFNNorm, decode_weights
@@ -25,29 +25,18 @@ from jtilert.pallas import moe
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 EPS = 1e-6
-_seed = itertools.count(9100)
-
-
-def _key():
-    return jax.random.key(next(_seed))
 
 
 def _x(shape):
-    return (3.0 * jax.random.normal(_key(), shape, F32)).astype(BF16)
+    return (3.0 * jax.random.normal(new_key(), shape, F32)).astype(BF16)
 
 
 def _norm(layers, k):
-    return (1 + 0.2 * jax.random.normal(_key(), (layers, k), F32)).astype(BF16)
+    return (1 + 0.2 * jax.random.normal(new_key(), (layers, k), F32)).astype(BF16)
 
 
 def _fp8(shape):
-    return quantize_weight(jax.random.normal(_key(), shape, F32) * shape[-1] ** -0.5)
-
-
-def _rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    assert not np.isnan(a).any()
-    return np.linalg.norm(a - b) / np.linalg.norm(b)
+    return quantize_weight(jax.random.normal(new_key(), shape, F32) * shape[-1] ** -0.5)
 
 
 def _both(name, args, layer):
@@ -79,7 +68,7 @@ def test_router_norms_x_as_the_reference_and_writes_it(tokens):
     pipeline steps: the FMA engine's slots are refilled while the test's race detection watches."""
     e, k, layers, layer = 64, 512, 3, 1
     x, nw = _x((tokens, k)), _norm(layers, k)
-    gate = jax.random.normal(_key(), (layers, e, k), F32) * k ** -0.5
+    gate = jax.random.normal(new_key(), (layers, e, k), F32) * k ** -0.5
     with interp.interpret(detect_races=True):
         parts, f = jax.jit(lambda i: moe.norm_router_partials(x, nw, EPS, gate, layer=i))(jnp.int32(layer))
         assert not interp.races_found()
@@ -89,8 +78,8 @@ def test_router_norms_x_as_the_reference_and_writes_it(tokens):
     assert ulps.max() <= 1 and (ulps == 0).mean() > 0.99, (ulps.max(), (ulps == 0).mean())
     got = np.asarray(parts, np.float64).sum(0)
     want = reference.linear(f.astype(F32), gate[layer])
-    assert _rel(got, want) < 1e-5
-    assert _rel(reference.linear(x.astype(F32), gate[layer]), want) > 0.5
+    assert rel_err(got, want) < 1e-5
+    assert rel_err(reference.linear(x.astype(F32), gate[layer]), want) > 0.5
 
 
 def test_norm_route_gives_the_reference_experts_and_normed_x():
@@ -99,8 +88,8 @@ def test_norm_route_gives_the_reference_experts_and_normed_x():
     cfg = jtilert.random_model("tiny", fmt="fp8", seed=3).cfg
     e, k, layers, layer = cfg.n_routed_experts, cfg.hidden_size, 2, 1
     x, nw = _x((1, k)), _norm(layers, k)
-    gate = jax.random.normal(_key(), (layers, e, k), F32) * k ** -0.5
-    bias = 0.01 * jax.random.normal(_key(), (layers, e), F32)
+    gate = jax.random.normal(new_key(), (layers, e, k), F32) * k ** -0.5
+    bias = 0.01 * jax.random.normal(new_key(), (layers, e), F32)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="jtilert: the CUDA engine")
         (f_got, w_got, ids_got), (f_ref, w_ref, ids_ref) = _both("norm_route", (cfg, x, nw, EPS, gate, bias), layer)
@@ -126,7 +115,7 @@ def test_swiglu_hidden_norms_x_in_the_kernel(tokens):
     composed = jax.jit(lambda i: reference.swiglu_hidden(reference.rms_norm(x, nw[i], EPS), g[i], gs[i], u[i],
                                                          us[i]))(jnp.int32(layer))
     np.testing.assert_array_equal(ref, np.asarray(composed, np.float32))
-    assert _rel(got, ref) < 1e-2
+    assert rel_err(got, ref) < 1e-2
 
 
 def test_moe_takes_a_norm_only_with_the_routers_normed_input():

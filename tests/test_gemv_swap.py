@@ -5,18 +5,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
+from interpreted import rel_err   # tests/interpreted.py (tests/ is on sys.path)
 
 from bench.experiments import gemv_swap as g
 from jtilert.ops import reference
 from jtilert.ops.quant import quantize_weight
 from jtilert.pallas import interpret as interp
-
-
-def _rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
 @pytest.mark.parametrize("t,n,k,cfg", [
@@ -34,7 +29,7 @@ def test_matches_bf16_activations(t, n, k, cfg):
         got = g.linear(x, w, s, cfg)
         assert not interp.races_found()
     assert got.shape == (t, n) and got.dtype == jnp.bfloat16
-    assert _rel(got, reference.linear(x, w, s)) < 2e-3
+    assert rel_err(got, reference.linear(x, w, s)) < 2e-3
 
 
 def test_refuses_what_it_does_not_tile():

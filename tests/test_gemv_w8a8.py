@@ -5,18 +5,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
+from interpreted import rel_err   # tests/interpreted.py (tests/ is on sys.path)
 
 from bench.experiments import gemv_w8a8 as g
 from jtilert.ops import reference
 from jtilert.ops.quant import act_quant, quantize_weight
 from jtilert.pallas import interpret as interp
-
-
-def _rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
 @pytest.mark.parametrize("t,n,k,split", [(1, 128, 512, 1), (3, 192, 768, 1), (2, 64, 1024, 2)])
@@ -28,9 +23,9 @@ def test_matches_its_reference(t, n, k, split):
         got = g.linear_w8a8(*act_quant(x), w, s, split=split)
         assert not interp.races_found()
     assert got.shape == (t, n) and got.dtype == jnp.bfloat16
-    assert _rel(got, g.reference(x, w, s)) < 1e-2
+    assert rel_err(got, g.reference(x, w, s)) < 1e-2
     # fp8 activations: a few percent from the bf16-activation reference, not more
-    assert 1e-3 < _rel(got, reference.linear(x, w, s)) < 6e-2
+    assert 1e-3 < rel_err(got, reference.linear(x, w, s)) < 6e-2
 
 
 @pytest.mark.parametrize("t", [1, 4])
@@ -47,7 +42,7 @@ def test_two_halves_keep_bf16_accuracy(t):
         one = g.w8a8(x, w, s)
         assert not interp.races_found()
     assert two.shape == (t, 128)
-    assert _rel(two, exact) < 1e-3 and _rel(one, exact) > 1e-2
+    assert rel_err(two, exact) < 1e-3 and rel_err(one, exact) > 1e-2
     with pytest.raises(ValueError):   # 2 × 5 rows do not fit 8 columns
         g.w8a8_hilo(jnp.ones((5, 512), jnp.bfloat16), w, s)
 

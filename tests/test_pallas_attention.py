@@ -13,27 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from interpreted import new_key, lowered_and_interpreted, rel_err   # tests/interpreted.py (tests/ is on sys.path)
 
 from jtilert.ops import reference
 from jtilert.pallas import interpret as interp
 from jtilert.pallas import sparse_mla as smla
 
 BF16 = jnp.bfloat16
-
-
-def _run(f, *args):
-    """Cross-lower f for CUDA, then run it in interpret mode with race detection."""
-    with interp.compile_for_gpu():
-        jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
-    with interp.interpret(detect_races=True):
-        out = jax.tree.map(np.asarray, f(*args))
-        assert not interp.races_found()
-    return out
-
-
-def _rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
 # ---- sparse MLA ------------------------------------------------------------------------------
@@ -44,7 +30,7 @@ def _rel(a, b):
     (1, 1, 64, 16, 40, 32, 0.5),         # one head per GPU (tiny at tp=8)
 ])
 def test_sparse_mla(T, H, L, R, S, K, frac_valid):
-    keys = jax.random.split(jax.random.key(np.random.randint(1 << 30)), 6)
+    keys = jax.random.split(new_key(), 6)
     ql = jax.random.normal(keys[0], (T, H, L), BF16)
     qp = jax.random.normal(keys[1], (T, H, R), BF16)
     kv = jax.random.normal(keys[2], (S, L), BF16)
@@ -54,17 +40,17 @@ def test_sparse_mla(T, H, L, R, S, K, frac_valid):
     valid = jax.random.uniform(keys[5], (T, K)) < frac_valid
     idx = jnp.where(valid.at[:, 0].set(True), idx, -1)   # masked rows: -1 (the top-k's convention)
     f = functools.partial(smla.sparse_mla, scale=0.1)
-    out = _run(f, ql, qp, kv, pe, idx)
+    out = lowered_and_interpreted(f, ql, qp, kv, pe, idx)
     ref = reference.sparse_mla(ql, qp, kv, pe, idx, 0.1)
     assert out.shape == ref.shape and out.dtype == np.float32
     assert np.isfinite(out).all()
-    assert _rel(out, ref) < 4e-3   # P is rounded to bf16 before P·V (as FlashMLA does)
+    assert rel_err(out, ref) < 4e-3   # P is rounded to bf16 before P·V (as FlashMLA does)
 
 
 def test_sparse_mla_negative_indices_mask():
     """idx < 0 masks the row (the top-k's convention): the same output as attention over the
     unmasked rows alone."""
-    keys = jax.random.split(jax.random.key(np.random.randint(1 << 30)), 5)
+    keys = jax.random.split(new_key(), 5)
     T, H, L, R, S, K = 1, 16, 128, 64, 200, 64
     ql = jax.random.normal(keys[0], (T, H, L), BF16)
     qp = jax.random.normal(keys[1], (T, H, R), BF16)
@@ -73,9 +59,9 @@ def test_sparse_mla_negative_indices_mask():
     idx = jax.random.permutation(keys[4], S)[:K].astype(jnp.int32)[None]
     valid = jnp.arange(K)[None] < 37
     f = functools.partial(smla.sparse_mla, scale=0.2)
-    out = _run(lambda *a: f(*a), ql, qp, kv, pe, jnp.where(valid, idx, -1))
+    out = lowered_and_interpreted(lambda *a: f(*a), ql, qp, kv, pe, jnp.where(valid, idx, -1))
     ref = reference.sparse_mla(ql, qp, kv, pe, idx[:, :37], 0.2)
-    assert _rel(out, ref) < 4e-3
+    assert rel_err(out, ref) < 4e-3
 
 
 # ---- indexer scoring -------------------------------------------------------------------------
@@ -114,7 +100,7 @@ def test_indexer_scores(T, H, S, pos, start, end, fp8):
     q, w, k, ks = _index_inputs(T, H, D, S, fp8, np.random.randint(1 << 30))
     pos = jnp.array(pos, jnp.int32)
     f = functools.partial(ix.indexer_scores, start=start, rows=None if end is None else end - start, config=SMALL)
-    out = _run(f, q, w, k, ks, pos)
+    out = lowered_and_interpreted(f, q, w, k, ks, pos)
     ref = np.asarray(reference.indexer_scores(q, w, k, ks, pos))[:, start:end]
     assert out.shape == ref.shape
     fin = np.isfinite(ref)
@@ -132,7 +118,7 @@ def test_indexer_traced_start_and_offset():
     def f(q, w, k, ks, pos, start, off):
         return ix.indexer_scores(q, w, k, ks, pos, start=start, rows=256, pos_offset=off, config=SMALL)
 
-    out = _run(f, q, w, k, ks, pos, jnp.int32(128), jnp.int32(700))
+    out = lowered_and_interpreted(f, q, w, k, ks, pos, jnp.int32(128), jnp.int32(700))
     # rows 128..383 of this shard hold global positions 828..1083: rows past 1000 are -inf
     full = np.asarray(reference.indexer_scores(q, w, k, ks, pos - 700))[:, 128:384]
     fin = np.isfinite(full)
@@ -174,7 +160,7 @@ def test_indexer_append_scores(T, H, S, pos, start, end, fp8):
         return ix.append_and_score(q, w, k, kc, ks, pos, start=start, rows=None if end is None else end - start,
                                    config=SMALL)
 
-    scores, kc_out, ks_out = _run(f, q, w, k, kc, ks, pos)
+    scores, kc_out, ks_out = lowered_and_interpreted(f, q, w, k, kc, ks, pos)
     ref, rkc, rks = reference.indexer_append_scores(cfg, q, w, k, kc, ks, pos, pos[0])
     lo, hi = start, end or S
     in_range = [(lo <= int(p) < hi) for p in pos]
@@ -198,7 +184,7 @@ def test_indexer_append_scores_one_gpus_share():
     def f(q, w, k, kc, ks, pos, first):
         return ix.indexer_append_scores(cfg, q, w, k, kc, ks, pos, pos[0], first_row=first, num_rows=256)
 
-    scores, kc_out, ks_out = _run(f, q, w, k, kc, ks, pos, jnp.int32(512))
+    scores, kc_out, ks_out = lowered_and_interpreted(f, q, w, k, kc, ks, pos, jnp.int32(512))
     ref, rkc, rks = reference.indexer_append_scores(cfg, q, w, k, kc, ks, pos, pos[0], first_row=512, num_rows=256)
     np.testing.assert_array_equal(kc_out.view(np.uint8), np.asarray(rkc).view(np.uint8))
     np.testing.assert_array_equal(ks_out, np.asarray(rks))
@@ -260,7 +246,7 @@ def test_indexer_append_scores_stacked(S, layer, pos, fp8, share):
         return ix.indexer_append_scores(cfg, q, w, k, kc, ks, pos, pos[0], first_row=first, num_rows=num,
                                         layer=layer)
 
-    scores, kc_out, ks_out = _run(jax.jit(f), q, w, k, kc, ks, pos, jnp.int32(layer), jnp.int32(first or 0))
+    scores, kc_out, ks_out = lowered_and_interpreted(jax.jit(f), q, w, k, kc, ks, pos, jnp.int32(layer), jnp.int32(first or 0))
     ref, rkc, rks = reference.indexer_append_scores(cfg, q, w, k, kc[layer], None if ks is None else ks[layer],
                                                  pos, pos[0], first_row=first, num_rows=num)
     np.testing.assert_array_equal(kc_out[layer].view(np.uint8), np.asarray(rkc).view(np.uint8))

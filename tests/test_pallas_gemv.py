@@ -10,12 +10,12 @@ for CUDA, which catches Mosaic lowering errors without a GPU.
 from __future__ import annotations
 
 import functools
-import itertools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from interpreted import new_key, interpreted, rel_err   # tests/interpreted.py (tests/ is on sys.path)
 
 from jtilert.ops import reference
 from jtilert.pallas import gemv
@@ -24,38 +24,20 @@ from jtilert.pallas import interpret as interp
 from jtilert.ops.quant import quantize_weight
 
 F32, BF16, FP8 = jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn
-_seed = itertools.count(1000)
-
-
-def _key():
-    return jax.random.key(next(_seed))
-
-
-def _run(f, *args):
-    with interp.interpret(detect_races=True):
-        out = jax.tree.map(np.asarray, f(*args))
-        assert not interp.races_found()
-    return out
-
-
-def _rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    assert not np.isnan(a).any(), "unwritten (NaN) output elements"
-    return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
 def _weight(shape, fmt, scale=1.0, pow2=True):
-    w = jax.random.normal(_key(), shape, F32) * shape[-1] ** -0.5 * scale
+    w = jax.random.normal(new_key(), shape, F32) * shape[-1] ** -0.5 * scale
     if fmt == "fp8":
         q, s = quantize_weight(w)
         if not pow2:  # arbitrary fp32 scales (not the checkpoint's powers of two)
-            s = s * jax.random.uniform(_key(), s.shape, minval=0.6, maxval=0.95)
+            s = s * jax.random.uniform(new_key(), s.shape, minval=0.6, maxval=0.95)
         return q, s
     return w.astype(BF16 if fmt == "bf16" else F32), None
 
 
 def _x(t, k, scale=1.0):
-    return (jax.random.normal(_key(), (t, k), F32) * scale).astype(BF16)
+    return (jax.random.normal(new_key(), (t, k), F32) * scale).astype(BF16)
 
 
 # Bit-exact where the kernel and the reference round the same way; bf16 output rounding otherwise.
@@ -78,13 +60,13 @@ def test_linear(t, n, k, fmt, split, engine):
     w, s = _weight((n, k), fmt)
     cfg = gemv.GemvConfig(split_k=split, block_k=128, engine=engine)
     if fmt == "f32":
-        got = _run(lambda x, w: gemv._projection(x, (w,), (None,), out_dtype=F32, config=cfg), x, w)
+        got = interpreted(lambda x, w: gemv._projection(x, (w,), (None,), out_dtype=F32, config=cfg), x, w)
         ref = jnp.einsum("tk,nk->tn", x.astype(F32), w)
-        assert _rel(got, ref) < 1e-5
+        assert rel_err(got, ref) < 1e-5
         return
-    got = _run(functools.partial(gemv.linear, config=cfg), x, w, s)
+    got = interpreted(functools.partial(gemv.linear, config=cfg), x, w, s)
     assert got.shape == (t, n)
-    assert _rel(got, reference.linear(x, w, s)) < TOL
+    assert rel_err(got, reference.linear(x, w, s)) < TOL
 
 
 @pytest.mark.parametrize("t,n,k,split", [(1, 96, 256, 1), (3, 130, 512, 2), (8, 64, 1024, 1)])
@@ -95,11 +77,11 @@ def test_fp8x2_engine_matches_the_reference(t, n, k, split):
     for xs, pow2 in ((1.0, True), (3e3, False), (1e-4, True)):
         x = _x(t, k, xs)
         w, s = _weight((n, k), "fp8", pow2=pow2)
-        got = _run(functools.partial(gemv.linear, config=gemv.GemvConfig(engine="fp8x2", split_k=split)), x, w, s)
+        got = interpreted(functools.partial(gemv.linear, config=gemv.GemvConfig(engine="fp8x2", split_k=split)), x, w, s)
         assert got.shape == (t, n)
         # power-of-two scales: the reference's bf16 weights are exact, and so is x in two halves;
         # other scales: the reference rounds each scaled weight to bf16, the kernel scales in fp32
-        assert _rel(got, reference.linear(x, w, s)) < (2e-3 if pow2 else TOL)
+        assert rel_err(got, reference.linear(x, w, s)) < (2e-3 if pow2 else TOL)
 
 
 def test_fp8x2_engine_fused_variants_and_experts():
@@ -109,21 +91,21 @@ def test_fp8x2_engine_fused_variants_and_experts():
     x = _x(2, 512)
     w, s = _weight((192, 512), "fp8")
     u, us = _weight((192, 512), "fp8")
-    nw = (1 + 0.1 * jax.random.normal(_key(), (512,))).astype(BF16)
+    nw = (1 + 0.1 * jax.random.normal(new_key(), (512,))).astype(BF16)
     r = _x(2, 192)
-    got = _run(functools.partial(gemv.rmsnorm_linear, config=cfg), x, nw, 1e-6, w, s)
-    assert _rel(got, reference.linear(reference.rms_norm(x, nw, 1e-6), w, s)) < TOL
-    got = _run(functools.partial(gemv.linear_residual, config=cfg), x, w, s, r)
-    assert _rel(got, reference.linear_residual(x, w, s, r)) < TOL
-    got = _run(functools.partial(gemv.swiglu_pair, config=cfg), x, w, s, u, us)
+    got = interpreted(functools.partial(gemv.rmsnorm_linear, config=cfg), x, nw, 1e-6, w, s)
+    assert rel_err(got, reference.linear(reference.rms_norm(x, nw, 1e-6), w, s)) < TOL
+    got = interpreted(functools.partial(gemv.linear_residual, config=cfg), x, w, s, r)
+    assert rel_err(got, reference.linear_residual(x, w, s, r)) < TOL
+    got = interpreted(functools.partial(gemv.swiglu_pair, config=cfg), x, w, s, u, us)
     ref = (jax.nn.silu(reference.linear(x, w, s).astype(F32)) * reference.linear(x, u, us).astype(F32))
-    assert _rel(got, ref) < TOL
+    assert rel_err(got, ref) < TOL
     ew, es = _weight((4, 128, 512), "fp8")
     eu, eus = _weight((4, 128, 512), "fp8")
     ids = jnp.array([[3, 0], [1, 3]], jnp.int32)
-    got = _run(lambda *a: moe.expert_gate_up(*a, config=cfg), x, ids, ew, es, eu, eus)
-    want = _run(moe.expert_gate_up, x, ids, ew, es, eu, eus)
-    assert _rel(got, want) < TOL
+    got = interpreted(lambda *a: moe.expert_gate_up(*a, config=cfg), x, ids, ew, es, eu, eus)
+    want = interpreted(moe.expert_gate_up, x, ids, ew, es, eu, eus)
+    assert rel_err(got, want) < TOL
 
 
 def test_fp8x2_engine_refuses_what_it_cannot_take():
@@ -157,25 +139,25 @@ def test_linear_fp8_scaling_is_robust():
     for xs in (3e3, 1e-4):
         x = _x(2, 256, xs)
         w, s = _weight((64, 256), "fp8", pow2=False)
-        got = _run(functools.partial(gemv.linear, config=gemv.GemvConfig(split_k=1)), x, w, s)
-        assert _rel(got, reference.linear(x, w, s)) < TOL
+        got = interpreted(functools.partial(gemv.linear, config=gemv.GemvConfig(split_k=1)), x, w, s)
+        assert rel_err(got, reference.linear(x, w, s)) < TOL
 
 
 def test_linear_many_tokens_chunks():
     """More than 8 tokens run as chunks of ≤ 8 (leading dims are flattened)."""
     x = _x(10, 128).reshape(2, 5, 128)
     w, s = _weight((64, 128), "fp8")
-    got = _run(functools.partial(gemv.linear, config=gemv.GemvConfig(split_k=1)), x, w, s)
+    got = interpreted(functools.partial(gemv.linear, config=gemv.GemvConfig(split_k=1)), x, w, s)
     assert got.shape == (2, 5, 64)
-    assert _rel(got, reference.linear(x, w, s)) < TOL
+    assert rel_err(got, reference.linear(x, w, s)) < TOL
 
 
 def _blocked_fp8(shape, block):
     """fp8 weights with one power-of-two scale per `block`² block, the scales spread over 2^-4..2^3
     (a block read with another block's scale shows)."""
-    q = jnp.clip(jax.random.normal(_key(), shape, F32) * 64, -448, 448).astype(FP8)
+    q = jnp.clip(jax.random.normal(new_key(), shape, F32) * 64, -448, 448).astype(FP8)
     blocks = (*shape[:-2], -(-shape[-2] // block), -(-shape[-1] // block))
-    return q, jnp.exp2(jax.random.randint(_key(), blocks, -4, 4).astype(F32)) * (shape[-1] ** -0.5 / 64)
+    return q, jnp.exp2(jax.random.randint(new_key(), blocks, -4, 4).astype(F32)) * (shape[-1] ** -0.5 / 64)
 
 
 @pytest.mark.parametrize("t,heads,n,k,d,fmt,block,extra", [
@@ -202,9 +184,9 @@ def test_heads_linear(t, heads, n, k, d, fmt, block, extra):
         np.testing.assert_array_equal(
             np.asarray(want, np.float32),
             np.asarray(reference.heads_linear(x[:, :heads * d].reshape(t, heads, d), w1, s1, block), np.float32))
-    got = _run(lambda x, w, s, layer: gemv.heads_linear(x, w, s, block, head_dim, layer=layer), x, w, s, jnp.int32(1))
+    got = interpreted(lambda x, w, s, layer: gemv.heads_linear(x, w, s, block, head_dim, layer=layer), x, w, s, jnp.int32(1))
     assert got.shape == (t, heads, n)
-    assert _rel(got, want) < TOL
+    assert rel_err(got, want) < TOL
 
 
 @pytest.mark.parametrize("t,n,k,split,extra,engine", [
@@ -217,14 +199,14 @@ def test_heads_linear(t, heads, n, k, d, fmt, block, extra):
     (3, 64, 3072, 2, 0, "auto")])
 def test_rmsnorm_linear(t, n, k, split, extra, engine):
     x = jnp.concatenate([_x(t, k, 3.0), _x(t, extra, 100.0)], axis=1)
-    nw = (1 + 0.1 * jax.random.normal(_key(), (k,))).astype(BF16)
+    nw = (1 + 0.1 * jax.random.normal(new_key(), (k,))).astype(BF16)
     w, s = _weight((n, k), "fp8")
     cfg = gemv.GemvConfig(split_k=split, engine=engine)
-    got = _run(lambda x, nw, w, s: gemv.rmsnorm_linear(x, nw, 1e-6, w, s, config=cfg), x, nw, w, s)
+    got = interpreted(lambda x, nw, w, s: gemv.rmsnorm_linear(x, nw, 1e-6, w, s, config=cfg), x, nw, w, s)
     ref = reference.linear(reference.rms_norm(x[:, :k], nw, 1e-6), w, s)
     np.testing.assert_array_equal(np.asarray(reference.rmsnorm_linear(x, nw, 1e-6, w, s), np.float32),
                                   np.asarray(ref, np.float32))
-    assert _rel(got, ref) < TOL
+    assert rel_err(got, ref) < TOL
 
 
 @pytest.mark.parametrize("t,n,split,fmt", [(2, 130, 1, "fp8"), (1, 64, 2, "fp8"), (2, 64, 1, "bf16")])
@@ -232,8 +214,8 @@ def test_linear_residual(t, n, split, fmt):
     k = 256
     x, r = _x(t, k), _x(t, n)
     w, s = _weight((n, k), fmt)
-    got = _run(functools.partial(gemv.linear_residual, config=gemv.GemvConfig(split_k=split)), x, w, s, r)
-    assert _rel(got, r + reference.linear(x, w, s)) < TOL
+    got = interpreted(functools.partial(gemv.linear_residual, config=gemv.GemvConfig(split_k=split)), x, w, s, r)
+    assert rel_err(got, r + reference.linear(x, w, s)) < TOL
 
 
 @pytest.mark.parametrize("t,split,fmt", [(1, 2, "fp8"), (2, 1, "bf16")])
@@ -244,8 +226,8 @@ def test_swiglu(t, split, fmt):
     u, us = _weight((width, h), fmt)
     d, ds = _weight((h, width), fmt)
     cfg = gemv.GemvConfig(split_k=split)
-    got = _run(functools.partial(gemv.swiglu, config=cfg), x, g, gs, u, us, d, ds)
-    assert _rel(got, reference.swiglu(x, g, gs, u, us, d, ds)) < TOL
+    got = interpreted(functools.partial(gemv.swiglu, config=cfg), x, g, gs, u, us, d, ds)
+    assert rel_err(got, reference.swiglu(x, g, gs, u, us, d, ds)) < TOL
 
 
 def test_linear_k14336_resolved_to_fit_smem():
@@ -260,8 +242,8 @@ def test_linear_k14336_resolved_to_fit_smem():
     assert (cfg.split_k, cfg.block_k, cfg.stages) == (4, 256, 4)
     x = _x(t, k)
     w, s = _weight((n, k), "fp8")
-    got = _run(gemv.linear, x, w, s)
-    assert _rel(got, reference.linear(x, w, s)) < TOL
+    got = interpreted(gemv.linear, x, w, s)
+    assert rel_err(got, reference.linear(x, w, s)) < TOL
 
 
 def test_refuses_bad_shapes():

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from one_kernel import run_one_kernel   # tests/one_kernel.py (tests/ is on sys.path)
+from interpreted import new_key, run_one_kernel   # tests/interpreted.py (tests/ is on sys.path)
 
 from jtilert.model.presets import preset
 from jtilert.ops import reference
@@ -47,7 +47,7 @@ def _case(name, tokens, start):
     hi, d, r = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
     q_col = cfg.num_attention_heads * cfg.qk_head_dim
     k_col = cfg.q_lora_rank
-    k = jax.random.split(jax.random.key(np.random.randint(1 << 30)), 6)
+    k = jax.random.split(new_key(), 6)
     q_x = jax.random.normal(k[0], (tokens, q_col + hi * d), BF16)
     k_x = (jax.random.normal(k[1], (tokens, k_col + d + cfg.kv_lora_rank + r)) * 3 + 0.5).astype(BF16)
     nw = (1 + 0.1 * jax.random.normal(k[2], (NL, d))).astype(BF16)

@@ -6,13 +6,13 @@ one more expert, and the router on inputs built to produce ties and all-in-one-g
 from __future__ import annotations
 
 import functools
-import itertools
 import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from interpreted import new_key, interpreted, rel_err   # tests/interpreted.py (tests/ is on sys.path)
 
 from jtilert.ops import reference
 from jtilert.ops.table import DecodeConfig, Ops
@@ -24,28 +24,10 @@ from jtilert.pallas.gemv import GemvConfig
 from jtilert.ops.quant import quantize_weight
 
 F32, BF16, FP8 = jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn
-_seed = itertools.count(2000)
-
-
-def _key():
-    return jax.random.key(next(_seed))
-
-
-def _run(f, *args):
-    with interp.interpret(detect_races=True):
-        out = jax.tree.map(np.asarray, f(*args))
-        assert not interp.races_found()
-    return out
-
-
-def _rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    assert not np.isnan(a).any(), "unwritten (NaN) output elements"
-    return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
 def _w(shape, fmt):
-    w = jax.random.normal(_key(), shape, F32) * shape[-1] ** -0.5
+    w = jax.random.normal(new_key(), shape, F32) * shape[-1] ** -0.5
     return quantize_weight(w) if fmt == "fp8" else (w.astype(BF16), None)
 
 
@@ -60,14 +42,14 @@ def _experts(e, width, hidden, fmt):
 def test_moe_experts(t, fmt):
     e, width, hidden, k = 6, 128, 256, 3
     g, gs, u, us, d, ds = _experts(e, width, hidden, fmt)
-    x = jax.random.normal(_key(), (t, hidden), F32).astype(BF16)
-    ids = jax.random.randint(_key(), (t, k), 0, e).astype(jnp.int32)
+    x = jax.random.normal(new_key(), (t, hidden), F32).astype(BF16)
+    ids = jax.random.randint(new_key(), (t, k), 0, e).astype(jnp.int32)
     if t == 2:
         ids = ids.at[1, 0].set(ids[0, 0])   # two tokens share an expert
-    w = jax.random.uniform(_key(), (t, k), minval=0.2, maxval=1.5)
-    got = _run(moe.moe_experts, x, w, ids, g, gs, u, us, d, ds)
+    w = jax.random.uniform(new_key(), (t, k), minval=0.2, maxval=1.5)
+    got = interpreted(moe.moe_experts, x, w, ids, g, gs, u, us, d, ds)
     assert got.shape == (t, hidden)
-    assert _rel(got, reference.moe_experts(x, w, ids, g, gs, u, us, d, ds)) < 1e-2
+    assert rel_err(got, reference.moe_experts(x, w, ids, g, gs, u, us, d, ds)) < 1e-2
 
 
 def test_moe_with_shared_expert():
@@ -76,16 +58,16 @@ def test_moe_with_shared_expert():
     shared = _experts(1, width, hidden, "fp8")
     shared = tuple(a[0] for a in shared)
     packed = moe.pack_shared_expert(*routed, *shared)
-    x = jax.random.normal(_key(), (1, hidden), F32).astype(BF16)
+    x = jax.random.normal(new_key(), (1, hidden), F32).astype(BF16)
     ids = jnp.array([[4, 1]], jnp.int32)
     w = jnp.array([[0.7, 1.3]], F32)
-    got = _run(lambda x, w, i: moe.moe_with_shared(x, w, i, packed), x, w, ids)
+    got = interpreted(lambda x, w, i: moe.moe_with_shared(x, w, i, packed), x, w, ids)
     ref = reference.moe_experts(x, w, ids, *routed).astype(F32) + reference.swiglu(x, *shared).astype(F32)
-    assert _rel(got, ref) < 1e-2
+    assert rel_err(got, ref) < 1e-2
 
 
 def _route_check(cfg, x, gate, bias):
-    w_k, i_k = _run(lambda x, g, b: moe.route(cfg, x, g, b), x, gate, bias)
+    w_k, i_k = interpreted(lambda x, g, b: moe.route(cfg, x, g, b), x, gate, bias)
     w_r, i_r = reference.route(cfg, x, gate, bias)
     np.testing.assert_array_equal(i_k, np.asarray(i_r))
     np.testing.assert_allclose(w_k, np.asarray(w_r), rtol=1e-5, atol=1e-6)
@@ -95,10 +77,10 @@ def _route_check(cfg, x, gate, bias):
 def test_router_ties_and_one_group():
     cfg = TINY   # 16 experts in 4 groups, keep 2 groups, top-4 experts
     h = cfg.hidden_size
-    gate = jax.random.normal(_key(), (cfg.n_routed_experts, h), F32) * h ** -0.5
+    gate = jax.random.normal(new_key(), (cfg.n_routed_experts, h), F32) * h ** -0.5
     # Exact ties: experts 1, 2 and 9 have identical gate rows, so identical scores.
     gate = gate.at[2].set(gate[1]).at[9].set(gate[1])
-    x = jax.random.normal(_key(), (2, h), F32).astype(BF16)
+    x = jax.random.normal(new_key(), (2, h), F32).astype(BF16)
     bias = jnp.zeros((cfg.n_routed_experts,), F32)
     _route_check(cfg, x, gate, bias)
     # All selected experts in one group: a large bias on group 2 (experts 8..11).
@@ -129,9 +111,9 @@ def test_selection_by_ranks_is_top_k(cfg):
     """select_experts ranks by pairwise comparison instead of sorting: the same experts, in the same
     (descending) order, the same weights bit for bit, on ties too (to the lower index)."""
     e = cfg.n_routed_experts
-    logits = jax.random.normal(_key(), (6, e), F32)
+    logits = jax.random.normal(new_key(), (6, e), F32)
     logits = logits.at[3:].set(jnp.round(logits[3:] * 2) / 2)        # rows with many exact ties
-    bias = jax.random.normal(_key(), (e,), F32) * 0.1
+    bias = jax.random.normal(new_key(), (e,), F32) * 0.1
     for b in (bias, jnp.zeros_like(bias)):
         w, ids = jax.jit(functools.partial(reference.select_experts, cfg))(logits, b)
         w_ref, ids_ref = jax.jit(functools.partial(_select_by_top_k, cfg))(logits, b)
@@ -160,10 +142,10 @@ def test_moe_experts_with_the_residual_through_the_op_table(tokens):
     e, width, hidden, k, layers, layer = 6, 128, 256, 3, 3, 2
     stacks = [_w((layers, *shape), "fp8") for shape in ((e, width, hidden), (e, width, hidden), (e, hidden, width))]
     arrays = tuple(a for w_s in stacks for a in w_s)
-    x = jax.random.normal(_key(), (tokens, hidden), F32).astype(BF16)
-    residual = (4 * jax.random.normal(_key(), (tokens, hidden), F32)).astype(BF16)
-    ids = jax.random.randint(_key(), (tokens, k), 0, e).astype(jnp.int32)
-    w = jax.random.uniform(_key(), (tokens, k), minval=0.2, maxval=1.5)
+    x = jax.random.normal(new_key(), (tokens, hidden), F32).astype(BF16)
+    residual = (4 * jax.random.normal(new_key(), (tokens, hidden), F32)).astype(BF16)
+    ids = jax.random.randint(new_key(), (tokens, k), 0, e).astype(jnp.int32)
+    w = jax.random.uniform(new_key(), (tokens, k), minval=0.2, maxval=1.5)
     args = (x, w, ids, *arrays, residual)
     out = []
     with interp.interpret(detect_races=True):
@@ -176,7 +158,7 @@ def test_moe_experts_with_the_residual_through_the_op_table(tokens):
         assert not interp.races_found()
     composed = jax.jit(lambda i: residual + reference.moe_experts(x, w, ids, *[a[i] for a in arrays]))(jnp.int32(layer))
     np.testing.assert_array_equal(out[1], np.asarray(composed, np.float32))
-    assert _rel(out[0], out[1]) < 1e-2
+    assert rel_err(out[0], out[1]) < 1e-2
 
 
 @pytest.mark.parametrize("split,engine", [(1, "auto"), (2, "auto"), (1, "fp8x2"), (2, "fp8x2")])
@@ -186,16 +168,16 @@ def test_expert_down_adds_the_residual(split, engine):
     e4m3 halves, the routing weights and block scales applied to the block sums)."""
     e, width, hidden, tokens = 4, 256, 192, 2
     d, ds = _w((e, hidden, width), "fp8")
-    h = jax.random.normal(_key(), (tokens * 2, width), F32).astype(BF16)
+    h = jax.random.normal(new_key(), (tokens * 2, width), F32).astype(BF16)
     ids = jnp.array([[3, 0], [0, 2]], jnp.int32)
-    w = jax.random.uniform(_key(), (tokens, 2), minval=0.2, maxval=1.5)
-    residual = (4 * jax.random.normal(_key(), (tokens, hidden), F32)).astype(BF16)
+    w = jax.random.uniform(new_key(), (tokens, 2), minval=0.2, maxval=1.5)
+    residual = (4 * jax.random.normal(new_key(), (tokens, hidden), F32)).astype(BF16)
     cfg = GemvConfig(split_k=split, engine=engine)
-    got = _run(jax.jit(lambda h, r: moe.expert_down(h, w, ids, d, ds, residual=r, config=cfg)), h, residual)
-    plain = _run(jax.jit(lambda h: moe.expert_down(h, w, ids, d, ds, config=cfg)), h)
+    got = interpreted(jax.jit(lambda h, r: moe.expert_down(h, w, ids, d, ds, residual=r, config=cfg)), h, residual)
+    plain = interpreted(jax.jit(lambda h: moe.expert_down(h, w, ids, d, ds, config=cfg)), h)
     want = (np.asarray(plain, np.float32) + np.asarray(residual, np.float32)).astype(BF16)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-    assert _rel(got, residual + reference.expert_down(h, w, ids, d, ds)) < 1e-2
+    assert rel_err(got, residual + reference.expert_down(h, w, ids, d, ds)) < 1e-2
 
 
 def test_expert_down_fp8x2_takes_fp8_weights_only():
@@ -213,32 +195,32 @@ def test_expert_down_finishes_the_gate_up_partials(engine):
     rows of every scale, not zeros; past STAGE_MAX_BYTES XLA finishes them first (the same result)."""
     e, width, hidden, tokens, k, splits = 5, 256, 256, 1, 4, 3
     d, ds = _w((e, hidden, width), "fp8")
-    parts = jax.random.normal(_key(), (splits, 2, tokens * k, width), F32) * jnp.array([0.3, 1.0, 3.0])[:, None, None, None]
+    parts = jax.random.normal(new_key(), (splits, 2, tokens * k, width), F32) * jnp.array([0.3, 1.0, 3.0])[:, None, None, None]
     ids = jnp.array([[4, 0, 2, 1]], jnp.int32)
-    w = jax.random.uniform(_key(), (tokens, k), minval=0.2, maxval=1.5)
-    residual = (4 * jax.random.normal(_key(), (tokens, hidden), F32)).astype(BF16)
+    w = jax.random.uniform(new_key(), (tokens, k), minval=0.2, maxval=1.5)
+    residual = (4 * jax.random.normal(new_key(), (tokens, hidden), F32)).astype(BF16)
     cfg = GemvConfig(engine=engine)
     down = jax.jit(lambda h: moe.expert_down(h, w, ids, d, ds, residual=residual, config=cfg))
-    staged = _run(down, parts)
-    finished = _run(down, gemv.finish_partials(parts, kind="swiglu_f32"))
+    staged = interpreted(down, parts)
+    finished = interpreted(down, gemv.finish_partials(parts, kind="swiglu_f32"))
     np.testing.assert_array_equal(np.asarray(staged, np.float32), np.asarray(finished, np.float32))
     part = parts.sum(0)
     h_ref = (part[0] * jax.nn.sigmoid(part[0]) * part[1]).astype(BF16)
-    assert _rel(staged, residual + reference.expert_down(h_ref, w, ids, d, ds)) < 1e-2
+    assert rel_err(staged, residual + reference.expert_down(h_ref, w, ids, d, ds)) < 1e-2
     # whatever the gate/up kernel returns (partials, or h where it ran without split-K) the down takes
-    x = jax.random.normal(_key(), (tokens, hidden), F32).astype(BF16)
+    x = jax.random.normal(new_key(), (tokens, hidden), F32).astype(BF16)
     g, gs, u, us, _, _ = _experts(e, width, hidden, "fp8")
     for split in (1, 2):
         up_cfg = GemvConfig(split_k=split)
-        h = _run(jax.jit(lambda x: moe.expert_gate_up(x, ids, g, gs, u, us, config=up_cfg, unsummed=True)), x)
+        h = interpreted(jax.jit(lambda x: moe.expert_gate_up(x, ids, g, gs, u, us, config=up_cfg, unsummed=True)), x)
         assert h.shape == ((split, 2, tokens * k, width) if split > 1 else (tokens * k, width))
-        summed = _run(jax.jit(lambda x: moe.expert_gate_up(x, ids, g, gs, u, us, config=up_cfg)), x)
+        summed = interpreted(jax.jit(lambda x: moe.expert_gate_up(x, ids, g, gs, u, us, config=up_cfg)), x)
         got = gemv.finish_partials(jnp.asarray(h), kind="swiglu_f32") if split > 1 else jnp.asarray(h).astype(BF16)
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(summed, np.float32))
     monkey = pytest.MonkeyPatch()
     monkey.setattr(moe, "STAGE_MAX_BYTES", parts.nbytes - 1)
     try:
-        too_big = _run(down, parts)
+        too_big = interpreted(down, parts)
     finally:
         monkey.undo()
     np.testing.assert_array_equal(np.asarray(too_big, np.float32), np.asarray(finished, np.float32))

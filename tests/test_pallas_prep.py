@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from one_kernel import run_one_kernel   # tests/one_kernel.py (tests/ is on sys.path)
+from interpreted import new_key, run_one_kernel   # tests/interpreted.py (tests/ is on sys.path)
 
 from jtilert.model.presets import preset
 from jtilert.ops import reference
@@ -35,7 +35,7 @@ def _case(name, tokens, start, layer, index_cols=256):
     cfg = preset(name)
     h, qk, r, lat = cfg.num_attention_heads, cfg.qk_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
     kv_col = cfg.q_lora_rank + cfg.index_head_dim
-    k = jax.random.split(jax.random.key(np.random.randint(1 << 30)), 6)
+    k = jax.random.split(new_key(), 6)
     q_x = jax.random.normal(k[0], (tokens, h * qk + index_cols), BF16)
     kv_x = (jax.random.normal(k[1], (tokens, kv_col + lat + r)) * 3).astype(BF16)
     norm = (1 + 0.1 * jax.random.normal(k[2], (NL, lat))).astype(BF16)

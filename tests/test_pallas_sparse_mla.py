@@ -8,12 +8,12 @@ GPU), then runs it under the interpreter with race detection; the interpreter po
 
 from __future__ import annotations
 
-import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from interpreted import new_key, lowered_and_interpreted, rel_err   # tests/interpreted.py (tests/ is on sys.path)
 
 from jtilert.ops import reference
 from jtilert.ops.quant import quantize_weight
@@ -23,22 +23,8 @@ from jtilert.pallas import sparse_mla as smla
 BF16 = jnp.bfloat16
 
 
-def _run(f, *args):
-    with interp.compile_for_gpu():
-        jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
-    with interp.interpret(detect_races=True):
-        out = np.asarray(f(*args))
-        assert not interp.races_found()
-    return out
-
-
-def _rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return np.linalg.norm(a - b) / np.linalg.norm(b)
-
-
 def _inputs(T, H, L, R, S, K, frac_valid):
-    keys = jax.random.split(jax.random.key(np.random.randint(1 << 30)), 6)
+    keys = jax.random.split(new_key(), 6)
     ql = jax.random.normal(keys[0], (T, H, L), BF16)
     qp = jax.random.normal(keys[1], (T, H, R), BF16)
     kv = (jax.random.normal(keys[2], (S, L)) * jnp.exp(jax.random.normal(keys[2], (S, 1)))).astype(BF16)
@@ -58,10 +44,10 @@ def test_sparse_mla_matches_reference(fp8, block_k, T, K, frac_valid):
     if fp8:
         kv, pe = reference.quantize_kv_fp8(kv, pe), None
     cfg = smla.SparseMLAConfig(block_k=block_k)
-    out = _run(lambda *a: smla.sparse_mla(*a[:3], pe, *a[3:], 0.07, config=cfg), ql, qp, kv, idx)
+    out = lowered_and_interpreted(lambda *a: smla.sparse_mla(*a[:3], pe, *a[3:], 0.07, config=cfg), ql, qp, kv, idx)
     ref = reference.sparse_mla(ql, qp, kv, pe, idx, 0.07)
     assert out.shape == ref.shape and out.dtype == np.float32 and np.isfinite(out).all()
-    assert _rel(out, ref) < 4e-3   # P is rounded to bf16 before P·V (as FlashMLA does)
+    assert rel_err(out, ref) < 4e-3   # P is rounded to bf16 before P·V (as FlashMLA does)
 
 
 def test_combine_kernel_writes_the_model_dtype():
@@ -69,11 +55,11 @@ def test_combine_kernel_writes_the_model_dtype():
     after it) is the kernel's fp32 merge rounded once, bit for bit; the fp32 merge is the reference's
     within fp32 rounding (its sums run in another order, so a bf16 rounding of the two can differ by
     one ulp where the fp32 value sits on a rounding boundary)."""
-    k = jax.random.split(jax.random.key(np.random.randint(1 << 30)), 3)
+    k = jax.random.split(new_key(), 3)
     o, m = jax.random.normal(k[0], (2, 1, 4, 16, 64)), jax.random.normal(k[1], (2, 1, 4, 16))
     l = jax.random.uniform(k[2], (2, 1, 4, 16)) + 0.5
-    out = _run(lambda o, m, l: smla.combine_kernel(o, m, l, out_dtype=BF16), o, m, l)
-    out32 = _run(lambda o, m, l: smla.combine_kernel(o, m, l), o, m, l)
+    out = lowered_and_interpreted(lambda o, m, l: smla.combine_kernel(o, m, l, out_dtype=BF16), o, m, l)
+    out32 = lowered_and_interpreted(lambda o, m, l: smla.combine_kernel(o, m, l), o, m, l)
     assert out.dtype == BF16 and out32.dtype == np.float32
     np.testing.assert_array_equal(np.asarray(out, np.float32),
                                   np.asarray(jnp.asarray(out32).astype(BF16), np.float32))
@@ -123,7 +109,7 @@ def test_cache_in_model_pallas_equals_reference(monkeypatch, cache_kind):
     cache = init_cache(cfg, 48, BF16)
     if fp8:
         assert cache["kv"].shape == (1, 48, 164) and cache["kv"].dtype == jnp.uint32 and "pe" not in cache
-    keys = jax.random.split(jax.random.key(np.random.randint(1 << 30)), 2)
+    keys = jax.random.split(new_key(), 2)
     layer = jnp.int32(0)
 
     def step(ops, x, start, cache):
@@ -156,7 +142,7 @@ def test_cache_in_model_pallas_equals_reference(monkeypatch, cache_kind):
     assert calls, "the kernel did not run"
     np.testing.assert_array_equal(np.asarray(out_cache["kv"]), np.asarray(ref_cache["kv"]))
     assert np.asarray(ref_cache["kv"][0, 40]).any() and not np.asarray(ref_cache["kv"][0, 41:]).any()
-    assert _rel(out, ref) < 1e-2   # bf16 output of the o projection, P in bf16
+    assert rel_err(out, ref) < 1e-2   # bf16 output of the o projection, P in bf16
 
 
 NL = 3   # layers in a stack
@@ -186,10 +172,10 @@ def test_sparse_mla_stacked_layer(cache, S, layer):
     that layer's cache alone."""
     ql, qp, kv, pe, idx = _stacked_inputs(cache, S, np.random.randint(1 << 30))
     f = jax.jit(lambda ql, qp, kv, idx, layer: smla.sparse_mla(ql, qp, kv, pe, idx, 0.07, layer=layer))
-    out = _run(f, ql, qp, kv, idx, jnp.int32(layer))
+    out = lowered_and_interpreted(f, ql, qp, kv, idx, jnp.int32(layer))
     ref = reference.sparse_mla(ql, qp, kv[layer], None if pe is None else pe[layer], idx, 0.07)
     assert out.shape == ref.shape and np.isfinite(out).all()
-    assert _rel(out, ref) < 4e-3
+    assert rel_err(out, ref) < 4e-3
 
 
 def test_sparse_mla_refuses_prefill_chunks_and_the_op_table_runs_the_reference():
@@ -245,7 +231,7 @@ def test_heads_linear_of_splits_merges_as_the_combine(T, G, n, hc, L, block):
     shape at 32 rows a split (64 splits: the weight tile's every row); GLM-5's 64-blocks of scales
     (the merged input built in 64-column blocks)."""
     from jtilert.pallas import gemv
-    k = jax.random.split(jax.random.key(np.random.randint(1 << 30)), 4)
+    k = jax.random.split(new_key(), 4)
     N = 128
     o = jax.random.normal(k[0], (T, G, n, hc, L))
     m = jax.random.normal(k[1], (T, G, n, hc)) * 3
@@ -254,14 +240,14 @@ def test_heads_linear_of_splits_merges_as_the_combine(T, G, n, hc, L, block):
     m, l = jnp.where(dead, -jnp.inf, m), jnp.where(dead, 0.0, l)
     w, s = _uv_stack(G * hc, L, N, np.random.randint(1 << 30), block)
     layer = 1
-    out = _run(lambda o, m, l, lay: gemv.heads_linear_of_splits(o, m, l, w, s, block, layer=lay), o, m, l,
+    out = lowered_and_interpreted(lambda o, m, l, lay: gemv.heads_linear_of_splits(o, m, l, w, s, block, layer=lay), o, m, l,
                jnp.int32(layer))
     x = smla.combine(o, m, l).astype(BF16)
     ref = reference.heads_linear(x, w[layer], s[layer], block)
     assert out.shape == (T, G * hc, N) and out.dtype == BF16 and np.isfinite(np.asarray(out, np.float32)).all()
     # the merged x as the reference rounds it; a merge summed in another order may round one element to
     # the next bf16 (2^-8 relative), which moves an output by far less than that
-    assert _rel(np.asarray(out, np.float32), np.asarray(ref, np.float32)) < 2e-3
+    assert rel_err(np.asarray(out, np.float32), np.asarray(ref, np.float32)) < 2e-3
 
 
 @pytest.mark.parametrize("T", [1, 2])
@@ -274,10 +260,10 @@ def test_sparse_mla_heads_linear_matches_reference(T):
     w, s = _uv_stack(ql.shape[1], ql.shape[2], 128, np.random.randint(1 << 30))
     f = jax.jit(lambda ql, qp, kv, pe, idx, w, s, lay: smla.sparse_mla_heads_linear(ql, qp, kv, pe, idx, 0.07, BF16,
                                                                                    w, s, 128, layer=lay))
-    out = _run(f, ql, qp, kv, pe, idx, w, s, jnp.int32(2))
+    out = lowered_and_interpreted(f, ql, qp, kv, pe, idx, w, s, jnp.int32(2))
     ref = reference.sparse_mla_heads_linear(ql, qp, kv[2], pe[2], idx, 0.07, BF16, w[2], s[2], 128)
     assert out.shape == ref.shape == (T, 16, 128) and out.dtype == BF16
-    assert _rel(np.asarray(out, np.float32), np.asarray(ref, np.float32)) < 1e-2   # P in bf16, as sparse_mla
+    assert rel_err(np.asarray(out, np.float32), np.asarray(ref, np.float32)) < 1e-2   # P in bf16, as sparse_mla
 
 
 def test_sparse_mla_heads_linear_refuses_what_it_cannot_merge():

@@ -5,13 +5,13 @@ XLA outside the Mosaic kernels (what would copy the layer's weights in every ste
 
 from __future__ import annotations
 
-import itertools
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from interpreted import new_key, rel_err   # tests/interpreted.py (tests/ is on sys.path)
 
 from jtilert.ops import reference
 from jtilert.model.presets import TINY
@@ -23,29 +23,18 @@ F32, BF16, FP8, I32 = jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn, jnp.int32
 L = 3
 LAYERS = (0, 2)
 TOL = 1e-2
-_seed = itertools.count(5000)
-
-
-def _key():
-    return jax.random.key(next(_seed))
-
-
-def _rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    assert not np.isnan(a).any(), "unwritten (NaN) output elements"
-    return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
 def _stack(shape, fmt):
     """A stack [L, *shape] in `fmt` (fp8 with block scales [L, ., .]); every layer different."""
-    w = jax.random.normal(_key(), (L, *shape), F32) * shape[-1] ** -0.5
+    w = jax.random.normal(new_key(), (L, *shape), F32) * shape[-1] ** -0.5
     if fmt == "fp8":
         return quantize_weight(w)
     return w.astype(BF16 if fmt == "bf16" else F32), None
 
 
 def _x(t, k, scale=1.0):
-    return (jax.random.normal(_key(), (t, k), F32) * scale).astype(BF16)
+    return (jax.random.normal(new_key(), (t, k), F32) * scale).astype(BF16)
 
 
 def _per_layer(kernel_fn, ref_fn, args, check):
@@ -61,7 +50,7 @@ def _per_layer(kernel_fn, ref_fn, args, check):
 
 def _close(got, ref):
     assert got.shape == ref.shape
-    assert _rel(got, ref) < TOL
+    assert rel_err(got, ref) < TOL
 
 
 def _at(a, layer):
@@ -95,7 +84,7 @@ def test_linear_residual_stacked():
 def test_rmsnorm_linear_stacked(split):
     t, n, k = 2, 96, 256
     x = _x(t, k, 3.0)
-    nw = (1 + 0.1 * jax.random.normal(_key(), (L, k))).astype(BF16)
+    nw = (1 + 0.1 * jax.random.normal(new_key(), (L, k))).astype(BF16)
     w, s = _stack((n, k), "fp8")
     cfg = gemv.GemvConfig(split_k=split)
     _per_layer(lambda x, nw, w, s, l: gemv.rmsnorm_linear(x, nw, 1e-6, w, s, layer=l, config=cfg),
@@ -131,8 +120,8 @@ def _experts(e, width, hidden, fmt):
 
 
 def _routing(t, k, e):
-    ids = jax.random.randint(_key(), (t, k), 0, e).astype(I32)
-    return ids, jax.random.uniform(_key(), (t, k), minval=0.2, maxval=1.5)
+    ids = jax.random.randint(new_key(), (t, k), 0, e).astype(I32)
+    return ids, jax.random.uniform(new_key(), (t, k), minval=0.2, maxval=1.5)
 
 
 @pytest.mark.parametrize("t,fmt", [(2, "fp8"), (1, "bf16")])
@@ -160,8 +149,8 @@ def test_expert_gate_up_and_down_stacked():
 def test_route_stacked():
     cfg = TINY   # 16 experts in 4 groups
     h, e = cfg.hidden_size, cfg.n_routed_experts
-    gate = jax.random.normal(_key(), (L, e, h), F32) * h ** -0.5
-    bias = 0.1 * jax.random.normal(_key(), (L, e), F32)
+    gate = jax.random.normal(new_key(), (L, e, h), F32) * h ** -0.5
+    bias = 0.1 * jax.random.normal(new_key(), (L, e), F32)
     x = _x(2, h)
 
     def check(got, ref):
