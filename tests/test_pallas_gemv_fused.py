@@ -9,13 +9,13 @@ over the token's whole row and applied to its partial sums)."""
 from __future__ import annotations
 
 import functools
-import itertools
 import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from interpreted import new_key   # tests/interpreted.py (tests/ is on sys.path)
 
 import jtilert
 from jtilert.model.transformer import decode_weights
@@ -28,11 +28,10 @@ from jtilert.pallas import interpret as interp
 F32, BF16 = jnp.float32, jnp.bfloat16
 # relative (Frobenius): bf16 outputs, fp8 weights; the kernel rounds x·w_norm where the reference rounds x/rms
 TOL = 1e-2
-_seed = itertools.count(7000)
 
 
 def _normal(shape, scale=1.0):
-    return (jax.random.normal(jax.random.key(next(_seed)), shape, F32) * scale).astype(BF16)
+    return (jax.random.normal(new_key(), shape, F32) * scale).astype(BF16)
 
 
 def _pallas_and_reference(name, args, layer):
@@ -123,7 +122,7 @@ def test_the_indexers_head_weights_at_the_tiny_models_stacks(tokens, layer):
 
 
 def _stack(layers, n, k):
-    w = jax.random.normal(jax.random.key(next(_seed)), (layers, n, k), F32) * k ** -0.5
+    w = jax.random.normal(new_key(), (layers, n, k), F32) * k ** -0.5
     return quantize_weight(w)
 
 
@@ -135,7 +134,7 @@ def test_fused_ops_with_split_k(tokens):
         cfg = gemv.GemvConfig().resolved(n, k, tokens, 1, 1, 8)
         assert cfg.split_k > 1, cfg   # what the op's default configuration runs here
         x = _normal((tokens, k), 3.0)
-        nw = (1 + 0.1 * jax.random.normal(jax.random.key(next(_seed)), (layers, k))).astype(BF16)
+        nw = (1 + 0.1 * jax.random.normal(new_key(), (layers, k))).astype(BF16)
         _check("rmsnorm_linear", (x, nw, 1e-6, w, s), layer,
                lambda i: reference.linear(reference.rms_norm(x, nw[i], 1e-6), w[i], s[i]))
         residual = _normal((tokens, n))
