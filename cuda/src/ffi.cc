@@ -594,16 +594,38 @@ auto task_table_attrs(Binding b) {
       .template Attr<int32_t>("has_scale");
 }
 
+// The operands of the task-table GEMV handlers (after the stream and the
+// device): x, the weights, their scales and the task table.
+template <typename Binding>
+auto gemv_operands(Binding b) {
+  return std::move(b)
+      .template Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .template Ctx<ffi::DeviceOrdinal>()
+      .template Arg<ffi::AnyBuffer>()   // x
+      .template Arg<ffi::AnyBuffer>()   // w ([N, K], stacked [L, N, K])
+      .template Arg<ffi::AnyBuffer>()   // scale
+      .template Arg<ffi::AnyBuffer>();  // table
+}
+
+// The operands of the expert-down handlers, the same way.
+template <typename Binding>
+auto expert_down_operands(Binding b) {
+  return std::move(b)
+      .template Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .template Ctx<ffi::DeviceOrdinal>()
+      .template Arg<ffi::AnyBuffer>()   // h
+      .template Arg<ffi::AnyBuffer>()   // weights
+      .template Arg<ffi::AnyBuffer>()   // ids
+      .template Arg<ffi::AnyBuffer>()   // down
+      .template Arg<ffi::AnyBuffer>()   // down_scale
+      .template Arg<ffi::AnyBuffer>()   // shared_h
+      .template Arg<ffi::AnyBuffer>()   // shared_down
+      .template Arg<ffi::AnyBuffer>()   // shared_scale
+      .template Arg<ffi::AnyBuffer>();  // table
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JtGemvAllReduce, GemvAllReduceImpl,
-                              task_table_attrs(
-                                  ffi::Ffi::Bind()
-                                      .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                      .Ctx<ffi::DeviceOrdinal>()
-                                      .Arg<ffi::AnyBuffer>()  // x
-                                      .Arg<ffi::AnyBuffer>()  // w
-                                      .Arg<ffi::AnyBuffer>()  // scale
-                                      .Arg<ffi::AnyBuffer>()  // table
-                                      .Ret<ffi::AnyBuffer>()),
+                              task_table_attrs(gemv_operands(ffi::Ffi::Bind()).Ret<ffi::AnyBuffer>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JtMergeTopk, MergeTopkImpl,
@@ -621,56 +643,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JtMergeTopk, MergeTopkImpl,
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JtExpertDownAllReduce, ExpertDownAllReduceImpl,
-                              task_table_attrs(
-                                  ffi::Ffi::Bind()
-                                      .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                      .Ctx<ffi::DeviceOrdinal>()
-                                      .Arg<ffi::AnyBuffer>()  // h
-                                      .Arg<ffi::AnyBuffer>()  // weights
-                                      .Arg<ffi::AnyBuffer>()  // ids
-                                      .Arg<ffi::AnyBuffer>()  // down
-                                      .Arg<ffi::AnyBuffer>()  // down_scale
-                                      .Arg<ffi::AnyBuffer>()  // shared_h
-                                      .Arg<ffi::AnyBuffer>()  // shared_down
-                                      .Arg<ffi::AnyBuffer>()  // shared_scale
-                                      .Arg<ffi::AnyBuffer>()  // table
-                                      .Ret<ffi::AnyBuffer>()),
+                              task_table_attrs(expert_down_operands(ffi::Ffi::Bind()).Ret<ffi::AnyBuffer>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 // Stacked-layer forms: the same operands plus the layer (base and offset,
 // int32 [1] each) after the task table.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JtGemvAllReduceStacked, GemvAllReduceStackedImpl,
-                              task_table_attrs(
-                                  ffi::Ffi::Bind()
-                                      .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                      .Ctx<ffi::DeviceOrdinal>()
-                                      .Arg<ffi::AnyBuffer>()  // x
-                                      .Arg<ffi::AnyBuffer>()  // w [L, N, K]
-                                      .Arg<ffi::AnyBuffer>()  // scale
-                                      .Arg<ffi::AnyBuffer>()  // table
-                                      .Arg<ffi::AnyBuffer>()  // layer
-                                      .Arg<ffi::AnyBuffer>()  // layer offset
-                                      .Ret<ffi::AnyBuffer>()),
+                              task_table_attrs(gemv_operands(ffi::Ffi::Bind())
+                                                   .Arg<ffi::AnyBuffer>()  // layer
+                                                   .Arg<ffi::AnyBuffer>()  // layer offset
+                                                   .Ret<ffi::AnyBuffer>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JtExpertDownAllReduceStacked,
                               ExpertDownAllReduceStackedImpl,
-                              task_table_attrs(
-                                  ffi::Ffi::Bind()
-                                      .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                      .Ctx<ffi::DeviceOrdinal>()
-                                      .Arg<ffi::AnyBuffer>()  // h
-                                      .Arg<ffi::AnyBuffer>()  // weights
-                                      .Arg<ffi::AnyBuffer>()  // ids
-                                      .Arg<ffi::AnyBuffer>()  // down
-                                      .Arg<ffi::AnyBuffer>()  // down_scale
-                                      .Arg<ffi::AnyBuffer>()  // shared_h
-                                      .Arg<ffi::AnyBuffer>()  // shared_down
-                                      .Arg<ffi::AnyBuffer>()  // shared_scale
-                                      .Arg<ffi::AnyBuffer>()  // table
-                                      .Arg<ffi::AnyBuffer>()  // layer
-                                      .Arg<ffi::AnyBuffer>()  // layer offset
-                                      .Ret<ffi::AnyBuffer>()),
+                              task_table_attrs(expert_down_operands(ffi::Ffi::Bind())
+                                                   .Arg<ffi::AnyBuffer>()  // layer
+                                                   .Arg<ffi::AnyBuffer>()  // layer offset
+                                                   .Ret<ffi::AnyBuffer>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JtTopkSelect, TopkSelectImpl,
