@@ -594,25 +594,32 @@ auto task_table_attrs(Binding b) {
       .template Attr<int32_t>("has_scale");
 }
 
-// The operands of the task-table GEMV handlers (after the stream and the
-// device): x, the weights, their scales and the task table.
+// Every engine handler's context: XLA's compute stream and the device. (b by
+// reference: a binding has no public move constructor.)
 template <typename Binding>
-auto gemv_operands(Binding b) {
+auto stream_and_device(Binding&& b) {
   return std::move(b)
       .template Ctx<ffi::PlatformStream<cudaStream_t>>()
-      .template Ctx<ffi::DeviceOrdinal>()
+      .template Ctx<ffi::DeviceOrdinal>();
+}
+
+// The task-table GEMV handlers' context and operands: x, the weights ([N, K];
+// stacked [L, N, K]), their scales and the task table.
+template <typename Binding>
+auto gemv_operands(Binding b) {
+  return stream_and_device(std::move(b))
       .template Arg<ffi::AnyBuffer>()   // x
-      .template Arg<ffi::AnyBuffer>()   // w ([N, K], stacked [L, N, K])
+      .template Arg<ffi::AnyBuffer>()   // w
       .template Arg<ffi::AnyBuffer>()   // scale
       .template Arg<ffi::AnyBuffer>();  // table
 }
 
-// The operands of the expert-down handlers, the same way.
+// The expert-down handlers' context and operands: the routed experts' hidden
+// vectors, routing weights and ids, the down stack and its scales, the shared
+// expert's hidden vector, down weight and scales, and the task table.
 template <typename Binding>
 auto expert_down_operands(Binding b) {
-  return std::move(b)
-      .template Ctx<ffi::PlatformStream<cudaStream_t>>()
-      .template Ctx<ffi::DeviceOrdinal>()
+  return stream_and_device(std::move(b))
       .template Arg<ffi::AnyBuffer>()   // h
       .template Arg<ffi::AnyBuffer>()   // weights
       .template Arg<ffi::AnyBuffer>()   // ids
