@@ -567,10 +567,18 @@ ffi::Error TokenRingImpl(cudaStream_t stream, int32_t dev, ffi::AnyBuffer pos,
 
 }  // namespace
 
+// The context of the handlers that use per-device state: XLA's compute stream
+// and the device ordinal (the route selection and the one-launch MoE take the
+// stream alone). b by reference: a binding has no public move constructor.
+template <typename Binding>
+auto stream_and_device(Binding&& b) {
+  return std::move(b)
+      .template Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .template Ctx<ffi::DeviceOrdinal>();
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JtAllReduce, AllReduceImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
+                              stream_and_device(ffi::Ffi::Bind())
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<ffi::Span<const int32_t>>("groups")
@@ -592,15 +600,6 @@ auto task_table_attrs(Binding b) {
       .template Attr<int32_t>("num_ctas")
       .template Attr<int32_t>("max_tasks")
       .template Attr<int32_t>("has_scale");
-}
-
-// Every engine handler's context: XLA's compute stream and the device. (b by
-// reference: a binding has no public move constructor.)
-template <typename Binding>
-auto stream_and_device(Binding&& b) {
-  return std::move(b)
-      .template Ctx<ffi::PlatformStream<cudaStream_t>>()
-      .template Ctx<ffi::DeviceOrdinal>();
 }
 
 // The task-table GEMV handlers' context and operands: x, the weights ([N, K];
@@ -636,9 +635,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JtGemvAllReduce, GemvAllReduceImpl,
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JtMergeTopk, MergeTopkImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
+                              stream_and_device(ffi::Ffi::Bind())
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
@@ -671,9 +668,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JtExpertDownAllReduceStacked,
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JtTopkSelect, TopkSelectImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
+                              stream_and_device(ffi::Ffi::Bind())
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
@@ -724,9 +719,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JtMoeDecode, MoeDecodeImpl,
 // L2 prefetch: the layer (base, offset), the ordering operand, then 1 to
 // JT_PREFETCH_MAX_ARRAYS layer stacks; no attributes.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JtPrefetchL2, PrefetchL2Impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
+                              stream_and_device(ffi::Ffi::Bind())
                                   .Arg<ffi::AnyBuffer>()  // layer
                                   .Arg<ffi::AnyBuffer>()  // layer offset
                                   .Arg<ffi::AnyBuffer>()  // after
@@ -736,9 +729,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JtPrefetchL2, PrefetchL2Impl,
 
 // Token ring: the key (pos), the values, their count; the next position.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JtTokenRing, TokenRingImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
+                              stream_and_device(ffi::Ffi::Bind())
                                   .Arg<ffi::AnyBuffer>()   // pos
                                   .Arg<ffi::AnyBuffer>()   // values
                                   .Arg<ffi::AnyBuffer>()   // count
