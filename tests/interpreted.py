@@ -1,8 +1,8 @@
 """How the kernel tests run a Mosaic-GPU kernel on the CPU and compare it: in GPU interpret mode with race
-detection (the interpreter starts every buffer as NaN, so an unwritten output element shows), or cross-lowered
-for CUDA first (Mosaic's lowering errors show without a GPU); inputs from `new_key()`, which
-draws from numpy's global generator (conftest.py seeds it from each test's id, so a failing case runs
-again with the same inputs)."""
+detection (the interpreter starts every buffer as NaN, so an unwritten output element shows), after
+cross-lowering it for CUDA where the test asks (Mosaic's lowering errors show without a GPU). Their
+inputs come from `new_key()`, which draws from numpy's global generator: conftest.py seeds it from each
+test's id, so a failing case runs again with the same inputs."""
 
 from __future__ import annotations
 
