@@ -17,6 +17,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["JTILERT_PROGRAM_CACHE"] = "off"
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -27,7 +28,6 @@ def _seeded_numpy(request):
     """Every test starts with numpy's global generator seeded from its id (file, name, parameters): the
     kernel tests draw their inputs' keys from it (`interpreted.new_key`), so a case sees the same inputs
     in every run, whatever worker or order runs it."""
-    import numpy as np
     np.random.seed(zlib.crc32(request.node.nodeid.encode()))
 
 

@@ -246,7 +246,8 @@ def test_indexer_append_scores_stacked(S, layer, pos, fp8, share):
         return ix.indexer_append_scores(cfg, q, w, k, kc, ks, pos, pos[0], first_row=first, num_rows=num,
                                         layer=layer)
 
-    scores, kc_out, ks_out = lowered_and_interpreted(jax.jit(f), q, w, k, kc, ks, pos, jnp.int32(layer), jnp.int32(first or 0))
+    scores, kc_out, ks_out = lowered_and_interpreted(jax.jit(f), q, w, k, kc, ks, pos, jnp.int32(layer),
+                                                     jnp.int32(first or 0))
     ref, rkc, rks = reference.indexer_append_scores(cfg, q, w, k, kc[layer], None if ks is None else ks[layer],
                                                  pos, pos[0], first_row=first, num_rows=num)
     np.testing.assert_array_equal(kc_out[layer].view(np.uint8), np.asarray(rkc).view(np.uint8))

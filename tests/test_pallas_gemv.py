@@ -77,7 +77,8 @@ def test_fp8x2_engine_matches_the_reference(t, n, k, split):
     for xs, pow2 in ((1.0, True), (3e3, False), (1e-4, True)):
         x = _x(t, k, xs)
         w, s = _weight((n, k), "fp8", pow2=pow2)
-        got = interpreted(functools.partial(gemv.linear, config=gemv.GemvConfig(engine="fp8x2", split_k=split)), x, w, s)
+        got = interpreted(functools.partial(gemv.linear, config=gemv.GemvConfig(engine="fp8x2", split_k=split)),
+                          x, w, s)
         assert got.shape == (t, n)
         # power-of-two scales: the reference's bf16 weights are exact, and so is x in two halves;
         # other scales: the reference rounds each scaled weight to bf16, the kernel scales in fp32
@@ -184,7 +185,8 @@ def test_heads_linear(t, heads, n, k, d, fmt, block, extra):
         np.testing.assert_array_equal(
             np.asarray(want, np.float32),
             np.asarray(reference.heads_linear(x[:, :heads * d].reshape(t, heads, d), w1, s1, block), np.float32))
-    got = interpreted(lambda x, w, s, layer: gemv.heads_linear(x, w, s, block, head_dim, layer=layer), x, w, s, jnp.int32(1))
+    got = interpreted(lambda x, w, s, layer: gemv.heads_linear(x, w, s, block, head_dim, layer=layer),
+                      x, w, s, jnp.int32(1))
     assert got.shape == (t, heads, n)
     assert rel_err(got, want) < TOL
 

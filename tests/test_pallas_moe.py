@@ -195,7 +195,8 @@ def test_expert_down_finishes_the_gate_up_partials(engine):
     rows of every scale, not zeros; past STAGE_MAX_BYTES XLA finishes them first (the same result)."""
     e, width, hidden, tokens, k, splits = 5, 256, 256, 1, 4, 3
     d, ds = _w((e, hidden, width), "fp8")
-    parts = jax.random.normal(new_key(), (splits, 2, tokens * k, width), F32) * jnp.array([0.3, 1.0, 3.0])[:, None, None, None]
+    parts = (jax.random.normal(new_key(), (splits, 2, tokens * k, width), F32)
+             * jnp.array([0.3, 1.0, 3.0])[:, None, None, None])
     ids = jnp.array([[4, 0, 2, 1]], jnp.int32)
     w = jax.random.uniform(new_key(), (tokens, k), minval=0.2, maxval=1.5)
     residual = (4 * jax.random.normal(new_key(), (tokens, hidden), F32)).astype(BF16)

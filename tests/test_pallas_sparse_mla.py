@@ -8,7 +8,6 @@ GPU), then runs it under the interpreter with race detection; the interpreter po
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -240,8 +239,8 @@ def test_heads_linear_of_splits_merges_as_the_combine(T, G, n, hc, L, block):
     m, l = jnp.where(dead, -jnp.inf, m), jnp.where(dead, 0.0, l)
     w, s = _uv_stack(G * hc, L, N, np.random.randint(1 << 30), block)
     layer = 1
-    out = lowered_and_interpreted(lambda o, m, l, lay: gemv.heads_linear_of_splits(o, m, l, w, s, block, layer=lay), o, m, l,
-               jnp.int32(layer))
+    out = lowered_and_interpreted(lambda o, m, l, lay: gemv.heads_linear_of_splits(o, m, l, w, s, block, layer=lay),
+                                  o, m, l, jnp.int32(layer))
     x = smla.combine(o, m, l).astype(BF16)
     ref = reference.heads_linear(x, w[layer], s[layer], block)
     assert out.shape == (T, G * hc, N) and out.dtype == BF16 and np.isfinite(np.asarray(out, np.float32)).all()
