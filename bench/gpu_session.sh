@@ -129,7 +129,8 @@
 #   hlodump_mtp  the same for the 4-layer MTP step (its call enqueues in 5.75 ms, the plain step's in 0.74)
 #   capture      the 4-layer plain step with the same logs (is each layer loop one command buffer?)
 #   mtp_sync     the 4-layer MTP step with XLA's command-buffer logs: which thunk makes the host wait in the call
-#   recompile    bench.decode 61 layers, pallas, in a new process: the step from the persistent cache
+#   recompile    bench.decode 61 layers, pallas, in a new process: the step from the persistent cache (RECOMPILE_LOOPS:
+#                a process for each layer loop listed, e.g. "loop/4 loop/8", after unroll compiled them)
 #   pdl          bench/pdl_probe.py: chains of tiny Mosaic kernels (with and without PDL) and XLA fusions, per kernel,
 #                with command buffers on, off, and on without XLA's own PDL (issue 14; ~2 min)
 #   progcache    bench.prepare --compile, 61 layers, pallas, MTP: the Generator's preparation with the program
@@ -156,7 +157,9 @@
 #   engine       tests/gpu/run_engine_gpu.sh: the whole engine check (2 GPUs, ~12 min)
 # Two parts can share a 2-GPU machine: CUDA_VISIBLE_DEVICES=0 ... & CUDA_VISIBLE_DEVICES=1 ... &
 # The 61-layer parts need an H200 (dsv32-tp8-shard's fp8 weights are 81.8 GiB): call the device tool with
-# needs_h200 (a call for nvidia-h200 without it may get an H100, where they stop at the memory check).
+# needs_h200 (a call for nvidia-h200 without it may get an H100, where they stop at the memory check), or
+# set FULL_DEPTH=1 on an H100: every dsv32-tp8-shard part then runs 61 layers storing half the routed
+# experts (shard_set: the same bytes a step)
 set -uo pipefail
 WORK=${WORK:-${OUT:-$PWD/out}}
 # a WORK folder that an earlier call left on this host (the device machines keep /tmp between leases) is
@@ -211,8 +214,14 @@ call_variants() {  # call_variants NAME: part callvariants' run, logged as NAME,
     --out "$WORK/$1.json"
 }
 share_layers() {  # the layers of dsv32-tp8-shard that fit this GPU: 61 on an H200; 36 on an H100, where the
-  # 61 layers' 81.8 GiB of fp8 weights pass the 59 GiB that JAX takes of its 80 GB
-  if big_gpu; then echo 61; else echo 36; fi
+  # 61 layers' 81.8 GiB of fp8 weights pass the 59 GiB that JAX takes of its 80 GB (61 with FULL_DEPTH)
+  if big_gpu || [ -n "${FULL_DEPTH:-}" ]; then echo 61; else echo 36; fi
+}
+shard_set() {  # with FULL_DEPTH on an H100: dsv32-tp8-shard storing 128 routed experts a MoE layer in 4 groups
+  # of 32, the best 2 kept (DeepSeek-V3.2: 256 in 8, the best 4), so that all 61 layers fit (about 44 GiB).
+  # A step reads what it reads with 256: the same 8 experts a token, each group's two largest scores
+  # taken by warps; only the router's weights are half (0.9 MB a layer less)
+  if [ -n "${FULL_DEPTH:-}" ] && ! big_gpu; then echo "--set n_routed_experts=128 --set n_group=4 --set topk_group=2"; fi
 }
 glm5_layers() {  # the same for glm5-tp8-shard: all 78 (90.2 GiB) on an H200; 41 (about 47 GiB, as
   # dsv32's 36) on an H100
@@ -223,7 +232,8 @@ big_gpu() {  # more than 100 GB of GPU memory (an H200)
   mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
   [ "${mib:-0}" -gt 100000 ]
 }
-DEC="python3 -m bench.decode --preset dsv32-tp8-shard --context 4096"
+SHARD="--preset dsv32-tp8-shard $(shard_set)"
+DEC="python3 -m bench.decode $SHARD --context 4096"
 VS="python3 -m bench.vs_transformers $CK ${VS_ARGS:---context 1024 --new 64 --samples 10}"
 for part in "$@"; do
   case $part in
@@ -281,7 +291,7 @@ for part in "$@"; do
       [ -f "$WORK/timeline-timeline.png" ] && mv "$WORK/timeline-timeline.png" "$WORK/timeline.png" && pack ;;
     contexts)  # issue 14's long-context targets: the pallas step (share_layers) at 32K and 128K, kernel profiles
       for c in 32768 131072; do
-        step "decode_$c" 300 python3 -m bench.decode --preset dsv32-tp8-shard --context $c --layers "$(share_layers)" \
+        step "decode_$c" 300 python3 -m bench.decode $SHARD --context $c --layers "$(share_layers)" \
           --backend pallas --kernels --samples 6 --out "$WORK/decode_$c.json"
       done ;;
     breakdown) step breakdown 200 $DEC --layers 8 --backend "$B" --breakdown --samples 10 \
@@ -520,8 +530,13 @@ for part in "$@"; do
       JTILERT_PROGRAM_CACHE=on step progcache_cold 300 $PREP
       JTILERT_PROGRAM_CACHE=on step progcache_warm 300 $PREP
       JTILERT_PROGRAM_CACHE=off step progcache_off 300 $PREP ;;
-    recompile) step recompile 300 $DEC --layers 61 --backend pallas --steps 5 --samples 4 \
-                 --out "$WORK/recompile.json" ;;
+    recompile)  # one process for each layer loop of RECOMPILE_LOOPS (default: DecodeConfig's), after a part that
+      # compiled it (decode, unroll)
+      for l in ${RECOMPILE_LOOPS:-default}; do
+        n=recompile${RECOMPILE_LOOPS:+_${l//\//_}}
+        step "$n" 300 $DEC --layers 61 --backend pallas ${RECOMPILE_LOOPS:+--layer-loop $l} --steps 5 --samples 4 \
+          --out "$WORK/$n.json"
+      done ;;
     callcost)  # does XLA update its command buffers on every call? the same loop under each update mode
       # (this XLA build rejects --xla_gpu_enable_command_buffer_va_remapping; CALLCOST picks the variants)
       for f in ${CALLCOST:-"" --xla_gpu_command_buffer_update_mode=SKIP_TEMP --xla_gpu_require_exclusive_lock=true}; do
