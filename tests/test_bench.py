@@ -384,6 +384,38 @@ def test_gpu_session_empties_a_work_folder_left_by_an_earlier_call(tmp_path):
     assert "emptying" in run.stderr
 
 
+def test_gpu_session_full_depth_runs_61_layers_with_half_the_experts_stored(tmp_path):
+    # FULL_DEPTH on a card that cannot hold 61 layers (here: no nvidia-smi, as an H100 reads): the parts
+    # run 61 layers of dsv32-tp8-shard storing 128 routed experts in groups of 32; without it, 36 layers
+    # of the preset as it is. python3 is a stub that prints its arguments.
+    import subprocess  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    stub = tmp_path / "bin" / "python3"
+    stub.parent.mkdir()
+    stub.write_text('#!/bin/bash\necho "ARGS: $*"\n')
+    stub.chmod(0o755)
+    script = Path(__file__).resolve().parent.parent / "bench" / "gpu_session.sh"
+
+    def commands(**env):
+        run = subprocess.run(["bash", str(script), "queued", "recompile", "contexts"],
+                             env={"PATH": f"{stub.parent}:/usr/bin:/bin", "WORK": str(tmp_path / "w"), **env},
+                             capture_output=True, text=True, timeout=60)
+        assert run.returncode == 0, run.stderr
+        return [line.split(" ", 1)[1] for line in run.stdout.splitlines() if line.startswith("ARGS: ")]
+
+    full = commands(FULL_DEPTH="1", RECOMPILE_LOOPS="loop/4 loop/8")
+    assert len(full) == 6, full
+    store = "--set n_routed_experts=128 --set n_group=4 --set topk_group=2"
+    assert all(f"--preset dsv32-tp8-shard {store}" in c and "--layers 61" in c for c in full), full
+    assert ["--layer-loop loop/4" in c for c in full[2:4]] == [True, False]
+    assert "--layer-loop loop/8" in full[3] and full[3].endswith("recompile_loop_8.json")
+    plain = commands()
+    assert len(plain) == 5, plain
+    assert not any("--set" in c for c in plain), plain
+    assert all("--layers 36" in c for c in plain[:2] + plain[3:]) and "--layers 61" in plain[2], plain
+
+
 def test_the_fed_timing_loop_steps_on_the_given_tokens(tiny_random):
     """`device_loop` given ids: its step i reads ids[i % len(ids)], not the token the step before made: two
     fed steps write the same cache as two plain steps given those tokens one at a time (the plain
