@@ -218,9 +218,9 @@ share_layers() {  # the layers of dsv32-tp8-shard that fit this GPU: 61 on an H2
   if big_gpu || [ -n "${FULL_DEPTH:-}" ]; then echo 61; else echo 36; fi
 }
 shard_set() {  # with FULL_DEPTH on an H100: dsv32-tp8-shard storing 128 routed experts a MoE layer in 4 groups
-  # of 32, the best 2 kept (DeepSeek-V3.2: 256 in 8, the best 4), so that all 61 layers fit (about 44 GiB).
+  # of 32, the best 2 kept (DeepSeek-V3.2: 256 in 8, the best 4), so that all 61 layers fit (a peak of 47 GiB at context 4096).
   # A step reads what it reads with 256: the same 8 experts a token, each group's two largest scores
-  # taken by warps; only the router's weights are half (0.9 MB a layer less)
+  # taken by warps; only the router's weights are half (1.8 MB a layer less: 1.6 % of a step's bytes)
   if [ -n "${FULL_DEPTH:-}" ] && ! big_gpu; then echo "--set n_routed_experts=128 --set n_group=4 --set topk_group=2"; fi
 }
 glm5_layers() {  # the same for glm5-tp8-shard: all 78 (90.2 GiB) on an H200; 41 (about 47 GiB, as
