@@ -130,7 +130,7 @@
 #   capture      the 4-layer plain step with the same logs (is each layer loop one command buffer?)
 #   mtp_sync     the 4-layer MTP step with XLA's command-buffer logs: which thunk makes the host wait in the call
 #   recompile    bench.decode 61 layers, pallas, in a new process: the step from the persistent cache (RECOMPILE_LOOPS:
-#                a process for each layer loop listed, e.g. "loop/4 loop/8", after unroll compiled them)
+#                a process for each layer loop listed, e.g. "loop/4 loop/8", each after a process of that loop alone)
 #   pdl          bench/pdl_probe.py: chains of tiny Mosaic kernels (with and without PDL) and XLA fusions, per kernel,
 #                with command buffers on, off, and on without XLA's own PDL (issue 14; ~2 min)
 #   progcache    bench.prepare --compile, 61 layers, pallas, MTP: the Generator's preparation with the program
@@ -218,7 +218,8 @@ share_layers() {  # the layers of dsv32-tp8-shard that fit this GPU: 61 on an H2
   if big_gpu || [ -n "${FULL_DEPTH:-}" ]; then echo 61; else echo 36; fi
 }
 shard_set() {  # with FULL_DEPTH on an H100: dsv32-tp8-shard storing 128 routed experts a MoE layer in 4 groups
-  # of 32, the best 2 kept (DeepSeek-V3.2: 256 in 8, the best 4), so that all 61 layers fit (a peak of 47 GiB at context 4096).
+  # of 32, the best 2 kept (DeepSeek-V3.2: 256 in 8, the best 4), so that all 61 layers fit (a peak of 47 GiB
+  # at context 4096).
   # A step reads what it reads with 256: the same 8 experts a token, each group's two largest scores
   # taken by warps; only the router's weights are half (1.8 MB a layer less: 1.6 % of a step's bytes)
   if [ -n "${FULL_DEPTH:-}" ] && ! big_gpu; then echo "--set n_routed_experts=128 --set n_group=4 --set topk_group=2"; fi
@@ -530,8 +531,9 @@ for part in "$@"; do
       JTILERT_PROGRAM_CACHE=on step progcache_cold 300 $PREP
       JTILERT_PROGRAM_CACHE=on step progcache_warm 300 $PREP
       JTILERT_PROGRAM_CACHE=off step progcache_off 300 $PREP ;;
-    recompile)  # one process for each layer loop of RECOMPILE_LOOPS (default: DecodeConfig's), after a part that
-      # compiled it (decode, unroll)
+    recompile)  # one process for each layer loop of RECOMPILE_LOOPS (default: DecodeConfig's), after a part whose
+      # process compiled that loop alone (decode, queued: a process of unroll's list of loops fills JAX's cache
+      # with programs a process of one loop does not find, RESULTS.md session 55)
       for l in ${RECOMPILE_LOOPS:-default}; do
         n=recompile${RECOMPILE_LOOPS:+_${l//\//_}}
         step "$n" 300 $DEC --layers 61 --backend pallas ${RECOMPILE_LOOPS:+--layer-loop $l} --steps 5 --samples 4 \
