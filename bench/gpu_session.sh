@@ -532,8 +532,8 @@ for part in "$@"; do
       JTILERT_PROGRAM_CACHE=on step progcache_warm 300 $PREP
       JTILERT_PROGRAM_CACHE=off step progcache_off 300 $PREP ;;
     recompile)  # one process for each layer loop of RECOMPILE_LOOPS (default: DecodeConfig's), after a part whose
-      # process compiled that loop alone (decode, queued: a process of unroll's list of loops fills JAX's cache
-      # with programs a process of one loop does not find, RESULTS.md session 55)
+      # process compiled that loop alone (decode, queued; after unroll's one process of two loops, each
+      # recompile process compiled XLA's part cold, cause unknown: RESULTS.md session 55)
       for l in ${RECOMPILE_LOOPS:-default}; do
         n=recompile${RECOMPILE_LOOPS:+_${l//\//_}}
         step "$n" 300 $DEC --layers 61 --backend pallas ${RECOMPILE_LOOPS:+--layer-loop $l} --steps 5 --samples 4 \
