@@ -42,7 +42,7 @@ def test_decode_bench_writes_every_field(tmp_path, monkeypatch):
     assert abs(sum(stages.values()) - run["compile_s"]) < 1e-6
     assert "call_overhead_ms" in run and run["timing"]
     assert run["xla_options"] == {"xla_gpu_command_buffer_unroll_loops": True}
-    assert run["layer_loop"] == "loop" and run["layers_per_iteration"] == 4   # DecodeConfig's default
+    assert run["layer_loop"] == "loop" and run["layers_per_iteration"] == 8   # DecodeConfig's default
     assert run["l2_prefetch"] is False and run["engine_moe"] is False
     # no GPU, no token ring: its two forms are left out
     assert set(run["call_variants"]) == {"host_output_pinned"}

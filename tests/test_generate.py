@@ -302,13 +302,13 @@ def test_next_token_from_head_candidates(tiny_random):
 
 
 def test_layers_per_iteration_gives_the_same_tokens_with_fewer_loop_iterations(tiny_random, gen):
-    """DecodeConfig.layers_per_iteration (default 4): each layer loop's trip runs that many layers (at
+    """DecodeConfig.layers_per_iteration (default 8): each layer loop's trip runs that many layers (at
     most its stack's), and the tokens equal one layer per iteration's; 0 is refused."""
     from decode_jaxprs import layer_loops   # tests/decode_jaxprs.py (tests/ is on sys.path)
     from jtilert.model.transformer import Layout
     cfg = jtilert.DecodeConfig()
     per = cfg.layers_per_iteration
-    assert per == 4 and gen.engine.config == cfg
+    assert per == 8 and gen.engine.config == cfg
     g = jtilert.Generator(tiny_random, max_seq_len=256, config=jtilert.DecodeConfig(layers_per_iteration=1))
     assert g.generate(PROMPT, 12, stop_tokens=[]) == gen.generate(PROMPT, 12, stop_tokens=[])
 

@@ -69,7 +69,8 @@ class DecodeConfig:
     layers_per_iteration: with layer_loop "loop", the layers in one loop iteration (the loop's trip):
         each iteration of a loop captured in the step's CUDA graph evaluates its condition on the device
         (two kernels and a conditional node), so fewer iterations cost less, and the body compiles
-        this many copies of the layer (bench/RESULTS.md, session 14, measures 1, 2 and 4).
+        this many copies of the layer (bench/RESULTS.md: session 14 measures 1, 2 and 4; sessions 53-55
+        8 against 4).
     xla_options: XLA compile options of the decode-shaped steps only (decode, MTP verify and draft, their
         device loops, which also record every thunk sequence into a CUDA graph where these options are
         given: `Engine.loop_options`; prefill chunks keep XLA's defaults), as (name, value) pairs or a
@@ -113,7 +114,7 @@ class DecodeConfig:
     split_indexer: bool = False
     engine_topk: bool = True
     layer_loop: str = "loop"
-    layers_per_iteration: int = 4
+    layers_per_iteration: int = 8
     xla_options: tuple[tuple[str, str], ...] = STEP_XLA_OPTIONS
     l2_prefetch: bool = False
     engine_moe: bool = False
