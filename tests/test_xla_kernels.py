@@ -105,10 +105,11 @@ def test_launches_needs_an_entry():
 def test_the_step_compiled_for_an_h200(tmp_path):
     """Nineteen layers of DeepSeek-V3.2's share: three dense layers (a loop of one trip, which XLA
     writes out in line), then two trips of the MoE loop (eight layers each: the default
-    `DecodeConfig.layers_per_iteration`). Every kernel the jaxpr budget counts is a launch XLA keeps, and the layer loop's own
-    kernels stay what they are: the counter's increment, `first + 1`, the condition and
-    set_while_condition, and no other index arithmetic (XLA turns each layer index computed from the
-    counter into a kernel of its own: i + 1 .. i + 3, i - 3 .. i were seven a trip of four)."""
+    `DecodeConfig.layers_per_iteration`). Every kernel the jaxpr budget counts is a launch XLA keeps,
+    and the layer loop's own kernels stay what they are: the counter's increment, `first + 1`, the
+    condition and set_while_condition, and no other index arithmetic (XLA turns each layer index
+    computed from the counter into a kernel of its own: i + 1 .. i + 3, i - 3 .. i were seven a trip
+    of four)."""
     out = tmp_path / "r.json"
     proc = subprocess.run([str(XLA_PYTHON), "-m", "bench.xla_kernels", "--layers", "19", "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
