@@ -70,7 +70,7 @@ class DecodeConfig:
         each iteration of a loop captured in the step's CUDA graph evaluates its condition on the device
         (two kernels and a conditional node), so fewer iterations cost less, and the body compiles
         this many copies of the layer (bench/RESULTS.md: session 14 measures 1, 2 and 4; sessions 53-55
-        8 against 4).
+        measure 8 against 4).
     xla_options: XLA compile options of the decode-shaped steps only (decode, MTP verify and draft, their
         device loops, which also record every thunk sequence into a CUDA graph where these options are
         given: `Engine.loop_options`; prefill chunks keep XLA's defaults), as (name, value) pairs or a
