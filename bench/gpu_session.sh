@@ -74,6 +74,9 @@
 #   moe          tests/gpu/moe_check.py: the engine's one-launch MoE vs the reference and the pallas path, and
 #                their times per MoE in a dependent chain
 #   moepatch     part moe on a copy of this checkout with PATCH applied (a bench/experiments patch of moe.cu)
+#   moepair      tests/gpu/moe_pair_check.py: the routed experts' gate/up and down as one kernel of two phases
+#                (jtilert/pallas/moe_pair.py) vs the step's two kernels and the reference, then both in a chain
+#                of MoE calls (CUPTI); its step is part trees with TREES=bench/experiments/moe_pair.patch
 #   ncumoe       ncu on the one-launch MoE: speed of light, warp stalls, memory, source counters
 #   ncu          Nsight Compute on the router's selection and the indexer's top-k launched alone
 #                (bench/experiments/engine_ncu.py): speed of light, launch, occupancy, warp stalls (the top-k's
@@ -484,6 +487,7 @@ for part in "$@"; do
         step "envab_$v" 200 "${e[@]}" $DEC --layers "$n" --backend pallas --samples 6 --out "$WORK/envab_$v.json"
       done ;;
     moe) step moe 400 python3 tests/gpu/moe_check.py --out "$WORK/moe.json" ;;
+    moepair) step moepair 240 python3 tests/gpu/moe_pair_check.py --out "$WORK/moe_pair.json" ;;
     moepatch)  # the one-launch MoE check (part moe) in a copy of this checkout with PATCH (a bench/experiments
       # patch of cuda/src/moe.cu) applied: beside part moe's figures for this checkout in the same call
       [ -n "${PATCH:-}" ] || { echo "moepatch: name the patch in PATCH" >&2; continue; }

@@ -17,7 +17,9 @@ on the device and add layer·E to the expert ids.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Callable
 
 import jax
 import jax.experimental.pallas as pl
@@ -61,15 +63,50 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
     h [T·k, I] (bf16, or fp32 rounded to bf16 here) or the gate/up kernel's partials [S, 2, T·k, I]
     fp32 (`expert_gate_up(unsummed=True)`): the kernel copies them into shared memory at its start
     and finishes h = silu(Σ gate) · Σ up itself while its first weight tiles arrive (beyond
-    STAGE_MAX_BYTES, XLA finishes them first). weights [T, k] fp32, ids [T, k] int32, down
-    [E, H, I] (fp8 + scales or bf16); with `layer`, down [L, E, H, I] (scales [L, E, ., .]) and
-    layer `layer`'s experts."""
-    t, kper = ids.shape
-    nsel = t * kper
-    if h.ndim == 4 and h.shape[1:3] != (2, nsel):
+    STAGE_MAX_BYTES, or where they do not fit beside the pipeline, XLA finishes them first).
+    weights [T, k] fp32, ids [T, k] int32, down [E, H, I] (fp8 + scales or bf16); with `layer`,
+    down [L, E, H, I] (scales [L, E, ., .]) and layer `layer`'s experts."""
+    if h.ndim == 4 and h.shape[1:3] != (2, ids.size):
         raise ValueError(f"expert_down: partials {h.shape} do not match ids {ids.shape}")
     if h.ndim == 4 and h.nbytes > STAGE_MAX_BYTES:
         h = gemv.finish_partials(h, kind="swiglu_f32")
+    plan = down_plan(h.shape, weights, ids, down, down_scale, layer=layer, out_dtype=out_dtype,
+                     residual=residual, config=config)
+    if plan.staged is None and h.ndim == 4:   # the partials do not fit beside the pipeline
+        h = gemv.finish_partials(h, kind="swiglu_f32")
+    call = plgpu.kernel(lambda *refs: plan.body(refs, lax.axis_index("n"), lax.axis_index("s")),
+                        out_type=plan.out_type, grid=plan.grid, grid_names=("n", "s"), scratch_types=plan.scratch,
+                        interpret=_interp.params(), kernel_name="jtilert_moe_down")
+    return plan.finish(call(h if h.dtype == F32 else h.astype(BF16), *plan.operands))
+
+
+@dataclasses.dataclass(frozen=True)
+class DownPlan:
+    """The MoE down kernel under a resolved configuration, for `expert_down` and for a kernel that
+    runs it as a phase (`moe_pair`). body(refs, n_idx, s_idx, wait=None) is the kernel body of the
+    CTA of row block n_idx and K slice s_idx; refs are h, then `operands`, then the output, then
+    `scratch`. `wait()` (staged partials only): run before the partials are copied in, after the
+    CTA has asked for its first weight tiles (a phase before it writes them). `grid`: (row blocks,
+    split); `staged`: the partials' shape where the kernel finishes them itself, else None;
+    `finish(out)`: the result from the kernel's output."""
+    body: Callable
+    operands: list
+    out_type: jax.ShapeDtypeStruct
+    scratch: list
+    grid: tuple[int, int]
+    staged: tuple | None
+    smem: hw.Scope
+    finish: Callable
+
+
+def down_plan(h_shape, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16, residual=None,
+              config: GemvConfig | None = None) -> DownPlan:
+    """`expert_down`'s kernel for h of shape `h_shape` ([T·k, I], or the partials [S, 2, T·k, I],
+    staged where they fit beside the pipeline); the other arguments as `expert_down`'s."""
+    t, kper = ids.shape
+    nsel = t * kper
+    if len(h_shape) == 4 and tuple(h_shape[1:3]) != (2, nsel):
+        raise ValueError(f"expert_down: partials {tuple(h_shape)} do not match ids {ids.shape}")
     per_layer = 0
     if layer is not None:
         if down.ndim != 4:
@@ -79,8 +116,8 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
         if down_scale is not None:
             down_scale = down_scale.reshape(-1, *down_scale.shape[2:])
     e, n, i_dim = down.shape
-    if h.shape[-2:] != (nsel, i_dim):
-        raise ValueError(f"expert_down: h {h.shape} does not match ids {ids.shape} and down {down.shape}")
+    if tuple(h_shape[-2:]) != (nsel, i_dim):
+        raise ValueError(f"expert_down: h {tuple(h_shape)} does not match ids {ids.shape} and down {down.shape}")
     if t > MAX_TOKENS:
         raise ValueError(f"expert_down: at most {MAX_TOKENS} tokens per call, got {t}")
     fp8 = down.dtype == FP8
@@ -115,10 +152,10 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
                                    residual_dtype=res_dtype, staged=staged)
         return layout, want.resolved(n, ktot, t, 1, down.dtype.itemsize, hw.num_sms(), slice_unit=QBLOCK,
                                     divides=i_dim, occupancy=False, layout=layout)
-    staged = h.shape if h.ndim == 4 else None
+    staged = tuple(h_shape) if len(h_shape) == 4 else None
     layout, cfg = resolved(staged)
     if staged and hw.smem_bytes(layout(cfg)) > hw.SMEM_BYTES:   # the partials do not fit beside the pipeline
-        h, staged = gemv.finish_partials(h, kind="swiglu_f32"), None
+        staged = None
         layout, cfg = resolved(None)
     hw.check_smem("MoE down kernel", layout(cfg), cfg)
     bn, split, stages, a_regs = cfg.block_n, cfg.split_k, cfg.stages, cfg.a_in_registers
@@ -135,7 +172,8 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
     o_dtype = out_dtype if in_kernel else F32
     res_in_kernel = residual is not None and in_kernel
 
-    def kernel(h_gmem, w_gmem, ids_gmem, *rest):
+    def body(refs, n_idx, s_idx, wait=None):
+        h_gmem, w_gmem, ids_gmem, *rest = refs
         it = iter(rest)
         layer_gmems = (next(it), next(it)) if layer is not None else None
         d_gmem = next(it)
@@ -145,10 +183,8 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
         a_bufs = next(it) if (fp8 and not x8 and not a_regs) else None
         res_smem, res_bar = (next(it), next(it)) if res_in_kernel else (None, None)
         h_smem, h_bar, h_tile = (next(it), next(it), next(it)) if staged else (None, None, None)
-        if staged:   # the gate/up partials, one copy, while the weights stream
+        if staged and wait is None:   # the gate/up partials, one copy, while the weights stream
             plgpu.copy_gmem_to_smem(h_gmem, h_smem, h_bar.at[0])
-        n_idx = lax.axis_index("n")
-        s_idx = lax.axis_index("s")
         k0 = s_idx * kc if split > 1 else 0   # a Python 0: B's blocks then know their selection statically
         row0 = n_idx * bn
         if res_in_kernel:   # the residual's rows of this block, while the weights stream
@@ -197,6 +233,9 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
                 return jnp.where(row_id == sel // kper, v, 0.0)
 
             if staged:   # h once for all selections: the split-K sums in split order, the SwiGLU, bf16
+                if wait is not None:   # the partials once the phase that writes them is done
+                    wait()
+                    plgpu.copy_gmem_to_smem(h_gmem, h_smem, h_bar.at[0])
                 plgpu.barrier_wait(h_bar.at[0])
                 g, u = h_smem[0, 0], h_smem[0, 1]
                 for s in range(1, staged[0]):
@@ -280,19 +319,19 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
                                   residual_dtype=res_dtype, staged=staged)
     out_type = (jax.ShapeDtypeStruct((t, n), o_dtype) if in_kernel
                 else jax.ShapeDtypeStruct((split, t, n), F32))
-    call = plgpu.kernel(kernel, out_type=out_type, grid=(row_blocks, split), grid_names=("n", "s"),
-                        scratch_types=scratch, interpret=_interp.params(), kernel_name="jtilert_moe_down")
-    args = [h if h.dtype == F32 else h.astype(BF16), weights.astype(F32), ids.reshape(-1).astype(jnp.int32)]
-    args += hw.layer_operands(layer) + [down]
+    operands = [weights.astype(F32), ids.reshape(-1).astype(jnp.int32)] + hw.layer_operands(layer) + [down]
     if fp8:
-        args.append(down_scale.astype(F32))
+        operands.append(down_scale.astype(F32))
     if res_in_kernel:
-        args.append(residual)
-    out = call(*args)
-    if in_kernel:
-        return out
-    y = out.sum(0)
-    return y.astype(out_dtype) if residual is None else gemv.add_residual(y, residual, out_dtype)
+        operands.append(residual)
+
+    def finish(out):
+        if in_kernel:
+            return out
+        y = out.sum(0)
+        return y.astype(out_dtype) if residual is None else gemv.add_residual(y, residual, out_dtype)
+    return DownPlan(body=body, operands=operands, out_type=out_type, scratch=scratch, grid=(row_blocks, split),
+                    staged=staged, smem=layout(cfg), finish=finish)
 
 
 def expert_down_scratch(cfg: GemvConfig, *, k: int, itemsize: int, out_dtype=BF16, residual_dtype=None,

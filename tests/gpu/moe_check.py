@@ -139,46 +139,55 @@ def check_other_shapes(rows) -> bool:
 
 
 def timing(rows, reps=4):
-    """Each form as a dependent chain of reps x L MoE calls in one jitted loop (a layer's output,
-    normalised, is the next one's input; every layer its own experts)."""
+    """Each form as a dependent chain of reps x L MoE calls in one jitted loop (`time_chains`)."""
     ex, sh = _stacks(2, True)
     f0, res, w, ids = _token(3, L)
-    args = (f0, w, ids, ex, sh, res)   # arguments, not constants folded into the program
+    time_chains(_forms(), (f0, w, ids, ex, sh, res), rows, reps=reps)
+
+
+def time_chains(forms: dict, args: tuple, rows, *, rounds: int = 1, reps: int = 4):
+    """Each form fn(f, w_l, ids_l, *rest, layer) as a dependent chain of reps x L MoE calls in one jitted
+    loop (a layer's output, normalised, is the next one's input; every layer its own experts), args =
+    (f0, w [L, 1, k], ids [L, 1, k], *rest) passed as arguments, not constants folded into the program;
+    the forms alternate over `rounds`. A row a form and round: wall clock of 20 calls queued, CUPTI's
+    kernels and busy µs a MoE (and by kernel name, one iteration)."""
     n_moe = reps * L
-    for name, fn in _forms().items():
-        def chain(f, w, ids, ex, sh, res, fn=fn):
+    runs = {}
+    for name, fn in forms.items():
+        def chain(f, w, ids, *rest, fn=fn):
             def body(i, f):
                 layer = i % L
-                out = fn(f, w[layer], ids[layer], ex, sh, res, layer)
-                o = out.astype(F32)
+                o = fn(f, w[layer], ids[layer], *rest, layer).astype(F32)
                 return (o * jax.lax.rsqrt(jnp.mean(o * o) + 1e-6)).astype(BF16)
             return jax.lax.fori_loop(0, n_moe, body, f)
-        run = jax.jit(chain)
-        jax.block_until_ready(run(*args))
-        n = 20
-        t0 = time.perf_counter()
-        for _ in range(n):
-            out = run(*args)
-        jax.block_until_ready(out)
-        wall_us = (time.perf_counter() - t0) / n / n_moe * 1e6
-        kernels = busy_us = None
-        by_name = {}
-        try:
-            from jax.experimental.mosaic.gpu import profiler
-            _, per_iter = profiler.Cupti(finalize=False).measure(run, aggregate=False, iterations=5)(*args)
-            kernels = float(np.median([len(it) for it in per_iter])) / n_moe
-            busy_us = float(np.median([sum(t for _, t in it) for it in per_iter])) * 1e3 / n_moe
-            for kname, t in per_iter[-1]:   # one iteration's kernels by name: count and µs per MoE
-                c = by_name.setdefault(kname[:80], [0, 0.0])
-                c[0] += 1
-                c[1] += t * 1e3
-            by_name = {k: [v[0] / n_moe, v[1] / n_moe] for k, v in sorted(by_name.items(), key=lambda kv: -kv[1][1])}
-        except Exception as e:  # noqa: BLE001 - the wall clock is the measurement, CUPTI a bonus
-            print(f"  (no CUPTI: {e})")
-        rows.append({"timing": name, "us_per_moe_wall": wall_us, "kernels_per_moe": kernels,
-                     "busy_us_per_moe": busy_us, "chain": f"{reps} x {L} layers",
-                     "kernels_by_name_count_us_per_moe": by_name})
-        print(rows[-1], flush=True)
+        runs[name] = jax.jit(chain)
+        jax.block_until_ready(runs[name](*args))
+    for rnd in range(rounds):
+        for name, run in runs.items():
+            n = 20
+            t0 = time.perf_counter()
+            for _ in range(n):
+                out = run(*args)
+            jax.block_until_ready(out)
+            wall_us = (time.perf_counter() - t0) / n / n_moe * 1e6
+            kernels = busy_us = None
+            by_name = {}
+            try:
+                from jax.experimental.mosaic.gpu import profiler
+                _, per_iter = profiler.Cupti(finalize=False).measure(run, aggregate=False, iterations=5)(*args)
+                kernels = float(np.median([len(it) for it in per_iter])) / n_moe
+                busy_us = float(np.median([sum(t for _, t in it) for it in per_iter])) * 1e3 / n_moe
+                for kname, t in per_iter[-1]:   # one iteration's kernels by name: count and µs per MoE
+                    c = by_name.setdefault(kname[:80], [0, 0.0])
+                    c[0] += 1
+                    c[1] += t * 1e3
+                by_name = {k: [v[0] / n_moe, v[1] / n_moe] for k, v in sorted(by_name.items(), key=lambda kv: -kv[1][1])}
+            except Exception as e:  # noqa: BLE001 - the wall clock is the measurement, CUPTI a bonus
+                print(f"  (no CUPTI: {e})")
+            rows.append({"timing": name, "round": rnd, "us_per_moe_wall": wall_us, "kernels_per_moe": kernels,
+                         "busy_us_per_moe": busy_us, "chain": f"{reps} x {L} layers",
+                         "kernels_by_name_count_us_per_moe": by_name})
+            print(rows[-1], flush=True)
 
 
 def main(argv=None) -> int:
