@@ -135,6 +135,20 @@ def test_cross_lowering_dsv32_moe():
         ).lower(lowering_platforms=("cuda",))
 
 
+def _both_backends(op: str, args, layer: int) -> list:
+    """Op `op` of the op table at traced layer `layer`, [pallas, reference] as fp32 arrays, in GPU interpret
+    mode with race detection; the pallas backend must run its kernel (its fallback warning is an error)."""
+    out = []
+    with interp.interpret(detect_races=True):
+        for backend in ("pallas", "reference"):
+            ops = Ops(DecodeConfig(backend=backend))
+            with warnings.catch_warnings():
+                warnings.filterwarnings("error", message="jtilert: backend='pallas'")
+                out.append(np.asarray(jax.jit(lambda i: ops(op, *args, layer=i))(jnp.int32(layer)), np.float32))
+        assert not interp.races_found()
+    return out
+
+
 @pytest.mark.parametrize("tokens", [1, 2])
 def test_moe_experts_with_the_residual_through_the_op_table(tokens):
     """The layer's residual added in the down kernel's epilogue, at a traced layer of the stacks: within
@@ -146,16 +160,7 @@ def test_moe_experts_with_the_residual_through_the_op_table(tokens):
     residual = (4 * jax.random.normal(new_key(), (tokens, hidden), F32)).astype(BF16)
     ids = jax.random.randint(new_key(), (tokens, k), 0, e).astype(jnp.int32)
     w = jax.random.uniform(new_key(), (tokens, k), minval=0.2, maxval=1.5)
-    args = (x, w, ids, *arrays, residual)
-    out = []
-    with interp.interpret(detect_races=True):
-        for backend in ("pallas", "reference"):
-            ops = Ops(DecodeConfig(backend=backend))
-            with warnings.catch_warnings():
-                warnings.filterwarnings("error", message="jtilert: backend='pallas'")   # the kernel must run
-                out.append(np.asarray(jax.jit(lambda i: ops("moe_experts", *args, layer=i))(jnp.int32(layer)),
-                                      np.float32))
-        assert not interp.races_found()
+    out = _both_backends("moe_experts", (x, w, ids, *arrays, residual), layer)
     composed = jax.jit(lambda i: residual + reference.moe_experts(x, w, ids, *[a[i] for a in arrays]))(jnp.int32(layer))
     np.testing.assert_array_equal(out[1], np.asarray(composed, np.float32))
     assert rel_err(out[0], out[1]) < 1e-2
@@ -218,6 +223,13 @@ def test_expert_down_finishes_the_gate_up_partials(engine):
         summed = interpreted(jax.jit(lambda x: moe.expert_gate_up(x, ids, g, gs, u, us, config=up_cfg)), x)
         got = gemv.finish_partials(jnp.asarray(h), kind="swiglu_f32") if split > 1 else jnp.asarray(h).astype(BF16)
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(summed, np.float32))
+    # the shared expert's rounding (kind "swiglu": g and u to bf16 first) staged as XLA finishes it, and
+    # not the routed experts' (the partials' scales make the two differ)
+    down_bf = jax.jit(lambda h: moe.expert_down(h, w, ids, d, ds, residual=residual, config=cfg, kind="swiglu"))
+    staged_bf = interpreted(down_bf, parts)
+    np.testing.assert_array_equal(np.asarray(staged_bf, np.float32),
+                                  np.asarray(interpreted(down_bf, gemv.finish_partials(parts, kind="swiglu")), np.float32))
+    assert not np.array_equal(np.asarray(staged_bf, np.float32), np.asarray(staged, np.float32))
     monkey = pytest.MonkeyPatch()
     monkey.setattr(moe, "STAGE_MAX_BYTES", parts.nbytes - 1)
     try:
@@ -225,3 +237,28 @@ def test_expert_down_finishes_the_gate_up_partials(engine):
     finally:
         monkey.undo()
     np.testing.assert_array_equal(np.asarray(too_big, np.float32), np.asarray(finished, np.float32))
+
+
+@pytest.mark.parametrize("tokens,width", [(1, 256), (2, 128), (1, 64)])
+def test_shared_expert_through_the_op_table(tokens, width):
+    """residual + the shared expert of x normed, at a traced layer of the stacks: the gate/up kernel's
+    split-K partials finished by the down kernel with the reference's rounding (g and u to bf16), within
+    bf16 / fp8 rounding of the reference op, which is the reference's swiglu_hidden then linear_residual
+    bit for bit. Width 64 (not whole 128-column blocks) runs the GEMV pair and the residual GEMV."""
+    hidden, layers, layer = 1024, 3, 2   # K wide enough for the interpreter's 8 SMs to split it
+    (g, gs), (u, us), (d, ds) = (_w((layers, *shape), "fp8") for shape in
+                                 ((width, hidden), (width, hidden), (hidden, width)))
+    nw = (1 + 0.3 * jax.random.normal(new_key(), (layers, hidden), F32)).astype(BF16)
+    x = (3 * jax.random.normal(new_key(), (tokens, hidden), F32)).astype(BF16)
+    residual = (4 * jax.random.normal(new_key(), (tokens, hidden), F32)).astype(BF16)
+    args = (x, g, gs, u, us, nw, 1e-6, d, ds, residual)
+    if width % 128 == 0:   # the down kernel stages split-K partials here (not a finished h)
+        with interp.interpret():
+            parts = jax.eval_shape(lambda: gemv.swiglu_pair(x, g, gs, u, us, nw, 1e-6, layer=jnp.int32(layer),
+                                                            unsummed=True))
+        assert parts.ndim == 4 and parts.shape[0] > 1
+    out = _both_backends("shared_expert", args, layer)
+    composed = jax.jit(lambda i: reference.linear_residual(
+        reference.swiglu_hidden(x, g[i], gs[i], u[i], us[i], nw[i], 1e-6), d[i], ds[i], residual))(jnp.int32(layer))
+    np.testing.assert_array_equal(out[1], np.asarray(composed, np.float32))
+    assert rel_err(out[0] - np.asarray(residual, np.float32), out[1] - np.asarray(residual, np.float32)) < 2e-2

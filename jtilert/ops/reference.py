@@ -81,6 +81,13 @@ def swiglu(x, gate, gate_scale, up, up_scale, down, down_scale):
     return linear(swiglu_hidden(x, gate, gate_scale, up, up_scale), down, down_scale)
 
 
+def shared_expert(x, gate, gate_scale, up, up_scale, norm_weight, eps, down, down_scale, residual):
+    """residual + the shared expert of x normed (`swiglu_hidden`, then `linear_residual`): a MoE layer's
+    residual stream before its routed experts are added."""
+    return linear_residual(swiglu_hidden(x, gate, gate_scale, up, up_scale, norm_weight, eps), down, down_scale,
+                           residual)
+
+
 def rmsnorm_linear(x: jax.Array, norm_weight: jax.Array, eps: float, w: jax.Array,
                    scale: jax.Array | None = None) -> jax.Array:
     """linear(rms_norm(x[..., :K], norm_weight, eps), w, scale), K = norm_weight's width: a norm

@@ -206,6 +206,13 @@ def _experts_unsupported(x, gate, gate_scale, up) -> str | None:
     return None
 
 
+def _shared_expert_unsupported(x, gate, gate_scale, up, up_scale, norm_weight, eps, down, down_scale,
+                               residual) -> str | None:
+    h = jax.ShapeDtypeStruct((*x.shape[:-1], gate.shape[0]), BF16)
+    return (_swiglu_unsupported(x, gate, gate_scale, up, up_scale)
+            or _residual_gemv_unsupported(h, down, down_scale, residual))
+
+
 def _route_unsupported(x) -> str | None:
     return None if x.dtype == BF16 and x.shape[-1] % KGRAIN == 0 else f"activations {x.dtype}, K={x.shape[-1]}"
 
@@ -306,6 +313,10 @@ OPS: dict[str, Op] = {
                      lambda cfg, x, nw, eps, gate, bias: _route_unsupported(x)),
     # the residual (last argument, may be None) added in the down kernel's epilogue
     "moe_experts": Op(reference.moe_experts, "pallas.moe:moe_experts", (3, 4, 5, 6, 7, 8), _moe_unsupported),
+    # residual + the shared expert (its norm's weight and eps after gate/up): its down kernel finishes the
+    # gate/up kernel's partials itself
+    "shared_expert": Op(reference.shared_expert, "pallas.moe:shared_expert", (1, 2, 3, 4, 5, 7, 8),
+                        _shared_expert_unsupported),
     "expert_hidden": Op(reference.expert_hidden, "pallas.moe:expert_gate_up", (2, 3, 4, 5),
                         lambda x, ids, g, gs, u, us: _experts_unsupported(x, g, gs, u)),
     # its reference path is in Ops.indexer_topk (an in-place write into the stack, then the scores)
@@ -524,6 +535,9 @@ class Ops:
             return ffi_moe.moe_decode(f, weights, ids, experts, shared, residual, layer)
         g, gs, u, us, d, ds = experts
         sg, sgs, su, sus, sd, sds = shared
+        if self.axis is None and residual is not None:
+            base = self("shared_expert", x, sg, sgs, su, sus, *norm, sd, sds, residual, layer=layer)
+            return self("moe_experts", f, weights, ids, *experts, base, layer=layer)
         hs = self("swiglu_hidden", x, sg, sgs, su, sus, *norm, layer=layer)
         if self.axis is not None and self.config.engine_all_reduce and x.shape[0] == 1:
             h = self("expert_hidden", f, ids, g, gs, u, us, layer=layer)
@@ -531,8 +545,7 @@ class Ops:
                                              layer=layer)[None]
             return out if residual is None else residual + out
         if self.axis is None:
-            base = self.linear_all_reduce(hs, sd, sds, layer, residual=residual)
-            return self("moe_experts", f, weights, ids, *experts, base, layer=layer)
+            return self("moe_experts", f, weights, ids, *experts, self.linear(hs, sd, sds, layer), layer=layer)
         routed = self("moe_experts", f, weights, ids, *experts, None, layer=layer)
         out = self.all_reduce(routed + self.linear(hs, sd, sds, layer))
         return out if residual is None else residual + out

@@ -267,6 +267,17 @@ def swiglu_f32(g, u, out_dtype):
     return (g * _sigmoid(g) * u).astype(out_dtype)
 
 
+def swiglu_of_sums(g, u, kind: str, out_dtype):
+    """The SwiGLU of the gate and up sums (fp32) as `kind` rounds them: "swiglu" rounds both to bf16
+    first, as the reference's dense and shared experts do; "swiglu_f32" keeps them, as its routed
+    experts do."""
+    if kind == "swiglu":
+        g, u = g.astype(BF16).astype(F32), u.astype(BF16).astype(F32)
+    elif kind != "swiglu_f32":
+        raise ValueError(f"swiglu_of_sums: kind swiglu or swiglu_f32, got {kind!r}")
+    return swiglu_f32(g, u, out_dtype)
+
+
 def add_residual(y, residual, out_dtype):
     """residual + y as `jtilert.ops.reference.linear_residual` rounds it: y to bf16, the sum in fp32."""
     return (y.astype(BF16).astype(F32) + residual.astype(F32)).astype(out_dtype)
@@ -274,13 +285,8 @@ def add_residual(y, residual, out_dtype):
 
 def _finish(ys, *, kind, residual, out_dtype):
     """ys: P fp32 arrays (one token's rows, or [.., T, N]), already scaled by a norm's 1/rms."""
-    if kind == "swiglu":
-        # The reference rounds both projections to bf16, then computes silu(g)·u in fp32.
-        g = ys[0].astype(BF16).astype(F32)
-        u = ys[1].astype(BF16).astype(F32)
-        return (g * _sigmoid(g) * u).astype(out_dtype)
-    if kind == "swiglu_f32":
-        return swiglu_f32(ys[0], ys[1], out_dtype)
+    if kind in ("swiglu", "swiglu_f32"):
+        return swiglu_of_sums(ys[0], ys[1], kind, out_dtype)
     if residual is not None:
         return add_residual(ys[0], residual, out_dtype)
     return ys[0].astype(out_dtype)
@@ -380,8 +386,9 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
     else:
         t, kx = x.shape
     p = len(ws)
-    if partials and ((p, kind) not in ((1, "linear"), (2, "swiglu_f32")) or out_dtype != F32 or residual is not None):
-        raise ValueError("GEMV partials: one weight of kind linear or two of kind swiglu_f32, fp32 out, no residual")
+    if partials and ((p, kind) not in ((1, "linear"), (2, "swiglu_f32"), (2, "swiglu")) or out_dtype != F32
+                     or residual is not None):
+        raise ValueError("GEMV partials: one weight of kind linear or two of a SwiGLU kind, fp32 out, no residual")
     if heads and ids is not None:
         raise ValueError("GEMV expert mode: ids or heads, not both")
     experts = ids is not None or heads > 0
@@ -953,14 +960,21 @@ def index_weights(x, norm_weight, eps, w, *, layer=None, config: GemvConfig | No
 
 
 def swiglu_pair(x, gate, gate_scale, up, up_scale, norm_weight=None, eps=0.0, *, layer=None,
-                config: GemvConfig | None = None):
+                config: GemvConfig | None = None, unsummed: bool = False):
     """silu(linear(x, gate)) · linear(x, up) (fp32 math, bf16 result) in one pass over both weights;
-    x normed in the kernel where a norm weight is given (`jtilert.ops.reference.swiglu_hidden`)."""
+    x normed in the kernel where a norm weight is given (`jtilert.ops.reference.swiglu_hidden`).
+    `unsummed` (T ≤ MAX_TOKENS): where the kernel splits K, its gate and up partials [split, 2, T, I]
+    fp32 as they are, for a down kernel to finish (`moe.expert_down(kind="swiglu")`); else h in fp32."""
     gate, gate_scale = _prep_weight(gate, gate_scale, layer)
     up, up_scale = _prep_weight(up, up_scale, layer)
     if gate.dtype != up.dtype:
         raise ValueError("gate and up must have the same format")
     nw = norm_operand(norm_weight, x, layer)
+    if unsummed:
+        if x.shape[0] > MAX_TOKENS:
+            raise ValueError(f"swiglu_pair unsummed: at most {MAX_TOKENS} tokens, got {x.shape[0]}")
+        return _projection(x, (gate, up), (gate_scale, up_scale), kind="swiglu", norm=nw, eps=eps, layer=layer,
+                           config=config, partials=True, out_dtype=F32)
     return hw.token_chunks(x, lambda xc, _: _projection(xc, (gate, up), (gate_scale, up_scale), kind="swiglu",
                                                 norm=nw, eps=eps, layer=layer, config=config))
 

@@ -57,23 +57,24 @@ def expert_gate_up(x, ids, gate, gate_scale, up, up_scale, *, layer=None, config
 # ---- down + weighted sum ------------------------------------------------------------------------
 
 def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16, residual=None,
-                config: GemvConfig | None = None):
+                config: GemvConfig | None = None, kind: str = "swiglu_f32"):
     """y[t] = Σ_j weights[t, j] · h[t·k + j] · down[ids[t, j]]ᵀ  (fp32 accumulation), + residual [T, H]
     where given (y rounded to bf16 first, the add in fp32: `gemv.linear_residual`'s rounding).
     h [T·k, I] (bf16, or fp32 rounded to bf16 here) or the gate/up kernel's partials [S, 2, T·k, I]
     fp32 (`expert_gate_up(unsummed=True)`): the kernel copies them into shared memory at its start
     and finishes h = silu(Σ gate) · Σ up itself while its first weight tiles arrive (beyond
-    STAGE_MAX_BYTES, or where they do not fit beside the pipeline, XLA finishes them first).
+    STAGE_MAX_BYTES, or where they do not fit beside the pipeline, XLA finishes them first), as
+    `kind` rounds them (`gemv.swiglu_of_sums`: the routed experts' "swiglu_f32", or "swiglu").
     weights [T, k] fp32, ids [T, k] int32, down [E, H, I] (fp8 + scales or bf16); with `layer`,
     down [L, E, H, I] (scales [L, E, ., .]) and layer `layer`'s experts."""
     if h.ndim == 4 and h.shape[1:3] != (2, ids.size):
         raise ValueError(f"expert_down: partials {h.shape} do not match ids {ids.shape}")
     if h.ndim == 4 and h.nbytes > STAGE_MAX_BYTES:
-        h = gemv.finish_partials(h, kind="swiglu_f32")
+        h = gemv.finish_partials(h, kind=kind)
     plan = down_plan(h.shape, weights, ids, down, down_scale, layer=layer, out_dtype=out_dtype,
-                     residual=residual, config=config)
+                     residual=residual, config=config, kind=kind)
     if plan.staged is None and h.ndim == 4:   # the partials do not fit beside the pipeline
-        h = gemv.finish_partials(h, kind="swiglu_f32")
+        h = gemv.finish_partials(h, kind=kind)
     call = plgpu.kernel(lambda *refs: plan.body(refs, lax.axis_index("n"), lax.axis_index("s")),
                         out_type=plan.out_type, grid=plan.grid, grid_names=("n", "s"), scratch_types=plan.scratch,
                         interpret=_interp.params(), kernel_name="jtilert_moe_down")
@@ -100,7 +101,7 @@ class DownPlan:
 
 
 def down_plan(h_shape, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16, residual=None,
-              config: GemvConfig | None = None) -> DownPlan:
+              config: GemvConfig | None = None, kind: str = "swiglu_f32") -> DownPlan:
     """`expert_down`'s kernel for h of shape `h_shape` ([T·k, I], or the partials [S, 2, T·k, I],
     staged where they fit beside the pipeline); the other arguments as `expert_down`'s."""
     t, kper = ids.shape
@@ -240,7 +241,7 @@ def down_plan(h_shape, weights, ids, down, down_scale, *, layer=None, out_dtype=
                 g, u = h_smem[0, 0], h_smem[0, 1]
                 for s in range(1, staged[0]):
                     g, u = g + h_smem[s, 0], u + h_smem[s, 1]
-                h_tile[...] = gemv.swiglu_f32(g, u, BF16)
+                h_tile[...] = gemv.swiglu_of_sums(g, u, kind, BF16)
                 plgpu.commit_smem()
             vals = [block(b) for b in range(nblk)]
             if x8:
@@ -405,6 +406,27 @@ def reference_moe_with_shared(x, weights, ids, packed, shared_raw):
     routed = reference.moe_experts(x, weights, ids, g[:-1], None if gs is None else gs[:-1], u[:-1],
                                 None if us is None else us[:-1], d[:-1], None if ds is None else ds[:-1])
     return routed + reference.swiglu(x, *shared_raw)
+
+
+def shared_expert(x, gate, gate_scale, up, up_scale, norm_weight, eps, down, down_scale, residual, *, layer=None):
+    """jtilert.ops.reference.shared_expert (residual + down(swiglu_hidden(x normed))) for decode (T ≤ 8) as
+    two kernels: the gate/up kernel (the norm in) leaves its split-K partials, and the down kernel, the
+    MoE down with the shared expert as its one expert of weight 1 (its [L, 1, H, I] view: free), finishes
+    them in shared memory with the reference's rounding (kind "swiglu") while its first weight tiles
+    arrive, and adds the residual in its epilogue: no XLA kernel between the two. gate/up [I, H], down
+    [H, I] (fp8 + scales, or bf16); with `layer`, stacks [L, ...] and norm_weight [L, H]. An expert
+    width that is not whole 128-column blocks, or more tokens, runs `gemv.swiglu_pair` then
+    `gemv.linear_residual` instead (the finish between them in XLA)."""
+    t = x.shape[0]
+    if t > MAX_TOKENS or down.shape[-1] % QBLOCK or down.dtype not in (FP8, BF16):
+        # the down kernel takes whole 128-column blocks of h: the GEMV kernels' pair and residual form
+        h = gemv.swiglu_pair(x, gate, gate_scale, up, up_scale, norm_weight, eps, layer=layer)
+        return gemv.linear_residual(h, down, down_scale, residual, layer=layer)
+    one = (lambda a: None if a is None else a[:, None]) if layer is not None else (
+        lambda a: None if a is None else a[None])
+    h = gemv.swiglu_pair(x, gate, gate_scale, up, up_scale, norm_weight, eps, layer=layer, unsummed=True)
+    return expert_down(h, jnp.ones((t, 1), F32), jnp.zeros((t, 1), jnp.int32), one(down), one(down_scale),
+                       layer=layer, out_dtype=residual.dtype, residual=residual, kind="swiglu")
 
 
 # ---- router -------------------------------------------------------------------------------------
