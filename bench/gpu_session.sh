@@ -75,8 +75,8 @@
 #                their times per MoE in a dependent chain
 #   moepatch     part moe on a copy of this checkout with PATCH applied (a bench/experiments patch of moe.cu)
 #   moepair      tests/gpu/moe_pair_check.py: the routed experts' gate/up and down as one kernel of two phases
-#                (jtilert/pallas/moe_pair.py) vs the step's two kernels and the reference, then both in a chain
-#                of MoE calls (CUPTI); its step is part trees with TREES=bench/experiments/moe_pair.patch
+#                (jtilert/pallas/moe_pair.py, the step's) vs the two kernels of moe.moe_experts and the reference,
+#                then both in a chain of MoE calls (CUPTI)
 #   ncumoe       ncu on the one-launch MoE: speed of light, warp stalls, memory, source counters
 #   ncu          Nsight Compute on the router's selection and the indexer's top-k launched alone
 #                (bench/experiments/engine_ncu.py): speed of light, launch, occupancy, warp stalls (the top-k's

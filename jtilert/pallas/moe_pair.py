@@ -1,4 +1,5 @@
-"""The routed experts' gate/up and down as two phases of one Mosaic-GPU kernel (decode, fp8 experts).
+"""The routed experts' gate/up and down as two phases of one Mosaic-GPU kernel (decode, fp8 experts): the op
+table's `moe_experts` kernel.
 
 `moe.moe_experts` runs them as two kernels: the gate/up kernel writes its split-K partials, the down
 kernel copies them into shared memory and streams the down weights. Each launch pays its own ramp (its

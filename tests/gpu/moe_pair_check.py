@@ -1,5 +1,5 @@
-"""On a GPU: the routed experts' gate/up and down as one kernel of two phases (`jtilert.pallas.moe_pair`)
-against the two kernels the decode step runs today (`jtilert.pallas.moe.moe_experts`) and against the
+"""On a GPU: the routed experts' gate/up and down as one kernel of two phases (`jtilert.pallas.moe_pair`,
+the decode step's) against the two kernels of `jtilert.pallas.moe.moe_experts` and against the
 reference (XLA on the same GPU), on fresh seeded random fp8 stacks at dsv32-tp8-shard's shapes (H 7168,
 I 256, 8 of E experts a token, the residual added), power-of-two block scales and arbitrary ones, at
 several layers of the stack. Then each form's time a MoE in a dependent chain over the stack's layers
