@@ -96,7 +96,6 @@ class DownPlan:
     scratch: list
     grid: tuple[int, int]
     staged: tuple | None
-    smem: hw.Scope
     finish: Callable
 
 
@@ -332,7 +331,7 @@ def down_plan(h_shape, weights, ids, down, down_scale, *, layer=None, out_dtype=
         y = out.sum(0)
         return y.astype(out_dtype) if residual is None else gemv.add_residual(y, residual, out_dtype)
     return DownPlan(body=body, operands=operands, out_type=out_type, scratch=scratch, grid=(row_blocks, split),
-                    staged=staged, smem=layout(cfg), finish=finish)
+                    staged=staged, finish=finish)
 
 
 def expert_down_scratch(cfg: GemvConfig, *, k: int, itemsize: int, out_dtype=BF16, residual_dtype=None,
