@@ -74,6 +74,10 @@
 #   moe          tests/gpu/moe_check.py: the engine's one-launch MoE vs the reference and the pallas path, and
 #                their times per MoE in a dependent chain
 #   moepatch     part moe on a copy of this checkout with PATCH applied (a bench/experiments patch of moe.cu)
+#   gemvpair     tests/gpu/gemv_pair_check.py: the attention's output path (W_uv merging sparse MLA's splits, then
+#                o_proj with the residual) as one kernel of two phases (jtilert/pallas/gemv_pair.py) vs its two
+#                kernels and the reference, then both in a chain (CUPTI); its step: part trees with
+#                TREES=bench/experiments/attn_out_pair.patch
 #   moepair      tests/gpu/moe_pair_check.py: the routed experts' gate/up and down as one kernel of two phases
 #                (jtilert/pallas/moe_pair.py, the step's) vs the two kernels of moe.moe_experts and the reference,
 #                then both in a chain of MoE calls (CUPTI)
@@ -487,6 +491,7 @@ for part in "$@"; do
         step "envab_$v" 200 "${e[@]}" $DEC --layers "$n" --backend pallas --samples 6 --out "$WORK/envab_$v.json"
       done ;;
     moe) step moe 400 python3 tests/gpu/moe_check.py --out "$WORK/moe.json" ;;
+    gemvpair) step gemvpair 240 python3 tests/gpu/gemv_pair_check.py --out "$WORK/gemv_pair.json" ;;
     moepair) step moepair 240 python3 tests/gpu/moe_pair_check.py --out "$WORK/moe_pair.json" ;;
     moepatch)  # the one-launch MoE check (part moe) in a copy of this checkout with PATCH (a bench/experiments
       # patch of cuda/src/moe.cu) applied: beside part moe's figures for this checkout in the same call

@@ -414,6 +414,14 @@ def sparse_mla_heads_linear(q_lat, q_pe, kv_cache, pe_cache, idx, scale: float, 
     return heads_linear(sparse_mla(q_lat, q_pe, kv_cache, pe_cache, idx, scale, out_dtype), w, w_scale, block)
 
 
+def attention_out(q_lat, q_pe, kv_cache, pe_cache, idx, scale: float, out_dtype, w, w_scale, block: int, wo, wo_scale,
+                  residual) -> jax.Array:
+    """residual + o_proj(`sparse_mla_heads_linear`'s heads as one row [T, H·N]): the attention's output
+    added to the layer's residual stream (`linear_residual`)."""
+    o = sparse_mla_heads_linear(q_lat, q_pe, kv_cache, pe_cache, idx, scale, out_dtype, w, w_scale, block)
+    return linear_residual(o.reshape(o.shape[0], -1), wo, wo_scale, residual)
+
+
 # ---- MoE router -----------------------------------------------------------------------------
 
 def router_logits(x: jax.Array, gate: jax.Array) -> jax.Array:

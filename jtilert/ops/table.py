@@ -268,6 +268,15 @@ def _indexer_unsupported(cfg, q, w, k, k_cache, k_scale, positions, start) -> st
     return indexer.unsupported(q.shape[0], q.shape[1], k_cache, k_scale)
 
 
+def _attention_out_unsupported(q_lat, q_pe, kv_cache, pe_cache, idx, scale, out_dtype, w, w_scale, block, wo,
+                               wo_scale, residual) -> str | None:
+    t, heads, n = q_lat.shape[0], w.shape[-3], w.shape[-2]
+    if t != 1:
+        return f"{t} tokens (the phases' units fit the SMs for one)"
+    return (_sparse_mla_heads_unsupported(q_lat, q_pe, kv_cache, pe_cache, idx, scale, out_dtype, w, w_scale, block)
+            or _residual_gemv_unsupported(jax.ShapeDtypeStruct((t, heads * n), BF16), wo, wo_scale, residual))
+
+
 def _mla_prep_unsupported(q_x, kv_x, kv_col, heads, qk_head_dim, norm_weight, eps, cos, sin, kv_cache, pe_cache,
                           start) -> str | None:
     return mla_prep.unsupported(q_x.shape[0], heads, qk_head_dim, 2 * cos.shape[-1], norm_weight.shape[-1],
@@ -330,6 +339,9 @@ OPS: dict[str, Op] = {
     # `Ops.sparse_mla_heads_linear` runs the two ops above instead where it does not apply
     "sparse_mla_heads_linear": Op(reference.sparse_mla_heads_linear, "pallas.sparse_mla:sparse_mla_heads_linear",
                                   (2, 3, 7, 8), _sparse_mla_heads_unsupported),
+    # the same, then o_proj with the residual: W_uv and o_proj as two phases of one kernel (one token)
+    "attention_out": Op(reference.attention_out, "pallas.sparse_mla:attention_out", (2, 3, 7, 8, 10, 11),
+                        _attention_out_unsupported),
     # q_pe and k_pe rope, the latent's norm, both cache rows (bf16 caches; the fp8 packed one: the reference)
     "mla_prep": Op(reference.mla_prep, "pallas.mla_prep:mla_prep", (5, 9, 10), _mla_prep_unsupported, in_place=True),
     # the indexer's key norm, q and k rope, their Hadamard rotation, q's fp8 quantisation (its scales into w)
@@ -565,6 +577,19 @@ class Ops:
             return self._run_kernel("sparse_mla_heads_linear", op, args, layer)
         o_lat = self("sparse_mla", q_lat, q_pe, kv_cache, pe_cache, idx, scale, out_dtype, layer=layer)
         return self("heads_linear", o_lat, *w_uv, layer=layer if w_stacked else None)
+
+    def attention_out(self, q_lat, q_pe, kv_cache, pe_cache, idx, scale, out_dtype, w_uv: tuple, wo: tuple, layer,
+                      w_stacked: bool, residual):
+        """residual + o_proj of `sparse_mla_heads_linear`'s heads as one row (wo: weight, scale). With the
+        kernels, one op (W_uv and o_proj as two phases of one kernel) where it applies (one token without
+        tp, stacked W_uv, bf16 caches), else `sparse_mla_heads_linear` then `linear_all_reduce`."""
+        args = (q_lat, q_pe, kv_cache, pe_cache, idx, scale, out_dtype, *w_uv, *wo, residual)
+        op = OPS["attention_out"]
+        if (self._kernels and self.axis is None and w_stacked and _tokens(q_lat) == 1
+                and op.unsupported(*_per_layer(op, args)) is None):
+            return self._run_kernel("attention_out", op, args, layer)
+        o = self.sparse_mla_heads_linear(q_lat, q_pe, kv_cache, pe_cache, idx, scale, out_dtype, w_uv, layer, w_stacked)
+        return self.linear_all_reduce(o.reshape(o.shape[0], -1), *wo, layer, residual=residual)
 
     def indexer_rows(self, rows: int, tokens: int):
         """(first row, count) of this rank's share of the index-key cache when the indexer is split

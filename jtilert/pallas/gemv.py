@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+from typing import Callable
 
 import jax
 import jax.experimental.pallas as pl
@@ -328,10 +330,58 @@ def sum_squares(values: list):
 HELD_ROW_VALUES = 64
 
 
-def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="linear",
-                out_dtype=BF16, config: GemvConfig | None = None, ids=None, heads: int = 0, layer=None,
-                scale_block: int = QBLOCK, prefix: bool = False, stride: int = 0, partials: bool = False,
-                normed_out: bool = False, padded: bool = False, splits: tuple | None = None):
+@dataclasses.dataclass(frozen=True)
+class ProjectionPlan:
+    """`_projection`'s kernel under a resolved configuration, for `_projection` and for a kernel that
+    runs it as a phase (`gemv_pair`). body(refs, n_idx, s_idx, e_idx=None, wait=None) is the kernel
+    body of the CTA of row block n_idx, K slice s_idx and (expert or heads mode) selection e_idx; refs
+    are `args`' refs, the output(s), then `scratch`. `wait()` (wgmma engines, x read by TMA): run
+    before x is read, after the CTA has asked for its first weight tiles (a phase before it writes
+    x). `grid`, `names`, `clusters`: the launch's; `finish(out)`: the result from the output."""
+    body: Callable
+    args: list
+    out_type: object
+    scratch: list
+    grid: tuple
+    names: tuple
+    clusters: dict
+    kernel_name: str
+    cfg: GemvConfig
+    finish: Callable
+
+    @property
+    def units(self) -> int:
+        """The CTAs of the launch: one a work unit."""
+        return math.prod(self.grid) * (self.clusters["cluster"][0] if self.clusters else 1)
+
+    def unit(self, u):
+        """(n_idx, s_idx, e_idx) of work unit u (grid order: row block fastest), for a phase of one CTA
+        a unit (no cluster)."""
+        sizes = dict(zip(self.names, self.grid))
+        rb, split = sizes["n"], sizes.get("s", 1)
+        return u % rb, (u // rb) % split, (u // (rb * split) if "e" in sizes else None)
+
+
+def _projection(x, ws, scales, **kw):
+    """`projection_plan`'s kernel launched, and its result (see there)."""
+    plan = projection_plan(x, ws, scales, **kw)
+    return plan.finish(launch(plan))
+
+
+def launch(plan: ProjectionPlan, args=None):
+    """The plan's kernel on `args` (default: the plan's own), its output as the kernel writes it."""
+    def kernel(*refs):
+        plan.body(refs, lax.axis_index("n"), lax.axis_index("s"), lax.axis_index("e") if "e" in plan.names else None)
+    call = plgpu.kernel(kernel, out_type=plan.out_type, grid=plan.grid, grid_names=plan.names, **plan.clusters,
+                        scratch_types=plan.scratch, interpret=_interp.params(), kernel_name=plan.kernel_name)
+    return call(*(plan.args if args is None else args))
+
+
+def projection_plan(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="linear",
+                    out_dtype=BF16, config: GemvConfig | None = None, ids=None, heads: int = 0, layer=None,
+                    scale_block: int = QBLOCK, prefix: bool = False, stride: int = 0, partials: bool = False,
+                    normed_out: bool = False, padded: bool = False, splits: tuple | None = None,
+                    heads_flat: bool = False) -> ProjectionPlan:
     """Core: x [T, K] (T ≤ 8) against P = len(ws) weights [N, K] with shared x; see module doc.
     `partials` (one weight, kind "linear", fp32, no residual): the split-K partial sums
     [split, T, N] unsummed, for a consumer that adds them itself ([1, T, N] without split-K); with
@@ -370,7 +420,11 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
     is not x (None) but sparse MLA's split partials, o [T, G, n, Hc, K] fp32 and m, l [T, G, n, Hc]
     (head j = g·Hc + h: `sparse_mla.sparse_mla_partials`), which each CTA merges for its head as
     `sparse_mla.combine` does and rounds to bf16 (the attention's output, as the reference rounds it)
-    in place of x's TMA."""
+    in place of x's TMA.
+
+    `heads_flat` (heads mode, the epilogue in the kernel, N a multiple of block_n): the result is
+    [T, H·N], head j's rows at columns j·N.. of its token's row (the input of a projection of all
+    heads, which a `gemv_pair` phase reads in place)."""
     if splits is not None:
         o_parts, m_parts, l_parts = splits
         if x is not None or not heads or o_parts.ndim != 5 or m_parts.shape != o_parts.shape[:4] or (
@@ -479,7 +533,9 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
     w_layout = hw.w_layout(sub, itemsize) if fma else None
     x_col_layout = hw.x_col_layout(sub, itemsize) if fma else None
 
-    def kernel(*refs):
+    def body(refs, n_idx, s_idx, e_idx=None, wait=None):
+        if wait is not None and (fma or splits is not None):
+            raise ValueError("GEMV phase: a wait before x needs x read by TMA (the wgmma engines, no splits)")
         it = iter(refs)
         x_gmem = next(it)          # with `splits`: the partials o
         m_gmem, l_gmem = (next(it), next(it)) if splits is not None else (None, None)
@@ -501,20 +557,16 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
         parts, cbar = (next(it), next(it)) if cluster else (None, None)
         o_s, m_s, l_s, w_s, xm_s, sbar = (next(it) for _ in range(6)) if splits is not None else (None,) * 6
 
-        n_idx = lax.axis_index("n")
-        s_idx = lax.axis_index("s")
         zero = n_idx * 0                    # a traced 0: TMA boxes may then overhang T
         # wid: the stack entry of the weights (layer, expert, or layer·E + expert), read on the
         # device; it steers the weight TMA and indexes the scales and the norm weight.
         lid = hw.read_layer(*layer_gmems) if layer is not None else None
         if experts:
-            e_idx = lax.axis_index("e")
             entry = ids_gmem[e_idx] if ids is not None else e_idx % heads
             wid = entry if lid is None else entry + lid * per_layer
             tok0 = e_idx // kper            # the token of this selection
             c0 = (e_idx % kper) * stride    # its window's first column in the token's row
         else:
-            e_idx = None
             wid = lid
             tok0 = c0 = zero
         col0 = tok0 % MAX_TOKENS            # its row in the staged 8-row block (B's column)
@@ -636,7 +688,7 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
             plgpu.copy_gmem_to_smem(m_gmem.at[tok0, g_idx], m_s.at[pl.ds(0, n_split)], sbar)
             plgpu.copy_gmem_to_smem(l_gmem.at[tok0, g_idx], l_s.at[pl.ds(0, n_split)], sbar)
         if not fma:
-            if splits is None:
+            if splits is None and wait is None:
                 plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(row8, MAX_TOKENS), pl.ds(c0 + k0, kc)], xstage, bar.at[0])
             svals = ([[scale_at(j, (k0 + b * bw) // scale_block) for b in range(nblk)] for j in range(p)]
                      if fp8 and not x8 else None)
@@ -722,7 +774,11 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
             it) and x's slice prepared (B for the wgmma engines, fp32 rows for FMA, which norm them
             with it). In the wgmma engines only the epilogue uses 1/rms: they issue the rows' loads
             first and, where the rows fit in registers (`HELD_ROW_VALUES`), reduce them after B's
-            build, so that the loads land while x's TMA is awaited and B is built."""
+            build, so that the loads land while x's TMA is awaited and B is built. With `wait`, x's TMA
+            is issued here, once the phase before has written x."""
+            if wait is not None:
+                wait()
+                plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(row8, MAX_TOKENS), pl.ds(c0 + k0, kc)], xstage, bar.at[0])
             # the norm weight's slice and the rows first: their loads are in flight together
             nws = ([plgpu.load(norm_at(k0 + b * bw, bw), optimized=False).astype(F32) for b in range(nblk)]
                    if nw_gmem is not None and not fma else None)
@@ -776,7 +832,8 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
             plgpu.commit_smem()
             orow = pl.ds(e_idx, 1) if experts else slice(None)
             for j in range(out_rows):
-                dst = (out_gmem.at[orow, pl.ds(row0, bn)] if in_kernel_epilogue
+                dst = (out_gmem.at[pl.ds(tok0, 1), pl.ds((e_idx % heads) * n + row0, bn)] if heads_flat else
+                       out_gmem.at[orow, pl.ds(row0, bn)] if in_kernel_epilogue
                        else out_gmem.at[s_idx, j, orow, pl.ds(row0, bn)])
                 plgpu.copy_smem_to_gmem(o_smem.at[j, pl.ds(0, tb)], dst)
             plgpu.wait_smem_to_gmem(0)
@@ -823,7 +880,11 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
     # output's N columns runs on into the next row (the next token's or head's), so the output rows
     # are padded to whole blocks and cut back to N after the kernel (no padding when N % 64 == 0).
     n_out = row_blocks * bn
-    out_type = (jax.ShapeDtypeStruct((nsel, n_out), o_dtype) if in_kernel_epilogue
+    if heads_flat and (not heads or not in_kernel_epilogue or n_out != n or normed_out):
+        raise ValueError(f"GEMV heads_flat: heads mode, the epilogue in the kernel and N a multiple of {bn} "
+                         f"(got heads={heads}, split={split}, N={n})")
+    out_type = (jax.ShapeDtypeStruct((t, heads * n), o_dtype) if heads_flat else
+                jax.ShapeDtypeStruct((nsel, n_out), o_dtype) if in_kernel_epilogue
                 else jax.ShapeDtypeStruct((split, p, nsel, n_out), F32))
     if normed_out:
         out_type = (out_type, jax.ShapeDtypeStruct((t, k), BF16))
@@ -831,11 +892,8 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
     if experts:
         grid, names = grid + (nsel,), names + ("e",)
     clusters = dict(cluster=(split,), cluster_names=("s",)) if cluster else {}
-    call = plgpu.kernel(kernel, out_type=out_type, grid=grid, grid_names=names, **clusters,
-                        scratch_types=scratch, interpret=_interp.params(),
-                        kernel_name=_kernel_name(cfg.engine, kind, n, k, heads=heads > 0, splits=splits is not None,
-                                                 experts=ids is not None,
-                                                 norm=norm is not None, residual=residual is not None))
+    kernel_name = _kernel_name(cfg.engine, kind, n, k, heads=heads > 0, splits=splits is not None,
+                               experts=ids is not None, norm=norm is not None, residual=residual is not None)
     args = [x] + ([m_parts.astype(F32), l_parts.astype(F32)] if splits is not None else [])
     args += [ids.astype(jnp.int32)] if ids is not None else []
     args += hw.layer_operands(layer) + list(ws)
@@ -845,10 +903,14 @@ def _projection(x, ws, scales, *, norm=None, eps=1e-6, residual=None, kind="line
         args.append(norm)
     if residual is not None and in_kernel_epilogue:
         args.append(residual)
-    out, x_normed = call(*args) if normed_out else (call(*args), None)
-    y = _projection_result(out if padded else out[..., :n], in_kernel_epilogue, partials, p, kind, residual,
-                           out_dtype)
-    return (y, x_normed) if normed_out else y
+
+    def finish(out):
+        out, x_normed = out if normed_out else (out, None)
+        y = _projection_result(out if padded or heads_flat else out[..., :n], in_kernel_epilogue, partials, p, kind,
+                               residual, out_dtype)
+        return (y, x_normed) if normed_out else y
+    return ProjectionPlan(body=body, args=args, out_type=out_type, scratch=scratch, grid=grid, names=names,
+                          clusters=clusters, kernel_name=kernel_name, cfg=cfg, finish=finish)
 
 
 def _projection_result(out, in_kernel_epilogue, partials, p, kind, residual, out_dtype):

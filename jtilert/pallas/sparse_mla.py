@@ -30,7 +30,7 @@ from jax import lax
 import jtilert.pallas.interpret as _interp
 from jtilert.ops import reference
 from jtilert.pallas import _hopper as hw
-from jtilert.pallas import gemv
+from jtilert.pallas import gemv, gemv_pair
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 HP = 64            # wgmma M: query rows (heads) per CTA
@@ -492,6 +492,21 @@ def sparse_mla_heads_linear(q_lat, q_pe, kv_cache, pe_cache, idx, scale: float, 
         raise ValueError(f"sparse_mla_heads_linear kernel: {why}")
     o, m, l, _ = _partials(q_lat, q_pe, kv_cache, pe_cache, idx, scale, config, layer)
     return gemv.heads_linear_of_splits(o, m, l, w, w_scale, block, layer=layer)
+
+
+def attention_out(q_lat, q_pe, kv_cache, pe_cache, idx, scale: float, out_dtype, w, w_scale, block: int, wo, wo_scale,
+                  residual, *, config: SparseMLAConfig | None = None, layer=None):
+    """`jtilert.ops.reference.attention_out`: `sparse_mla_heads_linear`, then o_proj of its heads as one row
+    with the residual added, as two launches: the attention's split partials, then W_uv (merging the
+    splits) and o_proj as two phases of one kernel (`gemv_pair.heads_splits_linear`). ValueError where
+    `heads_linear_unsupported` names a reason."""
+    config = config or SparseMLAConfig()
+    why = heads_linear_unsupported(q_lat.shape[1], q_lat.shape[2], q_pe.shape[-1], idx.shape[-1], pe_cache is None,
+                                   block, out_dtype, config)
+    if why:
+        raise ValueError(f"attention_out kernel: {why}")
+    o, m, l, _ = _partials(q_lat, q_pe, kv_cache, pe_cache, idx, scale, config, layer)
+    return gemv_pair.heads_splits_linear(o, m, l, w, w_scale, block, wo, wo_scale, residual, layer=layer)
 
 
 def heads_linear_unsupported(heads: int, L: int, R: int, K: int, fp8: bool, block: int, out_dtype,

@@ -145,19 +145,21 @@ def timing(rows, reps=4):
     time_chains(_forms(), (f0, w, ids, ex, sh, res), rows, reps=reps)
 
 
-def time_chains(forms: dict, args: tuple, rows, *, rounds: int = 1, reps: int = 4):
-    """Each form fn(f, w_l, ids_l, *rest, layer) as a dependent chain of reps x L MoE calls in one jitted
-    loop (a layer's output, normalised, is the next one's input; every layer its own experts), args =
-    (f0, w [L, 1, k], ids [L, 1, k], *rest) passed as arguments, not constants folded into the program;
-    the forms alternate over `rounds`. A row a form and round: wall clock of 20 calls queued, CUPTI's
-    kernels and busy µs a MoE (and by kernel name, one iteration)."""
+def time_chains(forms: dict, args: tuple, rows, *, rounds: int = 1, reps: int = 4, per_layer: int = 2):
+    """Each form fn(f, *layer_args, *rest, layer) as a dependent chain of reps x L calls in one jitted loop
+    (a layer's output, normalised, is the next one's input; every layer its own weights), args = (f0,
+    `per_layer` arrays [L, ...] (the MoE's: w [L, 1, k], ids [L, 1, k]) taken at the layer, *rest)
+    passed as arguments, not constants folded into the program; the forms alternate over `rounds`. A
+    row a form and round: wall clock of 20 calls queued, CUPTI's kernels and busy µs a call (and by
+    kernel name, one iteration)."""
     n_moe = reps * L
     runs = {}
     for name, fn in forms.items():
-        def chain(f, w, ids, *rest, fn=fn):
+        def chain(f, *operands, fn=fn):
             def body(i, f):
                 layer = i % L
-                o = fn(f, w[layer], ids[layer], *rest, layer).astype(F32)
+                at_layer = [a[layer] for a in operands[:per_layer]]
+                o = fn(f, *at_layer, *operands[per_layer:], layer).astype(F32)
                 return (o * jax.lax.rsqrt(jnp.mean(o * o) + 1e-6)).astype(BF16)
             return jax.lax.fori_loop(0, n_moe, body, f)
         runs[name] = jax.jit(chain)
@@ -188,6 +190,24 @@ def time_chains(forms: dict, args: tuple, rows, *, rounds: int = 1, reps: int = 
                          "busy_us_per_moe": busy_us, "chain": f"{reps} x {L} layers",
                          "kernels_by_name_count_us_per_moe": by_name})
             print(rows[-1], flush=True)
+
+
+def check_main(check, timing, meta: dict, argv=None) -> int:
+    """A pair check script's main: check(rows) -> ok, then, if ok, timing(rows, rounds) (--rounds, default 2);
+    the JSON {device, **meta, rows, ok} to --out; exit code 1 on a mismatch."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=None)
+    p.add_argument("--rounds", type=int, default=2)
+    a = p.parse_args(argv)
+    rows = []
+    ok = check(rows)
+    if ok:
+        timing(rows, a.rounds)
+    print("ok" if ok else "FAIL", flush=True)
+    if a.out:
+        with open(a.out, "w") as fh:
+            json.dump({"device": jax.devices()[0].device_kind, **meta, "rows": rows, "ok": ok}, fh, indent=1)
+    return 0 if ok else 1
 
 
 def main(argv=None) -> int:

@@ -11,14 +11,10 @@ forms: wall clock and CUPTI (kernels a MoE, busy µs). JSON to --out; exit code 
 
 from __future__ import annotations
 
-import argparse
-import json
-import pathlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
-from moe_check import _rel, _stacks, _token, time_chains   # tests/gpu/moe_check.py: stacks, tokens, chains
+from moe_check import _rel, _stacks, _token, check_main, time_chains   # tests/gpu/moe_check.py
 
 from jtilert.ops import reference
 from jtilert.pallas import moe, moe_pair
@@ -78,20 +74,8 @@ def timing(rows, rounds: int):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", default=None)
-    p.add_argument("--rounds", type=int, default=2)
-    a = p.parse_args(argv)
-    rows = []
-    ok = check(rows)
-    if ok:
-        timing(rows, a.rounds)
-    print("ok" if ok else "FAIL", flush=True)
-    if a.out:
-        pathlib.Path(a.out).write_text(json.dumps(
-            {"device": jax.devices()[0].device_kind, "shapes": {"H": H, "I": I, "k": K, "E": E, "L": L},
-             "weight_mb_per_moe": 3 * K * I * H / 1e6, "rows": rows, "ok": ok}, indent=1))
-    return 0 if ok else 1
+    return check_main(check, timing, {"shapes": {"H": H, "I": I, "k": K, "E": E, "L": L},
+                                      "weight_mb_per_moe": 3 * K * I * H / 1e6}, argv)
 
 
 if __name__ == "__main__":
