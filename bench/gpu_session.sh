@@ -79,7 +79,7 @@
 #                kernels and the reference, then both in a chain (CUPTI); its step: part trees with
 #                TREES=bench/experiments/attn_out_pair.patch
 #   moepair      tests/gpu/moe_pair_check.py: the routed experts' gate/up and down as one kernel of two phases
-#                (jtilert/pallas/moe_pair.py, the step's) vs the two kernels of moe.moe_experts and the reference,
+#                (moe.moe_experts on gemv_pair.chain, the step's) vs the two kernels and the reference,
 #                then both in a chain of MoE calls (CUPTI)
 #   ncumoe       ncu on the one-launch MoE: speed of light, warp stalls, memory, source counters
 #   ncu          Nsight Compute on the router's selection and the indexer's top-k launched alone

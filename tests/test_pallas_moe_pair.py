@@ -1,7 +1,7 @@
-"""The routed experts' gate/up and down as two phases of one kernel (`jtilert.pallas.moe_pair`): each phase's
-code in GPU interpret mode (there the phases run as two kernels) against the two shipped kernels bit for bit
-and the reference within fp8 rounding, on seeded random stacks; the one kernel lowered for the GPU at
-DeepSeek-V3.2's shapes."""
+"""The routed experts' gate/up and down as two phases of one kernel (`moe.moe_experts` on `gemv_pair.chain`):
+the phases in GPU interpret mode (there they run as two kernels) against the two kernels bit for bit and
+the reference within fp8 rounding, on seeded random stacks; the one kernel lowered for the GPU at
+DeepSeek-V3.2's shapes; where the phases do not make one kernel and why."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from interpreted import interpreted, new_key, rel_err   # tests/interpreted.py (
 from jtilert.ops import reference
 from jtilert.ops.quant import quantize_weight
 from jtilert.pallas import interpret as interp
-from jtilert.pallas import moe, moe_pair
+from jtilert.pallas import moe
 
 F32, BF16, FP8 = jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn
 
@@ -26,9 +26,10 @@ def _stack(shape):
 
 @pytest.mark.parametrize("tokens", [1, 2])
 def test_the_phases_give_the_two_kernels_result(tokens):
-    """At a traced layer of [L, E, ...] stacks with the residual: moe_pair's phases equal moe.moe_experts'
-    two kernels to the bit (the same sums in the same order) and the reference within fp8 rounding. Two
-    tokens share an expert; the gate/up phase runs split-K (its partials summed by the down phase)."""
+    """At a traced layer of [L, E, ...] stacks with the residual: the pair's phases equal the gate/up and
+    down kernels (`expert_gate_up` unsummed, `expert_down`) to the bit (the same bodies, the same sums)
+    and the reference within fp8 rounding. Two tokens share an expert; the gate/up phase runs split-K
+    (its partials summed by the down phase)."""
     e, width, hidden, layers, layer = 6, 128, 1024, 3, 1
     k = 3 - tokens   # two selections in all: the interpreter's 8 SMs then take split-K
     g, gs = _stack((layers, e, width, hidden))
@@ -42,52 +43,29 @@ def test_the_phases_give_the_two_kernels_result(tokens):
     w = jax.random.uniform(new_key(), (tokens, k), minval=0.2, maxval=1.5)
     args = (x, w, ids, g, gs, u, us, d, ds, residual)
     with interp.interpret():
-        up_plan, _, why = moe_pair._plans(x, w, ids, g, gs, u, d, ds, residual, jnp.int32(layer))
-    assert why is None and up_plan.cfg.split_k > 1
-    pair = interpreted(jax.jit(lambda i: moe_pair.moe_experts(*args, layer=i)), jnp.int32(layer))
-    two = interpreted(jax.jit(lambda i: moe.moe_experts(*args, layer=i)), jnp.int32(layer))
-    np.testing.assert_array_equal(np.asarray(pair, np.float32), np.asarray(two, np.float32))
+        first, _, why = moe._pair(*args, jnp.int32(layer))
+    assert why is None and first.out_type.ndim == 4 and first.out_type.shape[0] > 1
+
+    def two(i):
+        h = moe.expert_gate_up(x, ids, g, gs, u, us, layer=i, unsummed=True)
+        return moe.expert_down(h, w, ids, d, ds, layer=i, out_dtype=x.dtype, residual=residual)
+    pair = interpreted(jax.jit(lambda i: moe.moe_experts(*args, layer=i)), jnp.int32(layer))
+    np.testing.assert_array_equal(np.asarray(pair, np.float32),
+                                  np.asarray(interpreted(jax.jit(two), jnp.int32(layer)), np.float32))
     want = residual + reference.moe_experts(x, w, ids, g[layer], gs[layer], u[layer], us[layer], d[layer], ds[layer])
     assert rel_err(pair, want) < 1e-2
 
 
-def test_the_gate_up_phase_writes_every_partial():
-    """Phase 1 alone: its partial sums [split, 2, T·k, I] (no NaN: every element written) summed over
-    the splits are x · gate / x · up of each selection within fp8 rounding."""
-    e, width, hidden, k = 4, 192, 384, 2
-    g, gs = _stack((e, width, hidden))
-    u, us = _stack((e, width, hidden))
-    x = jax.random.normal(new_key(), (1, hidden), F32).astype(BF16)
-    ids = jnp.array([[3, 1]], jnp.int32)
-    with interp.interpret():
-        plan = moe_pair.gate_up_plan(2, g, 8)
-
-    def phase1(x, ids):
-        def kernel(x_r, ids_r, g_r, u_r, gs_r, us_r, parts):
-            moe_pair.gate_up_unit(jax.lax.axis_index("u"), plan, kper=k, per_layer=0, x_gmem=x_r, ids_gmem=ids_r,
-                                  layer_gmems=None, g_gmem=g_r, up_gmem=u_r, gs_gmem=gs_r, us_gmem=us_r,
-                                  parts_gmem=parts)
-        import jax.experimental.pallas.mosaic_gpu as plgpu
-        return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct(plan.parts_shape, F32), grid=(plan.units,),
-                            grid_names=("u",), interpret=interp.params())(x, ids.reshape(-1), g, u, gs, us)
-    parts = interpreted(phase1, x, ids)
-    assert parts.shape == plan.parts_shape and not np.isnan(parts).any()
-    for j, (w, s) in enumerate(((g, gs), (u, us))):
-        for sel in range(2):
-            want = reference.linear(x, w[ids[0, sel]], s[ids[0, sel]]).astype(F32)[0]
-            assert rel_err(parts[:, j, sel].sum(0), want) < 1e-2
-
-
 def _why(*args, **kw):
-    """moe_pair.unsupported on abstract arrays (traced, so that no stack is allocated)."""
+    """moe.pair_unsupported on abstract arrays (traced, so that no stack is allocated)."""
     out = []
-    jax.eval_shape(lambda *a: out.append(moe_pair.unsupported(*a, **kw)) or 0, *args)
+    jax.eval_shape(lambda *a: out.append(moe.pair_unsupported(*a, **kw)) or 0, *args)
     return out[0]
 
 
 def test_where_the_phases_do_not_make_one_kernel():
     """bf16 experts, and tokens whose gate/up partials or units outgrow the down phase's SMEM or the SMs, go
-    to the two kernels, and `unsupported` says why."""
+    to the two kernels, and `pair_unsupported` says why."""
     S = jax.ShapeDtypeStruct
     e, width, hidden = 256, 256, 7168
     q = lambda *shape: (S(shape, FP8), S((*shape[:-2], -(-shape[-2] // 128), shape[-1] // 128), F32))
@@ -99,7 +77,7 @@ def test_where_the_phases_do_not_make_one_kernel():
         for tokens in (2, 8):
             why = _why(S((tokens, hidden), BF16), S((tokens, 8), F32), S((tokens, 8), jnp.int32), *q(e, width, hidden),
                        *q(e, width, hidden), *q(e, hidden, width))
-            assert why is not None and ("SMs" in why or "SMEM" in why)
+            assert why is not None and ("SMs" in why or "partials" in why), why
         assert _why(S((1, hidden), BF16), S((1, 8), F32), S((1, 8), jnp.int32), *q(e, width, hidden),
                     *q(e, width, hidden), *q(e, hidden, width)) is None
 
@@ -107,8 +85,8 @@ def test_where_the_phases_do_not_make_one_kernel():
 def test_one_kernel_lowers_for_the_gpu_at_dsv32_shapes():
     """DeepSeek-V3.2's share (tp 8: experts of 256 × 7168, 8 of 256 a token) at a layer of the stacks with
     the residual, one token (the plain decode step): one Mosaic kernel, which lowers for CUDA (Mosaic's
-    errors show without a GPU). Two tokens (MTP's verification) take the two kernels: the gate/up phase's
-    split-K partials, [4, 2, 16, 256] fp32, pass what the down phase stages."""
+    errors show without a GPU). Two tokens (MTP's verification) take the two kernels
+    (`test_where_the_phases_do_not_make_one_kernel`)."""
     tokens = 1
     S = jax.ShapeDtypeStruct
     layers, e, width, hidden = 2, 256, 256, 7168
@@ -117,6 +95,6 @@ def test_one_kernel_lowers_for_the_gpu_at_dsv32_shapes():
             *q(layers, e, width, hidden), *q(layers, e, hidden, width), S((tokens, hidden), BF16))
     with interp.compile_for_gpu():
         assert _why(*args, layer=jnp.int32(1)) is None
-        txt = jax.jit(lambda *a: moe_pair.moe_experts(*a, layer=jnp.int32(1))).trace(*args).lower(
+        txt = jax.jit(lambda *a: moe.moe_experts(*a, layer=jnp.int32(1))).trace(*args).lower(
             lowering_platforms=("cuda",)).as_text()
     assert txt.count("custom_call @mosaic_gpu") == 1

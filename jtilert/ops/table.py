@@ -322,7 +322,7 @@ OPS: dict[str, Op] = {
                      lambda cfg, x, nw, eps, gate, bias: _route_unsupported(x)),
     # the residual (last argument, may be None) added in the down kernel's epilogue; gate/up and down as two
     # phases of one kernel where they fit the SMs (one decode token), else two kernels
-    "moe_experts": Op(reference.moe_experts, "pallas.moe_pair:moe_experts", (3, 4, 5, 6, 7, 8), _moe_unsupported),
+    "moe_experts": Op(reference.moe_experts, "pallas.moe:moe_experts", (3, 4, 5, 6, 7, 8), _moe_unsupported),
     # residual + the shared expert (its norm's weight and eps after gate/up): its down kernel finishes the
     # gate/up kernel's partials itself
     "shared_expert": Op(reference.shared_expert, "pallas.moe:shared_expert", (1, 2, 3, 4, 5, 7, 8),

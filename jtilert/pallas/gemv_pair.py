@@ -1,6 +1,7 @@
 """Two projections as two phases of one Mosaic-GPU kernel, the second reading the first's output
-(decode): the attention's output path, W_uv (each head's GEMV, merging sparse MLA's split partials)
-then o_proj with the layer's residual.
+(decode): a MoE layer's routed experts (`moe.moe_experts`: the gate/up GEMV's split-K partials, then the
+down GEMV that finishes them), and the attention's output path (`heads_splits_linear`: W_uv, each
+head's GEMV merging sparse MLA's split partials, then o_proj with the layer's residual).
 
 As two kernels each pays its own ramp (its first weight tiles' latency, x's preparation) and tail. Here
 one kernel of C CTAs (at most one an SM, all resident at once) runs both `gemv.ProjectionPlan`s:
@@ -12,9 +13,10 @@ one kernel of C CTAs (at most one an SM, all resident at once) runs both `gemv.P
    all C CTAs have arrived (`ProjectionPlan.body`'s `wait`), and only then reads x, the first's output,
    by TMA while those tiles land.
 
-W_uv has 32 units at DeepSeek-V3.2's share (16 heads × 2 row blocks) and o_proj 112: most of o_proj's
-CTAs ask for their weights at the kernel's start, so its ramp overlaps W_uv. The result is that of the
-two kernels to the bit (the same bodies, the same sums).
+At DeepSeek-V3.2's share the experts' gate/up has 128 units and their down 112; W_uv has 32 (16 heads ×
+2 row blocks) and o_proj 112, so most of o_proj's CTAs ask for their weights at the kernel's start and
+its ramp overlaps W_uv. The result is that of the two kernels to the bit (the same bodies, the same
+sums).
 
 In GPU interpret mode (no GPU) the interpreter cannot run a grid-wide wait: the phases run as two
 kernels there (`gemv.launch` of each plan), so the CPU tests check the phases' code and lower the one

@@ -7,6 +7,9 @@ ids that stay on the device:
   w_i, the fp8 block scale and h_i are folded into the B operand, so the weighted sum is the tensor
   core's accumulation; the layer's residual is added in its epilogue. A shared expert packed as one
   more expert (`pack_shared_expert`) rides along with weight 1.
+* `moe_experts`: the two as two phases of one kernel (`gemv_pair.chain`) where they fit (one decode
+  token), else as two kernels.
+* `shared_expert`: the shared expert's gate/up kernel, then `expert_down` with it as its one expert.
 * `route` / `norm_route`: fp32 logits on `gemv`'s FMA engine (the reference's precision, so near-ties
   select the same experts; `norm_route` applies the FFN's RMSNorm and writes the normed x out), then
   the selection: with a layer index one launch of the CUDA engine (`jtilert.ffi.route`), else the
@@ -17,9 +20,8 @@ on the device and add layer·E to the expert ids.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import Callable
+import math
 
 import jax
 import jax.experimental.pallas as pl
@@ -31,7 +33,7 @@ import jtilert.pallas.interpret as _interp
 from jtilert.ffi import route as ffi_route
 from jtilert.ops import reference
 from jtilert.pallas import _hopper as hw
-from jtilert.pallas import gemv
+from jtilert.pallas import gemv, gemv_pair
 from jtilert.pallas._hopper import BF16, F16, F32, FP8, MAX_TOKENS, QBLOCK, X_LAYOUT, X_TRANSFORMS
 from jtilert.pallas.gemv import GemvConfig
 
@@ -71,38 +73,24 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
         raise ValueError(f"expert_down: partials {h.shape} do not match ids {ids.shape}")
     if h.ndim == 4 and h.nbytes > STAGE_MAX_BYTES:
         h = gemv.finish_partials(h, kind=kind)
-    plan = down_plan(h.shape, weights, ids, down, down_scale, layer=layer, out_dtype=out_dtype,
-                     residual=residual, config=config, kind=kind)
-    if plan.staged is None and h.ndim == 4:   # the partials do not fit beside the pipeline
+    h = h if h.dtype == F32 else h.astype(BF16)
+    plan, staged = down_plan(h, weights, ids, down, down_scale, layer=layer, out_dtype=out_dtype,
+                             residual=residual, config=config, kind=kind)
+    if staged is None and h.ndim == 4:   # the partials do not fit beside the pipeline
         h = gemv.finish_partials(h, kind=kind)
-    call = plgpu.kernel(lambda *refs: plan.body(refs, lax.axis_index("n"), lax.axis_index("s")),
-                        out_type=plan.out_type, grid=plan.grid, grid_names=("n", "s"), scratch_types=plan.scratch,
-                        interpret=_interp.params(), kernel_name="jtilert_moe_down")
-    return plan.finish(call(h if h.dtype == F32 else h.astype(BF16), *plan.operands))
+        plan, _ = down_plan(h, weights, ids, down, down_scale, layer=layer, out_dtype=out_dtype,
+                            residual=residual, config=config, kind=kind)
+    return plan.finish(gemv.launch(plan))
 
 
-@dataclasses.dataclass(frozen=True)
-class DownPlan:
-    """The MoE down kernel under a resolved configuration, for `expert_down` and for a kernel that
-    runs it as a phase (`moe_pair`). body(refs, n_idx, s_idx, wait=None) is the kernel body of the
-    CTA of row block n_idx and K slice s_idx; refs are h, then `operands`, then the output, then
-    `scratch`. `wait()` (staged partials only): run before the partials are copied in, after the
-    CTA has asked for its first weight tiles (a phase before it writes them). `grid`: (row blocks,
-    split); `staged`: the partials' shape where the kernel finishes them itself, else None;
-    `finish(out)`: the result from the kernel's output."""
-    body: Callable
-    operands: list
-    out_type: jax.ShapeDtypeStruct
-    scratch: list
-    grid: tuple[int, int]
-    staged: tuple | None
-    finish: Callable
-
-
-def down_plan(h_shape, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16, residual=None,
-              config: GemvConfig | None = None, kind: str = "swiglu_f32") -> DownPlan:
-    """`expert_down`'s kernel for h of shape `h_shape` ([T·k, I], or the partials [S, 2, T·k, I],
-    staged where they fit beside the pipeline); the other arguments as `expert_down`'s."""
+def down_plan(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16, residual=None,
+              config: GemvConfig | None = None, kind: str = "swiglu_f32") -> tuple[gemv.ProjectionPlan, tuple | None]:
+    """(`expert_down`'s kernel as a `gemv.ProjectionPlan`, the partials' shape where it stages them or
+    None) for h (an array, or its shape and dtype: [T·k, I] fp32 / bf16, or the partials [S, 2, T·k, I],
+    staged where they fit beside the pipeline: else the plan is for h finished first, and the caller
+    finishes it); the other arguments as `expert_down`'s. The plan's `wait` (a phase before it writes h)
+    runs before h is read."""
+    h_shape = h.shape
     t, kper = ids.shape
     nsel = t * kper
     if len(h_shape) == 4 and tuple(h_shape[1:3]) != (2, nsel):
@@ -156,6 +144,7 @@ def down_plan(h_shape, weights, ids, down, down_scale, *, layer=None, out_dtype=
     layout, cfg = resolved(staged)
     if staged and hw.smem_bytes(layout(cfg)) > hw.SMEM_BYTES:   # the partials do not fit beside the pipeline
         staged = None
+        h_shape = (nsel, i_dim)
         layout, cfg = resolved(None)
     hw.check_smem("MoE down kernel", layout(cfg), cfg)
     bn, split, stages, a_regs = cfg.block_n, cfg.split_k, cfg.stages, cfg.a_in_registers
@@ -172,7 +161,7 @@ def down_plan(h_shape, weights, ids, down, down_scale, *, layer=None, out_dtype=
     o_dtype = out_dtype if in_kernel else F32
     res_in_kernel = residual is not None and in_kernel
 
-    def body(refs, n_idx, s_idx, wait=None):
+    def body(refs, n_idx, s_idx, e_idx=None, wait=None):
         h_gmem, w_gmem, ids_gmem, *rest = refs
         it = iter(rest)
         layer_gmems = (next(it), next(it)) if layer is not None else None
@@ -232,10 +221,11 @@ def down_plan(h_shape, weights, ids, down, down_scale, *, layer=None, out_dtype=
                 v = plgpu.layout_cast(lax.broadcast_in_dim(hv, (MAX_TOKENS, QBLOCK), (1,)), X_LAYOUT)
                 return jnp.where(row_id == sel // kper, v, 0.0)
 
-            if staged:   # h once for all selections: the split-K sums in split order, the SwiGLU, bf16
-                if wait is not None:   # the partials once the phase that writes them is done
-                    wait()
+            if wait is not None:   # h (or its partials) once the phase that writes it is done
+                wait()
+                if staged:
                     plgpu.copy_gmem_to_smem(h_gmem, h_smem, h_bar.at[0])
+            if staged:   # h once for all selections: the split-K sums in split order, the SwiGLU, bf16
                 plgpu.barrier_wait(h_bar.at[0])
                 g, u = h_smem[0, 0], h_smem[0, 1]
                 for s in range(1, staged[0]):
@@ -319,19 +309,21 @@ def down_plan(h_shape, weights, ids, down, down_scale, *, layer=None, out_dtype=
                                   residual_dtype=res_dtype, staged=staged)
     out_type = (jax.ShapeDtypeStruct((t, n), o_dtype) if in_kernel
                 else jax.ShapeDtypeStruct((split, t, n), F32))
-    operands = [weights.astype(F32), ids.reshape(-1).astype(jnp.int32)] + hw.layer_operands(layer) + [down]
+    h_arg = h if len(h.shape) == len(h_shape) else jax.ShapeDtypeStruct(h_shape, h.dtype)
+    args = [h_arg, weights.astype(F32), ids.reshape(-1).astype(jnp.int32)] + hw.layer_operands(layer) + [down]
     if fp8:
-        operands.append(down_scale.astype(F32))
+        args.append(down_scale.astype(F32))
     if res_in_kernel:
-        operands.append(residual)
+        args.append(residual)
 
     def finish(out):
         if in_kernel:
             return out
         y = out.sum(0)
         return y.astype(out_dtype) if residual is None else gemv.add_residual(y, residual, out_dtype)
-    return DownPlan(body=body, operands=operands, out_type=out_type, scratch=scratch, grid=(row_blocks, split),
-                    staged=staged, finish=finish)
+    return gemv.ProjectionPlan(body=body, args=args, out_type=out_type, scratch=scratch, grid=(row_blocks, split),
+                               names=("n", "s"), clusters={}, kernel_name="jtilert_moe_down", cfg=cfg,
+                               finish=finish), staged
 
 
 def expert_down_scratch(cfg: GemvConfig, *, k: int, itemsize: int, out_dtype=BF16, residual_dtype=None,
@@ -368,16 +360,43 @@ def expert_down_smem(cfg: GemvConfig, *, k: int, itemsize: int, out_dtype=BF16, 
 
 # ---- public wrappers ----------------------------------------------------------------------------
 
-def moe_experts(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale, residual=None, *, layer=None,
-                gate_up_config: GemvConfig | None = None, down_config: GemvConfig | None = None):
-    """jtilert.ops.reference.moe_experts for decode (T ≤ 8): two kernels, only the selected experts read;
-    the residual (where given) added in the second's epilogue."""
+def moe_experts(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale, residual=None, *, layer=None):
+    """jtilert.ops.reference.moe_experts for decode (T ≤ 8), only the selected experts read, the residual
+    (where given) added in the down projection's epilogue: the gate/up kernel (`expert_gate_up`, its
+    split-K partials unsummed) and the down kernel (`expert_down`, which finishes them) as two phases of
+    one kernel (`gemv_pair.chain`: down's first weight tiles asked for while the gate/up units finish)
+    where `pair_unsupported` says they make one, else as two kernels."""
     t = x.shape[0]
     if t > MAX_TOKENS:
         raise ValueError(f"moe_experts kernel: at most {MAX_TOKENS} tokens, got {t}")
-    h = expert_gate_up(x, ids, gate, gate_scale, up, up_scale, layer=layer, config=gate_up_config, unsummed=True)
-    return expert_down(h, weights, ids, down, down_scale, layer=layer, out_dtype=x.dtype, residual=residual,
-                       config=down_config)
+    first, second, why = _pair(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale, residual, layer)
+    if why is None:
+        return gemv_pair.chain(first, second, name="jtilert_moe_pair")
+    h = expert_gate_up(x, ids, gate, gate_scale, up, up_scale, layer=layer, unsummed=True)
+    return expert_down(h, weights, ids, down, down_scale, layer=layer, out_dtype=x.dtype, residual=residual)
+
+
+def pair_unsupported(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale, residual=None, *,
+                     layer=None) -> str | None:
+    """Why `moe_experts` runs its two kernels instead of one of two phases (None: it runs one)."""
+    return _pair(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale, residual, layer)[2]
+
+
+def _pair(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale, residual, layer):
+    """(gate/up's plan, down's plan, None), or (None, None, why they do not make one kernel)."""
+    if any(w.dtype != FP8 for w in (gate, up, down)) or gate_scale is None or down_scale is None:
+        return None, None, "bf16 experts (the pair takes fp8 weights with scales)"
+    first = gemv.projection_plan(x, (gate, up), (gate_scale, up_scale), kind="swiglu_f32", ids=ids.reshape(-1),
+                                 layer=layer, partials=True, out_dtype=F32)
+    parts = first.out_type
+    if len(parts.shape) == 4 and math.prod(parts.shape) * 4 > STAGE_MAX_BYTES:
+        return None, None, f"the gate/up partials {parts.shape} pass what the down kernel stages"
+    second, staged = down_plan(parts, weights, ids, down, down_scale, layer=layer, out_dtype=x.dtype,
+                               residual=residual)
+    if len(parts.shape) == 4 and staged is None:
+        return None, None, f"the gate/up partials {parts.shape} do not fit beside the down kernel's pipeline"
+    why = gemv_pair.chain_unsupported(first, second)
+    return (first, second, None) if why is None else (None, None, why)
 
 
 def pack_shared_expert(gate, gate_scale, up, up_scale, down, down_scale,

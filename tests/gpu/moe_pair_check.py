@@ -1,5 +1,5 @@
-"""On a GPU: the routed experts' gate/up and down as one kernel of two phases (`jtilert.pallas.moe_pair`,
-the decode step's) against the two kernels of `jtilert.pallas.moe.moe_experts` and against the
+"""On a GPU: the routed experts' gate/up and down as one kernel of two phases (`jtilert.pallas.moe.moe_experts`
+on `gemv_pair.chain`, the decode step's) against the two kernels (`expert_gate_up`, `expert_down`) and the
 reference (XLA on the same GPU), on fresh seeded random fp8 stacks at dsv32-tp8-shard's shapes (H 7168,
 I 256, 8 of E experts a token, the residual added), power-of-two block scales and arbitrary ones, at
 several layers of the stack. Then each form's time a MoE in a dependent chain over the stack's layers
@@ -17,7 +17,7 @@ import numpy as np
 from moe_check import _rel, _stacks, _token, check_main, time_chains   # tests/gpu/moe_check.py
 
 from jtilert.ops import reference
-from jtilert.pallas import moe, moe_pair
+from jtilert.pallas import moe
 
 H, I, K, E, L = 7168, 256, 8, 64, 8
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -25,10 +25,12 @@ BF16, F32 = jnp.bfloat16, jnp.float32
 
 def _forms():
     def two(f, w, ids, ex, res, layer):
-        return moe.moe_experts(f, w, ids, *ex, res, layer=layer)
+        g, gs, u, us, d, ds = ex
+        h = moe.expert_gate_up(f, ids, g, gs, u, us, layer=layer, unsummed=True)
+        return moe.expert_down(h, w, ids, d, ds, layer=layer, out_dtype=f.dtype, residual=res)
 
     def pair(f, w, ids, ex, res, layer):
-        return moe_pair.moe_experts(f, w, ids, *ex, res, layer=layer)
+        return moe.moe_experts(f, w, ids, *ex, res, layer=layer)
 
     def xla(f, w, ids, ex, res, layer):
         return res + reference.moe_experts(f, w, ids, *[a[layer] for a in ex])
@@ -43,9 +45,9 @@ def check(rows) -> bool:
         for layer in (0, L // 2 + 1, L - 1):
             f, res, w, ids = _token(seed * 10 + layer, e=E)
             if layer == 0:
-                why = moe_pair.unsupported(f, w[0], ids[0], *ex, res, layer=jnp.int32(layer))
+                why = moe.pair_unsupported(f, w[0], ids[0], *ex, res, layer=jnp.int32(layer))
                 if why is not None:
-                    print(f"FAIL: moe_pair does not apply at these shapes: {why}", flush=True)
+                    print(f"FAIL: the pair does not apply at these shapes: {why}", flush=True)
                     return False
             outs = {n: np.asarray(jax.jit(fn)(f, w[0], ids[0], ex, res, jnp.int32(layer)), np.float32)
                     for n, fn in forms.items()}
