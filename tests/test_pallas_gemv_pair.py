@@ -77,20 +77,22 @@ def test_a_waiting_phase_reads_x_after_the_wait():
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(interpreted(gemv.linear, x, w, s), np.float32))
 
 
-def test_one_kernel_lowers_for_the_gpu_at_dsv32_shapes():
+@pytest.mark.parametrize("heads, d, block", [(16, 7168, 128), (8, 6144, 64)])
+def test_one_kernel_lowers_for_the_gpu_at_full_shapes(heads, d, block):
     """DeepSeek-V3.2's share (16 heads of 128 over the 512-wide latent in 64 splits of one group, o_proj
-    7168 × 2048 with the residual) at a layer of the stacks: one Mosaic kernel that lowers for CUDA."""
+    7168 × 2048 with the residual) and GLM-5's (8 heads, W_uv in 64-blocks of scales, o_proj 6144 × 1024)
+    at a layer of the stacks: one Mosaic kernel that lowers for CUDA."""
     S = jax.ShapeDtypeStruct
-    layers, heads, nv, lat, d = 2, 16, 128, 512, 7168
+    layers, nv, lat = 2, 128, 512
     args = (S((1, 1, 64, heads, lat), F32), S((1, 1, 64, heads), F32), S((1, 1, 64, heads), F32),
-            S((layers, heads, nv, lat), FP8), S((layers, heads, 1, lat // 128), F32),
+            S((layers, heads, nv, lat), FP8), S((layers, heads, nv // block, lat // block), F32),
             S((layers, d, heads * nv), FP8), S((layers, d // 128, heads * nv // 128), F32), S((1, d), BF16))
     with interp.compile_for_gpu():
-        f = lambda o, m, l, w, ws, wo, wos, r: gemv_pair.heads_splits_linear(o, m, l, w, ws, 128, wo, wos, r,
+        f = lambda o, m, l, w, ws, wo, wos, r: gemv_pair.heads_splits_linear(o, m, l, w, ws, block, wo, wos, r,
                                                                              layer=jnp.int32(1))
         out = []
         jax.eval_shape(lambda *a: out.append(gemv_pair.chain_unsupported(*gemv_pair.heads_splits_linear_plans(
-            *a[:5], 128, *a[5:], layer=jnp.int32(1)))) or 0, *args)
+            *a[:5], block, *a[5:], layer=jnp.int32(1)))) or 0, *args)
         assert out == [None]
         txt = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert txt.count("custom_call @mosaic_gpu") == 1
