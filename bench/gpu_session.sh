@@ -45,6 +45,7 @@
 #   kvfp8        the 8-layer step with FlashMLA's fp8 latent cache (656 B per position)
 #   check        tests/gpu/decode_check.py: pallas vs reference logits, 4 layers, 32 decode steps
 #   checkall     the same with every kernel on only (no --per-op: a minute instead of three)
+#   checkpatch   checkall in a copy of this checkout with PATCH (a bench/experiments patch) applied
 #   checkglm5    checkall on GLM-5's share (glm5-tp8-shard, 4 layers: 3 dense, 1 MoE)
 #   golden       tests/test_golden_kernels.py on the GPU (JAX_PLATFORMS=cuda): the compiled kernels on the kernel-sized
 #                golden models against transformers' logits and greedy tokens (issue 14's independent check)
@@ -463,6 +464,10 @@ for part in "$@"; do
       gzip -f "$WORK/capture.log" ;;
     check) step check 240 python3 tests/gpu/decode_check.py --per-op --out "$WORK/check.json" ;;
     checkall) step check 120 python3 tests/gpu/decode_check.py --out "$WORK/check.json" ;;   # no per-op runs
+    checkpatch)  # part checkall in a copy of this checkout with PATCH (a bench/experiments patch) applied
+      [ -n "${PATCH:-}" ] || { echo "checkpatch: name the patch in PATCH" >&2; continue; }
+      t=$(patched_tree "$PATCH") \
+        && (cd "$t" && PYTHONPATH=$PWD step checkpatch 120 python3 tests/gpu/decode_check.py --out "$WORK/checkpatch.json") ;;
     checkglm5) step checkglm5 180 python3 tests/gpu/decode_check.py --preset glm5-tp8-shard \
                  --out "$WORK/check_glm5.json" ;;
     goldencheck)
