@@ -57,7 +57,7 @@ def chain(first: gemv.ProjectionPlan, second: gemv.ProjectionPlan, *, name: str)
     if why is not None:
         raise ValueError(f"gemv_pair.chain: {why}")
     if _interp.params() is not None:   # interpret mode: the phases as two kernels (no grid-wide wait there)
-        return second.finish(gemv.launch(second, [gemv.launch(first), *second.args[1:]]))
+        return in_turn(first, second)
     n1, n2 = len(first.args), len(second.args) - 1
     ctas = max(first.units, second.units)
 
@@ -86,6 +86,11 @@ def chain(first: gemv.ProjectionPlan, second: gemv.ProjectionPlan, *, name: str)
     return second.finish(y2)
 
 
+def in_turn(first: gemv.ProjectionPlan, second: gemv.ProjectionPlan):
+    """second(first(...)) as two kernels, one after the other; the second's result (its `finish`)."""
+    return second.finish(gemv.launch(second, [gemv.launch(first), *second.args[1:]]))
+
+
 def heads_splits_linear_plans(o, m, l, w, w_scale, block: int, wo, wo_scale, residual=None, *, layer=None):
     """The two plans of `heads_splits_linear`: W_uv of sparse MLA's split partials (`gemv.heads_linear_of_
     splits`, its output [T, H·N]), then o_proj of it (+ residual)."""
@@ -111,5 +116,4 @@ def heads_splits_linear(o, m, l, w, w_scale, block: int, wo, wo_scale, residual=
     first, second = heads_splits_linear_plans(o, m, l, w, w_scale, block, wo, wo_scale, residual, layer=layer)
     if chain_unsupported(first, second) is None:
         return chain(first, second, name="jtilert_gemv_pair_heads_splits_linear")
-    x = gemv.launch(first)
-    return second.finish(gemv.launch(second, [x, *second.args[1:]]))
+    return in_turn(first, second)

@@ -69,26 +69,20 @@ def expert_down(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16
     `kind` rounds them (`gemv.swiglu_of_sums`: the routed experts' "swiglu_f32", or "swiglu").
     weights [T, k] fp32, ids [T, k] int32, down [E, H, I] (fp8 + scales or bf16); with `layer`,
     down [L, E, H, I] (scales [L, E, ., .]) and layer `layer`'s experts."""
-    if h.ndim == 4 and h.shape[1:3] != (2, ids.size):
-        raise ValueError(f"expert_down: partials {h.shape} do not match ids {ids.shape}")
-    if h.ndim == 4 and h.nbytes > STAGE_MAX_BYTES:
-        h = gemv.finish_partials(h, kind=kind)
     h = h if h.dtype == F32 else h.astype(BF16)
     plan, staged = down_plan(h, weights, ids, down, down_scale, layer=layer, out_dtype=out_dtype,
                              residual=residual, config=config, kind=kind)
-    if staged is None and h.ndim == 4:   # the partials do not fit beside the pipeline
+    if staged is None and h.ndim == 4:   # partials the kernel does not stage: XLA finishes them first
         h = gemv.finish_partials(h, kind=kind)
-        plan, _ = down_plan(h, weights, ids, down, down_scale, layer=layer, out_dtype=out_dtype,
-                            residual=residual, config=config, kind=kind)
-    return plan.finish(gemv.launch(plan))
+    return plan.finish(gemv.launch(plan, [h, *plan.args[1:]]))
 
 
 def down_plan(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16, residual=None,
               config: GemvConfig | None = None, kind: str = "swiglu_f32") -> tuple[gemv.ProjectionPlan, tuple | None]:
     """(`expert_down`'s kernel as a `gemv.ProjectionPlan`, the partials' shape where it stages them or
     None) for h (an array, or its shape and dtype: [T·k, I] fp32 / bf16, or the partials [S, 2, T·k, I],
-    staged where they fit beside the pipeline: else the plan is for h finished first, and the caller
-    finishes it); the other arguments as `expert_down`'s. The plan's `wait` (a phase before it writes h)
+    staged where they are at most STAGE_MAX_BYTES and fit beside the pipeline: else the plan is for h
+    finished first, bf16, and the caller finishes it); the other arguments as `expert_down`'s. The plan's `wait` (a phase before it writes h)
     runs before h is read."""
     h_shape = h.shape
     t, kper = ids.shape
@@ -140,11 +134,11 @@ def down_plan(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16, 
                                    residual_dtype=res_dtype, staged=staged)
         return layout, want.resolved(n, ktot, t, 1, down.dtype.itemsize, hw.num_sms(), slice_unit=QBLOCK,
                                     divides=i_dim, occupancy=False, layout=layout)
-    staged = tuple(h_shape) if len(h_shape) == 4 else None
+    staged = (tuple(h_shape) if len(h_shape) == 4 and math.prod(h_shape) * jnp.dtype(h.dtype).itemsize
+              <= STAGE_MAX_BYTES else None)
     layout, cfg = resolved(staged)
     if staged and hw.smem_bytes(layout(cfg)) > hw.SMEM_BYTES:   # the partials do not fit beside the pipeline
         staged = None
-        h_shape = (nsel, i_dim)
         layout, cfg = resolved(None)
     hw.check_smem("MoE down kernel", layout(cfg), cfg)
     bn, split, stages, a_regs = cfg.block_n, cfg.split_k, cfg.stages, cfg.a_in_registers
@@ -309,7 +303,7 @@ def down_plan(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16, 
                                   residual_dtype=res_dtype, staged=staged)
     out_type = (jax.ShapeDtypeStruct((t, n), o_dtype) if in_kernel
                 else jax.ShapeDtypeStruct((split, t, n), F32))
-    h_arg = h if len(h.shape) == len(h_shape) else jax.ShapeDtypeStruct(h_shape, h.dtype)
+    h_arg = h if len(h_shape) == 2 or staged else jax.ShapeDtypeStruct((nsel, i_dim), BF16)   # finished first
     args = [h_arg, weights.astype(F32), ids.reshape(-1).astype(jnp.int32)] + hw.layer_operands(layer) + [down]
     if fp8:
         args.append(down_scale.astype(F32))
@@ -389,12 +383,10 @@ def _pair(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale, res
     first = gemv.projection_plan(x, (gate, up), (gate_scale, up_scale), kind="swiglu_f32", ids=ids.reshape(-1),
                                  layer=layer, partials=True, out_dtype=F32)
     parts = first.out_type
-    if len(parts.shape) == 4 and math.prod(parts.shape) * 4 > STAGE_MAX_BYTES:
-        return None, None, f"the gate/up partials {parts.shape} pass what the down kernel stages"
     second, staged = down_plan(parts, weights, ids, down, down_scale, layer=layer, out_dtype=x.dtype,
                                residual=residual)
     if len(parts.shape) == 4 and staged is None:
-        return None, None, f"the gate/up partials {parts.shape} do not fit beside the down kernel's pipeline"
+        return None, None, f"the gate/up partials {parts.shape}: more than the down kernel stages"
     why = gemv_pair.chain_unsupported(first, second)
     return (first, second, None) if why is None else (None, None, why)
 

@@ -485,12 +485,8 @@ def sparse_mla_heads_linear(q_lat, q_pe, kv_cache, pe_cache, idx, scale: float, 
     attention's split partials, then the heads GEMV, whose CTAs merge their head's splits in place of
     the combine kernel (`gemv.heads_linear_of_splits`). ValueError where `heads_linear_unsupported`
     names a reason."""
-    config = config or SparseMLAConfig()
-    why = heads_linear_unsupported(q_lat.shape[1], q_lat.shape[2], q_pe.shape[-1], idx.shape[-1], pe_cache is None,
-                                   block, out_dtype, config)
-    if why:   # (`_partials` refuses more than MAX_TOKENS tokens)
-        raise ValueError(f"sparse_mla_heads_linear kernel: {why}")
-    o, m, l, _ = _partials(q_lat, q_pe, kv_cache, pe_cache, idx, scale, config, layer)
+    o, m, l = _merged_partials("sparse_mla_heads_linear", q_lat, q_pe, kv_cache, pe_cache, idx, scale, out_dtype,
+                               block, config, layer)
     return gemv.heads_linear_of_splits(o, m, l, w, w_scale, block, layer=layer)
 
 
@@ -500,13 +496,21 @@ def attention_out(q_lat, q_pe, kv_cache, pe_cache, idx, scale: float, out_dtype,
     with the residual added, as two launches: the attention's split partials, then W_uv (merging the
     splits) and o_proj as two phases of one kernel (`gemv_pair.heads_splits_linear`). ValueError where
     `heads_linear_unsupported` names a reason."""
+    o, m, l = _merged_partials("attention_out", q_lat, q_pe, kv_cache, pe_cache, idx, scale, out_dtype, block, config,
+                               layer)
+    return gemv_pair.heads_splits_linear(o, m, l, w, w_scale, block, wo, wo_scale, residual, layer=layer)
+
+
+def _merged_partials(op: str, q_lat, q_pe, kv_cache, pe_cache, idx, scale, out_dtype, block, config, layer):
+    """The attention's split partials (o, m, l) for a heads GEMV that merges them (op `op`'s first launch),
+    or a ValueError naming `op` where `heads_linear_unsupported` names a reason."""
     config = config or SparseMLAConfig()
     why = heads_linear_unsupported(q_lat.shape[1], q_lat.shape[2], q_pe.shape[-1], idx.shape[-1], pe_cache is None,
                                    block, out_dtype, config)
-    if why:
-        raise ValueError(f"attention_out kernel: {why}")
+    if why:   # (`_partials` refuses more than MAX_TOKENS tokens)
+        raise ValueError(f"{op} kernel: {why}")
     o, m, l, _ = _partials(q_lat, q_pe, kv_cache, pe_cache, idx, scale, config, layer)
-    return gemv_pair.heads_splits_linear(o, m, l, w, w_scale, block, wo, wo_scale, residual, layer=layer)
+    return o, m, l
 
 
 def heads_linear_unsupported(heads: int, L: int, R: int, K: int, fp8: bool, block: int, out_dtype,
