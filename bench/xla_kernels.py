@@ -209,6 +209,14 @@ def compile_programs(cfg, *, context: int, backend: str, mtp: bool, loop: bool, 
                      "temp_gib": mem.temp_size_in_bytes / 2**30, **launches(text)})
         return lowered
 
+    def router_in_bf16(model):
+        """The abstract model with its router held in bf16, as the decode model holds a checkpoint's
+        (`transformer.router_in_bf16` needs the values to tell)."""
+        if model.moe is not None:
+            w = model.moe.gate.weight.get_value()
+            model.moe.gate.weight.set_value(jax.ShapeDtypeStruct(w.shape, jnp.bfloat16, sharding=w.sharding))
+        return model
+
     class StandInRing:
         device = dev
 
@@ -218,7 +226,7 @@ def compile_programs(cfg, *, context: int, backend: str, mtp: bool, loop: bool, 
         Engine._token_rings = lambda self: [StandInRing()] if self.config.token_ring else None
     try:
         with interpret.compile_for_gpu():
-            gen = Generator(abstract_model(cfg, "fp8", jnp.bfloat16), max_seq_len=context, mtp=mtp,
+            gen = Generator(router_in_bf16(abstract_model(cfg, "fp8", jnp.bfloat16)), max_seq_len=context, mtp=mtp,
                             config=DecodeConfig(backend=backend, **{k: v for k, v in (
                                 ("layers_per_iteration", layers_per_iteration),
                                 ("ring_write_behind", ring_write_behind)) if v is not None}))

@@ -68,7 +68,7 @@ def test_cuda_sources_compile_warnings_as_errors():
         for s in ("JtAllReduce", "JtGemvAllReduce", "JtMergeTopk", "JtExpertDownAllReduce", "jt_group_create",
                   "jt_all_reduce", "jt_expert_down_all_reduce", "JtGemvAllReduceStacked",
                   "JtExpertDownAllReduceStacked", "jt_gemv_all_reduce_layer", "jt_expert_down_all_reduce_layer",
-                  "JtRouteSelect", "jt_route_select"):
+                  "JtRouteSelect", "jt_route_select", "JtNormRoute", "jt_norm_route"):
             assert f" {s}\n" in syms, s
         assert " cudaMalloc\n" not in syms
     # the C and the Python side take the same MoE shapes (moe_decode checks in Python, ffi.cc in C)
@@ -615,9 +615,10 @@ def test_model_decode_step_lowers_to_the_fused_kernels(tiny_bf16, monkeypatch):
     assert "custom_call @jtilert_all_reduce" not in txt
 
 
-def test_pallas_step_over_a_mesh_runs_the_engines_router_selection(tiny_bf16, monkeypatch):
+def test_pallas_step_over_a_mesh_runs_the_engines_router(tiny_bf16, monkeypatch):
     """backend="pallas" at tp=2, cross-lowered for CUDA with the engine: each MoE loop body's router
-    selection is the engine's one launch, on the loop's own bias stack (no slice of a layer)."""
+    (norm, logits and selection) is the engine's one launch, on the loop's own norm, gate and bias
+    stacks (no slice of a layer)."""
     from flax import nnx
 
     from jtilert.pallas import interpret as interp
@@ -630,13 +631,15 @@ def test_pallas_step_over_a_mesh_runs_the_engines_router_selection(tiny_bf16, mo
     with interp.compile_for_gpu():
         txt = _lower_forward_for_cuda(_engine(model, _mesh(2), backend="pallas"), 64)
     moe_loops = sum(tiny_bf16.cfg.is_moe(r[0]) for r in _layer_loops(tiny_bf16.cfg))
-    rs = _custom_call_operands(txt, "jtilert_route_select")
+    rs = _custom_call_operands(txt, "jtilert_norm_route")
     assert moe_loops >= 1 and len(rs) == moe_loops, rs
-    assert all(o[1].startswith(("%arg", "%iterArg")) for o in rs), rs   # an argument, not a value computed here
+    # the norm weight, gate and bias stacks: arguments, not values computed here
+    assert all(v.startswith(("%arg", "%iterArg")) for o in rs for v in o[1:4]), rs
+    assert "custom_call @jtilert_route_select" not in txt
     stacks = {"tensor<{}xf32>".format("x".join(map(str, v.shape)))
               for p, v in jax.tree_util.tree_leaves_with_path(nnx.state(model))
               if "e_score_correction_bias" in jax.tree_util.keystr(p)}
-    calls = [line for line in txt.splitlines() if "custom_call @jtilert_route_select" in line]
+    calls = [line for line in txt.splitlines() if "custom_call @jtilert_norm_route" in line]
     assert all(any(st in line for st in stacks) for line in calls), (stacks, calls)   # a whole bias stack
 
 

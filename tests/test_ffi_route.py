@@ -147,25 +147,30 @@ def test_shapes_the_kernel_does_not_take_name_themselves():
     assert route.unsupported(_cfg(*CASES[0]), jnp.zeros((2, 1, 256)), jnp.zeros((2, 256))) is None
 
 
-def test_op_norm_route_runs_the_router_gemv_then_the_engines_selection(monkeypatch):
+@pytest.mark.parametrize("gate_dtype", [jnp.bfloat16, jnp.float32])
+def test_op_norm_route_is_the_engines_one_launch(monkeypatch, gate_dtype):
     """Op "norm_route" through `Ops` (backend pallas, stacked weights, a traced layer), lowered for CUDA
-    with the engine loaded: the router's GEMV kernel, then the engine's selection, two launches."""
+    with the engine loaded: the engine's router, one launch; a gate stack it does not take (fp32) runs the
+    router's GEMV kernel, then the engine's selection, with a warning naming the shape."""
     from jtilert.model.presets import TINY
     from jtilert.ops.table import DecodeConfig, Ops
     monkeypatch.setattr(ffi_ops, "EMIT_WITHOUT_GPU", True)
-    monkeypatch.setattr(_lib, "load", lambda: (object(), ""))   # the engine's selection, as on a GPU
+    monkeypatch.setattr(_lib, "load", lambda: (object(), ""))   # the engine loaded, as on a GPU
     cfg = TINY.replace(n_routed_experts=256, n_group=8, topk_group=4, num_experts_per_tok=8)   # hashable
-    rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.normal(size=(1, 256)), jnp.bfloat16)
-    nw = jnp.asarray(1.0 + 0.1 * rng.normal(size=(3, 256)), jnp.bfloat16)
-    gate = jnp.asarray(rng.normal(size=(3, 256, 256)) / 16, jnp.bfloat16)
-    bias = jnp.asarray(0.1 * rng.normal(size=(3, 256)), jnp.float32)
+    x, nw, gate, bias = _router_inputs(1, 256, 256)
     ops = Ops(DecodeConfig(backend="pallas"))
     run = jax.jit(lambda *a: ops("norm_route", cfg, a[0], a[1], 1e-6, a[2], a[3], layer=Layer(a[4], 1)))
-    with interpret.compile_for_gpu():
-        txt = run.trace(x, nw, gate, bias, jnp.int32(0)).lower(lowering_platforms=("cuda",)).as_text()
+    _lib._warned.clear()  # noqa: SLF001
+    with interpret.compile_for_gpu(), warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        txt = run.trace(x, nw, gate.astype(gate_dtype), bias, jnp.int32(0)).lower(lowering_platforms=("cuda",)).as_text()
     calls = [line.split("custom_call @")[1].split("(")[0] for line in txt.splitlines() if "custom_call @" in line]
-    assert len(calls) == 2 and calls[1] == "jtilert_route_select", calls
+    said = [str(w.message) for w in rec if "engine's router does not take" in str(w.message)]
+    if gate_dtype == jnp.bfloat16:
+        assert calls == ["jtilert_norm_route"] and not said, (calls, said)
+    else:
+        assert len(calls) == 2 and calls[1] == "jtilert_route_select", calls
+        assert len(said) == 1 and "float32[3, 256, 256]" in said[0], said
 
 
 def test_the_python_limit_is_the_engines():
@@ -174,3 +179,83 @@ def test_the_python_limit_is_the_engines():
     header = (ROOT / "cuda" / "include" / "jtilert" / "engine.h").read_text()
     limit = re.search(r"#define JT_ROUTE_MAX_EXPERTS (\d+)", header, re.M).group(1)
     assert int(limit) == route.MAX_EXPERTS
+
+
+# ---- the whole router in one launch (norm_route_kernel) ----
+
+def _router_inputs(t, e, h, layers=3, seed=0):
+    """(x [t, h] bf16, norm weight stack [layers, h] bf16, gate stack [layers, e, h] bf16, bias [layers, e])."""
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(3 * rng.normal(size=(t, h)), jnp.bfloat16)
+    nw = jnp.asarray(1.0 + 0.1 * rng.normal(size=(layers, h)), jnp.bfloat16)
+    gate = jnp.asarray(rng.normal(size=(layers, e, h)) / h**0.5, jnp.bfloat16)
+    bias = jnp.asarray(0.1 * rng.normal(size=(layers, e)), jnp.float32)
+    return x, nw, gate, bias
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_norm_route_primitive_xla_lowering_equals_reference(case):
+    """The primitive as XLA runs it where the engine is not loaded at lowering time: reference.norm_route
+    at the traced layer (base 3, offset -1) of the stacks."""
+    cfg = _cfg(*case)
+    x, nw, gate, bias = _router_inputs(2, case[0], 256, seed=case[1])
+
+    @jax.jit
+    def f(x, nw, gate, bias, base):
+        return route.norm_route_p.bind(x, nw, gate, bias, *Layer(base, -1).operands(), eps=1e-6, n_group=cfg.n_group,
+                                       topk_group=cfg.topk_group, k=cfg.num_experts_per_tok, norm=1,
+                                       scaling=cfg.routed_scaling_factor)
+    got = f(x, nw, gate, bias, jnp.int32(3))
+    want = jax.jit(lambda *a: reference.norm_route(cfg, a[0], a[1][2], 1e-6, a[2][2], a[3][2]))(x, nw, gate, bias)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    assert len(set(np.asarray(got[2][0]).tolist())) == cfg.num_experts_per_tok   # a real selection
+
+
+def test_norm_route_without_the_engine_runs_the_reference_with_one_warning():
+    cfg = _cfg(*CASES[0])
+    x, nw, gate, bias = _router_inputs(1, 256, 256)
+    _lib._warned.clear()  # noqa: SLF001
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for layer in range(3):
+            got = route.norm_route(cfg, x, nw, 1e-6, gate, bias, jnp.int32(layer))
+            want = reference.norm_route(cfg, x, nw[layer], 1e-6, gate[layer], bias[layer])
+            np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(want[2]))
+            np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    assert len([w for w in rec if "CUDA router" in str(w.message)]) == 1
+
+
+def test_norm_route_cuda_lowering_emits_one_custom_call_on_the_whole_stacks(monkeypatch):
+    monkeypatch.setattr(ffi_ops, "EMIT_WITHOUT_GPU", True)
+    cfg = _cfg(*CASES[0])
+    x, nw, gate, bias = _router_inputs(2, 256, 512, layers=7)
+    f = jax.jit(lambda *a: route.norm_route(cfg, a[0], a[1], 1e-6, a[2], a[3], a[4]))
+    txt = f.trace(x, nw, gate, bias, jnp.int32(5)).lower(lowering_platforms=("cuda",)).as_text()
+    call = [line for line in txt.splitlines() if "custom_call @jtilert_norm_route" in line]
+    assert len(call) == 1, txt[-3000:]
+    assert "tensor<7x256x512xbf16>" in call[0] and "tensor<7x512xbf16>" in call[0] and "tensor<7x256xf32>" in call[0]
+    assert "eps = 9.99999997E-7 : f32" in call[0] and "n_group = 8 : i32" in call[0], call[0]
+    assert not [line for line in txt.splitlines() if "dynamic_slice" in line]   # the stacks, not slices of them
+
+
+def test_norm_route_shapes_the_kernel_does_not_take_name_themselves():
+    cfg = _cfg(*CASES[0])
+    x, nw, gate, bias = _router_inputs(1, 256, 256)
+    assert route.norm_route_unsupported(cfg, x, nw, gate, bias) is None
+    assert "float32" in route.norm_route_unsupported(cfg, x, nw, gate.astype(jnp.float32), bias)
+    assert "T ≤ 8" in route.norm_route_unsupported(cfg, jnp.zeros((9, 256), jnp.bfloat16), nw, gate, bias)
+    assert "H ≤ 8192" in route.norm_route_unsupported(cfg, jnp.zeros((1, 8200), jnp.bfloat16), nw, gate, bias)
+    big = jax.ShapeDtypeStruct((3, 512, 256), jnp.bfloat16)
+    assert "512 experts" in route.norm_route_unsupported(_cfg(512, 8, 4, 8), x, nw, big, jnp.zeros((3, 512)))
+    with pytest.raises(ValueError, match="float32"):
+        route.norm_route(cfg, x, nw, 1e-6, gate.astype(jnp.float32), bias, jnp.int32(0))
+
+
+def test_the_router_limits_are_the_engines():
+    import re
+    header = (ROOT / "cuda" / "include" / "jtilert" / "engine.h").read_text()
+    for name, value in (("JT_ROUTE_MAX_TOKENS", route.ROUTER_MAX_TOKENS), ("JT_ROUTE_MAX_HIDDEN", route.ROUTER_MAX_HIDDEN),
+                        ("JT_ROUTE_MAX_ROUTER_EXPERTS", route.ROUTER_MAX_EXPERTS)):
+        assert int(re.search(rf"#define {name} (\d+)", header, re.M).group(1)) == value, name

@@ -20,6 +20,7 @@ JT_EXPORT XLA_FFI_Error* JtGemvAllReduce(XLA_FFI_CallFrame* call_frame);
 JT_EXPORT XLA_FFI_Error* JtMergeTopk(XLA_FFI_CallFrame* call_frame);
 JT_EXPORT XLA_FFI_Error* JtTopkSelect(XLA_FFI_CallFrame* call_frame);
 JT_EXPORT XLA_FFI_Error* JtRouteSelect(XLA_FFI_CallFrame* call_frame);
+JT_EXPORT XLA_FFI_Error* JtNormRoute(XLA_FFI_CallFrame* call_frame);
 JT_EXPORT XLA_FFI_Error* JtPrefetchL2(XLA_FFI_CallFrame* call_frame);
 JT_EXPORT XLA_FFI_Error* JtTokenRing(XLA_FFI_CallFrame* call_frame);
 JT_EXPORT XLA_FFI_Error* JtMoeDecode(XLA_FFI_CallFrame* call_frame);
@@ -413,6 +414,36 @@ ffi::Error RouteSelectImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> partials,
   return ffi::Error::Success();
 }
 
+// A MoE layer's router (src/route.cu): x [T, H] bf16, the norm weight stack
+// [L, H] bf16, the gate stack [L, E, H] bf16, the bias stack [L, E] f32 and
+// the layer (base and offset, s32 [1] each) -> f [T, H] bf16 (x normed),
+// weights [T, k] f32, ids [T, k] s32.
+ffi::Error NormRouteImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> norm_w,
+                         ffi::Buffer<ffi::BF16> gate, ffi::Buffer<ffi::F32> bias,
+                         ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> layer_offset,
+                         ffi::Result<ffi::Buffer<ffi::BF16>> out_f,
+                         ffi::Result<ffi::Buffer<ffi::F32>> out_w,
+                         ffi::Result<ffi::Buffer<ffi::S32>> out_ids, float eps, int32_t n_group,
+                         int32_t topk_group, int32_t norm, float scaling) {
+  auto xd = x.dimensions();
+  auto nd = norm_w.dimensions();
+  auto gd = gate.dimensions();
+  auto bd = bias.dimensions();
+  auto od = out_ids->dimensions();
+  if (xd.size() != 2 || nd.size() != 2 || gd.size() != 3 || bd.size() != 2 || od.size() != 2 ||
+      nd[1] != xd[1] || gd[2] != xd[1] || gd[0] != nd[0] || bd[0] != gd[0] || bd[1] != gd[1] ||
+      od[0] != xd[0] || out_w->element_count() != out_ids->element_count() ||
+      out_f->element_count() != x.element_count() || layer.element_count() != 1 ||
+      layer_offset.element_count() != 1)
+    return ffi::Error::InvalidArgument("jtilert norm_route: shape mismatch");
+  cudaError_t e = jt_norm_route(stream, x.untyped_data(), norm_w.untyped_data(), gate.untyped_data(),
+                                bias.typed_data(), layer.typed_data(), layer_offset.typed_data(), (int)xd[0],
+                                (int)gd[1], (int)xd[1], eps, n_group, topk_group, (int)od[1], scaling, norm,
+                                out_f->untyped_data(), out_w->typed_data(), out_ids->typed_data());
+  if (e != cudaSuccess) return cuda_error(e, "norm_route launch");
+  return ffi::Error::Success();
+}
+
 // A MoE layer's experts for one decode token (src/moe.cu): f [1, H] bf16,
 // weights [1, k] f32, ids [1, k] s32, the routed gate/up [L, E, I, H] and down
 // [L, E, H, I] fp8 with their f32 block scales, the shared expert's [L, I, H] /
@@ -685,6 +716,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JtRouteSelect, RouteSelectImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer offset
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int32_t>("n_group")
+                                  .Attr<int32_t>("topk_group")
+                                  .Attr<int32_t>("norm")
+                                  .Attr<float>("scaling"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JtNormRoute, NormRouteImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // x
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // norm weight stack
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // gate stack
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // bias stack
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer offset
+                                  .Ret<ffi::Buffer<ffi::BF16>>()  // f
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<float>("eps")
                                   .Attr<int32_t>("n_group")
                                   .Attr<int32_t>("topk_group")
                                   .Attr<int32_t>("norm")

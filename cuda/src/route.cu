@@ -17,6 +17,18 @@
 // finishing kernel), one CTA per token. A thread issues its partial loads (up
 // to kPartialsBatch) and its bias load at once, so the sum waits for one round
 // trip to L2.
+//
+// norm_route_kernel is a MoE layer's whole router in one launch: the layer's
+// RMSNorm of x (f, written out for the experts), the logits f . gate^T (bf16
+// weights, fp32 sums) and the selection. Each CTA owns `epc` experts: it asks
+// for their weight rows first (all its loads in flight at once), norms x while
+// they land, and writes its logits to a device-global scratch. The last CTA to
+// finish (an arrival counter: a release by each CTA, an acquire by the last,
+// which finds the count at gridDim - 1 and sets it back to 0 for the next call)
+// runs select_token on every token. The scratch and the counter are the
+// library's device globals: calls on one device must not overlap (a decode
+// step's MoE layers are a chain).
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -154,8 +166,155 @@ __global__ void route_select_kernel(const float* __restrict__ partials, int S,
                out_w + (size_t)t * k, out_ids + (size_t)t * k);
 }
 
+constexpr int kRouteThreads = 256;                 // threads of a norm_route CTA
+constexpr int kRouteChunks = JT_ROUTE_MAX_HIDDEN / (8 * kRouteThreads);  // 8 bf16 each, per thread
+constexpr int kRouteMaxEpc = 4;                     // experts of a CTA
+constexpr int kRouteMaxTokens = JT_ROUTE_MAX_TOKENS;
+static_assert(JT_ROUTE_MAX_ROUTER_EXPERTS <= kRouteThreads, "select_token: a thread an expert");
+
+__device__ float g_route_logits[kRouteMaxTokens * JT_ROUTE_MAX_EXPERTS];
+__device__ unsigned g_route_arrived;  // CTAs of the running call that wrote their logits
+
+__device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16(v)); }
+
+// The CTA's sum of v (every thread calls it; red: kRouteThreads / 32 floats of
+// shared memory, free again on return).
+__device__ __forceinline__ float cta_sum(float v, float* red) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int warp = threadIdx.x >> 5;
+  if ((threadIdx.x & 31) == 0) red[warp] = v;
+  __syncthreads();
+  float s = 0.f;
+#pragma unroll
+  for (int w = 0; w < kRouteThreads / 32; ++w) s += red[w];  // the same order in every thread
+  __syncthreads();
+  return s;
+}
+
+__device__ __forceinline__ void unpack8(const uint4& u, float* v) {
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    v[2 * j] = __uint_as_float(w[j] << 16);
+    v[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
+  }
+}
+
+__global__ void __launch_bounds__(kRouteThreads) norm_route_kernel(
+    const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ norm_w,
+    const __nv_bfloat16* __restrict__ gate, const float* __restrict__ bias,
+    const int32_t* __restrict__ layer, const int32_t* __restrict__ layer_offset, int T, int E, int H, int epc,
+    float eps, int n_group, int topk_group, int k, float scaling, int norm, __nv_bfloat16* out_f, float* out_w,
+    int32_t* out_ids) {
+  extern __shared__ float4 sm4[];
+  float* smem = reinterpret_cast<float*>(sm4);  // select_token's, then the reductions'
+  __shared__ float red[kRouteThreads / 32];
+  __shared__ bool last;
+  const int tid = threadIdx.x, chunks = H / 8;
+  const int64_t l = layer[0] + layer_offset[0];
+  const int e0 = blockIdx.x * epc;
+  // the CTA's weight rows, every load issued before any is used
+  uint4 w[kRouteMaxEpc][kRouteChunks];
+#pragma unroll
+  for (int e = 0; e < kRouteMaxEpc; ++e)
+#pragma unroll
+    for (int c = 0; c < kRouteChunks; ++c) {
+      const int j = c * kRouteThreads + tid;
+      w[e][c] = e < epc && e0 + e < E && j < chunks
+                    ? __ldg(reinterpret_cast<const uint4*>(gate + ((l * E + e0 + e) * H)) + j)
+                    : make_uint4(0u, 0u, 0u, 0u);
+    }
+  for (int t = 0; t < T; ++t) {
+    // f = bf16(w_norm * bf16(x * rsqrt(mean(x^2) + eps))), as reference.rms_norm rounds it
+    float xv[kRouteChunks][8], ss = 0.f;
+#pragma unroll
+    for (int c = 0; c < kRouteChunks; ++c) {
+      const int j = c * kRouteThreads + tid;
+      const uint4 u = j < chunks ? reinterpret_cast<const uint4*>(x + (size_t)t * H)[j] : make_uint4(0u, 0u, 0u, 0u);
+      unpack8(u, xv[c]);
+#pragma unroll
+      for (int q = 0; q < 8; ++q) ss += xv[c][q] * xv[c][q];
+    }
+    const float inv = rsqrtf(cta_sum(ss, red) / (float)H + eps);
+    float acc[kRouteMaxEpc] = {};
+#pragma unroll
+    for (int c = 0; c < kRouteChunks; ++c) {
+      const int j = c * kRouteThreads + tid;
+      if (j >= chunks) continue;
+      float nw[8], f[8];
+      unpack8(reinterpret_cast<const uint4*>(norm_w + l * H)[j], nw);
+#pragma unroll
+      for (int q = 0; q < 8; ++q) f[q] = bf16_round(nw[q] * bf16_round(xv[c][q] * inv));
+      if (blockIdx.x == 0) {
+        uint32_t p[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+          p[q] = (__float_as_uint(f[2 * q]) >> 16) | (__float_as_uint(f[2 * q + 1]) & 0xffff0000u);
+        reinterpret_cast<uint4*>(out_f + (size_t)t * H)[j] = make_uint4(p[0], p[1], p[2], p[3]);
+      }
+#pragma unroll
+      for (int e = 0; e < kRouteMaxEpc; ++e) {
+        float g[8];
+        unpack8(w[e][c], g);
+#pragma unroll
+        for (int q = 0; q < 8; ++q) acc[e] = fmaf(f[q], g[q], acc[e]);
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < kRouteMaxEpc; ++e) {
+      if (e >= epc) break;
+      const float logit = cta_sum(acc[e], red);
+      if (tid == 0 && e0 + e < E) g_route_logits[t * E + e0 + e] = logit;
+    }
+  }
+  // the last CTA to arrive selects (threadfence reduction)
+  if (tid == 0) {
+    __threadfence();  // this CTA's logits before its arrival
+    last = atomicAdd(&g_route_arrived, 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();  // every CTA's logits after their arrivals
+  const float bias_i = tid < E ? bias[l * E + tid] : 0.f;
+  for (int t = 0; t < T; ++t) {
+    const float logit = tid < E ? __ldcg(&g_route_logits[t * E + tid]) : 0.f;
+    select_token(logit, bias_i, E, n_group, topk_group, k, scaling, norm, smem, out_w + (size_t)t * k,
+                 out_ids + (size_t)t * k);
+  }
+  if (tid == 0) g_route_arrived = 0u;  // every CTA of this call has arrived
+}
+
 }  // namespace
 }  // namespace jt
+
+extern "C" cudaError_t jt_norm_route(cudaStream_t stream, const void* x, const void* norm_w, const void* gate,
+                                     const float* bias, const int32_t* layer, const int32_t* layer_offset,
+                                     int T, int E, int H, float eps, int n_group, int topk_group, int k,
+                                     float scaling, int norm, void* out_f, float* out_w, int32_t* out_ids) {
+  if (T < 1 || T > JT_ROUTE_MAX_TOKENS || E < 1 || E > JT_ROUTE_MAX_ROUTER_EXPERTS || H < 8 || H % 8 != 0 ||
+      H > JT_ROUTE_MAX_HIDDEN || k < 1 || k > E || n_group < 1 || E % n_group != 0 || topk_group < 1 ||
+      topk_group > n_group)
+    return cudaErrorInvalidValue;
+  static int sms[64] = {0};
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  if (dev < 64 && sms[dev] == 0) {
+    e = cudaDeviceGetAttribute(&sms[dev], cudaDevAttrMultiProcessorCount, dev);
+    if (e != cudaSuccess) return e;
+  }
+  const int n_sm = dev < 64 ? sms[dev] : 132;
+  const int epc = (E + n_sm - 1) / n_sm;
+  if (epc > jt::kRouteMaxEpc) return cudaErrorInvalidValue;
+  const int ctas = (E + epc - 1) / epc;
+  const size_t smem = (size_t)jt::select_smem_floats(E, n_group, k) * sizeof(float);
+  jt::norm_route_kernel<<<ctas, jt::kRouteThreads, smem, stream>>>(
+      static_cast<const __nv_bfloat16*>(x), static_cast<const __nv_bfloat16*>(norm_w),
+      static_cast<const __nv_bfloat16*>(gate), bias, layer, layer_offset, T, E, H, epc, eps, n_group, topk_group,
+      k, scaling, norm, static_cast<__nv_bfloat16*>(out_f), out_w, out_ids);
+  return cudaGetLastError();
+}
 
 extern "C" cudaError_t jt_route_select(cudaStream_t stream, const float* partials,
                                        int S, const float* bias,

@@ -23,6 +23,7 @@ TARGETS = {
     "jtilert_merge_topk": "JtMergeTopk",
     "jtilert_topk_select": "JtTopkSelect",
     "jtilert_route_select": "JtRouteSelect",
+    "jtilert_norm_route": "JtNormRoute",
     "jtilert_moe_decode": "JtMoeDecode",
     "jtilert_prefetch_l2": "JtPrefetchL2",
     "jtilert_token_ring": "JtTokenRing",

@@ -30,6 +30,8 @@ import jax.numpy as jnp
 from jax import lax
 
 import jtilert.pallas.interpret as _interp
+from jtilert.ffi import _lib
+from jtilert.ffi import ops as ffi_ops
 from jtilert.ffi import route as ffi_route
 from jtilert.ops import reference
 from jtilert.pallas import _hopper as hw
@@ -489,9 +491,18 @@ def route(cfg, x, gate, bias, *, layer=None):
 
 
 def norm_route(cfg, x, norm_weight, eps, gate, bias, *, layer=None):
-    """jtilert.ops.reference.norm_route: (f, weights, ids) with f = rms_norm(x) computed and written by
-    the router's kernel (`norm_router_partials`), then the selection as in `route`."""
-    partials, f = norm_router_partials(_bf16_activations(x), norm_weight, eps, gate, layer=layer)
+    """jtilert.ops.reference.norm_route: (f, weights, ids) with f = rms_norm(x). With `layer` and the CUDA
+    engine loaded, the engine's one launch (`jtilert.ffi.route.norm_route`: norm, logits, selection);
+    else the router's GEMV kernel computes and writes f (`norm_router_partials`), then the selection as
+    in `route`."""
+    x = _bf16_activations(x)
+    if layer is not None and ffi_ops.engine_status()[0]:
+        why = ffi_route.norm_route_unsupported(cfg, x, norm_weight, gate, bias)
+        if why is None:
+            return ffi_route.norm_route(cfg, x, norm_weight, eps, gate, bias, layer)
+        _lib.warn_once(f"norm_route:{why}", f"jtilert: the engine's router does not take norm_route on {why}; "
+                       "running the router's GEMV kernel, then the engine's selection", UserWarning)
+    partials, f = norm_router_partials(x, norm_weight, eps, gate, layer=layer)
     return (f, *_select(cfg, partials, bias, layer))
 
 

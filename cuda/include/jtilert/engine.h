@@ -204,6 +204,22 @@ cudaError_t jt_route_select(cudaStream_t stream, const float* partials, int S,
                             float scaling, int norm, float* out_w,
                             int32_t* out_ids);
 
+// A MoE layer's router in one launch (src/route.cu): f = rms_norm(x [T, H]
+// bf16, norm_w[l] bf16, eps) written to out_f [T, H] bf16, the logits
+// f . gate[l]^T (gate [L, E, H] bf16, fp32 sums) and jt_route_select's
+// selection with bias[l] (l = *layer + *layer_offset) into out_w / out_ids
+// [T, k]. cudaErrorInvalidValue for shapes it does not take (T >
+// JT_ROUTE_MAX_TOKENS, E > JT_ROUTE_MAX_ROUTER_EXPERTS or more than 4 experts
+// an SM, H > JT_ROUTE_MAX_HIDDEN or not a multiple of 8). Calls on one device
+// must not overlap (a device-global scratch and arrival counter).
+#define JT_ROUTE_MAX_TOKENS 8
+#define JT_ROUTE_MAX_HIDDEN 8192
+#define JT_ROUTE_MAX_ROUTER_EXPERTS 256
+cudaError_t jt_norm_route(cudaStream_t stream, const void* x, const void* norm_w, const void* gate,
+                          const float* bias, const int32_t* layer, const int32_t* layer_offset, int T, int E,
+                          int H, float eps, int n_group, int topk_group, int k, float scaling, int norm,
+                          void* out_f, float* out_w, int32_t* out_ids);
+
 // ---- a MoE layer's experts for one decode token (src/moe.cu) ----
 #define JT_MOE_CTAS 128          // one persistent launch of this many CTAs (all resident)
 #define JT_MOE_MAX_VEC 8192      // H and (k + 1) * I at most
