@@ -98,3 +98,57 @@ def test_one_kernel_lowers_for_the_gpu_at_dsv32_shapes():
         txt = jax.jit(lambda *a: moe.moe_experts(*a, layer=jnp.int32(1))).trace(*args).lower(
             lowering_platforms=("cuda",)).as_text()
     assert txt.count("custom_call @mosaic_gpu") == 1
+
+
+# ---- the shared expert's gate/up and down (`moe.shared_expert`) ----
+
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_the_shared_phases_give_the_two_kernels_result(tokens):
+    """At a traced layer of [L, ...] stacks, the norm in and the residual: the shared pair's phases equal
+    the gate/up kernel (unsummed partials) and the down kernel of one expert of weight 1 to the bit, and
+    the reference within fp8 rounding; the gate/up phase runs split-K (its partials staged by the down)."""
+    width, hidden, layers, layer = 256, 1024, 3, 2
+    g, gs = _stack((layers, width, hidden))
+    u, us = _stack((layers, width, hidden))
+    d, ds = _stack((layers, hidden, width))
+    nw = (1 + 0.1 * jax.random.normal(new_key(), (layers, hidden), F32)).astype(BF16)
+    x = (3 * jax.random.normal(new_key(), (tokens, hidden), F32)).astype(BF16)
+    residual = (4 * jax.random.normal(new_key(), (tokens, hidden), F32)).astype(BF16)
+    args = (x, g, gs, u, us, nw, 1e-6, d, ds, residual)
+    with interp.interpret():
+        first, _, why = moe._shared_pair(*args, jnp.int32(layer))
+    assert why is None and first.out_type.ndim == 4 and first.out_type.shape[0] > 1
+
+    def two(i):
+        h = moe.gemv.swiglu_pair(x, g, gs, u, us, nw, 1e-6, layer=i, unsummed=True)
+        return moe.expert_down(h, *moe._one_expert(tokens, d, ds, i), layer=i, out_dtype=x.dtype, residual=residual,
+                               kind="swiglu")
+    pair = interpreted(jax.jit(lambda i: moe.shared_expert(*args, layer=i)), jnp.int32(layer))
+    np.testing.assert_array_equal(np.asarray(pair, np.float32),
+                                  np.asarray(interpreted(jax.jit(two), jnp.int32(layer)), np.float32))
+    want = reference.shared_expert(x, g[layer], gs[layer], u[layer], us[layer], nw[layer], 1e-6, d[layer], ds[layer],
+                                   residual)
+    assert rel_err(pair, want) < 1e-2
+
+
+def test_the_shared_pair_lowers_to_one_kernel_at_dsv32_shapes_and_says_where_it_does_not_apply():
+    """DeepSeek-V3.2's share (tp 8: the shared expert 256 × 7168) at a layer of the stacks, one token:
+    one Mosaic kernel, which lowers for CUDA; bf16 weights take the two kernels, and say why."""
+    S = jax.ShapeDtypeStruct
+    layers, width, hidden = 2, 256, 7168
+    q = lambda *shape: (S(shape, FP8), S((*shape[:-2], -(-shape[-2] // 128), shape[-1] // 128), F32))
+    bf = lambda *shape: (S(shape, BF16), None)
+    x, nw = S((1, hidden), BF16), S((layers, hidden), BF16)
+
+    def why(*w):
+        out = []
+        jax.eval_shape(lambda *a: out.append(moe.shared_pair_unsupported(
+            a[0], *a[1:5], a[5], 1e-6, *a[6:8], a[8], layer=jnp.int32(1))) or 0, x, *w[:4], nw, *w[4:], x)
+        return out[0]
+    fp8 = (*q(layers, width, hidden), *q(layers, width, hidden), *q(layers, hidden, width))
+    with interp.compile_for_gpu():
+        assert why(*fp8) is None
+        assert "bf16" in why(*bf(layers, width, hidden), *bf(layers, width, hidden), *bf(layers, hidden, width))
+        txt = jax.jit(lambda *a: moe.shared_expert(a[0], *a[1:5], a[5], 1e-6, *a[6:8], a[8], layer=jnp.int32(1))).trace(
+            x, *fp8[:4], nw, *fp8[4:], x).lower(lowering_platforms=("cuda",)).as_text()
+    assert txt.count("custom_call @mosaic_gpu") == 1

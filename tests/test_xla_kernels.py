@@ -119,10 +119,12 @@ def test_the_step_compiled_for_an_h200(tmp_path):
     for kernel in ("jtilert_indexer", "jtilert_sparse_mla", "jtilert_topk_select", "jtilert_mla_prep"):
         assert names[kernel] == 19, (kernel, names)
     # a MoE layer: the router in one launch of the engine (norm, logits, selection: no GEMV kernel of its
-    # own), the routed experts as one kernel of two phases, the shared expert's down (finishing its
-    # gate/up partials: no XLA kernel between them)
-    for kernel in ("jtilert_norm_route", "jtilert_moe_pair", "jtilert_moe_down"):
+    # own), the routed experts as one kernel of two phases, the shared expert likewise (its down finishing
+    # its gate/up partials: no XLA kernel between them); each pair's semaphore is zeroed by a memset
+    # (XLA's "copy" thunk)
+    for kernel in ("jtilert_norm_route", "jtilert_moe_pair", "jtilert_shared_pair"):
         assert names[kernel] == 16, (kernel, names)
+    assert "jtilert_moe_down" not in names, names
     assert "jtilert_route_select" not in names and "jtilert_gemv_fma_norm_256x7168" not in names, names
     [loop] = step["loops"]
     assert loop["trips"] == 2, step["loops"]

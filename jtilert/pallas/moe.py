@@ -421,24 +421,58 @@ def reference_moe_with_shared(x, weights, ids, packed, shared_raw):
 
 
 def shared_expert(x, gate, gate_scale, up, up_scale, norm_weight, eps, down, down_scale, residual, *, layer=None):
-    """jtilert.ops.reference.shared_expert (residual + down(swiglu_hidden(x normed))) for decode (T ≤ 8) as
-    two kernels: the gate/up kernel (the norm in) leaves its split-K partials, and the down kernel, the
-    MoE down with the shared expert as its one expert of weight 1 (its [L, 1, H, I] view: free), finishes
-    them in shared memory with the reference's rounding (kind "swiglu") while its first weight tiles
-    arrive, and adds the residual in its epilogue: no XLA kernel between the two. gate/up [I, H], down
-    [H, I] (fp8 + scales, or bf16); with `layer`, stacks [L, ...] and norm_weight [L, H]. An expert
-    width that is not whole 128-column blocks, or more tokens, runs `gemv.swiglu_pair` then
-    `gemv.linear_residual` instead (the finish between them in XLA)."""
+    """jtilert.ops.reference.shared_expert (residual + down(swiglu_hidden(x normed))) for decode (T ≤ 8): the
+    gate/up kernel's body (the norm in) leaves its split-K partials, and the down kernel's, the MoE down
+    with the shared expert as its one expert of weight 1 (its [L, 1, H, I] view: free), finishes them in
+    shared memory with the reference's rounding (kind "swiglu") while its first weight tiles arrive, and
+    adds the residual in its epilogue: the two as phases of one kernel (`gemv_pair.chain`) where
+    `shared_pair_unsupported` says they make one, else as two kernels, with no XLA kernel between them.
+    gate/up [I, H], down [H, I] (fp8 + scales, or bf16); with `layer`, stacks [L, ...] and norm_weight
+    [L, H]. An expert width that is not whole 128-column blocks, or more tokens, runs `gemv.swiglu_pair`
+    then `gemv.linear_residual` instead (the finish between them in XLA)."""
     t = x.shape[0]
     if t > MAX_TOKENS or down.shape[-1] % QBLOCK or down.dtype not in (FP8, BF16):
         # the down kernel takes whole 128-column blocks of h: the GEMV kernels' pair and residual form
         h = gemv.swiglu_pair(x, gate, gate_scale, up, up_scale, norm_weight, eps, layer=layer)
         return gemv.linear_residual(h, down, down_scale, residual, layer=layer)
+    first, second, why = _shared_pair(x, gate, gate_scale, up, up_scale, norm_weight, eps, down, down_scale,
+                                      residual, layer)
+    if why is None:
+        return gemv_pair.chain(first, second, name="jtilert_shared_pair")
+    h = gemv.swiglu_pair(x, gate, gate_scale, up, up_scale, norm_weight, eps, layer=layer, unsummed=True)
+    return expert_down(h, *_one_expert(t, down, down_scale, layer), layer=layer, out_dtype=residual.dtype,
+                       residual=residual, kind="swiglu")
+
+
+def shared_pair_unsupported(x, gate, gate_scale, up, up_scale, norm_weight, eps, down, down_scale, residual, *,
+                            layer=None) -> str | None:
+    """Why `shared_expert` runs its two kernels instead of one of two phases (None: it runs one)."""
+    return _shared_pair(x, gate, gate_scale, up, up_scale, norm_weight, eps, down, down_scale, residual, layer)[2]
+
+
+def _one_expert(t, down, down_scale, layer):
+    """The shared expert as `expert_down`'s one expert of weight 1: (weights, ids, down, down_scale)."""
     one = (lambda a: None if a is None else a[:, None]) if layer is not None else (
         lambda a: None if a is None else a[None])
-    h = gemv.swiglu_pair(x, gate, gate_scale, up, up_scale, norm_weight, eps, layer=layer, unsummed=True)
-    return expert_down(h, jnp.ones((t, 1), F32), jnp.zeros((t, 1), jnp.int32), one(down), one(down_scale),
-                       layer=layer, out_dtype=residual.dtype, residual=residual, kind="swiglu")
+    return jnp.ones((t, 1), F32), jnp.zeros((t, 1), jnp.int32), one(down), one(down_scale)
+
+
+def _shared_pair(x, gate, gate_scale, up, up_scale, norm_weight, eps, down, down_scale, residual, layer):
+    """(gate/up's plan, down's plan, None), or (None, None, why they do not make one kernel)."""
+    if any(w.dtype != FP8 for w in (gate, up, down)) or gate_scale is None or down_scale is None:
+        return None, None, "bf16 weights (the pair takes fp8 weights with scales)"
+    gate, gate_scale = gemv._prep_weight(gate, gate_scale, layer)
+    up, up_scale = gemv._prep_weight(up, up_scale, layer)
+    first = gemv.projection_plan(x, (gate, up), (gate_scale, up_scale), kind="swiglu",
+                                 norm=gemv.norm_operand(norm_weight, x, layer), eps=eps, layer=layer, partials=True,
+                                 out_dtype=F32)
+    parts = first.out_type
+    second, staged = down_plan(parts, *_one_expert(x.shape[0], down, down_scale, layer), layer=layer,
+                               out_dtype=residual.dtype, residual=residual, kind="swiglu")
+    if len(parts.shape) == 4 and staged is None:
+        return None, None, f"the gate/up partials {parts.shape}: more than the down kernel stages"
+    why = gemv_pair.chain_unsupported(first, second)
+    return (first, second, None) if why is None else (None, None, why)
 
 
 # ---- router -------------------------------------------------------------------------------------
