@@ -117,15 +117,11 @@ def moe_decode(f, weights, ids, experts: tuple, shared: tuple, residual, layer):
     layer `layer` (a `jtilert.ops.layer.Layer` or an int32 scalar, may be traced; the kernel adds its
     base and offset) of the stacked experts (gate, gate_scale, up, up_scale, down, down_scale) and
     shared expert (the same, without the expert axis); [1, H] bf16."""
-    why = unsupported(f, weights, ids, experts, shared, residual)
-    if why is not None:
-        raise ValueError(f"moe_decode: {why}")
-    ok, no_engine = _ops.engine_status()
-    if not ok:
-        _warn(no_engine)
-        return reference_moe(f, weights, ids, experts, shared, residual, layer)
-    return moe_decode_p.bind(f, weights.astype(jnp.float32), ids.astype(jnp.int32), *experts, *shared, residual,
-                             *Layer.of(layer).operands())
+    return _ops.engine_op(
+        "moe_decode", unsupported(f, weights, ids, experts, shared, residual), _warn,
+        lambda: reference_moe(f, weights, ids, experts, shared, residual, layer),
+        lambda: moe_decode_p.bind(f, weights.astype(jnp.float32), ids.astype(jnp.int32), *experts, *shared, residual,
+                                  *Layer.of(layer).operands()))
 
 
 __all__ = ["CTAS", "moe_decode", "reference_moe", "shape_unsupported", "unsupported"]

@@ -73,6 +73,18 @@ def engine_status() -> tuple[bool, str]:
     return lib is not None, why
 
 
+def engine_op(name: str, why: str | None, warn, reference, bind):
+    """An engine op's result: ValueError naming `name` where `why` names shapes the kernel does not take;
+    `reference()` (XLA) after `warn(reason)` where the engine is not loaded; else `bind()`."""
+    if why is not None:
+        raise ValueError(f"{name}: {why}")
+    ok, no_engine = engine_status()
+    if not ok:
+        warn(no_engine)
+        return reference()
+    return bind()
+
+
 def register_engine_lowerings(prim, target: str, xla_lowering, warn, attrs) -> None:
     """Registers `prim`'s lowerings: `xla_lowering` everywhere, and on CUDA the engine's FFI call `target`
     with the attributes `attrs(**params)` where the library loads with every local GPU prepared (or

@@ -184,14 +184,10 @@ def norm_route(cfg, x, norm_weight, eps, gate, bias, layer):
     `jtilert.ops.layer.Layer` or an int32 scalar (may be traced). ValueError where
     `norm_route_unsupported` names a reason; the reference (XLA) with one warning where the engine is not
     loaded."""
-    why = norm_route_unsupported(cfg, x, norm_weight, gate, bias)
-    if why is not None:
-        raise ValueError(f"jtilert.ffi.route.norm_route: {why}")
-    ok, no_engine = _ops.engine_status()
-    if not ok:
-        _norm_route_warn(no_engine)
-        return _norm_route_reference(cfg, x, norm_weight, eps, gate, bias, layer)
-    return tuple(norm_route_p.bind(
-        x, norm_weight, gate, bias, *Layer.of(layer).operands(), eps=float(eps), n_group=int(cfg.n_group),
-        topk_group=int(cfg.topk_group), k=int(cfg.num_experts_per_tok), norm=int(bool(cfg.norm_topk_prob)),
-        scaling=float(cfg.routed_scaling_factor)))
+    return _ops.engine_op(
+        "jtilert.ffi.route.norm_route", norm_route_unsupported(cfg, x, norm_weight, gate, bias), _norm_route_warn,
+        lambda: _norm_route_reference(cfg, x, norm_weight, eps, gate, bias, layer),
+        lambda: tuple(norm_route_p.bind(
+            x, norm_weight, gate, bias, *Layer.of(layer).operands(), eps=float(eps), n_group=int(cfg.n_group),
+            topk_group=int(cfg.topk_group), k=int(cfg.num_experts_per_tok), norm=int(bool(cfg.norm_topk_prob)),
+            scaling=float(cfg.routed_scaling_factor))))

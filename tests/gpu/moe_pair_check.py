@@ -75,18 +75,24 @@ def check_shared(rows) -> bool:
                 print("FAIL: the shared pair does not apply at these shapes", flush=True)
                 return False
             outs = {n: np.asarray(jax.jit(fn)(f, nw, sh, res, jnp.int32(layer)), np.float32) for n, fn in forms.items()}
-            resf = np.asarray(res, np.float32)
-            ref = outs["shared_xla"] - resf
-            row = {"shared": True, "seed": seed, "pow2_scales": pow2, "layer": layer,
-                   "pair_rel_err": _rel(outs["shared_pair"] - resf, ref),
-                   "pair_vs_two_rel": _rel(outs["shared_pair"] - resf, outs["shared_two"] - resf),
-                   "pair_equals_two": bool((outs["shared_pair"] == outs["shared_two"]).all())}
-            row["ok"] = (bool(np.isfinite(outs["shared_pair"]).all()) and row["pair_rel_err"] <= (1e-2 if pow2 else 3e-2)
-                         and row["pair_vs_two_rel"] <= 1e-3)
-            ok &= row["ok"]
-            rows.append(row)
-            print(row, flush=True)
+            ok &= _row(rows, outs["shared_pair"], outs["shared_two"], outs["shared_xla"], res, pow2,
+                       shared=True, seed=seed, layer=layer)
     return ok
+
+
+def _row(rows, pair, two, xla, res, pow2, **meta) -> bool:
+    """The row of one check (the pair, its two kernels and XLA's result, each with the residual): the
+    same sums in the same order as the two kernels, so equal to the bit is expected; the bound against
+    the reference as moe_check's (its bf16 dequantisation adds its own error off pow2)."""
+    resf = np.asarray(res, np.float32)
+    row = {**meta, "pow2_scales": pow2, "pair_rel_err": _rel(pair - resf, xla - resf),
+           "two_rel_err": _rel(two - resf, xla - resf), "pair_vs_two_rel": _rel(pair - resf, two - resf),
+           "pair_equals_two": bool((pair == two).all())}
+    row["ok"] = (bool(np.isfinite(pair).all()) and row["pair_rel_err"] <= (1e-2 if pow2 else 3e-2)
+                 and row["pair_vs_two_rel"] <= 1e-3)
+    rows.append(row)
+    print(row, flush=True)
+    return row["ok"]
 
 
 def check(rows) -> bool:
@@ -103,19 +109,7 @@ def check(rows) -> bool:
                     return False
             outs = {n: np.asarray(jax.jit(fn)(f, w[0], ids[0], ex, res, jnp.int32(layer)), np.float32)
                     for n, fn in forms.items()}
-            resf = np.asarray(res, np.float32)
-            ref = outs["xla"] - resf
-            row = {"seed": seed, "pow2_scales": pow2, "layer": layer,
-                   "pair_rel_err": _rel(outs["pair"] - resf, ref), "two_rel_err": _rel(outs["two"] - resf, ref),
-                   "pair_vs_two_rel": _rel(outs["pair"] - resf, outs["two"] - resf),
-                   "pair_equals_two": bool((outs["pair"] == outs["two"]).all())}
-            # the same sums in the same order as the two kernels: equal to the bit is expected; the bound
-            # against the reference as moe_check's (its bf16 dequantisation adds its own error off pow2)
-            row["ok"] = (bool(np.isfinite(outs["pair"]).all()) and row["pair_rel_err"] <= (1e-2 if pow2 else 3e-2)
-                         and row["pair_vs_two_rel"] <= 1e-3)
-            ok &= row["ok"]
-            rows.append(row)
-            print(row, flush=True)
+            ok &= _row(rows, outs["pair"], outs["two"], outs["xla"], res, pow2, seed=seed, layer=layer)
     return ok
 
 
