@@ -147,19 +147,38 @@ def test_shapes_the_kernel_does_not_take_name_themselves():
     assert route.unsupported(_cfg(*CASES[0]), jnp.zeros((2, 1, 256)), jnp.zeros((2, 256))) is None
 
 
-@pytest.mark.parametrize("gate_dtype", [jnp.bfloat16, jnp.float32])
-def test_op_norm_route_is_the_engines_one_launch(monkeypatch, gate_dtype):
+def test_op_norm_route_runs_the_router_gemv_then_the_engines_selection(monkeypatch):
     """Op "norm_route" through `Ops` (backend pallas, stacked weights, a traced layer), lowered for CUDA
-    with the engine loaded: the engine's router, one launch; a gate stack it does not take (fp32) runs the
-    router's GEMV kernel, then the engine's selection, with a warning naming the shape."""
+    with the engine loaded: the router's GEMV kernel, then the engine's selection, two launches."""
     from jtilert.model.presets import TINY
     from jtilert.ops.table import DecodeConfig, Ops
     monkeypatch.setattr(ffi_ops, "EMIT_WITHOUT_GPU", True)
-    monkeypatch.setattr(_lib, "load", lambda: (object(), ""))   # the engine loaded, as on a GPU
+    monkeypatch.setattr(_lib, "load", lambda: (object(), ""))   # the engine's selection, as on a GPU
     cfg = TINY.replace(n_routed_experts=256, n_group=8, topk_group=4, num_experts_per_tok=8)   # hashable
-    x, nw, gate, bias = _router_inputs(1, 256, 256)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(1, 256)), jnp.bfloat16)
+    nw = jnp.asarray(1.0 + 0.1 * rng.normal(size=(3, 256)), jnp.bfloat16)
+    gate = jnp.asarray(rng.normal(size=(3, 256, 256)) / 16, jnp.bfloat16)
+    bias = jnp.asarray(0.1 * rng.normal(size=(3, 256)), jnp.float32)
     ops = Ops(DecodeConfig(backend="pallas"))
     run = jax.jit(lambda *a: ops("norm_route", cfg, a[0], a[1], 1e-6, a[2], a[3], layer=Layer(a[4], 1)))
+    with interpret.compile_for_gpu():
+        txt = run.trace(x, nw, gate, bias, jnp.int32(0)).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [line.split("custom_call @")[1].split("(")[0] for line in txt.splitlines() if "custom_call @" in line]
+    assert len(calls) == 2 and calls[1] == "jtilert_route_select", calls
+
+
+@pytest.mark.parametrize("gate_dtype", [jnp.bfloat16, jnp.float32])
+def test_engine_norm_route_is_the_engines_one_launch(monkeypatch, gate_dtype):
+    """`pallas.moe.engine_norm_route` (stacked weights, a traced layer), lowered for CUDA with the engine
+    loaded: the engine's router, one launch; a gate stack it does not take (fp32) runs the router's GEMV
+    kernel, then the engine's selection, with a warning naming the shape."""
+    from jtilert.pallas import moe as pallas_moe
+    monkeypatch.setattr(ffi_ops, "EMIT_WITHOUT_GPU", True)
+    monkeypatch.setattr(_lib, "load", lambda: (object(), ""))   # the engine loaded, as on a GPU
+    cfg = _cfg(*CASES[0])
+    x, nw, gate, bias = _router_inputs(1, 256, 256)
+    run = jax.jit(lambda *a: pallas_moe.engine_norm_route(cfg, a[0], a[1], 1e-6, a[2], a[3], layer=Layer(a[4], 1)))
     _lib._warned.clear()  # noqa: SLF001
     with interpret.compile_for_gpu(), warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")

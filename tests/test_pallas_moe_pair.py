@@ -100,12 +100,12 @@ def test_one_kernel_lowers_for_the_gpu_at_dsv32_shapes():
     assert txt.count("custom_call @mosaic_gpu") == 1
 
 
-# ---- the shared expert's gate/up and down (`moe.shared_expert`) ----
+# ---- the shared expert's gate/up and down (`moe.shared_expert_pair`) ----
 
 @pytest.mark.parametrize("tokens", [1, 2])
 def test_the_shared_phases_give_the_two_kernels_result(tokens):
     """At a traced layer of [L, ...] stacks, the norm in and the residual: the shared pair's phases equal
-    the gate/up kernel (unsummed partials) and the down kernel of one expert of weight 1 to the bit, and
+    `shared_expert`'s two kernels (the gate/up partials, the down of one expert of weight 1) to the bit, and
     the reference within fp8 rounding; the gate/up phase runs split-K (its partials staged by the down)."""
     width, hidden, layers, layer = 256, 1024, 3, 2
     g, gs = _stack((layers, width, hidden))
@@ -120,10 +120,8 @@ def test_the_shared_phases_give_the_two_kernels_result(tokens):
     assert why is None and first.out_type.ndim == 4 and first.out_type.shape[0] > 1
 
     def two(i):
-        h = moe.gemv.swiglu_pair(x, g, gs, u, us, nw, 1e-6, layer=i, unsummed=True)
-        return moe.expert_down(h, *moe._one_expert(tokens, d, ds, i), layer=i, out_dtype=x.dtype, residual=residual,
-                               kind="swiglu")
-    pair = interpreted(jax.jit(lambda i: moe.shared_expert(*args, layer=i)), jnp.int32(layer))
+        return moe.shared_expert(*args, layer=i)
+    pair = interpreted(jax.jit(lambda i: moe.shared_expert_pair(*args, layer=i)), jnp.int32(layer))
     np.testing.assert_array_equal(np.asarray(pair, np.float32),
                                   np.asarray(interpreted(jax.jit(two), jnp.int32(layer)), np.float32))
     want = reference.shared_expert(x, g[layer], gs[layer], u[layer], us[layer], nw[layer], 1e-6, d[layer], ds[layer],
@@ -149,6 +147,7 @@ def test_the_shared_pair_lowers_to_one_kernel_at_dsv32_shapes_and_says_where_it_
     with interp.compile_for_gpu():
         assert why(*fp8) is None
         assert "bf16" in why(*bf(layers, width, hidden), *bf(layers, width, hidden), *bf(layers, hidden, width))
-        txt = jax.jit(lambda *a: moe.shared_expert(a[0], *a[1:5], a[5], 1e-6, *a[6:8], a[8], layer=jnp.int32(1))).trace(
+        txt = jax.jit(lambda *a: moe.shared_expert_pair(a[0], *a[1:5], a[5], 1e-6, *a[6:8], a[8],
+                                                        layer=jnp.int32(1))).trace(
             x, *fp8[:4], nw, *fp8[4:], x).lower(lowering_platforms=("cuda",)).as_text()
     assert txt.count("custom_call @mosaic_gpu") == 1

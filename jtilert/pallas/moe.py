@@ -421,32 +421,41 @@ def reference_moe_with_shared(x, weights, ids, packed, shared_raw):
 
 
 def shared_expert(x, gate, gate_scale, up, up_scale, norm_weight, eps, down, down_scale, residual, *, layer=None):
-    """jtilert.ops.reference.shared_expert (residual + down(swiglu_hidden(x normed))) for decode (T ≤ 8): the
-    gate/up kernel's body (the norm in) leaves its split-K partials, and the down kernel's, the MoE down
-    with the shared expert as its one expert of weight 1 (its [L, 1, H, I] view: free), finishes them in
-    shared memory with the reference's rounding (kind "swiglu") while its first weight tiles arrive, and
-    adds the residual in its epilogue: the two as phases of one kernel (`gemv_pair.chain`) where
-    `shared_pair_unsupported` says they make one, else as two kernels, with no XLA kernel between them.
-    gate/up [I, H], down [H, I] (fp8 + scales, or bf16); with `layer`, stacks [L, ...] and norm_weight
-    [L, H]. An expert width that is not whole 128-column blocks, or more tokens, runs `gemv.swiglu_pair`
-    then `gemv.linear_residual` instead (the finish between them in XLA)."""
+    """jtilert.ops.reference.shared_expert (residual + down(swiglu_hidden(x normed))) for decode (T ≤ 8) as
+    two kernels: the gate/up kernel (the norm in) leaves its split-K partials, and the down kernel, the
+    MoE down with the shared expert as its one expert of weight 1 (its [L, 1, H, I] view: free), finishes
+    them in shared memory with the reference's rounding (kind "swiglu") while its first weight tiles
+    arrive, and adds the residual in its epilogue: no XLA kernel between the two. gate/up [I, H], down
+    [H, I] (fp8 + scales, or bf16); with `layer`, stacks [L, ...] and norm_weight [L, H]. An expert
+    width that is not whole 128-column blocks, or more tokens, runs `gemv.swiglu_pair` then
+    `gemv.linear_residual` instead (the finish between them in XLA)."""
     t = x.shape[0]
     if t > MAX_TOKENS or down.shape[-1] % QBLOCK or down.dtype not in (FP8, BF16):
         # the down kernel takes whole 128-column blocks of h: the GEMV kernels' pair and residual form
         h = gemv.swiglu_pair(x, gate, gate_scale, up, up_scale, norm_weight, eps, layer=layer)
         return gemv.linear_residual(h, down, down_scale, residual, layer=layer)
-    first, second, why = _shared_pair(x, gate, gate_scale, up, up_scale, norm_weight, eps, down, down_scale,
-                                      residual, layer)
-    if why is None:
-        return gemv_pair.chain(first, second, name="jtilert_shared_pair")
     h = gemv.swiglu_pair(x, gate, gate_scale, up, up_scale, norm_weight, eps, layer=layer, unsummed=True)
     return expert_down(h, *_one_expert(t, down, down_scale, layer), layer=layer, out_dtype=residual.dtype,
                        residual=residual, kind="swiglu")
 
 
+def shared_expert_pair(x, gate, gate_scale, up, up_scale, norm_weight, eps, down, down_scale, residual, *,
+                       layer=None):
+    """`shared_expert` with its two kernels as the two phases of one (`gemv_pair.chain`: the down's first
+    weight tiles asked for while the gate/up units finish) where `shared_pair_unsupported` says they make
+    one, else `shared_expert`."""
+    if x.shape[0] <= MAX_TOKENS:
+        first, second, why = _shared_pair(x, gate, gate_scale, up, up_scale, norm_weight, eps, down, down_scale,
+                                          residual, layer)
+        if why is None:
+            return gemv_pair.chain(first, second, name="jtilert_shared_pair")
+    return shared_expert(x, gate, gate_scale, up, up_scale, norm_weight, eps, down, down_scale, residual, layer=layer)
+
+
 def shared_pair_unsupported(x, gate, gate_scale, up, up_scale, norm_weight, eps, down, down_scale, residual, *,
                             layer=None) -> str | None:
-    """Why `shared_expert` runs its two kernels instead of one of two phases (None: it runs one)."""
+    """Why `shared_expert_pair` runs `shared_expert`'s two kernels instead of one of two phases (None: it
+    runs one)."""
     return _shared_pair(x, gate, gate_scale, up, up_scale, norm_weight, eps, down, down_scale, residual, layer)[2]
 
 
@@ -461,6 +470,8 @@ def _shared_pair(x, gate, gate_scale, up, up_scale, norm_weight, eps, down, down
     """(gate/up's plan, down's plan, None), or (None, None, why they do not make one kernel)."""
     if any(w.dtype != FP8 for w in (gate, up, down)) or gate_scale is None or down_scale is None:
         return None, None, "bf16 weights (the pair takes fp8 weights with scales)"
+    if down.shape[-1] % QBLOCK:
+        return None, None, f"expert width {down.shape[-1]} (the down phase takes whole {QBLOCK}-column blocks)"
     gate, gate_scale = gemv._prep_weight(gate, gate_scale, layer)
     up, up_scale = gemv._prep_weight(up, up_scale, layer)
     first = gemv.projection_plan(x, (gate, up), (gate_scale, up_scale), kind="swiglu",
@@ -525,10 +536,16 @@ def route(cfg, x, gate, bias, *, layer=None):
 
 
 def norm_route(cfg, x, norm_weight, eps, gate, bias, *, layer=None):
-    """jtilert.ops.reference.norm_route: (f, weights, ids) with f = rms_norm(x). With `layer` and the CUDA
-    engine loaded, the engine's one launch (`jtilert.ffi.route.norm_route`: norm, logits, selection);
-    else the router's GEMV kernel computes and writes f (`norm_router_partials`), then the selection as
-    in `route`."""
+    """jtilert.ops.reference.norm_route: (f, weights, ids) with f = rms_norm(x) computed and written by
+    the router's kernel (`norm_router_partials`), then the selection as in `route`."""
+    partials, f = norm_router_partials(_bf16_activations(x), norm_weight, eps, gate, layer=layer)
+    return (f, *_select(cfg, partials, bias, layer))
+
+
+def engine_norm_route(cfg, x, norm_weight, eps, gate, bias, *, layer=None):
+    """`norm_route` in one launch of the CUDA engine (`jtilert.ffi.route.norm_route`: the norm, the
+    logits and the selection) where a layer is given and the engine is loaded; else `norm_route`'s two
+    kernels, with a warning naming the shape where the engine is loaded and its kernel does not take it."""
     x = _bf16_activations(x)
     if layer is not None and ffi_ops.engine_status()[0]:
         why = ffi_route.norm_route_unsupported(cfg, x, norm_weight, gate, bias)
@@ -536,8 +553,7 @@ def norm_route(cfg, x, norm_weight, eps, gate, bias, *, layer=None):
             return ffi_route.norm_route(cfg, x, norm_weight, eps, gate, bias, layer)
         _lib.warn_once(f"norm_route:{why}", f"jtilert: the engine's router does not take norm_route on {why}; "
                        "running the router's GEMV kernel, then the engine's selection", UserWarning)
-    partials, f = norm_router_partials(x, norm_weight, eps, gate, layer=layer)
-    return (f, *_select(cfg, partials, bias, layer))
+    return norm_route(cfg, x, norm_weight, eps, gate, bias, layer=layer)
 
 
 def _bf16_activations(x):

@@ -5,8 +5,8 @@ I 256, 8 of E experts a token, the residual added), power-of-two block scales an
 several layers of the stack. Then each form's time a MoE in a dependent chain over the stack's layers
 (one jitted loop, command buffers: the step's setting; moe_check.py's chain), rounds alternating the
 forms: wall clock and CUPTI (kernels a MoE, busy µs). The same for the shared expert's gate/up (the norm
-in) and down as one kernel (`moe.shared_expert`) against its two kernels (`gemv.swiglu_pair` unsummed, then
-`expert_down` of one expert of weight 1). JSON to --out; exit code 1 on a mismatch.
+in) and down as one kernel (`moe.shared_expert_pair`) against its two kernels (`moe.shared_expert`: the
+gate/up partials, then `expert_down` of one expert of weight 1). JSON to --out; exit code 1 on a mismatch.
 
     PYTHONPATH=. python3 tests/gpu/moe_pair_check.py [--out moe_pair.json] [--rounds 2]
 """
@@ -44,13 +44,11 @@ def _shared_forms():
 
     def two(f, nw, sh, res, layer):
         g, gs, u, us, d, ds = sh
-        h = moe.gemv.swiglu_pair(f, g, gs, u, us, nw, eps, layer=layer, unsummed=True)
-        return moe.expert_down(h, *moe._one_expert(f.shape[0], d, ds, layer), layer=layer, out_dtype=f.dtype,
-                               residual=res, kind="swiglu")
+        return moe.shared_expert(f, g, gs, u, us, nw, eps, d, ds, res, layer=layer)
 
     def pair(f, nw, sh, res, layer):
         g, gs, u, us, d, ds = sh
-        return moe.shared_expert(f, g, gs, u, us, nw, eps, d, ds, res, layer=layer)
+        return moe.shared_expert_pair(f, g, gs, u, us, nw, eps, d, ds, res, layer=layer)
 
     def xla(f, nw, sh, res, layer):
         g, gs, u, us, d, ds = [a[layer] for a in sh]

@@ -120,9 +120,8 @@ def check_norm_route():
                          "ok": good})
             print(rows[-1], flush=True)
         x, nw, gate, bias = _router_inputs(1, e, h, layers=LAYERS, seed=5)
-        two = lambda x, nw, gate, bias, l, cfg=cfg: (   # noqa: E731  (the router GEMV kernel, then the selection)
-            lambda pf: (pf[1], *pallas_moe._select(cfg, pf[0], bias, l)))(
-                pallas_moe.norm_router_partials(x, nw, 1e-6, gate, layer=l))
+        two = lambda x, nw, gate, bias, l, cfg=cfg: pallas_moe.norm_route(  # noqa: E731  (the GEMV, then the selection)
+            cfg, x, nw, 1e-6, gate, bias, layer=l)
         one = lambda x, nw, gate, bias, l, cfg=cfg: route.norm_route(cfg, x, nw, 1e-6, gate, bias, l)  # noqa: E731
         rows.append({"experts": e, "groups": g, "hidden": h, "timing_T1": True,
                      "one_launch_us_a_layer": 1e3 * _chain_ms(one, x, nw, gate, bias),
