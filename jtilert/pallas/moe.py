@@ -9,11 +9,13 @@ ids that stay on the device:
   more expert (`pack_shared_expert`) rides along with weight 1.
 * `moe_experts`: the two as two phases of one kernel (`gemv_pair.chain`) where they fit (one decode
   token), else as two kernels.
-* `shared_expert`: the shared expert's gate/up kernel, then `expert_down` with it as its one expert.
+* `shared_expert`: the shared expert's gate/up kernel, then `expert_down` with it as its one expert;
+  `shared_expert_pair`: the two as two phases of one kernel where they fit.
 * `route` / `norm_route`: fp32 logits on `gemv`'s FMA engine (the reference's precision, so near-ties
   select the same experts; `norm_route` applies the FFN's RMSNorm and writes the normed x out), then
   the selection: with a layer index one launch of the CUDA engine (`jtilert.ffi.route`), else the
-  reference's in plain JAX.
+  reference's in plain JAX. `engine_norm_route`: the norm, the logits and the selection in one launch
+  of the CUDA engine (`jtilert.ffi.route.norm_route`).
 `layer=`: the stacks [L, E, ...] are taken as [L·E, ...] (a free reshape); the kernels read the layer
 on the device and add layer·E to the expert ids.
 """
