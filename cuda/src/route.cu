@@ -296,15 +296,11 @@ extern "C" cudaError_t jt_norm_route(cudaStream_t stream, const void* x, const v
       H > JT_ROUTE_MAX_HIDDEN || k < 1 || k > E || n_group < 1 || E % n_group != 0 || topk_group < 1 ||
       topk_group > n_group)
     return cudaErrorInvalidValue;
-  static int sms[64] = {0};
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return e;
-  if (dev < 64 && sms[dev] == 0) {
-    e = cudaDeviceGetAttribute(&sms[dev], cudaDevAttrMultiProcessorCount, dev);
-    if (e != cudaSuccess) return e;
-  }
-  const int n_sm = dev < 64 ? sms[dev] : 132;
+  const int n_sm = jt_sm_count(dev);
+  if (n_sm < 1) return cudaErrorInvalidDevice;
   const int epc = (E + n_sm - 1) / n_sm;
   if (epc > jt::kRouteMaxEpc) return cudaErrorInvalidValue;
   const int ctas = (E + epc - 1) / epc;

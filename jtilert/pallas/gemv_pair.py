@@ -108,7 +108,7 @@ def heads_splits_linear_plans(o, m, l, w, w_scale, block: int, wo, wo_scale, res
 def heads_splits_linear(o, m, l, w, w_scale, block: int, wo, wo_scale, residual=None, *, layer=None):
     """linear(heads_linear_of_splits(o, m, l, w).reshape(T, H·N), wo) (+ residual, added as
     `gemv.linear_residual` adds it) as one kernel of two phases (`chain`); where that does not apply
-    (`heads_splits_linear_unsupported`), the two kernels. o [T, G, n, Hc, K] fp32, m, l [T, G, n, Hc]
+    (`chain_unsupported`), the two kernels. o [T, G, n, Hc, K] fp32, m, l [T, G, n, Hc]
     (`sparse_mla.sparse_mla_partials`); w [H, N, K] (W_uv), wo [D, H·N] (fp8 + scales or bf16); stacks
     [L, ...] with `layer`."""
     if o.shape[0] > MAX_TOKENS:

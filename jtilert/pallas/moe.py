@@ -386,9 +386,14 @@ def _pair(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale, res
         return None, None, "bf16 experts (the pair takes fp8 weights with scales)"
     first = gemv.projection_plan(x, (gate, up), (gate_scale, up_scale), kind="swiglu_f32", ids=ids.reshape(-1),
                                  layer=layer, partials=True, out_dtype=F32)
+    return _then_down(first, weights, ids, down, down_scale, layer=layer, out_dtype=x.dtype, residual=residual)
+
+
+def _then_down(first, weights, ids, down, down_scale, **down_kw):
+    """(first, the down plan that finishes first's gate/up partials, None), or (None, None, why the two do
+    not make one kernel): the partials not staged by the down kernel, or `gemv_pair.chain_unsupported`."""
     parts = first.out_type
-    second, staged = down_plan(parts, weights, ids, down, down_scale, layer=layer, out_dtype=x.dtype,
-                               residual=residual)
+    second, staged = down_plan(parts, weights, ids, down, down_scale, **down_kw)
     if len(parts.shape) == 4 and staged is None:
         return None, None, f"the gate/up partials {parts.shape}: more than the down kernel stages"
     why = gemv_pair.chain_unsupported(first, second)
@@ -479,13 +484,8 @@ def _shared_pair(x, gate, gate_scale, up, up_scale, norm_weight, eps, down, down
     first = gemv.projection_plan(x, (gate, up), (gate_scale, up_scale), kind="swiglu",
                                  norm=gemv.norm_operand(norm_weight, x, layer), eps=eps, layer=layer, partials=True,
                                  out_dtype=F32)
-    parts = first.out_type
-    second, staged = down_plan(parts, *_one_expert(x.shape[0], down, down_scale, layer), layer=layer,
-                               out_dtype=residual.dtype, residual=residual, kind="swiglu")
-    if len(parts.shape) == 4 and staged is None:
-        return None, None, f"the gate/up partials {parts.shape}: more than the down kernel stages"
-    why = gemv_pair.chain_unsupported(first, second)
-    return (first, second, None) if why is None else (None, None, why)
+    return _then_down(first, *_one_expert(x.shape[0], down, down_scale, layer), layer=layer,
+                      out_dtype=residual.dtype, residual=residual, kind="swiglu")
 
 
 # ---- router -------------------------------------------------------------------------------------
