@@ -4,9 +4,7 @@ reference (XLA on the same GPU), on fresh seeded random fp8 stacks at dsv32-tp8-
 I 256, 8 of E experts a token, the residual added), power-of-two block scales and arbitrary ones, at
 several layers of the stack. Then each form's time a MoE in a dependent chain over the stack's layers
 (one jitted loop, command buffers: the step's setting; moe_check.py's chain), rounds alternating the
-forms: wall clock and CUPTI (kernels a MoE, busy µs). The same for the shared expert's gate/up (the norm
-in) and down as one kernel (`moe.shared_expert_pair`) against its two kernels (`moe.shared_expert`: the
-gate/up partials, then `expert_down` of one expert of weight 1). JSON to --out; exit code 1 on a mismatch.
+forms: wall clock and CUPTI (kernels a MoE, busy µs). JSON to --out; exit code 1 on a mismatch.
 
     PYTHONPATH=. python3 tests/gpu/moe_pair_check.py [--out moe_pair.json] [--rounds 2]
 """
@@ -39,62 +37,8 @@ def _forms():
     return {"two": two, "pair": pair, "xla": xla}
 
 
-def _shared_forms():
-    eps = 1e-6
-
-    def two(f, nw, sh, res, layer):
-        g, gs, u, us, d, ds = sh
-        return moe.shared_expert(f, g, gs, u, us, nw, eps, d, ds, res, layer=layer)
-
-    def pair(f, nw, sh, res, layer):
-        g, gs, u, us, d, ds = sh
-        return moe.shared_expert_pair(f, g, gs, u, us, nw, eps, d, ds, res, layer=layer)
-
-    def xla(f, nw, sh, res, layer):
-        g, gs, u, us, d, ds = [a[layer] for a in sh]
-        return reference.shared_expert(f, g, gs, u, us, nw[layer], eps, d, ds, res)
-    return {"shared_two": two, "shared_pair": pair, "shared_xla": xla}
-
-
-def _norm_weights(seed):
-    rng = np.random.default_rng(seed)
-    return jnp.asarray(1 + 0.1 * rng.standard_normal((L, H)), BF16)
-
-
-def check_shared(rows) -> bool:
-    ok = True
-    forms = _shared_forms()
-    for seed, pow2 in ((0, True), (1, False)):
-        _, sh = _stacks(seed, pow2, e=E, layers=L)
-        nw = _norm_weights(seed)
-        for layer in (0, L - 1):
-            f, res, _, _ = _token(seed * 10 + layer, e=E)
-            if moe.shared_pair_unsupported(f, *sh[:4], nw, 1e-6, *sh[4:], res, layer=jnp.int32(layer)) is not None:
-                print("FAIL: the shared pair does not apply at these shapes", flush=True)
-                return False
-            outs = {n: np.asarray(jax.jit(fn)(f, nw, sh, res, jnp.int32(layer)), np.float32) for n, fn in forms.items()}
-            ok &= _row(rows, outs["shared_pair"], outs["shared_two"], outs["shared_xla"], res, pow2,
-                       shared=True, seed=seed, layer=layer)
-    return ok
-
-
-def _row(rows, pair, two, xla, res, pow2, **meta) -> bool:
-    """The row of one check (the pair, its two kernels and XLA's result, each with the residual): the
-    same sums in the same order as the two kernels, so equal to the bit is expected; the bound against
-    the reference as moe_check's (its bf16 dequantisation adds its own error off pow2)."""
-    resf = np.asarray(res, np.float32)
-    row = {**meta, "pow2_scales": pow2, "pair_rel_err": _rel(pair - resf, xla - resf),
-           "two_rel_err": _rel(two - resf, xla - resf), "pair_vs_two_rel": _rel(pair - resf, two - resf),
-           "pair_equals_two": bool((pair == two).all())}
-    row["ok"] = (bool(np.isfinite(pair).all()) and row["pair_rel_err"] <= (1e-2 if pow2 else 3e-2)
-                 and row["pair_vs_two_rel"] <= 1e-3)
-    rows.append(row)
-    print(row, flush=True)
-    return row["ok"]
-
-
 def check(rows) -> bool:
-    ok = check_shared(rows)
+    ok = True
     forms = _forms()
     for seed, pow2 in ((0, True), (1, False)):
         ex, _ = _stacks(seed, pow2, e=E, layers=L)
@@ -107,7 +51,19 @@ def check(rows) -> bool:
                     return False
             outs = {n: np.asarray(jax.jit(fn)(f, w[0], ids[0], ex, res, jnp.int32(layer)), np.float32)
                     for n, fn in forms.items()}
-            ok &= _row(rows, outs["pair"], outs["two"], outs["xla"], res, pow2, seed=seed, layer=layer)
+            resf = np.asarray(res, np.float32)
+            ref = outs["xla"] - resf
+            row = {"seed": seed, "pow2_scales": pow2, "layer": layer,
+                   "pair_rel_err": _rel(outs["pair"] - resf, ref), "two_rel_err": _rel(outs["two"] - resf, ref),
+                   "pair_vs_two_rel": _rel(outs["pair"] - resf, outs["two"] - resf),
+                   "pair_equals_two": bool((outs["pair"] == outs["two"]).all())}
+            # the same sums in the same order as the two kernels: equal to the bit is expected; the bound
+            # against the reference as moe_check's (its bf16 dequantisation adds its own error off pow2)
+            row["ok"] = (bool(np.isfinite(outs["pair"]).all()) and row["pair_rel_err"] <= (1e-2 if pow2 else 3e-2)
+                         and row["pair_vs_two_rel"] <= 1e-3)
+            ok &= row["ok"]
+            rows.append(row)
+            print(row, flush=True)
     return ok
 
 
@@ -117,9 +73,6 @@ def timing(rows, rounds: int):
     ex, _ = _stacks(2, True, e=E, layers=L)
     f0, res, w, ids = _token(3, L, e=E)
     time_chains({n: fn for n, fn in _forms().items() if n != "xla"}, (f0, w, ids, ex, res), rows, rounds=rounds)
-    _, sh = _stacks(4, True, e=E, layers=L)
-    time_chains({n: fn for n, fn in _shared_forms().items() if n != "shared_xla"}, (f0, _norm_weights(4), sh, res),
-                rows, rounds=rounds, per_layer=0)
 
 
 def main(argv=None) -> int:
