@@ -77,8 +77,7 @@
 #   moepatch     part moe on a copy of this checkout with PATCH applied (a bench/experiments patch of moe.cu)
 #   gemvpair     tests/gpu/gemv_pair_check.py: the attention's output path (W_uv merging sparse MLA's splits, then
 #                o_proj with the residual) as one kernel of two phases (jtilert/pallas/gemv_pair.py) vs its two
-#                kernels and the reference, then both in a chain (CUPTI); its step: part trees with
-#                TREES=bench/experiments/attn_out_pair.patch
+#                kernels and the reference, then both in a chain (CUPTI)
 #   moepair      tests/gpu/moe_pair_check.py: the routed experts' gate/up and down as one kernel of two phases
 #                (moe.moe_experts on gemv_pair.chain, the step's) vs the two kernels and the reference,
 #                then both in a chain of MoE calls (CUPTI)

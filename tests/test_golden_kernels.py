@@ -44,8 +44,8 @@ ATOL = 0.2
 # sparse_mla_heads_linear merges the attention's splits in W_uv's kernel for latents of whole 128-column
 # blocks: these models' latent is 64 wide, so their attention runs as sparse_mla then heads_linear (the
 # merged form is checked at full width in tests/gpu/decode_check.py and tests/test_pallas_sparse_mla.py);
-# attention_out, the same with o_proj as the pair's second phase, is not in the step (it runs with
-# bench/experiments/attn_out_pair.patch) and needs the same widths (tests/test_pallas_gemv_pair.py)
+# attention_out, the same with o_proj as the pair's second phase, needs the same widths (its checks:
+# tests/test_pallas_gemv_pair.py, tests/gpu/gemv_pair_check.py)
 DECODE_OPS = {op for op, o in table.OPS.items() if o.kernel and op not in ("expert_hidden", "topk_positions",
                                                                               "lm_head_topk", "linear", "mla_prep",
                                                                               "index_prep", "route",

@@ -1,7 +1,6 @@
 """bench/experiments/moe_router.patch: main's decode step with a MoE layer's router in one launch of the
-engine (op `norm_route` on `pallas.moe.engine_norm_route`: `jtilert.ffi.route.norm_route`) and the shared
-expert as one kernel of two phases (op `shared_expert` on `pallas.moe.shared_expert_pair`), for part
-`trees` on a GPU. It still applies, and in the patched copy the op lowers to the engine's one launch and a
+engine (op `norm_route` on `pallas.moe.engine_norm_route`: `jtilert.ffi.route.norm_route`), for part `trees`
+on a GPU. It still applies, and in the patched copy the op lowers to the engine's one launch and a
 pallas step over a mesh runs it in every MoE loop body (the tests the patch makes ask for it)."""
 
 from __future__ import annotations
@@ -18,4 +17,4 @@ def test_the_moe_router_patch_applies_and_the_step_runs_the_engines_router(tmp_p
                                                    "-k", "op_norm_route or mesh_runs_the_engines_router"])
     assert r.returncode == 0 and "2 passed" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
     table = (tmp_path / "jtilert" / "ops" / "table.py").read_text()
-    assert "pallas.moe:engine_norm_route" in table and "pallas.moe:shared_expert_pair" in table
+    assert "pallas.moe:engine_norm_route" in table

@@ -52,8 +52,9 @@ def test_every_kernel_runs_at_decode_shapes(name, tokens, mtp):
     # route only in a model whose FFN stacks do not hold their norm (the decode model's MoE: norm_route)
     # sparse MLA runs inside sparse_mla_heads_linear, whose W_uv kernel merges its splits (DeepSeek-V3.2's
     # 128-blocks of scales and GLM-5's 64-blocks alike); attention_out (the same with o_proj as a second
-    # phase) only with bench/experiments/attn_out_pair.patch
-    skip = ("lm_head_topk", "expert_hidden", "route", "sparse_mla", "attention_out") + (() if mtp else ("linear",))
+    # phase) for one token
+    skip = ("lm_head_topk", "expert_hidden", "route", "sparse_mla") + (() if mtp else ("linear",))
+    skip += ("sparse_mla_heads_linear",) if tokens == 1 else ("attention_out",)
     expected = {op for op, o in OPS.items() if o.kernel is not None and op not in skip}
     assert expected <= set(chosen), expected - set(chosen)
     assert all(chosen[op] == {True} for op in expected), {op: chosen[op] for op in expected}
@@ -62,8 +63,14 @@ def test_every_kernel_runs_at_decode_shapes(name, tokens, mtp):
 
 def test_an_op_without_its_kernel_runs_its_parts(monkeypatch):
     # a table entry whose kernel is taken away (tests/gpu/decode_check.py --per-op does this to every op
-    # but one) is not run: the merged sparse MLA + W_uv op falls back to its two ops, each its kernel
-    monkeypatch.setitem(OPS, "sparse_mla_heads_linear", dataclasses.replace(OPS["sparse_mla_heads_linear"], kernel=None))
+    # but one) is not run: the attention's output op falls back to the merged sparse MLA + W_uv op and
+    # o_proj, and without that one's kernel too, to sparse MLA and W_uv, each its kernel
+    without = lambda op: monkeypatch.setitem(OPS, op, dataclasses.replace(OPS[op], kernel=None))
+    without("attention_out")
+    chosen = _decisions("dsv32-tp8-shard", 4, 1, False)
+    assert "attention_out" not in chosen and chosen["sparse_mla_heads_linear"] == {True}, chosen
+    assert chosen["linear_residual"] == {True}, chosen   # o_proj with the residual
+    without("sparse_mla_heads_linear")
     chosen = _decisions("dsv32-tp8-shard", 4, 1, False)
     assert "sparse_mla_heads_linear" not in chosen, chosen
     assert chosen["sparse_mla"] == {True} and chosen["heads_linear"] == {True}, chosen

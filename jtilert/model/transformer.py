@@ -389,9 +389,9 @@ class Attention(nnx.Module):
         # each head's q_nope (the first nope features of its qk_head_dim columns of q_x)
         q_lat = ops("heads_linear", q_x, *w_uk_t, cfg.qk_head_dim, layer=at)
         # the attention over the selected rows, then each head's W_uv
-        o = ops.sparse_mla_heads_linear(q_lat, q_pe, cache["kv"], cache.get("pe"), topk, cfg.softmax_scale, x.dtype,
-                                        w_uv, i, at is not None).reshape(t, heads * cfg.v_head_dim)
-        return ops.linear_all_reduce(o, *self.o_proj.arrays(), i, residual=x), cache, topk
+        out = ops.attention_out(q_lat, q_pe, cache["kv"], cache.get("pe"), topk, cfg.softmax_scale, x.dtype, w_uv,
+                                self.o_proj.arrays(), i, at is not None, x)
+        return out, cache, topk
 
     def _absorption(self, i, dtype):
         """The "heads_linear" weight arguments (weight, scale, block) of W_ukᵀ and W_uv and the layer

@@ -585,7 +585,7 @@ class Ops:
         tp, stacked W_uv, bf16 caches), else `sparse_mla_heads_linear` then `linear_all_reduce`."""
         args = (q_lat, q_pe, kv_cache, pe_cache, idx, scale, out_dtype, *w_uv, *wo, residual)
         op = OPS["attention_out"]
-        if (self._kernels and self.axis is None and w_stacked
+        if (self._kernels and op.kernel is not None and self.axis is None and w_stacked
                 and op.unsupported(*_per_layer(op, args)) is None):   # (one token: the op's condition)
             return self._run_kernel("attention_out", op, args, layer)
         o = self.sparse_mla_heads_linear(q_lat, q_pe, kv_cache, pe_cache, idx, scale, out_dtype, w_uv, layer, w_stacked)

@@ -9,8 +9,7 @@ ids that stay on the device:
   more expert (`pack_shared_expert`) rides along with weight 1.
 * `moe_experts`: the two as two phases of one kernel (`gemv_pair.chain`) where they fit (one decode
   token), else as two kernels.
-* `shared_expert`: the shared expert's gate/up kernel, then `expert_down` with it as its one expert;
-  `shared_expert_pair`: the two as two phases of one kernel where they fit.
+* `shared_expert`: the shared expert's gate/up kernel, then `expert_down` with it as its one expert.
 * `route` / `norm_route`: fp32 logits on `gemv`'s FMA engine (the reference's precision, so near-ties
   select the same experts; `norm_route` applies the FFN's RMSNorm and writes the normed x out), then
   the selection: with a layer index one launch of the CUDA engine (`jtilert.ffi.route`), else the
@@ -386,14 +385,9 @@ def _pair(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale, res
         return None, None, "bf16 experts (the pair takes fp8 weights with scales)"
     first = gemv.projection_plan(x, (gate, up), (gate_scale, up_scale), kind="swiglu_f32", ids=ids.reshape(-1),
                                  layer=layer, partials=True, out_dtype=F32)
-    return _then_down(first, weights, ids, down, down_scale, layer=layer, out_dtype=x.dtype, residual=residual)
-
-
-def _then_down(first, weights, ids, down, down_scale, **down_kw):
-    """(first, the down plan that finishes first's gate/up partials, None), or (None, None, why the two do
-    not make one kernel): the partials not staged by the down kernel, or `gemv_pair.chain_unsupported`."""
     parts = first.out_type
-    second, staged = down_plan(parts, weights, ids, down, down_scale, **down_kw)
+    second, staged = down_plan(parts, weights, ids, down, down_scale, layer=layer, out_dtype=x.dtype,
+                               residual=residual)
     if len(parts.shape) == 4 and staged is None:
         return None, None, f"the gate/up partials {parts.shape}: more than the down kernel stages"
     why = gemv_pair.chain_unsupported(first, second)
@@ -446,46 +440,11 @@ def shared_expert(x, gate, gate_scale, up, up_scale, norm_weight, eps, down, dow
                        residual=residual, kind="swiglu")
 
 
-def shared_expert_pair(x, gate, gate_scale, up, up_scale, norm_weight, eps, down, down_scale, residual, *,
-                       layer=None):
-    """`shared_expert` with its two kernels as the two phases of one (`gemv_pair.chain`: the down's first
-    weight tiles asked for while the gate/up units finish) where `shared_pair_unsupported` says they make
-    one, else `shared_expert`."""
-    if x.shape[0] <= MAX_TOKENS:
-        first, second, why = _shared_pair(x, gate, gate_scale, up, up_scale, norm_weight, eps, down, down_scale,
-                                          residual, layer)
-        if why is None:
-            return gemv_pair.chain(first, second, name="jtilert_shared_pair")
-    return shared_expert(x, gate, gate_scale, up, up_scale, norm_weight, eps, down, down_scale, residual, layer=layer)
-
-
-def shared_pair_unsupported(x, gate, gate_scale, up, up_scale, norm_weight, eps, down, down_scale, residual, *,
-                            layer=None) -> str | None:
-    """Why `shared_expert_pair` runs `shared_expert`'s two kernels instead of one of two phases (None: it
-    runs one)."""
-    return _shared_pair(x, gate, gate_scale, up, up_scale, norm_weight, eps, down, down_scale, residual, layer)[2]
-
-
 def _one_expert(t, down, down_scale, layer):
     """The shared expert as `expert_down`'s one expert of weight 1: (weights, ids, down, down_scale)."""
     one = (lambda a: None if a is None else a[:, None]) if layer is not None else (
         lambda a: None if a is None else a[None])
     return jnp.ones((t, 1), F32), jnp.zeros((t, 1), jnp.int32), one(down), one(down_scale)
-
-
-def _shared_pair(x, gate, gate_scale, up, up_scale, norm_weight, eps, down, down_scale, residual, layer):
-    """(gate/up's plan, down's plan, None), or (None, None, why they do not make one kernel)."""
-    if any(w.dtype != FP8 for w in (gate, up, down)) or gate_scale is None or down_scale is None:
-        return None, None, "bf16 weights (the pair takes fp8 weights with scales)"
-    if down.shape[-1] % QBLOCK:
-        return None, None, f"expert width {down.shape[-1]} (the down phase takes whole {QBLOCK}-column blocks)"
-    gate, gate_scale = gemv._prep_weight(gate, gate_scale, layer)
-    up, up_scale = gemv._prep_weight(up, up_scale, layer)
-    first = gemv.projection_plan(x, (gate, up), (gate_scale, up_scale), kind="swiglu",
-                                 norm=gemv.norm_operand(norm_weight, x, layer), eps=eps, layer=layer, partials=True,
-                                 out_dtype=F32)
-    return _then_down(first, *_one_expert(x.shape[0], down, down_scale, layer), layer=layer,
-                      out_dtype=residual.dtype, residual=residual, kind="swiglu")
 
 
 # ---- router -------------------------------------------------------------------------------------
