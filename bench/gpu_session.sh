@@ -200,14 +200,16 @@ pack() {  # with SAVE_TO: $WORK into $SAVE_TO/session.tgz
     tar czf "$SAVE_TO/session.tgz" -C "$WORK" --exclude='xla_cache*' --exclude='./patched*' --exclude=./hlo --exclude=./hlo_base --exclude=./hlo_mtp . 2>/dev/null
   fi
 }
-patched_tree() {  # patched_tree PATCH: this checkout with PATCH applied (patch -p1: git apply skips the paths
-  # outside a repository's subfolder) and its engine and self-test built (log: $WORK/build_<name>.log, whose
-  # last line is the library), once, in $WORK/patched_<name>; prints the folder, or fails (no folder left)
-  local p t name
-  name=$(basename "$1" .patch); p=$(realpath "$1"); t=$WORK/patched_$name
+patched_tree() {  # patched_tree PATCH[+PATCH...]: this checkout with the patches applied in order (patch -p1:
+  # git apply skips the paths outside a repository's subfolder) and its engine and self-test built (log:
+  # $WORK/build_<name>.log, whose last line is the library), once, in $WORK/patched_<name> (<name>: the
+  # patches' names joined by "_and_"); prints the folder, or fails (no folder left)
+  local ps t name f
+  ps=$(for f in ${1//+/ }; do realpath "$f"; done)
+  name=$(for f in ${1//+/ }; do basename "$f" .patch; done | paste -sd' ' | sed 's/ /_and_/g'); t=$WORK/patched_$name
   if [ ! -d "$t" ]; then
     mkdir -p "$t" && tar -c --exclude=./.git --exclude=./.venv --exclude=./.trees --exclude=./bench/results . \
-      | tar -x -C "$t" && (cd "$t" && patch -s -p1 < "$p" \
+      | tar -x -C "$t" && (cd "$t" && for f in $ps; do patch -s -p1 < "$f" || exit 1; done \
       && PYTHONPATH=$PWD timeout 300 python3 -m jtilert.ffi.build --selftest) > "$WORK/build_$name.log" 2>&1 \
       || { echo "patched_tree: $1 did not apply or build ($WORK/build_$name.log)" >&2; rm -rf "$t"; return 1; }
   fi
