@@ -98,6 +98,22 @@ def test_one_kernel_lowers_for_the_gpu_at_full_shapes(heads, d, block):
     assert txt.count("custom_call @mosaic_gpu") == 1
 
 
+@pytest.mark.parametrize("heads, why", [(16, None), (128, "heads mode, the epilogue in the kernel")])
+def test_attention_out_says_where_its_pair_does_not_apply(heads, why):
+    """DeepSeek-V3.2's one layer at tp 8 (16 heads) takes the pair; at tp 1 (128 heads) W_uv's GEMV sums its
+    split-K partials after the kernel, so it cannot hand o_proj one row a token, and the op says so (the op
+    table then runs sparse_mla_heads_linear and o_proj)."""
+    from jtilert.pallas import sparse_mla
+    S = jax.ShapeDtypeStruct
+    lat, rope, nv, d, ctx, topk = 512, 64, 128, 7168, 4096, 2048
+    args = (S((1, heads, lat), BF16), S((1, heads, rope), BF16), S((ctx, lat), BF16), S((ctx, rope), BF16),
+            S((1, topk), jnp.int32), 0.07, BF16, S((heads, nv, lat), FP8), S((heads, 1, 4), F32), 128,
+            S((d, heads * nv), FP8), S((d // 128, heads * nv // 128), F32), S((1, d), BF16))
+    with interp.compile_for_gpu():
+        got = sparse_mla.attention_out_unsupported(*args)
+    assert got == why if why is None else why in got, got
+
+
 def test_attention_out_through_the_op_table():
     """Op attention_out at a traced layer (16 heads over a 512-wide latent, bf16 caches, the residual):
     the pallas backend runs its kernels (sparse MLA's partials, then W_uv and o_proj as the pair) within

@@ -274,7 +274,9 @@ def _attention_out_unsupported(q_lat, q_pe, kv_cache, pe_cache, idx, scale, out_
     if t != 1:
         return f"{t} tokens (the phases' units fit the SMs for one)"
     return (_sparse_mla_heads_unsupported(q_lat, q_pe, kv_cache, pe_cache, idx, scale, out_dtype, w, w_scale, block)
-            or _residual_gemv_unsupported(jax.ShapeDtypeStruct((t, heads * n), BF16), wo, wo_scale, residual))
+            or _residual_gemv_unsupported(jax.ShapeDtypeStruct((t, heads * n), BF16), wo, wo_scale, residual)
+            or sparse_mla.attention_out_unsupported(q_lat, q_pe, kv_cache, pe_cache, idx, scale, out_dtype, w, w_scale,
+                                                    block, wo, wo_scale, residual))
 
 
 def _mla_prep_unsupported(q_x, kv_x, kv_col, heads, qk_head_dim, norm_weight, eps, cos, sin, kv_cache, pe_cache,

@@ -501,6 +501,30 @@ def attention_out(q_lat, q_pe, kv_cache, pe_cache, idx, scale: float, out_dtype,
     return gemv_pair.heads_splits_linear(o, m, l, w, w_scale, block, wo, wo_scale, residual, layer=layer)
 
 
+def attention_out_unsupported(q_lat, q_pe, kv_cache, pe_cache, idx, scale: float, out_dtype, w, w_scale, block: int,
+                              wo, wo_scale, residual, *, config: SparseMLAConfig | None = None) -> str | None:
+    """Why `attention_out` does not run W_uv and o_proj as one kernel of two phases at these shapes (one
+    layer's weights and caches; None: it does): `heads_linear_unsupported`'s reasons, a W_uv GEMV that does
+    not finish its heads in the kernel (its split-K partials summed after it: many heads, as at tp 1), or
+    the phases' units past the SMs (`gemv_pair.chain_unsupported`). Shapes only: nothing is computed."""
+    why = []
+
+    def plans(q_lat, q_pe, kv_cache, pe_cache, idx, w, w_scale, wo, wo_scale, residual):
+        o, m, l = _merged_partials("attention_out", q_lat, q_pe, kv_cache, pe_cache, idx, scale, out_dtype, block,
+                                   config, None)
+        try:
+            why.append(gemv_pair.chain_unsupported(*gemv_pair.heads_splits_linear_plans(
+                o, m, l, w, w_scale, block, wo, wo_scale, residual)))
+        except ValueError as e:   # the W_uv plan cannot write its heads as one row a token
+            why.append(str(e))
+
+    try:
+        jax.eval_shape(plans, q_lat, q_pe, kv_cache, pe_cache, idx, w, w_scale, wo, wo_scale, residual)
+    except ValueError as e:   # `_merged_partials`' refusals
+        return str(e)
+    return why[0]
+
+
 def _merged_partials(op: str, q_lat, q_pe, kv_cache, pe_cache, idx, scale, out_dtype, block, config, layer):
     """The attention's split partials (o, m, l) for a heads GEMV that merges them (op `op`'s first launch),
     or a ValueError naming `op` where `heads_linear_unsupported` names a reason."""
