@@ -95,7 +95,8 @@
 #                and at two (layers_per_iteration; UNROLLS picks the --layer-loop list, default loop,loop/2)
 #   defaults     bench.decode 61 layers, pallas, without XLA_FLAGS: DecodeConfig's default options against
 #                CONCURRENT scheduling alone (XLA's own command-buffer kinds: the layer loops not captured)
-#   trees        the same for every tree in TREES (carried folders, default .baseline), then this checkout: a
+#   trees        the same for every tree in TREES (carried folders, default .baseline, or bench/experiments
+#                patches, several joined by '+' applied in order), then this checkout: a
 #                bisection on one machine under this script's XLA flags (each tree ~1 min; TREE_ARGS: more
 #                bench.decode arguments for every tree; TREE_LAYERS: the layers, default what fits the GPU,
 #                `share_layers`: 61 on an H200, 36 on an H100)

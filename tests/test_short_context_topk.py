@@ -43,7 +43,7 @@ def test_the_op_selects_as_the_top_k_on_both_sides_of_the_switch(positions):
     scores = _scores(positions, rows, seed=7 + sum(positions))
     pos = jnp.asarray(positions, jnp.int32)
     want = np.asarray(reference.topk_positions(scores, k))
-    off = jax.jit(lambda s, p: Ops(DecodeConfig())._topk_positions(s, k, p))(scores, pos)
+    off = jax.jit(lambda s, p: Ops(DecodeConfig(short_context_topk=False))._topk_positions(s, k, p))(scores, pos)
     on = jax.jit(lambda s, p: Ops(DecodeConfig(short_context_topk=True))._topk_positions(s, k, p))(scores, pos)
     np.testing.assert_array_equal(np.asarray(off), want)
     if max(positions) < k:
@@ -59,7 +59,7 @@ def test_the_step_has_one_conditional_a_layer_and_generates_the_same_tokens(tiny
     switch (a conditional in each indexer layer's body)."""
     from jtilert.runtime.generate import Engine
     prompt = np.random.RandomState(3).randint(0, 256, 20)
-    plain = jtilert.Generator(tiny_random, max_seq_len=128)
+    plain = jtilert.Generator(tiny_random, max_seq_len=128, config=DecodeConfig(short_context_topk=False))
     short = jtilert.Generator(tiny_random, max_seq_len=128, config=DecodeConfig(short_context_topk=True))
     assert short.generate(prompt, 24, stop_tokens=[]) == plain.generate(prompt, 24, stop_tokens=[])
 
@@ -68,4 +68,4 @@ def test_the_step_has_one_conditional_a_layer_and_generates_the_same_tokens(tiny
         tok = eng.place(jnp.asarray([5], jnp.int32))
         txt = eng.forward._jit.trace(eng.state, eng.new_cache(64), tok, eng.place(jnp.int32(0))).lower().as_text()  # noqa: SLF001
         return txt.count("stablehlo.case")
-    assert cases(DecodeConfig(short_context_topk=True)) > cases(DecodeConfig())
+    assert cases(DecodeConfig(short_context_topk=True)) > cases(DecodeConfig(short_context_topk=False))
