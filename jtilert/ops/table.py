@@ -632,8 +632,8 @@ class Ops:
         return reference.empty_as_minus_one(vals, idx)[None], k_cache, k_scale
 
     def _topk_positions(self, scores, k: int, positions):
-        """Op "topk_positions" of the scores, or with `short_context_topk`, where every token's position
-        is below min(k, cached rows), all the cached positions (the same selection) without it."""
+        """Op "topk_positions" of the scores; with `short_context_topk`, where every token's position is
+        below min(k, cached rows), every cached position instead (the same selection), the op not run."""
         if not self.config.short_context_topk:
             return self("topk_positions", scores, k)
         k = min(k, scores.shape[-1])
