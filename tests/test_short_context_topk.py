@@ -66,6 +66,7 @@ def test_the_step_has_one_conditional_a_layer_and_generates_the_same_tokens(tiny
     def cases(config):
         eng = Engine(tiny_random, config=config)
         tok = eng.place(jnp.asarray([5], jnp.int32))
-        txt = eng.forward._jit.trace(eng.state, eng.new_cache(64), tok, eng.place(jnp.int32(0))).lower().as_text()  # noqa: SLF001
+        step = eng.forward._jit.trace(eng.state, eng.new_cache(64), tok, eng.place(jnp.int32(0)))  # noqa: SLF001
+        txt = step.lower().as_text()
         return txt.count("stablehlo.case")
     assert cases(DecodeConfig(short_context_topk=True)) > cases(DecodeConfig(short_context_topk=False))

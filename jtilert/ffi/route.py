@@ -124,8 +124,8 @@ norm_route_p = Primitive("jtilert_norm_route")
 norm_route_p.multiple_results = True
 
 
-def _norm_route_abstract(x, norm_weight, gate, bias, layer, layer_offset, *, eps, n_group, topk_group, k,  # noqa: ARG001
-                         norm, scaling):
+def _norm_route_abstract(x, norm_weight, gate, bias, layer, layer_offset, *,  # noqa: ARG001
+                         eps, n_group, topk_group, k, norm, scaling):
     shape = (x.shape[0], k)
     return (x, x.update(shape=shape, dtype=np.dtype(np.float32)), x.update(shape=shape, dtype=np.dtype(np.int32)))
 
@@ -167,7 +167,8 @@ def norm_route_unsupported(cfg, x, norm_weight, gate, bias) -> str | None:
     E ≤ 256 in whole groups."""
     t, h = x.shape if x.ndim == 2 else (0, 0)
     if (x.ndim != 2 or x.dtype != jnp.bfloat16 or not 1 <= t <= ROUTER_MAX_TOKENS or h % 8 or h > ROUTER_MAX_HIDDEN):
-        return f"x {x.dtype}{list(x.shape)} (bf16 [T, H], T ≤ {ROUTER_MAX_TOKENS}, H ≤ {ROUTER_MAX_HIDDEN} a multiple of 8)"
+        return (f"x {x.dtype}{list(x.shape)} (bf16 [T, H], T ≤ {ROUTER_MAX_TOKENS}, "
+                f"H ≤ {ROUTER_MAX_HIDDEN} a multiple of 8)")
     if (norm_weight.dtype != jnp.bfloat16 or gate.dtype != jnp.bfloat16 or norm_weight.ndim != 2 or gate.ndim != 3
             or norm_weight.shape[1] != h or gate.shape[2] != h or gate.shape[0] != norm_weight.shape[0]):
         return (f"norm weight {norm_weight.dtype}{list(norm_weight.shape)}, gate {gate.dtype}{list(gate.shape)} "

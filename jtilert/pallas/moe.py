@@ -85,8 +85,8 @@ def down_plan(h, weights, ids, down, down_scale, *, layer=None, out_dtype=BF16, 
     """(`expert_down`'s kernel as a `gemv.ProjectionPlan`, the partials' shape where it stages them or
     None) for h (an array, or its shape and dtype: [T·k, I] fp32 / bf16, or the partials [S, 2, T·k, I],
     staged where they are at most STAGE_MAX_BYTES and fit beside the pipeline: else the plan is for h
-    finished first, bf16, and the caller finishes it); the other arguments as `expert_down`'s. The plan's `wait` (a phase before it writes h)
-    runs before h is read."""
+    finished first, bf16, and the caller finishes it); the other arguments as `expert_down`'s. The
+    plan's `wait` (a phase before it writes h) runs before h is read."""
     h_shape = h.shape
     t, kper = ids.shape
     nsel = t * kper
