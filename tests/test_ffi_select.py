@@ -246,11 +246,32 @@ def cluster_plan(n, k, ctas=0, max_cluster=MAX_CLUSTER):
     return c, (n + c - 1) // c
 
 
+NEG_INF_KEY = 0x007FFFFF   # order_key(-inf)
+
+
+def rules_out_leading(chunk_keys, base, k):
+    """chunk_rules_out_leading of select.cu: a key above -inf's at a position >= k, or one below it."""
+    pos = base + np.arange(chunk_keys.shape[0])
+    return bool(np.any((chunk_keys < NEG_INF_KEY) | ((chunk_keys > NEG_INF_KEY) & (pos >= k))))
+
+
+def cluster_short_form(x, k, sorted_out, canonical_zero=False, ctas=0):
+    """Whether topk_cluster_kernel ends after level 0 with the row's first k positions: by position,
+    and no CTA's chunk rules it out."""
+    n = x.shape[0]
+    c_n, chunk = cluster_plan(n, k, ctas)
+    keys = order_key(x, canonical_zero)
+    return not sorted_out and not any(rules_out_leading(keys[min(n, g * chunk):min(n, (g + 1) * chunk)],
+                                                        g * chunk, k) for g in range(c_n))
+
+
 def model_cluster_row(x, k, sorted_out=True, canonical_zero=False, ctas=0):
     """One row through topk_cluster_kernel's steps; returns (values, indices)."""
     n = x.shape[0]
     c_n, chunk = cluster_plan(n, k, ctas)
     keys = order_key(x, canonical_zero)
+    if cluster_short_form(x, k, sorted_out, canonical_zero, ctas):   # write_leading of every CTA
+        return key_value(keys[:k]), np.arange(k, dtype=np.int32)
     # the last CTAs may have no keys (chunk = ceil(n / C))
     chunks = [keys[min(n, g * chunk):min(n, (g + 1) * chunk)] for g in range(c_n)]
     bkt, need = Bucket(), k
@@ -347,6 +368,13 @@ def _scores(rng, t, n, kind):
         x[:, 100:] = -np.inf
     elif kind == "narrow":        # all scores inside one quarter-octave (one level-0 bucket)
         x = 1.0 + rng.random((t, n)) * 0.2
+    elif kind == "masked_late":   # a short context but one score past the mask, at the row's end
+        x = rng.standard_normal((t, n))
+        x[:, 100:-1] = -np.inf
+    elif kind == "masked_nan":    # a short context with a NaN with the sign bit (below -inf) in it
+        x = rng.standard_normal((t, n))
+        x[:, 100:] = -np.inf
+        x[:, 5] = -np.nan
     else:
         raise ValueError(kind)
     return x.astype(np.float32)
@@ -357,6 +385,7 @@ CASES = [  # (T, N, k, kind[, CTAs per row])
     (3, 3001, 1000, "masked"), (1, 777, 777, "ties"), (1, 100, 100, "zeros"), (4, 20000, 64, "narrow"),
     (1, 131072, 2048, "masked"), (8, 1000, 7, "ties"), (8, 9000, 8192, "normal"),
     (1, 32768, 2048, "ties", 8), (2, 163840, 2048, "normal", 11),
+    (1, 4096, 2048, "masked"), (2, 4096, 2048, "masked_late"), (2, 4096, 2048, "masked_nan"),
 ]
 
 
@@ -389,6 +418,26 @@ def test_numpy_model_of_the_cluster_kernel_equals_lax_top_k(case):
     assert sizes
     for c in sizes:
         _check_model(x, k, t, lambda row, sorted_out, c=c: model_cluster_row(row, k, sorted_out, ctas=c))
+
+
+@pytest.mark.parametrize("kind, n, k, short", [
+    ("masked", 4096, 2048, True), ("zeros", 5000, 2048, True), ("normal", 2048, 2048, True),
+    ("masked", 3001, 50, False), ("masked_late", 4096, 2048, False), ("masked_nan", 4096, 2048, False),
+    ("normal", 4096, 2048, False)])
+def test_the_cluster_kernels_short_form_is_taken_where_the_first_k_positions_are_the_top_k(kind, n, k, short):
+    """By position the cluster kernel ends after level 0 where no score from position k on is above -inf and
+    none is below it (a short context's masked row); never for sorted output. Where it is taken, its output
+    (the first k positions) is lax.top_k's selection (the model test above checks the rows)."""
+    x = _scores(np.random.default_rng(7), 1, n, kind)[0]
+    for c in (-16, -8, -1):
+        assert cluster_short_form(x, k, sorted_out=False, ctas=c) == short, c
+        assert not cluster_short_form(x, k, sorted_out=True, ctas=c)
+    if short:
+        i = np.sort(np.asarray(lax.top_k(jnp.asarray(x), k)[1]))
+        np.testing.assert_array_equal(i, np.arange(k))
+    src = (ROOT / "cuda" / "src" / "select.cu").read_text()
+    assert f"kNegInfKey = 0x{NEG_INF_KEY:08x}u" in src
+    assert int(order_key(np.float32(-np.inf))) == NEG_INF_KEY
 
 
 def test_cluster_plan_picks_the_variant_by_n():

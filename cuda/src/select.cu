@@ -59,6 +59,14 @@
 //      the k-th key, pushes its own kGroup bins of that group, adds up the C
 //      pushed and finds the digit: the same digit in every CTA, from 1/14 of
 //      the bytes that whole histograms would take.
+// Short form (by position only): a row none of whose scores from position k
+// on is above -inf (a short context: the indexer masks the positions past
+// the token's) and none below -inf (a NaN with the sign bit) selects its first
+// k positions, since -inf is then the row's lowest key and ties go to the
+// lower position. Each CTA checks its chunk and sends the answer with level
+// 0's coarse histogram (kFlagWords more words); where no CTA rules the short
+// form out, every CTA writes its chunk's entries below position k at their
+// own slots and ends: no more levels, no counts exchange.
 // Then each CTA pushes its (above, in-bucket) counts, sums those of the CTAs
 // before it and writes its entries like the grid kernel. Sorted output:
 // staged in global memory, a cluster barrier, then every CTA sorts its 1/C
@@ -91,6 +99,8 @@ constexpr int kMaxCluster = 16;     // CTAs per cluster (non-portable above 8)
 constexpr int kClusterCap = 12288;  // keys per CTA of a cluster (48 KiB)
 constexpr int kGroup = 16;          // bins per coarse group of the cluster merge
 constexpr int kCoarse = kBins / kGroup;  // coarse groups of the widest digit
+constexpr int kFlagWords = 4;       // level 0's coarse push: + the short form's word
+constexpr uint32_t kNegInfKey = 0x007fffffu;  // order_key(-inf)
 constexpr int kLoadBatch = 16;      // score loads in flight per thread
 // dynamic shared memory of the cluster kernel: its keys or the sorted staging
 constexpr int kClusterSmem = std::max(kClusterCap * 4, JT_TOPK_MAX_K * 8);
@@ -567,6 +577,29 @@ __device__ void wait_pushes(const SelectParams& p, uint64_t* bar, int where) {
   }
 }
 
+// Whether this CTA's chunk [base, base + cnt) rules out the row's short form
+// (see the file comment): a key above -inf's at a position >= k, or a key
+// below it. The same answer in every thread (a CTA barrier).
+__device__ bool chunk_rules_out_leading(const uint32_t* keys, int cnt, int base,
+                                        int k) {
+  bool out = false;
+  for (int i = threadIdx.x; i < cnt; i += kNT)
+    out |= keys[i] < kNegInfKey || (keys[i] > kNegInfKey && base + i >= k);
+  return __syncthreads_or(out) != 0;
+}
+
+// The short form's output, by position: this chunk's entries below position
+// k, each at the slot of its position.
+__device__ void write_leading(const SelectParams& p, const uint32_t* keys,
+                              int cnt, int base) {
+  int32_t* oi = p.out_idx + (size_t)blockIdx.y * p.k;
+  float* ov = p.out_val + (size_t)blockIdx.y * p.k;
+  for (int i = threadIdx.x; i < min(cnt, p.k - base); i += kNT) {
+    oi[base + i] = out_position(p.mode, keys[i], (uint32_t)(base + i));
+    ov[base + i] = key_value(keys[i]);
+  }
+}
+
 // Sorted output of the cluster kernel, after the barrier behind the staging
 // (k entries in position order). CTA g owns the share of slots [g * per,
 // g * per + ne): it sorts the share by (score desc, position asc) with
@@ -647,10 +680,11 @@ __global__ void __launch_bounds__(kNT) topk_cluster_kernel(SelectParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
   // this CTA's digit histograms, one per level (the sorted output's scratch after)
   __shared__ __align__(16) uint32_t hist[kLevels][kBins];
-  __shared__ __align__(16) uint32_t coarse[kLevels][kCoarse];  // hist's group sums
+  // hist's group sums; level 0's then the short form's word (kFlagWords)
+  __shared__ __align__(16) uint32_t coarse[kLevels][kCoarse + kFlagWords];
   // exchanges: every CTA's coarse histogram, the fine bins of the chosen group,
   // the (above, in-bucket) counts, each by source rank (push_to_cluster)
-  __shared__ __align__(16) uint32_t x_coarse[kMaxCluster * kCoarse];  // [C][ng]
+  __shared__ __align__(16) uint32_t x_coarse[kMaxCluster * (kCoarse + kFlagWords)];  // [C][nx]
   __shared__ __align__(16) uint32_t x_fine[kMaxCluster * kGroup];      // [C][kGroup]
   __shared__ __align__(16) uint32_t x_counts[kMaxCluster * 4];         // [C][4]
   // one mbarrier per exchange and level: coarse, fine, then the counts
@@ -660,6 +694,7 @@ __global__ void __launch_bounds__(kNT) topk_cluster_kernel(SelectParams p) {
   __shared__ uint32_t wc[2 * kWarps + 2];
   __shared__ uint32_t found[3];       // the coarse search's result, then the counts'
   __shared__ uint32_t found_fine[3];  // apart: warp 0 writes it while others read found
+  __shared__ uint32_t ruled_out;      // some CTA rules out the short form
   namespace cg = cooperative_groups;
   namespace ptx = cuda::ptx;
   const int g = blockIdx.x, C = gridDim.x, tid = threadIdx.x;
@@ -675,7 +710,8 @@ __global__ void __launch_bounds__(kNT) topk_cluster_kernel(SelectParams p) {
   if (tid == 0) {
     for (int e = 0; e < 2 * kLevels + 1; ++e) {
       const int lvl = e % kLevels;
-      const int words = e < kLevels ? level_bins(lvl) / kGroup : (e < 2 * kLevels ? kGroup : 4);
+      const int words = e < kLevels ? level_bins(lvl) / kGroup + (lvl == 0 ? kFlagWords : 0)
+                                    : (e < 2 * kLevels ? kGroup : 4);
       ptx::mbarrier_init(&bars[e], 1);
       ptx::mbarrier_arrive_expect_tx(ptx::sem_release, ptx::scope_cta, ptx::space_shared,
                                      &bars[e], (uint32_t)(C * words * 4));
@@ -685,9 +721,11 @@ __global__ void __launch_bounds__(kNT) topk_cluster_kernel(SelectParams p) {
   // every CTA's mbarriers exist before any CTA pushes (the wait below)
   ptx::barrier_cluster_arrive(ptx::sem_relaxed);
   for (int b = tid; b < kLevels * kBins; b += kNT) (&hist[0][0])[b] = 0;
-  for (int b = tid; b < kLevels * kCoarse; b += kNT) (&coarse[0][0])[b] = 0;
+  for (int b = tid; b < kLevels * (kCoarse + kFlagWords); b += kNT) (&coarse[0][0])[b] = 0;
   load_keys(p.scores + (size_t)blockIdx.y * p.n + base, cnt,
             (p.mode & JT_TOPK_CANONICAL_ZERO) != 0, keys);
+  const bool rules_out = sorted || chunk_rules_out_leading(keys, cnt, base, k);
+  if (tid == 0) coarse[0][kCoarse] = rules_out;  // pushed with level 0's histogram
   ptx::barrier_cluster_wait();
 
   uint32_t pre = 0, need = (uint32_t)k;
@@ -695,16 +733,26 @@ __global__ void __launch_bounds__(kNT) topk_cluster_kernel(SelectParams p) {
   for (int lvl = 0; lvl < kLevels; ++lvl) {
     const int shift = level_shift(lvl);
     const int nb = level_bins(lvl), ng = nb / kGroup;
+    const int nx = lvl == 0 ? ng + kFlagWords : ng;  // words a CTA pushes
     uint32_t* h = hist[lvl];
     count_digits(keys, cnt, pre, lo, shift, nb, h, coarse[lvl]);
-    push_to_cluster(coarse[lvl], ng, x_coarse, &bars[lvl]);
+    push_to_cluster(coarse[lvl], nx, x_coarse, &bars[lvl]);
     if (tid < ng) {  // the row's coarse histogram
       wait_pushes(p, &bars[lvl], lvl);
       uint32_t s = 0;
-      for (int r = 0; r < C; ++r) s += x_coarse[r * ng + tid];
+      for (int r = 0; r < C; ++r) s += x_coarse[r * nx + tid];
       sum_coarse[tid] = s;
+    } else if (lvl == 0 && tid == ng) {  // and whether a CTA rules out the short form
+      wait_pushes(p, &bars[lvl], lvl);
+      uint32_t any = 0;
+      for (int r = 0; r < C; ++r) any |= x_coarse[r * nx + ng];
+      ruled_out = any;
     }
     __syncthreads();
+    if (lvl == 0 && !ruled_out) {  // every CTA has received every push: it may end
+      write_leading(p, keys, cnt, base);
+      return;
+    }
     warp_find_digit(sum_coarse, ng, need, found);
     __syncthreads();
     const uint32_t grp = found[0], above_grp = found[1];

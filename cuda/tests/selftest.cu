@@ -828,7 +828,7 @@ void test_interleaved(int gid, int rounds) {
 
 // ---------------- exact top-k (one GPU) ----------------
 
-enum ScoreKind { kNormal, kTies, kZeros, kMasked, kNarrow };
+enum ScoreKind { kNormal, kTies, kZeros, kMasked, kNarrow, kMaskedLate, kMaskedNaN };
 
 std::vector<float> make_scores(int T, int n, ScoreKind kind, unsigned seed) {
   std::mt19937 rng(seed);
@@ -845,6 +845,10 @@ std::vector<float> make_scores(int T, int n, ScoreKind kind, unsigned seed) {
         case kZeros: v = i < n / 3 ? picks[rng() % 5] : -INFINITY; break;
         case kMasked: v = i < 100 ? v : -INFINITY; break;  // short context
         case kNarrow: v = 1.f + 0.2f * ud(rng); break;     // one level-0 bucket
+        // short contexts the short form must not take: a score past the
+        // mask at the row's end, a NaN with the sign bit before it
+        case kMaskedLate: v = i < 100 || i == n - 1 ? v : -INFINITY; break;
+        case kMaskedNaN: v = i == 5 ? -NAN : i < 100 ? v : -INFINITY; break;
       }
       x[(size_t)t * n + i] = v;
     }
@@ -945,7 +949,8 @@ void test_select(int T, int n, int k, int mode, ScoreKind kind, int iters,
       const auto ovh = host_copy(reinterpret_cast<uint32_t*>(ov), 2 * 333);
       for (size_t j = 0; j < oh.size(); ++j) bad += oh[j] != ori[j] || ovh[j] != orv[j];
     }
-    static const char* kinds[] = {"normal", "ties", "zeros/-inf", "masked", "narrow"};
+    static const char* kinds[] = {"normal", "ties", "zeros/-inf", "masked", "narrow", "masked+late",
+                                  "masked+nan"};
     char buf[200];
     std::snprintf(buf, sizeof(buf),
                   "topk_select T=%d n=%d k=%d %s%s%s %s %s iters=%d: mismatches=%d",
@@ -989,6 +994,9 @@ void run_select_tests(bool small, int iters) {
   test(1, 5000, 2048, E, kZeros, 37, 8);
   if (small) return;
   test(1, 4096, 2048, E, kMasked, 56);             // the indexer's decode call
+  test(2, 4096, 2048, E, kMaskedLate, 57);         // ... not its short form
+  test(2, 4096, 2048, 0, kMaskedNaN, 58);
+  test(1, 2048, 2048, E, kNormal, 59);             // n == k by position: the short form
   test(3, 3001, 1000, S, kMasked, 34);
   test(1, 5000, 2048, 0, kZeros, 35);
   test(1, 4096, 2048, S, kNormal, 41);
@@ -1107,8 +1115,8 @@ float bench_graph(const char* name,
 
 // One select per rank on its own GPU (the scores stay in L2, as after the
 // indexer); bench_graph prints rank 0's median time per launch.
-void bench_select(int T, int n, int k, int mode, int ctas = 0) {
-  const std::vector<float> x = make_scores(T, n, kNormal, 7);
+void bench_select(int T, int n, int k, int mode, int ctas = 0, ScoreKind kind = kNormal) {
+  const std::vector<float> x = make_scores(T, n, kind, 7);
   std::vector<float*> dx(g_world), dv(g_world);
   std::vector<int32_t*> di(g_world);
   for (int r = 0; r < g_world; ++r) {
@@ -1118,8 +1126,8 @@ void bench_select(int T, int n, int k, int mode, int ctas = 0) {
     CK(cudaMalloc(&dv[r], (size_t)T * k * 4));
   }
   char name[160];
-  std::snprintf(name, sizeof(name), "topk_select T=%d n=%d k=%d %s %s", T, n, k,
-                (mode & JT_TOPK_SORTED) ? "sorted" : "by-index",
+  std::snprintf(name, sizeof(name), "topk_select T=%d n=%d k=%d %s%s %s", T, n, k,
+                (mode & JT_TOPK_SORTED) ? "sorted" : "by-index", kind == kMasked ? " masked" : "",
                 select_variant(T, n, k, mode, ctas).c_str());
   bench_graph(
       name,
@@ -1136,6 +1144,10 @@ void bench_select(int T, int n, int k, int mode, int ctas = 0) {
 }
 
 void run_select_bench() {
+  // the indexer's decode call (by position, -1 where masked) at a long and a
+  // short context (the short form)
+  for (ScoreKind kind : {kNormal, kMasked})
+    bench_select(1, 4096, 2048, JT_TOPK_EMPTY_AS_MINUS_ONE, 0, kind);
   // the grid kernel (its default CTAs per row), clusters of 1, 8 and 16 (the
   // default picks one of them where the row fits)
   for (int n : {4096, 5120, 6144, 8192, 12288, 32768, 49152, 131072, 163840})

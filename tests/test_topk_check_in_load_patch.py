@@ -1,9 +1,8 @@
-"""bench/experiments/topk_short_form.patch, measured before it lands (parts `selectpatch` and `trees`): the
-engine's cluster top-k ends after level 0 with the row's first k positions where no score from position k
-on is above -inf and none is below it (a short context's masked row), exact without the positions. In a
-patched copy: the numpy model of the cluster kernel with the short form equals `lax.top_k`, the form is
-taken exactly where it should be, and select.cu and the self-test compile for sm_90a with warnings as
-errors."""
+"""bench/experiments/topk_check_in_load.patch, measured before it lands (parts `selectpatch` and `trees`):
+the cluster top-k's short form with each CTA's check made as it loads its chunk (`load_keys`, whose
+closing barrier becomes an `__syncthreads_or`) instead of in a pass of its own. In a patched copy: the
+numpy model of the cluster kernel with the short form equals `lax.top_k`, the form is taken exactly where
+it should be, and select.cu and the self-test compile for sm_90a with warnings as errors."""
 
 from __future__ import annotations
 
@@ -21,11 +20,11 @@ def _nvcc():
 
 
 @pytest.mark.skipif(shutil.which("patch") is None, reason="patch not found")
-def test_the_short_form_patch_applies_and_its_model_equals_lax_top_k(tmp_path):
-    r = run_patched(tmp_path, "topk_short_form.patch",
+def test_the_check_in_load_patch_applies_and_compiles(tmp_path):
+    r = run_patched(tmp_path, "topk_check_in_load.patch",
                     ["tests/test_ffi_select.py", "-k", "short_form or cluster_kernel_equals or cluster_plan"])
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "passed" in r.stdout and "short_form" in (tmp_path / "tests" / "test_ffi_select.py").read_text()
+    assert "passed" in r.stdout and "rules_out |=" in (tmp_path / "cuda" / "src" / "select.cu").read_text()
     nvcc = _nvcc()
     if nvcc is None:
         pytest.skip("nvcc not found: the patched CUDA sources cannot be compiled here")
