@@ -332,15 +332,6 @@ def empty_as_minus_one(vals: jax.Array, idx: jax.Array) -> jax.Array:
     return jnp.where(vals > -jnp.inf, idx.astype(jnp.int32), -1)
 
 
-def leading_positions(positions: jax.Array, k: int) -> jax.Array:
-    """`topk_positions`' selection where every token's cached positions fit in k (max(positions) < k):
-    all of them, whatever their scores, as indices [T, k] int32 in position order with -1 past each
-    token's position (the engine's top-k returns the same array; `lax.top_k` the same set in score
-    order)."""
-    j = jnp.arange(k, dtype=jnp.int32)[None]
-    return jnp.where(j <= positions.astype(jnp.int32)[:, None], j, -1)
-
-
 def topk_positions(scores: jax.Array, k: int) -> jax.Array:
     """Top-k cache rows per token from scores [T, S]: indices [T, k] int32. Ties go to the lower
     position; a row whose score is -inf (past the causal limit) comes back as -1, which

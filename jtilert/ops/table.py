@@ -95,11 +95,6 @@ class DecodeConfig:
         kernels (routed gate/up, routed down, shared gate/up, shared down); a decode-shaped call the
         engine does not take runs those four, with a warning once per shape and reason (prefill runs
         them without a word). Off by default: slower in the step (bench/RESULTS.md, session 25).
-    short_context_topk: each layer's indexer selects its top-k only where some token's position is past
-        `index_topk` - 1 (a `lax.cond` on the positions): below that the selection is every cached
-        position, whatever the scores (`reference.leading_positions`), and the top-k is not run; the
-        key is still appended and scored. Off by default: bench/RESULTS.md has not measured the
-        conditional's cost in the step's CUDA graph yet.
     token_ring: on a GPU where the CUDA engine loads, the decode steps that `Generator.stream` runs
         leave their new tokens in the engine's token ring (`jtilert.ffi.ring`, fixed pinned host memory
         the host reads) instead of returning them as an output: every output of a call is then a donated
@@ -123,7 +118,6 @@ class DecodeConfig:
     xla_options: tuple[tuple[str, str], ...] = STEP_XLA_OPTIONS
     l2_prefetch: bool = False
     engine_moe: bool = False
-    short_context_topk: bool = False
     token_ring: bool = True
     ring_write_behind: bool = True
 
@@ -627,18 +621,9 @@ class Ops:
             if num is not None:
                 scores = jax.lax.dynamic_slice_in_dim(scores, first, num, axis=1)
         if num is None:
-            return self._topk_positions(scores, cfg.index_topk, positions), k_cache, k_scale
+            return self("topk_positions", scores, cfg.index_topk), k_cache, k_scale
         vals, idx = ffi.split_topk(scores[0], cfg.index_topk, self.axis)
         return reference.empty_as_minus_one(vals, idx)[None], k_cache, k_scale
-
-    def _topk_positions(self, scores, k: int, positions):
-        """Op "topk_positions" of the scores; with `short_context_topk`, where every token's position is
-        below min(k, cached rows), every cached position instead (the same selection), the op not run."""
-        if not self.config.short_context_topk:
-            return self("topk_positions", scores, k)
-        k = min(k, scores.shape[-1])
-        return jax.lax.cond(jnp.max(positions) < k, lambda s: reference.leading_positions(positions, k),
-                            lambda s: self("topk_positions", s, k), scores)
 
     def all_gather_last(self, x):
         """Concatenate the ranks' slices of the last axis (vocab-split logits)."""
