@@ -250,7 +250,7 @@ NEG_INF_KEY = 0x007FFFFF   # order_key(-inf)
 
 
 def rules_out_leading(chunk_keys, base, k):
-    """chunk_rules_out_leading of select.cu: a key above -inf's at a position >= k, or one below it."""
+    """load_keys of select.cu, its answer: a key above -inf's at a position >= k, or one below it."""
     pos = base + np.arange(chunk_keys.shape[0])
     return bool(np.any((chunk_keys < NEG_INF_KEY) | ((chunk_keys > NEG_INF_KEY) & (pos >= k))))
 

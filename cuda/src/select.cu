@@ -63,10 +63,10 @@
 // on is above -inf (a short context: the indexer masks the positions past
 // the token's) and none below -inf (a NaN with the sign bit) selects its first
 // k positions, since -inf is then the row's lowest key and ties go to the
-// lower position. Each CTA checks its chunk and sends the answer with level
-// 0's coarse histogram (kFlagWords more words); where no CTA rules the short
-// form out, every CTA writes its chunk's entries below position k at their
-// own slots and ends: no more levels, no counts exchange.
+// lower position. Each CTA checks its chunk as it loads it and sends the
+// answer with level 0's coarse histogram (kFlagWords more words); where no
+// CTA rules the short form out, every CTA writes its chunk's entries below
+// position k at their own slots and ends: no more levels, no counts exchange.
 // Then each CTA pushes its (above, in-bucket) counts, sums those of the CTAs
 // before it and writes its entries like the grid kernel. Sorted output:
 // staged in global memory, a cluster barrier, then every CTA sorts its 1/C
@@ -263,10 +263,14 @@ __device__ void row_barrier(const SelectParams& p, unsigned* sync, int where,
   __syncthreads();
 }
 
-// Converts the row's scores [base, base + cnt) into keys in shared memory;
-// kLoadBatch loads in flight per thread (one L2 round trip per batch).
-__device__ void load_keys(const float* src, int cnt, bool canonical_zero,
-                          uint32_t* keys) {
+// Converts the row's scores [base, base + cnt) (src: the first) into keys in
+// shared memory; kLoadBatch loads in flight per thread (one L2 round trip per
+// batch). Returns, in every thread (the CTA's closing barrier), whether the
+// chunk rules out the cluster kernel's short form for top k (see the file
+// comment): a key above -inf's at a position >= k, or a key below it.
+__device__ bool load_keys(const float* src, int cnt, bool canonical_zero,
+                          uint32_t* keys, int base, int k) {
+  bool rules_out = false;
   for (int i0 = 0; i0 < cnt; i0 += kNT * kLoadBatch) {
     float v[kLoadBatch];
 #pragma unroll
@@ -277,10 +281,14 @@ __device__ void load_keys(const float* src, int cnt, bool canonical_zero,
 #pragma unroll
     for (int j = 0; j < kLoadBatch; ++j) {
       const int i = i0 + j * kNT + (int)threadIdx.x;
-      if (i < cnt) keys[i] = order_key(v[j], canonical_zero);
+      if (i < cnt) {
+        const uint32_t key = order_key(v[j], canonical_zero);
+        keys[i] = key;
+        rules_out |= key < kNegInfKey || (key > kNegInfKey && base + i >= k);
+      }
     }
   }
-  __syncthreads();
+  return __syncthreads_or(rules_out) != 0;
 }
 
 // hist[0..nb) (zeroed by the caller) += the digits (key >> shift) & (nb - 1)
@@ -471,7 +479,7 @@ __global__ void __launch_bounds__(kNT) topk_select_kernel(SelectParams p) {
   // stable until this CTA arrives at its first barrier (see row_barrier)
   unsigned gen = threadIdx.x == 0 ? *(volatile unsigned*)(sync + 16) : 0u;
   load_keys(p.scores + (size_t)row * p.n + base, cnt,
-            (p.mode & JT_TOPK_CANONICAL_ZERO) != 0, keys);
+            (p.mode & JT_TOPK_CANONICAL_ZERO) != 0, keys, base, p.k);
 
   // ---- the k-th largest key, digit by digit
   uint32_t pre = 0, need = (uint32_t)k;
@@ -575,17 +583,6 @@ __device__ void wait_pushes(const SelectParams& p, uint64_t* bar, int where) {
                      where, 0u);
     }
   }
-}
-
-// Whether this CTA's chunk [base, base + cnt) rules out the row's short form
-// (see the file comment): a key above -inf's at a position >= k, or a key
-// below it. The same answer in every thread (a CTA barrier).
-__device__ bool chunk_rules_out_leading(const uint32_t* keys, int cnt, int base,
-                                        int k) {
-  bool out = false;
-  for (int i = threadIdx.x; i < cnt; i += kNT)
-    out |= keys[i] < kNegInfKey || (keys[i] > kNegInfKey && base + i >= k);
-  return __syncthreads_or(out) != 0;
 }
 
 // The short form's output, by position: this chunk's entries below position
@@ -722,9 +719,9 @@ __global__ void __launch_bounds__(kNT) topk_cluster_kernel(SelectParams p) {
   ptx::barrier_cluster_arrive(ptx::sem_relaxed);
   for (int b = tid; b < kLevels * kBins; b += kNT) (&hist[0][0])[b] = 0;
   for (int b = tid; b < kLevels * (kCoarse + kFlagWords); b += kNT) (&coarse[0][0])[b] = 0;
-  load_keys(p.scores + (size_t)blockIdx.y * p.n + base, cnt,
-            (p.mode & JT_TOPK_CANONICAL_ZERO) != 0, keys);
-  const bool rules_out = sorted || chunk_rules_out_leading(keys, cnt, base, k);
+  const bool rules_out = load_keys(p.scores + (size_t)blockIdx.y * p.n + base, cnt,
+                                   (p.mode & JT_TOPK_CANONICAL_ZERO) != 0, keys, base, k) ||
+                         sorted;
   if (tid == 0) coarse[0][kCoarse] = rules_out;  // pushed with level 0's histogram
   ptx::barrier_cluster_wait();
 
