@@ -168,30 +168,6 @@ def test_op_norm_route_runs_the_router_gemv_then_the_engines_selection(monkeypat
     assert len(calls) == 2 and calls[1] == "jtilert_route_select", calls
 
 
-@pytest.mark.parametrize("gate_dtype", [jnp.bfloat16, jnp.float32])
-def test_engine_norm_route_is_the_engines_one_launch(monkeypatch, gate_dtype):
-    """`pallas.moe.engine_norm_route` (stacked weights, a traced layer), lowered for CUDA with the engine
-    loaded: the engine's router, one launch; a gate stack it does not take (fp32) runs the router's GEMV
-    kernel, then the engine's selection, with a warning naming the shape."""
-    from jtilert.pallas import moe as pallas_moe
-    monkeypatch.setattr(ffi_ops, "EMIT_WITHOUT_GPU", True)
-    monkeypatch.setattr(_lib, "load", lambda: (object(), ""))   # the engine loaded, as on a GPU
-    cfg = _cfg(*CASES[0])
-    x, nw, gate, bias = _router_inputs(1, 256, 256)
-    run = jax.jit(lambda *a: pallas_moe.engine_norm_route(cfg, a[0], a[1], 1e-6, a[2], a[3], layer=Layer(a[4], 1)))
-    _lib._warned.clear()  # noqa: SLF001
-    with interpret.compile_for_gpu(), warnings.catch_warnings(record=True) as rec:
-        warnings.simplefilter("always")
-        txt = run.trace(x, nw, gate.astype(gate_dtype), bias, jnp.int32(0)).lower(lowering_platforms=("cuda",)).as_text()
-    calls = [line.split("custom_call @")[1].split("(")[0] for line in txt.splitlines() if "custom_call @" in line]
-    said = [str(w.message) for w in rec if "engine's router does not take" in str(w.message)]
-    if gate_dtype == jnp.bfloat16:
-        assert calls == ["jtilert_norm_route"] and not said, (calls, said)
-    else:
-        assert len(calls) == 2 and calls[1] == "jtilert_route_select", calls
-        assert len(said) == 1 and "float32[3, 256, 256]" in said[0], said
-
-
 def test_the_python_limit_is_the_engines():
     """route.py's shape limit is engine.h's (the Python side refuses what the kernel would)."""
     import re

@@ -13,8 +13,7 @@ ids that stay on the device:
 * `route` / `norm_route`: fp32 logits on `gemv`'s FMA engine (the reference's precision, so near-ties
   select the same experts; `norm_route` applies the FFN's RMSNorm and writes the normed x out), then
   the selection: with a layer index one launch of the CUDA engine (`jtilert.ffi.route`), else the
-  reference's in plain JAX. `engine_norm_route`: the norm, the logits and the selection in one launch
-  of the CUDA engine (`jtilert.ffi.route.norm_route`).
+  reference's in plain JAX.
 `layer=`: the stacks [L, E, ...] are taken as [L·E, ...] (a free reshape); the kernels read the layer
 on the device and add layer·E to the expert ids.
 """
@@ -31,8 +30,6 @@ import jax.numpy as jnp
 from jax import lax
 
 import jtilert.pallas.interpret as _interp
-from jtilert.ffi import _lib
-from jtilert.ffi import ops as ffi_ops
 from jtilert.ffi import route as ffi_route
 from jtilert.ops import reference
 from jtilert.pallas import _hopper as hw
@@ -501,20 +498,6 @@ def norm_route(cfg, x, norm_weight, eps, gate, bias, *, layer=None):
     the router's kernel (`norm_router_partials`), then the selection as in `route`."""
     partials, f = norm_router_partials(_bf16_activations(x), norm_weight, eps, gate, layer=layer)
     return (f, *_select(cfg, partials, bias, layer))
-
-
-def engine_norm_route(cfg, x, norm_weight, eps, gate, bias, *, layer=None):
-    """`norm_route` in one launch of the CUDA engine (`jtilert.ffi.route.norm_route`: the norm, the
-    logits and the selection) where a layer is given and the engine is loaded; else `norm_route`'s two
-    kernels, with a warning naming the shape where the engine is loaded and its kernel does not take it."""
-    x = _bf16_activations(x)
-    if layer is not None and ffi_ops.engine_status()[0]:
-        why = ffi_route.norm_route_unsupported(cfg, x, norm_weight, gate, bias)
-        if why is None:
-            return ffi_route.norm_route(cfg, x, norm_weight, eps, gate, bias, layer)
-        _lib.warn_once(f"norm_route:{why}", f"jtilert: the engine's router does not take norm_route on {why}; "
-                       "running the router's GEMV kernel, then the engine's selection", UserWarning)
-    return norm_route(cfg, x, norm_weight, eps, gate, bias, layer=layer)
 
 
 def _bf16_activations(x):
