@@ -47,6 +47,7 @@
 #   checkall     the same with every kernel on only (no --per-op: a minute instead of three)
 #   checkpatch   checkall in a copy of this checkout with PATCH (a bench/experiments patch) applied
 #   checkglm5    checkall on GLM-5's share (glm5-tp8-shard, 4 layers: 3 dense, 1 MoE)
+#   checkglm5patch  checkglm5 in a copy of this checkout with PATCH applied
 #   golden       tests/test_golden_kernels.py on the GPU (JAX_PLATFORMS=cuda): the compiled kernels on the kernel-sized
 #                golden models against transformers' logits and greedy tokens (issue 14's independent check)
 #   goldencheck  tests/gpu/golden_check.py: every kernel call of the golden kernel models against the reference on
@@ -472,6 +473,10 @@ for part in "$@"; do
         && (cd "$t" && PYTHONPATH=$PWD step checkpatch 120 python3 tests/gpu/decode_check.py --out "$WORK/checkpatch.json") ;;
     checkglm5) step checkglm5 180 python3 tests/gpu/decode_check.py --preset glm5-tp8-shard \
                  --out "$WORK/check_glm5.json" ;;
+    checkglm5patch)  # part checkglm5 in a copy of this checkout with PATCH applied
+      [ -n "${PATCH:-}" ] || { echo "checkglm5patch: name the patch in PATCH" >&2; continue; }
+      t=$(patched_tree "$PATCH") && (cd "$t" && PYTHONPATH=$PWD step checkglm5patch 180 python3 \
+        tests/gpu/decode_check.py --preset glm5-tp8-shard --out "$WORK/check_glm5patch.json") ;;
     goldencheck)
       step goldencheck_shadow 200 python3 tests/gpu/golden_check.py --shadow --out "$WORK/golden_shadow.json"
       step goldencheck 300 python3 tests/gpu/golden_check.py --out "$WORK/golden_check.json" \
