@@ -217,6 +217,13 @@ patched_tree() {  # patched_tree PATCH[+PATCH...]: this checkout with the patche
   fi
   echo "$t"
 }
+patched_check() {  # patched_check NAME LIMIT_S OUT [ARGS...]: tests/gpu/decode_check.py ARGS (JSON: $WORK/OUT)
+  # in a copy of this checkout with PATCH (a bench/experiments patch) applied (patched_tree)
+  local name=$1 limit=$2 out=$3 t; shift 3
+  [ -n "${PATCH:-}" ] || { echo "$name: name the patch in PATCH" >&2; return; }   # the part is skipped
+  t=$(patched_tree "$PATCH") \
+    && (cd "$t" && PYTHONPATH=$PWD step "$name" "$limit" python3 tests/gpu/decode_check.py "$@" --out "$WORK/$out")
+}
 tree_of() {  # tree_of TREE: a folder as it is, or a bench/experiments patch made into patched_tree's folder
   if [ "${1%.patch}" != "$1" ]; then patched_tree "$1"; else echo "$1"; fi
 }
@@ -467,16 +474,10 @@ for part in "$@"; do
       gzip -f "$WORK/capture.log" ;;
     check) step check 240 python3 tests/gpu/decode_check.py --per-op --out "$WORK/check.json" ;;
     checkall) step check 120 python3 tests/gpu/decode_check.py --out "$WORK/check.json" ;;   # no per-op runs
-    checkpatch)  # part checkall in a copy of this checkout with PATCH (a bench/experiments patch) applied
-      [ -n "${PATCH:-}" ] || { echo "checkpatch: name the patch in PATCH" >&2; continue; }
-      t=$(patched_tree "$PATCH") \
-        && (cd "$t" && PYTHONPATH=$PWD step checkpatch 120 python3 tests/gpu/decode_check.py --out "$WORK/checkpatch.json") ;;
+    checkpatch) patched_check checkpatch 120 checkpatch.json ;;   # part checkall with PATCH applied
     checkglm5) step checkglm5 180 python3 tests/gpu/decode_check.py --preset glm5-tp8-shard \
                  --out "$WORK/check_glm5.json" ;;
-    checkglm5patch)  # part checkglm5 in a copy of this checkout with PATCH applied
-      [ -n "${PATCH:-}" ] || { echo "checkglm5patch: name the patch in PATCH" >&2; continue; }
-      t=$(patched_tree "$PATCH") && (cd "$t" && PYTHONPATH=$PWD step checkglm5patch 180 python3 \
-        tests/gpu/decode_check.py --preset glm5-tp8-shard --out "$WORK/check_glm5patch.json") ;;
+    checkglm5patch) patched_check checkglm5patch 180 check_glm5patch.json --preset glm5-tp8-shard ;;
     goldencheck)
       step goldencheck_shadow 200 python3 tests/gpu/golden_check.py --shadow --out "$WORK/golden_shadow.json"
       step goldencheck 300 python3 tests/gpu/golden_check.py --out "$WORK/golden_check.json" \
